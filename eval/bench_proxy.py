@@ -1,0 +1,176 @@
+"""`symphony bench proxy`: what the scheduler hop adds to time-to-first-token.
+
+The same streaming chats go straight to one engine and through the scheduler in front of that same
+engine, in alternating rounds (ABBA order, so drift on this shared machine hits both paths alike).
+Each round sends `concurrency` chats at once. After a warm-up round per path every prompt is in the
+engine's prefix cache, so TTFT is short and the hop's cost is not buried under prefill time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+from tqdm import tqdm
+
+from eval.stats import percentile
+from symphony.config import SymphonyConfig
+from symphony.launcher import Cluster
+from symphony.models import fetch_default_model, resolve_model
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "What is 12 times 12?",
+    "Translate 'good morning' into Spanish.",
+    "Which planet is known as the red planet?",
+    "Suggest a name for a pet goldfish.",
+    "What is the boiling point of water in Celsius?",
+    "Write a haiku about autumn.",
+    "Who wrote Romeo and Juliet?",
+    "What does CPU stand for?",
+    "List two uses of a paperclip.",
+    "What is the largest ocean on Earth?",
+    "Describe the color blue in one sentence.",
+    "What is the opposite of cold?",
+]
+
+TARGET_OVERHEAD_MS_P50 = 3.0
+TARGET_P99_RATIO = 1.10
+
+
+async def _ttft_ms(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, session: str) -> float:
+    started = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
+        stream=True, extra_headers={"X-Session-ID": session})
+    ttft = None
+    async for chunk in stream:
+        if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+            ttft = (time.perf_counter() - started) * 1000.0
+    if ttft is None:
+        raise RuntimeError(f"no token streamed for prompt {prompt!r}")
+    return ttft
+
+
+async def _round(client: openai.AsyncOpenAI, model: str, prompts: list[str], max_tokens: int, tag: str) -> list[float]:
+    return list(await asyncio.gather(*(
+        _ttft_ms(client, model, p, max_tokens, f"bench-{tag}-{i}") for i, p in enumerate(prompts))))
+
+
+async def measure(scheduler_url: str, engine_url: str, model: str, concurrency: int, rounds: int,
+                  max_tokens: int) -> dict[str, Any]:
+    prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" (#{i})") for i in range(concurrency)]
+    clients = {
+        "direct": openai.AsyncOpenAI(base_url=engine_url.rstrip("/") + "/v1", api_key="bench", max_retries=0),
+        "via_scheduler": openai.AsyncOpenAI(base_url=scheduler_url.rstrip("/") + "/v1", api_key="bench",
+                                            max_retries=0),
+    }
+    samples: dict[str, list[list[float]]] = {"direct": [], "via_scheduler": []}
+    try:
+        for path, client in clients.items():  # warm-up: fills the prefix cache, opens connections
+            await _round(client, model, prompts, max_tokens, f"warm-{path}")
+        with tqdm(total=2 * rounds, desc="proxy bench rounds", unit="round", file=sys.stderr) as bar:
+            for r in range(rounds):
+                order = ["direct", "via_scheduler"] if r % 2 == 0 else ["via_scheduler", "direct"]
+                for path in order:
+                    samples[path].append(await _round(clients[path], model, prompts, max_tokens, f"{path}-{r}"))
+                    bar.update(1)
+    finally:
+        for client in clients.values():
+            await client.close()
+
+    direct = [x for rnd in samples["direct"] for x in rnd]
+    via = [x for rnd in samples["via_scheduler"] for x in rnd]
+    # Pair each via-scheduler TTFT with the direct TTFT of the same prompt in the same round pair.
+    paired = [v - d for rd, rv in zip(samples["direct"], samples["via_scheduler"], strict=True)
+              for d, v in zip(rd, rv, strict=True)]
+    result = {
+        "direct_ttft_ms_p50": percentile(direct, 50),
+        "direct_ttft_ms_p99": percentile(direct, 99),
+        "via_scheduler_ttft_ms_p50": percentile(via, 50),
+        "via_scheduler_ttft_ms_p99": percentile(via, 99),
+        "overhead_ms_p50": statistics.median(paired),
+        "p50_difference_ms": percentile(via, 50) - percentile(direct, 50),
+        "p99_ratio": percentile(via, 99) / percentile(direct, 99),
+        "samples_per_path": len(direct),
+        "concurrency": concurrency,
+        "rounds_per_path": rounds,
+        "max_tokens": max_tokens,
+        "definitions": {
+            "ttft": "client-side time from sending the request to the first streamed content token",
+            "overhead_ms_p50": "median over pairs (same prompt, adjacent rounds) of via_scheduler - direct TTFT",
+        },
+        "raw_ms": {"direct": samples["direct"], "via_scheduler": samples["via_scheduler"]},
+    }
+    result["targets"] = {
+        "overhead_ms_p50<=3": result["overhead_ms_p50"] <= TARGET_OVERHEAD_MS_P50,
+        "via_p99<=1.10*direct_p99": result["p99_ratio"] <= TARGET_P99_RATIO,
+    }
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _with_private_cluster(config: SymphonyConfig, **kwargs: Any) -> dict[str, Any]:
+    """Start a 1-node cluster on free ports (so the scheduler fronts exactly the engine measured)."""
+    config = dataclasses.replace(
+        config,
+        cluster=dataclasses.replace(config.cluster, nodes=1),
+        scheduler=dataclasses.replace(config.scheduler, port=_free_port(), node_addresses=[]),
+        node=dataclasses.replace(config.node, grpc_port_base=_free_port(), engine_port_base=_free_port()),
+    )
+    if not config.engine.model:
+        fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
+    model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+    cluster = Cluster(config, model, sys.stderr)
+    cluster.spawn()
+    try:
+        if not await cluster.wait_ready(asyncio.Event()):
+            raise RuntimeError("the benchmark cluster did not become ready")
+        engine_url = f"http://{config.node.host}:{config.engine_port(0)}"
+        return await measure(config.scheduler_url, engine_url, model.served_name, **kwargs)
+    finally:
+        await cluster.shutdown()
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    print(f"{'path':<15}{'TTFT p50 ms':>14}{'TTFT p99 ms':>14}")
+    for label, key in (("direct", "direct"), ("via scheduler", "via_scheduler")):
+        print(f"{label:<15}{result[key + '_ttft_ms_p50']:>14.1f}{result[key + '_ttft_ms_p99']:>14.1f}")
+    print(f"overhead p50 (paired): {result['overhead_ms_p50']:.2f} ms   p99 ratio: {result['p99_ratio']:.3f}")
+    for name, ok in result["targets"].items():
+        print(f"  target {name}: {'met' if ok else 'NOT met'}")
+
+
+def run_proxy_bench(config: SymphonyConfig, *, out: Path, concurrency: int, rounds: int, max_tokens: int,
+                    scheduler_url: str | None, engine_url: str | None) -> int:
+    kwargs = {"concurrency": concurrency, "rounds": rounds, "max_tokens": max_tokens}
+    if scheduler_url:
+        if not engine_url:
+            raise SystemExit("symphony bench proxy: error: --engine-url is required with --scheduler-url")
+        import httpx
+
+        model = httpx.get(scheduler_url.rstrip("/") + "/v1/models", timeout=5).json()["data"][0]["id"]
+        result = asyncio.run(measure(scheduler_url, engine_url, model, **kwargs))
+    else:
+        result = asyncio.run(_with_private_cluster(config, **kwargs))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    _print_table(result)
+    print(f"wrote {out}")
+    return 0

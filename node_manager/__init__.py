@@ -1,0 +1,1 @@
+"""Per-node manager: supervises one vLLM engine and answers the scheduler over gRPC."""

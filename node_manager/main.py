@@ -1,0 +1,47 @@
+"""Run one node manager: its gRPC server and its supervised vLLM engine, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+
+from node_manager.engine import Engine, engine_launch
+from node_manager.service import NodeManagerService
+from symphony.config import SymphonyConfig
+from symphony.logs import get_logger
+from symphony.models import ModelInfo
+from symphony.rpc import node_pb2_grpc
+
+log = get_logger("node_manager")
+
+
+def node_id_for(index: int) -> str:
+    return f"node-{index}"
+
+
+async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None:
+    node_id = node_id_for(index)
+    launch = engine_launch(config.engine, model, config.node.host, config.engine_port(index))
+    engine = Engine(f"{node_id}-engine", launch, config.engine, config.home_path / "logs" / f"{node_id}-engine.log",
+                    config.node.engine_scrape_interval_ms / 1000)
+    server = grpc.aio.server()
+    node_pb2_grpc.add_NodeManagerServicer_to_server(NodeManagerService(node_id, engine, model.served_name), server)
+    address = f"{config.node.host}:{config.node.grpc_port_base + index}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address} (port in use?)")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    # The engine starts after the gRPC port is up, so the scheduler sees STARTING rather than nothing.
+    engine.start()
+    log.info("node manager listening", node=node_id, grpc=address, engine=launch.url, model=model.served_name)
+    try:
+        await stop.wait()
+    finally:
+        log.info("node manager stopping", node=node_id)
+        await engine.stop()
+        await server.stop(grace=1.0)

@@ -1,0 +1,39 @@
+"""gRPC NodeManager service: what the scheduler's poller reads."""
+
+from __future__ import annotations
+
+import grpc
+
+from node_manager.engine import Engine
+from symphony.rpc import node_pb2, node_pb2_grpc
+
+
+class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
+    def __init__(self, node_id: str, engine: Engine, served_model: str) -> None:
+        self.node_id = node_id
+        self.engine = engine
+        self.served_model = served_model
+
+    async def Health(self, request: node_pb2.HealthRequest, context: grpc.aio.ServicerContext
+                     ) -> node_pb2.HealthResponse:
+        return node_pb2.HealthResponse(serving=True, engine_state=self.engine.state)
+
+    async def Status(self, request: node_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStatus:
+        engine = self.engine
+        load = engine.load
+        status = node_pb2.NodeStatus(
+            node_id=self.node_id,
+            engine_state=engine.state,
+            engine_url=engine.url,
+            served_model=self.served_model,
+            max_model_len=engine.config.max_model_len,
+            block_size=engine.config.block_size,
+            engine_restarts=engine.process.restarts,
+            last_engine_error=engine.process.last_error,
+            metrics_age_ms=engine.metrics_age_ms(),
+        )
+        if load is not None:
+            status.num_requests_running = load.running
+            status.num_requests_waiting = load.waiting
+            status.kv_cache_usage = load.kv_usage
+        return status

@@ -1,0 +1,1 @@
+"""Cluster scheduler: OpenAI-compatible HTTP API, advisories, routing policies, node status polling."""

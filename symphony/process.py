@@ -1,0 +1,360 @@
+"""Supervise one child process: start, readiness, crash restarts with back-off, clean stop.
+
+Used by the node manager for its vLLM engine and by `symphony up` for the scheduler and the node
+managers, so every level of the process tree stops the same way and leaves nothing behind:
+
+- each child leads its own process group (Ctrl-C in a terminal reaches only `symphony up`, which then
+  stops children in order) and gets PDEATHSIG, so a killed parent never leaves orphans;
+- stopping is SIGTERM to the leader, then SIGTERM and SIGKILL to the whole group;
+- POSIX shared memory (/dev/shm) mapped by the group is recorded while it runs and unlinked after it
+  exits, because a SIGKILLed vLLM cannot clean its own segments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import enum
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from symphony.logs import get_logger
+
+log = get_logger("symphony.process")
+
+_PR_SET_PDEATHSIG = 1
+_SHM_DIR = "/dev/shm/"
+_MAX_LOG_BYTES = 64 * 1024 * 1024
+
+
+class ProcessState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int = 5  # consecutive crashes tolerated before FAILED
+    backoff_s: float = 1.0  # first delay; doubles per consecutive crash
+    backoff_max_s: float = 30.0
+    stable_after_s: float = 120.0  # a run at least this long resets the consecutive count
+
+    def delay(self, consecutive_crashes: int) -> float:
+        return min(self.backoff_s * 2 ** max(consecutive_crashes - 1, 0), self.backoff_max_s)
+
+
+ReadyProbe = Callable[[], Awaitable[bool]]
+StateListener = Callable[["ManagedProcess"], None]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ManagedProcess:
+    """One supervised child. `start()` returns at once; `wait_ready()` and `stop()` are awaitable."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        log_path: Path,
+        ready_probe: ReadyProbe,
+        env: dict[str, str] | None = None,
+        policy: RestartPolicy | None = None,
+        startup_timeout_s: float = 300.0,
+        stop_timeout_s: float = 20.0,
+        probe_interval_s: float = 0.25,
+        liveness_interval_s: float = 2.0,
+        liveness_timeout_s: float = 30.0,
+        on_state_change: StateListener | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.log_path = log_path
+        self.policy = policy or RestartPolicy()
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self._probe = ready_probe
+        self._probe_interval_s = probe_interval_s
+        self._liveness_interval_s = liveness_interval_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self._listener = on_state_change
+        self.state = ProcessState.STARTING
+        self.restarts = 0
+        self.last_error = ""
+        self._proc: asyncio.subprocess.Process | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._state_changed = asyncio.Event()
+        self._shm_paths: set[str] = set()
+
+    # -- public -------------------------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc and self._proc.returncode is None else None
+
+    def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError(f"{self.name} already started")
+        self._task = asyncio.create_task(self._supervise(), name=f"supervise-{self.name}")
+
+    async def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """True once READY; False if it FAILED, was stopped, or the timeout passed first."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.state not in (ProcessState.READY, ProcessState.FAILED, ProcessState.STOPPED):
+            self._state_changed.clear()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._state_changed.wait(), remaining)
+        return self.state is ProcessState.READY
+
+    async def stop(self) -> None:
+        """Stop supervising, terminate the process group, clean its shared memory. Idempotent."""
+        self._stopping.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._terminate()
+        self._set_state(ProcessState.STOPPED)
+
+    async def kill_for_test(self, sig: int = signal.SIGKILL) -> None:
+        """Deliver `sig` to the running leader (fault injection for tests and drills)."""
+        if self._proc is not None and self._proc.returncode is None:
+            os.kill(self._proc.pid, sig)
+
+    # -- supervision loop ---------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        consecutive_crashes = 0
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            self._set_state(ProcessState.STARTING)
+            try:
+                self._proc = await self._spawn()
+            except OSError as exc:
+                self.last_error = f"could not start {self.argv[0]}: {exc}"
+                log.error("process spawn failed", process=self.name, error=str(exc))
+                self._set_state(ProcessState.FAILED)
+                return
+            outcome = await self._wait_until_ready_or_exit()
+            if outcome == "ready":
+                self._record_shm()
+                self._set_state(ProcessState.READY)
+                log.debug("process ready", process=self.name, pid=self._proc.pid,
+                         startup_s=round(time.monotonic() - started, 1))
+                outcome = await self._wait_exit_or_stop()
+            if self._stopping.is_set():
+                return
+            if outcome == "timeout":
+                self.last_error = f"not ready within {self.startup_timeout_s:.0f}s"
+            elif outcome == "hung":
+                self.last_error = f"stopped answering its health probe for {self.liveness_timeout_s:.0f}s"
+            else:
+                self.last_error = self._describe_exit()
+            # Unroutable from this moment, not only once the leftovers are cleaned up.
+            self._set_state(ProcessState.RESTARTING)
+            await self._terminate()
+            if time.monotonic() - started >= self.policy.stable_after_s:
+                consecutive_crashes = 0
+            consecutive_crashes += 1
+            if consecutive_crashes > self.policy.max_restarts:
+                log.error("process failed, restart budget exhausted", process=self.name,
+                          restarts=self.restarts, error=self.last_error)
+                self._set_state(ProcessState.FAILED)
+                return
+            delay = self.policy.delay(consecutive_crashes)
+            self.restarts += 1
+            log.warning("process crashed, restarting", process=self.name, error=self.last_error,
+                        restart=self.restarts, backoff_s=delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.log_path.exists() and self.log_path.stat().st_size > _MAX_LOG_BYTES:
+            self.log_path.replace(self.log_path.with_suffix(self.log_path.suffix + ".1"))
+        with self.log_path.open("ab") as log_file:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            log_file.write(f"\n===== {stamp} start #{self.restarts + 1}: {' '.join(self.argv)}\n".encode())
+            log_file.flush()
+            return await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    async def _wait_until_ready_or_exit(self) -> str:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        exited = asyncio.ensure_future(self._proc.wait())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    if await asyncio.wait_for(self._probe(), timeout=max(self._probe_interval_s * 4, 1.0)):
+                        return "ready"
+                done, _ = await asyncio.wait({exited, stopping}, timeout=self._probe_interval_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if exited in done:
+                    return "exited"
+                if stopping in done:
+                    return "stopped"
+            return "timeout"
+        finally:
+            for fut in (exited, stopping):
+                if not fut.done():
+                    fut.cancel()
+
+    async def _wait_exit_or_stop(self) -> str:
+        """While READY: return "exited", "stopped", or "hung" when the probe kept failing too long."""
+        assert self._proc is not None
+        exited = asyncio.ensure_future(self._proc.wait())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        last_ok = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({exited, stopping}, timeout=self._liveness_interval_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if exited in done:
+                    return "exited"
+                if stopping in done:
+                    return "stopped"
+                ok = False
+                with contextlib.suppress(Exception):
+                    ok = await asyncio.wait_for(self._probe(), timeout=self._liveness_interval_s * 2)
+                now = time.monotonic()
+                if ok:
+                    last_ok = now
+                elif now - last_ok > self.liveness_timeout_s:
+                    return "hung"
+        finally:
+            for fut in (exited, stopping):
+                if not fut.done():
+                    fut.cancel()
+
+    def _describe_exit(self) -> str:
+        assert self._proc is not None
+        code = self._proc.returncode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with {code}"
+        tail = self.log_tail()
+        return f"{how}; last output: {tail}" if tail else how
+
+    def log_tail(self, max_lines: int = 3, max_bytes: int = 4096) -> str:
+        try:
+            with self.log_path.open("rb") as fh:
+                fh.seek(max(0, self.log_path.stat().st_size - max_bytes))
+                lines = [ln.strip() for ln in fh.read().decode(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return " | ".join(lines[-max_lines:])[-600:]
+
+    # -- stopping and cleaning ----------------------------------------------------------------
+    async def _terminate(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        pgid = proc.pid  # leader of its own session: pgid == pid
+        self._record_shm()
+        if proc.returncode is None:
+            _signal_pid(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), self.stop_timeout_s)
+        # The leader may be gone while its children (vLLM's EngineCore, workers) linger.
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGTERM)
+            await _wait_group_gone(pgid, timeout_s=min(5.0, self.stop_timeout_s))
+        if _group_alive(pgid) or proc.returncode is None:
+            _signal_group(pgid, signal.SIGKILL)
+            await _wait_group_gone(pgid, timeout_s=5.0)
+        with contextlib.suppress(ProcessLookupError):
+            await proc.wait()
+        self._unlink_shm()
+
+    def _record_shm(self) -> None:
+        if self._proc is not None:
+            self._shm_paths |= _shm_mapped_by_group(self._proc.pid)
+
+    def _unlink_shm(self) -> None:
+        for path in sorted(self._shm_paths):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                log.info("removed leaked shared memory", process=self.name, path=path)
+        self._shm_paths.clear()
+
+    def _set_state(self, state: ProcessState) -> None:
+        if state is self.state:
+            return
+        self.state = state
+        self._state_changed.set()
+        if self._listener is not None:
+            self._listener(self)
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is pgid."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                stat = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) >= 3 and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
+async def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    # Grandchildren are not ours to wait() on, so /proc is the only place their exit shows.
+    while _group_alive(pgid) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+
+
+def _shm_mapped_by_group(pgid: int) -> set[str]:
+    paths: set[str] = set()
+    for pid in group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/maps") as fh:
+                for line in fh:
+                    idx = line.find(_SHM_DIR)
+                    if idx >= 0:
+                        paths.add(line[idx:].strip().removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return {p for p in paths if "/" not in p[len(_SHM_DIR):]}

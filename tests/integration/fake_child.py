@@ -1,0 +1,62 @@
+"""A stand-in child process for supervision tests: serves /health, can crash, hang or leak shm.
+
+Fault injection only: the real engine is exercised end to end in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import signal
+import subprocess
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--exit-code", type=int, help="exit at once with this status")
+    parser.add_argument("--never-ready", action="store_true", help="never answer /health")
+    parser.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (forces SIGKILL)")
+    parser.add_argument("--shm", help="create and map /dev/shm/<name>.<pid>")
+    parser.add_argument("--grandchild", action="store_true", help="spawn a long sleep in our process group")
+    parser.add_argument("--unhealthy-flag", type=Path, help="answer 503 once this file exists")
+    parser.add_argument("--pidfile", type=Path, help="append our pid (and the grandchild's) to this file")
+    args = parser.parse_args()
+
+    if args.exit_code is not None:
+        sys.exit(args.exit_code)
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    keep = []
+    if args.shm:
+        path = f"/dev/shm/{args.shm}.{os.getpid()}"
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 4096)
+        keep.append(mmap.mmap(fd, 4096))
+    pids = [os.getpid()]
+    if args.grandchild:
+        pids.append(subprocess.Popen(["sleep", "600"]).pid)
+    if args.pidfile:
+        with args.pidfile.open("a") as fh:
+            fh.write(" ".join(map(str, pids)) + "\n")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            healthy = not (args.unhealthy_flag and args.unhealthy_flag.exists())
+            self.send_response(200 if healthy else 503)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    if args.never_ready:
+        signal.pause()
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+
+
+if __name__ == "__main__":
+    main()

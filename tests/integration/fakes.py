@@ -1,0 +1,120 @@
+"""Fault-injection stand-ins for the scheduler's integration tests: a gRPC node manager whose
+status the test sets, and an OpenAI-like engine that can stream, stall or break on request.
+
+The real node manager and real vLLM engines are exercised end to end in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import grpc
+from aiohttp import web
+
+from symphony.rpc import node_pb2, node_pb2_grpc
+from tests.helpers import free_port
+
+
+class FakeNodeManager(node_pb2_grpc.NodeManagerServicer):
+    def __init__(self, status: node_pb2.NodeStatus) -> None:
+        self.status = status
+        self.port = free_port()
+        self.server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def Health(self, request, context):
+        return node_pb2.HealthResponse(serving=True, engine_state=self.status.engine_state)
+
+    async def Status(self, request, context):
+        return self.status
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        node_pb2_grpc.add_NodeManagerServicer_to_server(self, self.server)
+        self.server.add_insecure_port(self.address)
+        await self.server.start()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=None)
+            self.server = None
+
+
+def ready_status(node_id: str, engine_url: str, model: str = "m", running: int = 0) -> node_pb2.NodeStatus:
+    return node_pb2.NodeStatus(node_id=node_id, engine_state=node_pb2.ENGINE_STATE_READY, engine_url=engine_url,
+                               served_model=model, max_model_len=4096, block_size=32, num_requests_running=running)
+
+
+def sse(content: str) -> bytes:
+    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": content}}]}
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
+@dataclass
+class FakeEngine:
+    """Behaviour per request is picked by the prompt's first message content:
+    "stall": stream one chunk then wait (to test disconnects), "break": stream two chunks then drop the
+    connection, "bad": answer 400 like vLLM's validation, anything else: a normal answer."""
+
+    port: int = field(default_factory=free_port)
+    requests: list[dict[str, object]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        behaviour = body["messages"][0]["content"] if body.get("messages") else ""
+        if behaviour == "bad":
+            return web.json_response({"error": {"message": "temperature must be >= 0", "type": "BadRequestError",
+                                                "param": "temperature", "code": 400}}, status=400)
+        if not body.get("stream"):
+            return web.json_response({"object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        if behaviour == "break":
+            await response.write(sse("a") + sse("b"))
+            assert request.transport is not None
+            request.transport.abort()
+            return response
+        if behaviour == "stall":
+            await response.write(sse("first"))
+            try:
+                for _ in range(600):
+                    await asyncio.sleep(0.05)
+                    await response.write(b": keep-alive\n\n")
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.disconnected.set()
+                raise
+            return response
+        for word in ("one", "two", "three"):
+            await response.write(sse(word))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._chat)
+        self._runner = web.AppRunner(app, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -1,0 +1,162 @@
+"""ManagedProcess against real child processes: readiness, crash restarts, budget, hangs, clean stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from symphony.process import ManagedProcess, ProcessState, RestartPolicy, group_members
+from tests.helpers import async_wait_until, free_port
+
+FAKE_CHILD = Path(__file__).with_name("fake_child.py")
+FAST = RestartPolicy(max_restarts=3, backoff_s=0.01, backoff_max_s=0.05, stable_after_s=600)
+
+
+def _health_probe(port: int):
+    async def probe() -> bool:
+        async with httpx.AsyncClient(timeout=0.5) as client:
+            try:
+                return (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+    return probe
+
+
+def _process(tmp_path: Path, *child_args: str, port: int | None = None, policy: RestartPolicy = FAST,
+             **kwargs: object) -> ManagedProcess:
+    port = port or free_port()
+    argv = [sys.executable, str(FAKE_CHILD), "--port", str(port), *child_args]
+    states: list[ProcessState] = []
+    proc = ManagedProcess("fake", argv, log_path=tmp_path / "fake.log", ready_probe=_health_probe(port),
+                          policy=policy, probe_interval_s=0.02, on_state_change=lambda p: states.append(p.state),
+                          **kwargs)  # type: ignore[arg-type]
+    proc.seen_states = states  # type: ignore[attr-defined]
+    return proc
+
+
+def _shm_files(prefix: str) -> list[Path]:
+    return [p for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_becomes_ready_and_stop_kills_the_whole_group(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pids"
+    proc = _process(tmp_path, "--grandchild", "--pidfile", str(pidfile))
+    proc.start()
+    assert await proc.wait_ready(timeout_s=20)
+    leader, grandchild = map(int, pidfile.read_text().split())
+    assert proc.pid == leader
+    assert os.getpgid(grandchild) == leader, "the grandchild shares the supervised process group"
+    await proc.stop()
+    assert proc.state is ProcessState.STOPPED
+    assert not _alive(leader) and not _alive(grandchild)
+    assert group_members(leader) == []
+
+
+async def test_crash_is_restarted_with_backoff_and_reported(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pids"
+    proc = _process(tmp_path, "--pidfile", str(pidfile))
+    proc.start()
+    try:
+        assert await proc.wait_ready(timeout_s=20)
+        first_pid = proc.pid
+        assert first_pid is not None
+        await proc.kill_for_test(signal.SIGKILL)
+        await async_wait_until(lambda: proc.restarts == 1 and proc.state is ProcessState.READY, 20,
+                               "the restarted child to be ready")
+        assert proc.pid not in (None, first_pid)
+        assert "SIGKILL" in proc.last_error
+        assert ProcessState.RESTARTING in proc.seen_states  # type: ignore[attr-defined]
+        assert len(pidfile.read_text().split()) == 2, "exactly one new child was started"
+    finally:
+        await proc.stop()
+
+
+async def test_restart_budget_exhausted_means_failed(tmp_path: Path) -> None:
+    proc = _process(tmp_path, "--exit-code", "3",
+                    policy=RestartPolicy(max_restarts=2, backoff_s=0.01, backoff_max_s=0.01, stable_after_s=600))
+    proc.start()
+    assert not await proc.wait_ready(timeout_s=30)
+    assert proc.state is ProcessState.FAILED
+    assert proc.restarts == 2
+    assert "exited with 3" in proc.last_error
+    await proc.stop()
+
+
+def test_backoff_doubles_up_to_the_cap() -> None:
+    policy = RestartPolicy(max_restarts=10, backoff_s=0.5, backoff_max_s=3.0)
+    assert [policy.delay(n) for n in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+async def test_never_ready_counts_as_a_failed_start(tmp_path: Path) -> None:
+    proc = _process(tmp_path, "--never-ready", startup_timeout_s=0.5,
+                    policy=RestartPolicy(max_restarts=0, backoff_s=0.01))
+    proc.start()
+    assert not await proc.wait_ready(timeout_s=20)
+    assert proc.state is ProcessState.FAILED
+    assert "not ready within" in proc.last_error
+    await proc.stop()
+
+
+async def test_hung_child_is_restarted(tmp_path: Path) -> None:
+    flag = tmp_path / "unhealthy"
+    proc = _process(tmp_path, "--unhealthy-flag", str(flag), liveness_interval_s=0.05, liveness_timeout_s=0.3)
+    proc.start()
+    try:
+        assert await proc.wait_ready(timeout_s=20)
+        flag.touch()  # from now on /health answers 503, though the process lives on
+        await async_wait_until(lambda: proc.restarts >= 1, 20, "the hung child to be restarted")
+        assert "health probe" in proc.last_error
+    finally:
+        await proc.stop()
+
+
+async def test_shared_memory_of_a_killed_child_is_removed(tmp_path: Path) -> None:
+    name = f"symphony-test-{os.getpid()}-{free_port()}"
+    # Ignoring SIGTERM forces the SIGKILL path: the child never gets to clean up after itself.
+    proc = _process(tmp_path, "--shm", name, "--ignore-term", stop_timeout_s=0.3)
+    proc.start()
+    assert await proc.wait_ready(timeout_s=20)
+    created = _shm_files(name)
+    assert len(created) == 1
+    await proc.stop()
+    assert not created[0].exists()
+
+
+async def test_shared_memory_is_removed_after_a_crash_before_restart(tmp_path: Path) -> None:
+    name = f"symphony-test-{os.getpid()}-{free_port()}"
+    proc = _process(tmp_path, "--shm", name)
+    proc.start()
+    try:
+        assert await proc.wait_ready(timeout_s=20)
+        first = _shm_files(name)
+        assert len(first) == 1
+        await proc.kill_for_test(signal.SIGKILL)
+        await async_wait_until(lambda: proc.restarts == 1 and proc.state is ProcessState.READY, 20, "restart")
+        assert not first[0].exists()
+    finally:
+        await proc.stop()
+    assert not _shm_files(name)
+
+
+async def test_start_twice_is_an_error(tmp_path: Path) -> None:
+    proc = _process(tmp_path)
+    proc.start()
+    try:
+        with pytest.raises(RuntimeError):
+            proc.start()
+    finally:
+        await proc.stop()

@@ -1,0 +1,316 @@
+"""The scheduler as a real HTTP server polling real gRPC servers, with fault-injecting fakes behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from scheduler.app import SchedulerState, create_app
+from symphony.config import load_config
+from symphony.rpc import node_pb2
+from tests.helpers import async_wait_until, free_port
+from tests.integration.fakes import FakeEngine, FakeNodeManager, ready_status
+
+StartScheduler = Callable[..., Awaitable[tuple[str, SchedulerState]]]
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine()
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+@pytest.fixture
+async def start_scheduler() -> AsyncIterator[StartScheduler]:
+    servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+
+    async def start(nodes: list[FakeNodeManager], **scheduler: Any) -> tuple[str, SchedulerState]:
+        port = free_port()
+        settings = {
+            "port": port,
+            "node_addresses": [n.address for n in nodes],
+            "poll_interval_ms": 20,
+            "node_down_after_ms": 300,
+            "connect_timeout_s": 1.0,
+            **scheduler,
+        }
+        config = load_config(env={}, overrides={"scheduler": settings})
+        state = SchedulerState(config)
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(config, state), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        )
+        task = asyncio.create_task(server.serve())
+        servers.append((server, task))
+        await async_wait_until(lambda: server.started, 10, "the scheduler to listen")
+        return f"http://127.0.0.1:{port}", state
+
+    yield start
+    for server, task in servers:
+        server.should_exit = True
+        await task
+
+
+MakeNode = Callable[..., Awaitable[FakeNodeManager]]
+
+
+@pytest.fixture
+async def make_node() -> AsyncIterator[MakeNode]:
+    started: list[FakeNodeManager] = []
+
+    async def make(engine_url: str, node_id: str = "node-0", **status: Any) -> FakeNodeManager:
+        node = FakeNodeManager(ready_status(node_id, engine_url, **status))
+        await node.start()
+        started.append(node)
+        return node
+
+    yield make
+    for node in started:
+        await node.stop()
+
+
+async def _ready(client: httpx.AsyncClient, count: int = 1) -> None:
+    async def ready() -> bool:
+        body = (await client.get("/readyz")).json()
+        return body["ready_nodes"] == count
+
+    await async_wait_until(ready, 10, f"{count} ready node(s)")
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+async def test_readiness_follows_node_status(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node = await make_node(engine.url)
+    url, _ = await start_scheduler([node])
+    async with httpx.AsyncClient(base_url=url) as client:
+        assert (await client.get("/readyz")).status_code in (200, 503)
+        await _ready(client)
+        body = (await client.get("/v1/models")).json()
+        assert [m["id"] for m in body["data"]] == ["m"]
+
+        node.status.engine_state = node_pb2.ENGINE_STATE_RESTARTING
+        await _wait_status(client, 503)
+        assert (await client.get("/readyz")).json()["nodes"]["node-0"]["state"] == "restarting"
+
+        node.status.engine_state = node_pb2.ENGINE_STATE_READY
+        await _wait_status(client, 200)
+        await node.stop()  # the node manager itself disappears
+        started = time.monotonic()
+        await _wait_status(client, 503)
+        assert (await client.get("/readyz")).json()["nodes"]["node-0"]["state"] == "unreachable"
+        assert time.monotonic() - started < 5, "a dead node manager is noticed within its down threshold"
+        assert (await client.get("/healthz")).status_code == 200
+
+
+async def _wait_status(client: httpx.AsyncClient, code: int) -> None:
+    async def check() -> bool:
+        return (await client.get("/readyz")).status_code == code
+
+    await async_wait_until(check, 10, f"/readyz to answer {code}")
+
+
+async def test_chat_is_relayed_with_node_headers_and_session(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url)])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client)
+        reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s-1"})
+        assert reply.status_code == 200
+        assert reply.headers["x-symphony-node"] == "node-0"
+        assert reply.json()["choices"][0]["message"]["content"] == "hello"
+        assert engine.headers[-1]["x-session-id"] == "s-1"
+
+        async with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as stream:
+            assert stream.status_code == 200
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            text = "".join([chunk async for chunk in stream.aiter_text()])
+        words = [
+            json.loads(line[6:])["choices"][0]["delta"]["content"]
+            for line in text.splitlines()
+            if line.startswith("data: {")
+        ]
+        assert words == ["one", "two", "three"]
+        assert text.rstrip().endswith("data: [DONE]")
+
+
+async def test_missing_model_is_filled_in_for_the_engine(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url)])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client)
+        reply = await client.post("/v1/chat/completions", json={"messages": CHAT["messages"]})
+        assert reply.status_code == 200
+        assert engine.requests[-1]["model"] == "m"
+
+
+async def test_engine_4xx_passes_through(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url)])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client)
+        reply = await client.post(
+            "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "bad"}]}
+        )
+        assert reply.status_code == 400
+        assert reply.json()["error"]["param"] == "temperature"
+
+
+async def test_unreachable_engine_gives_503_quickly(make_node: MakeNode, start_scheduler: StartScheduler) -> None:
+    dead_engine = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    url, state = await start_scheduler([await make_node(dead_engine)])
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        await _ready(client)
+        started = time.monotonic()
+        reply = await client.post("/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 503
+        error = reply.json()["error"]
+        assert error["code"] == "engine_unreachable"
+        assert "node-0" in error["message"]
+        assert time.monotonic() - started < 10, "an unreachable engine must not hang the request"
+        assert (await client.get("/healthz")).status_code == 200
+        assert state.dispatcher.inflight_total == 0
+
+
+async def test_no_available_node_gives_503(start_scheduler: StartScheduler) -> None:
+    node = FakeNodeManager(node_pb2.NodeStatus(node_id="node-0", engine_state=node_pb2.ENGINE_STATE_STARTING))
+    await node.start()
+    url, _ = await start_scheduler([node])
+    async with httpx.AsyncClient(base_url=url) as client:
+        reply = await client.post("/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 503
+        assert reply.json()["error"]["type"] == "server_error"
+        await node.stop()
+
+
+async def test_unreachable_engine_is_retried_once_elsewhere(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    dead = await make_node(f"http://127.0.0.1:{free_port()}", "node-a")
+    alive = await make_node(engine.url, "node-b", running=5)  # busier, so least-load tries node-a first
+    url, state = await start_scheduler([dead, alive])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client, 2)
+        reply = await client.post("/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 200
+        assert reply.headers["x-symphony-node"] == "node-b"
+        metrics = (await client.get("/metrics")).text
+        assert 'symphony_dispatch_retries_total{node="node-a"} 1.0' in metrics
+        # node-a stays out of rotation for a moment: the next request goes straight to node-b.
+        assert (await client.post("/v1/chat/completions", json=CHAT)).headers["x-symphony-node"] == "node-b"
+        assert state.dispatcher.inflight_total == 0
+
+
+async def test_broken_stream_ends_with_an_error_event(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, state = await start_scheduler([await make_node(engine.url)])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client)
+        body = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "break"}]}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+            text = "".join([chunk async for chunk in stream.aiter_text()])
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "engine_stream_broken"
+        assert text.rstrip().endswith("data: [DONE]")
+        assert state.dispatcher.inflight_total == 0
+
+
+async def test_client_leaving_mid_stream_aborts_the_engine_request(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, state = await start_scheduler([await make_node(engine.url)])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client)
+        body = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "stall"}]}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+            async for chunk in stream.aiter_text():
+                if "first" in chunk:
+                    break  # leave after the first token
+        await asyncio.wait_for(engine.disconnected.wait(), 10)
+        await async_wait_until(lambda: state.dispatcher.inflight_total == 0, 10, "in-flight count back to 0")
+
+
+async def test_inflight_limit_answers_429(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url)], max_inflight_requests=1)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client)
+        body = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "stall"}]}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+            assert stream.status_code == 200
+            second = await client.post("/v1/chat/completions", json=CHAT)
+            assert second.status_code == 429
+            assert second.json()["error"]["type"] == "rate_limit_error"
+
+
+async def test_oversized_body_and_unknown_routes_get_openai_errors(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url)], max_body_bytes=1024)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client)
+        big = {**CHAT, "messages": [{"role": "user", "content": "x" * 4096}]}
+        reply = await client.post("/v1/chat/completions", json=big)
+        assert reply.status_code == 413
+        assert "limit" in reply.json()["error"]["message"]
+        missing = await client.get("/v1/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["message"] == "no such endpoint"
+        wrong_method = await client.get("/v1/chat/completions")
+        assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+async def test_advisory_pins_the_next_request_and_spreads_sessions(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client, 2)
+        advised = {}
+        for session in ("s1", "s2", "s3", "s4"):
+            reply = await client.post("/v1/advisories", json={"session_id": session, "kind": "typing"})
+            assert reply.status_code == 202
+            advised[session] = reply.json()["node"]
+        # Pending advisories count as load about to land, so four sessions split two and two.
+        assert sorted(advised.values()) == ["node-a", "node-a", "node-b", "node-b"]
+        for session, node in advised.items():
+            reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": session})
+            assert reply.headers["x-symphony-node"] == node
+            assert reply.headers["x-symphony-route"] == "advisory"
+        # The advisory is used up: the session's next request is routed by load again.
+        reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s1"})
+        assert reply.headers["x-symphony-route"] == "least_load"
+        metrics = (await client.get("/metrics")).text
+        assert 'symphony_advisory_followups_total{outcome="honored"} 4.0' in metrics
+        assert 'symphony_advisories_total{kind="typing"} 4.0' in metrics
+
+
+async def test_advisory_for_a_node_that_went_down_is_rerouted(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
+    url, _ = await start_scheduler([node_a, node_b])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client, 2)
+        advised = (await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})).json()["node"]
+        down, other = (node_a, "node-b") if advised == "node-a" else (node_b, "node-a")
+        down.status.engine_state = node_pb2.ENGINE_STATE_RESTARTING
+        await _ready(client, 1)
+        reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        assert reply.status_code == 200
+        assert reply.headers["x-symphony-node"] == other
+        assert reply.headers["x-symphony-route"] == "least_load_after_advisory"

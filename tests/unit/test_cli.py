@@ -1,0 +1,99 @@
+"""symphony.cli.main: argument errors and `config show`, without starting anything."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from symphony.cli import main
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """No SYMPHONY_* from the caller's shell, home under tmp_path, root logger restored afterwards."""
+    for name in list(os.environ):
+        if name.startswith("SYMPHONY_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SYMPHONY_HOME", str(tmp_path / "home"))
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    loggers = {name: logging.getLogger(name).level
+               for name in ("symphony", "scheduler", "node_manager", "client_sdk", "eval")}
+    access_disabled = logging.getLogger("uvicorn.access").disabled
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    for name, old in loggers.items():
+        logging.getLogger(name).setLevel(old)
+    logging.getLogger("uvicorn.access").disabled = access_disabled
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_up_with_bad_node_count_is_a_usage_error(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main(["up", "--nodes", value])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "--nodes" in err
+    assert "positive integer" in err
+
+
+def test_bench_proxy_without_out_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main(["bench", "proxy"])
+    assert excinfo.value.code == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main([])
+    assert excinfo.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_config_show_with_invalid_toml_returns_2_naming_the_file(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    bad = tmp_path / "broken.toml"
+    bad.write_text("[scheduler\nport = 1\n")
+    assert main(["config", "show", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "symphony: error:" in err
+    assert "broken.toml" in err
+
+
+def test_config_show_with_missing_file_returns_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["config", "show", "--config", str(tmp_path / "absent.toml")]) == 2
+    assert "absent.toml" in capsys.readouterr().err
+
+
+def test_config_show_applies_env_overrides(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    monkeypatch.setenv("SYMPHONY_SCHEDULER_PORT", "9001")
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "port = 9001" in out
+    shown = tomllib.loads(out)
+    assert shown["scheduler"]["port"] == 9001
+    assert shown["home"] == str(tmp_path / "home")
+
+
+def test_config_show_reports_bad_env_value_naming_the_var(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SYMPHONY_SCHEDULER_PORT", "ninety")
+    assert main(["config", "show"]) == 2
+    err = capsys.readouterr().err
+    assert "symphony: error:" in err
+    assert "SYMPHONY_SCHEDULER_PORT" in err
+
+
+def test_config_show_reads_the_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "symphony.toml"
+    path.write_text("[cluster]\nnodes = 5\n")
+    assert main(["config", "show", "--config", str(path)]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["cluster"]["nodes"] == 5

@@ -1,0 +1,352 @@
+"""symphony.config: layering (defaults < TOML < env < command line), coercion, validation, dump round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from symphony.config import (
+    ClusterConfig,
+    ConfigError,
+    EngineConfig,
+    LoggingConfig,
+    NodeConfig,
+    SchedulerConfig,
+    SymphonyConfig,
+    dump_toml,
+    load_config,
+)
+
+
+def write_toml(tmp_path: Path, text: str, name: str = "symphony.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# -- defaults and layering --------------------------------------------------------------------------
+def test_defaults_match_the_dataclass_defaults_when_nothing_is_given(tmp_path: Path) -> None:
+    config = load_config(env={"SYMPHONY_HOME": str(tmp_path)})
+    assert config.cluster == ClusterConfig()
+    assert config.scheduler == SchedulerConfig()
+    assert config.node == NodeConfig()
+    assert config.engine == EngineConfig()
+    assert config.logging == LoggingConfig()
+
+
+def test_default_home_is_user_cache_when_symphony_home_is_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SYMPHONY_HOME", raising=False)
+    config = load_config(env={})
+    assert config.home_path == Path("~/.cache/symphony").expanduser()
+
+
+def test_symphony_home_env_sets_home(tmp_path: Path) -> None:
+    config = load_config(env={"SYMPHONY_HOME": str(tmp_path / "state")})
+    assert config.home_path == tmp_path / "state"
+
+
+def test_toml_file_values_replace_defaults(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, """
+home = "/srv/symphony"
+
+[cluster]
+nodes = 3
+
+[scheduler]
+port = 9000
+connect_timeout_s = 3
+node_addresses = ["10.0.0.1:50051", "10.0.0.2:50051"]
+
+[engine]
+enforce_eager = false
+extra_args = ["--seed", "7"]
+""")
+    config = load_config(path, env={})
+    assert config.home == "/srv/symphony"
+    assert config.cluster.nodes == 3
+    assert config.scheduler.port == 9000
+    assert config.scheduler.connect_timeout_s == 3.0
+    assert isinstance(config.scheduler.connect_timeout_s, float)  # an int in TOML is accepted for a float
+    assert config.scheduler.node_addresses == ["10.0.0.1:50051", "10.0.0.2:50051"]
+    assert config.engine.enforce_eager is False
+    assert config.engine.extra_args == ["--seed", "7"]
+    # untouched keys keep their defaults
+    assert config.scheduler.host == SchedulerConfig().host
+
+
+def test_env_var_beats_toml_file(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[scheduler]\nport = 9000\n")
+    config = load_config(path, env={"SYMPHONY_SCHEDULER_PORT": "9001"})
+    assert config.scheduler.port == 9001
+
+
+def test_command_line_overrides_beat_env(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[scheduler]\nport = 9000\n")
+    config = load_config(path, env={"SYMPHONY_SCHEDULER_PORT": "9001"}, overrides={"scheduler": {"port": 9002}})
+    assert config.scheduler.port == 9002
+
+
+def test_env_home_beats_toml_home(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, 'home = "/from/file"\n')
+    config = load_config(path, env={"SYMPHONY_HOME": "/from/env"})
+    assert config.home == "/from/env"
+
+
+def test_overrides_only_touch_the_keys_they_name(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[scheduler]\nport = 9000\nmax_session_id_len = 64\n")
+    config = load_config(path, env={}, overrides={"scheduler": {"port": 9002}})
+    assert config.scheduler.max_session_id_len == 64
+
+
+def test_env_vars_for_unknown_keys_are_ignored() -> None:
+    config = load_config(env={"SYMPHONY_SCHEDULER_NO_SUCH_KEY": "1", "SYMPHONY_NOSECTION_PORT": "1"})
+    assert config.scheduler == SchedulerConfig()
+
+
+# -- unknown names ----------------------------------------------------------------------------------
+def test_unknown_section_in_file_names_section_and_file(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[bogus]\nx = 1\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(path, env={})
+    message = str(excinfo.value)
+    assert "[bogus]" in message
+    assert str(path) in message
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[scheduler]\nprot = 8000\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(path, env={})
+    message = str(excinfo.value)
+    assert "scheduler.prot" in message
+    assert str(path) in message
+
+
+def test_unknown_key_from_command_line_names_its_source() -> None:
+    with pytest.raises(ConfigError, match=r"command line: unknown key engine\.modle"):
+        load_config(env={}, overrides={"engine": {"modle": "x"}})
+
+
+def test_section_given_as_scalar_is_rejected(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "scheduler = 3\n")
+    with pytest.raises(ConfigError, match=r"\[scheduler\] must be a table"):
+        load_config(path, env={})
+
+
+# -- types ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("toml", "key", "expected"),
+    [
+        ('[scheduler]\nport = "8000"\n', "scheduler.port", "integer"),
+        ("[scheduler]\nport = true\n", "scheduler.port", "integer"),
+        ("[scheduler]\nport = 8000.0\n", "scheduler.port", "integer"),
+        ('[scheduler]\nconnect_timeout_s = "2"\n', "scheduler.connect_timeout_s", "number"),
+        ("[scheduler]\nconnect_timeout_s = false\n", "scheduler.connect_timeout_s", "number"),
+        ('[engine]\nenforce_eager = "true"\n', "engine.enforce_eager", "true or false"),
+        ("[engine]\nenforce_eager = 1\n", "engine.enforce_eager", "true or false"),
+        ("[engine]\nmodel = 5\n", "engine.model", "string"),
+        ('[engine]\nextra_args = "--x"\n', "engine.extra_args", "list of strings"),
+        ("[engine]\nextra_args = [1, 2]\n", "engine.extra_args", "list of strings"),
+    ],
+)
+def test_wrong_type_in_file_names_key_and_expected_type(tmp_path: Path, toml: str, key: str, expected: str) -> None:
+    path = write_toml(tmp_path, toml)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(path, env={})
+    message = str(excinfo.value)
+    assert key in message
+    assert expected in message
+    assert str(path) in message
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("SYMPHONY_SCHEDULER_PORT", "eighty"),
+        ("SYMPHONY_SCHEDULER_PORT", ""),
+        ("SYMPHONY_SCHEDULER_PORT", "80.5"),
+        ("SYMPHONY_SCHEDULER_CONNECT_TIMEOUT_S", "soon"),
+        ("SYMPHONY_ENGINE_ENFORCE_EAGER", "maybe"),
+        ("SYMPHONY_ENGINE_EXTRA_ARGS", '["--x", 1]'),
+    ],
+)
+def test_wrong_type_from_env_names_the_env_var(var: str, value: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={var: value})
+    assert var in str(excinfo.value)
+
+
+def test_env_values_are_coerced_to_field_types() -> None:
+    config = load_config(env={"SYMPHONY_SCHEDULER_PORT": " 9001 ", "SYMPHONY_SCHEDULER_CONNECT_TIMEOUT_S": "0.5",
+                              "SYMPHONY_CLUSTER_NODES": "4"})
+    assert config.scheduler.port == 9001
+    assert config.scheduler.connect_timeout_s == 0.5
+    assert config.cluster.nodes == 4
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("true", True), ("TRUE", True), ("1", True), ("yes", True), ("on", True),
+     ("false", False), ("False", False), ("0", False), ("no", False), (" off ", False)],
+)
+def test_bool_from_env(text: str, expected: bool) -> None:
+    config = load_config(env={"SYMPHONY_ENGINE_ENFORCE_EAGER": text})
+    assert config.engine.enforce_eager is expected
+
+
+def test_list_from_env_comma_separated_is_split_and_stripped() -> None:
+    config = load_config(env={"SYMPHONY_SCHEDULER_NODE_ADDRESSES": " a:1, b:2,,c:3, "})
+    assert config.scheduler.node_addresses == ["a:1", "b:2", "c:3"]
+
+
+def test_list_from_env_as_json_keeps_commas_inside_items() -> None:
+    value = '["--override-generation-config", "{\\"a\\": 1, \\"b\\": 2}"]'
+    config = load_config(env={"SYMPHONY_ENGINE_EXTRA_ARGS": value})
+    assert config.engine.extra_args == ["--override-generation-config", '{"a": 1, "b": 2}']
+
+
+def test_empty_list_from_env() -> None:
+    config = load_config(env={"SYMPHONY_ENGINE_EXTRA_ARGS": ""})
+    assert config.engine.extra_args == []
+
+
+def test_malformed_json_list_from_env_is_a_config_error_naming_the_var() -> None:
+    with pytest.raises(ConfigError, match="SYMPHONY_ENGINE_EXTRA_ARGS"):
+        load_config(env={"SYMPHONY_ENGINE_EXTRA_ARGS": '["--seed", 7'})
+
+
+# -- validation -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"engine": {"block_size": 48}}, "engine.block_size"),
+        ({"engine": {"block_size": 0}}, "engine.block_size"),
+        ({"engine": {"dtype": "int8"}}, "engine.dtype"),
+        ({"engine": {"max_model_len": 0}}, "engine.max_model_len"),
+        ({"scheduler": {"port": 0}}, "scheduler.port"),
+        ({"scheduler": {"port": 65536}}, "scheduler.port"),
+        ({"node": {"grpc_port_base": 65535}}, "node.grpc_port_base + cluster.nodes - 1"),
+        ({"scheduler": {"port": 50052}}, "ports"),  # node 1's gRPC port
+        ({"node": {"engine_port_base": 50051}}, "ports"),  # engine ports on top of gRPC ports
+        ({"cluster": {"nodes": 0}}, "cluster.nodes"),
+        ({"cluster": {"nodes": 65}}, "cluster.nodes"),
+        ({"logging": {"level": "verbose"}}, "logging.level"),
+        ({"logging": {"format": "xml"}}, "logging.format"),
+        ({"scheduler": {"node_addresses": ["localhost"]}}, "scheduler.node_addresses"),
+        ({"scheduler": {"node_addresses": ["localhost:grpc"]}}, "scheduler.node_addresses"),
+        ({"scheduler": {"node_addresses": [":50051"]}}, "scheduler.node_addresses"),
+        ({"scheduler": {"node_addresses": ["host:"]}}, "scheduler.node_addresses"),
+        ({"scheduler": {"poll_interval_ms": 200, "node_down_after_ms": 199}}, "scheduler.node_down_after_ms"),
+        ({"scheduler": {"max_session_id_len": 0}}, "scheduler.max_session_id_len"),
+        ({"scheduler": {"advisory_ttl_s": 0.0}}, "scheduler.advisory_ttl_s"),
+        ({"engine": {"max_restarts": -1}}, "engine.max_restarts"),
+    ],
+)
+def test_invalid_values_are_rejected_naming_the_key(overrides: dict[str, dict[str, Any]], key: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(env={}, overrides=overrides)
+    assert str(excinfo.value).startswith(f"{key}:")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"engine": {"block_size": 64}},
+        {"scheduler": {"poll_interval_ms": 200, "node_down_after_ms": 200}},
+        {"logging": {"level": "DEBUG"}},
+        {"scheduler": {"node_addresses": ["[::1]:50051", "node-a.internal:7000"]}},
+        {"cluster": {"nodes": 64}},
+        {"engine": {"max_restarts": 0}},
+    ],
+)
+def test_boundary_values_are_accepted(overrides: dict[str, dict[str, Any]]) -> None:
+    config = load_config(env={}, overrides=overrides)
+    for section, values in overrides.items():
+        for key, value in values.items():
+            assert getattr(getattr(config, section), key) == value
+
+
+def test_invalid_value_from_env_is_validated_too() -> None:
+    with pytest.raises(ConfigError, match=r"^engine\.block_size:"):
+        load_config(env={"SYMPHONY_ENGINE_BLOCK_SIZE": "16"})
+
+
+# -- file errors ------------------------------------------------------------------------------------
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="not found") as excinfo:
+        load_config(missing, env={})
+    assert str(missing) in str(excinfo.value)
+
+
+def test_invalid_toml_is_a_config_error_naming_the_file(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, "[scheduler\nport = \n")
+    with pytest.raises(ConfigError, match="invalid TOML") as excinfo:
+        load_config(path, env={})
+    assert str(path) in str(excinfo.value)
+
+
+def test_directory_instead_of_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        load_config(tmp_path, env={})
+
+
+# -- dump round trip --------------------------------------------------------------------------------
+def test_dump_then_load_gives_equal_default_config(tmp_path: Path) -> None:
+    config = load_config(env={"SYMPHONY_HOME": str(tmp_path)})
+    path = write_toml(tmp_path, dump_toml(config), "effective.toml")
+    assert load_config(path, env={}) == config
+
+
+def test_dump_then_load_gives_equal_config_with_every_kind_of_value(tmp_path: Path) -> None:
+    base = load_config(env={}, overrides={
+        "cluster": {"nodes": 3},
+        "scheduler": {"node_addresses": ["10.0.0.1:50051", "[::1]:50052"], "connect_timeout_s": 0.25,
+                      "advisory_ttl_s": 1e-3},
+        "engine": {"model": "/models/my \"quoted\" model", "served_model_name": "modèle-ünï \\ tab\t",
+                   "enforce_eager": False, "extra_args": ["--seed", "7", "--json={\"a\": [1, 2]}"]},
+        "logging": {"level": "debug", "format": "json"},
+    })
+    config = dataclasses.replace(base, home=str(tmp_path / "home with space"))
+    path = write_toml(tmp_path, dump_toml(config), "effective.toml")
+    loaded = load_config(path, env={})
+    assert loaded == config
+    assert isinstance(loaded.scheduler.connect_timeout_s, float)
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def test_node_grpc_address_and_engine_port_offset_by_index() -> None:
+    config = load_config(env={}, overrides={"node": {"host": "10.1.2.3", "grpc_port_base": 6000,
+                                                     "engine_port_base": 7000}})
+    assert config.node_grpc_address(0) == "10.1.2.3:6000"
+    assert config.node_grpc_address(2) == "10.1.2.3:6002"
+    assert config.engine_port(0) == 7000
+    assert config.engine_port(3) == 7003
+
+
+def test_scheduler_node_addresses_derived_from_cluster_when_not_listed() -> None:
+    config = load_config(env={}, overrides={"cluster": {"nodes": 3}, "node": {"host": "h", "grpc_port_base": 6000}})
+    assert config.scheduler_node_addresses() == ["h:6000", "h:6001", "h:6002"]
+
+
+def test_scheduler_node_addresses_explicit_list_wins_and_is_a_copy() -> None:
+    config = load_config(env={}, overrides={"cluster": {"nodes": 3},
+                                            "scheduler": {"node_addresses": ["a:1", "b:2"]}})
+    addresses = config.scheduler_node_addresses()
+    assert addresses == ["a:1", "b:2"]
+    addresses.append("c:3")
+    assert config.scheduler_node_addresses() == ["a:1", "b:2"]
+
+
+def test_scheduler_url_uses_host_and_port() -> None:
+    config = load_config(env={}, overrides={"scheduler": {"host": "0.0.0.0", "port": 9100}})
+    assert config.scheduler_url == "http://0.0.0.0:9100"
+
+
+def test_config_is_frozen() -> None:
+    config = SymphonyConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.scheduler.port = 1  # type: ignore[misc]

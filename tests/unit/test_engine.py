@@ -1,0 +1,91 @@
+"""node_manager.engine.engine_launch: the vLLM server command line and environment."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from node_manager.engine import EngineLaunch, engine_launch
+from symphony.config import EngineConfig
+from symphony.models import ModelInfo
+
+MODEL = ModelInfo(path=Path("/models/SmolLM2"), served_name="smol")
+
+
+def option(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, f"{flag} should appear exactly once in {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+def launch(engine: EngineConfig | None = None, base_env: dict[str, str] | None = None) -> EngineLaunch:
+    return engine_launch(engine or EngineConfig(), MODEL, "10.0.0.7", 8123, base_env={} if base_env is None
+                         else base_env)
+
+
+def test_argv_runs_the_openai_api_server_module_with_this_python() -> None:
+    argv = launch().argv
+    assert argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+def test_argv_carries_model_and_engine_settings() -> None:
+    engine = EngineConfig(dtype="float16", block_size=64, max_model_len=2048)
+    argv = launch(engine).argv
+    assert option(argv, "--model") == str(MODEL.path)
+    assert option(argv, "--served-model-name") == "smol"
+    assert option(argv, "--host") == "10.0.0.7"
+    assert option(argv, "--port") == "8123"
+    assert option(argv, "--block-size") == "64"
+    assert option(argv, "--max-model-len") == "2048"
+    assert option(argv, "--dtype") == "float16"
+
+
+@pytest.mark.parametrize(("enforce_eager", "present"), [(True, True), (False, False)])
+def test_enforce_eager_flag_only_when_configured(enforce_eager: bool, present: bool) -> None:
+    argv = launch(EngineConfig(enforce_eager=enforce_eager)).argv
+    assert ("--enforce-eager" in argv) is present
+
+
+def test_extra_args_are_appended_last_in_order() -> None:
+    extra = ["--seed", "7", "--max-num-seqs", "8"]
+    argv = launch(EngineConfig(extra_args=extra)).argv
+    assert argv[-len(extra):] == extra
+    assert argv.index("--enforce-eager") < len(argv) - len(extra)
+
+
+def test_env_sets_kv_cache_space_and_offline_flags() -> None:
+    env = launch(EngineConfig(kv_cache_space_gib=6)).env
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "6"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["TRANSFORMERS_OFFLINE"] == "1"
+
+
+def test_env_keeps_base_env_entries_and_does_not_mutate_it() -> None:
+    base = {"PATH": "/opt/bin", "OMP_NUM_THREADS": "4"}
+    env = launch(base_env=base).env
+    assert env["PATH"] == "/opt/bin"
+    assert env["OMP_NUM_THREADS"] == "4"
+    assert base == {"PATH": "/opt/bin", "OMP_NUM_THREADS": "4"}
+
+
+def test_env_overrides_conflicting_base_entries() -> None:
+    env = launch(EngineConfig(kv_cache_space_gib=2), base_env={"VLLM_CPU_KVCACHE_SPACE": "99",
+                                                               "HF_HUB_OFFLINE": "0"}).env
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_empty_base_env_does_not_inherit_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SYMPHONY_TEST_MARKER", "leak")
+    assert "SYMPHONY_TEST_MARKER" not in launch(base_env={}).env
+
+
+def test_no_base_env_inherits_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SYMPHONY_TEST_MARKER", "inherited")
+    env = engine_launch(EngineConfig(), MODEL, "127.0.0.1", 8100).env
+    assert env["SYMPHONY_TEST_MARKER"] == "inherited"
+
+
+def test_url_is_http_host_port() -> None:
+    assert launch().url == "http://10.0.0.7:8123"

@@ -1,0 +1,305 @@
+"""scheduler.validation: client input checks before anything reaches an engine."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from scheduler.errors import ApiError
+from scheduler.validation import AdvisoryRequest, InferenceRequest, validate_advisory, validate_inference
+
+SERVED = {"m": 4096}
+MAX_SESSION = 128
+MAX_ARRIVAL = 3_600_000
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION: dict[str, Any] = {"model": "m", "prompt": "hi"}
+
+
+def encode(body: Any) -> bytes:
+    return json.dumps(body).encode()
+
+
+def chat(**fields: Any) -> bytes:
+    return encode({**CHAT, **fields})
+
+
+def completion(**fields: Any) -> bytes:
+    return encode({**COMPLETION, **fields})
+
+
+def inference(endpoint: str, raw: bytes, header: str | None = None,
+              served: dict[str, int] | None = None) -> InferenceRequest:
+    return validate_inference(endpoint, raw, header, SERVED if served is None else served, MAX_SESSION)
+
+
+def advisory(raw: bytes, header: str | None = None, served: dict[str, int] | None = None) -> AdvisoryRequest:
+    return validate_advisory(raw, header, SERVED if served is None else served, MAX_SESSION, MAX_ARRIVAL)
+
+
+def rejected(call: Any, *args: Any, **kwargs: Any) -> ApiError:
+    with pytest.raises(ApiError) as excinfo:
+        call(*args, **kwargs)
+    return excinfo.value
+
+
+# -- body shape -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "raw",
+    [b"{not json", b"", b"   \n", b"[1, 2]", b'"text"', b"null", b"\xff\xfe{}"],
+    ids=["malformed", "empty", "whitespace", "array", "string", "null", "bad-utf8"],
+)
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_non_object_bodies_are_400(endpoint: str, raw: bytes) -> None:
+    error = rejected(inference, endpoint, raw)
+    assert error.status == 400
+    assert error.param is None
+
+
+def test_advisory_with_array_body_is_400() -> None:
+    assert rejected(advisory, b"[]").status == 400
+
+
+# -- chat messages ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m"},
+        {"model": "m", "messages": None},
+        {"model": "m", "messages": []},
+        {"model": "m", "messages": "hi"},
+        {"model": "m", "messages": ["hi"]},
+        {"model": "m", "messages": [{"content": "hi"}]},
+        {"model": "m", "messages": [{"role": "robot", "content": "hi"}]},
+        {"model": "m", "messages": [{"role": "user", "content": 42}]},
+        {"model": "m", "messages": [{"role": "user", "content": {"text": "hi"}}]},
+    ],
+    ids=["missing", "null", "empty", "string", "non-object", "no-role", "bad-role", "int-content", "dict-content"],
+)
+def test_bad_messages_are_400_on_messages(body: dict[str, Any]) -> None:
+    error = rejected(inference, "chat", encode(body))
+    assert (error.status, error.param) == (400, "messages")
+
+
+def test_bad_role_message_names_the_index() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}
+    assert "messages[1]" in rejected(inference, "chat", encode(body)).message
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+        [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        [{"role": "assistant", "content": None, "tool_calls": []}, {"role": "tool", "content": "r"}],
+    ],
+)
+def test_valid_messages_pass(messages: list[dict[str, Any]]) -> None:
+    assert inference("chat", encode({"model": "m", "messages": messages})).endpoint == "chat"
+
+
+# -- completions prompt -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prompt",
+    [None, 5, [], [True, False], [1, True], [[1, 2], [True]], [[]], ["a", 1], [1.5], {"text": "x"}],
+    ids=["missing", "int", "empty-list", "bools", "bool-in-tokens", "bool-in-nested", "empty-nested", "mixed",
+         "float-token", "object"],
+)
+def test_bad_prompts_are_400_on_prompt(prompt: Any) -> None:
+    body = {"model": "m"} if prompt is None else {"model": "m", "prompt": prompt}
+    error = rejected(inference, "completions", encode(body))
+    assert (error.status, error.param) == (400, "prompt")
+
+
+@pytest.mark.parametrize("prompt", ["", "hello", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_valid_prompts_pass(prompt: Any) -> None:
+    assert inference("completions", completion(prompt=prompt)).endpoint == "completions"
+
+
+# -- stream -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", ["true", 1, 0, {}])
+def test_non_bool_stream_is_400(stream: Any) -> None:
+    error = rejected(inference, "chat", chat(stream=stream))
+    assert (error.status, error.param) == (400, "stream")
+
+
+@pytest.mark.parametrize(("stream", "expected"), [(True, True), (False, False), (None, False)])
+def test_stream_flag_is_reported(stream: Any, expected: bool) -> None:
+    assert inference("chat", chat(stream=stream)).stream is expected
+
+
+def test_stream_defaults_to_false() -> None:
+    assert inference("chat", chat()).stream is False
+
+
+# -- model ------------------------------------------------------------------------------------------
+def test_unknown_model_is_404_model_not_found() -> None:
+    error = rejected(inference, "chat", chat(model="other"))
+    assert (error.status, error.param, error.code) == (404, "model", "model_not_found")
+    assert "other" in error.message
+
+
+@pytest.mark.parametrize("model", [1, ["m"], True])
+def test_non_string_model_is_400(model: Any) -> None:
+    error = rejected(inference, "chat", chat(model=model))
+    assert (error.status, error.param) == (400, "model")
+
+
+def test_no_served_models_is_503() -> None:
+    error = rejected(inference, "chat", chat(), served={})
+    assert error.status == 503
+    assert error.code == "no_engine_ready"
+
+
+def test_missing_model_with_several_served_is_400_listing_them() -> None:
+    body = {"messages": CHAT["messages"]}
+    error = rejected(inference, "chat", encode(body), served={"a": 10, "b": 10})
+    assert (error.status, error.param) == (400, "model")
+    assert "a, b" in error.message
+
+
+def test_explicit_model_is_chosen_among_several() -> None:
+    assert inference("chat", chat(model="b"), served={"a": 10, "b": 10}).model == "b"
+
+
+# -- max_tokens / max_completion_tokens -------------------------------------------------------------
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [-1, 0, 1.5, 16.0, True, "16", 4097], ids=str)
+def test_bad_token_limits_are_400(name: str, value: Any) -> None:
+    error = rejected(inference, "chat", chat(**{name: value}))
+    assert (error.status, error.param) == (400, name)
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [1, 4096, None])
+def test_token_limits_within_context_pass(name: str, value: Any) -> None:
+    assert inference("completions", completion(**{name: value})).model == "m"
+
+
+def test_token_limit_is_checked_against_the_chosen_models_context() -> None:
+    served = {"small": 100, "large": 1000}
+    assert inference("chat", chat(model="large", max_tokens=500), served=served).model == "large"
+    assert rejected(inference, "chat", chat(model="small", max_tokens=500), served=served).param == "max_tokens"
+
+
+# -- session id -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "session_id",
+    ["x" * 129, "", "has space", "tab\there", "nl\n", "del\x7f", "café", 42, ["s"], True],
+    ids=["too-long", "empty", "space", "tab", "newline", "del", "non-ascii", "int", "list", "bool"],
+)
+def test_bad_body_session_id_is_400(session_id: Any) -> None:
+    error = rejected(inference, "chat", chat(session_id=session_id))
+    assert (error.status, error.param) == (400, "session_id")
+
+
+@pytest.mark.parametrize("session_id", ["x" * 129, "", "has space", "ctl\x01", "café"])
+def test_bad_header_session_id_is_400(session_id: str) -> None:
+    error = rejected(inference, "chat", chat(), session_id)
+    assert (error.status, error.param) == (400, "session_id")
+
+
+def test_session_id_at_length_limit_passes() -> None:
+    assert inference("chat", chat(session_id="x" * 128)).session_id == "x" * 128
+
+
+def test_session_id_from_body_is_used_without_header() -> None:
+    assert inference("chat", chat(session_id="conv-1")).session_id == "conv-1"
+
+
+def test_header_session_id_wins_over_body() -> None:
+    assert inference("chat", chat(session_id="from-body"), "from-header").session_id == "from-header"
+
+
+def test_header_session_id_wins_even_over_an_invalid_body_value() -> None:
+    assert inference("chat", chat(session_id=12), "from-header").session_id == "from-header"
+
+
+def test_no_session_id_anywhere_is_none() -> None:
+    assert inference("chat", chat()).session_id is None
+    assert inference("chat", chat(session_id=None)).session_id is None
+
+
+# -- results and forwarded body ---------------------------------------------------------------------
+def test_valid_chat_returns_its_fields() -> None:
+    result = inference("chat", chat(stream=True, session_id="s-1"))
+    assert result == InferenceRequest("chat", "m", True, "s-1", result.body)
+
+
+def test_body_with_model_is_forwarded_byte_for_byte() -> None:
+    raw = b'{ "model" : "m",  "prompt": "hi\\u00e9", "temperature": 0.50 }'
+    assert inference("completions", raw).body == raw
+
+
+def test_body_without_model_is_forwarded_with_the_served_model_added() -> None:
+    raw = encode({"messages": CHAT["messages"], "temperature": 0.5, "session_id": "s"})
+    result = inference("chat", raw)
+    forwarded = json.loads(result.body)
+    assert forwarded == {**json.loads(raw), "model": "m"}
+    assert result.model == "m"
+
+
+def test_body_with_null_model_is_forwarded_with_the_served_model() -> None:
+    result = inference("completions", completion(model=None))
+    assert json.loads(result.body)["model"] == "m"
+
+
+# -- advisories -------------------------------------------------------------------------------------
+def test_valid_advisory_returns_its_fields() -> None:
+    result = advisory(encode({"session_id": "s-1", "kind": "predecessor", "expected_arrival_ms": 1500}))
+    assert result == AdvisoryRequest("s-1", "predecessor", 1500, "m")
+
+
+def test_advisory_session_from_header_and_model_defaulted() -> None:
+    result = advisory(encode({"kind": "typing"}), "hdr")
+    assert (result.session_id, result.kind, result.expected_arrival_ms, result.model) == ("hdr", "typing", None, "m")
+
+
+def test_advisory_float_arrival_is_truncated_to_int_ms() -> None:
+    result = advisory(encode({"session_id": "s", "kind": "typing", "expected_arrival_ms": 250.9}))
+    assert result.expected_arrival_ms == 250
+    assert isinstance(result.expected_arrival_ms, int)
+
+
+@pytest.mark.parametrize("arrival", [0, MAX_ARRIVAL])
+def test_advisory_arrival_bounds_are_inclusive(arrival: int) -> None:
+    result = advisory(encode({"session_id": "s", "kind": "typing", "expected_arrival_ms": arrival}))
+    assert result.expected_arrival_ms == arrival
+
+
+def test_advisory_without_session_is_400() -> None:
+    error = rejected(advisory, encode({"kind": "typing"}))
+    assert (error.status, error.param) == (400, "session_id")
+
+
+def test_advisory_with_bad_session_is_400() -> None:
+    error = rejected(advisory, encode({"kind": "typing", "session_id": "a b"}))
+    assert (error.status, error.param) == (400, "session_id")
+
+
+@pytest.mark.parametrize("kind", [None, "", "Typing", "prefetch", 1])
+def test_advisory_with_unknown_kind_is_400(kind: Any) -> None:
+    body = {"session_id": "s"} if kind is None else {"session_id": "s", "kind": kind}
+    error = rejected(advisory, encode(body))
+    assert (error.status, error.param) == (400, "kind")
+
+
+@pytest.mark.parametrize(
+    "raw_value",
+    ["-1", str(MAX_ARRIVAL + 1), "true", '"100"', "NaN", "Infinity", "[100]"],
+    ids=["negative", "too-far", "bool", "string", "nan", "infinity", "list"],
+)
+def test_advisory_with_bad_expected_arrival_is_400(raw_value: str) -> None:
+    raw = b'{"session_id": "s", "kind": "typing", "expected_arrival_ms": ' + raw_value.encode() + b"}"
+    error = rejected(advisory, raw)
+    assert (error.status, error.param) == (400, "expected_arrival_ms")
+
+
+def test_advisory_for_unknown_model_is_404() -> None:
+    error = rejected(advisory, encode({"session_id": "s", "kind": "typing", "model": "x"}))
+    assert (error.status, error.code) == (404, "model_not_found")
+
+
+def test_advisory_with_no_served_models_is_503() -> None:
+    assert rejected(advisory, encode({"session_id": "s", "kind": "typing"}), served={}).status == 503
