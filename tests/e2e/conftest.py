@@ -1,0 +1,99 @@
+"""A real local cluster for the end-to-end suites: `symphony up --nodes 2` with real vLLM CPU engines
+serving SmolLM2, started once per test session (engines take ~30-60 s to start here)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from symphony.config import default_home
+from symphony.models import DEFAULT_MODEL_NAME, fetch_default_model
+from tests.helpers import free_port, free_port_run, wait_until
+
+NODES = 2
+STARTUP_TIMEOUT_S = 420
+
+
+@dataclass
+class LiveCluster:
+    url: str
+    process: subprocess.Popen[bytes]
+    home: Path
+    output: Path
+    model: str
+    engine_ports: list[int]
+
+    def readyz(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/readyz", timeout=5).json()
+
+    def node_state(self, node: str) -> dict[str, Any]:
+        return self.readyz()["nodes"][node]
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=5).text
+
+    def output_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.output.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _write_config(home: Path, model_dir: Path, scheduler_port: int, grpc_base: int, engine_base: int) -> Path:
+    config = home / "symphony.toml"
+    config.write_text(f"""
+home = "{home}"
+
+[cluster]
+nodes = {NODES}
+
+[scheduler]
+port = {scheduler_port}
+
+[node]
+grpc_port_base = {grpc_base}
+engine_port_base = {engine_base}
+
+[engine]
+model = "{model_dir}"
+kv_cache_space_gib = 1
+max_model_len = 8192
+""")
+    return config
+
+
+@pytest.fixture(scope="session")
+def live_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
+    model_dir = fetch_default_model(default_home(), progress=lambda _: None)
+    home = tmp_path_factory.mktemp("symphony-home")
+    scheduler_port, grpc_base, engine_base = free_port(), free_port_run(NODES), free_port_run(NODES)
+    config = _write_config(home, model_dir, scheduler_port, grpc_base, engine_base)
+    output = home / "up.out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
+    with output.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "up", "--config", str(config)],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+    cluster = LiveCluster(f"http://127.0.0.1:{scheduler_port}", process, home, output, DEFAULT_MODEL_NAME,
+                          [engine_base + i for i in range(NODES)])
+
+    def up() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"`symphony up` exited with {process.returncode}:\n{cluster.output_tail()}")
+        return "Symphony is up" in output.read_text(errors="replace")
+
+    try:
+        wait_until(up, STARTUP_TIMEOUT_S, "the 2-node cluster to be up", interval_s=0.5)
+        yield cluster
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()

@@ -1,0 +1,213 @@
+"""Serving through the scheduler with the official openai client: conversations, advisories, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from client_sdk import AsyncSymphonyClient, SymphonyClient
+from tests.e2e.conftest import LiveCluster
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.e2e
+README = Path(__file__).resolve().parents[2] / "README.md"
+QUESTIONS = ["What is the capital of France?", "And what is its most famous tower?", "How tall is it?"]
+
+
+def _client(cluster: LiveCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_lists_the_served_model(live_cluster: LiveCluster) -> None:
+    models = _client(live_cluster).models.list()
+    assert [m.id for m in models.data] == [live_cluster.model]
+
+
+def _ask(client: openai.OpenAI, model: str, session: str, messages: list[dict[str, str]], stream: bool
+         ) -> tuple[str, Any, dict[str, str]]:
+    """One turn; returns (answer, usage, response headers)."""
+    common: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 40, "temperature": 0.0,
+                              "extra_headers": {"X-Session-ID": session}}
+    if not stream:
+        raw = client.chat.completions.with_raw_response.create(**common)
+        completion = raw.parse()
+        return completion.choices[0].message.content or "", completion.usage, dict(raw.headers)
+    raw = client.chat.completions.with_raw_response.create(**common, stream=True,
+                                                          stream_options={"include_usage": True})
+    parts, usage = [], None
+    for chunk in raw.parse():
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return "".join(parts), usage, dict(raw.headers)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_three_turn_conversation(live_cluster: LiveCluster, stream: bool) -> None:
+    client = _client(live_cluster)
+    session = f"e2e-conversation-{'stream' if stream else 'plain'}"
+    messages: list[dict[str, str]] = []
+    prompt_tokens = []
+    for question in QUESTIONS:
+        messages.append({"role": "user", "content": question})
+        answer, usage, headers = _ask(client, live_cluster.model, session, messages, stream)
+        assert answer.strip(), f"empty answer to {question!r}"
+        assert usage is not None and usage.completion_tokens >= 1
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert headers["x-symphony-node"] in ("node-0", "node-1")
+        prompt_tokens.append(usage.prompt_tokens)
+        messages.append({"role": "assistant", "content": answer})
+    # Each turn carries the whole history, so the prompt grows turn after turn.
+    assert prompt_tokens == sorted(prompt_tokens) and len(set(prompt_tokens)) == 3
+    first_answer = messages[1]["content"]
+    assert "paris" in first_answer.lower(), first_answer
+
+
+def test_advisory_sends_turn_three_to_the_advised_node(live_cluster: LiveCluster) -> None:
+    client = _client(live_cluster)
+    sdk = SymphonyClient(live_cluster.url, model=live_cluster.model)
+    before = _metric(live_cluster.metrics(), 'symphony_advisory_followups_total{outcome="honored"}')
+    advised_nodes = set()
+    for n in range(4):  # several sessions, so both nodes get advised at least once
+        session = f"e2e-advised-{n}"
+        messages: list[dict[str, str]] = []
+        for turn, question in enumerate(QUESTIONS):
+            if turn == 2:
+                advisory = sdk.typing_started(session)
+                assert advisory.session_id == session and advisory.kind == "typing"
+                advised_nodes.add(advisory.node)
+            messages.append({"role": "user", "content": question})
+            answer, _, headers = _ask(client, live_cluster.model, session, messages, stream=n % 2 == 1)
+            messages.append({"role": "assistant", "content": answer})
+            if turn == 2:
+                assert headers["x-symphony-node"] == advisory.node
+                assert headers["x-symphony-route"] == "advisory"
+    assert advised_nodes == {"node-0", "node-1"}
+    after = _metric(live_cluster.metrics(), 'symphony_advisory_followups_total{outcome="honored"}')
+    assert after - before == 4
+
+
+def _metric(text: str, sample: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+BAD_INPUTS = [
+    ("malformed-json", "/v1/chat/completions", b'{"messages": [', {}, 400, None),
+    ("missing-messages", "/v1/chat/completions", {"max_tokens": 5}, {}, 400, "messages"),
+    ("missing-prompt", "/v1/completions", {"max_tokens": 5}, {}, 400, "prompt"),
+    ("unknown-model", "/v1/chat/completions", {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]},
+     {}, 404, "model"),
+    ("negative-max-tokens", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": -5}, {}, 400, "max_tokens"),
+    ("absurd-max-tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, {}, 400, "max_tokens"),
+    ("long-session-id", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+     {"X-Session-ID": "s" * 500}, 400, "session_id"),
+    ("non-printable-session-id", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "session_id": "bad\x07id"}, {}, 400, "session_id"),
+    ("unknown-advisory-kind", "/v1/advisories", {"session_id": "s", "kind": "dancing"}, {}, 400, "kind"),
+    ("advisory-without-session", "/v1/advisories", {"kind": "typing"}, {}, 400, "session_id"),
+    ("negative-arrival", "/v1/advisories", {"session_id": "s", "kind": "predecessor", "expected_arrival_ms": -1},
+     {}, 400, "expected_arrival_ms"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "headers", "status", "param"), BAD_INPUTS,
+                         ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_a_4xx_openai_error(live_cluster: LiveCluster, name: str, path: str, body: Any,
+                                           headers: dict[str, str], status: int, param: str | None) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = httpx.post(live_cluster.url + path, content=content,
+                       headers={"content-type": "application/json", **headers}, timeout=30)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    # The scheduler stays healthy and keeps serving after every bad request.
+    assert httpx.get(live_cluster.url + "/healthz", timeout=5).status_code == 200
+
+
+def test_scheduler_serves_after_bad_inputs(live_cluster: LiveCluster) -> None:
+    with pytest.raises(openai.NotFoundError):
+        _client(live_cluster).chat.completions.create(model="no-such-model", messages=[{"role": "user",
+                                                                                        "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        _client(live_cluster).chat.completions.create(model=live_cluster.model, messages=[], max_tokens=5)
+    reply = _client(live_cluster).chat.completions.create(
+        model=live_cluster.model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8)
+    assert reply.choices[0].message.content
+
+
+def test_metrics_count_requests_ttft_and_routing(live_cluster: LiveCluster) -> None:
+    text = live_cluster.metrics()
+    assert _metric(text, 'symphony_requests_total{endpoint="chat",status="200"}') >= 10
+    assert _metric(text, 'symphony_requests_total{endpoint="chat",status="400"}') >= 1
+    assert _metric(text, 'symphony_requests_total{endpoint="chat",status="404"}') >= 1
+    assert _metric(text, 'symphony_ttft_seconds_count{endpoint="chat"}') >= 1
+    assert _metric(text, 'symphony_e2e_seconds_count{endpoint="chat",stream="false"}') >= 1
+    routed = {node: sum(float(v) for v in re.findall(rf'symphony_routed_total{{node="{node}",[^}}]*}} (\S+)', text))
+              for node in ("node-0", "node-1")}
+    assert routed["node-0"] > 0 and routed["node-1"] > 0, routed  # least-load spreads requests
+    assert _metric(text, 'symphony_node_up{node="node-0"}') == 1.0
+    assert _metric(text, 'symphony_advisories_total{kind="typing"}') >= 4
+
+
+def test_readme_sdk_example_runs(live_cluster: LiveCluster) -> None:
+    match = re.search(r"<!-- sdk-example -->\s*```python\n(.*?)```", README.read_text(), re.S)
+    assert match, "README has no SDK example block"
+    code = match.group(1)
+    assert len([line for line in code.splitlines() if line.strip()]) <= 5
+    env = {**os.environ, "SYMPHONY_URL": live_cluster.url}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
+def test_async_sdk_streams_a_turn(live_cluster: LiveCluster) -> None:
+    async def run() -> str:
+        async with AsyncSymphonyClient(live_cluster.url) as client:
+            advisory = await client.typing_started("e2e-async")
+            assert advisory.node in ("node-0", "node-1")
+            stream = await client.chat("e2e-async", [{"role": "user", "content": "Count to three."}],
+                                       stream=True, max_tokens=16)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    assert asyncio.run(run()).strip()
+
+
+def test_status_cli_shows_both_nodes(live_cluster: LiveCluster) -> None:
+    done = subprocess.run([sys.executable, "-m", "symphony.cli", "status", "--url", live_cluster.url],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"node-0\s+ready", done.stdout) and re.search(r"node-1\s+ready", done.stdout)
+
+
+def test_client_leaving_mid_stream_aborts_the_generation(live_cluster: LiveCluster) -> None:
+    client = _client(live_cluster)
+    raw = client.chat.completions.with_raw_response.create(
+        model=live_cluster.model, messages=[{"role": "user", "content": "Write a very long story."}],
+        max_tokens=4000, stream=True, extra_body={"ignore_eos": True})
+    node = raw.headers["x-symphony-node"]
+    stream = raw.parse()
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    wait_until(lambda: live_cluster.node_state(node)["running"] >= 1, 10, "the engine to report the request")
+    stream.close()
+    # 4,000 forced tokens would keep the engine busy for minutes; an aborted request frees it at once.
+    wait_until(lambda: live_cluster.node_state(node)["running"] == 0 and
+               live_cluster.node_state(node)["inflight"] == 0, 15, "the engine to drop the abandoned request")

@@ -1,0 +1,66 @@
+"""A crashed engine: the scheduler routes around it, the node manager restarts it and says so."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+
+from symphony.process import group_members
+from tests.e2e.conftest import LiveCluster
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def _engine_pid(cluster: LiveCluster, port: int) -> int:
+    for child in psutil.Process(cluster.process.pid).children(recursive=True):
+        try:
+            cmdline = child.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "vllm.entrypoints.openai.api_server" in cmdline and str(port) in cmdline:
+            return child.pid
+    raise AssertionError(f"no engine process listening on {port}")
+
+
+def _shm_of_group(pgid: int) -> set[Path]:
+    paths = set()
+    for pid in group_members(pgid):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        paths |= {Path(line[line.index("/dev/shm/"):].strip()) for line in maps.splitlines() if "/dev/shm/" in line}
+    return paths
+
+
+def test_killed_engine_is_routed_around_and_restarted(live_cluster: LiveCluster) -> None:
+    engine_pid = _engine_pid(live_cluster, live_cluster.engine_ports[1])
+    shm_before = _shm_of_group(os.getpgid(engine_pid))
+    assert shm_before, "vLLM maps shared memory for its engine-core queues"
+
+    os.kill(engine_pid, signal.SIGKILL)
+    wait_until(lambda: live_cluster.node_state("node-1")["state"] != "ready", 5, "node-1 to be marked down")
+
+    client = openai.OpenAI(base_url=live_cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for i in range(3):
+        raw = client.chat.completions.with_raw_response.create(
+            model=live_cluster.model, messages=[{"role": "user", "content": f"Say the number {i}."}], max_tokens=8,
+            extra_headers={"X-Session-ID": f"e2e-crash-{i}"})
+        assert raw.parse().choices[0].message.content
+        assert raw.headers["x-symphony-node"] == "node-0"
+
+    wait_until(lambda: live_cluster.node_state("node-1")["state"] == "ready", 300, "node-1's engine to restart",
+               interval_s=1.0)
+    node = live_cluster.node_state("node-1")
+    assert node["engine_restarts"] == 1
+    assert "SIGKILL" in node["last_engine_error"]
+    assert 'symphony_node_engine_restarts{node="node-1"} 1.0' in live_cluster.metrics()
+    # The killed engine could not unlink its shared memory; the node manager did.
+    assert not [p for p in shm_before if p.exists()]
+    assert "node-1: engine restarting" in live_cluster.output.read_text()
