@@ -32,7 +32,8 @@ class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
             last_engine_error=engine.process.last_error,
             metrics_age_ms=engine.metrics_age_ms(),
         )
-        if load is not None:
+        # Figures from an engine that is not serving describe requests that no longer exist.
+        if load is not None and status.engine_state == node_pb2.ENGINE_STATE_READY:
             status.num_requests_running = load.running
             status.num_requests_waiting = load.waiting
             status.kv_cache_usage = load.kv_usage

@@ -1,4 +1,5 @@
-"""HTTP surface of the scheduler (FastAPI): OpenAI-compatible inference, advisories, health, metrics."""
+"""HTTP surface of the scheduler: OpenAI-compatible inference and advisories (scheduler.hot_path),
+models, health and metrics (FastAPI)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,22 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-# Starlette's StreamingResponse loads anyio's asyncio backend on first use (~0.3 s on this machine);
-# importing it here moves that cost from the first user's TTFT to start-up.
+# Starlette loads anyio's asyncio backend lazily, on first use of its task groups or thread pool
+# (~0.3 s on this machine); importing it here keeps that cost out of the first request's latency.
 import anyio._backends._asyncio  # noqa: F401
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from scheduler.advisories import AdvisoryTable
 from scheduler.cluster import Cluster, NodeView
 from scheduler.dispatch import Dispatcher
-from scheduler.errors import ApiError, api_error_handler, http_error_handler
+from scheduler.errors import http_error_handler
+from scheduler.hot_path import HotPath
 from scheduler.metrics import SchedulerMetrics
 from scheduler.routing import make_policy
-from scheduler.validation import validate_advisory, validate_inference
 from symphony.config import SymphonyConfig
-
-SESSION_HEADER = "x-session-id"
-DEFAULT_TENANT = "default"  # tenants from API keys arrive with the security work (issue 5)
 
 
 class SchedulerState:
@@ -56,22 +55,9 @@ class SchedulerState:
         await self.dispatcher.stop()
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> FastAPI:
+def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> ASGIApp:
+    """The scheduler's ASGI app: the POST endpoints in scheduler.hot_path, the rest in FastAPI."""
     state = state or SchedulerState(config)
-    sc = config.scheduler
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -82,41 +68,13 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> F
             await state.stop()
 
     app = FastAPI(title="Symphony scheduler", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.symphony = state
-    app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-
-    async def inference(endpoint: str, request: Request) -> Response:
-        received_at = time.perf_counter()
-        try:
-            raw = await _read_body(request, sc.max_body_bytes)
-            parsed = validate_inference(endpoint, raw, request.headers.get(SESSION_HEADER),
-                                        state.cluster.served_models(), sc.max_session_id_len)
-            return await state.dispatcher.dispatch(parsed, DEFAULT_TENANT, received_at)
-        except ApiError as exc:
-            state.metrics.requests.labels(endpoint, str(exc.status)).inc()
-            raise
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await inference("chat", request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await inference("completions", request)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         data = [{"id": name, "object": "model", "owned_by": "symphony", "max_model_len": max_len}
                 for name, max_len in sorted(state.cluster.served_models().items())]
         return JSONResponse({"object": "list", "data": data})
-
-    @app.post("/v1/advisories", status_code=202)
-    async def advisories(request: Request) -> JSONResponse:
-        raw = await _read_body(request, sc.max_body_bytes)
-        parsed = validate_advisory(raw, request.headers.get(SESSION_HEADER), state.cluster.served_models(),
-                                   sc.max_session_id_len, sc.max_expected_arrival_ms)
-        return JSONResponse(state.dispatcher.advise(parsed, DEFAULT_TENANT), status_code=202)
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
@@ -136,4 +94,4 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> F
             state.export_node(node)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return app
+    return HotPath(app, state)

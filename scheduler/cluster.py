@@ -79,11 +79,11 @@ class Cluster:
                 for n in self.nodes if n.served_model == model]
 
     def served_models(self) -> dict[str, int]:
-        """model -> smallest max_model_len among available nodes serving it."""
-        now = self._clock()
+        """model -> smallest max_model_len among nodes that reported serving it, up or not: a model
+        whose nodes are all restarting is unavailable (503), not unknown (404)."""
         served: dict[str, int] = {}
         for n in self.nodes:
-            if n.available(now, self.down_after_s) and n.served_model:
+            if n.served_model:
                 served[n.served_model] = min(served.get(n.served_model, n.max_model_len), n.max_model_len)
         return served
 
@@ -101,7 +101,7 @@ class Cluster:
                 for n in self.nodes}
 
     def mark_engine_unreachable(self, node: NodeView, for_s: float) -> None:
-        """Dispatch saw a connection failure: keep routing away until the next good poll after for_s."""
+        """Dispatch saw a connection failure: keep routing away from the node for `for_s`."""
         node.unreachable_until = self._clock() + for_s
 
     async def start(self) -> None:

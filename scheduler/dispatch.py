@@ -47,10 +47,10 @@ class RelayResponse(StreamingResponse):
     """
 
     def __init__(self, upstream: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], media_type: str,
-                 headers: dict[str, str]) -> None:
+                 headers: dict[str, str], release: Callable[[], None]) -> None:
         super().__init__(chunks, status_code=200, media_type=media_type, headers=headers)
         self._upstream = upstream
-        self._chunks = chunks
+        self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def close_upstream_on_disconnect() -> None:
@@ -61,12 +61,16 @@ class RelayResponse(StreamingResponse):
         watcher = asyncio.ensure_future(close_upstream_on_disconnect())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self._chunks:
+            async for chunk in self.body_iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
-            await self._chunks.aclose()  # type: ignore[attr-defined]
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            # A relay that never started has not run its own cleanup; both calls are no-ops otherwise
+            # (close() after release() leaves the pooled connection alone).
+            self._upstream.close()
+            self._release()
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +229,7 @@ class Dispatcher:
 
         self._count(request, 200)
         return RelayResponse(upstream, self._relay(upstream, request, node.node_id, received_at, release),
-                             content_type, reply_headers)
+                             content_type, reply_headers, release)
 
     async def _relay(self, upstream: aiohttp.ClientResponse, request: InferenceRequest, node_id: str,
                      received_at: float, release: Callable[[], None]) -> AsyncIterator[bytes]:

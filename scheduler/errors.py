@@ -49,11 +49,6 @@ def sse_error_event(status: int, message: str, code: str) -> bytes:
     return f"data: {json.dumps(error_body(status, message, code=code))}\n\ndata: [DONE]\n\n".encode()
 
 
-async def api_error_handler(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
-
-
 async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     messages = {404: "no such endpoint", 405: "method not allowed for this endpoint"}

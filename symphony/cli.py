@@ -70,9 +70,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     from scheduler.routing import make_policy
 
     make_policy(config.scheduler.policy)  # reject an unknown policy before starting anything
-    if not config.engine.model:
+    try:
+        model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+    except ModelError:
+        if config.engine.model:
+            raise
+        # First run without `make`: prepare the default model now rather than fail.
         fetch_default_model(config.home_path, progress=lambda m: print(m, flush=True))
-    model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+        model = resolve_model("", config.engine.served_model_name, config.home_path)
     return asyncio.run(run_cluster(config, model))
 
 
@@ -191,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(proxy)
     proxy.add_argument("--out", type=Path, required=True, help="JSON results file")
     proxy.add_argument("--concurrency", type=_positive_int, default=16, help="concurrent streaming chats (16)")
-    proxy.add_argument("--rounds", type=_positive_int, default=10, help="rounds per path (10)")
-    proxy.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens per answer (16)")
+    proxy.add_argument("--rounds", type=_positive_int, default=100, help="rounds per path (100)")
+    proxy.add_argument("--max-tokens", type=_positive_int, default=4, help="tokens per answer (4)")
     proxy.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     proxy.add_argument("--served-model-name", help=argparse.SUPPRESS)
     proxy.add_argument("--scheduler-url", help="use a running scheduler instead of starting a 1-node cluster")

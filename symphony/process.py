@@ -154,7 +154,7 @@ class ManagedProcess:
                 self._record_shm()
                 self._set_state(ProcessState.READY)
                 log.debug("process ready", process=self.name, pid=self._proc.pid,
-                         startup_s=round(time.monotonic() - started, 1))
+                          startup_s=round(time.monotonic() - started, 1))
                 outcome = await self._wait_exit_or_stop()
             if self._stopping.is_set():
                 return

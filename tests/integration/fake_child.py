@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--grandchild", action="store_true", help="spawn a long sleep in our process group")
     parser.add_argument("--unhealthy-flag", type=Path, help="answer 503 once this file exists")
     parser.add_argument("--pidfile", type=Path, help="append our pid (and the grandchild's) to this file")
+    parser.add_argument("--metrics", type=Path, help="serve this file's text at /metrics (vLLM-style gauges)")
     args = parser.parse_args()
 
     if args.exit_code is not None:
@@ -46,6 +47,13 @@ def main() -> None:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.path == "/metrics" and args.metrics:
+                body = args.metrics.read_bytes()
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
             healthy = not (args.unhealthy_flag and args.unhealthy_flag.exists())
             self.send_response(200 if healthy else 503)
             self.end_headers()

@@ -314,3 +314,19 @@ async def test_advisory_for_a_node_that_went_down_is_rerouted(
         assert reply.status_code == 200
         assert reply.headers["x-symphony-node"] == other
         assert reply.headers["x-symphony-route"] == "least_load_after_advisory"
+
+
+async def test_model_whose_nodes_are_all_down_is_unavailable_not_unknown(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node = await make_node(engine.url)
+    url, _ = await start_scheduler([node])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client)
+        node.status.engine_state = node_pb2.ENGINE_STATE_RESTARTING
+        await _wait_status(client, 503)
+        reply = await client.post("/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 503
+        assert reply.json()["error"]["code"] == "no_engine_available"
+        unknown = await client.post("/v1/chat/completions", json={**CHAT, "model": "other"})
+        assert unknown.status_code == 404

@@ -1,0 +1,123 @@
+"""The scheduler's POST endpoints as plain ASGI, ahead of FastAPI.
+
+Measured on this 2-core machine with 16 concurrent streams: the scheduler spent ~0.65 ms of CPU per
+request, of which ~0.17 ms was FastAPI/Starlette's middleware and routing stack. In a burst that cost
+is paid in series, so it lands directly in TTFT. The inference and advisory endpoints therefore skip
+the stack; FastAPI keeps the GET endpoints (models, health, metrics), where it costs nothing that
+matters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from scheduler.errors import ApiError, error_body
+from scheduler.validation import validate_advisory, validate_inference
+from symphony.logs import get_logger
+
+if TYPE_CHECKING:
+    from scheduler.app import SchedulerState
+
+log = get_logger("scheduler.http")
+
+INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ADVISORY_PATH = "/v1/advisories"
+SESSION_HEADER = b"x-session-id"
+DEFAULT_TENANT = "default"  # tenants from API keys arrive with the security work (issue 5)
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(400, "the client disconnected while sending the request")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+async def send_json(send: Send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    payload = json.dumps(body).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+class HotPath:
+    """Routes POST /v1/chat/completions, /v1/completions and /v1/advisories; the rest goes to `app`."""
+
+    def __init__(self, app: ASGIApp, state: SchedulerState) -> None:
+        self.app = app
+        self.state = state
+        self._limits = state.config.scheduler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            endpoint = INFERENCE_PATHS.get(path)
+            if endpoint is not None or path == ADVISORY_PATH:
+                await self._guarded(endpoint or "advisories", scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    async def _guarded(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            if scope["method"] != "POST":
+                raise ApiError(405, "method not allowed for this endpoint")
+            if endpoint == "advisories":
+                await self._advisory(scope, receive, tracking_send)
+            else:
+                await self._inference(endpoint, scope, receive, tracking_send)
+        except ApiError as exc:
+            if endpoint != "advisories":
+                self.state.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            if not started:
+                await send_json(send, exc.status, exc.body())
+        except Exception:
+            # Never a bare traceback to the client; the log keeps it for us.
+            log.error("unhandled error", endpoint=endpoint, exc_info=True)
+            if endpoint != "advisories":
+                self.state.metrics.requests.labels(endpoint, "500").inc()
+            if not started:
+                await send_json(send, 500, error_body(500, "internal error in the scheduler; see its log"))
+
+    async def _inference(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
+        received_at = time.perf_counter()
+        raw = await read_body(scope, receive, self._limits.max_body_bytes)
+        parsed = validate_inference(endpoint, raw, header(scope, SESSION_HEADER), self.state.cluster.served_models(),
+                                    self._limits.max_session_id_len)
+        response = await self.state.dispatcher.dispatch(parsed, DEFAULT_TENANT, received_at)
+        await response(scope, receive, send)
+
+    async def _advisory(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = await read_body(scope, receive, self._limits.max_body_bytes)
+        parsed = validate_advisory(raw, header(scope, SESSION_HEADER), self.state.cluster.served_models(),
+                                   self._limits.max_session_id_len, self._limits.max_expected_arrival_ms)
+        await send_json(send, 202, self.state.dispatcher.advise(parsed, DEFAULT_TENANT))
