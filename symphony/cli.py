@@ -140,9 +140,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_bench_proxy(args: argparse.Namespace) -> int:
     from eval.bench_proxy import run_proxy_bench
 
+    if bool(args.scheduler_url) != bool(args.engine_url):
+        raise CliError("--scheduler-url and --engine-url go together (the scheduler must front that one engine)")
     config = _load(args, _engine_overrides(args))
     return run_proxy_bench(config, out=args.out, concurrency=args.concurrency, rounds=args.rounds,
-                           max_tokens=args.max_tokens, scheduler_url=args.scheduler_url, engine_url=args.engine_url)
+                           max_tokens=args.max_tokens, scheduler_url=args.scheduler_url, engine_url=args.engine_url,
+                           plot=args.plot)
 
 
 # -- parser ---------------------------------------------------------------------------------------
@@ -195,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     proxy = bench_sub.add_parser("proxy", help="TTFT through the scheduler vs straight to the engine")
     _add_config_args(proxy)
     proxy.add_argument("--out", type=Path, required=True, help="JSON results file")
+    proxy.add_argument("--plot", type=Path, metavar="PNG", help="also draw TTFT distributions to this PNG")
     proxy.add_argument("--concurrency", type=_positive_int, default=16, help="concurrent streaming chats (16)")
     proxy.add_argument("--rounds", type=_positive_int, default=100, help="rounds per path (100)")
     proxy.add_argument("--max-tokens", type=_positive_int, default=4, help="tokens per answer (4)")

@@ -211,3 +211,21 @@ def test_client_leaving_mid_stream_aborts_the_generation(live_cluster: LiveClust
     # 4,000 forced tokens would keep the engine busy for minutes; an aborted request frees it at once.
     wait_until(lambda: live_cluster.node_state(node)["running"] == 0 and
                live_cluster.node_state(node)["inflight"] == 0, 15, "the engine to drop the abandoned request")
+
+
+def test_proxy_bench_writes_its_keys(live_cluster: LiveCluster, tmp_path: Path) -> None:
+    # A smoke run of the benchmark's code path against the session cluster (figures come from the
+    # full run, which starts a private 1-node cluster).
+    out, plot = tmp_path / "proxy.json", tmp_path / "proxy.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "symphony.cli", "bench", "proxy", "--out", str(out), "--plot", str(plot),
+         "--scheduler-url", live_cluster.url, "--engine-url", f"http://127.0.0.1:{live_cluster.engine_ports[0]}",
+         "--concurrency", "2", "--rounds", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    for key in ("direct_ttft_ms_p50", "direct_ttft_ms_p99", "via_scheduler_ttft_ms_p50", "via_scheduler_ttft_ms_p99",
+                "overhead_ms_p50"):
+        assert isinstance(result[key], float), key
+    assert result["samples_per_path"] == 4
+    assert 0 < result["direct_ttft_ms_p50"] < 60_000
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
