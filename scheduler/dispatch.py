@@ -93,7 +93,9 @@ class Dispatcher:
     async def start(self) -> None:
         # aiohttp rather than httpx: httpx's pool walks every connection per request, which cost
         # ~2 ms of CPU per request at 16 concurrent streams and showed up directly in TTFT.
-        connector = aiohttp.TCPConnector(limit=self.config.max_inflight_requests + 16, keepalive_timeout=60)
+        # Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM's server) would close them
+        # under us, which would turn a reused connection into a spurious "engine unreachable".
+        connector = aiohttp.TCPConnector(limit=self.config.max_inflight_requests + 16, keepalive_timeout=4.0)
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
                                         sock_read=self.config.request_timeout_s)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
