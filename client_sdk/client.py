@@ -47,12 +47,10 @@ def _session_headers(kwargs: dict[str, Any], session_id: str) -> dict[str, str]:
     return {**(kwargs.pop("extra_headers", None) or {}), SESSION_HEADER: session_id}
 
 
-def _advisory_body(session_id: str, kind: str, expected_arrival_ms: int | None, model: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"session_id": session_id, "kind": kind}
+def _advisory_body(session_id: str, kind: str, expected_arrival_ms: int | None, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"session_id": session_id, "kind": kind, "model": model}
     if expected_arrival_ms is not None:
         body["expected_arrival_ms"] = expected_arrival_ms
-    if model is not None:
-        body["model"] = model
     return body
 
 
@@ -90,7 +88,7 @@ class SymphonyClient:
 
     def advise(self, session_id: str, kind: str, *, expected_arrival_ms: int | None = None) -> Advisory:
         reply = self.openai.post("/advisories", cast_to=object,
-                                 body=_advisory_body(session_id, kind, expected_arrival_ms, self._model))
+                                 body=_advisory_body(session_id, kind, expected_arrival_ms, self.model))
         return _advisory(reply)
 
     def typing_started(self, session_id: str) -> Advisory:
@@ -134,7 +132,7 @@ class AsyncSymphonyClient:
 
     async def advise(self, session_id: str, kind: str, *, expected_arrival_ms: int | None = None) -> Advisory:
         reply = await self.openai.post("/advisories", cast_to=object,
-                                       body=_advisory_body(session_id, kind, expected_arrival_ms, self._model))
+                                       body=_advisory_body(session_id, kind, expected_arrival_ms, await self.model()))
         return _advisory(reply)
 
     async def typing_started(self, session_id: str) -> Advisory:

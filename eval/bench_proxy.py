@@ -116,6 +116,7 @@ async def measure(scheduler_url: str, engine_url: str, model: str, concurrency: 
         "via_scheduler_ttft_ms_p50": percentile(via, 50),
         "via_scheduler_ttft_ms_p99": percentile(via, 99),
         "overhead_ms_p50": statistics.median(per_pair),
+        "per_pair_overhead_ms": per_pair,
         "overhead_ms_p50_ci95": [low, high],
         "pooled_p50_difference_ms": percentile(via, 50) - percentile(direct, 50),
         "p99_ratio": percentile(via, 99) / percentile(direct, 99),

@@ -17,18 +17,14 @@ from symphony.rpc import node_pb2_grpc
 log = get_logger("node_manager")
 
 
-def node_id_for(index: int) -> str:
-    return f"node-{index}"
-
-
 async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None:
-    node_id = node_id_for(index)
+    node_id = config.node_id(index)
     launch = engine_launch(config.engine, model, config.node.host, config.engine_port(index))
     engine = Engine(f"{node_id}-engine", launch, config.engine, config.home_path / "logs" / f"{node_id}-engine.log",
                     config.node.engine_scrape_interval_ms / 1000)
     server = grpc.aio.server()
     node_pb2_grpc.add_NodeManagerServicer_to_server(NodeManagerService(node_id, engine, model.served_name), server)
-    address = f"{config.node.host}:{config.node.grpc_port_base + index}"
+    address = config.node_grpc_address(index)
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address} (port in use?)")
     stop = asyncio.Event()

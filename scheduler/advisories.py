@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -21,15 +23,24 @@ class Advisory:
 
 
 class AdvisoryTable:
-    """LRU-bounded map session -> pending advisory; an entry lives until used, replaced or expired."""
+    """LRU-bounded map session -> pending advisory; an entry lives until used, replaced or expired.
 
-    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    Expiry is tracked in a heap because lifetimes differ (a predecessor hint an hour ahead must not
+    shield the typing advisories behind it); heap entries of advisories already used or replaced are
+    skipped when they surface, and the heap is rebuilt if such leftovers pile up.
+    """
+
+    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[str], None] | None = None) -> None:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
         self._entries: OrderedDict[SessionKey, Advisory] = OrderedDict()
+        self._expiry: list[tuple[float, int, SessionKey, Advisory]] = []
+        self._seq = itertools.count()
         self._max_entries = max_entries
         self._ttl_s = ttl_s
         self._clock = clock
+        self._on_drop = on_drop  # called with "expired" or "evicted" for each advisory never used
         self.evicted = 0  # dropped to stay within max_entries before being used
         self.expired = 0
         # Requests announced but not yet arrived, per node: routing counts them as load about to land.
@@ -46,10 +57,14 @@ class AdvisoryTable:
         self._remove(session)
         self._entries[session] = advisory
         self.pending_by_node[node_id] += 1
-        self._purge(now)
+        heapq.heappush(self._expiry, (advisory.expires_at, next(self._seq), session, advisory))
+        self.purge(now)
         while len(self._entries) > self._max_entries:
             self._remove(next(iter(self._entries)))
-            self.evicted += 1
+            self._dropped("evicted")
+        if len(self._expiry) > 2 * self._max_entries:
+            self._expiry = [(a.expires_at, next(self._seq), key, a) for key, a in self._entries.items()]
+            heapq.heapify(self._expiry)
         return advisory
 
     def take(self, session: SessionKey) -> Advisory | None:
@@ -58,19 +73,26 @@ class AdvisoryTable:
         if advisory is None:
             return None
         if advisory.expires_at < self._clock():
-            self.expired += 1
+            self._dropped("expired")
             return None
         return advisory
 
-    def _purge(self, now: float) -> None:
-        # Entries are in insertion order; expiry is nearly so, which makes a front sweep cheap and
-        # good enough: anything it misses is caught by take() or pushed out by the size bound.
-        while self._entries:
-            oldest = next(iter(self._entries.values()))
-            if oldest.expires_at >= now:
-                break
-            self._remove(oldest.session)
+    def purge(self, now: float | None = None) -> None:
+        """Drop every expired advisory (routing calls this before reading pending_by_node)."""
+        now = self._clock() if now is None else now
+        while self._expiry and self._expiry[0][0] < now:
+            _, _, session, advisory = heapq.heappop(self._expiry)
+            if self._entries.get(session) is advisory:  # else used or replaced already
+                self._remove(session)
+                self._dropped("expired")
+
+    def _dropped(self, reason: str) -> None:
+        if reason == "expired":
             self.expired += 1
+        else:
+            self.evicted += 1
+        if self._on_drop is not None:
+            self._on_drop(reason)
 
     def _remove(self, session: SessionKey) -> Advisory | None:
         advisory = self._entries.pop(session, None)

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from scheduler.advisories import AdvisoryTable
-from scheduler.cluster import Cluster, NodeView
+from scheduler.cluster import Cluster
 from scheduler.dispatch import Dispatcher
 from scheduler.errors import http_error_handler
 from scheduler.hot_path import HotPath
@@ -33,18 +33,25 @@ class SchedulerState:
         sc = config.scheduler
         self.metrics = SchedulerMetrics()
         self.cluster = Cluster(config.scheduler_node_addresses(), poll_interval_s=sc.poll_interval_ms / 1000,
-                               down_after_s=sc.node_down_after_ms / 1000, on_update=self.export_node)
-        self.advisories = AdvisoryTable(sc.max_advisories, sc.advisory_ttl_s)
+                               down_after_s=sc.node_down_after_ms / 1000)
+        self.advisories = AdvisoryTable(sc.max_advisories, sc.advisory_ttl_s,
+                                        on_drop=lambda reason: self.metrics.advisories_dropped.labels(reason).inc())
         self.dispatcher = Dispatcher(self.cluster, make_policy(sc.policy), self.advisories, self.metrics, sc)
 
-    def export_node(self, node: NodeView) -> None:
+    def export_gauges(self) -> None:
+        """Refresh the gauges from live state; done when /metrics is scraped, not on every change."""
         now = time.monotonic()
         m = self.metrics
-        m.node_up.labels(node.node_id).set(1 if node.available(now, self.cluster.down_after_s) else 0)
-        m.node_load.labels(node.node_id).set(node.running + node.waiting)
-        m.node_inflight.labels(node.node_id).set(node.inflight)
-        m.node_kv_usage.labels(node.node_id).set(node.kv_usage)
-        m.node_engine_restarts.labels(node.node_id).set(node.engine_restarts)
+        self.advisories.purge(now)
+        m.advisories_pending.set(len(self.advisories))
+        for node in self.cluster.nodes:
+            if not node.reported:
+                continue  # its id is not known yet; no series under a placeholder name
+            m.node_up.labels(node.node_id).set(1 if node.available(now, self.cluster.down_after_s) else 0)
+            m.node_load.labels(node.node_id).set(node.running + node.waiting)
+            m.node_inflight.labels(node.node_id).set(node.inflight)
+            m.node_kv_usage.labels(node.node_id).set(node.kv_usage)
+            m.node_engine_restarts.labels(node.node_id).set(node.engine_restarts)
 
     async def start(self) -> None:
         await self.dispatcher.start()
@@ -90,8 +97,7 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        for node in state.cluster.nodes:
-            state.export_node(node)
+        state.export_gauges()
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return HotPath(app, state)

@@ -39,6 +39,11 @@ class NodeView:
     unreachable_until: float = float("-inf")  # set when dispatch could not connect to the engine
     inflight: int = 0
 
+    @property
+    def reported(self) -> bool:
+        """The node manager answered Status at least once (so node_id is its own name)."""
+        return self.last_status_at != float("-inf")
+
     def available(self, now: float, down_after_s: float) -> bool:
         return (self.engine_state == READY and now - self.last_status_at <= down_after_s
                 and now >= self.unreachable_until and bool(self.engine_url))
@@ -59,13 +64,11 @@ class Cluster:
     """Owns the node views and one polling task per node."""
 
     def __init__(self, addresses: list[str], *, poll_interval_s: float, down_after_s: float,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_update: Callable[[NodeView], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
         self.poll_interval_s = poll_interval_s
         self.down_after_s = down_after_s
         self._clock = clock
-        self._on_update = on_update
         self._channels: list[grpc.aio.Channel] = []
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -137,14 +140,26 @@ class Cluster:
 
     def apply_status(self, node: NodeView, status: node_pb2.NodeStatus) -> None:
         was_ready = node.engine_state == READY
-        node.node_id = status.node_id or node.address
+        node_id = status.node_id or node.address
+        if any(other is not node and other.node_id == node_id for other in self.nodes):
+            # Two managers claiming one name (say, two hosts both started with --index 0): keep
+            # them apart, or the second would never get traffic.
+            node_id = f"{node_id}@{node.address}"
+        if node_id != node.node_id and node.reported:
+            log.warning("node renamed", old=node.node_id, new=node_id, address=node.address)
+        node.node_id = node_id
         node.engine_state = status.engine_state
         node.engine_url = status.engine_url
         node.served_model = status.served_model
         node.max_model_len = status.max_model_len
-        node.running = status.num_requests_running
-        node.waiting = status.num_requests_waiting
-        node.kv_usage = status.kv_cache_usage
+        if status.metrics_age_ms <= self.down_after_s * 1000:
+            node.running = status.num_requests_running
+            node.waiting = status.num_requests_waiting
+            node.kv_usage = status.kv_cache_usage
+        else:
+            # The engine serves but its load figures are stale: route on what this scheduler
+            # knows (its own in-flight count) rather than on a frozen reading.
+            node.running = node.waiting = 0
         node.engine_restarts = status.engine_restarts
         node.last_engine_error = status.last_engine_error
         node.last_status_at = self._clock()
@@ -156,7 +171,10 @@ class Cluster:
     async def _poll(self, node: NodeView, stub: node_pb2_grpc.NodeManagerStub) -> None:
         while True:
             started = self._clock()
-            await self.poll_once(node, stub)
-            if self._on_update is not None:
-                self._on_update(node)
+            try:
+                await self.poll_once(node, stub)
+            except Exception:
+                # A malformed status must not end this node's polling for good (the node would
+                # silently age into "unreachable"); log it and keep polling.
+                log.error("node status could not be applied", node=node.node_id, exc_info=True)
             await asyncio.sleep(max(0.0, self.poll_interval_s - (self._clock() - started)))

@@ -7,19 +7,16 @@ of one local HTTP hop.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import Response
 
 from scheduler.advisories import AdvisoryTable, SessionKey
 from scheduler.cluster import Cluster, NodeView
-from scheduler.errors import ApiError, error_response, sse_error_event
+from scheduler.errors import ApiError, error_response
 from scheduler.metrics import SchedulerMetrics
+from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
 from scheduler.routing import RouteRequest, RoutingPolicy
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
@@ -32,45 +29,11 @@ NODE_HEADER = "X-Symphony-Node"
 ROUTE_HEADER = "X-Symphony-Route"
 # Errors raised before the engine sent a status line: the request did not start, so another node
 # may take it. A read timeout is not among them: the engine may still be working on it.
-_NOT_STARTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError)
+# (ClientOSError covers refused connections; ServerDisconnectedError a connection the engine dropped
+# before answering.)
+_NOT_STARTED = (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError)
 # After a failed connect, keep a node out of rotation this long (or until a later poll says ready).
 _UNREACHABLE_HOLD_S = 1.0
-
-
-class RelayResponse(StreamingResponse):
-    """Streams an engine's event stream to the client, chunk for chunk.
-
-    Starlette's StreamingResponse opens an anyio task group per response to notice disconnects; at
-    16 concurrent streams that was a visible part of the scheduler's per-request CPU. Here one plain
-    asyncio task waits for the disconnect and closes the upstream, which ends the relay loop.
-    """
-
-    def __init__(self, upstream: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], media_type: str,
-                 headers: dict[str, str], release: Callable[[], None]) -> None:
-        super().__init__(chunks, status_code=200, media_type=media_type, headers=headers)
-        self._upstream = upstream
-        self._release = release
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def close_upstream_on_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            self._upstream.close()
-
-        watcher = asyncio.ensure_future(close_upstream_on_disconnect())
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            watcher.cancel()
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            # A relay that never started has not run its own cleanup; both calls are no-ops otherwise
-            # (close() after release() leaves the pooled connection alone).
-            self._upstream.close()
-            self._release()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +71,7 @@ class Dispatcher:
     # -- routing --------------------------------------------------------------------------------
     def _route(self, model: str, tenant: str, session_id: str | None, exclude: set[str],
                advised_node: str | None) -> Route:
+        self.advisories.purge()  # expired announcements must not count as load
         nodes = [n for n in self.cluster.snapshot(model, self.advisories.pending_by_node) if n.node_id not in exclude]
         if advised_node is not None:
             if any(n.node_id == advised_node and n.available for n in nodes):
@@ -138,7 +102,6 @@ class Dispatcher:
                       new=route.node.node_id)
         entry = self.advisories.put(key, advisory.kind, route.node.node_id, advisory.expected_arrival_ms)
         self.metrics.advisories.labels(advisory.kind).inc()
-        self.metrics.advisories_pending.set(len(self.advisories))
         return {
             "object": "advisory",
             "session_id": advisory.session_id,
@@ -149,14 +112,14 @@ class Dispatcher:
         }
 
     # -- inference ------------------------------------------------------------------------------
-    async def dispatch(self, request: InferenceRequest, tenant: str, received_at: float) -> Response:
+    async def dispatch(self, request: InferenceRequest, tenant: str, received_at: float
+                       ) -> UpstreamRelay | Response:
         if self.inflight_total >= self.config.max_inflight_requests:
             raise ApiError(429, f"the scheduler has {self.inflight_total} requests in flight (limit "
                            f"{self.config.max_inflight_requests}); retry later", code="too_many_requests")
         advised_node = None
         if request.session_id is not None:
             advisory = self.advisories.take((tenant, request.session_id))
-            self.metrics.advisories_pending.set(len(self.advisories))
             advised_node = advisory.node_id if advisory is not None else None
         tried: set[str] = set()
         last_error = ""
@@ -180,7 +143,8 @@ class Dispatcher:
         raise ApiError(503, f"the engine could not be reached ({last_error}); retry shortly",
                        code="engine_unreachable")
 
-    async def _send(self, route: Route, request: InferenceRequest, received_at: float) -> Response:
+    async def _send(self, route: Route, request: InferenceRequest, received_at: float) -> UpstreamRelay | Response:
+        """Open the exchange with the engine; raises a _NOT_STARTED error if it never began."""
         assert self._session is not None, "Dispatcher.start() was not awaited"
         node = route.node
         headers = {"content-type": "application/json"}
@@ -197,65 +161,31 @@ class Dispatcher:
                 node.inflight -= 1
                 self.inflight_total -= 1
 
+        reply_headers = {NODE_HEADER: node.node_id, ROUTE_HEADER: route.reason}
         try:
             upstream = await self._session.post(node.engine_url + ENGINE_PATHS[request.endpoint],
                                                 data=request.body, headers=headers)
+        except _NOT_STARTED:
+            release()
+            raise
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            # The engine took the request but sent no status line in time (a plain request's
+            # headers come only when generation ends): not safe to send elsewhere.
+            release()
+            status = 504 if isinstance(exc, TimeoutError) else 502
+            self._count(request, status)
+            return error_response(status, f"{node.node_id}'s engine did not answer: {type(exc).__name__}",
+                                  code="engine_timeout" if status == 504 else "engine_error", headers=reply_headers)
         except BaseException:
             release()
             raise
         self.metrics.routed.labels(node.node_id, route.reason).inc()
         log.debug("dispatched", node=node.node_id, reason=route.reason, session=request.session_id,
                   status=upstream.status)
-        reply_headers = {NODE_HEADER: node.node_id, ROUTE_HEADER: route.reason}
-        content_type = upstream.headers.get("content-type", "application/json")
-        if not request.stream or upstream.status != 200:
-            try:
-                payload = await upstream.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                status = 504 if isinstance(exc, TimeoutError) else 502
-                self._count(request, status)
-                return error_response(status, f"{node.node_id}'s engine did not deliver a response: "
-                                      f"{type(exc).__name__}", code="engine_error", headers=reply_headers)
-            finally:
-                upstream.release()
-                release()
-            status = upstream.status
-            if status >= 500:
-                self._count(request, 502)
-                detail = payload.decode(errors="replace")[:500]
-                return error_response(502, f"{node.node_id}'s engine failed: {detail}", code="engine_error",
-                                      headers=reply_headers)
-            self._count(request, status)
-            self.metrics.e2e.labels(request.endpoint, "false").observe(time.perf_counter() - received_at)
-            return Response(payload, status_code=status, media_type=content_type, headers=reply_headers)
-
-        self._count(request, 200)
-        return RelayResponse(upstream, self._relay(upstream, request, node.node_id, received_at, release),
-                             content_type, reply_headers, release)
-
-    async def _relay(self, upstream: aiohttp.ClientResponse, request: InferenceRequest, node_id: str,
-                     received_at: float, release: Callable[[], None]) -> AsyncIterator[bytes]:
-        first, finished = True, False
-        try:
-            async for chunk in upstream.content.iter_any():
-                if first:
-                    first = False
-                    self.metrics.ttft.labels(request.endpoint).observe(time.perf_counter() - received_at)
-                yield chunk
-            finished = True
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            # The status line is already sent; tell the client inside the stream instead.
-            log.warning("engine stream broke", node=node_id, error=type(exc).__name__)
-            yield sse_error_event(502, f"the engine stream broke: {type(exc).__name__}", "engine_stream_broken")
-        finally:
-            if finished:
-                upstream.release()  # keep the connection for the next request
-            else:
-                # The client left early (or the engine broke): dropping the connection makes vLLM
-                # abort the generation instead of finishing it for nobody.
-                upstream.close()
-            release()
-            self.metrics.e2e.labels(request.endpoint, "true").observe(time.perf_counter() - received_at)
+        exchange = Exchange(request.endpoint, node.node_id, received_at, reply_headers, release)
+        if request.stream and upstream.status == 200:
+            return StreamRelay(upstream, exchange, self.metrics)
+        return BufferedRelay(upstream, exchange, self.metrics)
 
     def _count(self, request: InferenceRequest, status: int) -> None:
         self.metrics.requests.labels(request.endpoint, str(status)).inc()

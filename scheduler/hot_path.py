@@ -9,6 +9,7 @@ matters.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -113,8 +114,31 @@ class HotPath:
         raw = await read_body(scope, receive, self._limits.max_body_bytes)
         parsed = validate_inference(endpoint, raw, header(scope, SESSION_HEADER), self.state.cluster.served_models(),
                                     self._limits.max_session_id_len)
-        response = await self.state.dispatcher.dispatch(parsed, DEFAULT_TENANT, received_at)
-        await response(scope, receive, send)
+        # If the client hangs up at any point (waiting for a plain answer, or mid-stream), cancel
+        # this exchange: the engine connection closes and vLLM aborts the generation. One watcher
+        # for the whole exchange, and the only reader of `receive` once the body is in.
+        exchange = asyncio.current_task()
+        assert exchange is not None
+        client_gone = False
+
+        async def cancel_on_disconnect() -> None:
+            nonlocal client_gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            client_gone = True
+            exchange.cancel()
+
+        watcher = asyncio.ensure_future(cancel_on_disconnect())
+        try:
+            response = await self.state.dispatcher.dispatch(parsed, DEFAULT_TENANT, received_at)
+            await response(scope, receive, send)
+        except asyncio.CancelledError:
+            if not client_gone:
+                raise
+            exchange.uncancel()
+            self.state.metrics.requests.labels(endpoint, "499").inc()  # nginx's "client closed request"
+        finally:
+            watcher.cancel()
 
     async def _advisory(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = await read_body(scope, receive, self._limits.max_body_bytes)

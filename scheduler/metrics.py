@@ -26,6 +26,9 @@ class SchedulerMetrics:
         self.advisory_followups = Counter("symphony_advisory_followups", "Requests that had a pending advisory: "
                                           "honored (went to the advised node) or rerouted (node unavailable)",
                                           ["outcome"], registry=r)
+        self.advisories_dropped = Counter("symphony_advisories_dropped", "Advisories never followed by their "
+                                          "request: expired, or evicted by the table's size bound", ["reason"],
+                                          registry=r)
         self.advisories_pending = Gauge("symphony_advisories_pending", "Advisories waiting for their request",
                                         registry=r)
         self.node_up = Gauge("symphony_node_up", "1 when the node is routable", ["node"], registry=r)

@@ -1,7 +1,7 @@
 """Routing policies: pure functions of (request, cluster snapshot) -> decision. No I/O, no clocks.
 
-The scheduler builds the snapshot from polled node status and its own in-flight counts; the simulator
-(eval/) builds it from its engine models. Both call the same policy objects.
+The scheduler builds the snapshot from polled node status and its own in-flight counts; the cluster
+simulator planned for eval/ is to build it from its engine models and call the same policy objects.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, "request body is empty; expected a JSON object")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, huge integers, absurd nesting
+        raise ApiError(400, f"request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body

@@ -95,6 +95,10 @@ class SymphonyConfig:
     def home_path(self) -> Path:
         return Path(self.home).expanduser()
 
+    @staticmethod
+    def node_id(index: int) -> str:
+        return f"node-{index}"
+
     def node_grpc_address(self, index: int) -> str:
         return f"{self.node.host}:{self.node.grpc_port_base + index}"
 
@@ -265,9 +269,8 @@ def _validate(config: SymphonyConfig) -> None:
     s = config.scheduler
     port("scheduler.port", s.port)
     for name in ("poll_interval_ms", "node_down_after_ms", "max_inflight_requests", "max_body_bytes",
-                 "max_session_id_len", "max_advisories", "max_expected_arrival_ms"):
-        check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
-    for name in ("connect_timeout_s", "request_timeout_s", "advisory_ttl_s"):
+                 "max_session_id_len", "max_advisories", "max_expected_arrival_ms", "connect_timeout_s",
+                 "request_timeout_s", "advisory_ttl_s"):
         check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
     check(s.node_down_after_ms >= s.poll_interval_ms, "scheduler.node_down_after_ms",
           "must be at least scheduler.poll_interval_ms")

@@ -46,13 +46,21 @@ def _child_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "symphony.cli", *args]
 
 
-async def _node_serving(address: str) -> bool:
-    async with grpc.aio.insecure_channel(address) as channel:
+class _NodeHealthProbe:
+    """Readiness/liveness probe of one node manager over one long-lived gRPC channel."""
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = node_pb2_grpc.NodeManagerStub(self._channel)
+
+    async def __call__(self) -> bool:
         try:
-            reply = await node_pb2_grpc.NodeManagerStub(channel).Health(node_pb2.HealthRequest(), timeout=1.0)
+            return (await self._stub.Health(node_pb2.HealthRequest(), timeout=1.0)).serving
         except grpc.aio.AioRpcError:
             return False
-        return reply.serving
+
+    async def close(self) -> None:
+        await self._channel.close()
 
 
 class Cluster:
@@ -67,17 +75,20 @@ class Cluster:
         self._http = httpx.AsyncClient(timeout=2.0)
         self.nodes: list[ManagedProcess] = []
         self.scheduler: ManagedProcess | None = None
+        self._probes: list[_NodeHealthProbe] = []
 
     def spawn(self) -> None:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(dump_toml(self.config))
         config_arg = ["--effective-config", str(self.config_path)]
         for i in range(self.config.cluster.nodes):
-            address = self.config.node_grpc_address(i)
+            name = self.config.node_id(i)
+            probe = _NodeHealthProbe(self.config.node_grpc_address(i))
+            self._probes.append(probe)
             proc = ManagedProcess(
-                f"node-{i}", _child_argv("node", *config_arg, "--index", str(i)),
-                log_path=self.logs_dir / f"node-{i}.log",
-                ready_probe=lambda address=address: _node_serving(address),
+                name, _child_argv("node", *config_arg, "--index", str(i)),
+                log_path=self.logs_dir / f"{name}.log",
+                ready_probe=probe,
                 policy=CHILD_RESTARTS, startup_timeout_s=60.0,
                 # The node manager stops its engine first; give it the engine's grace plus margin.
                 stop_timeout_s=self.config.engine.stop_timeout_s + 15.0,
@@ -150,7 +161,8 @@ class Cluster:
             f"  scheduler  {url}/v1   (OpenAI API · POST /v1/advisories · /metrics · /readyz)",
         ]
         for i in range(c.cluster.nodes):
-            lines.append(f"  node-{i}     grpc {c.node_grpc_address(i)}   engine http://{c.node.host}:{c.engine_port(i)}")
+            lines.append(f"  {c.node_id(i):<10} grpc {c.node_grpc_address(i)}   "
+                         f"engine http://{c.node.host}:{c.engine_port(i)}")
         lines += [
             f"  logs       {self.logs_dir}",
             "",
@@ -183,6 +195,8 @@ class Cluster:
         if self.scheduler is not None:
             await self.scheduler.stop()
         await asyncio.gather(*(node.stop() for node in self.nodes))
+        for probe in self._probes:
+            await probe.close()
         await self._http.aclose()
         self.say("stopped.")
 

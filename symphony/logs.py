@@ -38,9 +38,6 @@ class StructLogger:
     def error(self, event: str, **fields: Any) -> None:
         self._log(logging.ERROR, event, fields)
 
-    def is_debug(self) -> bool:
-        return self._logger.isEnabledFor(logging.DEBUG)
-
 
 def get_logger(name: str) -> StructLogger:
     return StructLogger(name)

@@ -55,9 +55,13 @@ ReadyProbe = Callable[[], Awaitable[bool]]
 StateListener = Callable[["ManagedProcess"], None]
 
 
+# Loaded here, not in the child: between fork and exec only async-signal-safe work is safe, and
+# dlopen in a child forked from a process with threads (gRPC's) can deadlock.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ManagedProcess:
@@ -286,6 +290,9 @@ class ManagedProcess:
         with contextlib.suppress(ProcessLookupError):
             await proc.wait()
         self._unlink_shm()
+        # Forget it: its pid (and process group id) may be reused by an unrelated process later, which
+        # a second _terminate (stop() after a crash) must never signal.
+        self._proc = None
 
     def _record_shm(self) -> None:
         if self._proc is not None:

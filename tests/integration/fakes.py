@@ -59,7 +59,8 @@ def sse(content: str) -> bytes:
 class FakeEngine:
     """Behaviour per request is picked by the prompt's first message content:
     "stall": stream one chunk then wait (to test disconnects), "break": stream two chunks then drop the
-    connection, "bad": answer 400 like vLLM's validation, anything else: a normal answer."""
+    connection, "bad": answer 400 like vLLM's validation, "slow": a plain answer only after 10 s (or
+    until the caller hangs up), anything else: a normal answer."""
 
     port: int = field(default_factory=free_port)
     requests: list[dict[str, object]] = field(default_factory=list)
@@ -79,6 +80,12 @@ class FakeEngine:
         if behaviour == "bad":
             return web.json_response({"error": {"message": "temperature must be >= 0", "type": "BadRequestError",
                                                 "param": "temperature", "code": 400}}, status=400)
+        if behaviour == "slow" and not body.get("stream"):
+            for _ in range(500):
+                if request.transport is None or request.transport.is_closing():
+                    self.disconnected.set()
+                    break
+                await asyncio.sleep(0.02)
         if not body.get("stream"):
             return web.json_response({"object": "chat.completion", "choices": [
                 {"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],

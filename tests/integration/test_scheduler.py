@@ -330,3 +330,66 @@ async def test_model_whose_nodes_are_all_down_is_unavailable_not_unknown(
         assert reply.json()["error"]["code"] == "no_engine_available"
         unknown = await client.post("/v1/chat/completions", json={**CHAT, "model": "other"})
         assert unknown.status_code == 404
+
+
+SLOW = {**CHAT, "messages": [{"role": "user", "content": "slow"}]}
+
+
+async def test_engine_that_never_answers_gives_504(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, state = await start_scheduler([await make_node(engine.url)], request_timeout_s=0.5)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        await _ready(client)
+        reply = await client.post("/v1/chat/completions", json=SLOW)
+        assert reply.status_code == 504
+        assert reply.json()["error"]["code"] == "engine_timeout"
+        assert len(engine.requests) == 1, "a request the engine may be working on is not sent elsewhere"
+        assert state.dispatcher.inflight_total == 0
+
+
+async def test_client_leaving_a_plain_request_aborts_it_at_the_engine(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, state = await start_scheduler([await make_node(engine.url)])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client)
+        pending = asyncio.create_task(client.post("/v1/chat/completions", json=SLOW))
+        await async_wait_until(lambda: len(engine.requests) == 1, 10, "the engine to receive the request")
+        pending.cancel()  # the client hangs up before the answer
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+    await asyncio.wait_for(engine.disconnected.wait(), 10)
+    await async_wait_until(lambda: state.dispatcher.inflight_total == 0, 10, "in-flight count back to 0")
+
+
+async def test_two_nodes_claiming_one_name_both_get_traffic(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    first, second = await make_node(engine.url, "node-0"), await make_node(engine.url, "node-0")
+    url, _ = await start_scheduler([first, second])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client, 2)
+        names = set((await client.get("/readyz")).json()["nodes"])
+        assert len(names) == 2 and "node-0" in names
+        served = {(await client.post("/v1/chat/completions", json=CHAT)).headers["x-symphony-node"] for _ in range(4)}
+        assert served == names
+
+
+async def test_expired_advisories_stop_counting_as_load(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, state = await start_scheduler([await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")],
+                                       advisory_ttl_s=0.2)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await _ready(client, 2)
+        for i in range(6):
+            await client.post("/v1/advisories", json={"session_id": f"gone-{i}", "kind": "typing"})
+        assert sum(state.advisories.pending_by_node.values()) == 6
+
+        async def drained() -> bool:
+            metrics = (await client.get("/metrics")).text
+            return "symphony_advisories_pending 0.0" in metrics
+
+        await async_wait_until(drained, 10, "expired advisories to be dropped")
+        assert 'symphony_advisories_dropped_total{reason="expired"} 6.0' in (await client.get("/metrics")).text

@@ -208,3 +208,43 @@ def test_pending_by_node_matches_table_through_a_mixed_sequence(clock: FakeClock
         assert dict(t.pending_by_node) == expected
         assert all(count > 0 for count in t.pending_by_node.values())
         assert len(t) <= 3
+
+
+def test_purge_drops_expired_advisories_without_new_puts(clock: FakeClock) -> None:
+    # Stale advisories must stop counting as load even if no further advisory ever arrives.
+    t = table(clock, ttl_s=10.0)
+    for i in range(50):
+        t.put(("default", f"s{i}"), "typing", "node-1", None)
+    clock.advance(11.0)
+    t.purge()
+    assert len(t) == 0 and dict(t.pending_by_node) == {}
+    assert t.expired == 50
+
+
+def test_a_far_ahead_hint_does_not_shield_later_expiries(clock: FakeClock) -> None:
+    t = table(clock, ttl_s=10.0)
+    t.put(A, "predecessor", "node-1", 3_600_000)  # valid for an hour and more
+    t.put(B, "typing", "node-2", None)
+    clock.advance(11.0)
+    t.purge()
+    assert dict(t.pending_by_node) == {"node-1": 1}
+    assert t.take(A) is not None
+
+
+def test_drops_are_reported_with_their_reason(clock: FakeClock) -> None:
+    reasons: list[str] = []
+    t = AdvisoryTable(1, 5.0, clock=clock, on_drop=reasons.append)
+    t.put(A, "typing", "node-1", None)
+    t.put(B, "typing", "node-1", None)  # evicts A
+    clock.advance(6.0)
+    t.purge()  # B expires
+    assert reasons == ["evicted", "expired"]
+
+
+def test_expiry_heap_stays_bounded_when_advisories_are_used(clock: FakeClock) -> None:
+    t = table(clock, max_entries=4, ttl_s=1000.0)
+    for i in range(100):
+        key = ("default", f"s{i}")
+        t.put(key, "typing", "node-1", None)
+        assert t.take(key) is not None
+    assert len(t._expiry) <= 2 * 4 + 1

@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 
 from scheduler.errors import ApiError
-from scheduler.validation import AdvisoryRequest, InferenceRequest, validate_advisory, validate_inference
+from scheduler.validation import (
+    AdvisoryRequest,
+    InferenceRequest,
+    parse_json_object,
+    validate_advisory,
+    validate_inference,
+)
 
 SERVED = {"m": 4096}
 MAX_SESSION = 128
@@ -303,3 +309,11 @@ def test_advisory_for_unknown_model_is_404() -> None:
 
 def test_advisory_with_no_served_models_is_503() -> None:
     assert rejected(advisory, encode({"session_id": "s", "kind": "typing"}), served={}).status == 503
+
+
+@pytest.mark.parametrize("raw", [b'{"max_tokens": ' + b"9" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000],
+                         ids=["huge-integer", "deep-nesting"])
+def test_pathological_json_is_a_400_not_a_crash(raw: bytes) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_json_object(raw)
+    assert info.value.status == 400

@@ -1,0 +1,53 @@
+"""The scheduler's node view: applying status replies (pure bookkeeping, no gRPC)."""
+
+from __future__ import annotations
+
+from scheduler.cluster import Cluster
+from symphony.rpc import node_pb2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def status(node_id: str, **fields: object) -> node_pb2.NodeStatus:
+    return node_pb2.NodeStatus(node_id=node_id, engine_state=node_pb2.ENGINE_STATE_READY,
+                               engine_url="http://e:1", served_model="m", max_model_len=4096, **fields)
+
+
+def test_fresh_load_figures_are_taken() -> None:
+    cluster = Cluster(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
+    node = cluster.nodes[0]
+    cluster.apply_status(node, status("node-0", num_requests_running=3, num_requests_waiting=2,
+                                      kv_cache_usage=0.5, metrics_age_ms=80))
+    assert (node.node_id, node.running, node.waiting, node.kv_usage) == ("node-0", 3, 2, 0.5)
+    assert node.reported
+
+
+def test_stale_load_figures_are_not_routed_on() -> None:
+    cluster = Cluster(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
+    node = cluster.nodes[0]
+    cluster.apply_status(node, status("node-0", num_requests_running=3, metrics_age_ms=80))
+    cluster.apply_status(node, status("node-0", num_requests_running=7, metrics_age_ms=5000))
+    assert (node.running, node.waiting) == (0, 0)
+    assert cluster.snapshot("m")[0].available, "a serving engine stays routable on the scheduler's own count"
+
+
+def test_duplicate_names_are_made_unique_by_address() -> None:
+    cluster = Cluster(["a:1", "b:2"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
+    first, second = cluster.nodes
+    cluster.apply_status(first, status("node-0"))
+    cluster.apply_status(second, status("node-0"))
+    assert (first.node_id, second.node_id) == ("node-0", "node-0@b:2")
+    assert cluster.by_id("node-0@b:2") is second
+
+
+def test_node_that_never_answered_is_unreachable_and_unreported() -> None:
+    cluster = Cluster(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
+    assert not cluster.nodes[0].reported
+    assert cluster.states() == {"a:1": "unreachable"}
+    assert cluster.served_models() == {}
