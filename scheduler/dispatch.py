@@ -32,7 +32,7 @@ ROUTE_HEADER = "X-Symphony-Route"
 # (ClientOSError covers refused connections; ServerDisconnectedError a connection the engine dropped
 # before answering.)
 _NOT_STARTED = (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError)
-# After a failed connect, keep a node out of rotation this long (or until a later poll says ready).
+# After a failed connect, keep a node out of rotation this long.
 _UNREACHABLE_HOLD_S = 1.0
 
 
@@ -173,7 +173,7 @@ class Dispatcher:
             # headers come only when generation ends): not safe to send elsewhere.
             release()
             status = 504 if isinstance(exc, TimeoutError) else 502
-            self._count(request, status)
+            self.metrics.count_request(request.endpoint, status)
             return error_response(status, f"{node.node_id}'s engine did not answer: {type(exc).__name__}",
                                   code="engine_timeout" if status == 504 else "engine_error", headers=reply_headers)
         except BaseException:
@@ -187,5 +187,3 @@ class Dispatcher:
             return StreamRelay(upstream, exchange, self.metrics)
         return BufferedRelay(upstream, exchange, self.metrics)
 
-    def _count(self, request: InferenceRequest, status: int) -> None:
-        self.metrics.requests.labels(request.endpoint, str(status)).inc()

@@ -10,13 +10,13 @@ matters.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from scheduler.errors import ApiError, error_body
+from scheduler.errors import ApiError, error_response
 from scheduler.validation import validate_advisory, validate_inference
 from symphony.logs import get_logger
 
@@ -56,14 +56,6 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def send_json(send: Send, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-    payload = json.dumps(body).encode()
-    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": payload})
-
-
 class HotPath:
     """Routes POST /v1/chat/completions, /v1/completions and /v1/advisories; the rest goes to `app`."""
 
@@ -98,16 +90,16 @@ class HotPath:
                 await self._inference(endpoint, scope, receive, tracking_send)
         except ApiError as exc:
             if endpoint != "advisories":
-                self.state.metrics.requests.labels(endpoint, str(exc.status)).inc()
+                self.state.metrics.count_request(endpoint, exc.status)
             if not started:
-                await send_json(send, exc.status, exc.body())
+                await error_response(exc.status, exc.message, param=exc.param, code=exc.code)(scope, receive, send)
         except Exception:
             # Never a bare traceback to the client; the log keeps it for us.
             log.error("unhandled error", endpoint=endpoint, exc_info=True)
             if endpoint != "advisories":
-                self.state.metrics.requests.labels(endpoint, "500").inc()
+                self.state.metrics.count_request(endpoint, 500)
             if not started:
-                await send_json(send, 500, error_body(500, "internal error in the scheduler; see its log"))
+                await error_response(500, "internal error in the scheduler; see its log")(scope, receive, send)
 
     async def _inference(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
         received_at = time.perf_counter()
@@ -136,7 +128,7 @@ class HotPath:
             if not client_gone:
                 raise
             exchange.uncancel()
-            self.state.metrics.requests.labels(endpoint, "499").inc()  # nginx's "client closed request"
+            self.state.metrics.count_request(endpoint, 499)  # nginx's "client closed request"
         finally:
             watcher.cancel()
 
@@ -144,4 +136,4 @@ class HotPath:
         raw = await read_body(scope, receive, self._limits.max_body_bytes)
         parsed = validate_advisory(raw, header(scope, SESSION_HEADER), self.state.cluster.served_models(),
                                    self._limits.max_session_id_len, self._limits.max_expected_arrival_ms)
-        await send_json(send, 202, self.state.dispatcher.advise(parsed, DEFAULT_TENANT))
+        await JSONResponse(self.state.dispatcher.advise(parsed, DEFAULT_TENANT), status_code=202)(scope, receive, send)

@@ -41,5 +41,8 @@ class SchedulerMetrics:
         self.node_engine_restarts = Gauge("symphony_node_engine_restarts", "Engine restarts reported by the node",
                                           ["node"], registry=r)
 
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -54,7 +54,7 @@ class UpstreamRelay:
         raise NotImplementedError
 
     def count(self, status: int, stream: bool) -> None:
-        self.metrics.requests.labels(self.exchange.endpoint, str(status)).inc()
+        self.metrics.count_request(self.exchange.endpoint, status)
         self.metrics.e2e.labels(self.exchange.endpoint, "true" if stream else "false").observe(
             time.perf_counter() - self.exchange.received_at)
 
