@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import enum
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,7 +27,6 @@ from symphony.logs import get_logger
 
 log = get_logger("symphony.process")
 
-_PR_SET_PDEATHSIG = 1
 _SHM_DIR = "/dev/shm/"
 _MAX_LOG_BYTES = 64 * 1024 * 1024
 
@@ -53,15 +52,6 @@ class RestartPolicy:
 
 ReadyProbe = Callable[[], Awaitable[bool]]
 StateListener = Callable[["ManagedProcess"], None]
-
-
-# Loaded here, not in the child: between fork and exec only async-signal-safe work is safe, and
-# dlopen in a child forked from a process with threads (gRPC's) can deadlock.
-_LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ManagedProcess:
@@ -194,14 +184,15 @@ class ManagedProcess:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
             log_file.write(f"\n===== {stamp} start #{self.restarts + 1}: {' '.join(self.argv)}\n".encode())
             log_file.flush()
+            # Through symphony.pdeathsig_exec (not a preexec_fn): the child dies with us, and no
+            # Python code runs between fork and exec (see that module for why that matters).
             return await asyncio.create_subprocess_exec(
-                *self.argv,
+                sys.executable, "-m", "symphony.pdeathsig_exec", str(os.getpid()), *self.argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
 
     async def _wait_until_ready_or_exit(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy, group_members
-from tests.helpers import async_wait_until, free_port
+from tests.helpers import async_wait_until, free_port, wait_until
 
 FAKE_CHILD = Path(__file__).with_name("fake_child.py")
 FAST = RestartPolicy(max_restarts=3, backoff_s=0.01, backoff_max_s=0.05, stable_after_s=600)
@@ -160,3 +161,17 @@ async def test_start_twice_is_an_error(tmp_path: Path) -> None:
             proc.start()
     finally:
         await proc.stop()
+
+
+def test_child_dies_with_its_killed_supervisor(tmp_path: Path) -> None:
+    parent = subprocess.Popen([sys.executable, str(Path(__file__).with_name("supervising_parent.py")),
+                               str(free_port()), str(tmp_path / "child.log")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline())
+        assert _alive(child_pid)
+        parent.kill()  # SIGKILL: the supervisor gets no chance to stop its child
+        parent.wait(10)
+        wait_until(lambda: not _alive(child_pid), 10, "the orphaned child to receive its death signal")
+    finally:
+        parent.kill()
