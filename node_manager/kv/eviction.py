@@ -1,0 +1,161 @@
+"""Eviction policies: pure bookkeeping of *which* pages go first; no tensors, files or locks.
+
+Each policy tracks the pages one tier holds and, asked for `count` victims, returns them all or
+None (nothing changes on None; the caller's state stays consistent). Pages the caller must not evict
+(under I/O) are skipped through `evictable`, so eviction never waits on I/O. The same objects serve
+the node manager and the simulator.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from node_manager.kv.pages import Priority
+
+Evictable = Callable[[Hashable], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class PageMeta:
+    """What ordering needs to know about a page: its layer and the session it was staged for."""
+
+    layer: int
+    session: Hashable
+    priority: Priority = Priority.NORMAL
+
+
+class EvictionPolicy(Protocol):
+    def insert(self, item: Hashable, meta: PageMeta) -> None: ...
+    def touch(self, item: Hashable) -> None: ...
+    def remove(self, item: Hashable) -> None: ...
+    def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None: ...
+    def __len__(self) -> int: ...
+
+
+def _take(candidates: Iterator[Hashable], count: int, evictable: Evictable) -> list[Hashable] | None:
+    chosen = list(itertools.islice((c for c in candidates if evictable(c)), count))
+    return chosen if len(chosen) == count else None
+
+
+class LRUPolicy:
+    """Least recently used first (the SSD tier, per segment)."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, item: Hashable, meta: PageMeta | None = None) -> None:
+        self._order[item] = None
+        self._order.move_to_end(item)
+
+    def touch(self, item: Hashable) -> None:
+        if item in self._order:
+            self._order.move_to_end(item)
+
+    def remove(self, item: Hashable) -> None:
+        self._order.pop(item, None)
+
+    def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None:
+        return _take(iter(self._order), count, evictable)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class PriorityLRUPolicy:
+    """LRU weighted by priority tier (the DRAM tier).
+
+    A page's eviction age is its last use minus a per-priority credit: a high-priority page is
+    treated as if used `credit[HIGH]` ticks later than it was, so it outlives normal and low pages of
+    the same age but does not live forever. One LRU list per priority keeps every operation O(1); a
+    victim is the oldest credited head across the three lists.
+    """
+
+    def __init__(self, credit: dict[Priority, int] | None = None) -> None:
+        self._credit = credit or {Priority.LOW: 0, Priority.NORMAL: 10_000, Priority.HIGH: 40_000}
+        self._lists: dict[Priority, OrderedDict[Hashable, int]] = {p: OrderedDict() for p in Priority}
+        self._priority_of: dict[Hashable, Priority] = {}
+        self._clock = itertools.count()
+
+    def insert(self, item: Hashable, meta: PageMeta) -> None:
+        self.remove(item)
+        self._priority_of[item] = meta.priority
+        self._lists[meta.priority][item] = next(self._clock)
+
+    def touch(self, item: Hashable) -> None:
+        priority = self._priority_of.get(item)
+        if priority is not None:
+            entries = self._lists[priority]
+            entries[item] = next(self._clock)
+            entries.move_to_end(item)
+
+    def remove(self, item: Hashable) -> None:
+        priority = self._priority_of.pop(item, None)
+        if priority is not None:
+            del self._lists[priority][item]
+
+    def _oldest_first(self) -> Iterator[Hashable]:
+        streams = [((tick + self._credit[p], item) for item, tick in entries.items())
+                   for p, entries in self._lists.items()]
+        for _, item in heapq.merge(*streams, key=lambda pair: pair[0]):
+            yield item
+
+    def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None:
+        return _take(self._oldest_first(), count, evictable)
+
+    def __len__(self) -> int:
+        return len(self._priority_of)
+
+
+class TopTierYieldPolicy:
+    """Symphony's yielding order for staged top-tier KV.
+
+    Lower priority tiers go before higher ones; within a priority, later layers before earlier ones
+    (a consumer loading layer by layer needs layer 0 first, so the later layers have the most time to
+    come back); within a layer, smaller sessions before larger (they are cheapest to recompute or
+    reload). Pages are bucketed by (priority, layer), then by session, so a victim search visits
+    buckets, not every page.
+    """
+
+    def __init__(self, session_size: Callable[[Hashable], int]) -> None:
+        self._session_size = session_size
+        self._buckets: dict[tuple[Priority, int], dict[Hashable, dict[Hashable, None]]] = {}
+        self._meta: dict[Hashable, PageMeta] = {}
+
+    def insert(self, item: Hashable, meta: PageMeta) -> None:
+        self.remove(item)
+        self._meta[item] = meta
+        bucket = self._buckets.setdefault((meta.priority, meta.layer), {})
+        bucket.setdefault(meta.session, {})[item] = None
+
+    def touch(self, item: Hashable) -> None:
+        """Recency plays no part in this order."""
+
+    def remove(self, item: Hashable) -> None:
+        meta = self._meta.pop(item, None)
+        if meta is None:
+            return
+        key = (meta.priority, meta.layer)
+        sessions = self._buckets[key]
+        pages = sessions[meta.session]
+        del pages[item]
+        if not pages:
+            del sessions[meta.session]
+            if not sessions:
+                del self._buckets[key]
+
+    def _in_order(self) -> Iterator[Hashable]:
+        for key in sorted(self._buckets, key=lambda k: (k[0], -k[1])):
+            sessions = self._buckets.get(key, {})
+            for session in sorted(sessions, key=self._session_size):
+                yield from list(sessions.get(session, ()))
+
+    def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None:
+        return _take(self._in_order(), count, evictable)
+
+    def __len__(self) -> int:
+        return len(self._meta)

@@ -1,0 +1,46 @@
+"""Prometheus metrics of one KV store (own registry, so two stores in one test process don't collide)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_IO_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# deadline - completion: positive = finished ahead of the request, negative = late.
+_LEAD_BUCKETS = (-10.0, -1.0, -0.1, 0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+class KVMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.tier_bytes = Gauge("symphony_kv_tier_bytes", "Bytes of KV pages held per tier", ["tier"], registry=r)
+        self.tier_pages = Gauge("symphony_kv_tier_pages", "KV pages held per tier", ["tier"], registry=r)
+        self.tier_capacity = Gauge("symphony_kv_tier_capacity_bytes", "Configured capacity per tier", ["tier"],
+                                   registry=r)
+        self.hits = Counter("symphony_kv_load_hits_total", "Pages a load found, by the tier that served them",
+                            ["tier"], registry=r)
+        self.misses = Counter("symphony_kv_load_misses_total", "Pages a load found in no tier", registry=r)
+        self.load_errors = Counter("symphony_kv_load_errors_total", "Pages that could not be loaded", ["reason"],
+                                   registry=r)
+        self.evictions = Counter("symphony_kv_evictions_total", "Page copies evicted, by tier and reason",
+                                 ["tier", "reason"], registry=r)
+        self.last_copy_dropped = Counter("symphony_kv_last_copy_dropped_total",
+                                         "Pages dropped with no copy left in any tier", ["reason"], registry=r)
+        self.save_degraded = Counter("symphony_kv_save_degraded_total",
+                                     "Pages a save could not keep (or not persist), by reason", ["reason"],
+                                     registry=r)
+        self.io_bytes = Counter("symphony_kv_io_bytes_total", "Bytes moved, by tier and direction",
+                                ["tier", "direction"], registry=r)
+        self.io_seconds = Histogram("symphony_kv_io_seconds", "Duration of one I/O batch, by tier and direction",
+                                    ["tier", "direction"], buckets=_IO_BUCKETS, registry=r)
+        self.prefetches = Counter("symphony_kv_prefetches_total", "Prefetches by outcome", ["outcome"], registry=r)
+        self.prefetch_lead = Histogram("symphony_kv_prefetch_lead_seconds",
+                                       "Prefetch deadline minus completion time (negative: late)",
+                                       buckets=_LEAD_BUCKETS, registry=r)
+        self.segments_damaged = Counter("symphony_kv_ssd_segments_damaged_total",
+                                        "Segment files dropped at index rebuild as damaged", registry=r)
+        self.peer_pages = Counter("symphony_kv_peer_pages_total", "Pages received from peers, by outcome",
+                                  ["outcome"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

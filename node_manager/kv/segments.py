@@ -1,0 +1,99 @@
+"""The SSD tier's file format: one *segment* file holds a batch of pages written together.
+
+    [fixed header][entry × count][pad to 4 KiB][page 0][page 1]...
+
+Every entry names its page (block key, layer) and carries the page's checksum; the fixed header
+carries a checksum of the entry table. A segment is written to `seg-<seq>.tmp`, fsynced, then renamed
+to `seg-<seq>.kvseg`, so a reader (or a restart) sees a whole segment or none: a writer killed with -9
+leaves at most a `.tmp`, which the index rebuild deletes. Pages of a save are written in layer order,
+so a layer-wise load of a session reads each segment front to back.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from symphony.kv_addressing import BLOCK_KEY_BYTES, BlockKey
+
+MAGIC = b"SYMKVSG1"
+VERSION = 1
+ALIGN = 4096
+SUFFIX = ".kvseg"
+TMP_SUFFIX = ".tmp"
+_FIXED = struct.Struct("<8sHHIIQIIQ")  # magic, version, reserved, page_bytes, count, seq, header_len, reserved, crc
+_ENTRY = struct.Struct(f"<{BLOCK_KEY_BYTES}sIQ")  # block key, layer, page checksum
+
+
+class SegmentFormatError(ValueError):
+    """A segment file is not one we wrote, or its header is damaged."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentEntry:
+    block_key: BlockKey
+    layer: int
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    seq: int
+    page_bytes: int
+    header_len: int
+    entries: tuple[SegmentEntry, ...]
+
+    def page_offset(self, index: int) -> int:
+        return self.header_len + index * self.page_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        return self.header_len + len(self.entries) * self.page_bytes
+
+
+def segment_name(seq: int) -> str:
+    return f"seg-{seq:016x}{SUFFIX}"
+
+
+def header_length(count: int) -> int:
+    raw = _FIXED.size + count * _ENTRY.size
+    return (raw + ALIGN - 1) // ALIGN * ALIGN
+
+
+def encode_header(seq: int, page_bytes: int, entries: list[SegmentEntry]) -> bytes:
+    table = b"".join(_ENTRY.pack(e.block_key, e.layer, e.checksum) for e in entries)
+    length = header_length(len(entries))
+    fixed = _FIXED.pack(MAGIC, VERSION, 0, page_bytes, len(entries), seq, length, 0, xxhash.xxh3_64_intdigest(table))
+    return (fixed + table).ljust(length, b"\x00")
+
+
+def fixed_header_size() -> int:
+    return _FIXED.size
+
+
+def decode_header(prefix: bytes, read_more: int | None = None) -> tuple[int, int]:
+    """Parse the fixed part: returns (count, header_len) so the caller can read the entry table."""
+    if len(prefix) < _FIXED.size:
+        raise SegmentFormatError("file shorter than a segment header")
+    magic, version, _, _, count, _, header_len, _, _ = _FIXED.unpack_from(prefix)
+    if magic != MAGIC:
+        raise SegmentFormatError("not a Symphony KV segment (bad magic)")
+    if version != VERSION:
+        raise SegmentFormatError(f"segment format version {version} is not {VERSION}")
+    if header_len != header_length(count):
+        raise SegmentFormatError("inconsistent header length")
+    return count, header_len
+
+
+def parse_header(data: bytes) -> SegmentHeader:
+    count, header_len = decode_header(data)
+    if len(data) < _FIXED.size + count * _ENTRY.size:
+        raise SegmentFormatError("truncated entry table")
+    _, _, _, page_bytes, _, seq, _, _, table_crc = _FIXED.unpack_from(data)
+    table = data[_FIXED.size:_FIXED.size + count * _ENTRY.size]
+    if xxhash.xxh3_64_intdigest(table) != table_crc:
+        raise SegmentFormatError("entry table checksum mismatch")
+    entries = tuple(SegmentEntry(BlockKey(key), layer, crc) for key, layer, crc in _ENTRY.iter_unpack(table))
+    return SegmentHeader(seq, page_bytes, header_len, entries)

@@ -1,0 +1,124 @@
+"""Fixed-size page slots: the allocator, and the two slot-backed tiers (DRAM arena, device pool).
+
+Both tiers expose their storage as one int64 tensor `[num_slots, page_words]`: a page is one row, so
+a layer's worth of pages moves with a single gather/scatter (`index_select`/`index_copy_`), which runs
+near memcpy speed where a Python loop over 24 KB pages would not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+from symphony.kv_geometry import KVGeometry
+from symphony.logs import get_logger
+
+log = get_logger("node_manager.kv.slots")
+
+_SHM_DIR = Path("/dev/shm")
+
+
+class SlotAllocator:
+    """Free-slot stack; LIFO so recently freed (cache-warm) slots are reused first."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` slots, or None (and nothing taken) if fewer are free."""
+        if count > len(self._free):
+            return None
+        taken = self._free[len(self._free) - count:]
+        del self._free[len(self._free) - count:]
+        return taken[::-1]
+
+    def release(self, slots: list[int]) -> None:
+        self._free.extend(slots)
+
+
+class DramArena:
+    """The DRAM tier's storage: a named POSIX shared-memory file of page slots.
+
+    Named (not anonymous) so the vLLM worker process can map it and copy pages straight into its KV
+    cache without a round trip through the node manager; `attach` is that consumer's side. On CUDA
+    the mapping is registered as pinned host memory so copies to the device run as async DMA.
+    """
+
+    def __init__(self, name: str, geometry: KVGeometry, capacity_bytes: int, *, create: bool = True,
+                 pin_for_cuda: bool = False) -> None:
+        self.name = name
+        self.geometry = geometry
+        self.num_slots = capacity_bytes // geometry.page_bytes
+        self.path = _SHM_DIR / name
+        size = max(self.num_slots, 1) * geometry.page_bytes
+        if create:
+            # A previous node manager killed with -9 leaves its arena behind; this name is ours.
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        else:
+            fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            access = mmap.ACCESS_WRITE if create else mmap.ACCESS_READ
+            self._mmap = mmap.mmap(fd, size, access=access)
+        finally:
+            os.close(fd)
+        self._owner = create
+        buffer = self._mmap if create else memoryview(self._mmap)
+        # torch.frombuffer over a read-only mapping warns once; consumers only read it.
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buffer, dtype=torch.int64, count=size // 8)
+        self.pages = flat.view(max(self.num_slots, 1), geometry.page_words)
+        self.pinned = False
+        if pin_for_cuda and torch.cuda.is_available():
+            cudart = torch.cuda.cudart()
+            if cudart.cudaHostRegister(self.pages.data_ptr(), size, 0) == 0:
+                self.pinned = True
+            else:
+                log.warning("could not pin the DRAM arena; host-device copies will be synchronous", arena=name)
+
+    @classmethod
+    def attach(cls, name: str, geometry: KVGeometry, capacity_bytes: int) -> DramArena:
+        """Map an existing arena read-only (the consumer side, e.g. the vLLM worker)."""
+        return cls(name, geometry, capacity_bytes, create=False)
+
+    def page_view(self, slot: int) -> memoryview:
+        start = slot * self.geometry.page_bytes
+        return memoryview(self._mmap)[start:start + self.geometry.page_bytes]
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
+            self.pinned = False
+        del self.pages
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+        if self._owner:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+class DevicePool:
+    """The HBM tier's storage: page slots in the engine device's memory (CPU memory on this machine)."""
+
+    def __init__(self, geometry: KVGeometry, capacity_bytes: int, device: str) -> None:
+        self.geometry = geometry
+        self.num_slots = capacity_bytes // geometry.page_bytes
+        self.device = torch.device(device)
+        self.pages = torch.zeros(max(self.num_slots, 1), geometry.page_words, dtype=torch.int64, device=self.device)
+
+    def close(self) -> None:
+        del self.pages

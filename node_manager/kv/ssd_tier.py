@@ -1,0 +1,258 @@
+"""The SSD tier: segment files in one directory, their index, and LRU space management.
+
+Bookkeeping methods (`rebuild`, `reserve`, `commit`, `drop_page`, `touch`, `pin`/`unpin`) are called
+under the store's lock and do no I/O beyond unlinking; `write` and `read_into` do the file I/O and
+are called without it, on the store's I/O threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from node_manager.kv.eviction import LRUPolicy
+from node_manager.kv.pages import PageId
+from node_manager.kv.segments import (
+    SUFFIX,
+    TMP_SUFFIX,
+    SegmentEntry,
+    SegmentFormatError,
+    SegmentHeader,
+    decode_header,
+    encode_header,
+    fixed_header_size,
+    header_length,
+    parse_header,
+    segment_name,
+)
+from symphony.logs import get_logger
+
+log = get_logger("node_manager.kv.ssd")
+
+
+class SsdFullError(OSError):
+    """No room on the SSD tier for a segment, even after evicting every unpinned one."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+
+@dataclass(slots=True)
+class Segment:
+    header: SegmentHeader
+    path: Path
+    live: set[int] = field(default_factory=set)  # entry indexes still referenced by the page directory
+    pins: int = 0  # reads in progress
+
+    @property
+    def seq(self) -> int:
+        return self.header.seq
+
+    @property
+    def file_bytes(self) -> int:
+        return self.header.file_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SsdLocation:
+    seq: int
+    index: int
+
+
+class SsdTier:
+    def __init__(self, directory: Path, page_bytes: int, capacity_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.page_bytes = page_bytes
+        self.capacity_bytes = capacity_bytes
+        self.segments: dict[int, Segment] = {}
+        self.used_bytes = 0  # bytes of committed segments plus reservations
+        self._lru = LRUPolicy()
+        self._next_seq = 1
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    # ---- restart ----------------------------------------------------------------------------------
+
+    def rebuild(self) -> tuple[list[tuple[PageId, SsdLocation, int]], int]:
+        """Index every whole segment on disk (oldest first, so newer copies of a page win) and delete
+        leftovers of interrupted writes. Returns ((page, location, checksum) list, damaged count)."""
+        damaged = 0
+        for tmp in self.directory.glob(f"*{TMP_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        headers: list[tuple[SegmentHeader, Path]] = []
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            try:
+                header = self._read_header(path)
+                if header.page_bytes != self.page_bytes:
+                    raise SegmentFormatError(f"page size {header.page_bytes} is not {self.page_bytes}")
+                if path.stat().st_size < header.file_bytes:
+                    raise SegmentFormatError("file shorter than its header says")
+            except (OSError, SegmentFormatError) as exc:
+                damaged += 1
+                log.warning("dropping a damaged KV segment", path=str(path), error=str(exc))
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                continue
+            headers.append((header, path))
+        pages: list[tuple[PageId, SsdLocation, int]] = []
+        for header, path in sorted(headers, key=lambda hp: hp[0].seq):
+            segment = Segment(header, path, live=set(range(len(header.entries))))
+            self.segments[header.seq] = segment
+            self._lru.insert(header.seq)
+            self.used_bytes += segment.file_bytes
+            self._next_seq = max(self._next_seq, header.seq + 1)
+            for index, entry in enumerate(header.entries):
+                pages.append(((entry.block_key, entry.layer), SsdLocation(header.seq, index), entry.checksum))
+        return pages, damaged
+
+    def _read_header(self, path: Path) -> SegmentHeader:
+        with path.open("rb") as fh:
+            prefix = fh.read(fixed_header_size())
+            _, header_len = decode_header(prefix)
+            return parse_header(prefix + fh.read(header_len - len(prefix)))
+
+    # ---- space ------------------------------------------------------------------------------------
+
+    def segment_bytes(self, pages: int) -> int:
+        return header_length(pages) + pages * self.page_bytes
+
+    def reserve(self, nbytes: int) -> tuple[int, list[Segment]]:
+        """Claim room for a segment of `nbytes`, evicting least recently used unpinned segments.
+        Returns (seq for the new segment, evicted segments whose live pages are now gone)."""
+        if nbytes > self.capacity_bytes:
+            raise SsdFullError(f"a {nbytes}-byte segment exceeds the SSD tier capacity {self.capacity_bytes}")
+        evicted: list[Segment] = []
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            for seq in self._lru_order():
+                segment = self.segments[seq]
+                if segment.pins:
+                    continue
+                evicted.append(segment)
+                if self.used_bytes + nbytes - sum(s.file_bytes for s in evicted) <= self.capacity_bytes:
+                    break
+            if self.used_bytes + nbytes - sum(s.file_bytes for s in evicted) > self.capacity_bytes:
+                raise SsdFullError("the SSD tier is full of segments under I/O")
+            for segment in evicted:
+                self._remove(segment)
+        seq = self._next_seq
+        self._next_seq += 1
+        self.used_bytes += nbytes
+        return seq, evicted
+
+    def release_reservation(self, nbytes: int) -> None:
+        self.used_bytes -= nbytes
+
+    def _lru_order(self) -> Iterator[int]:
+        return iter(list(self._lru._order))
+
+    def commit(self, seq: int, entries: list[SegmentEntry]) -> Segment:
+        header = SegmentHeader(seq, self.page_bytes, header_length(len(entries)), tuple(entries))
+        segment = Segment(header, self.directory / segment_name(seq), live=set(range(len(entries))))
+        self.segments[seq] = segment
+        self._lru.insert(seq)
+        return segment
+
+    def drop_page(self, location: SsdLocation) -> None:
+        """A page's SSD copy is superseded or evicted; a segment with no live page is deleted."""
+        segment = self.segments.get(location.seq)
+        if segment is None:
+            return
+        segment.live.discard(location.index)
+        if not segment.live and not segment.pins:
+            self._remove(segment)
+
+    def _remove(self, segment: Segment) -> None:
+        self.segments.pop(segment.seq, None)
+        self._lru.remove(segment.seq)
+        self.used_bytes -= segment.file_bytes
+        with contextlib.suppress(FileNotFoundError):
+            segment.path.unlink()
+
+    def touch(self, seq: int) -> None:
+        self._lru.touch(seq)
+
+    def pin(self, seq: int) -> Segment | None:
+        segment = self.segments.get(seq)
+        if segment is not None:
+            segment.pins += 1
+        return segment
+
+    def unpin(self, segment: Segment) -> None:
+        segment.pins -= 1
+        if not segment.pins and not segment.live and segment.seq in self.segments:
+            self._remove(segment)
+
+    # ---- I/O (no lock held) -----------------------------------------------------------------------
+
+    def write(self, seq: int, entries: list[SegmentEntry], pages: list[memoryview]) -> None:
+        """Write a whole segment durably: temp file, fsync, rename, fsync the directory."""
+        final = self.directory / segment_name(seq)
+        tmp = final.with_suffix(TMP_SUFFIX)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            buffers: list[bytes | memoryview] = [encode_header(seq, self.page_bytes, entries), *pages]
+            expected = sum(len(b) for b in buffers)
+            written = 0
+            while buffers:
+                # writev caps at IOV_MAX buffers and may write short; keep going from where it stopped.
+                chunk = buffers[:512]
+                n = os.writev(fd, chunk)
+                written += n
+                while n and buffers:
+                    head = buffers[0]
+                    if n >= len(head):
+                        n -= len(head)
+                        buffers.pop(0)
+                    else:
+                        buffers[0] = memoryview(head)[n:]
+                        n = 0
+            if written != expected:  # pragma: no cover - writev contract
+                raise OSError(errno.EIO, f"short segment write ({written} of {expected} bytes)")
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        os.close(fd)
+        os.rename(tmp, final)
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def read_into(self, segment: Segment, reads: list[tuple[int, memoryview]]) -> None:
+        """Read entries (index, destination) of one segment; runs of adjacent entries become one
+        scattered `preadv`, straight into the destination buffers."""
+        reads = sorted(reads, key=lambda r: r[0])
+        fd = os.open(segment.path, os.O_RDONLY)
+        try:
+            start = 0
+            while start < len(reads):
+                end = start + 1
+                while end < len(reads) and reads[end][0] == reads[end - 1][0] + 1 and end - start < 512:
+                    end += 1
+                run = [dest for _, dest in reads[start:end]]
+                offset = segment.header.page_offset(reads[start][0])
+                expected = len(run) * self.page_bytes
+                got = os.preadv(fd, run, offset)
+                if got != expected:
+                    raise OSError(errno.EIO, f"short read from {segment.path.name} ({got} of {expected} bytes)")
+                start = end
+        finally:
+            os.close(fd)
+
+    def drop_cache(self) -> None:
+        """Evict this tier's files from the OS page cache (benchmarks measure uncached reads)."""
+        for segment in list(self.segments.values()):
+            with contextlib.suppress(OSError):
+                fd = os.open(segment.path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)

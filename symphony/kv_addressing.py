@@ -1,0 +1,71 @@
+"""KV addressing: deterministic chained block keys, namespaced by tenant.
+
+A block key is sha256 over (parent key, the block's token ids as little-endian uint32). The chain
+starts from a per-tenant root derived from a fixed seed, so every process, on every host and after
+every restart, computes the same keys for the same tokens (LMCache's cross-process hash mismatches
+came from Python `hash()` and random seeds; neither is used here). Two tenants never share a key,
+so prefix sharing, and any leak through it, stays within a tenant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+BlockKey = NewType("BlockKey", bytes)  # 32-byte sha256 digest
+BLOCK_KEY_BYTES = 32
+_SEED = b"symphony-kv-block-key-v1"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+def tenant_root(tenant: str) -> BlockKey:
+    """The parent of a tenant's first block: every chain of that tenant hangs off it."""
+    return BlockKey(hashlib.sha256(_SEED + b"\x00tenant\x00" + tenant.encode()).digest())
+
+
+def block_key(parent: BlockKey, token_ids: Sequence[int]) -> BlockKey:
+    tokens = array("I", token_ids)  # raises OverflowError for ids outside uint32
+    if tokens.itemsize != 4:  # pragma: no cover - 'I' is 4 bytes on every platform we run on
+        raise RuntimeError("array('I') is not 32-bit here")
+    if tokens and array("I", [1]).tobytes() != b"\x01\x00\x00\x00":  # pragma: no cover - big-endian host
+        tokens.byteswap()
+    return BlockKey(hashlib.sha256(parent + tokens.tobytes()).digest())
+
+
+@dataclass(frozen=True, slots=True)
+class SessionBlocks:
+    """A session's token history cut into full blocks (keyed) and the partial tail (not stored)."""
+
+    tenant: str
+    block_size: int
+    block_keys: tuple[BlockKey, ...]
+    tail_tokens: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_keys)
+
+
+def chain_block_keys(tenant: str, token_ids: Sequence[int], block_size: int,
+                     start: SessionBlocks | None = None) -> SessionBlocks:
+    """Key every full block of `token_ids`. With `start` (an earlier result for a prefix of the same
+    tokens) only the new blocks are hashed, so appending a turn costs what the turn adds."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    for token in token_ids:
+        if not 0 <= token <= _MAX_TOKEN_ID:
+            raise ValueError(f"token id {token} outside 0..{_MAX_TOKEN_ID}")
+    keys: list[BlockKey] = []
+    first_block = 0
+    if start is not None and start.tenant == tenant and start.block_size == block_size:
+        keys = list(start.block_keys)
+        first_block = len(keys)
+    parent = keys[-1] if keys else tenant_root(tenant)
+    full_blocks = len(token_ids) // block_size
+    for index in range(first_block, full_blocks):
+        parent = block_key(parent, token_ids[index * block_size:(index + 1) * block_size])
+        keys.append(parent)
+    return SessionBlocks(tenant, block_size, tuple(keys), tuple(token_ids[full_blocks * block_size:]))
