@@ -1,4 +1,4 @@
-"""Run one node manager: its gRPC server and its supervised vLLM engine, until SIGINT/SIGTERM."""
+"""Run one node manager: its gRPC server, KV store and supervised vLLM engine, until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import signal
 import grpc
 
 from node_manager.engine import Engine, engine_launch
+from node_manager.kv.runtime import GRPC_OPTIONS, start_kv
 from node_manager.service import NodeManagerService
 from symphony.config import SymphonyConfig
+from symphony.kv_geometry import geometry_from_model_dir
 from symphony.logs import get_logger
 from symphony.models import ModelInfo
 from symphony.rpc import node_pb2_grpc
@@ -22,10 +24,13 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     launch = engine_launch(config.engine, model, config.node.host, config.engine_port(index))
     engine = Engine(f"{node_id}-engine", launch, config.engine, config.home_path / "logs" / f"{node_id}-engine.log",
                     config.node.engine_scrape_interval_ms / 1000)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=GRPC_OPTIONS)
     node_pb2_grpc.add_NodeManagerServicer_to_server(NodeManagerService(node_id, engine, model.served_name), server)
+    geometry = geometry_from_model_dir(model.path, config.engine.block_size, config.engine.dtype)
+    kv = await start_kv(config, index, geometry, server)
     address = config.node_grpc_address(index)
     if server.add_insecure_port(address) == 0:
+        await kv.close()
         raise OSError(f"cannot listen on {address} (port in use?)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -33,11 +38,16 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     # The engine starts after the gRPC port is up, so the scheduler sees STARTING rather than nothing.
-    engine.start()
-    log.info("node manager listening", node=node_id, grpc=address, engine=launch.url, model=model.served_name)
+    if config.engine.enabled:
+        engine.start()
+    else:
+        await engine.stop()  # reports STOPPED: this node serves KV only
+    log.info("node manager listening", node=node_id, grpc=address, engine=launch.url if config.engine.enabled
+             else "disabled", model=model.served_name)
     try:
         await stop.wait()
     finally:
         log.info("node manager stopping", node=node_id)
         await engine.stop()
         await server.stop(grace=1.0)
+        await kv.close()

@@ -59,6 +59,7 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    enabled: bool = True  # false: the node manager runs only its KV store (storage-only nodes, tests)
     model: str = ""  # local HF model directory; empty: SmolLM2-135M-Instruct from `symphony model fetch`
     served_model_name: str = ""  # name clients pass as `model`; empty: the model directory's name
     dtype: str = "bfloat16"
@@ -77,6 +78,26 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class KVConfig:
+    """The node manager's tiered KV store. Capacities are per node; lower tiers must be >= upper."""
+
+    hbm_bytes: int = 256 * 1024**2  # staged pages in engine device memory (the CPU here)
+    dram_bytes: int = 1024**3  # shared-memory arena the vLLM worker maps
+    ssd_bytes: int = 16 * 1024**3  # segment files under ssd_dir
+    ssd_dir: str = ""  # empty: <home>/kv/<node id>
+    device: str = "cpu"  # HBM tier device: "cpu" or "cuda[:N]"
+    io_threads: int = 2  # copy and file I/O threads per node
+    max_inflight_jobs: int = 256  # queued layer loads and save copies; beyond, loads get RESOURCE_EXHAUSTED
+    segment_max_bytes: int = 8 * 1024**2  # write-behind batches up to this many bytes per SSD file
+    max_sessions: int = 100_000  # session records kept (LRU beyond; their pages age out by tier policy)
+    max_session_tokens: int = 1_048_576
+    max_pending_prefetches: int = 4096
+    prefetch_concurrency: int = 2
+    peer_timeout_s: float = 30.0  # a node-to-node page stream that stalls this long is abandoned
+    metrics_port_base: int = 9300  # node i serves Prometheus /metrics on base + i; 0 disables
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     level: str = "info"
     format: str = "text"  # "text" (key=value) or "json"
@@ -89,6 +110,7 @@ class SymphonyConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     node: NodeConfig = field(default_factory=NodeConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
@@ -104,6 +126,13 @@ class SymphonyConfig:
 
     def engine_port(self, index: int) -> int:
         return self.node.engine_port_base + index
+
+    def kv_metrics_port(self, index: int) -> int:
+        return self.kv.metrics_port_base + index if self.kv.metrics_port_base else 0
+
+    def kv_ssd_dir(self, index: int) -> Path:
+        base = Path(self.kv.ssd_dir).expanduser() if self.kv.ssd_dir else self.home_path / "kv"
+        return base / self.node_id(index)
 
     def scheduler_node_addresses(self) -> list[str]:
         if self.scheduler.node_addresses:
@@ -295,12 +324,24 @@ def _validate(config: SymphonyConfig) -> None:
     for name in ("startup_timeout_s", "restart_backoff_s", "restart_backoff_max_s", "stop_timeout_s",
                  "liveness_timeout_s", "stable_after_s"):
         check(getattr(e, name) > 0, f"engine.{name}", "must be positive")
+    kv = config.kv
+    check(0 <= kv.hbm_bytes <= kv.dram_bytes <= kv.ssd_bytes, "kv.hbm_bytes/dram_bytes/ssd_bytes",
+          f"need 0 <= hbm_bytes <= dram_bytes <= ssd_bytes, got {kv.hbm_bytes}, {kv.dram_bytes}, {kv.ssd_bytes}")
+    for name in ("io_threads", "max_inflight_jobs", "segment_max_bytes", "max_sessions", "max_session_tokens",
+                 "max_pending_prefetches", "prefetch_concurrency", "peer_timeout_s"):
+        check(getattr(kv, name) > 0, f"kv.{name}", "must be positive")
+    check(kv.device == "cpu" or kv.device.startswith("cuda"), "kv.device", f"{kv.device!r} is not cpu or cuda[:N]")
+    if kv.metrics_port_base:
+        port("kv.metrics_port_base", kv.metrics_port_base)
+        port("kv.metrics_port_base + cluster.nodes - 1", kv.metrics_port_base + config.cluster.nodes - 1)
     lg = config.logging
     check(lg.level.lower() in ("debug", "info", "warning", "error"), "logging.level",
           f"{lg.level!r} is not one of debug, info, warning, error")
     check(lg.format in ("text", "json"), "logging.format", f"{lg.format!r} is not text or json")
     ports = [s.port] + [n.grpc_port_base + i for i in range(config.cluster.nodes)]
     ports += [n.engine_port_base + i for i in range(config.cluster.nodes)]
+    if kv.metrics_port_base:
+        ports += [kv.metrics_port_base + i for i in range(config.cluster.nodes)]
     check(len(set(ports)) == len(ports), "ports", f"scheduler, node and engine ports overlap: {sorted(ports)}")
 
 

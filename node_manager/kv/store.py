@@ -279,6 +279,15 @@ class TieredStore:
                 out[Tier.SSD].append([e is not None and e.ssd is not None for e in held])
             return out
 
+    def loadable_prefix_blocks(self, tenant: str, session_id: str) -> int:
+        """Leading blocks some tier holds in every layer: what a load delivers without recompute."""
+        with self._lock:
+            record = self.session(tenant, session_id)
+            for index, key in enumerate(record.blocks.block_keys):
+                if any((key, layer) not in self._pages for layer in range(self.geometry.num_layers)):
+                    return index
+            return record.blocks.num_blocks
+
     def dram_slots(self, tenant: str, session_id: str) -> list[list[int]]:
         """Per layer, per block: the DRAM arena slot holding the page, or -1."""
         with self._lock:
@@ -561,11 +570,12 @@ class TieredStore:
                 reads.append(read)
             dest_slots: list[int] = []
             if isinstance(target, Tier) and reads:
-                slots = self._allocate(target, len(reads))
+                # Never evict this session's own pages to make room for more of it: what does not
+                # fit (its later layers, as layers run in order) is reported as not loaded.
+                slots = self._allocate(target, len(reads), protect=record.key)
                 if slots is None:
-                    # No room even after eviction: promote what fits, report the rest as not loaded.
-                    room = self._allocatable(target)
-                    slots = self._allocate(target, room) or []
+                    room = self._allocatable(target, protect=record.key)
+                    slots = self._allocate(target, room, protect=record.key) or []
                     for read in reads[len(slots):]:
                         failed.append(read.index)
                     self._release_reads(reads[len(slots):])
@@ -690,13 +700,13 @@ class TieredStore:
 
     # ---- capacity ---------------------------------------------------------------------------------
 
-    def _allocatable(self, tier: Tier) -> int:
+    def _allocatable(self, tier: Tier, protect: SessionKey | None = None) -> int:
         """Slots `tier` could hand out now: free ones plus unpinned pages it could evict."""
         allocator = self._hbm_slots if tier is Tier.HBM else self._dram_slots
         held = (e for e in self._pages.values() if (e.hbm if tier is Tier.HBM else e.dram) is not None)
-        return allocator.free + sum(1 for e in held if not e.pins)
+        return allocator.free + sum(1 for e in held if not e.pins and e.owner != protect)
 
-    def _allocate(self, tier: Tier, count: int) -> list[int] | None:
+    def _allocate(self, tier: Tier, count: int, protect: SessionKey | None = None) -> list[int] | None:
         """`count` free slots in `tier`, evicting by its policy if needed; None (nothing changed) if the
         tier cannot make that much room without touching pinned pages."""
         allocator = self._hbm_slots if tier is Tier.HBM else self._dram_slots
@@ -705,7 +715,11 @@ class TieredStore:
         shortfall = count - allocator.free
         if shortfall > 0:
             policy = self._hbm_policy if tier is Tier.HBM else self._dram_policy
-            victims = policy.victims(shortfall, lambda p: not self._pages[p].pins)  # type: ignore[index]
+            def evictable(page: object) -> bool:
+                entry = self._pages[page]  # type: ignore[index]
+                return not entry.pins and entry.owner != protect
+
+            victims = policy.victims(shortfall, evictable)
             if victims is None:
                 return None
             for page in victims:

@@ -45,7 +45,8 @@ class LiveCluster:
         return "\n".join(self.output.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _write_config(home: Path, model_dir: Path, scheduler_port: int, grpc_base: int, engine_base: int) -> Path:
+def _write_config(home: Path, model_dir: Path, scheduler_port: int, grpc_base: int, engine_base: int,
+                  metrics_base: int) -> Path:
     config = home / "symphony.toml"
     config.write_text(f"""
 home = "{home}"
@@ -60,6 +61,9 @@ port = {scheduler_port}
 grpc_port_base = {grpc_base}
 engine_port_base = {engine_base}
 
+[kv]
+metrics_port_base = {metrics_base}
+
 [engine]
 model = "{model_dir}"
 kv_cache_space_gib = 1
@@ -73,7 +77,7 @@ def live_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveClust
     model_dir = fetch_default_model(default_home(), progress=lambda _: None)
     home = tmp_path_factory.mktemp("symphony-home")
     scheduler_port, grpc_base, engine_base = free_port(), free_port_run(NODES), free_port_run(NODES)
-    config = _write_config(home, model_dir, scheduler_port, grpc_base, engine_base)
+    config = _write_config(home, model_dir, scheduler_port, grpc_base, engine_base, free_port_run(NODES))
     output = home / "up.out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
     with output.open("wb") as out:

@@ -1,0 +1,180 @@
+"""Prefetch queue: move a session's pages up to a target tier before its request arrives.
+
+Jobs run earliest deadline first, higher priority first among equal deadlines. A prefetch is
+idempotent per (session, target tier): asking again while one is queued or running returns it (with
+the earlier deadline and higher priority of the two). Finished jobs stay queryable in a bounded
+table. Lead time (deadline - completion) is what the scheduler needs to know about advisories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from node_manager.kv.metrics import KVMetrics
+from node_manager.kv.pages import Priority, Tier
+from node_manager.kv.store import KVStoreError, SessionKey, StoreBusy, TieredStore
+from symphony.logs import get_logger
+
+log = get_logger("node_manager.kv.prefetch")
+
+QUEUED, RUNNING, DONE, PARTIAL, CANCELLED, FAILED = "queued", "running", "done", "partial", "cancelled", "failed"
+FINISHED = frozenset({DONE, PARTIAL, CANCELLED, FAILED})
+
+
+@dataclass(frozen=True, slots=True)
+class PullOutcome:
+    pages_received: int
+    complete: bool
+    error: str = ""
+
+
+# (tenant, session id, peer address) -> what arrived from the peer
+Puller = Callable[[str, str, str], Awaitable[PullOutcome]]
+
+
+@dataclass(slots=True)
+class PrefetchJob:
+    id: str
+    session: SessionKey
+    target: Tier
+    deadline: float  # time.monotonic() seconds
+    priority: Priority
+    source_peer: str = ""
+    state: str = QUEUED
+    pages_in_target: int = 0
+    pages_failed: int = 0
+    pages_from_peer: int = 0
+    lead_time_s: float = 0.0
+    error: str = ""
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def order_key(self) -> tuple[float, int]:
+        return (self.deadline, -int(self.priority))
+
+
+class PrefetchQueueFull(KVStoreError):
+    pass
+
+
+class PrefetchQueue:
+    def __init__(self, store: TieredStore, metrics: KVMetrics, puller: Puller | None, *, max_pending: int,
+                 concurrency: int, max_finished: int = 4096) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._puller = puller
+        self._max_pending = max_pending
+        self._max_finished = max_finished
+        self._heap: list[tuple[tuple[float, int], int, PrefetchJob]] = []
+        self._seq = itertools.count()
+        self._active: dict[tuple[SessionKey, Tier], PrefetchJob] = {}
+        self._jobs: OrderedDict[str, PrefetchJob] = OrderedDict()
+        self._wake = asyncio.Event()
+        self._workers = [asyncio.create_task(self._work(), name=f"kv-prefetch-{i}") for i in range(concurrency)]
+
+    def submit(self, session: SessionKey, target: Tier, deadline_s: float, priority: Priority,
+               source_peer: str = "") -> PrefetchJob:
+        existing = self._active.get((session, target))
+        if existing is not None:
+            deadline = time.monotonic() + deadline_s
+            if existing.state == QUEUED and (deadline, -int(priority)) < existing.order_key():
+                existing.deadline = min(existing.deadline, deadline)
+                existing.priority = max(existing.priority, priority)
+                self._push(existing)  # the old heap entry is skipped as stale
+            return existing
+        if len(self._active) >= self._max_pending:
+            raise PrefetchQueueFull(f"{len(self._active)} prefetches pending (kv.max_pending_prefetches)")
+        job = PrefetchJob(uuid.uuid4().hex, session, target, time.monotonic() + deadline_s, priority, source_peer)
+        self._active[(session, target)] = job
+        self._jobs[job.id] = job
+        while len(self._jobs) > self._max_finished + self._max_pending:
+            oldest_id, oldest = next(iter(self._jobs.items()))
+            if oldest.state not in FINISHED:
+                break
+            del self._jobs[oldest_id]
+        self._push(job)
+        return job
+
+    def _push(self, job: PrefetchJob) -> None:
+        heapq.heappush(self._heap, (job.order_key(), next(self._seq), job))
+        self._wake.set()
+
+    def get(self, prefetch_id: str) -> PrefetchJob | None:
+        return self._jobs.get(prefetch_id)
+
+    def cancel(self, prefetch_id: str) -> PrefetchJob | None:
+        job = self._jobs.get(prefetch_id)
+        if job is None or job.state in FINISHED:
+            return job
+        if job.state == QUEUED:
+            self._finish(job, CANCELLED)
+        else:
+            job.state = CANCELLED  # the running load sees it between layers
+        return job
+
+    async def _work(self) -> None:
+        while True:
+            while not self._heap:
+                self._wake.clear()
+                await self._wake.wait()
+            key, _, job = heapq.heappop(self._heap)
+            if job.state != QUEUED or key != job.order_key():
+                continue  # cancelled, already taken, or re-queued with a new key
+            job.state = RUNNING
+            try:
+                await self._run(job)
+            except KVStoreError as exc:
+                job.error = str(exc)
+                self._finish(job, FAILED)
+            except Exception as exc:  # a prefetch is best effort; one failure must not stop the queue
+                log.warning("prefetch failed", prefetch=job.id, error=repr(exc))
+                job.error = repr(exc)
+                self._finish(job, FAILED)
+
+    async def _run(self, job: PrefetchJob) -> None:
+        tenant, session_id = job.session
+        if job.source_peer and self._puller is not None:
+            outcome = await self._puller(tenant, session_id, job.source_peer)
+            job.pages_from_peer = outcome.pages_received
+            if not outcome.complete:
+                job.error = outcome.error
+        if job.state == CANCELLED:
+            self._finish(job, CANCELLED)
+            return
+        try:
+            handle = self._store.load(tenant, session_id, target=job.target)
+        except StoreBusy:
+            await asyncio.sleep(0.01)  # back-pressure from the I/O pool: yield, then try again in order
+            job.state = QUEUED
+            self._push(job)
+            return
+        for layer in range(len(handle.layers)):
+            if job.state == CANCELLED:
+                handle.cancel()
+            result = await handle.wait_layer(layer)
+            job.pages_in_target += handle.num_blocks - len(result.failed)
+            job.pages_failed += len(result.failed)
+        if job.state == CANCELLED:
+            self._finish(job, CANCELLED)
+        else:
+            self._finish(job, DONE if not job.pages_failed and not job.error else PARTIAL)
+
+    def _finish(self, job: PrefetchJob, state: str) -> None:
+        job.state = state
+        job.lead_time_s = job.deadline - time.monotonic()
+        self._active.pop((job.session, job.target), None)
+        self._metrics.prefetches.labels(state).inc()
+        if state in (DONE, PARTIAL):
+            self._metrics.prefetch_lead.observe(job.lead_time_s)
+        job.finished.set()
+
+    async def close(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)

@@ -1,0 +1,67 @@
+"""Assemble one node's KV store, prefetch queue, peer puller and gRPC service from the config."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import start_http_server
+
+from node_manager.kv.metrics import KVMetrics
+from node_manager.kv.prefetch import PrefetchQueue
+from node_manager.kv.service import KVStoreService
+from node_manager.kv.store import StoreConfig, TieredStore
+from node_manager.kv.transfer import MAX_MESSAGE_BYTES, PeerPuller
+from symphony.config import SymphonyConfig
+from symphony.kv_geometry import KVGeometry
+from symphony.logs import get_logger
+from symphony.rpc import kv_pb2_grpc
+
+log = get_logger("node_manager.kv")
+
+# Room above the 4 MiB page batches for framing; both directions of node-to-node streams.
+GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES + 256 * 1024),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES + 256 * 1024)]
+
+
+@dataclass
+class KVRuntime:
+    store: TieredStore
+    prefetches: PrefetchQueue
+    puller: PeerPuller
+    service: KVStoreService
+
+    async def close(self) -> None:
+        await self.prefetches.close()
+        await self.puller.close()
+        await asyncio.to_thread(self.store.close)
+
+
+def store_config(config: SymphonyConfig, index: int) -> StoreConfig:
+    kv = config.kv
+    # One arena name per node port: a restarted node manager replaces what a killed one left behind.
+    arena = f"symphony-kv-{config.node_id(index)}-{config.node.grpc_port_base + index}"
+    return StoreConfig(hbm_bytes=kv.hbm_bytes, dram_bytes=kv.dram_bytes, ssd_bytes=kv.ssd_bytes,
+                       ssd_dir=config.kv_ssd_dir(index), arena_name=arena, device=kv.device,
+                       io_threads=kv.io_threads, max_inflight_jobs=kv.max_inflight_jobs,
+                       segment_max_bytes=kv.segment_max_bytes, max_sessions=kv.max_sessions,
+                       max_session_tokens=kv.max_session_tokens)
+
+
+async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, server: grpc.aio.Server) -> KVRuntime:
+    metrics = KVMetrics()
+    # Rebuilding the index reads every segment header: off the event loop.
+    store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index), metrics)
+    puller = PeerPuller(store, config.kv.peer_timeout_s)
+    prefetches = PrefetchQueue(store, metrics, puller.pull_outcome, max_pending=config.kv.max_pending_prefetches,
+                               concurrency=config.kv.prefetch_concurrency)
+    service = KVStoreService(config.node_id(index), store, prefetches, puller)
+    kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)
+    port = config.kv_metrics_port(index)
+    if port:
+        start_http_server(port, addr=config.node.host, registry=metrics.registry)
+    log.info("KV store ready", node=config.node_id(index), page_bytes=geometry.page_bytes,
+             hbm_mib=config.kv.hbm_bytes >> 20, dram_mib=config.kv.dram_bytes >> 20,
+             ssd_mib=config.kv.ssd_bytes >> 20, ssd_dir=str(store.ssd.directory), metrics_port=port or "off")
+    return KVRuntime(store, prefetches, puller, service)

@@ -1,0 +1,215 @@
+"""gRPC KVStore service: the store, prefetch queue and peer transfer behind validated requests.
+
+Errors map to gRPC codes a client can act on: NOT_FOUND (unknown session or prefetch),
+INVALID_ARGUMENT (malformed request), RESOURCE_EXHAUSTED (queues full, retry later). Nothing a client
+sends produces UNKNOWN/INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator
+
+import grpc
+
+from node_manager.kv.pages import Priority, Tier
+from node_manager.kv.prefetch import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    PARTIAL,
+    QUEUED,
+    RUNNING,
+    PrefetchJob,
+    PrefetchQueue,
+    PrefetchQueueFull,
+)
+from node_manager.kv.store import InvalidRequest, SessionNotFound, StoreBusy, TieredStore
+from node_manager.kv.transfer import PRIORITY_FROM_PROTO, PRIORITY_TO_PROTO, PeerPuller, store_batch, stream_pages
+from symphony.rpc import kv_pb2, kv_pb2_grpc
+
+MAX_ID_LEN = 256
+MAX_DEADLINE_MS = 24 * 3600 * 1000
+_PEER = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+_STATE_TO_PROTO = {QUEUED: kv_pb2.PREFETCH_STATE_QUEUED, RUNNING: kv_pb2.PREFETCH_STATE_RUNNING,
+                   DONE: kv_pb2.PREFETCH_STATE_DONE, PARTIAL: kv_pb2.PREFETCH_STATE_PARTIAL,
+                   CANCELLED: kv_pb2.PREFETCH_STATE_CANCELLED, FAILED: kv_pb2.PREFETCH_STATE_FAILED}
+_TIER_FROM_PROTO = {kv_pb2.TIER_HBM: Tier.HBM, kv_pb2.TIER_DRAM: Tier.DRAM, kv_pb2.TIER_SSD: Tier.SSD}
+_TIER_TO_PROTO = {v: k for k, v in _TIER_FROM_PROTO.items()}
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _session(ref: kv_pb2.SessionRef) -> tuple[str, str]:
+    for name, value in (("tenant", ref.tenant), ("session_id", ref.session_id)):
+        if not value:
+            raise _Invalid(f"session.{name} is required")
+        if len(value) > MAX_ID_LEN:
+            raise _Invalid(f"session.{name} longer than {MAX_ID_LEN} characters")
+    return ref.tenant, ref.session_id
+
+
+def _priority(value: int) -> Priority | None:
+    if value == kv_pb2.PRIORITY_UNSPECIFIED:
+        return None
+    if value not in PRIORITY_FROM_PROTO:
+        raise _Invalid(f"unknown priority {value}")
+    return PRIORITY_FROM_PROTO[value]
+
+
+def _peer(value: str) -> str:
+    if value and not _PEER.match(value):
+        raise _Invalid(f"peer {value!r} is not host:port")
+    return value
+
+
+async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, SessionNotFound):
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    if isinstance(exc, StoreBusy | PrefetchQueueFull):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+_CLIENT_ERRORS = (_Invalid, InvalidRequest, SessionNotFound, StoreBusy, PrefetchQueueFull, ValueError)
+
+
+class KVStoreService(kv_pb2_grpc.KVStoreServicer):
+    def __init__(self, node_id: str, store: TieredStore, prefetches: PrefetchQueue, puller: PeerPuller) -> None:
+        self.node_id = node_id
+        self.store = store
+        self.prefetches = prefetches
+        self.puller = puller
+
+    async def GetStoreInfo(self, request: kv_pb2.StoreInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> kv_pb2.StoreInfo:
+        g = self.store.geometry
+        c = self.store.config
+        return kv_pb2.StoreInfo(node_id=self.node_id, num_layers=g.num_layers, kv_heads=g.kv_heads,
+                                head_size=g.head_size, block_size=g.block_size, dtype=g.dtype,
+                                page_bytes=g.page_bytes, dram_arena_name=self.store.dram.name,
+                                dram_arena_slots=self.store.dram.num_slots, hbm_capacity_bytes=c.hbm_bytes,
+                                dram_capacity_bytes=c.dram_bytes, ssd_capacity_bytes=c.ssd_bytes)
+
+    async def PutSession(self, request: kv_pb2.PutSessionRequest, context: grpc.aio.ServicerContext
+                         ) -> kv_pb2.SessionStatus:
+        try:
+            tenant, session_id = _session(request.session)
+            self.store.put_session(tenant, session_id, list(request.token_ids), _priority(request.priority))
+            return self._status(tenant, session_id, False, False)
+        except _CLIENT_ERRORS as exc:
+            await _abort_for(context, exc)
+            raise AssertionError("unreachable") from None
+
+    async def GetSessionStatus(self, request: kv_pb2.SessionStatusRequest, context: grpc.aio.ServicerContext
+                               ) -> kv_pb2.SessionStatus:
+        try:
+            tenant, session_id = _session(request.session)
+            return self._status(tenant, session_id, request.include_token_ids, request.include_dram_slots)
+        except _CLIENT_ERRORS as exc:
+            await _abort_for(context, exc)
+            raise AssertionError("unreachable") from None
+
+    def _status(self, tenant: str, session_id: str, tokens: bool, slots: bool) -> kv_pb2.SessionStatus:
+        record = self.store.session(tenant, session_id)
+        status = kv_pb2.SessionStatus(session=kv_pb2.SessionRef(tenant=tenant, session_id=session_id),
+                                      num_tokens=len(record.token_ids), num_blocks=record.blocks.num_blocks,
+                                      priority=PRIORITY_TO_PROTO[record.priority],
+                                      loadable_prefix_blocks=self.store.loadable_prefix_blocks(tenant, session_id))
+        for tier, layers in self.store.residency(tenant, session_id).items():
+            prefix = 0
+            while prefix < record.blocks.num_blocks and all(layer[prefix] for layer in layers):
+                prefix += 1
+            status.tiers.append(kv_pb2.TierResidency(tier=_TIER_TO_PROTO[tier],
+                                                     blocks_per_layer=[sum(layer) for layer in layers],
+                                                     complete_prefix_blocks=prefix))
+        if tokens:
+            status.token_ids.extend(record.token_ids)
+        if slots:
+            for layer in self.store.dram_slots(tenant, session_id):
+                status.dram_slots.extend(layer)
+        return status
+
+    async def WritePages(self, request_iterator: AsyncIterator[kv_pb2.PageBatch],
+                         context: grpc.aio.ServicerContext) -> kv_pb2.WritePagesReply:
+        reply = kv_pb2.WritePagesReply()
+        try:
+            async for batch in request_iterator:
+                _session(batch.session)
+                stored, rejected = await store_batch(self.store, batch)
+                reply.pages_stored += stored
+                reply.pages_rejected += rejected
+        except _CLIENT_ERRORS as exc:
+            await _abort_for(context, exc)
+        return reply
+
+    async def FetchPages(self, request: kv_pb2.FetchPagesRequest, context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[kv_pb2.PageBatch]:
+        try:
+            tenant, session_id = _session(request.session)
+            record = self.store.session(tenant, session_id)
+            if request.first_block > record.blocks.num_blocks:
+                raise _Invalid(f"first_block {request.first_block} beyond the session's {record.blocks.num_blocks}")
+            async for batch in stream_pages(self.store, tenant, session_id, request.first_block,
+                                            request.num_blocks or None):
+                yield batch
+        except _CLIENT_ERRORS as exc:
+            await _abort_for(context, exc)
+
+    async def Pull(self, request: kv_pb2.PullRequest, context: grpc.aio.ServicerContext) -> kv_pb2.PullReply:
+        try:
+            tenant, session_id = _session(request.session)
+            if not request.peer:
+                raise _Invalid("peer is required")
+            return await self.puller.pull(tenant, session_id, _peer(request.peer))
+        except _CLIENT_ERRORS as exc:
+            await _abort_for(context, exc)
+            raise AssertionError("unreachable") from None
+
+    async def Prefetch(self, request: kv_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
+                       ) -> kv_pb2.PrefetchStatus:
+        try:
+            tenant, session_id = _session(request.session)
+            target = _TIER_FROM_PROTO.get(request.target_tier)
+            if target not in (Tier.HBM, Tier.DRAM):
+                raise _Invalid("target_tier must be TIER_HBM or TIER_DRAM")
+            if request.deadline_ms > MAX_DEADLINE_MS:
+                raise _Invalid(f"deadline_ms {request.deadline_ms} is more than a day away")
+            peer = _peer(request.source_peer)
+            if not peer:
+                self.store.session(tenant, session_id)  # NOT_FOUND now rather than a failed job later
+            job = self.prefetches.submit((tenant, session_id), target, request.deadline_ms / 1000,
+                                         _priority(request.priority) or Priority.NORMAL, peer)
+        except _CLIENT_ERRORS as exc:
+            await _abort_for(context, exc)
+            raise AssertionError("unreachable") from None
+        return await self._report(job, request.wait_ms)
+
+    async def GetPrefetch(self, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
+                          ) -> kv_pb2.PrefetchStatus:
+        job = self.prefetches.get(request.prefetch_id)
+        if job is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no prefetch {request.prefetch_id!r}")
+        assert job is not None
+        return await self._report(job, request.wait_ms)
+
+    async def CancelPrefetch(self, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
+                             ) -> kv_pb2.PrefetchStatus:
+        job = self.prefetches.cancel(request.prefetch_id)
+        if job is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no prefetch {request.prefetch_id!r}")
+        assert job is not None
+        return await self._report(job, request.wait_ms)
+
+    async def _report(self, job: PrefetchJob, wait_ms: int) -> kv_pb2.PrefetchStatus:
+        if wait_ms:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.finished.wait(), min(wait_ms, MAX_DEADLINE_MS) / 1000)
+        return kv_pb2.PrefetchStatus(prefetch_id=job.id, state=_STATE_TO_PROTO[job.state],
+                                     pages_in_target=job.pages_in_target, pages_failed=job.pages_failed,
+                                     pages_from_peer=job.pages_from_peer,
+                                     lead_time_ms=int(job.lead_time_s * 1000), error=job.error)
