@@ -41,3 +41,22 @@ def plot_proxy(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_tiers(result: dict[str, Any], path: Path) -> None:
+    """Each Symphony path next to the hardware bound it is measured against."""
+    plt = _pyplot()
+    pairs = [("DRAM load", "dram_load_gbps", "memcpy_gbps"), ("SSD write", "ssd_write_gbps", "disk_write_bound_gbps"),
+             ("SSD read", "ssd_read_gbps", "disk_read_bound_gbps"), ("peer fetch", "peer_fetch_gbps",
+                                                                     "loopback_bound_gbps")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(pairs))
+    ax.bar([x - 0.2 for x in xs], [result[bound] for _, _, bound in pairs], width=0.4, label="bound (plain)")
+    ax.bar([x + 0.2 for x in xs], [result[path_] for _, path_, _ in pairs], width=0.4, label="Symphony")
+    ax.set_xticks(list(xs), [label for label, _, _ in pairs])
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"KV tiers, {result['session_tokens']}-token session ({result['session_bytes'] / 1e6:.0f} MB)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

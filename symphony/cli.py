@@ -207,7 +207,27 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--scheduler-url", help="use a running scheduler instead of starting a 1-node cluster")
     proxy.add_argument("--engine-url", help="the engine behind --scheduler-url (required with it)")
     proxy.set_defaults(func=cmd_bench_proxy)
+    tiers = bench_sub.add_parser("tiers", help="KV tier throughput (DRAM, SSD, peer) against plain bounds")
+    tiers.add_argument("--out", type=Path, required=True, help="JSON results file")
+    tiers.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
+    tiers.add_argument("--tokens", type=_positive_int, default=2048, help="session length in tokens (2048)")
+    tiers.add_argument("--trials", type=_positive_int, default=5, help="interleaved trials; keys are medians (5)")
+    tiers.add_argument("--device", default="cpu", help="HBM tier device: cpu or cuda (cpu)")
+    tiers.add_argument("--work-dir", type=Path, help="where the SSD tier's files go (default: the temp dir)")
+    tiers.set_defaults(func=cmd_bench_tiers)
     return parser
+
+
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from eval.bench_tiers import run_tiers_bench
+
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise CliError(f"--device {args.device!r}: expected cpu or cuda[:N]")
+    if args.work_dir is not None and not args.work_dir.is_dir():
+        raise CliError(f"--work-dir {args.work_dir}: not a directory")
+    run_tiers_bench(out=args.out, tokens=args.tokens, trials=args.trials, device=args.device,
+                    work_dir=args.work_dir, plot=args.plot)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

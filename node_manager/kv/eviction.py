@@ -98,9 +98,14 @@ class PriorityLRUPolicy:
         if priority is not None:
             del self._lists[priority][item]
 
+    @staticmethod
+    def _credited(entries: OrderedDict[Hashable, int], credit: int) -> Iterator[tuple[int, Hashable]]:
+        # A function, not a generator expression in a comprehension: the credit must bind per list now,
+        # not when heapq.merge first pulls from the stream (by then the loop variable is the last priority).
+        return ((tick + credit, item) for item, tick in entries.items())
+
     def _oldest_first(self) -> Iterator[Hashable]:
-        streams = [((tick + self._credit[p], item) for item, tick in entries.items())
-                   for p, entries in self._lists.items()]
+        streams = [self._credited(entries, self._credit[p]) for p, entries in self._lists.items()]
         for _, item in heapq.merge(*streams, key=lambda pair: pair[0]):
             yield item
 

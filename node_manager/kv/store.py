@@ -23,7 +23,7 @@ from node_manager.kv.eviction import EvictionPolicy, PageMeta, PriorityLRUPolicy
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import PageId, Priority, Tier, page_checksum
 from node_manager.kv.segments import SegmentEntry
-from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator
+from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, copy_rows
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
 from symphony.kv_addressing import SessionBlocks, chain_block_keys
 from symphony.kv_geometry import KVGeometry
@@ -122,6 +122,7 @@ class LayerwiseLoad:
                                                                      for _ in range(num_layers)]
         self._finished: dict[int, LayerResult | BaseException] = {}
         self._next = 0
+        self._delivering = False
         self._lock = threading.Lock()
         self.cancelled = False
 
@@ -140,13 +141,20 @@ class LayerwiseLoad:
         self.cancelled = True
 
     def _finish(self, layer: int, outcome: LayerResult | BaseException) -> None:
-        ready: list[tuple[concurrent.futures.Future[LayerResult], LayerResult | BaseException]] = []
+        # One thread delivers at a time, in layer order: a thread that finds another delivering only
+        # queues its result, so layer l+1 can never resolve before layer l (futures run callbacks).
         with self._lock:
             self._finished[layer] = outcome
-            while self._next in self._finished:
-                ready.append((self.layers[self._next], self._finished.pop(self._next)))
+            if self._delivering:
+                return
+            self._delivering = True
+        while True:
+            with self._lock:
+                if self._next not in self._finished:
+                    self._delivering = False
+                    return
+                future, result = self.layers[self._next], self._finished.pop(self._next)
                 self._next += 1
-        for future, result in ready:
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:
@@ -355,7 +363,7 @@ class TieredStore:
             self.metrics.save_degraded.labels("dram_full").inc(len(keys))
             return 0
         started = time.perf_counter()
-        self.dram.pages.index_copy_(0, torch.tensor(slots), pages.to("cpu", non_blocking=False))
+        copy_rows(self.dram.pages, slots, pages.to("cpu"), list(range(len(slots))))
         checksums = [page_checksum(key, layer, self.dram.page_view(slot))
                      for key, slot in zip(keys, slots, strict=True)]
         self._observe_io(Tier.DRAM, "write", len(keys), started)
@@ -619,9 +627,7 @@ class TieredStore:
                 continue
             started = time.perf_counter()
             pool = self.hbm.pages if source is Tier.HBM else self.dram.pages
-            src_index = torch.tensor([r.slot for _, r in picked], device=pool.device)
-            dst_index = torch.tensor([rows[i] for i, _ in picked], device=dest.device)
-            dest.index_copy_(0, dst_index, pool.index_select(0, src_index).to(dest.device, non_blocking=True))
+            copy_rows(dest, [rows[i] for i, _ in picked], pool, [r.slot for _, r in picked])  # type: ignore[misc]
             self._observe_io(source, "read", len(picked), started)
             self.metrics.hits.labels(source.name).inc(len(picked))
         ssd_reads = [(i, r) for i, r in enumerate(reads) if r.source is Tier.SSD]
@@ -667,11 +673,15 @@ class TieredStore:
                 log.warning("KV page failed its checksum on SSD; dropped", layer=layer, segment=read.location.seq)
             else:
                 self.metrics.hits.labels(Tier.SSD.name).inc()
-        if not direct:
+        if direct:
+            # The read went straight into the caller's rows; a failed row must not keep unverified bytes.
+            for k, (_, read) in enumerate(ssd_reads):
+                if read.index in bad:
+                    staging[staging_rows[k]].zero_()
+        else:
             good = [k for k, (_, read) in enumerate(ssd_reads) if read.index not in bad]
             if good:
-                dst_index = torch.tensor([rows[ssd_reads[k][0]] for k in good], device=dest.device)
-                dest.index_copy_(0, dst_index, staging[good].to(dest.device, non_blocking=True))
+                copy_rows(dest, [rows[ssd_reads[k][0]] for k in good], staging, good)
         self._observe_io(Tier.SSD, "read", len(ssd_reads), started)
         if bad:
             with self._lock:

@@ -1,0 +1,321 @@
+"""`symphony bench tiers`: throughput of each KV tier against the bound the hardware sets for it.
+
+One session of SmolLM2 geometry (30 layers, 3 KV heads, head dim 64, bf16, 32-token blocks) and
+2,048 tokens (≈ 47 MB). Every trial measures each path once, interleaved, and the keys are medians
+over trials, so a noisy neighbour slows a bound and its path alike and the ratios stay meaningful.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from tqdm import tqdm
+
+from node_manager.kv.pages import Tier, page_checksum
+from node_manager.kv.store import RowTarget, StoreConfig, TieredStore
+from node_manager.kv.transfer import PeerPuller
+from symphony.kv_addressing import chain_block_keys
+from symphony.kv_geometry import KVGeometry, smollm2_geometry
+from symphony.rpc import kv_pb2, kv_pb2_grpc
+
+TARGETS = {  # key: (numerator, denominator, minimum ratio) or a maximum ratio for latencies
+    "dram_load_vs_memcpy": ("dram_load_gbps", "memcpy_gbps", 0.7),
+    "ssd_read_vs_disk": ("ssd_read_gbps", "disk_read_bound_gbps", 0.6),
+    "ssd_write_vs_disk": ("ssd_write_gbps", "disk_write_bound_gbps", 0.6),
+    "peer_fetch_vs_loopback": ("peer_fetch_gbps", "loopback_bound_gbps", 0.5),
+}
+FIRST_LAYER_MAX_FRACTION = 0.1
+TENANT = "bench"
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _session_pages(geometry: KVGeometry, blocks: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(-(2**62), 2**62, (blocks, geometry.page_words), dtype=torch.int64, generator=gen)
+            for _ in range(geometry.num_layers)]
+
+
+def _store(geometry: KVGeometry, ssd_dir: Path, name: str, session_bytes: int, device: str) -> TieredStore:
+    return TieredStore(geometry, StoreConfig(hbm_bytes=2 * session_bytes, dram_bytes=4 * session_bytes,
+                                             ssd_bytes=64 * session_bytes, ssd_dir=ssd_dir,
+                                             arena_name=f"symphony-bench-{os.getpid()}-{name}", device=device))
+
+
+def measure_memcpy(pages: list[torch.Tensor]) -> float:
+    src = torch.cat(pages)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in first: the store's arena is warm too
+    started = time.perf_counter()
+    dst.copy_(src)
+    return _gbps(src.numel() * 8, time.perf_counter() - started)
+
+
+def measure_disk_bounds(directory: Path, nbytes: int) -> tuple[float, float]:
+    """Plain sequential write + fsync, then an uncached sequential read, of the same bytes."""
+    data = os.urandom(nbytes)
+    path = directory / "bound.bin"
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, data)
+    os.fsync(fd)
+    os.close(fd)
+    write = _gbps(nbytes, time.perf_counter() - started)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    buffer = bytearray(nbytes)
+    view = memoryview(buffer)
+    started = time.perf_counter()
+    offset = 0
+    while offset < nbytes:
+        offset += os.preadv(fd, [view[offset:offset + (4 << 20)]], offset)
+    read = _gbps(nbytes, time.perf_counter() - started)
+    os.close(fd)
+    path.unlink()
+    return write, read
+
+
+def measure_loopback(nbytes: int) -> float:
+    """Raw TCP over loopback: one sender thread, the receiver here; 4 MiB sends and receives."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    payload = memoryview(os.urandom(4 << 20))
+
+    def send() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sent = 0
+            while sent < nbytes:
+                chunk = payload[:min(len(payload), nbytes - sent)]
+                sock.sendall(chunk)
+                sent += len(chunk)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    conn, _ = server.accept()
+    buffer = bytearray(4 << 20)
+    started = time.perf_counter()
+    received = 0
+    while received < nbytes:
+        got = conn.recv_into(buffer)
+        if not got:
+            break
+        received += got
+    elapsed = time.perf_counter() - started
+    sender.join()
+    conn.close()
+    server.close()
+    return _gbps(received, elapsed)
+
+
+def measure_store_paths(geometry: KVGeometry, pages: list[torch.Tensor], token_ids: list[int], work: Path,
+                        trial: int, device: str) -> dict[str, float]:
+    blocks = pages[0].shape[0]
+    nbytes = blocks * geometry.block_bytes
+    ssd_dir = work / f"ssd-{trial}"
+    out: dict[str, float] = {}
+    store = _store(geometry, ssd_dir, f"a{trial}", nbytes, device)
+    try:
+        store.put_session(TENANT, "s", token_ids)
+        started = time.perf_counter()
+        futures = [store.save_layer(TENANT, "s", layer, 0, pages[layer]) for layer in range(geometry.num_layers)]
+        kept = sum(f.result(60) for f in futures)
+        out["dram_store_gbps"] = _gbps(nbytes, time.perf_counter() - started)
+        if not store.flush(120):
+            raise RuntimeError("write-behind did not drain")
+        out["ssd_write_gbps"] = _gbps(nbytes, time.perf_counter() - started)
+        assert kept == blocks * geometry.num_layers, f"only {kept} pages kept"
+        dest = [torch.empty(blocks, geometry.page_words, dtype=torch.int64) for _ in range(geometry.num_layers)]
+        rows = list(range(blocks))
+        store.load(TENANT, "s", target=RowTarget(dest, rows)).wait_all(60)  # warm the destination
+        started = time.perf_counter()
+        results = store.load(TENANT, "s", target=RowTarget(dest, rows)).wait_all(60)
+        out["dram_load_gbps"] = _gbps(nbytes, time.perf_counter() - started)
+        assert all(not r.failed for r in results) and all(torch.equal(d, p) for d, p in zip(dest, pages, strict=True))
+    finally:
+        store.close()
+    # A fresh store on the same directory: DRAM is empty, so every page comes from SSD (uncached).
+    store = _store(geometry, ssd_dir, f"b{trial}", nbytes, device)
+    try:
+        store.put_session(TENANT, "s", token_ids)
+        store.ssd.drop_cache()
+        dest = [torch.zeros(blocks, geometry.page_words, dtype=torch.int64) for _ in range(geometry.num_layers)]
+        started = time.perf_counter()
+        handle = store.load(TENANT, "s", target=RowTarget(dest, list(range(blocks))))
+        handle.layer_ready(0).result(60)
+        first = time.perf_counter() - started
+        results = handle.wait_all(60)
+        elapsed = time.perf_counter() - started
+        assert all(r.by_tier.get(Tier.SSD) == blocks for r in results), "SSD load was served from elsewhere"
+        assert all(torch.equal(d, p) for d, p in zip(dest, pages, strict=True)), "SSD load returned wrong bytes"
+        out["ssd_read_gbps"] = _gbps(nbytes, elapsed)
+        out["ssd_first_layer_ready_ms"] = first * 1000
+        out["ssd_all_layers_ready_ms"] = elapsed * 1000
+        if device != "cpu":
+            dev = [torch.empty(blocks, geometry.page_words, dtype=torch.int64, device=device)
+                   for _ in range(geometry.num_layers)]
+            started = time.perf_counter()
+            store.load(TENANT, "s", target=RowTarget(dev, list(range(blocks)))).wait_all(60)
+            out["dram_to_device_gbps"] = _gbps(nbytes, time.perf_counter() - started)
+    finally:
+        store.close()
+        shutil.rmtree(ssd_dir, ignore_errors=True)
+    return out
+
+
+class _PeerNode:
+    """A real `symphony node` process (engine disabled) holding the session the bench pulls."""
+
+    def __init__(self, work: Path, geometry: KVGeometry) -> None:
+        model = work / "geometry-model"
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text(json.dumps({
+            "num_hidden_layers": geometry.num_layers, "num_attention_heads": geometry.kv_heads * 3,
+            "num_key_value_heads": geometry.kv_heads, "hidden_size": geometry.kv_heads * 3 * geometry.head_size,
+            "head_dim": geometry.head_size}))
+        (model / "model.safetensors").write_bytes(b"")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        config = work / "peer.toml"
+        config.write_text(f'home = "{work}"\n[node]\ngrpc_port_base = {port}\n[engine]\nenabled = false\n'
+                          f'model = "{model}"\nblock_size = {geometry.block_size}\n[kv]\nmetrics_port_base = 0\n'
+                          f'hbm_bytes = {256 << 20}\ndram_bytes = {512 << 20}\nssd_bytes = {4 << 30}\n')
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
+        self.log = (work / "peer.log").open("wb")
+        self.process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "node", "--config", str(config),
+                                         "--index", "0"], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    async def wait_ready(self, stub: kv_pb2_grpc.KVStoreStub, within_s: float = 60) -> None:
+        deadline = time.monotonic() + within_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"peer node exited ({self.process.returncode}); see {self.log.name}")
+            try:
+                await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=1)
+                return
+            except grpc.aio.AioRpcError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("peer node did not start") from None
+                await asyncio.sleep(0.2)  # polling a child process that is starting up
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], token_ids: list[int], work: Path,
+                             trials: int, progress: tqdm) -> list[float]:
+    peer = _PeerNode(work, geometry)
+    channel = grpc.aio.insecure_channel(peer.address)
+    try:
+        stub = kv_pb2_grpc.KVStoreStub(channel)
+        await peer.wait_ready(stub)
+        ref = kv_pb2.SessionRef(tenant=TENANT, session_id="s")
+        await stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids), timeout=30)
+        keys = chain_block_keys(TENANT, token_ids, geometry.block_size).block_keys
+        batches = []
+        for layer, layer_pages in enumerate(pages):
+            data = layer_pages.numpy().tobytes()
+            sums = [page_checksum(keys[b], layer, data[b * geometry.page_bytes:(b + 1) * geometry.page_bytes])
+                    for b in range(len(keys))]
+            batches.append(kv_pb2.PageBatch(session=ref, layer=layer, first_block=0, checksums=sums, data=data))
+        await stub.WritePages(iter(batches), timeout=60)
+        nbytes = len(keys) * geometry.block_bytes
+        rates = []
+        for trial in range(trials):
+            store = _store(geometry, work / f"pull-{trial}", f"p{trial}", nbytes, "cpu")
+            puller = PeerPuller(store, timeout_s=60)
+            try:
+                started = time.perf_counter()
+                reply = await puller.pull(TENANT, "s", peer.address)
+                elapsed = time.perf_counter() - started
+                if not reply.complete:
+                    raise RuntimeError(f"peer pull incomplete: {reply}")
+                rates.append(_gbps(nbytes, elapsed))
+            finally:
+                await puller.close()
+                await asyncio.to_thread(store.close)
+                shutil.rmtree(work / f"pull-{trial}", ignore_errors=True)
+            progress.update(1)
+        return rates
+    finally:
+        await channel.close()
+        peer.stop()
+
+
+def run_tiers_bench(*, out: Path, tokens: int = 2048, trials: int = 5, device: str = "cpu",
+                    work_dir: Path | None = None, plot: Path | None = None) -> dict[str, Any]:
+    geometry = smollm2_geometry()
+    blocks = tokens // geometry.block_size
+    if blocks < 1:
+        raise ValueError("--tokens must cover at least one block")
+    nbytes = blocks * geometry.block_bytes
+    pages = _session_pages(geometry, blocks)
+    token_ids = [(i * 7919) % 49152 for i in range(blocks * geometry.block_size)]
+    work = Path(tempfile.mkdtemp(prefix="symphony-bench-tiers-", dir=work_dir))
+    samples: dict[str, list[float]] = {}
+    try:
+        with tqdm(total=trials * 2, desc="bench tiers", unit="trial", file=sys.stderr) as progress:
+            for trial in range(trials):
+                row = {"memcpy_gbps": measure_memcpy(pages)}
+                row["disk_write_bound_gbps"], row["disk_read_bound_gbps"] = measure_disk_bounds(work, nbytes)
+                row.update(measure_store_paths(geometry, pages, token_ids, work, trial, device))
+                row["loopback_bound_gbps"] = measure_loopback(nbytes)
+                for key, value in row.items():
+                    samples.setdefault(key, []).append(value)
+                progress.update(1)
+            samples["peer_fetch_gbps"] = asyncio.run(measure_peer_fetch(geometry, pages, token_ids, work, trials,
+                                                                        progress))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result: dict[str, Any] = {key: statistics.median(values) for key, values in samples.items()}
+    result.update({"session_tokens": blocks * geometry.block_size, "session_bytes": nbytes, "trials": trials,
+                   "device": device, "page_bytes": geometry.page_bytes, "samples": samples})
+    ratios = {name: result[num] / result[den] for name, (num, den, _) in TARGETS.items()}
+    ratios["ssd_first_layer_fraction"] = result["ssd_first_layer_ready_ms"] / result["ssd_all_layers_ready_ms"]
+    result["ratios"] = ratios
+    result["targets_met"] = {name: ratios[name] >= minimum for name, (_, _, minimum) in TARGETS.items()}
+    result["targets_met"]["ssd_first_layer_fraction"] = ratios["ssd_first_layer_fraction"] <= FIRST_LAYER_MAX_FRACTION
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    _print_table(result)
+    print(f"wrote {out}")
+    if plot is not None:
+        from eval.plots import plot_tiers
+        plot_tiers(result, plot)
+        print(f"wrote {plot}")
+    return result
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    print(f"session: {result['session_tokens']} tokens, {result['session_bytes'] / 1e6:.1f} MB, "
+          f"median of {result['trials']} trials")
+    for key in ("memcpy_gbps", "dram_store_gbps", "dram_load_gbps", "disk_write_bound_gbps", "ssd_write_gbps",
+                "disk_read_bound_gbps", "ssd_read_gbps", "loopback_bound_gbps", "peer_fetch_gbps",
+                "dram_to_device_gbps"):
+        if key in result:
+            print(f"  {key:<24}{result[key]:>9.2f} GB/s")
+    print(f"  {'ssd_first_layer_ready_ms':<24}{result['ssd_first_layer_ready_ms']:>9.2f} ms")
+    print(f"  {'ssd_all_layers_ready_ms':<24}{result['ssd_all_layers_ready_ms']:>9.2f} ms")
+    for name, ok in result["targets_met"].items():
+        print(f"  target {name}: ratio {result['ratios'][name]:.2f} {'met' if ok else 'NOT met'}")

@@ -1,0 +1,166 @@
+"""symphony.kv_addressing: deterministic, tenant-namespaced, chained block keys."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from symphony.kv_addressing import BLOCK_KEY_BYTES, SessionBlocks, block_key, chain_block_keys, tenant_root
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TOKENS = [101, 7, 65535, 0, 2**32 - 1, 42, 42, 42, 9, 8, 7, 6, 5]  # 3 full blocks of 4 + a 1-token tail
+
+
+def _hand_chain(tenant: str, tokens: list[int], block_size: int) -> list[bytes]:
+    """The documented rule, written out independently of the module."""
+    parent = hashlib.sha256(b"symphony-kv-block-key-v1" + b"\x00tenant\x00" + tenant.encode()).digest()
+    keys = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tokens[start:start + block_size]
+        parent = hashlib.sha256(parent + struct.pack(f"<{len(block)}I", *block)).digest()
+        keys.append(parent)
+    return keys
+
+
+def test_golden_value_matches_the_documented_rule() -> None:
+    blocks = chain_block_keys("acme", TOKENS, 4)
+    assert list(blocks.block_keys) == _hand_chain("acme", TOKENS, 4)
+    assert tenant_root("acme") == hashlib.sha256(b"symphony-kv-block-key-v1\x00tenant\x00acme").digest()
+    # A literal pin, so a change of seed or rule that also changed the helper above is still caught.
+    assert chain_block_keys("acme", [1, 2, 3, 4], 4).block_keys[0].hex() == (
+        "f235d623d6ca004f41ba4ffff6503c9cefb036ff2a0c0aa16693c636f0ad1c67")
+    assert block_key(tenant_root("t"), [1, 2]) == hashlib.sha256(
+        tenant_root("t") + b"\x01\x00\x00\x00\x02\x00\x00\x00").digest()
+
+
+def test_keys_are_32_byte_digests_and_deterministic() -> None:
+    first = chain_block_keys("acme", TOKENS, 4)
+    second = chain_block_keys("acme", list(TOKENS), 4)
+    assert first == second
+    assert first.num_blocks == 3
+    assert all(isinstance(k, bytes) and len(k) == BLOCK_KEY_BYTES for k in first.block_keys)
+    assert len(set(first.block_keys)) == 3
+
+
+def test_same_keys_in_another_process_with_another_hash_seed() -> None:
+    script = (
+        "from symphony.kv_addressing import chain_block_keys\n"
+        f"blocks = chain_block_keys('acme', {TOKENS!r}, 4)\n"
+        "print(' '.join(k.hex() for k in blocks.block_keys))\n"
+        "print(hash('acme'))\n"
+    )
+    outputs = []
+    for seed in ("1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)}
+        done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=60, check=True)
+        outputs.append(done.stdout.split("\n"))
+    here = [k.hex() for k in chain_block_keys("acme", TOKENS, 4).block_keys]
+    assert outputs[0][1] != outputs[1][1], "the two processes should really have different str hashes"
+    assert outputs[0][0].split() == here
+    assert outputs[1][0].split() == here
+
+
+def test_tenants_are_namespaced() -> None:
+    a = chain_block_keys("tenant-a", TOKENS, 4)
+    b = chain_block_keys("tenant-b", TOKENS, 4)
+    assert tenant_root("tenant-a") != tenant_root("tenant-b")
+    assert set(a.block_keys).isdisjoint(b.block_keys)
+    # Not fooled by concatenation tricks either.
+    assert tenant_root("ab") != tenant_root("a")
+
+
+def test_changing_a_token_in_block_zero_changes_every_later_key() -> None:
+    base = chain_block_keys("acme", TOKENS, 4)
+    edited = list(TOKENS)
+    edited[0] += 1
+    changed = chain_block_keys("acme", edited, 4)
+    assert all(x != y for x, y in zip(base.block_keys, changed.block_keys, strict=True))
+
+
+def test_changing_a_later_block_keeps_the_prefix_keys() -> None:
+    base = chain_block_keys("acme", TOKENS, 4)
+    edited = list(TOKENS)
+    edited[9] += 1  # block 2
+    changed = chain_block_keys("acme", edited, 4)
+    assert changed.block_keys[:2] == base.block_keys[:2]
+    assert changed.block_keys[2] != base.block_keys[2]
+
+
+def test_same_block_tokens_at_different_positions_get_different_keys() -> None:
+    blocks = chain_block_keys("acme", [5, 5, 5, 5, 5, 5, 5, 5], 4)
+    assert blocks.block_keys[0] != blocks.block_keys[1]
+
+
+@pytest.mark.parametrize(("count", "blocks", "tail"), [(0, 0, 0), (3, 0, 3), (4, 1, 0), (13, 3, 1), (16, 4, 0)])
+def test_tail_tokens_are_not_keyed(count: int, blocks: int, tail: int) -> None:
+    tokens = list(range(100, 100 + count))
+    result = chain_block_keys("acme", tokens, 4)
+    assert result.num_blocks == blocks
+    assert result.tail_tokens == tuple(tokens[blocks * 4:])
+    assert len(result.tail_tokens) == tail
+    assert result.tenant == "acme" and result.block_size == 4
+
+
+def test_tail_does_not_affect_full_block_keys() -> None:
+    assert chain_block_keys("acme", TOKENS[:12], 4).block_keys == chain_block_keys("acme", TOKENS, 4).block_keys
+
+
+@pytest.mark.parametrize("split", [0, 3, 4, 5, 8, 12, 13])
+def test_incremental_start_equals_from_scratch(split: int) -> None:
+    longer = [*TOKENS, 1, 2, 3, 4, 5, 6, 7]
+    prefix = chain_block_keys("acme", longer[:split], 4)
+    assert chain_block_keys("acme", longer, 4, start=prefix) == chain_block_keys("acme", longer, 4)
+
+
+def test_incremental_start_hashes_only_new_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import symphony.kv_addressing as addressing
+
+    prefix = chain_block_keys("acme", TOKENS[:8], 4)
+    calls = []
+    real = addressing.block_key
+    monkeypatch.setattr(addressing, "block_key", lambda parent, toks: calls.append(list(toks)) or real(parent, toks))
+    chain_block_keys("acme", TOKENS, 4, start=prefix)
+    assert calls == [TOKENS[8:12]]
+
+
+def test_start_from_another_tenant_or_block_size_is_ignored() -> None:
+    other_tenant = chain_block_keys("other", TOKENS[:8], 4)
+    other_size = chain_block_keys("acme", TOKENS[:8], 2)
+    expected = chain_block_keys("acme", TOKENS, 4)
+    assert chain_block_keys("acme", TOKENS, 4, start=other_tenant) == expected
+    assert chain_block_keys("acme", TOKENS, 4, start=other_size) == expected
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 2**40])
+def test_out_of_range_token_ids_raise_value_error(bad: int) -> None:
+    with pytest.raises(ValueError, match="token id"):
+        chain_block_keys("acme", [1, 2, bad, 4], 4)
+
+
+def test_out_of_range_token_in_the_tail_is_also_rejected() -> None:
+    with pytest.raises(ValueError):
+        chain_block_keys("acme", [1, 2, 3, 4, -5], 4)
+
+
+def test_largest_token_id_is_accepted() -> None:
+    assert chain_block_keys("acme", [2**32 - 1] * 4, 4).num_blocks == 1
+
+
+@pytest.mark.parametrize("block_size", [0, -4])
+def test_non_positive_block_size_raises(block_size: int) -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        chain_block_keys("acme", TOKENS, block_size)
+
+
+def test_session_blocks_is_immutable() -> None:
+    blocks = chain_block_keys("acme", TOKENS, 4)
+    assert isinstance(blocks, SessionBlocks)
+    with pytest.raises(AttributeError):
+        blocks.tenant = "other"  # type: ignore[misc]

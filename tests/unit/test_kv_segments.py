@@ -1,0 +1,133 @@
+"""node_manager.kv.segments: the SSD segment file header."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+
+from node_manager.kv.segments import (
+    ALIGN,
+    MAGIC,
+    SUFFIX,
+    SegmentEntry,
+    SegmentFormatError,
+    SegmentHeader,
+    decode_header,
+    encode_header,
+    fixed_header_size,
+    header_length,
+    parse_header,
+    segment_name,
+)
+from symphony.kv_addressing import BlockKey
+
+
+def key(n: int) -> BlockKey:
+    return BlockKey(hashlib.sha256(str(n).encode()).digest())
+
+
+def entries(count: int) -> list[SegmentEntry]:
+    return [SegmentEntry(key(i), i % 5, (i * 0x9E3779B97F4A7C15) % 2**64) for i in range(count)]
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 92, 93, 200])
+def test_header_round_trip(count: int) -> None:
+    written = entries(count)
+    data = encode_header(seq=0xDEADBEEF01, page_bytes=64, entries=written)
+    header = parse_header(data)
+    assert isinstance(header, SegmentHeader)
+    assert header.seq == 0xDEADBEEF01
+    assert header.page_bytes == 64
+    assert header.entries == tuple(written)
+    assert header.header_len == len(data)
+    assert decode_header(data[:fixed_header_size()]) == (count, len(data))
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 92, 93, 200, 1000])
+def test_header_length_is_4096_aligned(count: int) -> None:
+    length = header_length(count)
+    data = encode_header(1, 64, entries(count))
+    assert len(data) == length
+    assert length % ALIGN == 0
+    assert ALIGN == 4096
+    assert length >= fixed_header_size() + count * (32 + 4 + 8)
+    assert length - (fixed_header_size() + count * (32 + 4 + 8)) < ALIGN
+
+
+def test_header_grows_past_one_alignment_unit() -> None:
+    per_entry = 32 + 4 + 8
+    fits = (ALIGN - fixed_header_size()) // per_entry
+    assert header_length(fits) == ALIGN
+    assert header_length(fits + 1) == 2 * ALIGN
+
+
+def test_page_offsets_and_file_size() -> None:
+    header = parse_header(encode_header(7, 64, entries(3)))
+    assert header.page_offset(0) == 4096
+    assert header.page_offset(2) == 4096 + 128
+    assert header.file_bytes == 4096 + 3 * 64
+
+
+def test_segment_name() -> None:
+    assert segment_name(0x1F) == "seg-000000000000001f" + SUFFIX
+    assert SUFFIX == ".kvseg"
+
+
+def test_bad_magic() -> None:
+    data = bytearray(encode_header(1, 64, entries(2)))
+    data[0:8] = b"NOTMAGIC"
+    with pytest.raises(SegmentFormatError, match="magic"):
+        parse_header(bytes(data))
+
+
+def test_bad_version() -> None:
+    data = bytearray(encode_header(1, 64, entries(2)))
+    assert data[:8] == MAGIC
+    struct.pack_into("<H", data, 8, 2)
+    with pytest.raises(SegmentFormatError, match="version"):
+        parse_header(bytes(data))
+
+
+@pytest.mark.parametrize("offset_in_table", [0, 31, 32, 36, 44, 87])
+def test_flipped_byte_in_entry_table(offset_in_table: int) -> None:
+    data = bytearray(encode_header(1, 64, entries(2)))
+    data[fixed_header_size() + offset_in_table] ^= 0x01
+    with pytest.raises(SegmentFormatError, match="checksum"):
+        parse_header(bytes(data))
+
+
+def test_flipped_table_crc() -> None:
+    data = bytearray(encode_header(1, 64, entries(2)))
+    data[fixed_header_size() - 1] ^= 0x80  # last byte of the fixed header is the table crc
+    with pytest.raises(SegmentFormatError):
+        parse_header(bytes(data))
+
+
+def test_inconsistent_header_length() -> None:
+    data = bytearray(encode_header(1, 64, entries(2)))
+    struct.pack_into("<I", data, 8 + 2 + 2 + 4 + 4 + 8, 8192)  # header_len field
+    with pytest.raises(SegmentFormatError, match="length"):
+        parse_header(bytes(data))
+
+
+def test_count_larger_than_data_is_truncated_table() -> None:
+    data = bytearray(encode_header(1, 64, entries(2)))
+    struct.pack_into("<I", data, 8 + 2 + 2 + 4, 500)  # count field
+    struct.pack_into("<I", data, 8 + 2 + 2 + 4 + 4 + 8, header_length(500))  # keep header_len consistent
+    with pytest.raises(SegmentFormatError, match="truncated"):
+        parse_header(bytes(data))
+
+
+@pytest.mark.parametrize("length", [0, 1, 43])
+def test_short_input(length: int) -> None:
+    data = encode_header(1, 64, entries(1))[:length]
+    with pytest.raises(SegmentFormatError):
+        parse_header(data)
+    with pytest.raises(SegmentFormatError):
+        decode_header(data)
+
+
+def test_format_error_is_a_value_error() -> None:
+    assert issubclass(SegmentFormatError, ValueError)

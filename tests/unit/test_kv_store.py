@@ -1,0 +1,733 @@
+"""node_manager.kv.store: the tiered KV store (HBM / DRAM arena / SSD segments) and its layer-wise API."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+import torch
+
+from node_manager.kv.pages import Priority, Tier
+from node_manager.kv.segments import SUFFIX, TMP_SUFFIX, parse_header
+from node_manager.kv.store import (
+    InvalidRequest,
+    LayerResult,
+    LayerwiseLoad,
+    RowTarget,
+    SessionNotFound,
+    StoreConfig,
+    TieredStore,
+)
+from symphony.kv_geometry import KVGeometry
+
+GEOMETRY = KVGeometry(num_layers=4, kv_heads=1, head_size=4, block_size=4)  # 64-byte pages of 8 int64 words
+PAGE = GEOMETRY.page_bytes
+WORDS = GEOMETRY.page_words
+BLOCK = GEOMETRY.block_size
+LAYERS = GEOMETRY.num_layers
+SENTINEL = -0x5A5A5A5A5A5A5A5A
+TIMEOUT = 10.0
+
+assert PAGE == 64 and WORDS == 8
+
+MakeStore = Callable[..., TieredStore]
+
+
+@pytest.fixture
+def ssd_dir(tmp_path: Path) -> Path:
+    return tmp_path / "ssd"
+
+
+@pytest.fixture
+def make_store(ssd_dir: Path) -> Iterator[MakeStore]:
+    stores: list[TieredStore] = []
+
+    def make(*, hbm_pages: int = 16, dram_pages: int = 64, ssd_bytes: int = 4 << 20, directory: Path | None = None,
+             geometry: KVGeometry = GEOMETRY, **overrides: object) -> TieredStore:
+        config = StoreConfig(hbm_bytes=hbm_pages * geometry.page_bytes, dram_bytes=dram_pages * geometry.page_bytes,
+                             ssd_bytes=ssd_bytes, ssd_dir=directory or ssd_dir,
+                             arena_name=f"symphony-test-{uuid4().hex[:8]}", **overrides)  # type: ignore[arg-type]
+        store = TieredStore(geometry, config)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        if not store._closed:
+            store.close(flush_timeout=TIMEOUT)
+        assert not store.dram.path.exists(), "close() must remove the shared-memory arena"
+
+
+def tokens(num_blocks: int, base: int = 1000, tail: int = 0) -> list[int]:
+    return list(range(base, base + num_blocks * BLOCK + tail))
+
+
+def page_data(num_blocks: int, seed: int, geometry: KVGeometry = GEOMETRY) -> list[torch.Tensor]:
+    """Per layer, [num_blocks, page_words] int64 of random (seeded, never SENTINEL-filled) words."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(-2**62, 2**62, (num_blocks, geometry.page_words), generator=generator, dtype=torch.int64)
+            for _ in range(geometry.num_layers)]
+
+
+def save_session(store: TieredStore, session: str, num_blocks: int, seed: int, *, tenant: str = "acme",
+                 base: int | None = None, priority: Priority | None = None,
+                 layers: list[int] | None = None, flush_each: bool = False) -> list[torch.Tensor]:
+    store.put_session(tenant, session, tokens(num_blocks, base if base is not None else seed * 10_000), priority)
+    data = page_data(num_blocks, seed, store.geometry)
+    for layer in range(store.geometry.num_layers) if layers is None else layers:
+        kept = store.save_layer(tenant, session, layer, 0, data[layer]).result(TIMEOUT)
+        assert kept == num_blocks
+        if flush_each:
+            assert store.flush(TIMEOUT)
+    return data
+
+
+def load_rows(store: TieredStore, session: str, num_blocks: int, *, tenant: str = "acme", first_block: int = 0,
+              rows: list[int] | None = None) -> tuple[list[torch.Tensor], list[LayerResult]]:
+    rows = list(range(num_blocks)) if rows is None else rows
+    height = max(rows) + 1 if rows else 1
+    tensors = [torch.full((height, store.geometry.page_words), SENTINEL, dtype=torch.int64)
+               for _ in range(store.geometry.num_layers)]
+    handle = store.load(tenant, session, first_block, num_blocks, target=RowTarget(tensors, rows))
+    return tensors, handle.wait_all(TIMEOUT)
+
+
+def metric(store: TieredStore, name: str, **labels: str) -> float:
+    value = store.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def segment_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"*{SUFFIX}"))
+
+
+def locate_page(directory: Path, key: bytes, layer: int) -> tuple[Path, int]:
+    """The segment file and byte offset holding page (key, layer)."""
+    for path in segment_files(directory):
+        data = path.read_bytes()
+        header = parse_header(data)
+        for index, entry in enumerate(header.entries):
+            if entry.block_key == key and entry.layer == layer:
+                return path, header.page_offset(index)
+    raise AssertionError("page not found in any segment")
+
+
+def all_true(grid: list[list[bool]]) -> bool:
+    return all(all(row) for row in grid)
+
+
+def none_true(grid: list[list[bool]]) -> bool:
+    return not any(any(row) for row in grid)
+
+
+# ---- save and load --------------------------------------------------------------------------------
+
+def test_save_then_load_into_rows_is_byte_identical(make_store: MakeStore) -> None:
+    store = make_store()
+    data = save_session(store, "s1", 3, seed=1)
+    tensors, results = load_rows(store, "s1", 3)
+    for layer in range(LAYERS):
+        assert torch.equal(tensors[layer], data[layer])
+        assert results[layer].layer == layer
+        assert results[layer].failed == ()
+        assert results[layer].loaded == 3
+        assert results[layer].by_tier == {Tier.DRAM: 3}
+    assert metric(store, "symphony_kv_load_hits_total", tier="DRAM") == 3 * LAYERS
+
+
+def test_load_honours_row_mapping_and_block_range(make_store: MakeStore) -> None:
+    store = make_store()
+    data = save_session(store, "s1", 4, seed=2)
+    tensors, results = load_rows(store, "s1", 2, first_block=1, rows=[5, 0])
+    for layer in range(LAYERS):
+        assert torch.equal(tensors[layer][5], data[layer][1])
+        assert torch.equal(tensors[layer][0], data[layer][2])
+        untouched = [r for r in range(6) if r not in (0, 5)]
+        assert bool((tensors[layer][untouched] == SENTINEL).all())
+        assert results[layer].failed == ()
+        assert results[layer].loaded == 2
+
+
+def test_partial_save_reports_missing_blocks(make_store: MakeStore) -> None:
+    store = make_store()
+    store.put_session("acme", "s1", tokens(3))
+    data = page_data(3, seed=3)
+    for layer in range(LAYERS):
+        assert store.save_layer("acme", "s1", layer, 0, data[layer][:1]).result(TIMEOUT) == 1
+        assert store.save_layer("acme", "s1", layer, 2, data[layer][2:]).result(TIMEOUT) == 1
+    tensors, results = load_rows(store, "s1", 3)
+    for layer in range(LAYERS):
+        assert results[layer].failed == (1,)
+        assert results[layer].loaded == 1  # the contiguous prefix
+        assert torch.equal(tensors[layer][0], data[layer][0])
+        assert torch.equal(tensors[layer][2], data[layer][2])
+        assert bool((tensors[layer][1] == SENTINEL).all())
+    assert metric(store, "symphony_kv_load_misses_total") == LAYERS
+
+
+def test_sessions_share_prefix_pages_within_a_tenant_only(make_store: MakeStore) -> None:
+    store = make_store()
+    data = save_session(store, "s1", 2, seed=4, base=500)
+    store.put_session("acme", "s2", tokens(2, base=500, tail=3))  # same history, different session
+    tensors, results = load_rows(store, "s2", 2)
+    assert all(r.failed == () for r in results)
+    assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS))
+    store.put_session("other-tenant", "s1", tokens(2, base=500))
+    _, results = load_rows(store, "s1", 2, tenant="other-tenant")
+    assert all(r.failed == (0, 1) and r.loaded == 0 for r in results)
+
+
+def test_extending_a_session_keeps_saved_blocks(make_store: MakeStore) -> None:
+    store = make_store()
+    data = save_session(store, "s1", 2, seed=5, base=0)
+    before = store.session("acme", "s1").blocks.block_keys
+    record = store.put_session("acme", "s1", tokens(3, base=0))
+    assert record.blocks.block_keys[:2] == before
+    tensors, results = load_rows(store, "s1", 2)
+    assert all(r.failed == () for r in results)
+    assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS))
+    edited = tokens(3, base=0)
+    edited[0] = 99_999  # an edited conversation: every key changes, nothing is found
+    store.put_session("acme", "s1", edited)
+    _, results = load_rows(store, "s1", 3)
+    assert all(r.failed == (0, 1, 2) for r in results)
+
+
+def test_layer_futures_resolve_in_layer_order(make_store: MakeStore) -> None:
+    geometry = KVGeometry(num_layers=12, kv_heads=1, head_size=4, block_size=4)
+    store = make_store(geometry=geometry, hbm_pages=0, dram_pages=256, io_threads=4)
+    data = save_session(store, "s1", 8, seed=6)
+    assert store.flush(TIMEOUT)
+    lock = threading.Lock()
+    for attempt in range(20):
+        tensors = [torch.full((8, geometry.page_words), SENTINEL, dtype=torch.int64) for _ in range(12)]
+        handle = store.load("acme", "s1", target=RowTarget(tensors, list(range(8))))
+        observed: list[tuple[int, list[bool]]] = []
+        for layer in range(12):
+            handle.layers[layer].add_done_callback(
+                lambda _, layer=layer, handle=handle, observed=observed: record(handle, layer, observed, lock))
+        results = handle.wait_all(TIMEOUT)
+        assert [r.layer for r in results] == list(range(12))
+        assert sorted(layer for layer, _ in observed) == list(range(12)), attempt
+        for layer, earlier in observed:
+            assert all(earlier), f"layer {layer} resolved before an earlier layer (attempt {attempt})"
+        # A completed layer's rows are already in place when its future resolves.
+        assert all(torch.equal(tensors[layer], data[layer]) for layer in range(12))
+
+
+def record(handle: LayerwiseLoad, layer: int, observed: list[tuple[int, list[bool]]], lock: threading.Lock) -> None:
+    """Done-callback of layer `layer`: which earlier layers were already resolved at that moment."""
+    earlier = [f.done() for f in handle.layers[:layer]]
+    with lock:
+        observed.append((layer, earlier))
+
+
+def test_layerwise_load_orders_results_even_when_layers_finish_concurrently() -> None:
+    """A thread that completed layer 0 may be preempted right after leaving the handle's lock and before
+    resolving layer 0's future; meanwhile another thread completes layer 1. Layer 1 must still not
+    resolve before layer 0 (the LayerwiseLoad contract)."""
+    handle = LayerwiseLoad(num_layers=2, first_block=0, num_blocks=1)
+    first = handle.layers[0]
+    entered, release = threading.Event(), threading.Event()
+    real_set_result = first.set_result
+
+    def preempted_set_result(result: LayerResult) -> None:
+        entered.set()
+        release.wait(TIMEOUT)
+        real_set_result(result)
+
+    first.set_result = preempted_set_result  # type: ignore[method-assign]
+    layer0_done_when_layer1_resolved: list[bool] = []
+    handle.layers[1].add_done_callback(lambda _: layer0_done_when_layer1_resolved.append(first.done()))
+    worker = threading.Thread(target=handle._finish, args=(0, LayerResult(0, 1, ())))
+    worker.start()
+    assert entered.wait(TIMEOUT)
+    finisher = threading.Thread(target=handle._finish, args=(1, LayerResult(1, 1, ())))
+    finisher.start()
+    # Bounded: an implementation that makes this thread wait for layer 0 is released below.
+    finisher.join(1.0)
+    release.set()
+    worker.join(TIMEOUT)
+    finisher.join(TIMEOUT)
+    assert handle.layers[0].result(TIMEOUT).layer == 0
+    assert handle.layers[1].result(TIMEOUT).layer == 1
+    assert layer0_done_when_layer1_resolved == [True], "layer 1's future resolved while layer 0's was pending"
+
+
+def test_load_only_selected_layers(make_store: MakeStore) -> None:
+    store = make_store()
+    data = save_session(store, "s1", 2, seed=7)
+    tensors = [torch.full((2, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
+    results = store.load("acme", "s1", target=RowTarget(tensors, [0, 1]), layers=[2]).wait_all(TIMEOUT)
+    assert torch.equal(tensors[2], data[2])
+    assert results[2].loaded == 2
+    for layer in (0, 1, 3):
+        assert results[layer].loaded == 0
+        assert bool((tensors[layer] == SENTINEL).all())
+
+
+# ---- restart and SSD integrity ---------------------------------------------------------------------
+
+def test_index_rebuild_serves_pages_from_ssd(make_store: MakeStore, ssd_dir: Path) -> None:
+    first = make_store()
+    data = save_session(first, "s1", 2, seed=8, base=0)
+    keys = first.session("acme", "s1").blocks.block_keys
+    first.close()
+    assert segment_files(ssd_dir)
+
+    second = make_store()
+    assert second.stats()["pages"] == 2 * LAYERS
+    assert second.stats()["ssd_pages"] == 2 * LAYERS
+    with pytest.raises(SessionNotFound):
+        second.session("acme", "s1")  # sessions are not persisted, pages are
+    record = second.put_session("acme", "s1", tokens(2, base=0))
+    assert record.blocks.block_keys == keys
+    residency = second.residency("acme", "s1")
+    assert all_true(residency[Tier.SSD]) and none_true(residency[Tier.DRAM]) and none_true(residency[Tier.HBM])
+    tensors, results = load_rows(second, "s1", 2)
+    for layer in range(LAYERS):
+        assert results[layer].failed == ()
+        assert results[layer].by_tier == {Tier.SSD: 2}
+        assert torch.equal(tensors[layer], data[layer])
+    assert metric(second, "symphony_kv_ssd_segments_damaged_total") == 0
+    assert metric(second, "symphony_kv_load_hits_total", tier="SSD") == 2 * LAYERS
+
+
+def test_flipped_byte_on_ssd_is_detected_and_never_served(make_store: MakeStore, ssd_dir: Path) -> None:
+    first = make_store()
+    data = save_session(first, "s1", 2, seed=9, base=0)
+    bad_key = first.session("acme", "s1").blocks.block_keys[1]
+    first.close()
+    path, offset = locate_page(ssd_dir, bad_key, layer=2)
+    raw = bytearray(path.read_bytes())
+    raw[offset + 13] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+    second = make_store()
+    second.put_session("acme", "s1", tokens(2, base=0))
+    tensors, results = load_rows(second, "s1", 2)
+    for layer in range(LAYERS):
+        if layer == 2:
+            assert results[layer].failed == (1,)
+            assert results[layer].loaded == 1
+            assert torch.equal(tensors[layer][0], data[layer][0])
+            assert not torch.equal(tensors[layer][1], data[layer][1])
+        else:
+            assert results[layer].failed == ()
+            assert torch.equal(tensors[layer], data[layer])
+    assert metric(second, "symphony_kv_load_errors_total", reason="checksum") == 1
+    assert metric(second, "symphony_kv_last_copy_dropped_total", reason="corrupt") == 1
+    assert not second.residency("acme", "s1")[Tier.SSD][2][1]
+
+    misses_before = metric(second, "symphony_kv_load_misses_total")
+    tensors, results = load_rows(second, "s1", 2)
+    assert results[2].failed == (1,)
+    assert all(results[layer].failed == () for layer in (0, 1, 3))
+    assert metric(second, "symphony_kv_load_misses_total") == misses_before + 1  # missing now, not re-read
+    assert metric(second, "symphony_kv_load_errors_total", reason="checksum") == 1
+    assert bool((tensors[2][1] == SENTINEL).all())
+
+
+def test_failed_row_never_holds_the_corrupt_bytes(make_store: MakeStore, ssd_dir: Path) -> None:
+    """A block reported as failed must not leave the corrupt page's bytes in the caller's row: a read
+    straight into the caller's row clears it, a staged read never copies it."""
+    first = make_store()
+    save_session(first, "s1", 2, seed=10, base=0)
+    bad_key = first.session("acme", "s1").blocks.block_keys[0]
+    first.close()
+    path, offset = locate_page(ssd_dir, bad_key, layer=1)
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+    second = make_store()
+    second.put_session("acme", "s1", tokens(2, base=0))
+    tensors, results = load_rows(second, "s1", 2)
+    assert results[1].failed == (0,)
+    assert results[1].loaded == 0
+    assert metric(second, "symphony_kv_load_errors_total", reason="checksum") == 1
+    row = tensors[1][0]
+    assert bool((row == 0).all()) or bool((row == SENTINEL).all()), "the corrupt page was left in the row"
+
+
+def test_leftover_tmp_segment_is_deleted_at_rebuild(make_store: MakeStore, ssd_dir: Path) -> None:
+    first = make_store()
+    kept = save_session(first, "kept", 1, seed=11, base=0)
+    assert first.flush(TIMEOUT)
+    save_session(first, "torn", 1, seed=12, base=50_000)
+    torn_key = first.session("acme", "torn").blocks.block_keys[0]
+    first.close()
+    # Turn every segment holding the second session into an interrupted write (whole contents, .tmp name).
+    torn_paths = {locate_page(ssd_dir, torn_key, layer)[0] for layer in range(LAYERS)}
+    kept_key_paths = {p for p in segment_files(ssd_dir) if p not in torn_paths}
+    assert kept_key_paths
+    for path in torn_paths:
+        path.rename(path.with_suffix(TMP_SUFFIX))
+    (ssd_dir / "seg-00000000000fffff.tmp").write_bytes(b"partial garbage")
+    assert len(list(ssd_dir.glob(f"*{TMP_SUFFIX}"))) == len(torn_paths) + 1
+
+    second = make_store()
+    assert list(ssd_dir.glob(f"*{TMP_SUFFIX}")) == []
+    assert second.stats()["pages"] == LAYERS
+    assert metric(second, "symphony_kv_ssd_segments_damaged_total") == 0
+    second.put_session("acme", "torn", tokens(1, base=50_000))
+    assert none_true(second.residency("acme", "torn")[Tier.SSD])
+    _, results = load_rows(second, "torn", 1)
+    assert all(r.failed == (0,) for r in results)
+    second.put_session("acme", "kept", tokens(1, base=0))
+    tensors, results = load_rows(second, "kept", 1)
+    assert all(r.failed == () for r in results)
+    assert all(torch.equal(tensors[layer], kept[layer]) for layer in range(LAYERS))
+
+
+def test_damaged_segment_is_dropped_at_rebuild(make_store: MakeStore, ssd_dir: Path) -> None:
+    first = make_store()
+    save_session(first, "s1", 1, seed=13, base=0)
+    key = first.session("acme", "s1").blocks.block_keys[0]
+    first.close()
+    path, _ = locate_page(ssd_dir, key, layer=0)
+    raw = bytearray(path.read_bytes())
+    raw[60] ^= 0x01  # inside the entry table
+    path.write_bytes(bytes(raw))
+
+    second = make_store()
+    assert metric(second, "symphony_kv_ssd_segments_damaged_total") == 1
+    assert not path.exists()
+    second.put_session("acme", "s1", tokens(1, base=0))
+    _, results = load_rows(second, "s1", 1)
+    assert results[0].failed == (0,)
+
+
+# ---- capacity -----------------------------------------------------------------------------------
+
+def test_dram_eviction_is_lru_and_pages_stay_loadable_from_ssd(make_store: MakeStore) -> None:
+    store = make_store(hbm_pages=0, dram_pages=2 * LAYERS)
+    a = save_session(store, "a", 1, seed=20)
+    assert store.flush(TIMEOUT)
+    b = save_session(store, "b", 1, seed=21)
+    assert store.flush(TIMEOUT)
+    load_rows(store, "a", 1)  # a is now more recently used than b
+    c = save_session(store, "c", 1, seed=22)
+    assert store.flush(TIMEOUT)
+
+    assert all_true(store.residency("acme", "a")[Tier.DRAM])
+    assert none_true(store.residency("acme", "b")[Tier.DRAM])
+    assert all_true(store.residency("acme", "b")[Tier.SSD])
+    assert all_true(store.residency("acme", "c")[Tier.DRAM])
+    assert metric(store, "symphony_kv_evictions_total", tier="DRAM", reason="capacity") == LAYERS
+    assert metric(store, "symphony_kv_last_copy_dropped_total", reason="capacity") == 0
+    assert store.stats()["dram_pages"] == 2 * LAYERS
+
+    for name, data, tier in (("a", a, Tier.DRAM), ("b", b, Tier.SSD), ("c", c, Tier.DRAM)):
+        tensors, results = load_rows(store, name, 1)
+        assert all(r.failed == () and r.by_tier == {tier: 1} for r in results), name
+        assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS)), name
+
+
+def test_dram_eviction_keeps_high_priority_pages_over_newer_normal_ones(make_store: MakeStore) -> None:
+    store = make_store(hbm_pages=0, dram_pages=2 * LAYERS)
+    save_session(store, "vip", 1, seed=23, priority=Priority.HIGH)
+    assert store.flush(TIMEOUT)
+    save_session(store, "normal", 1, seed=24)
+    assert store.flush(TIMEOUT)
+    save_session(store, "newest", 1, seed=25)
+    assert store.flush(TIMEOUT)
+    assert all_true(store.residency("acme", "vip")[Tier.DRAM]), "the high-priority session was evicted first"
+    assert none_true(store.residency("acme", "normal")[Tier.DRAM])
+    assert all_true(store.residency("acme", "newest")[Tier.DRAM])
+
+
+def test_low_priority_pages_go_before_older_normal_ones(make_store: MakeStore) -> None:
+    store = make_store(hbm_pages=0, dram_pages=2 * LAYERS)
+    save_session(store, "normal", 1, seed=26)
+    assert store.flush(TIMEOUT)
+    save_session(store, "cheap", 1, seed=27)
+    assert store.flush(TIMEOUT)
+    store.set_priority("acme", "cheap", Priority.LOW)
+    save_session(store, "newest", 1, seed=28)
+    assert store.flush(TIMEOUT)
+    assert all_true(store.residency("acme", "normal")[Tier.DRAM]), "set_priority(LOW) did not make pages go first"
+    assert none_true(store.residency("acme", "cheap")[Tier.DRAM])
+
+
+def test_save_degrades_when_dram_is_full_of_unpersisted_pages(make_store: MakeStore,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store(hbm_pages=0, dram_pages=LAYERS)
+    gate = threading.Event()
+    real_write = store.ssd.write
+
+    def held_write(*args: object, **kwargs: object) -> None:
+        gate.wait(TIMEOUT)
+        real_write(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store.ssd, "write", held_write)
+    save_session(store, "a", 1, seed=29)  # fills DRAM; the pages stay pinned until written
+    store.put_session("acme", "b", tokens(1, base=77_000))
+    assert store.save_layer("acme", "b", 0, 0, page_data(1, seed=30)[0]).result(TIMEOUT) == 0
+    assert metric(store, "symphony_kv_save_degraded_total", reason="dram_full") == 1
+    gate.set()
+    assert store.flush(TIMEOUT)
+    assert all_true(store.residency("acme", "a")[Tier.SSD])
+
+
+def test_promotion_to_hbm(make_store: MakeStore) -> None:
+    store = make_store(hbm_pages=LAYERS, dram_pages=4 * LAYERS)
+    data = save_session(store, "s1", 1, seed=31)
+    assert store.flush(TIMEOUT)
+    results = store.load("acme", "s1", target=Tier.HBM).wait_all(TIMEOUT)
+    assert all(r.failed == () and r.loaded == 1 and r.by_tier == {Tier.DRAM: 1} for r in results)
+    residency = store.residency("acme", "s1")
+    assert all_true(residency[Tier.HBM]) and all_true(residency[Tier.DRAM])
+    assert store.stats()["hbm_pages"] == LAYERS
+    # Promoting again is a no-op that counts the pages as already there.
+    again = store.load("acme", "s1", target=Tier.HBM).wait_all(TIMEOUT)
+    assert all(r.by_tier == {Tier.HBM: 1} and r.failed == () for r in again)
+    tensors, results = load_rows(store, "s1", 1)
+    assert all(r.by_tier == {Tier.HBM: 1} for r in results)
+    assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS))
+
+
+def test_promotion_from_ssd_to_dram(make_store: MakeStore, ssd_dir: Path) -> None:
+    first = make_store()
+    data = save_session(first, "s1", 1, seed=32, base=0)
+    first.close()
+    second = make_store()
+    second.put_session("acme", "s1", tokens(1, base=0))
+    results = second.load("acme", "s1", target=Tier.DRAM).wait_all(TIMEOUT)
+    assert all(r.by_tier == {Tier.SSD: 1} and r.failed == () for r in results)
+    assert all_true(second.residency("acme", "s1")[Tier.DRAM])
+    tensors, results = load_rows(second, "s1", 1)
+    assert all(r.by_tier == {Tier.DRAM: 1} for r in results)
+    assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS))
+
+
+def test_hbm_yields_later_layers_first(make_store: MakeStore) -> None:
+    store = make_store(hbm_pages=LAYERS, dram_pages=4 * LAYERS)
+    save_session(store, "a", 1, seed=33)
+    save_session(store, "b", 1, seed=34)
+    assert store.flush(TIMEOUT)
+    store.load("acme", "a", target=Tier.HBM).wait_all(TIMEOUT)
+    assert store.residency("acme", "a")[Tier.HBM] == [[True]] * LAYERS
+
+    results = store.load("acme", "b", target=Tier.HBM, layers=[0]).wait_all(TIMEOUT)
+    assert results[0].loaded == 1 and results[0].failed == ()
+    assert store.residency("acme", "a")[Tier.HBM] == [[True], [True], [True], [False]]
+    store.load("acme", "b", target=Tier.HBM, layers=[1]).wait_all(TIMEOUT)
+    assert store.residency("acme", "a")[Tier.HBM] == [[True], [True], [False], [False]]
+    assert store.residency("acme", "b")[Tier.HBM] == [[True], [True], [False], [False]]
+    assert metric(store, "symphony_kv_evictions_total", tier="HBM", reason="capacity") == 2
+    # The evicted pages still live below HBM.
+    assert all_true(store.residency("acme", "a")[Tier.DRAM])
+
+
+def test_hbm_promotion_beyond_capacity_promotes_what_fits(make_store: MakeStore) -> None:
+    store = make_store(hbm_pages=2, dram_pages=4 * LAYERS)
+    save_session(store, "s1", 3, seed=35)
+    results = store.load("acme", "s1", target=Tier.HBM, layers=[0]).wait_all(TIMEOUT)
+    assert results[0].loaded == 2
+    assert results[0].failed == (2,)
+    assert store.residency("acme", "s1")[Tier.HBM][0] == [True, True, False]
+
+
+def test_ssd_capacity_evicts_oldest_segments_and_counts_lost_pages(make_store: MakeStore) -> None:
+    segment = 4096 + PAGE  # one page per segment: each save_layer of a 1-block session is flushed alone
+    store = make_store(hbm_pages=0, dram_pages=3, ssd_bytes=2 * segment)
+    data = page_data(1, seed=36)
+    store.put_session("acme", "s1", tokens(1))
+
+    def save(layer: int) -> None:
+        assert store.save_layer("acme", "s1", layer, 0, data[layer]).result(TIMEOUT) == 1
+        assert store.flush(TIMEOUT)
+
+    save(0)
+    save(1)
+    assert len(segment_files(store.ssd.directory)) == 2
+    save(2)  # segment of layer 0 evicted from SSD; its DRAM copy remains
+    residency = store.residency("acme", "s1")
+    assert residency[Tier.SSD] == [[False], [True], [True], [False]]
+    assert residency[Tier.DRAM] == [[True], [True], [True], [False]]
+    assert metric(store, "symphony_kv_evictions_total", tier="SSD", reason="capacity") == 1
+    assert metric(store, "symphony_kv_last_copy_dropped_total", reason="capacity") == 0
+    assert store.stats()["ssd_bytes"] <= 2 * segment
+
+    save(3)  # DRAM evicts layer 0 (its last copy); SSD evicts layer 1 (still in DRAM)
+    residency = store.residency("acme", "s1")
+    assert residency[Tier.DRAM] == [[False], [True], [True], [True]]
+    assert residency[Tier.SSD] == [[False], [False], [True], [True]]
+    assert metric(store, "symphony_kv_last_copy_dropped_total", reason="capacity") == 1
+    assert len(segment_files(store.ssd.directory)) == 2
+
+    tensors, results = load_rows(store, "s1", 1)
+    assert results[0].failed == (0,)
+    for layer in (1, 2, 3):
+        assert results[layer].failed == ()
+        assert torch.equal(tensors[layer], data[layer])
+
+
+def test_ssd_write_failure_keeps_pages_in_dram(make_store: MakeStore, ssd_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store()
+    real_write = store.ssd.write
+    calls = []
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        calls.append(args)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store.ssd, "write", full_disk)
+    data = save_session(store, "s1", 2, seed=37)
+    assert store.flush(TIMEOUT)
+    assert calls
+    assert store.ssd_degraded
+    assert metric(store, "symphony_kv_save_degraded_total", reason="ssd_full") == 2 * LAYERS
+    assert segment_files(ssd_dir) == []
+    assert store.stats()["ssd_bytes"] == 0  # the reservation was given back
+    residency = store.residency("acme", "s1")
+    assert all_true(residency[Tier.DRAM]) and none_true(residency[Tier.SSD])
+    tensors, results = load_rows(store, "s1", 2)
+    assert all(r.failed == () and r.by_tier == {Tier.DRAM: 2} for r in results)
+    assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS))
+
+    monkeypatch.setattr(store.ssd, "write", real_write)  # the disk has room again
+    save_session(store, "s2", 1, seed=38)
+    assert store.flush(TIMEOUT)
+    assert not store.ssd_degraded
+    assert all_true(store.residency("acme", "s2")[Tier.SSD])
+
+
+def test_other_ssd_errors_are_counted_separately(make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(store.ssd, "write", broken)
+    save_session(store, "s1", 1, seed=39)
+    assert store.flush(TIMEOUT)
+    assert metric(store, "symphony_kv_save_degraded_total", reason="ssd_error") == LAYERS
+    assert metric(store, "symphony_kv_save_degraded_total", reason="ssd_full") == 0
+
+
+def test_close_flushes_pending_writes(make_store: MakeStore, ssd_dir: Path) -> None:
+    store = make_store()
+    save_session(store, "s1", 2, seed=40)
+    store.close()
+    pages = sum(len(parse_header(p.read_bytes()).entries) for p in segment_files(ssd_dir))
+    assert pages == 2 * LAYERS
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def test_unknown_session(make_store: MakeStore) -> None:
+    store = make_store()
+    store.put_session("acme", "s1", tokens(1))
+    with pytest.raises(SessionNotFound):
+        store.load("acme", "nope")
+    with pytest.raises(SessionNotFound):
+        store.load("other", "s1")  # sessions are per tenant
+    with pytest.raises(SessionNotFound):
+        store.save_layer("acme", "nope", 0, 0, page_data(1, seed=1)[0])
+    with pytest.raises(SessionNotFound):
+        store.residency("acme", "nope")
+    with pytest.raises(SessionNotFound):
+        store.set_priority("acme", "nope", Priority.HIGH)
+
+
+@pytest.mark.parametrize("layer", [-1, LAYERS, 100])
+def test_layer_out_of_range(make_store: MakeStore, layer: int) -> None:
+    store = make_store()
+    store.put_session("acme", "s1", tokens(1))
+    with pytest.raises(InvalidRequest, match="layer"):
+        store.save_layer("acme", "s1", layer, 0, page_data(1, seed=1)[0])
+
+
+@pytest.mark.parametrize("pages", [
+    torch.zeros(1, WORDS - 1, dtype=torch.int64),
+    torch.zeros(1, WORDS + 1, dtype=torch.int64),
+    torch.zeros(1, WORDS, dtype=torch.float64),
+    torch.zeros(1, WORDS, dtype=torch.int32),
+    torch.zeros(1, 2, WORDS // 2, dtype=torch.int64),
+    torch.zeros((), dtype=torch.int64),
+], ids=["narrow", "wide", "float64", "int32", "3d", "scalar"])
+def test_wrong_tensor_shape_or_dtype(make_store: MakeStore, pages: torch.Tensor) -> None:
+    store = make_store()
+    store.put_session("acme", "s1", tokens(1))
+    with pytest.raises(InvalidRequest):
+        store.save_layer("acme", "s1", 0, 0, pages)
+    assert store.stats()["pages"] == 0
+
+
+@pytest.mark.parametrize(("first_block", "count"), [(0, 3), (1, 2), (2, 1), (-1, 1)])
+def test_save_block_range_beyond_session(make_store: MakeStore, first_block: int, count: int) -> None:
+    store = make_store()
+    store.put_session("acme", "s1", tokens(2, tail=3))  # 2 full blocks; the tail is not storable
+    with pytest.raises(InvalidRequest, match="blocks"):
+        store.save_layer("acme", "s1", 0, first_block, torch.zeros(count, WORDS, dtype=torch.int64))
+
+
+@pytest.mark.parametrize(("first_block", "count"), [(0, 3), (3, None), (1, 2), (-1, 1), (0, -1)])
+def test_load_block_range_beyond_session(make_store: MakeStore, first_block: int, count: int | None) -> None:
+    store = make_store()
+    store.put_session("acme", "s1", tokens(2, tail=3))
+    with pytest.raises(InvalidRequest):
+        store.load("acme", "s1", first_block, count, target=Tier.DRAM)
+
+
+def test_bad_load_targets(make_store: MakeStore) -> None:
+    store = make_store()
+    store.put_session("acme", "s1", tokens(2))
+    tensors = [torch.zeros(2, WORDS, dtype=torch.int64) for _ in range(LAYERS)]
+    with pytest.raises(InvalidRequest):
+        store.load("acme", "s1", target=RowTarget(tensors, [0]))  # one row for two blocks
+    with pytest.raises(InvalidRequest):
+        store.load("acme", "s1", target=RowTarget(tensors[:-1], [0, 1]))  # a layer short
+    with pytest.raises(InvalidRequest):
+        store.load("acme", "s1", target=Tier.SSD)
+
+
+@pytest.mark.parametrize("history", [[-1, 2, 3, 4], [2**32, 1, 2, 3]])
+def test_bad_token_ids(make_store: MakeStore, history: list[int]) -> None:
+    store = make_store()
+    with pytest.raises(InvalidRequest):
+        store.put_session("acme", "s1", history)
+    with pytest.raises(SessionNotFound):
+        store.session("acme", "s1")
+
+
+def test_empty_names_and_oversized_history(make_store: MakeStore) -> None:
+    store = make_store(max_session_tokens=8)
+    with pytest.raises(InvalidRequest):
+        store.put_session("", "s1", tokens(1))
+    with pytest.raises(InvalidRequest):
+        store.put_session("acme", "", tokens(1))
+    with pytest.raises(InvalidRequest, match="max_session_tokens"):
+        store.put_session("acme", "s1", tokens(3))
+
+
+@pytest.mark.parametrize(("hbm", "dram", "ssd"), [(128, 64, 1024), (0, 2048, 1024), (-64, 0, 0), (64, 64, 0)])
+def test_config_capacities_must_be_ordered(tmp_path: Path, hbm: int, dram: int, ssd: int) -> None:
+    config = StoreConfig(hbm_bytes=hbm, dram_bytes=dram, ssd_bytes=ssd, ssd_dir=tmp_path,
+                         arena_name=f"symphony-test-{uuid4().hex[:8]}")
+    with pytest.raises(ValueError, match="hbm_bytes <= dram_bytes <= ssd_bytes"):
+        config.validate()
+    with pytest.raises(ValueError):
+        TieredStore(GEOMETRY, config)
+    assert not (Path("/dev/shm") / config.arena_name).exists()
+
+
+@pytest.mark.parametrize("field", ["io_threads", "max_inflight_jobs", "segment_max_bytes", "max_sessions",
+                                   "max_session_tokens"])
+def test_config_counts_must_be_positive(tmp_path: Path, field: str) -> None:
+    config = StoreConfig(hbm_bytes=0, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused",
+                         **{field: 0})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=field):
+        config.validate()
+
+
+def test_valid_config_passes(tmp_path: Path) -> None:
+    StoreConfig(hbm_bytes=0, dram_bytes=0, ssd_bytes=0, ssd_dir=tmp_path, arena_name="unused").validate()
+    StoreConfig(hbm_bytes=64, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused").validate()
