@@ -247,6 +247,16 @@ class SsdTier:
         finally:
             os.close(fd)
 
+    def advise_willneed(self, segment: Segment, first: int, last: int) -> None:
+        """Start asynchronous reads of entries first..last (best effort: a failure only loses the hint)."""
+        with contextlib.suppress(OSError):
+            fd = os.open(segment.path, os.O_RDONLY)
+            try:
+                start = segment.header.page_offset(first)
+                os.posix_fadvise(fd, start, segment.header.page_offset(last + 1) - start, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
     def drop_cache(self) -> None:
         """Evict this tier's files from the OS page cache (benchmarks measure uncached reads)."""
         for segment in list(self.segments.values()):

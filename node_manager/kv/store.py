@@ -197,6 +197,7 @@ class TieredStore:
         self._hbm_policy: EvictionPolicy = TopTierYieldPolicy(self._session_blocks)
         self._dram_policy: EvictionPolicy = PriorityLRUPolicy()
         self._io = concurrent.futures.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-io")
+        self._readahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-readahead")
         self._inflight = 0
         self._write_queue: deque[PageId] = deque()
         self._writer_wake = threading.Condition(self._lock)
@@ -514,10 +515,34 @@ class TieredStore:
         for layer in range(self.geometry.num_layers):
             if layer not in order:
                 handle._finish(layer, LayerResult(layer, 0, ()))
-        for layer in order:
-            job = self._io.submit(self._load_layer, handle, record, layer, keys, target)
+        for position, layer in enumerate(order):
+            # The first layer reads on its own; only then is the rest read ahead, so the disk
+            # serves the layer a consumer waits on first instead of queueing it behind the session.
+            after = order[1:] if position == 0 else None
+            job = self._io.submit(self._load_layer, handle, record, layer, keys, target, after)
             job.add_done_callback(lambda done, layer=layer: self._layer_done(handle, layer, done))
         return handle
+
+    def _readahead(self, keys: Sequence, layers: list[int]) -> None:
+        """Ask the kernel to start reading every SSD-only page of this load now, in file order.
+
+        Layer jobs then find their pages arriving or arrived instead of each paying a cold read in
+        turn; segments hold a save's pages layer-major, so the disk reads layer 0 first."""
+        with self._lock:
+            spans: dict[int, tuple[int, int]] = {}
+            get = self._pages.get
+            for layer in layers:
+                for key in keys:
+                    entry = get((key, layer))
+                    if entry is None or entry.ssd is None or entry.dram is not None or entry.hbm is not None:
+                        continue
+                    seq, index = entry.ssd.seq, entry.ssd.index
+                    low, high = spans.get(seq, (index, index))
+                    spans[seq] = (min(low, index), max(high, index))
+            ranges = [(self.ssd.segments[seq], low, high) for seq, (low, high) in spans.items()
+                      if seq in self.ssd.segments]
+        for segment, low, high in sorted(ranges, key=lambda r: r[0].seq):
+            self.ssd.advise_willneed(segment, low, high)
 
     def _layer_done(self, handle: LayerwiseLoad, layer: int, done: concurrent.futures.Future[LayerResult]) -> None:
         with self._lock:
@@ -526,7 +551,7 @@ class TieredStore:
         handle._finish(layer, exc if exc is not None else done.result())
 
     def _load_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence,
-                    target: RowTarget | Tier) -> LayerResult:
+                    target: RowTarget | Tier, readahead: list[int] | None = None) -> LayerResult:
         first = handle.first_block
         if handle.cancelled:
             return LayerResult(layer, 0, tuple(range(first, first + len(keys))))
@@ -537,15 +562,18 @@ class TieredStore:
         finally:
             with self._lock:
                 self._release_reads(reads)
+        if readahead and any(read.source is Tier.SSD for read in reads):
+            # fadvise(WILLNEED) blocks while it queues the reads: on its own thread, so this layer's
+            # result is delivered now.
+            self._readahead_pool.submit(self._readahead, keys, readahead)
         for read in reads:
             by_tier[read.source] = by_tier.get(read.source, 0) + 1
         with self._lock:
             if isinstance(target, Tier):
                 self._install_promoted(layer, reads, bad, target, dest_slots, record)
-            for read in reads:
-                if read.index in bad:
-                    failed.append(read.index)
-            self._refresh_gauges()
+            failed.extend(read.index for read in reads if read.index in bad)
+            if isinstance(target, Tier):
+                self._refresh_gauges()
         if already and isinstance(target, Tier):
             by_tier[target] = by_tier.get(target, 0) + already
         failed_abs = tuple(sorted(first + i for i in failed))
@@ -557,25 +585,38 @@ class TieredStore:
         reads: list[_Read] = []
         failed: list[int] = []
         already = 0
+        # The per-page loop is the load path's Python cost (~2,000 pages for a 2,048-token session):
+        # lookups are hoisted out of it and the common DRAM hit does the least work.
+        get = self._pages.get
+        to_hbm, to_dram = target is Tier.HBM, target is Tier.DRAM
+        touch_hbm, touch_dram = self._hbm_policy.touch, self._dram_policy.touch
         with self._lock:
             for index, key in enumerate(keys):
                 page = (key, layer)
-                entry = self._pages.get(page)
+                entry = get(page)
                 if entry is None:
                     failed.append(index)
-                    self.metrics.misses.inc()
                     continue
-                if isinstance(target, Tier) and (entry.hbm if target is Tier.HBM else entry.dram) is not None:
+                if (to_hbm and entry.hbm is not None) or (to_dram and entry.dram is not None):
                     already += 1
-                    (self._hbm_policy if target is Tier.HBM else self._dram_policy).touch(page)
+                    (touch_hbm if to_hbm else touch_dram)(page)
                     continue
-                read = self._pick_source(index, page, entry, target)
-                if read is None:
+                if entry.hbm is not None and not to_hbm:
+                    touch_hbm(page)
+                    read = _Read(index, page, entry, Tier.HBM, slot=entry.hbm)
+                elif entry.dram is not None:
+                    touch_dram(page)
+                    read = _Read(index, page, entry, Tier.DRAM, slot=entry.dram)
+                elif entry.ssd is not None and self.ssd.pin(entry.ssd.seq) is not None:
+                    self.ssd.touch(entry.ssd.seq)
+                    read = _Read(index, page, entry, Tier.SSD, location=entry.ssd)
+                else:
                     failed.append(index)
-                    self.metrics.misses.inc()
                     continue
                 entry.pins += 1
                 reads.append(read)
+            if failed:
+                self.metrics.misses.inc(len(failed))
             dest_slots: list[int] = []
             if isinstance(target, Tier) and reads:
                 # Never evict this session's own pages to make room for more of it: what does not
@@ -590,18 +631,6 @@ class TieredStore:
                     del reads[len(slots):]
                 dest_slots = slots
         return reads, failed, dest_slots, already
-
-    def _pick_source(self, index: int, page: PageId, entry: PageEntry, target: RowTarget | Tier) -> _Read | None:
-        if entry.hbm is not None and target is not Tier.HBM:
-            self._hbm_policy.touch(page)
-            return _Read(index, page, entry, Tier.HBM, slot=entry.hbm)
-        if entry.dram is not None:
-            self._dram_policy.touch(page)
-            return _Read(index, page, entry, Tier.DRAM, slot=entry.dram)
-        if entry.ssd is not None and self.ssd.pin(entry.ssd.seq) is not None:
-            self.ssd.touch(entry.ssd.seq)
-            return _Read(index, page, entry, Tier.SSD, location=entry.ssd)
-        return None
 
     def _release_reads(self, reads: list[_Read]) -> None:
         for read in reads:
@@ -822,6 +851,7 @@ class TieredStore:
             self._writer_wake.notify_all()
         self._writer.join(timeout=flush_timeout)
         self._io.shutdown(wait=True)
+        self._readahead_pool.shutdown(wait=True)
         self.dram.close()
         self.hbm.close()
 

@@ -10,6 +10,7 @@ midway leaves the verified pages stored and the rest missing: a partial result, 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import warnings
 from collections.abc import AsyncIterator
 
@@ -107,15 +108,20 @@ def verified_pages(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[list[tu
     return runs, good.count(False)
 
 
-async def store_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[int, int]:
-    """Save a batch's verified pages; returns (stored, rejected)."""
+def submit_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[list[concurrent.futures.Future[int]], int, int]:
+    """Start saving a batch's verified pages: (save futures, pages submitted, pages rejected). The
+    futures keep the batch's bytes alive until the copies are done."""
     runs, rejected = verified_pages(store, batch)
     futures = [store.save_layer(batch.session.tenant, batch.session.session_id, batch.layer, first, pages)
                for first, pages in runs]
-    stored = 0
-    for future in futures:
-        stored += await asyncio.wrap_future(future)
-    return stored, rejected + sum(len(p) for _, p in runs) - stored
+    return futures, sum(len(p) for _, p in runs), rejected
+
+
+async def store_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[int, int]:
+    """Save a batch's verified pages; returns (stored, rejected)."""
+    futures, submitted, rejected = submit_batch(store, batch)
+    stored = sum([await asyncio.wrap_future(f) for f in futures])
+    return stored, rejected + submitted - stored
 
 
 class PeerPuller:
@@ -159,10 +165,14 @@ class PeerPuller:
             reply.complete = record.blocks.num_blocks <= start
             return reply
         request = kv_pb2.FetchPagesRequest(session=ref, first_block=first, num_blocks=wanted)
+        # Saves run on the store's I/O threads while the next batch arrives; they are awaited at the end.
+        pending: list[concurrent.futures.Future[int]] = []
+        submitted = 0
         try:
             async for batch in stub.FetchPages(request, timeout=self._timeout_s):
-                stored, rejected = await store_batch(self._store, batch)
-                reply.pages_received += stored
+                futures, count, rejected = submit_batch(self._store, batch)
+                pending += futures
+                submitted += count
                 reply.pages_rejected += rejected
         except grpc.aio.AioRpcError as exc:
             reply.error = f"peer {peer} stream broke: {exc.code().name}: {exc.details()}"
@@ -170,6 +180,9 @@ class PeerPuller:
                         received=reply.pages_received, expected=reply.pages_expected, error=exc.code().name)
         except ValueError as exc:
             reply.error = f"peer {peer} sent a malformed batch: {exc}"
+        for future in pending:
+            reply.pages_received += await asyncio.wrap_future(future)
+        reply.pages_rejected += submitted - reply.pages_received  # verified but not kept (no room)
         reply.complete = not reply.error and reply.pages_received == reply.pages_expected
         return reply
 
