@@ -100,7 +100,10 @@ def cmd_node(args: argparse.Namespace) -> int:
         print(f"note: --index {args.index} is outside cluster.nodes={config.cluster.nodes}; "
               "the local scheduler will not poll it", file=sys.stderr)
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
-    asyncio.run(run_node(config, args.index, model))
+    try:
+        asyncio.run(run_node(config, args.index, model))
+    except (OSError, ValueError) as exc:  # ports, /dev/shm, the KV directory, the model's KV geometry
+        raise CliError(f"node {args.index}: {exc}") from None
     return 0
 
 

@@ -85,6 +85,12 @@ class DramArena:
             # A previous node manager killed with -9 leaves its arena behind; this name is ours.
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+            stat = os.statvfs(_SHM_DIR)
+            if size > stat.f_bavail * stat.f_frsize:
+                # Populating more than /dev/shm holds would fail later with SIGBUS; say so now.
+                raise OSError(f"the DRAM arena needs {size >> 20} MiB but {_SHM_DIR} has "
+                              f"{stat.f_bavail * stat.f_frsize >> 20} MiB free; lower kv.dram_bytes or "
+                              "enlarge /dev/shm (docker: --shm-size)")
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         else:
             fd = os.open(self.path, os.O_RDONLY)

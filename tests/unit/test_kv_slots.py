@@ -1,0 +1,66 @@
+"""Slot storage: row copies (coalesced runs and scattered rows) and the DRAM arena's /dev/shm check."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from node_manager.kv import slots
+from node_manager.kv.slots import DramArena, SlotAllocator, copy_rows
+from symphony.kv_geometry import KVGeometry
+
+GEOMETRY = KVGeometry(num_layers=2, kv_heads=1, head_size=4, block_size=4)
+
+
+@pytest.mark.parametrize("dst_rows, src_rows", [
+    ([0, 1, 2, 3], [4, 5, 6, 7]),          # one run: a slice copy
+    ([7, 0, 5, 2, 3], [0, 1, 2, 3, 4]),    # scattered: gather + scatter
+    ([2, 3, 0, 1], [6, 7, 1, 2]),          # two runs
+])
+def test_copy_rows_places_every_row(dst_rows: list[int], src_rows: list[int]) -> None:
+    src = torch.arange(8 * 3, dtype=torch.int64).view(8, 3)
+    dst = torch.full((8, 3), -1, dtype=torch.int64)
+    copy_rows(dst, dst_rows, src, src_rows)
+    for d, s in zip(dst_rows, src_rows, strict=True):
+        assert torch.equal(dst[d], src[s])
+    untouched = set(range(8)) - set(dst_rows)
+    assert all(bool((dst[r] == -1).all()) for r in untouched)
+
+
+def test_allocator_is_all_or_nothing() -> None:
+    allocator = SlotAllocator(4)
+    assert allocator.allocate(3) == [0, 1, 2]  # consecutive slots keep copies as single runs
+    assert allocator.allocate(2) is None and allocator.free == 1
+    allocator.release([1])
+    assert sorted(allocator.allocate(2) or []) == [1, 3]
+
+
+def test_arena_refuses_more_than_dev_shm_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 1, 4096
+
+    monkeypatch.setattr(slots.os, "statvfs", lambda path: Tiny() if str(path) == "/dev/shm" else real(path))
+    name = f"symphony-test-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(OSError, match=r"kv\.dram_bytes"):
+        DramArena(name, GEOMETRY, 1 << 20)
+    assert not Path("/dev/shm", name).exists()
+
+
+def test_attached_arena_sees_the_owners_writes() -> None:
+    name = f"symphony-test-{uuid.uuid4().hex[:8]}"
+    owner = DramArena(name, GEOMETRY, 16 * GEOMETRY.page_bytes)
+    try:
+        owner.pages[3].fill_(42)
+        reader = DramArena.attach(name, GEOMETRY, 16 * GEOMETRY.page_bytes)
+        assert bool((reader.pages[3] == 42).all())
+        reader.close()
+        assert Path("/dev/shm", name).exists()  # a reader never unlinks the owner's arena
+    finally:
+        owner.close()
+    assert not Path("/dev/shm", name).exists()
