@@ -515,13 +515,17 @@ class TieredStore:
         for layer in range(self.geometry.num_layers):
             if layer not in order:
                 handle._finish(layer, LayerResult(layer, 0, ()))
-        for position, layer in enumerate(order):
-            # The first layer reads on its own; only then is the rest read ahead, so the disk
-            # serves the layer a consumer waits on first instead of queueing it behind the session.
-            after = order[1:] if position == 0 else None
-            job = self._io.submit(self._load_layer, handle, record, layer, keys, target, after)
-            job.add_done_callback(lambda done, layer=layer: self._layer_done(handle, layer, done))
+        if order:
+            # The first layer runs alone; only then are the others started (and, from SSD, read
+            # ahead), so the disk serves the layer a consumer waits on first instead of queueing it
+            # behind the rest of the session.
+            self._submit_layer(handle, record, order[0], keys, target, order[1:])
         return handle
+
+    def _submit_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence,
+                      target: RowTarget | Tier, then: list[int] | None = None) -> None:
+        job = self._io.submit(self._load_layer, handle, record, layer, keys, target)
+        job.add_done_callback(lambda done: self._layer_done(handle, layer, done, (record, keys, target, then)))
 
     def _readahead(self, keys: Sequence, layers: list[int]) -> None:
         """Ask the kernel to start reading every SSD-only page of this load now, in file order.
@@ -544,14 +548,23 @@ class TieredStore:
         for segment, low, high in sorted(ranges, key=lambda r: r[0].seq):
             self.ssd.advise_willneed(segment, low, high)
 
-    def _layer_done(self, handle: LayerwiseLoad, layer: int, done: concurrent.futures.Future[LayerResult]) -> None:
+    def _layer_done(self, handle: LayerwiseLoad, layer: int, done: concurrent.futures.Future[LayerResult],
+                    rest: tuple[SessionRecord, Sequence, RowTarget | Tier, list[int] | None]) -> None:
         with self._lock:
             self._inflight -= 1
         exc = done.exception()
+        record, keys, target, then = rest
+        # Deliver first: the consumer waiting on this layer should not wait for the others to start.
         handle._finish(layer, exc if exc is not None else done.result())
+        if then:  # the first layer is done (or failed): start the others, whatever happened to it
+            if exc is None and done.result().by_tier.get(Tier.SSD):
+                # fadvise(WILLNEED) blocks while it queues the reads: on its own thread.
+                self._readahead_pool.submit(self._readahead, keys, then)
+            for later in then:
+                self._submit_layer(handle, record, later, keys, target)
 
     def _load_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence,
-                    target: RowTarget | Tier, readahead: list[int] | None = None) -> LayerResult:
+                    target: RowTarget | Tier) -> LayerResult:
         first = handle.first_block
         if handle.cancelled:
             return LayerResult(layer, 0, tuple(range(first, first + len(keys))))
@@ -562,10 +575,6 @@ class TieredStore:
         finally:
             with self._lock:
                 self._release_reads(reads)
-        if readahead and any(read.source is Tier.SSD for read in reads):
-            # fadvise(WILLNEED) blocks while it queues the reads: on its own thread, so this layer's
-            # result is delivered now.
-            self._readahead_pool.submit(self._readahead, keys, readahead)
         for read in reads:
             by_tier[read.source] = by_tier.get(read.source, 0) + 1
         with self._lock:
