@@ -25,11 +25,11 @@ import grpc
 import torch
 from tqdm import tqdm
 
-from node_manager.kv.pages import Tier, page_checksum
+from node_manager.kv.pages import Tier
 from node_manager.kv.store import RowTarget, StoreConfig, TieredStore
-from node_manager.kv.transfer import PeerPuller
+from node_manager.kv.transfer import PeerPuller, page_batch
 from symphony.kv_addressing import chain_block_keys
-from symphony.kv_geometry import KVGeometry, smollm2_geometry
+from symphony.kv_geometry import KVGeometry, hf_config_for, smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 TARGETS = {  # key: (numerator, denominator, minimum ratio) or a maximum ratio for latencies
@@ -184,10 +184,7 @@ class _PeerNode:
     def __init__(self, work: Path, geometry: KVGeometry) -> None:
         model = work / "geometry-model"
         model.mkdir(exist_ok=True)
-        (model / "config.json").write_text(json.dumps({
-            "num_hidden_layers": geometry.num_layers, "num_attention_heads": geometry.kv_heads * 3,
-            "num_key_value_heads": geometry.kv_heads, "hidden_size": geometry.kv_heads * 3 * geometry.head_size,
-            "head_dim": geometry.head_size}))
+        (model / "config.json").write_text(json.dumps(hf_config_for(geometry)))
         (model / "model.safetensors").write_bytes(b"")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -234,12 +231,8 @@ async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], to
         ref = kv_pb2.SessionRef(tenant=TENANT, session_id="s")
         await stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids), timeout=30)
         keys = chain_block_keys(TENANT, token_ids, geometry.block_size).block_keys
-        batches = []
-        for layer, layer_pages in enumerate(pages):
-            data = layer_pages.numpy().tobytes()
-            sums = [page_checksum(keys[b], layer, data[b * geometry.page_bytes:(b + 1) * geometry.page_bytes])
-                    for b in range(len(keys))]
-            batches.append(kv_pb2.PageBatch(session=ref, layer=layer, first_block=0, checksums=sums, data=data))
+        batches = [page_batch(ref, keys, layer, 0, layer_pages.numpy().tobytes())
+                   for layer, layer_pages in enumerate(pages)]
         await stub.WritePages(iter(batches), timeout=60)
         nbytes = len(keys) * geometry.block_bytes
         rates = []

@@ -57,6 +57,14 @@ def smollm2_geometry(block_size: int = 32) -> KVGeometry:
     return KVGeometry(num_layers=30, kv_heads=3, head_size=64, block_size=block_size, dtype="bfloat16")
 
 
+def hf_config_for(geometry: KVGeometry) -> dict[str, object]:
+    """The config.json fields `geometry_from_model_dir` reads, for a KV-only node that serves no model."""
+    heads = geometry.kv_heads * 3  # any multiple of kv_heads: only the KV shape matters here
+    return {"num_hidden_layers": geometry.num_layers, "num_attention_heads": heads,
+            "num_key_value_heads": geometry.kv_heads, "hidden_size": heads * geometry.head_size,
+            "head_dim": geometry.head_size, "torch_dtype": geometry.dtype}
+
+
 def geometry_from_model_dir(model_dir: Path, block_size: int, dtype: str) -> KVGeometry:
     """Read the KV shape from a Hugging Face config.json (Llama-style field names)."""
     try:

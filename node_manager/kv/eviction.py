@@ -62,6 +62,10 @@ class LRUPolicy:
     def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None:
         return _take(iter(self._order), count, evictable)
 
+    def oldest_first(self) -> list[Hashable]:
+        """A snapshot, least recently used first (for callers that evict by size, not count)."""
+        return list(self._order)
+
     def __len__(self) -> int:
         return len(self._order)
 

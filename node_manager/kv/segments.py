@@ -73,7 +73,7 @@ def fixed_header_size() -> int:
     return _FIXED.size
 
 
-def decode_header(prefix: bytes, read_more: int | None = None) -> tuple[int, int]:
+def decode_header(prefix: bytes) -> tuple[int, int]:
     """Parse the fixed part: returns (count, header_len) so the caller can read the entry table."""
     if len(prefix) < _FIXED.size:
         raise SegmentFormatError("file shorter than a segment header")

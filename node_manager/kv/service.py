@@ -191,15 +191,14 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
 
     async def GetPrefetch(self, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
                           ) -> kv_pb2.PrefetchStatus:
-        job = self.prefetches.get(request.prefetch_id)
-        if job is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no prefetch {request.prefetch_id!r}")
-        assert job is not None
-        return await self._report(job, request.wait_ms)
+        return await self._report_known(self.prefetches.get(request.prefetch_id), request, context)
 
     async def CancelPrefetch(self, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
                              ) -> kv_pb2.PrefetchStatus:
-        job = self.prefetches.cancel(request.prefetch_id)
+        return await self._report_known(self.prefetches.cancel(request.prefetch_id), request, context)
+
+    async def _report_known(self, job: PrefetchJob | None, request: kv_pb2.PrefetchRef,
+                            context: grpc.aio.ServicerContext) -> kv_pb2.PrefetchStatus:
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no prefetch {request.prefetch_id!r}")
         assert job is not None

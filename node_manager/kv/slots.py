@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -110,7 +111,6 @@ class DramArena:
         self._owner = create
         buffer = self._mmap if create else memoryview(self._mmap)
         # torch.frombuffer over a read-only mapping warns once; consumers only read it.
-        import warnings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(buffer, dtype=torch.int64, count=size // 8)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,15 +125,17 @@ class SsdTier:
         if nbytes > self.capacity_bytes:
             raise SsdFullError(f"a {nbytes}-byte segment exceeds the SSD tier capacity {self.capacity_bytes}")
         evicted: list[Segment] = []
-        if self.used_bytes + nbytes > self.capacity_bytes:
-            for seq in self._lru_order():
+        excess = self.used_bytes + nbytes - self.capacity_bytes
+        if excess > 0:
+            for seq in self._lru.oldest_first():
                 segment = self.segments[seq]
                 if segment.pins:
                     continue
                 evicted.append(segment)
-                if self.used_bytes + nbytes - sum(s.file_bytes for s in evicted) <= self.capacity_bytes:
+                excess -= segment.file_bytes
+                if excess <= 0:
                     break
-            if self.used_bytes + nbytes - sum(s.file_bytes for s in evicted) > self.capacity_bytes:
+            if excess > 0:
                 raise SsdFullError("the SSD tier is full of segments under I/O")
             for segment in evicted:
                 self._remove(segment)
@@ -145,9 +146,6 @@ class SsdTier:
 
     def release_reservation(self, nbytes: int) -> None:
         self.used_bytes -= nbytes
-
-    def _lru_order(self) -> Iterator[int]:
-        return iter(list(self._lru._order))
 
     def commit(self, seq: int, entries: list[SegmentEntry]) -> Segment:
         header = SegmentHeader(seq, self.page_bytes, header_length(len(entries)), tuple(entries))

@@ -9,6 +9,7 @@ written behind to SSD, so a persistent copy of every saved page exists unless th
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import threading
 import time
@@ -130,7 +131,6 @@ class LayerwiseLoad:
         return self.layers[layer]
 
     async def wait_layer(self, layer: int) -> LayerResult:
-        import asyncio
         return await asyncio.wrap_future(self.layers[layer])
 
     def wait_all(self, timeout: float | None = None) -> list[LayerResult]:
@@ -327,7 +327,7 @@ class TieredStore:
                                  f"{pages.dtype} {list(pages.shape)}")
         keys = record.blocks.block_keys[first_block:first_block + pages.shape[0]]
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
-        if not self._admit_job():
+        if not self._admit_jobs(1):
             self.metrics.save_degraded.labels("io_backpressure").inc(len(keys))
             future.set_result(0)
             return future
@@ -343,11 +343,12 @@ class TieredStore:
         else:
             future.set_result(done.result())
 
-    def _admit_job(self) -> bool:
+    def _admit_jobs(self, count: int) -> bool:
+        """Reserve room for `count` I/O jobs under kv.max_inflight_jobs; False (nothing taken) if full."""
         with self._lock:
-            if self._closed or self._inflight >= self.config.max_inflight_jobs:
+            if self._closed or self._inflight + count > self.config.max_inflight_jobs:
                 return False
-            self._inflight += 1
+            self._inflight += count
             return True
 
     def _check_range(self, record: SessionRecord, layer: int, first_block: int, count: int) -> None:
@@ -508,10 +509,8 @@ class TieredStore:
         order = list(range(self.geometry.num_layers)) if layers is None else list(layers)
         handle = LayerwiseLoad(self.geometry.num_layers, first_block, count)
         keys = record.blocks.block_keys[first_block:first_block + count]
-        with self._lock:
-            if self._closed or self._inflight + len(order) > self.config.max_inflight_jobs:
-                raise StoreBusy("too many KV transfers in flight; retry or recompute")
-            self._inflight += len(order)
+        if not self._admit_jobs(len(order)):
+            raise StoreBusy("too many KV transfers in flight; retry or recompute")
         for layer in range(self.geometry.num_layers):
             if layer not in order:
                 handle._finish(layer, LayerResult(layer, 0, ()))
@@ -828,26 +827,31 @@ class TieredStore:
         self.metrics.io_bytes.labels(tier.name, direction).inc(pages * self.geometry.page_bytes)
         self.metrics.io_seconds.labels(tier.name, direction).observe(time.perf_counter() - started)
 
-    def _refresh_gauges(self) -> None:
-        page_bytes = self.geometry.page_bytes
-        hbm_pages = self._hbm_slots.num_slots - self._hbm_slots.free
-        dram_pages = self._dram_slots.num_slots - self._dram_slots.free
-        ssd_pages = sum(len(s.live) for s in self.ssd.segments.values())
-        for tier, count in ((Tier.HBM, hbm_pages), (Tier.DRAM, dram_pages), (Tier.SSD, ssd_pages)):
+    def _tier_pages(self) -> dict[Tier, int]:
+        return {Tier.HBM: self._hbm_slots.num_slots - self._hbm_slots.free,
+                Tier.DRAM: self._dram_slots.num_slots - self._dram_slots.free,
+                Tier.SSD: sum(len(s.live) for s in self.ssd.segments.values())}
+
+    def _refresh_gauges(self) -> dict[Tier, int]:
+        pages = self._tier_pages()
+        for tier, count in pages.items():
             self.metrics.tier_pages.labels(tier.name).set(count)
-        self.metrics.tier_bytes.labels(Tier.HBM.name).set(hbm_pages * page_bytes)
-        self.metrics.tier_bytes.labels(Tier.DRAM.name).set(dram_pages * page_bytes)
-        self.metrics.tier_bytes.labels(Tier.SSD.name).set(self.ssd.used_bytes)
+        # SSD bytes are what its files occupy (headers and superseded pages included), not pages x size.
+        held_bytes = {Tier.HBM: pages[Tier.HBM] * self.geometry.page_bytes,
+                      Tier.DRAM: pages[Tier.DRAM] * self.geometry.page_bytes, Tier.SSD: self.ssd.used_bytes}
+        for tier, nbytes in held_bytes.items():
+            self.metrics.tier_bytes.labels(tier.name).set(nbytes)
+        return pages
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            self._refresh_gauges()
+            pages = self._refresh_gauges()
             return {
                 "pages": len(self._pages),
                 "sessions": len(self._sessions),
-                "hbm_pages": self._hbm_slots.num_slots - self._hbm_slots.free,
-                "dram_pages": self._dram_slots.num_slots - self._dram_slots.free,
-                "ssd_pages": sum(len(s.live) for s in self.ssd.segments.values()),
+                "hbm_pages": pages[Tier.HBM],
+                "dram_pages": pages[Tier.DRAM],
+                "ssd_pages": pages[Tier.SSD],
                 "ssd_bytes": self.ssd.used_bytes,
                 "write_queue": len(self._write_queue),
             }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import torch
@@ -20,6 +20,7 @@ import torch
 from node_manager.kv.pages import Priority, page_checksum
 from node_manager.kv.prefetch import PullOutcome
 from node_manager.kv.store import RowTarget, TieredStore
+from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
@@ -62,19 +63,19 @@ async def stream_pages(store: TieredStore, tenant: str, session_id: str, first_b
                 if ok and run_start is None:
                     run_start = offset
                 if run_start is not None and (not ok or offset - run_start == per_message):
-                    yield _batch(ref, store, record.blocks.block_keys, layer, chunk_start, run_start, offset,
-                                 staging[layer])
+                    first = chunk_start + run_start
+                    yield page_batch(ref, record.blocks.block_keys[first:chunk_start + offset], layer, first,
+                                     staging[layer][run_start:offset].numpy().tobytes())
                     run_start = offset if ok else None
 
 
-def _batch(ref: kv_pb2.SessionRef, store: TieredStore, keys: tuple, layer: int, chunk_start: int, lo: int, hi: int,
-           staging: torch.Tensor) -> kv_pb2.PageBatch:
-    data = staging[lo:hi].numpy().tobytes()
-    page_bytes = store.geometry.page_bytes
-    checksums = [page_checksum(keys[chunk_start + i], layer, memoryview(data)[(i - lo) * page_bytes:
-                                                                               (i - lo + 1) * page_bytes])
-                 for i in range(lo, hi)]
-    return kv_pb2.PageBatch(session=ref, layer=layer, first_block=chunk_start + lo, checksums=checksums, data=data)
+def page_batch(ref: kv_pb2.SessionRef, keys: Sequence[BlockKey], layer: int, first_block: int,
+               data: bytes) -> kv_pb2.PageBatch:
+    """A batch of `len(keys)` pages of one layer (bytes back to back), each with its checksum."""
+    page_bytes = len(data) // len(keys) if keys else 0
+    view = memoryview(data)
+    checksums = [page_checksum(key, layer, view[i * page_bytes:(i + 1) * page_bytes]) for i, key in enumerate(keys)]
+    return kv_pb2.PageBatch(session=ref, layer=layer, first_block=first_block, checksums=checksums, data=data)
 
 
 def verified_pages(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[list[tuple[int, torch.Tensor]], int]:
@@ -137,7 +138,7 @@ class PeerPuller:
         channel = self._channels.get(peer)
         if channel is None:
             if len(self._channels) >= self._max_peers:
-                _, oldest = self._channels.popitem()
+                oldest = self._channels.pop(next(iter(self._channels)))  # insertion order: the oldest
                 asyncio.get_running_loop().create_task(oldest.close())
             options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES + _MESSAGE_OVERHEAD)]
             channel = grpc.aio.insecure_channel(peer, options=options)

@@ -21,8 +21,9 @@ import torch
 
 from node_manager.kv.pages import page_checksum
 from node_manager.kv.slots import DramArena
+from node_manager.kv.transfer import page_batch
 from symphony.kv_addressing import chain_block_keys
-from symphony.kv_geometry import KVGeometry
+from symphony.kv_geometry import KVGeometry, hf_config_for
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.helpers import async_wait_until, free_port, free_port_run, wait_until
 
@@ -63,9 +64,7 @@ def _model_dir(root: Path) -> Path:
     """A model folder the node reads the KV geometry from; the engine is disabled, so no real weights."""
     model = root / "tiny-model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "num_hidden_layers": GEOMETRY.num_layers, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "hidden_size": 576, "head_dim": 64}))
+    (model / "config.json").write_text(json.dumps(hf_config_for(GEOMETRY)))
     (model / "model.safetensors").write_bytes(b"")
     return model
 
@@ -142,13 +141,7 @@ def _session(name: str, tokens: int, seed: int) -> tuple[kv_pb2.SessionRef, list
 
 def _batches(ref: kv_pb2.SessionRef, token_ids: list[int], pages: list[torch.Tensor]) -> list[kv_pb2.PageBatch]:
     keys = chain_block_keys(ref.tenant, token_ids, GEOMETRY.block_size).block_keys
-    out = []
-    for layer, layer_pages in enumerate(pages):
-        data = layer_pages.numpy().tobytes()
-        sums = [page_checksum(keys[b], layer, data[b * GEOMETRY.page_bytes:(b + 1) * GEOMETRY.page_bytes])
-                for b in range(len(keys))]
-        out.append(kv_pb2.PageBatch(session=ref, layer=layer, first_block=0, checksums=sums, data=data))
-    return out
+    return [page_batch(ref, keys, layer, 0, layer_pages.numpy().tobytes()) for layer, layer_pages in enumerate(pages)]
 
 
 async def _upload(stub: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef, token_ids: list[int],
@@ -331,7 +324,7 @@ _WRITER = """
 import sys, random, torch
 from pathlib import Path
 from node_manager.kv.store import TieredStore, StoreConfig
-from symphony.kv_geometry import KVGeometry
+from symphony.kv_geometry import KVGeometry, hf_config_for
 g = KVGeometry(6, 3, 64, 32)
 store = TieredStore(g, StoreConfig(hbm_bytes=0, dram_bytes=64 << 20, ssd_bytes=1 << 30, ssd_dir=Path(sys.argv[1]),
                                    arena_name=sys.argv[2], segment_max_bytes=1 << 20))
