@@ -25,8 +25,9 @@ import grpc
 import torch
 from tqdm import tqdm
 
+from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Tier
-from node_manager.kv.store import RowTarget, StoreConfig, TieredStore
+from node_manager.kv.store import StoreConfig, TieredStore
 from node_manager.kv.transfer import PeerPuller, page_batch
 from symphony.kv_addressing import chain_block_keys
 from symphony.kv_geometry import KVGeometry, hf_config_for, smollm2_geometry

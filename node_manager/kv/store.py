@@ -1,26 +1,35 @@
 """TieredStore: one node's KV pages across HBM, DRAM and SSD, with a layer-wise async load/save API.
 
-Bookkeeping (sessions, the page directory, slot allocation, eviction choices) happens under one
-lock and never does I/O; copies and file I/O run on a bounded pool of I/O threads with the pages
-involved pinned, so eviction skips them instead of waiting. Saves land in the DRAM arena and are
-written behind to SSD, so a persistent copy of every saved page exists unless the SSD tier degrades
-(counted, logged once). A copy in a tier above SSD can always be dropped without loss.
+Bookkeeping (sessions, the page directory, slot allocation, eviction choices) happens here, under
+one lock, and never does I/O. Moving bytes is `loader.py`'s job: loads run layer by layer on the
+copy lanes with the pages involved pinned, so eviction skips them instead of waiting. Saves land in
+the DRAM arena and are written behind to SSD, so a persistent copy of every saved page exists unless
+the SSD tier degrades (counted, logged once). A copy in a tier above SSD can always be dropped
+without loss.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from node_manager.kv.eviction import EvictionPolicy, PageMeta, PriorityLRUPolicy, TopTierYieldPolicy
+from node_manager.kv.loader import (
+    LayerPlan,
+    LayerResult,
+    LayerwiseLoad,
+    PlannedRead,
+    RowTarget,
+    StripedLoad,
+    copy_lanes,
+)
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import PageId, Priority, Tier, page_checksum
 from node_manager.kv.segments import SegmentEntry
@@ -33,6 +42,7 @@ from symphony.logs import get_logger
 log = get_logger("node_manager.kv.store")
 
 SessionKey = tuple[str, str]  # (tenant, session id)
+_MAX_PENDING_TOUCH_BATCHES = 4096  # ~64 pages each: bounds the deferred-recency queue
 
 
 class KVStoreError(Exception):
@@ -104,82 +114,6 @@ class PageEntry:
         return held
 
 
-@dataclass(frozen=True, slots=True)
-class LayerResult:
-    layer: int
-    loaded: int  # blocks now in the destination, counted from the load's first block
-    failed: tuple[int, ...]  # block indexes (session-relative) that could not be loaded
-    by_tier: dict[Tier, int] = field(default_factory=dict)
-
-
-class LayerwiseLoad:
-    """Per-layer readiness of one load. Layer l's future resolves only after layers < l, so a consumer
-    may run layer 0 while later layers are still arriving."""
-
-    def __init__(self, num_layers: int, first_block: int, num_blocks: int) -> None:
-        self.first_block = first_block
-        self.num_blocks = num_blocks
-        self.layers: list[concurrent.futures.Future[LayerResult]] = [concurrent.futures.Future()
-                                                                     for _ in range(num_layers)]
-        self._finished: dict[int, LayerResult | BaseException] = {}
-        self._next = 0
-        self._delivering = False
-        self._lock = threading.Lock()
-        self.cancelled = False
-
-    def layer_ready(self, layer: int) -> concurrent.futures.Future[LayerResult]:
-        return self.layers[layer]
-
-    async def wait_layer(self, layer: int) -> LayerResult:
-        return await asyncio.wrap_future(self.layers[layer])
-
-    def wait_all(self, timeout: float | None = None) -> list[LayerResult]:
-        return [f.result(timeout) for f in self.layers]
-
-    def cancel(self) -> None:
-        """Layers not started yet are skipped (reported as failed)."""
-        self.cancelled = True
-
-    def _finish(self, layer: int, outcome: LayerResult | BaseException) -> None:
-        # One thread delivers at a time, in layer order: a thread that finds another delivering only
-        # queues its result, so layer l+1 can never resolve before layer l (futures run callbacks).
-        with self._lock:
-            self._finished[layer] = outcome
-            if self._delivering:
-                return
-            self._delivering = True
-        while True:
-            with self._lock:
-                if self._next not in self._finished:
-                    self._delivering = False
-                    return
-                future, result = self.layers[self._next], self._finished.pop(self._next)
-                self._next += 1
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-
-
-@dataclass(frozen=True, slots=True)
-class RowTarget:
-    """Load into caller-owned tensors: `tensors[layer]` is `[rows, page_words]` int64 (a view of the
-    engine's paged KV, for instance) and block `first_block + i` lands in row `rows[i]`."""
-
-    tensors: Sequence[torch.Tensor]
-    rows: Sequence[int]
-
-
-@dataclass(slots=True)
-class _Read:
-    index: int  # position in the load's block range
-    page: PageId
-    entry: PageEntry
-    source: Tier
-    slot: int | None = None
-    location: SsdLocation | None = None
-
-
 class TieredStore:
     def __init__(self, geometry: KVGeometry, config: StoreConfig, metrics: KVMetrics | None = None) -> None:
         config.validate()
@@ -196,9 +130,10 @@ class TieredStore:
         self._dram_slots = SlotAllocator(self.dram.num_slots)
         self._hbm_policy: EvictionPolicy = TopTierYieldPolicy(self._session_blocks)
         self._dram_policy: EvictionPolicy = PriorityLRUPolicy()
-        self._io = concurrent.futures.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-io")
+        self._io = copy_lanes(config.io_threads)  # saves, and the stripes of every load
         self._readahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-readahead")
         self._inflight = 0
+        self._pending_touches: deque[tuple[Tier, list[PageId]]] = deque()
         self._write_queue: deque[PageId] = deque()
         self._writer_wake = threading.Condition(self._lock)
         self._writes_in_progress = 0
@@ -379,7 +314,7 @@ class TieredStore:
         entry = self._pages.get(page)
         if entry is not None and entry.checksum == checksum and entry.dram is not None:
             self._dram_slots.release([slot])  # identical bytes already cached
-            self._dram_policy.touch(page)
+            self._defer_touches(Tier.DRAM, [page])
             return
         if entry is not None and entry.pins and entry.checksum != checksum:
             # Different bytes for a page under I/O: keep the copy being read or persisted intact.
@@ -514,23 +449,174 @@ class TieredStore:
         for layer in range(self.geometry.num_layers):
             if layer not in order:
                 handle._finish(layer, LayerResult(layer, 0, ()))
-        if order:
-            # The first layer runs alone; only then are the others started (and, from SSD, read
-            # ahead), so the disk serves the layer a consumer waits on first instead of queueing it
-            # behind the rest of the session.
-            self._submit_layer(handle, record, order[0], keys, target, order[1:])
+        if not order:
+            return handle
+        run = StripedLoad(
+            handle, order, self._io, self.config.io_threads, {Tier.HBM: self.hbm.pages, Tier.DRAM: self.dram.pages},
+            self.ssd, self.geometry.page_words,
+            plan=lambda layer: self._plan_layer(handle, record, layer, keys, target),
+            finalize=lambda plan: self._finalize_layer(plan, handle, record, target),
+            after_first=lambda plan: self._after_first_layer(plan, keys, order[1:]))
+        run.start()
         return handle
 
-    def _submit_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence,
-                      target: RowTarget | Tier, then: list[int] | None = None) -> None:
-        job = self._io.submit(self._load_layer, handle, record, layer, keys, target)
-        job.add_done_callback(lambda done: self._layer_done(handle, layer, done, (record, keys, target, then)))
+    def _plan_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence,
+                    target: RowTarget | Tier) -> LayerPlan:
+        """Decide where each page of `layer` comes from and pin it (bookkeeping only, under the lock).
+        This loop is the load path's Python cost, paid for every page: the common DRAM hit does the
+        least work and recency is updated in one batch per tier."""
+        tier_target = target if isinstance(target, Tier) else None
+        if tier_target is None:
+            dest = target.tensors[layer]  # type: ignore[union-attr]
+        else:
+            dest = self.hbm.pages if tier_target is Tier.HBM else self.dram.pages
+        plan = LayerPlan(layer, dest)
+        if handle.cancelled:
+            plan.failed = list(range(len(keys)))
+            plan.skipped = True
+            return plan
+        pages = [(key, layer) for key in keys]
+        with self._lock:
+            entries = list(map(self._pages.get, pages))
+            if tier_target is None and self._plan_from_dram(plan, pages, entries, target.rows):  # type: ignore[union-attr]
+                return plan
+            reads, failed = plan.reads, plan.failed
+            touched: dict[Tier, list[PageId]] = {Tier.HBM: [], Tier.DRAM: []}
+            ssd_pin, ssd_touch = self.ssd.pin, self.ssd.touch
+            for index, entry in enumerate(entries):
+                if entry is None:
+                    failed.append(index)
+                    continue
+                hbm, dram = entry.hbm, entry.dram
+                if tier_target is not None and (hbm if tier_target is Tier.HBM else dram) is not None:
+                    plan.already += 1
+                    touched[tier_target].append(pages[index])
+                    continue
+                if hbm is not None and tier_target is not Tier.HBM:
+                    reads.append((index, pages[index], entry, Tier.HBM, hbm))
+                    touched[Tier.HBM].append(pages[index])
+                elif dram is not None:
+                    reads.append((index, pages[index], entry, Tier.DRAM, dram))
+                    touched[Tier.DRAM].append(pages[index])
+                elif entry.ssd is not None and ssd_pin(entry.ssd.seq) is not None:
+                    ssd_touch(entry.ssd.seq)
+                    reads.append((index, pages[index], entry, Tier.SSD, entry.ssd))
+                else:
+                    failed.append(index)
+                    continue
+                entry.pins += 1
+            self._defer_touches(Tier.HBM, touched[Tier.HBM])
+            self._defer_touches(Tier.DRAM, touched[Tier.DRAM])
+            if failed:
+                self.metrics.misses.inc(len(failed))
+            if tier_target is None:
+                rows = target.rows  # type: ignore[union-attr]
+                plan.rows = [rows[read[0]] for read in reads]
+            elif reads:
+                # Never evict this session's own pages to make room for more of it: what does not
+                # fit (its later layers, as layers run in order) is reported as not loaded.
+                slots = self._allocate(tier_target, len(reads), protect=record.key)
+                if slots is None:
+                    room = self._allocatable(tier_target, protect=record.key)
+                    slots = self._allocate(tier_target, room, protect=record.key) or []
+                    failed.extend(read[0] for read in reads[len(slots):])
+                    self._unpin(reads[len(slots):])
+                    del reads[len(slots):]
+                plan.rows = slots
+        return plan
+
+    def _plan_from_dram(self, plan: LayerPlan, pages: list[PageId], entries: list, rows: Sequence[int]) -> bool:
+        """The common resume: every page of the layer sits in DRAM and none in HBM. Planned with
+        whole-list operations instead of the per-page branches (a third of the cost); False, with
+        nothing changed, when the layer needs the general path. Caller holds the lock."""
+        if None in entries:
+            return False
+        slots = [entry.dram for entry in entries]
+        if None in slots or any(entry.hbm is not None for entry in entries):
+            return False
+        for entry in entries:
+            entry.pins += 1
+        dram = Tier.DRAM
+        plan.reads = [(index, page, entry, dram, slot)
+                      for index, (page, entry, slot) in enumerate(zip(pages, entries, slots, strict=True))]
+        plan.rows = list(rows)
+        self._defer_touches(dram, pages)
+        return True
+
+    def _defer_touches(self, tier: Tier, pages: list[PageId]) -> None:
+        """Record that a load used `pages`; the eviction policy learns it before its next decision.
+
+        Updating an LRU costs ~0.3 us per page, as much as copying it: loads only queue the batch and
+        `_apply_touches` replays batches in order. Recency stays exact relative to other touches; a
+        page inserted meanwhile may look older than it is by that short window. Bounded."""
+        if not pages:
+            return
+        self._pending_touches.append((tier, pages))
+        if len(self._pending_touches) > _MAX_PENDING_TOUCH_BATCHES:
+            self._apply_touches()
+
+    def _apply_touches(self) -> None:
+        while self._pending_touches:
+            tier, pages = self._pending_touches.popleft()
+            (self._hbm_policy if tier is Tier.HBM else self._dram_policy).touch_many(pages)
+
+    def _unpin(self, reads: Sequence[PlannedRead]) -> None:
+        for _, _, entry, source, where in reads:
+            entry.pins -= 1
+            if source is Tier.SSD:
+                segment = self.ssd.segments.get(where.seq)
+                if segment is not None:
+                    self.ssd.unpin(segment)
+
+    def _finalize_layer(self, plan: LayerPlan, handle: LayerwiseLoad, record: SessionRecord,
+                        target: RowTarget | Tier) -> LayerResult:
+        """A layer's copies are done (or failed): unpin, drop bad SSD copies, install promoted pages."""
+        reads = plan.reads
+        delivered = not plan.skipped and plan.error is None
+        failed = list(plan.failed)
+        by_tier: dict[Tier, int] = {}
+        with self._lock:
+            self._inflight -= 1
+            self._unpin(reads)
+            for position, reason in plan.bad.items():
+                _, page, entry, _, location = reads[position]
+                self.metrics.load_errors.labels(reason).inc()
+                if reason == "checksum":
+                    log.warning("KV page failed its checksum on SSD; dropped", layer=plan.layer, segment=location.seq)
+                if entry.ssd == location:
+                    # A bad copy is never served again: drop it (and the page if it was the last copy).
+                    self._drop_copy(page, entry, Tier.SSD, "corrupt")
+            if isinstance(target, Tier):
+                self._install_promoted(plan, target, record, delivered)
+                self._refresh_gauges()
+        if delivered:
+            for position, (index, _, _, source, _) in enumerate(reads):
+                if position in plan.bad:
+                    failed.append(index)
+                else:
+                    by_tier[source] = by_tier.get(source, 0) + 1
+            for tier, pages in by_tier.items():
+                self.metrics.hits.labels(tier.name).inc(pages)
+                self._observe_io(tier, "read", pages, plan.started)
+        else:
+            failed.extend(read[0] for read in reads)
+        if plan.already and isinstance(target, Tier):
+            by_tier[target] = by_tier.get(target, 0) + plan.already
+        first = handle.first_block
+        failed_abs = tuple(sorted(first + i for i in failed))
+        loaded = failed_abs[0] - first if failed_abs else handle.num_blocks
+        return LayerResult(plan.layer, loaded, failed_abs, by_tier)
+
+    def _after_first_layer(self, plan: LayerPlan, keys: Sequence, later: list[int]) -> None:
+        if later and any(read[3] is Tier.SSD for read in plan.reads):
+            # fadvise(WILLNEED) blocks while it queues the reads: on its own thread.
+            self._readahead_pool.submit(self._readahead, keys, later)
 
     def _readahead(self, keys: Sequence, layers: list[int]) -> None:
         """Ask the kernel to start reading every SSD-only page of this load now, in file order.
 
-        Layer jobs then find their pages arriving or arrived instead of each paying a cold read in
-        turn; segments hold a save's pages layer-major, so the disk reads layer 0 first."""
+        Lanes then find their pages arriving or arrived instead of each paying a cold read in turn;
+        segments hold a save's pages layer-major, so the disk reads the next layers first."""
         with self._lock:
             spans: dict[int, tuple[int, int]] = {}
             get = self._pages.get
@@ -547,202 +633,20 @@ class TieredStore:
         for segment, low, high in sorted(ranges, key=lambda r: r[0].seq):
             self.ssd.advise_willneed(segment, low, high)
 
-    def _layer_done(self, handle: LayerwiseLoad, layer: int, done: concurrent.futures.Future[LayerResult],
-                    rest: tuple[SessionRecord, Sequence, RowTarget | Tier, list[int] | None]) -> None:
-        with self._lock:
-            self._inflight -= 1
-        exc = done.exception()
-        record, keys, target, then = rest
-        # Deliver first: the consumer waiting on this layer should not wait for the others to start.
-        handle._finish(layer, exc if exc is not None else done.result())
-        if then:  # the first layer is done (or failed): start the others, whatever happened to it
-            if exc is None and done.result().by_tier.get(Tier.SSD):
-                # fadvise(WILLNEED) blocks while it queues the reads: on its own thread.
-                self._readahead_pool.submit(self._readahead, keys, then)
-            for later in then:
-                self._submit_layer(handle, record, later, keys, target)
-
-    def _load_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence,
-                    target: RowTarget | Tier) -> LayerResult:
-        first = handle.first_block
-        if handle.cancelled:
-            return LayerResult(layer, 0, tuple(range(first, first + len(keys))))
-        reads, failed, dest_slots, already = self._plan_layer(record, layer, keys, target)
-        by_tier: dict[Tier, int] = {}
-        try:
-            bad = self._copy_layer(layer, reads, target, dest_slots)
-        finally:
-            with self._lock:
-                self._release_reads(reads)
-        for read in reads:
-            by_tier[read.source] = by_tier.get(read.source, 0) + 1
-        with self._lock:
-            if isinstance(target, Tier):
-                self._install_promoted(layer, reads, bad, target, dest_slots, record)
-            failed.extend(read.index for read in reads if read.index in bad)
-            if isinstance(target, Tier):
-                self._refresh_gauges()
-        if already and isinstance(target, Tier):
-            by_tier[target] = by_tier.get(target, 0) + already
-        failed_abs = tuple(sorted(first + i for i in failed))
-        loaded = next((i for i in range(len(keys)) if first + i in failed_abs), len(keys))
-        return LayerResult(layer, loaded, failed_abs, by_tier)
-
-    def _plan_layer(self, record: SessionRecord, layer: int, keys: Sequence, target: RowTarget | Tier
-                    ) -> tuple[list[_Read], list[int], list[int], int]:
-        reads: list[_Read] = []
-        failed: list[int] = []
-        already = 0
-        # The per-page loop is the load path's Python cost (~2,000 pages for a 2,048-token session):
-        # lookups are hoisted out of it and the common DRAM hit does the least work.
-        get = self._pages.get
-        to_hbm, to_dram = target is Tier.HBM, target is Tier.DRAM
-        touch_hbm, touch_dram = self._hbm_policy.touch, self._dram_policy.touch
-        with self._lock:
-            for index, key in enumerate(keys):
-                page = (key, layer)
-                entry = get(page)
-                if entry is None:
-                    failed.append(index)
-                    continue
-                if (to_hbm and entry.hbm is not None) or (to_dram and entry.dram is not None):
-                    already += 1
-                    (touch_hbm if to_hbm else touch_dram)(page)
-                    continue
-                if entry.hbm is not None and not to_hbm:
-                    touch_hbm(page)
-                    read = _Read(index, page, entry, Tier.HBM, slot=entry.hbm)
-                elif entry.dram is not None:
-                    touch_dram(page)
-                    read = _Read(index, page, entry, Tier.DRAM, slot=entry.dram)
-                elif entry.ssd is not None and self.ssd.pin(entry.ssd.seq) is not None:
-                    self.ssd.touch(entry.ssd.seq)
-                    read = _Read(index, page, entry, Tier.SSD, location=entry.ssd)
-                else:
-                    failed.append(index)
-                    continue
-                entry.pins += 1
-                reads.append(read)
-            if failed:
-                self.metrics.misses.inc(len(failed))
-            dest_slots: list[int] = []
-            if isinstance(target, Tier) and reads:
-                # Never evict this session's own pages to make room for more of it: what does not
-                # fit (its later layers, as layers run in order) is reported as not loaded.
-                slots = self._allocate(target, len(reads), protect=record.key)
-                if slots is None:
-                    room = self._allocatable(target, protect=record.key)
-                    slots = self._allocate(target, room, protect=record.key) or []
-                    for read in reads[len(slots):]:
-                        failed.append(read.index)
-                    self._release_reads(reads[len(slots):])
-                    del reads[len(slots):]
-                dest_slots = slots
-        return reads, failed, dest_slots, already
-
-    def _release_reads(self, reads: list[_Read]) -> None:
-        for read in reads:
-            read.entry.pins -= 1
-            if read.location is not None:
-                segment = self.ssd.segments.get(read.location.seq)
-                if segment is not None:
-                    self.ssd.unpin(segment)
-            read.location = None
-
-    def _copy_layer(self, layer: int, reads: list[_Read], target: RowTarget | Tier, dest_slots: list[int]) -> set[int]:
-        """Do the copies for one layer (no lock held). Returns the indexes whose data failed its check."""
-        if isinstance(target, RowTarget):
-            dest = target.tensors[layer]
-            rows = [target.rows[r.index] for r in reads]
-        else:
-            dest = self.hbm.pages if target is Tier.HBM else self.dram.pages
-            rows = dest_slots
-        bad: set[int] = set()
-        for source in (Tier.HBM, Tier.DRAM):
-            picked = [(i, r) for i, r in enumerate(reads) if r.source is source]
-            if not picked:
-                continue
-            started = time.perf_counter()
-            pool = self.hbm.pages if source is Tier.HBM else self.dram.pages
-            copy_rows(dest, [rows[i] for i, _ in picked], pool, [r.slot for _, r in picked])  # type: ignore[misc]
-            self._observe_io(source, "read", len(picked), started)
-            self.metrics.hits.labels(source.name).inc(len(picked))
-        ssd_reads = [(i, r) for i, r in enumerate(reads) if r.source is Tier.SSD]
-        if ssd_reads:
-            bad = self._read_ssd(layer, ssd_reads, dest, rows)
-        if dest.device.type == "cuda":
-            torch.cuda.current_stream(dest.device).synchronize()
-        return bad
-
-    def _read_ssd(self, layer: int, ssd_reads: list[tuple[int, _Read]], dest: torch.Tensor,
-                  rows: list[int]) -> set[int]:
-        started = time.perf_counter()
-        direct = dest.device.type == "cpu" and dest.is_contiguous()
-        staging = dest if direct else torch.empty(len(ssd_reads), self.geometry.page_words, dtype=torch.int64,
-                                                  pin_memory=dest.device.type == "cuda")
-        staging_rows = [rows[i] for i, _ in ssd_reads] if direct else list(range(len(ssd_reads)))
-        by_segment: dict[int, list[tuple[int, memoryview]]] = {}
-        views: list[memoryview] = []
-        for (_, read), row in zip(ssd_reads, staging_rows, strict=True):
-            view = memoryview(staging[row].numpy()).cast("B")
-            views.append(view)
-            assert read.location is not None
-            by_segment.setdefault(read.location.seq, []).append((read.location.index, view))
-        bad: set[int] = set()
-        failed_segments: set[int] = set()
-        for seq, segment_reads in by_segment.items():
-            segment = self.ssd.segments.get(seq)
-            try:
-                if segment is None:
-                    raise FileNotFoundError(f"segment {seq:x} vanished")
-                self.ssd.read_into(segment, segment_reads)
-            except OSError as exc:
-                log.warning("KV segment read failed", segment=seq, error=str(exc))
-                failed_segments.add(seq)
-        for (_, read), view in zip(ssd_reads, views, strict=True):
-            assert read.location is not None
-            if read.location.seq in failed_segments:
-                bad.add(read.index)
-                self.metrics.load_errors.labels("io_error").inc()
-            elif page_checksum(read.page[0], layer, view) != read.entry.checksum:
-                bad.add(read.index)
-                self.metrics.load_errors.labels("checksum").inc()
-                log.warning("KV page failed its checksum on SSD; dropped", layer=layer, segment=read.location.seq)
-            else:
-                self.metrics.hits.labels(Tier.SSD.name).inc()
-        if direct:
-            # The read went straight into the caller's rows; a failed row must not keep unverified bytes.
-            for k, (_, read) in enumerate(ssd_reads):
-                if read.index in bad:
-                    staging[staging_rows[k]].zero_()
-        else:
-            good = [k for k, (_, read) in enumerate(ssd_reads) if read.index not in bad]
-            if good:
-                copy_rows(dest, [rows[ssd_reads[k][0]] for k in good], staging, good)
-        self._observe_io(Tier.SSD, "read", len(ssd_reads), started)
-        if bad:
-            with self._lock:
-                for _, read in ssd_reads:
-                    if read.index in bad and read.entry.ssd == read.location:
-                        # A bad copy is never served again: drop it (and the page if it was the last copy).
-                        self._drop_copy(read.page, read.entry, Tier.SSD, "corrupt")
-        return bad
-
-    def _install_promoted(self, layer: int, reads: list[_Read], bad: set[int], target: Tier, slots: list[int],
-                          record: SessionRecord) -> None:
+    def _install_promoted(self, plan: LayerPlan, target: Tier, record: SessionRecord, delivered: bool) -> None:
         policy = self._hbm_policy if target is Tier.HBM else self._dram_policy
         unused: list[int] = []
-        for read, slot in zip(reads, slots, strict=True):
-            entry = self._pages.get(read.page)
+        for position, ((_, page, read_entry, _, _), slot) in enumerate(zip(plan.reads, plan.rows, strict=True)):
+            entry = self._pages.get(page)
             held = entry is not None and (entry.hbm if target is Tier.HBM else entry.dram) is not None
-            if read.index in bad or entry is not read.entry or held:
+            if not delivered or position in plan.bad or entry is not read_entry or held:
                 unused.append(slot)
                 continue
             if target is Tier.HBM:
                 entry.hbm = slot
             else:
                 entry.dram = slot
-            policy.insert(read.page, PageMeta(layer, record.key, record.priority))
+            policy.insert(page, PageMeta(plan.layer, record.key, record.priority))
         (self._hbm_slots if target is Tier.HBM else self._dram_slots).release(unused)
 
     # ---- capacity ---------------------------------------------------------------------------------
@@ -761,6 +665,7 @@ class TieredStore:
             return []
         shortfall = count - allocator.free
         if shortfall > 0:
+            self._apply_touches()
             policy = self._hbm_policy if tier is Tier.HBM else self._dram_policy
             def evictable(page: object) -> bool:
                 entry = self._pages[page]  # type: ignore[index]

@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import torch
 
+from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Priority, page_checksum
 from node_manager.kv.prefetch import PullOutcome
-from node_manager.kv.store import RowTarget, TieredStore
+from node_manager.kv.store import TieredStore
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2, kv_pb2_grpc

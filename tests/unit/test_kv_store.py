@@ -411,6 +411,7 @@ def test_dram_eviction_is_lru_and_pages_stay_loadable_from_ssd(make_store: MakeS
     b = save_session(store, "b", 1, seed=21)
     assert store.flush(TIMEOUT)
     load_rows(store, "a", 1)  # a is now more recently used than b
+    assert store._pending_touches, "loads defer their recency update; the eviction below must still see it"
     c = save_session(store, "c", 1, seed=22)
     assert store.flush(TIMEOUT)
 
@@ -731,3 +732,40 @@ def test_config_counts_must_be_positive(tmp_path: Path, field: str) -> None:
 def test_valid_config_passes(tmp_path: Path) -> None:
     StoreConfig(hbm_bytes=0, dram_bytes=0, ssd_bytes=0, ssd_dir=tmp_path, arena_name="unused").validate()
     StoreConfig(hbm_bytes=64, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused").validate()
+
+
+def test_one_layer_served_from_hbm_and_dram_across_lanes(make_store: MakeStore) -> None:
+    """Blocks 0-3 promoted to HBM, 4-7 only in DRAM: each layer's stripes mix sources and rows."""
+    store = make_store(hbm_pages=4 * LAYERS, dram_pages=8 * LAYERS)
+    data = save_session(store, "s1", 8, seed=41)
+    promoted = store.load("acme", "s1", 0, 4, target=Tier.HBM).wait_all(TIMEOUT)
+    assert all(r.failed == () for r in promoted)
+    rows = [7, 6, 5, 4, 3, 2, 1, 0]
+    tensors, results = load_rows(store, "s1", 8, rows=rows)
+    assert all(r.by_tier == {Tier.HBM: 4, Tier.DRAM: 4} and r.failed == () for r in results)
+    for layer in range(LAYERS):
+        assert torch.equal(tensors[layer], data[layer].flip(0))
+
+
+def test_a_layer_whose_planning_fails_is_reported_and_the_rest_still_load(
+        make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store()
+    data = save_session(store, "s1", 2, seed=43)
+    plan_layer = store._plan_layer
+
+    def failing(handle: LayerwiseLoad, record: object, layer: int, *rest: object) -> object:
+        if layer == 1:
+            raise RuntimeError("injected planning fault")
+        return plan_layer(handle, record, layer, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "_plan_layer", failing)
+    tensors = [torch.full((2, GEOMETRY.page_words), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
+    handle = store.load("acme", "s1", target=RowTarget(tensors, [0, 1]))
+    with pytest.raises(RuntimeError, match="injected"):
+        handle.layer_ready(1).result(TIMEOUT)
+    for layer in (0, *range(2, LAYERS)):
+        assert handle.layer_ready(layer).result(TIMEOUT).failed == ()
+        assert torch.equal(tensors[layer], data[layer])
+    assert store.flush(TIMEOUT), "the failed layer's in-flight slot was never returned"
+    assert all(entry.pins == 0 for entry in store._pages.values())
+

@@ -1,0 +1,306 @@
+"""Layer-wise loads: the data-movement half of `TieredStore.load`.
+
+The store decides under its lock what each layer needs (a `LayerPlan`: which pages come from which
+tier into which rows, all pinned); this module moves the bytes and delivers layers in order. Every
+layer is cut into stripes, one per copy lane, and each lane walks the layers in order doing its
+stripe, so a layer is ready as soon as every lane has passed it and both cores copy at once.
+
+Why lanes and not one thread per layer: on CPU, `torch` copies fan out over OpenMP, and a second
+thread starting OpenMP regions gives the process two thread teams on two cores; each region then
+pays a futex wake-up (measured: per-layer copies 1.5-2x slower). Lanes run torch single-threaded
+(`single_threaded_torch`) and supply the parallelism themselves, which keeps layer copies at memcpy
+speed whatever the engine's own threads do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from node_manager.kv.pages import PageId, Tier, page_checksum
+from node_manager.kv.slots import copy_rows
+from node_manager.kv.ssd_tier import SsdTier
+from symphony.logs import get_logger
+
+log = get_logger("node_manager.kv.loader")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerResult:
+    layer: int
+    loaded: int  # blocks now in the destination, counted from the load's first block
+    failed: tuple[int, ...]  # block indexes (session-relative) that could not be loaded
+    by_tier: dict[Tier, int] = field(default_factory=dict)
+
+
+class LayerwiseLoad:
+    """Per-layer readiness of one load. Layer l's future resolves only after layers < l, so a consumer
+    may run layer 0 while later layers are still arriving."""
+
+    def __init__(self, num_layers: int, first_block: int, num_blocks: int) -> None:
+        self.first_block = first_block
+        self.num_blocks = num_blocks
+        self.layers: list[concurrent.futures.Future[LayerResult]] = [concurrent.futures.Future()
+                                                                     for _ in range(num_layers)]
+        self._finished: dict[int, LayerResult | BaseException] = {}
+        self._next = 0
+        self._delivering = False
+        self._lock = threading.Lock()
+        self.cancelled = False
+
+    def layer_ready(self, layer: int) -> concurrent.futures.Future[LayerResult]:
+        return self.layers[layer]
+
+    async def wait_layer(self, layer: int) -> LayerResult:
+        return await asyncio.wrap_future(self.layers[layer])
+
+    def wait_all(self, timeout: float | None = None) -> list[LayerResult]:
+        return [f.result(timeout) for f in self.layers]
+
+    def cancel(self) -> None:
+        """Layers not started yet are skipped (reported as failed)."""
+        self.cancelled = True
+
+    def _finish(self, layer: int, outcome: LayerResult | BaseException) -> None:
+        # One thread delivers at a time, in layer order: a thread that finds another delivering only
+        # queues its result, so layer l+1 can never resolve before layer l (futures run callbacks).
+        with self._lock:
+            self._finished[layer] = outcome
+            if self._delivering:
+                return
+            self._delivering = True
+        while True:
+            with self._lock:
+                if self._next not in self._finished:
+                    self._delivering = False
+                    return
+                future, result = self.layers[self._next], self._finished.pop(self._next)
+                self._next += 1
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+
+@dataclass(frozen=True, slots=True)
+class RowTarget:
+    """Load into caller-owned tensors: `tensors[layer]` is `[rows, page_words]` int64 (a view of the
+    engine's paged KV, for instance) and block `first_block + i` lands in row `rows[i]`."""
+
+    tensors: Sequence[torch.Tensor]
+    rows: Sequence[int]
+
+
+# One page of a layer plan: (block index in the load, page id, the store's pinned PageEntry, source
+# tier, source slot for HBM/DRAM or SsdLocation for SSD). Plain tuples: a plan holds ~64 of them per
+# layer and is built under the store lock, where every microsecond is paid by all other callers.
+PlannedRead = tuple[int, PageId, Any, Tier, Any]
+
+
+@dataclass(slots=True)
+class LayerPlan:
+    """One layer of a load, decided under the store lock: read j lands in `dest[rows[j]]`."""
+
+    layer: int
+    dest: torch.Tensor
+    reads: list[PlannedRead] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # blocks no tier holds (or no room in a tier target)
+    already: int = 0  # blocks a tier target held before the load
+    started: float = 0.0
+    bad: dict[int, str] = field(default_factory=dict)  # read position -> "checksum" | "io_error"
+    skipped: bool = False  # cancelled before a lane copied its stripe
+    error: BaseException | None = None
+
+
+def single_threaded_torch() -> None:
+    """Thread initializer: torch ops on this thread run without OpenMP (see the module docstring).
+
+    Sets OpenMP's per-thread thread count, not `torch.set_num_threads`, which would also change the
+    default for every thread torch initializes later (the engine's included)."""
+    torch.get_num_threads()  # let torch initialize this thread's OpenMP state first
+    for library in _openmp_libraries():
+        library.omp_set_num_threads(1)
+
+
+@functools.cache
+def _openmp_libraries() -> list[ctypes.CDLL]:
+    """The OpenMP runtimes this process has loaded (torch ships its own libgomp)."""
+    found = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    except OSError:
+        return found
+    for path in sorted(paths):
+        try:
+            found.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return found
+
+
+def copy_lanes(count: int) -> concurrent.futures.ThreadPoolExecutor:
+    """`count` lane threads, all started now: a pool that spawns its threads on first use would add
+    thread start-up (milliseconds) to the first layer of the first loads."""
+    lanes = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="kv-lane",
+                                                  initializer=single_threaded_torch)
+    started = threading.Barrier(count + 1)
+    for _ in range(count):  # each task blocks until all are running, so each gets its own thread
+        lanes.submit(started.wait, 30)
+    started.wait(30)
+    return lanes
+
+
+class StripedLoad:
+    """Runs one load over `stripes` lanes and delivers each layer once every lane has passed it.
+
+    The first layer runs alone: only once it is delivered do the lanes start on the others (and SSD
+    read-ahead begins), so the disk serves the layer a consumer waits on first instead of queueing it
+    behind the rest of the session. Lanes never wait on each other, so a busy pool cannot deadlock.
+    The first lane to reach a layer plans it (`plan(layer)`: the store's bookkeeping, pins taken),
+    so planning layer l+1 overlaps the other lane's copy of layer l. `finalize(plan)` is the store's
+    bookkeeping for a finished layer (unpin, install, metrics) and returns its result;
+    `after_first(plan)` runs once the load's first layer is delivered."""
+
+    def __init__(self, handle: LayerwiseLoad, order: list[int], lanes: concurrent.futures.Executor, stripes: int,
+                 pools: dict[Tier, torch.Tensor], ssd: SsdTier, page_words: int, plan: Callable[[int], LayerPlan],
+                 finalize: Callable[[LayerPlan], LayerResult], after_first: Callable[[LayerPlan], None]) -> None:
+        self.handle = handle
+        self._lanes = lanes
+        self.order = order
+        self.stripes = stripes
+        self._pools = pools
+        self._ssd = ssd
+        self._page_words = page_words
+        self._plan = plan
+        self._finalize = finalize
+        self._after_first = after_first
+        self._plans: list[LayerPlan | None] = [None] * len(order)
+        self._remaining = [stripes] * len(order)
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self._submit(0, 1)
+
+    def _submit(self, start: int, stop: int) -> None:
+        try:
+            for lane in range(self.stripes):
+                self._lanes.submit(self._run_lane, lane, start, stop)
+        except RuntimeError as exc:  # the store is closing: no layer may be left unresolved
+            for position in range(start, stop):
+                with self._lock:
+                    self._remaining[position] = 0
+                self.handle._finish(self.order[position], exc)
+
+    def _run_lane(self, lane: int, start: int, stop: int) -> None:
+        for position in range(start, stop):
+            layer = self.order[position]
+            bad: dict[int, str] = {}
+            error: BaseException | None = None
+            with self._lock:
+                plan = self._plans[position]
+                if plan is None:
+                    try:
+                        plan = self._plan(layer)
+                    except Exception as exc:  # deliver the failure; later layers still run
+                        plan = LayerPlan(layer, torch.empty(0), error=exc)
+                    plan.started = time.perf_counter()
+                    self._plans[position] = plan
+            count = len(plan.reads)
+            low, high = count * lane // self.stripes, count * (lane + 1) // self.stripes
+            skipped = self.handle.cancelled
+            if not skipped and high > low:
+                try:
+                    bad = self._copy_stripe(plan, low, high)
+                except Exception as exc:  # a lane must finish every layer, or the load never completes
+                    error = exc
+            with self._lock:
+                plan.bad.update(bad)
+                plan.skipped = plan.skipped or skipped
+                plan.error = plan.error or error
+                self._remaining[position] -= 1
+                last = self._remaining[position] == 0
+            if last:
+                self._deliver(position, plan)
+
+    def _deliver(self, position: int, plan: LayerPlan) -> None:
+        try:
+            outcome: LayerResult | BaseException = self._finalize(plan)
+        except Exception as exc:
+            outcome = exc
+        if plan.error is not None:
+            outcome = plan.error
+        self.handle._finish(plan.layer, outcome)
+        if position == 0:
+            self._after_first(plan)
+            if len(self.order) > 1:
+                self._submit(1, len(self.order))
+
+    def _copy_stripe(self, plan: LayerPlan, low: int, high: int) -> dict[int, str]:
+        by_source: dict[Tier, tuple[list[int], list[int]]] = {}
+        ssd_reads: list[int] = []
+        reads, rows = plan.reads, plan.rows
+        for j in range(low, high):
+            source, where = reads[j][3], reads[j][4]
+            if source is Tier.SSD:
+                ssd_reads.append(j)
+            else:
+                dst_rows, src_rows = by_source.setdefault(source, ([], []))
+                dst_rows.append(rows[j])
+                src_rows.append(where)
+        for source, (dst_rows, src_rows) in by_source.items():
+            copy_rows(plan.dest, dst_rows, self._pools[source], src_rows)
+        bad = self._read_ssd(plan, ssd_reads) if ssd_reads else {}
+        if plan.dest.device.type == "cuda":
+            torch.cuda.current_stream(plan.dest.device).synchronize()
+        return bad
+
+    def _read_ssd(self, plan: LayerPlan, positions: list[int]) -> dict[int, str]:
+        """Read pages straight into the destination rows (CPU) or through pinned staging (device),
+        verifying each page's checksum; a page that fails is zeroed and reported, never delivered."""
+        dest = plan.dest
+        direct = dest.device.type == "cpu" and dest.is_contiguous()
+        staging = dest if direct else torch.empty(len(positions), self._page_words, dtype=torch.int64,
+                                                  pin_memory=dest.device.type == "cuda")
+        staging_rows = [plan.rows[j] for j in positions] if direct else list(range(len(positions)))
+        by_segment: dict[int, list[tuple[int, memoryview]]] = {}
+        views: list[memoryview] = []
+        for j, row in zip(positions, staging_rows, strict=True):
+            view = memoryview(staging[row].numpy()).cast("B")
+            views.append(view)
+            location = plan.reads[j][4]
+            by_segment.setdefault(location.seq, []).append((location.index, view))
+        failed_segments: set[int] = set()
+        for seq, segment_reads in by_segment.items():
+            segment = self._ssd.segments.get(seq)
+            try:
+                if segment is None:
+                    raise FileNotFoundError(f"segment {seq:x} vanished")
+                self._ssd.read_into(segment, segment_reads)
+            except OSError as exc:
+                log.warning("KV segment read failed", segment=seq, error=str(exc))
+                failed_segments.add(seq)
+        bad: dict[int, str] = {}
+        for k, (j, view) in enumerate(zip(positions, views, strict=True)):
+            _, page, entry, _, location = plan.reads[j]
+            if location.seq in failed_segments:
+                bad[j] = "io_error"
+            elif page_checksum(page[0], plan.layer, view) != entry.checksum:  # stable: the page is pinned
+                bad[j] = "checksum"
+            if j in bad and direct:
+                staging[staging_rows[k]].zero_()  # a failed row must not keep unverified bytes
+        if not direct:
+            good = [k for k, j in enumerate(positions) if j not in bad]
+            if good:
+                copy_rows(dest, [plan.rows[positions[k]] for k in good], staging, good)
+        return bad
