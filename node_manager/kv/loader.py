@@ -85,10 +85,13 @@ class LayerwiseLoad:
                     return
                 future, result = self.layers[self._next], self._finished.pop(self._next)
                 self._next += 1
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+            try:
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+            except concurrent.futures.InvalidStateError:
+                pass  # the consumer cancelled its wait (a client went away): nothing to tell it
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,45 +196,50 @@ class StripedLoad:
         self._submit(0, 1)
 
     def _submit(self, start: int, stop: int) -> None:
-        try:
-            for lane in range(self.stripes):
+        for lane in range(self.stripes):
+            try:
                 self._lanes.submit(self._run_lane, lane, start, stop)
-        except RuntimeError as exc:  # the store is closing: no layer may be left unresolved
-            for position in range(start, stop):
-                with self._lock:
-                    self._remaining[position] = 0
-                self.handle._finish(self.order[position], exc)
+            except RuntimeError:
+                # The store is closing: run this lane's share here as skipped, so every layer is
+                # still finalized (pins released) and resolved (as not loaded).
+                self._run_lane(lane, start, stop, skip=True)
 
-    def _run_lane(self, lane: int, start: int, stop: int) -> None:
+    def _run_lane(self, lane: int, start: int, stop: int, skip: bool = False) -> None:
         for position in range(start, stop):
-            layer = self.order[position]
-            bad: dict[int, str] = {}
-            error: BaseException | None = None
-            with self._lock:
-                plan = self._plans[position]
-                if plan is None:
-                    try:
-                        plan = self._plan(layer)
-                    except Exception as exc:  # deliver the failure; later layers still run
-                        plan = LayerPlan(layer, torch.empty(0), error=exc)
-                    plan.started = time.perf_counter()
-                    self._plans[position] = plan
-            count = len(plan.reads)
-            low, high = count * lane // self.stripes, count * (lane + 1) // self.stripes
-            skipped = self.handle.cancelled
-            if not skipped and high > low:
+            try:
+                self._lane_layer(lane, position, skip)
+            except Exception:  # never abandon the remaining layers: their pins would leak
+                log.exception("KV load lane failed on a layer", layer=self.order[position])
+
+    def _lane_layer(self, lane: int, position: int, skip: bool) -> None:
+        layer = self.order[position]
+        bad: dict[int, str] = {}
+        error: BaseException | None = None
+        with self._lock:
+            plan = self._plans[position]
+            if plan is None:
                 try:
-                    bad = self._copy_stripe(plan, low, high)
-                except Exception as exc:  # a lane must finish every layer, or the load never completes
-                    error = exc
-            with self._lock:
-                plan.bad.update(bad)
-                plan.skipped = plan.skipped or skipped
-                plan.error = plan.error or error
-                self._remaining[position] -= 1
-                last = self._remaining[position] == 0
-            if last:
-                self._deliver(position, plan)
+                    plan = self._plan(layer)
+                except Exception as exc:  # deliver the failure; later layers still run
+                    plan = LayerPlan(layer, torch.empty(0), error=exc)
+                plan.started = time.perf_counter()
+                self._plans[position] = plan
+        count = len(plan.reads)
+        low, high = count * lane // self.stripes, count * (lane + 1) // self.stripes
+        skipped = skip or self.handle.cancelled
+        if not skipped and high > low:
+            try:
+                bad = self._copy_stripe(plan, low, high)
+            except Exception as exc:  # a lane must finish every layer, or the load never completes
+                error = exc
+        with self._lock:
+            plan.bad.update(bad)
+            plan.skipped = plan.skipped or skipped
+            plan.error = plan.error or error
+            self._remaining[position] -= 1
+            last = self._remaining[position] == 0
+        if last:
+            self._deliver(position, plan)
 
     def _deliver(self, position: int, plan: LayerPlan) -> None:
         try:
@@ -240,11 +248,15 @@ class StripedLoad:
             outcome = exc
         if plan.error is not None:
             outcome = plan.error
-        self.handle._finish(plan.layer, outcome)
-        if position == 0:
-            self._after_first(plan)
-            if len(self.order) > 1:
-                self._submit(1, len(self.order))
+        try:
+            self.handle._finish(plan.layer, outcome)
+        finally:
+            if position == 0:
+                try:
+                    self._after_first(plan)
+                finally:
+                    if len(self.order) > 1:
+                        self._submit(1, len(self.order))
 
     def _copy_stripe(self, plan: LayerPlan, low: int, high: int) -> dict[int, str]:
         by_source: dict[Tier, tuple[list[int], list[int]]] = {}
@@ -261,8 +273,11 @@ class StripedLoad:
         for source, (dst_rows, src_rows) in by_source.items():
             copy_rows(plan.dest, dst_rows, self._pools[source], src_rows)
         bad = self._read_ssd(plan, ssd_reads) if ssd_reads else {}
-        if plan.dest.device.type == "cuda":
-            torch.cuda.current_stream(plan.dest.device).synchronize()
+        # Copies to or from device memory are asynchronous: the bytes must have landed before the
+        # layer is reported (and its source pages unpinned).
+        for tensor in (plan.dest, *(self._pools[source] for source in by_source)):
+            if tensor.device.type == "cuda":
+                torch.cuda.current_stream(tensor.device).synchronize()
         return bad
 
     def _read_ssd(self, plan: LayerPlan, positions: list[int]) -> dict[int, str]:

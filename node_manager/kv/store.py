@@ -477,52 +477,56 @@ class TieredStore:
             return plan
         pages = [(key, layer) for key in keys]
         with self._lock:
-            entries = list(map(self._pages.get, pages))
-            if tier_target is None and self._plan_from_dram(plan, pages, entries, target.rows):  # type: ignore[union-attr]
-                return plan
-            reads, failed = plan.reads, plan.failed
-            touched: dict[Tier, list[PageId]] = {Tier.HBM: [], Tier.DRAM: []}
-            ssd_pin, ssd_touch = self.ssd.pin, self.ssd.touch
-            for index, entry in enumerate(entries):
-                if entry is None:
-                    failed.append(index)
-                    continue
-                hbm, dram = entry.hbm, entry.dram
-                if tier_target is not None and (hbm if tier_target is Tier.HBM else dram) is not None:
-                    plan.already += 1
-                    touched[tier_target].append(pages[index])
-                    continue
-                if hbm is not None and tier_target is not Tier.HBM:
-                    reads.append((index, pages[index], entry, Tier.HBM, hbm))
-                    touched[Tier.HBM].append(pages[index])
-                elif dram is not None:
-                    reads.append((index, pages[index], entry, Tier.DRAM, dram))
-                    touched[Tier.DRAM].append(pages[index])
-                elif entry.ssd is not None and ssd_pin(entry.ssd.seq) is not None:
-                    ssd_touch(entry.ssd.seq)
-                    reads.append((index, pages[index], entry, Tier.SSD, entry.ssd))
-                else:
-                    failed.append(index)
-                    continue
-                entry.pins += 1
-            self._defer_touches(Tier.HBM, touched[Tier.HBM])
-            self._defer_touches(Tier.DRAM, touched[Tier.DRAM])
-            if failed:
-                self.metrics.misses.inc(len(failed))
-            if tier_target is None:
-                rows = target.rows  # type: ignore[union-attr]
-                plan.rows = [rows[read[0]] for read in reads]
-            elif reads:
-                # Never evict this session's own pages to make room for more of it: what does not
-                # fit (its later layers, as layers run in order) is reported as not loaded.
-                slots = self._allocate(tier_target, len(reads), protect=record.key)
-                if slots is None:
-                    room = self._allocatable(tier_target, protect=record.key)
-                    slots = self._allocate(tier_target, room, protect=record.key) or []
-                    failed.extend(read[0] for read in reads[len(slots):])
-                    self._unpin(reads[len(slots):])
-                    del reads[len(slots):]
-                plan.rows = slots
+            try:
+                entries = list(map(self._pages.get, pages))
+                if tier_target is None and self._plan_from_dram(plan, pages, entries, target.rows):  # type: ignore[union-attr]
+                    return plan
+                reads, failed = plan.reads, plan.failed
+                touched: dict[Tier, list[PageId]] = {Tier.HBM: [], Tier.DRAM: []}
+                ssd_pin, ssd_touch = self.ssd.pin, self.ssd.touch
+                for index, entry in enumerate(entries):
+                    if entry is None:
+                        failed.append(index)
+                        continue
+                    hbm, dram = entry.hbm, entry.dram
+                    if tier_target is not None and (hbm if tier_target is Tier.HBM else dram) is not None:
+                        plan.already += 1
+                        touched[tier_target].append(pages[index])
+                        continue
+                    if hbm is not None and tier_target is not Tier.HBM:
+                        reads.append((index, pages[index], entry, Tier.HBM, hbm))
+                        touched[Tier.HBM].append(pages[index])
+                    elif dram is not None:
+                        reads.append((index, pages[index], entry, Tier.DRAM, dram))
+                        touched[Tier.DRAM].append(pages[index])
+                    elif entry.ssd is not None and ssd_pin(entry.ssd.seq) is not None:
+                        ssd_touch(entry.ssd.seq)
+                        reads.append((index, pages[index], entry, Tier.SSD, entry.ssd))
+                    else:
+                        failed.append(index)
+                        continue
+                    entry.pins += 1
+                self._defer_touches(Tier.HBM, touched[Tier.HBM])
+                self._defer_touches(Tier.DRAM, touched[Tier.DRAM])
+                if failed:
+                    self.metrics.misses.inc(len(failed))
+                if tier_target is None:
+                    rows = target.rows  # type: ignore[union-attr]
+                    plan.rows = [rows[read[0]] for read in reads]
+                elif reads:
+                    # Never evict this session's own pages to make room for more of it: what does not
+                    # fit (its later layers, as layers run in order) is reported as not loaded.
+                    slots = self._allocate(tier_target, len(reads), protect=record.key)
+                    if slots is None:
+                        room = self._allocatable(tier_target, protect=record.key)
+                        slots = self._allocate(tier_target, room, protect=record.key) or []
+                        failed.extend(read[0] for read in reads[len(slots):])
+                        self._unpin(reads[len(slots):])
+                        del reads[len(slots):]
+                    plan.rows = slots
+            except BaseException:
+                self._unpin(plan.reads)  # a half-built plan must not keep its pins
+                raise
         return plan
 
     def _plan_from_dram(self, plan: LayerPlan, pages: list[PageId], entries: list, rows: Sequence[int]) -> bool:

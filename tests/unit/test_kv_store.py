@@ -769,3 +769,19 @@ def test_a_layer_whose_planning_fails_is_reported_and_the_rest_still_load(
     assert store.flush(TIMEOUT), "the failed layer's in-flight slot was never returned"
     assert all(entry.pins == 0 for entry in store._pages.values())
 
+
+
+def test_a_consumer_cancelling_its_wait_does_not_stall_the_load(make_store: MakeStore) -> None:
+    """A gRPC client that goes away cancels the future it awaited; the load must still finish,
+    resolve the other layers and release every pin and in-flight slot."""
+    store = make_store()
+    data = save_session(store, "s1", 2, seed=47)
+    tensors = [torch.full((2, GEOMETRY.page_words), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
+    handle = store.load("acme", "s1", target=RowTarget(tensors, [0, 1]))
+    cancelled = [layer for layer in range(LAYERS) if handle.layer_ready(layer).cancel()]
+    for layer in range(LAYERS):
+        if layer not in cancelled:
+            assert handle.layer_ready(layer).result(TIMEOUT).failed == ()
+            assert torch.equal(tensors[layer], data[layer])
+    assert store.flush(TIMEOUT), "an in-flight slot leaked"
+    assert all(entry.pins == 0 for entry in store._pages.values())
