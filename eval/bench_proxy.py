@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import random
 import socket
 import statistics
@@ -29,6 +28,7 @@ import openai
 from tqdm import tqdm
 
 from eval.plots import plot_proxy
+from eval.results import write_result
 from eval.stats import percentile
 from symphony.config import SymphonyConfig
 from symphony.launcher import Cluster
@@ -188,11 +188,5 @@ def run_proxy_bench(config: SymphonyConfig, *, out: Path, concurrency: int, roun
         result = asyncio.run(measure(scheduler_url, engine_url, model, **kwargs))
     else:
         result = asyncio.run(_with_private_cluster(config, **kwargs))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    _print_table(result)
-    print(f"wrote {out}")
-    if plot is not None:
-        plot_proxy(result, plot)
-        print(f"wrote {plot}")
+    write_result(result, out, table=_print_table, plot=plot, plotter=plot_proxy)
     return 0

@@ -25,6 +25,8 @@ import grpc
 import torch
 from tqdm import tqdm
 
+from eval.plots import plot_tiers
+from eval.results import write_result
 from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Tier
 from node_manager.kv.store import StoreConfig, TieredStore
@@ -291,13 +293,7 @@ def run_tiers_bench(*, out: Path, tokens: int = 2048, trials: int = 5, device: s
     result["ratios"] = ratios
     result["targets_met"] = {name: ratios[name] >= minimum for name, (_, _, minimum) in TARGETS.items()}
     result["targets_met"]["ssd_first_layer_fraction"] = ratios["ssd_first_layer_fraction"] <= FIRST_LAYER_MAX_FRACTION
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    _print_table(result)
-    print(f"wrote {out}")
-    if plot is not None:
-        from eval.plots import plot_tiers
-        plot_tiers(result, plot)
-        print(f"wrote {plot}")
+    write_result(result, out, table=_print_table, plot=plot, plotter=plot_tiers)
     return result
 
 

@@ -96,6 +96,13 @@ def load_rows(store: TieredStore, session: str, num_blocks: int, *, tenant: str 
     return tensors, handle.wait_all(TIMEOUT)
 
 
+def flip_bits(path: Path, offset: int, mask: int) -> None:
+    """Damage one byte of a file on disk in place (XOR with `mask`)."""
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= mask
+    path.write_bytes(bytes(raw))
+
+
 def metric(store: TieredStore, name: str, **labels: str) -> float:
     value = store.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
@@ -303,9 +310,7 @@ def test_flipped_byte_on_ssd_is_detected_and_never_served(make_store: MakeStore,
     bad_key = first.session("acme", "s1").blocks.block_keys[1]
     first.close()
     path, offset = locate_page(ssd_dir, bad_key, layer=2)
-    raw = bytearray(path.read_bytes())
-    raw[offset + 13] ^= 0x10
-    path.write_bytes(bytes(raw))
+    flip_bits(path, offset + 13, 0x10)
 
     second = make_store()
     second.put_session("acme", "s1", tokens(2, base=0))
@@ -340,9 +345,7 @@ def test_failed_row_never_holds_the_corrupt_bytes(make_store: MakeStore, ssd_dir
     bad_key = first.session("acme", "s1").blocks.block_keys[0]
     first.close()
     path, offset = locate_page(ssd_dir, bad_key, layer=1)
-    raw = bytearray(path.read_bytes())
-    raw[offset] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    flip_bits(path, offset, 0xFF)
 
     second = make_store()
     second.put_session("acme", "s1", tokens(2, base=0))
@@ -390,9 +393,7 @@ def test_damaged_segment_is_dropped_at_rebuild(make_store: MakeStore, ssd_dir: P
     key = first.session("acme", "s1").blocks.block_keys[0]
     first.close()
     path, _ = locate_page(ssd_dir, key, layer=0)
-    raw = bytearray(path.read_bytes())
-    raw[60] ^= 0x01  # inside the entry table
-    path.write_bytes(bytes(raw))
+    flip_bits(path, 60, 0x01)  # inside the entry table
 
     second = make_store()
     assert metric(second, "symphony_kv_ssd_segments_damaged_total") == 1
