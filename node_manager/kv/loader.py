@@ -24,11 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from node_manager.kv.pages import PageId, Tier, page_checksum
+from node_manager.kv.pages import Tier, page_checksum
 from node_manager.kv.slots import copy_rows
 from node_manager.kv.ssd_tier import SsdTier
+from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 
 log = get_logger("node_manager.kv.loader")
@@ -103,26 +105,51 @@ class RowTarget:
     rows: Sequence[int]
 
 
-# One page of a layer plan: (block index in the load, page id, the store's pinned PageEntry, source
-# tier, source slot for HBM/DRAM or SsdLocation for SSD). Plain tuples: a plan holds ~64 of them per
-# layer and is built under the store lock, where every microsecond is paid by all other callers.
-PlannedRead = tuple[int, PageId, Any, Tier, Any]
+
+
+def _no_reads() -> np.ndarray:
+    return np.empty(0, np.int64)
 
 
 @dataclass(slots=True)
 class LayerPlan:
-    """One layer of a load, decided under the store lock: read j lands in `dest[rows[j]]`."""
+    """One layer of a load, decided under the store lock, as parallel arrays with one entry per read
+    (a page to copy): read j is block `index[j]` of the load, comes from tier `source[j]` (slot
+    `where[j]` for HBM/DRAM, segment `where[j]` page `ssd_page[j]` for SSD) and lands in
+    `dest[rows[j]]`. `block_rows[j]` is its directory row, which holds the page's pin. Arrays, not
+    per-page objects: a plan covers ~64 pages and is built under the store lock, where every
+    microsecond is paid by every other caller."""
 
     layer: int
     dest: torch.Tensor
-    reads: list[PlannedRead] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)
+    keys: Sequence[BlockKey] = ()  # the load's block keys, indexed by `index`
+    index: np.ndarray = field(default_factory=_no_reads)
+    source: np.ndarray = field(default_factory=_no_reads)
+    where: np.ndarray = field(default_factory=_no_reads)
+    ssd_page: np.ndarray = field(default_factory=_no_reads)
+    rows: np.ndarray = field(default_factory=_no_reads)
+    block_rows: np.ndarray = field(default_factory=_no_reads)
+    checksums: np.ndarray = field(default_factory=_no_reads)
+    segments: list[Any] = field(default_factory=list)  # SSD segments pinned for this layer's reads
+    only: Tier | None = None  # set when every read comes from this one slot tier (HBM or DRAM)
+    # (first destination row, first source slot) when both run consecutively: read j is a plain
+    # slice copy, with none of copy_rows' run finding (~17 us a call, twice per layer)
+    span: tuple[int, int] | None = None
     failed: list[int] = field(default_factory=list)  # blocks no tier holds (or no room in a tier target)
     already: int = 0  # blocks a tier target held before the load
     started: float = 0.0
     bad: dict[int, str] = field(default_factory=dict)  # read position -> "checksum" | "io_error"
     skipped: bool = False  # cancelled before a lane copied its stripe
     error: BaseException | None = None
+
+    @property
+    def reads(self) -> int:
+        return len(self.index)
+
+    def keep_reads(self, count: int) -> None:
+        """Drop every read after the first `count` (a tier target had no room for them)."""
+        for name in ("index", "source", "where", "ssd_page", "rows", "block_rows", "checksums"):
+            setattr(self, name, getattr(self, name)[:count])
 
 
 def single_threaded_torch() -> None:
@@ -167,18 +194,23 @@ def copy_lanes(count: int) -> concurrent.futures.ThreadPoolExecutor:
 class StripedLoad:
     """Runs one load over `stripes` lanes and delivers each layer once every lane has passed it.
 
-    The first layer runs alone: only once it is delivered do the lanes start on the others (and SSD
-    read-ahead begins), so the disk serves the layer a consumer waits on first instead of queueing it
-    behind the rest of the session. Lanes never wait on each other, so a busy pool cannot deadlock.
+    With `first_alone` (loads that may read SSD), the first layer runs alone: only once it is
+    delivered do the lanes start on the others (and SSD read-ahead begins), so the disk serves the
+    layer a consumer waits on first instead of queueing it behind the rest of the session. Lanes
+    never wait on each other, so a busy pool cannot deadlock.
     The first lane to reach a layer plans it (`plan(layer)`: the store's bookkeeping, pins taken),
     so planning layer l+1 overlaps the other lane's copy of layer l. `finalize(plan)` is the store's
     bookkeeping for a finished layer (unpin, install, metrics) and returns its result;
-    `after_first(plan)` runs once the load's first layer is delivered."""
+    `after_first(plan)` runs once the load's first layer is delivered; `before_last()` once every
+    layer is finalized, before the last of them is delivered (a load planned as a whole releases
+    its pins there)."""
 
     def __init__(self, handle: LayerwiseLoad, order: list[int], lanes: concurrent.futures.Executor, stripes: int,
                  pools: dict[Tier, torch.Tensor], ssd: SsdTier, page_words: int, plan: Callable[[int], LayerPlan],
-                 finalize: Callable[[LayerPlan], LayerResult], after_first: Callable[[LayerPlan], None]) -> None:
+                 finalize: Callable[[LayerPlan], LayerResult], after_first: Callable[[LayerPlan], None],
+                 before_last: Callable[[], None] | None = None, first_alone: bool = True) -> None:
         self.handle = handle
+        self._first_alone = first_alone
         self._lanes = lanes
         self.order = order
         self.stripes = stripes
@@ -188,12 +220,14 @@ class StripedLoad:
         self._plan = plan
         self._finalize = finalize
         self._after_first = after_first
+        self._before_last = before_last
         self._plans: list[LayerPlan | None] = [None] * len(order)
         self._remaining = [stripes] * len(order)
+        self._undelivered = len(order)
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self._submit(0, 1)
+        self._submit(0, 1 if self._first_alone else len(self.order))
 
     def _submit(self, start: int, stop: int) -> None:
         for lane in range(self.stripes):
@@ -224,7 +258,7 @@ class StripedLoad:
                     plan = LayerPlan(layer, torch.empty(0), error=exc)
                 plan.started = time.perf_counter()
                 self._plans[position] = plan
-        count = len(plan.reads)
+        count = plan.reads
         low, high = count * lane // self.stripes, count * (lane + 1) // self.stripes
         skipped = skip or self.handle.cancelled
         if not skipped and high > low:
@@ -248,6 +282,15 @@ class StripedLoad:
             outcome = exc
         if plan.error is not None:
             outcome = plan.error
+        with self._lock:
+            self._undelivered -= 1
+            last = self._undelivered == 0
+        if last and self._before_last is not None:
+            try:
+                self._before_last()
+            except Exception as exc:
+                log.exception("KV load could not release its pages")
+                outcome = exc
         try:
             self.handle._finish(plan.layer, outcome)
         finally:
@@ -255,30 +298,41 @@ class StripedLoad:
                 try:
                     self._after_first(plan)
                 finally:
-                    if len(self.order) > 1:
+                    if self._first_alone and len(self.order) > 1:
                         self._submit(1, len(self.order))
 
     def _copy_stripe(self, plan: LayerPlan, low: int, high: int) -> dict[int, str]:
-        by_source: dict[Tier, tuple[list[int], list[int]]] = {}
-        ssd_reads: list[int] = []
-        reads, rows = plan.reads, plan.rows
-        for j in range(low, high):
-            source, where = reads[j][3], reads[j][4]
-            if source is Tier.SSD:
-                ssd_reads.append(j)
+        if plan.only is not None:  # every read from one slot tier: no sorting by source
+            pool = self._pools[plan.only]
+            if plan.span is not None:
+                row, slot = plan.span
+                plan.dest[row + low:row + high].copy_(pool[slot + low:slot + high], non_blocking=True)
             else:
-                dst_rows, src_rows = by_source.setdefault(source, ([], []))
-                dst_rows.append(rows[j])
-                src_rows.append(where)
-        for source, (dst_rows, src_rows) in by_source.items():
-            copy_rows(plan.dest, dst_rows, self._pools[source], src_rows)
-        bad = self._read_ssd(plan, ssd_reads) if ssd_reads else {}
+                copy_rows(plan.dest, plan.rows[low:high], pool, plan.where[low:high])
+            self._synchronize(plan.dest, pool)
+            return {}
+        source, copied = plan.source[low:high], []
+        for tier in (Tier.HBM, Tier.DRAM):
+            mine = source == tier
+            if not mine.any():
+                continue
+            copied.append(self._pools[tier])
+            if mine.all():
+                copy_rows(plan.dest, plan.rows[low:high], self._pools[tier], plan.where[low:high])
+            else:
+                copy_rows(plan.dest, plan.rows[low:high][mine], self._pools[tier], plan.where[low:high][mine])
+        ssd_reads = np.flatnonzero(source == Tier.SSD) + low
+        bad = self._read_ssd(plan, ssd_reads.tolist()) if len(ssd_reads) else {}
+        self._synchronize(plan.dest, *copied)
+        return bad
+
+    @staticmethod
+    def _synchronize(*tensors: torch.Tensor) -> None:
         # Copies to or from device memory are asynchronous: the bytes must have landed before the
         # layer is reported (and its source pages unpinned).
-        for tensor in (plan.dest, *(self._pools[source] for source in by_source)):
+        for tensor in tensors:
             if tensor.device.type == "cuda":
                 torch.cuda.current_stream(tensor.device).synchronize()
-        return bad
 
     def _read_ssd(self, plan: LayerPlan, positions: list[int]) -> dict[int, str]:
         """Read pages straight into the destination rows (CPU) or through pinned staging (device),
@@ -287,14 +341,14 @@ class StripedLoad:
         direct = dest.device.type == "cpu" and dest.is_contiguous()
         staging = dest if direct else torch.empty(len(positions), self._page_words, dtype=torch.int64,
                                                   pin_memory=dest.device.type == "cuda")
-        staging_rows = [plan.rows[j] for j in positions] if direct else list(range(len(positions)))
+        staging_rows = plan.rows[positions].tolist() if direct else list(range(len(positions)))
+        seqs, pages = plan.where[positions].tolist(), plan.ssd_page[positions].tolist()
         by_segment: dict[int, list[tuple[int, memoryview]]] = {}
         views: list[memoryview] = []
-        for j, row in zip(positions, staging_rows, strict=True):
+        for row, seq, page in zip(staging_rows, seqs, pages, strict=True):
             view = memoryview(staging[row].numpy()).cast("B")
             views.append(view)
-            location = plan.reads[j][4]
-            by_segment.setdefault(location.seq, []).append((location.index, view))
+            by_segment.setdefault(seq, []).append((page, view))
         failed_segments: set[int] = set()
         for seq, segment_reads in by_segment.items():
             segment = self._ssd.segments.get(seq)
@@ -306,16 +360,16 @@ class StripedLoad:
                 log.warning("KV segment read failed", segment=seq, error=str(exc))
                 failed_segments.add(seq)
         bad: dict[int, str] = {}
-        for k, (j, view) in enumerate(zip(positions, views, strict=True)):
-            _, page, entry, _, location = plan.reads[j]
-            if location.seq in failed_segments:
+        for k, (j, seq, view) in enumerate(zip(positions, seqs, views, strict=True)):
+            key = plan.keys[plan.index[j]]
+            if seq in failed_segments:
                 bad[j] = "io_error"
-            elif page_checksum(page[0], plan.layer, view) != entry.checksum:  # stable: the page is pinned
+            elif page_checksum(key, plan.layer, view) != int(plan.checksums[j]):  # stable: the page is pinned
                 bad[j] = "checksum"
             if j in bad and direct:
                 staging[staging_rows[k]].zero_()  # a failed row must not keep unverified bytes
         if not direct:
             good = [k for k, j in enumerate(positions) if j not in bad]
             if good:
-                copy_rows(dest, [plan.rows[positions[k]] for k in good], staging, good)
+                copy_rows(dest, plan.rows[[positions[k] for k in good]], staging, np.asarray(good))
         return bad

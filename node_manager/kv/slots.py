@@ -11,8 +11,10 @@ import contextlib
 import mmap
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from symphony.kv_geometry import KVGeometry
@@ -23,24 +25,30 @@ log = get_logger("node_manager.kv.slots")
 _SHM_DIR = Path("/dev/shm")
 
 
-def copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> None:
+def copy_rows(dst: torch.Tensor, dst_rows: Sequence[int] | np.ndarray, src: torch.Tensor,
+              src_rows: Sequence[int] | np.ndarray) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] for all i.
 
     Runs where both sides are consecutive become slice copies (memcpy speed: slot allocation and
     save order make long runs the common case); scattered rows fall back to one gather + scatter.
+    Runs are found with array operations: this sits on every load's path, once per layer and lane.
     """
-    runs: list[tuple[int, int, int]] = []  # (dst start, src start, length)
-    for d, s in zip(dst_rows, src_rows, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((d, s, 1))
-    if len(runs) * 4 <= len(dst_rows) or len(runs) <= 2:
-        for d, s, n in runs:
-            dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+    dst_at = np.asarray(dst_rows, dtype=np.int64)
+    src_at = np.asarray(src_rows, dtype=np.int64)
+    if len(dst_at) != len(src_at):
+        raise ValueError(f"{len(dst_at)} destination rows for {len(src_at)} source rows")
+    if not len(dst_at):
         return
-    src_index = torch.tensor(src_rows, device=src.device)
-    dst_index = torch.tensor(dst_rows, device=dst.device)
+    breaks = np.flatnonzero((np.diff(dst_at) != 1) | (np.diff(src_at) != 1)) + 1
+    runs = len(breaks) + 1
+    if runs * 4 <= len(dst_at) or runs <= 2:
+        starts = [0, *breaks.tolist()]
+        ends = [*starts[1:], len(dst_at)]
+        for start, end, d, s in zip(starts, ends, dst_at[starts].tolist(), src_at[starts].tolist(), strict=True):
+            dst[d:d + end - start].copy_(src[s:s + end - start], non_blocking=True)
+        return
+    src_index = torch.from_numpy(src_at).to(src.device)
+    dst_index = torch.from_numpy(dst_at).to(dst.device)
     dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device, non_blocking=True))
 
 

@@ -18,31 +18,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from node_manager.kv.directory import NO_COPY, PageDirectory, SessionKey
 from node_manager.kv.eviction import EvictionPolicy, PageMeta, PriorityLRUPolicy, TopTierYieldPolicy
-from node_manager.kv.loader import (
-    LayerPlan,
-    LayerResult,
-    LayerwiseLoad,
-    PlannedRead,
-    RowTarget,
-    StripedLoad,
-    copy_lanes,
-)
+from node_manager.kv.loader import LayerPlan, LayerResult, LayerwiseLoad, RowTarget, StripedLoad, copy_lanes
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import PageId, Priority, Tier, page_checksum
 from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, copy_rows
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
-from symphony.kv_addressing import SessionBlocks, chain_block_keys
+from symphony.kv_addressing import BlockKey, SessionBlocks, chain_block_keys
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
 
 log = get_logger("node_manager.kv.store")
 
-SessionKey = tuple[str, str]  # (tenant, session id)
-_MAX_PENDING_TOUCH_BATCHES = 4096  # ~64 pages each: bounds the deferred-recency queue
+# Bounds the deferred recency updates: replaying them costs ~0.3 us per page, paid by the next
+# eviction (or the load that overflows the bound), so this caps that pause at ~20 ms.
+_MAX_PENDING_TOUCH_PAGES = 65_536
+TouchBatch = tuple[Tier, tuple[BlockKey, ...], tuple[int, ...]]  # pages (key, layer) for keys x layers
+WritePending = tuple[BlockKey, int, int]  # (block key, layer, directory row) owed an SSD copy
 
 
 class KVStoreError(Exception):
@@ -92,28 +89,6 @@ class SessionRecord:
     priority: Priority
 
 
-@dataclass(slots=True)
-class PageEntry:
-    checksum: int
-    owner: SessionKey
-    priority: Priority
-    hbm: int | None = None
-    dram: int | None = None
-    ssd: SsdLocation | None = None
-    pins: int = 0  # I/O in progress on some copy of this page
-    persisting: bool = False  # queued for, or being written by, the write-behind
-
-    def tiers(self) -> list[Tier]:
-        held = []
-        if self.hbm is not None:
-            held.append(Tier.HBM)
-        if self.dram is not None:
-            held.append(Tier.DRAM)
-        if self.ssd is not None:
-            held.append(Tier.SSD)
-        return held
-
-
 class TieredStore:
     def __init__(self, geometry: KVGeometry, config: StoreConfig, metrics: KVMetrics | None = None) -> None:
         config.validate()
@@ -122,7 +97,7 @@ class TieredStore:
         self.metrics = metrics or KVMetrics()
         self._lock = threading.RLock()
         self._sessions: OrderedDict[SessionKey, SessionRecord] = OrderedDict()
-        self._pages: dict[PageId, PageEntry] = {}
+        self._directory = PageDirectory(geometry.num_layers)
         self.hbm = DevicePool(geometry, config.hbm_bytes, config.device)
         self.dram = DramArena(config.arena_name, geometry, config.dram_bytes, pin_for_cuda=config.device != "cpu")
         self.ssd = SsdTier(config.ssd_dir, geometry.page_bytes, config.ssd_bytes)
@@ -133,12 +108,17 @@ class TieredStore:
         self._io = copy_lanes(config.io_threads)  # saves, and the stripes of every load
         self._readahead_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-readahead")
         self._inflight = 0
-        self._pending_touches: deque[tuple[Tier, list[PageId]]] = deque()
+        self._pending_touches: OrderedDict[TouchBatch, None] = OrderedDict()
+        self._pending_touch_pages = 0
         self._write_queue: deque[PageId] = deque()
         self._writer_wake = threading.Condition(self._lock)
         self._writes_in_progress = 0
         self._ssd_degraded = False
         self._closed = False
+        # Looked up once: a labelled child costs a lock and a dict lookup, on every layer of a load.
+        self._dram_hits = self.metrics.hits.labels(Tier.DRAM.name)
+        self._dram_read_bytes = self.metrics.io_bytes.labels(Tier.DRAM.name, "read")
+        self._dram_read_seconds = self.metrics.io_seconds.labels(Tier.DRAM.name, "read")
         capacities = {Tier.HBM: config.hbm_bytes, Tier.DRAM: config.dram_bytes, Tier.SSD: config.ssd_bytes}
         for tier, capacity in capacities.items():
             self.metrics.tier_capacity.labels(tier.name).set(capacity)
@@ -195,16 +175,17 @@ class TieredStore:
             self._reprioritize(record)
 
     def _reprioritize(self, record: SessionRecord) -> None:
-        for layer in range(self.geometry.num_layers):
-            for key in record.blocks.block_keys:
-                entry = self._pages.get((key, layer))
-                if entry is None:
-                    continue
-                entry.priority = record.priority
-                meta = PageMeta(layer, entry.owner, entry.priority)
-                if entry.hbm is not None:
+        d = self._directory
+        for key in record.blocks.block_keys:
+            row = d.row(key)
+            if row is None:
+                continue
+            d.priority[row] = record.priority
+            for layer in range(self.geometry.num_layers):
+                meta = PageMeta(layer, d.owners[row], record.priority)
+                if d.hbm[row, layer] >= 0:
                     self._hbm_policy.insert((key, layer), meta)
-                if entry.dram is not None:
+                if d.dram[row, layer] >= 0:
                     self._dram_policy.insert((key, layer), meta)
 
     def _session_blocks(self, key: object) -> int:
@@ -215,35 +196,34 @@ class TieredStore:
         """tier -> per layer, per block: whether that tier holds the page."""
         with self._lock:
             record = self.session(tenant, session_id)
-            out: dict[Tier, list[list[bool]]] = {tier: [] for tier in Tier}
-            for layer in range(self.geometry.num_layers):
-                held = [self._pages.get((key, layer)) for key in record.blocks.block_keys]
-                out[Tier.HBM].append([e is not None and e.hbm is not None for e in held])
-                out[Tier.DRAM].append([e is not None and e.dram is not None for e in held])
-                out[Tier.SSD].append([e is not None and e.ssd is not None for e in held])
-            return out
+            d = self._directory
+            ids = d.rows(record.blocks.block_keys)
+            tables = {Tier.HBM: d.hbm, Tier.DRAM: d.dram, Tier.SSD: d.ssd_seq}
+            return {tier: d.held_matrix(ids, table).T.tolist() for tier, table in tables.items()}
 
     def loadable_prefix_blocks(self, tenant: str, session_id: str) -> int:
         """Leading blocks some tier holds in every layer: what a load delivers without recompute."""
         with self._lock:
             record = self.session(tenant, session_id)
-            for index, key in enumerate(record.blocks.block_keys):
-                if any((key, layer) not in self._pages for layer in range(self.geometry.num_layers)):
-                    return index
-            return record.blocks.num_blocks
+            d = self._directory
+            ids = d.rows(record.blocks.block_keys)
+            held = d.held_matrix(ids, d.hbm) | d.held_matrix(ids, d.dram) | d.held_matrix(ids, d.ssd_seq)
+            complete = held.all(axis=1)
+            return int(np.argmin(complete)) if not complete.all() else record.blocks.num_blocks
 
     def dram_slots(self, tenant: str, session_id: str) -> list[list[int]]:
         """Per layer, per block: the DRAM arena slot holding the page, or -1."""
         with self._lock:
             record = self.session(tenant, session_id)
-            slots = []
-            for layer in range(self.geometry.num_layers):
-                row = []
-                for key in record.blocks.block_keys:
-                    entry = self._pages.get((key, layer))
-                    row.append(entry.dram if entry is not None and entry.dram is not None else -1)
-                slots.append(row)
-            return slots
+            d = self._directory
+            ids = d.rows(record.blocks.block_keys)
+            slots = np.where((ids >= 0)[:, None], d.dram[np.where(ids >= 0, ids, 0)], NO_COPY)
+            return slots.T.tolist()
+
+    def pinned_pages(self) -> int:
+        """Pages with I/O in progress (loads, or a write-behind still owed): 0 once the store is idle."""
+        with self._lock:
+            return self._directory.pinned_pages()
 
     # ---- saves ------------------------------------------------------------------------------------
 
@@ -306,56 +286,56 @@ class TieredStore:
         self._observe_io(Tier.DRAM, "write", len(keys), started)
         with self._lock:
             for key, slot, checksum in zip(keys, slots, checksums, strict=True):
-                self._install_saved((key, layer), slot, checksum, record)
+                self._install_saved(key, layer, slot, checksum, record)
             self._writer_wake.notify()
         return len(keys)
 
-    def _install_saved(self, page: PageId, slot: int, checksum: int, record: SessionRecord) -> None:
-        entry = self._pages.get(page)
-        if entry is not None and entry.checksum == checksum and entry.dram is not None:
-            self._dram_slots.release([slot])  # identical bytes already cached
-            self._defer_touches(Tier.DRAM, [page])
-            return
-        if entry is not None and entry.pins and entry.checksum != checksum:
-            # Different bytes for a page under I/O: keep the copy being read or persisted intact.
-            self._dram_slots.release([slot])
-            self.metrics.save_degraded.labels("page_busy").inc()
-            return
-        if entry is not None and entry.checksum != checksum:
-            # New bytes under the same key: engines are deterministic per key, so this is rare (a
-            # different model or dtype); the newest copy wins everywhere.
-            self._drop_copy(page, entry, Tier.HBM, "superseded")
-            self._drop_copy(page, entry, Tier.SSD, "superseded")
-            entry.checksum = checksum
-        if entry is None:
-            entry = PageEntry(checksum, record.key, record.priority)
-            self._pages[page] = entry
-        if entry.dram is not None:
-            self._drop_copy(page, entry, Tier.DRAM, "superseded")
-        entry.dram = slot
-        entry.owner, entry.priority = record.key, record.priority
-        self._dram_policy.insert(page, PageMeta(page[1], record.key, record.priority))
-        if entry.ssd is None and not entry.persisting:
-            entry.persisting = True
-            entry.pins += 1  # held in DRAM until the write-behind has it on SSD
-            self._write_queue.append(page)
+    def _install_saved(self, key: BlockKey, layer: int, slot: int, checksum: int, record: SessionRecord) -> None:
+        d = self._directory
+        row = d.row(key)
+        if row is not None and d.held(row, layer):
+            same = int(d.checksum[row, layer]) == checksum
+            if same and d.dram[row, layer] >= 0:
+                self._dram_slots.release([slot])  # identical bytes already cached
+                self._defer_touches(Tier.DRAM, (key,), (layer,))
+                return
+            if not same and d.pins[row, layer]:
+                # Different bytes for a page under I/O: keep the copy being read or persisted intact.
+                self._dram_slots.release([slot])
+                self.metrics.save_degraded.labels("page_busy").inc()
+                return
+            if not same:
+                # New bytes under the same key: engines are deterministic per key, so this is rare (a
+                # different model or dtype); the newest copy wins everywhere.
+                for tier in Tier:
+                    self._drop_copy(key, layer, tier, "superseded")
+        row = d.ensure_row(key, record.key, record.priority)  # a drop above may have released it
+        d.checksum[row, layer] = checksum
+        d.dram[row, layer] = slot
+        d.owners[row], d.priority[row] = record.key, record.priority
+        self._dram_policy.insert((key, layer), PageMeta(layer, record.key, record.priority))
+        if d.ssd_seq[row, layer] < 0 and not d.persisting[row, layer]:
+            d.persisting[row, layer] = True
+            d.pins[row, layer] += 1  # held in DRAM until the write-behind has it on SSD
+            self._write_queue.append((key, layer))
 
     # ---- write-behind -----------------------------------------------------------------------------
 
     def _write_behind_loop(self) -> None:
         max_pages = max(1, self.config.segment_max_bytes // self.geometry.page_bytes)
+        d = self._directory
         while True:
             with self._lock:
                 while not self._write_queue and not self._closed:
                     self._writer_wake.wait()
                 if self._closed and not self._write_queue:
                     return
-                batch: list[tuple[PageId, PageEntry]] = []
+                batch: list[WritePending] = []
                 while self._write_queue and len(batch) < max_pages:
-                    page = self._write_queue.popleft()
-                    entry = self._pages.get(page)
-                    if entry is not None and entry.persisting:
-                        batch.append((page, entry))
+                    key, layer = self._write_queue.popleft()
+                    row = d.row(key)
+                    if row is not None and d.persisting[row, layer]:
+                        batch.append((key, layer, row))
                 self._writes_in_progress += 1
             try:
                 if batch:
@@ -365,10 +345,13 @@ class TieredStore:
                     self._writes_in_progress -= 1
                     self._writer_wake.notify_all()
 
-    def _persist(self, batch: list[tuple[PageId, PageEntry]]) -> None:
+    def _persist(self, batch: list[WritePending]) -> None:
+        # The persisting pin keeps each page's row, checksum and DRAM copy in place until the end.
+        d = self._directory
         nbytes = self.ssd.segment_bytes(len(batch))
-        entries = [SegmentEntry(page[0], page[1], entry.checksum) for page, entry in batch]
-        views = [self.dram.page_view(entry.dram) for _, entry in batch]  # type: ignore[arg-type]
+        with self._lock:
+            entries = [SegmentEntry(key, layer, int(d.checksum[row, layer])) for key, layer, row in batch]
+            views = [self.dram.page_view(int(d.dram[row, layer])) for _, layer, row in batch]
         try:
             with self._lock:
                 seq, evicted = self.ssd.reserve(nbytes)
@@ -387,11 +370,11 @@ class TieredStore:
         self._observe_io(Tier.SSD, "write", len(batch), started)
         with self._lock:
             segment = self.ssd.commit(seq, entries)
-            for index, (page, entry) in enumerate(batch):
-                entry.persisting = False
-                entry.pins -= 1
-                if self._pages.get(page) is entry and entry.checksum == entries[index].checksum:
-                    entry.ssd = SsdLocation(seq, index)
+            for index, (key, layer, row) in enumerate(batch):
+                d.persisting[row, layer] = False
+                d.pins[row, layer] -= 1
+                if d.keys[row] == key and int(d.checksum[row, layer]) == entries[index].checksum:
+                    d.set_ssd(row, layer, SsdLocation(seq, index))
                 else:
                     self.ssd.drop_page(SsdLocation(seq, index))
             if self._ssd_degraded:
@@ -399,12 +382,13 @@ class TieredStore:
                 log.info("KV saves reach SSD again", segment=segment.path.name)
             self._refresh_gauges()
 
-    def _degrade_persist(self, batch: list[tuple[PageId, PageEntry]], reason: str, exc: BaseException) -> None:
+    def _degrade_persist(self, batch: list[WritePending], reason: str, exc: BaseException) -> None:
         self.metrics.save_degraded.labels(reason).inc(len(batch))
+        d = self._directory
         with self._lock:
-            for _, entry in batch:
-                entry.persisting = False
-                entry.pins -= 1
+            for _, layer, row in batch:
+                d.persisting[row, layer] = False
+                d.pins[row, layer] -= 1
             if not self._ssd_degraded:
                 self._ssd_degraded = True  # one line per degraded episode, not one per batch
                 log.warning("KV saves stay in DRAM only: the SSD tier refused a write", reason=reason,
@@ -442,6 +426,8 @@ class TieredStore:
         elif target not in (Tier.HBM, Tier.DRAM):
             raise InvalidRequest(f"cannot load into {target.name}")
         order = list(range(self.geometry.num_layers)) if layers is None else list(layers)
+        if len(set(order)) != len(order) or not all(0 <= layer < self.geometry.num_layers for layer in order):
+            raise InvalidRequest(f"layers must be distinct and within 0..{self.geometry.num_layers - 1}")
         handle = LayerwiseLoad(self.geometry.num_layers, first_block, count)
         keys = record.blocks.block_keys[first_block:first_block + count]
         if not self._admit_jobs(len(order)):
@@ -451,159 +437,226 @@ class TieredStore:
                 handle._finish(layer, LayerResult(layer, 0, ()))
         if not order:
             return handle
+        rows = np.asarray(target.rows, dtype=np.int64) if isinstance(target, RowTarget) else None
+        with self._lock:
+            prepared = self._plan_load_from_dram(keys, order, target) if isinstance(target, RowTarget) else None
         run = StripedLoad(
             handle, order, self._io, self.config.io_threads, {Tier.HBM: self.hbm.pages, Tier.DRAM: self.dram.pages},
             self.ssd, self.geometry.page_words,
-            plan=lambda layer: self._plan_layer(handle, record, layer, keys, target),
-            finalize=lambda plan: self._finalize_layer(plan, handle, record, target),
-            after_first=lambda plan: self._after_first_layer(plan, keys, order[1:]))
+            plan=lambda layer: self._plan_layer(handle, record, layer, keys, target, rows, prepared),
+            finalize=(lambda plan: self._dram_layer_result(plan, handle)) if prepared else
+            (lambda plan: self._finalize_layer(plan, handle, record, target)),
+            after_first=lambda plan: self._after_first_layer(plan, keys, order[1:]),
+            before_last=(lambda: self._release_prepared(prepared)) if prepared else None,  # type: ignore[arg-type]
+            first_alone=prepared is None)  # DRAM copies need no head start: the disk is not involved
         run.start()
         return handle
 
-    def _plan_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence,
-                    target: RowTarget | Tier) -> LayerPlan:
-        """Decide where each page of `layer` comes from and pin it (bookkeeping only, under the lock).
-        This loop is the load path's Python cost, paid for every page: the common DRAM hit does the
-        least work and recency is updated in one batch per tier."""
+    def _plan_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence[BlockKey],
+                    target: RowTarget | Tier, rows: np.ndarray | None,
+                    prepared: dict[int, LayerPlan] | None = None) -> LayerPlan:
+        """Decide where each page of `layer` comes from and pin it (bookkeeping only, under the lock),
+        with whole-array operations over the load's blocks: this runs once per layer of every load.
+        A load planned as a whole up front (`prepared`) only hands out its plan."""
+        if prepared is not None:
+            return prepared[layer]
         tier_target = target if isinstance(target, Tier) else None
         if tier_target is None:
             dest = target.tensors[layer]  # type: ignore[union-attr]
         else:
             dest = self.hbm.pages if tier_target is Tier.HBM else self.dram.pages
-        plan = LayerPlan(layer, dest)
+        plan = LayerPlan(layer, dest, keys)
         if handle.cancelled:
             plan.failed = list(range(len(keys)))
             plan.skipped = True
             return plan
-        pages = [(key, layer) for key in keys]
         with self._lock:
+            ids = self._directory.rows(keys)  # looked up per layer: a row unpinned meanwhile may be reused
             try:
-                entries = list(map(self._pages.get, pages))
-                if tier_target is None and self._plan_from_dram(plan, pages, entries, target.rows):  # type: ignore[union-attr]
-                    return plan
-                reads, failed = plan.reads, plan.failed
-                touched: dict[Tier, list[PageId]] = {Tier.HBM: [], Tier.DRAM: []}
-                ssd_pin, ssd_touch = self.ssd.pin, self.ssd.touch
-                for index, entry in enumerate(entries):
-                    if entry is None:
-                        failed.append(index)
-                        continue
-                    hbm, dram = entry.hbm, entry.dram
-                    if tier_target is not None and (hbm if tier_target is Tier.HBM else dram) is not None:
-                        plan.already += 1
-                        touched[tier_target].append(pages[index])
-                        continue
-                    if hbm is not None and tier_target is not Tier.HBM:
-                        reads.append((index, pages[index], entry, Tier.HBM, hbm))
-                        touched[Tier.HBM].append(pages[index])
-                    elif dram is not None:
-                        reads.append((index, pages[index], entry, Tier.DRAM, dram))
-                        touched[Tier.DRAM].append(pages[index])
-                    elif entry.ssd is not None and ssd_pin(entry.ssd.seq) is not None:
-                        ssd_touch(entry.ssd.seq)
-                        reads.append((index, pages[index], entry, Tier.SSD, entry.ssd))
-                    else:
-                        failed.append(index)
-                        continue
-                    entry.pins += 1
-                self._defer_touches(Tier.HBM, touched[Tier.HBM])
-                self._defer_touches(Tier.DRAM, touched[Tier.DRAM])
-                if failed:
-                    self.metrics.misses.inc(len(failed))
-                if tier_target is None:
-                    rows = target.rows  # type: ignore[union-attr]
-                    plan.rows = [rows[read[0]] for read in reads]
-                elif reads:
-                    # Never evict this session's own pages to make room for more of it: what does not
-                    # fit (its later layers, as layers run in order) is reported as not loaded.
-                    slots = self._allocate(tier_target, len(reads), protect=record.key)
-                    if slots is None:
-                        room = self._allocatable(tier_target, protect=record.key)
-                        slots = self._allocate(tier_target, room, protect=record.key) or []
-                        failed.extend(read[0] for read in reads[len(slots):])
-                        self._unpin(reads[len(slots):])
-                        del reads[len(slots):]
-                    plan.rows = slots
+                self._plan_general(plan, ids, tier_target, rows, record)
             except BaseException:
-                self._unpin(plan.reads)  # a half-built plan must not keep its pins
+                self._unpin(plan)  # a half-built plan must not keep its pins
                 raise
         return plan
 
-    def _plan_from_dram(self, plan: LayerPlan, pages: list[PageId], entries: list, rows: Sequence[int]) -> bool:
-        """The common resume: every page of the layer sits in DRAM and none in HBM. Planned with
-        whole-list operations instead of the per-page branches (a third of the cost); False, with
-        nothing changed, when the layer needs the general path. Caller holds the lock."""
-        if None in entries:
-            return False
-        slots = [entry.dram for entry in entries]
-        if None in slots or any(entry.hbm is not None for entry in entries):
-            return False
-        for entry in entries:
-            entry.pins += 1
-        dram = Tier.DRAM
-        plan.reads = [(index, page, entry, dram, slot)
-                      for index, (page, entry, slot) in enumerate(zip(pages, entries, slots, strict=True))]
-        plan.rows = list(rows)
-        self._defer_touches(dram, pages)
-        return True
+    def _plan_load_from_dram(self, keys: Sequence[BlockKey], order: list[int],
+                             target: RowTarget) -> dict[int, LayerPlan] | None:
+        """The common resume: every page the load wants sits in DRAM and none in HBM. Planned and
+        pinned for all layers at once, so the lanes spend their time copying, not in Python holding
+        the GIL the other lane needs (per-layer planning and finishing cost more than the copies).
+        None, with nothing changed, when some page needs the general path. Caller holds the lock."""
+        d = self._directory
+        ids = d.rows(keys)
+        if not len(ids) or ids.min() < 0:
+            return None
+        layers = np.asarray(order)
+        slots = d.dram[ids][:, layers]
+        if slots.min() < 0 or d.hbm[ids][:, layers].max() >= 0:
+            return None
+        d.pins[np.ix_(ids, layers)] += 1
+        index = np.arange(len(ids))
+        source = np.full(len(ids), Tier.DRAM, np.int64)
+        rows = np.asarray(target.rows, dtype=np.int64)
+        checksums = d.checksum[ids][:, layers]
+        # Saves take consecutive slots for a layer's blocks, so most layers are one slice copy.
+        rows_consecutive = bool((np.diff(rows) == 1).all())
+        consecutive = ((np.diff(slots, axis=0) == 1).all(axis=0) & rows_consecutive).tolist()
+        first_slots = slots[0].tolist()
+        plans = {}
+        for column, layer in enumerate(order):
+            plans[layer] = LayerPlan(layer, target.tensors[layer], keys, index=index, source=source,
+                                     where=slots[:, column], ssd_page=index, rows=rows, block_rows=ids,
+                                     checksums=checksums[:, column], only=Tier.DRAM,
+                                     span=(int(rows[0]), first_slots[column]) if consecutive[column] else None)
+        self._defer_touches(Tier.DRAM, tuple(keys), tuple(order))
+        return plans
 
-    def _defer_touches(self, tier: Tier, pages: list[PageId]) -> None:
-        """Record that a load used `pages`; the eviction policy learns it before its next decision.
+    def _dram_layer_result(self, plan: LayerPlan, handle: LayerwiseLoad) -> LayerResult:
+        """A layer of a load planned by `_plan_load_from_dram` is done: nothing to unpin yet."""
+        if plan.skipped or plan.error is not None:
+            return LayerResult(plan.layer, 0, tuple(range(handle.first_block, handle.first_block + handle.num_blocks)))
+        self._dram_hits.inc(plan.reads)
+        self._dram_read_bytes.inc(plan.reads * self.geometry.page_bytes)
+        self._dram_read_seconds.observe(time.perf_counter() - plan.started)
+        return LayerResult(plan.layer, handle.num_blocks, (), {Tier.DRAM: plan.reads})
+
+    def _release_prepared(self, plans: dict[int, LayerPlan]) -> None:
+        """Every layer of a load planned as a whole is copied: release its pins and in-flight slots."""
+        with self._lock:
+            for plan in plans.values():
+                self._directory.pins[plan.block_rows, plan.layer] -= 1
+            self._inflight -= len(plans)
+
+    def _plan_general(self, plan: LayerPlan, ids: np.ndarray, tier_target: Tier | None, rows: np.ndarray | None,
+                      record: SessionRecord) -> None:
+        """Any mix of sources, a tier target, missing pages. Each page comes from the fastest tier
+        holding it (never from the tier it is being promoted into). Caller holds the lock."""
+        d, layer, keys = self._directory, plan.layer, plan.keys
+        known = ids >= 0
+        safe = np.where(known, ids, 0)
+        hbm = np.where(known, d.hbm[safe, layer], NO_COPY)
+        dram = np.where(known, d.dram[safe, layer], NO_COPY)
+        seq = np.where(known, d.ssd_seq[safe, layer], NO_COPY)
+        if tier_target is None:
+            already = np.zeros(len(ids), np.bool_)
+        else:
+            already = (hbm if tier_target is Tier.HBM else dram) >= 0
+        from_hbm = (hbm >= 0) & ~already
+        from_dram = (dram >= 0) & ~already & ~from_hbm
+        from_ssd = (seq >= 0) & ~already & ~from_hbm & ~from_dram
+        for segment_seq in np.unique(seq[from_ssd]).tolist():
+            segment = self.ssd.pin(segment_seq)
+            if segment is None:  # evicted meanwhile: those pages are not on SSD any more
+                from_ssd &= seq != segment_seq
+                continue
+            plan.segments.append(segment)
+            self.ssd.touch(segment_seq)
+        index = np.flatnonzero(from_hbm | from_dram | from_ssd)
+        block_rows = ids[index]
+        d.pins[block_rows, layer] += 1  # rows are distinct: chained keys never repeat in a session
+        plan.block_rows = block_rows
+        plan.index = index
+        plan.source = np.where(from_hbm, Tier.HBM, np.where(from_dram, Tier.DRAM, Tier.SSD))[index]
+        plan.where = np.where(from_hbm, hbm, np.where(from_dram, dram, seq))[index]
+        plan.ssd_page = d.ssd_page[block_rows, layer]
+        plan.checksums = d.checksum[block_rows, layer]
+        if len(index) and not from_ssd.any() and (from_hbm.all() or from_dram.all()):
+            plan.only = Tier.HBM if from_hbm.any() else Tier.DRAM
+        plan.failed = np.flatnonzero(~(already | from_hbm | from_dram | from_ssd)).tolist()
+        plan.already = int(np.count_nonzero(already))
+        for tier, used in ((tier_target, already), (Tier.HBM, from_hbm), (Tier.DRAM, from_dram)):
+            if tier is not None and used.any():
+                self._defer_touches(tier, tuple(keys[i] for i in np.flatnonzero(used).tolist()), (layer,))
+        if plan.failed:
+            self.metrics.misses.inc(len(plan.failed))
+        if rows is not None:
+            plan.rows = rows[index]
+        elif plan.reads:
+            self._allocate_promotion(plan, tier_target, record)  # type: ignore[arg-type]
+
+    def _allocate_promotion(self, plan: LayerPlan, target: Tier, record: SessionRecord) -> None:
+        """Slots in `target` for the plan's reads. Never evicts this session's own pages to make room
+        for more of it: what does not fit (its later layers, as layers run in order) is reported as
+        not loaded."""
+        slots = self._allocate(target, plan.reads, protect=record.key)
+        if slots is None:
+            room = self._allocatable(target, protect=record.key)
+            slots = self._allocate(target, room, protect=record.key) or []
+            kept = len(slots)
+            plan.failed.extend(plan.index[kept:].tolist())
+            self._directory.pins[plan.block_rows[kept:], plan.layer] -= 1
+            plan.keep_reads(kept)
+        plan.rows = np.asarray(slots, dtype=np.int64)
+
+    def _defer_touches(self, tier: Tier, keys: tuple[BlockKey, ...], layers: tuple[int, ...]) -> None:
+        """Record that a load used pages (key, layer) for every key and layer given; the eviction
+        policy learns it before its next decision.
 
         Updating an LRU costs ~0.3 us per page, as much as copying it: loads only queue the batch and
-        `_apply_touches` replays batches in order. Recency stays exact relative to other touches; a
-        page inserted meanwhile may look older than it is by that short window. Bounded."""
-        if not pages:
+        `_apply_touches` replays batches in order. A batch repeated (the same session resumed again)
+        only moves to the back, as only a page's last use orders it. Recency stays exact relative to
+        other touches; a page inserted meanwhile may look older than it is by that short window."""
+        if not keys:
             return
-        self._pending_touches.append((tier, pages))
-        if len(self._pending_touches) > _MAX_PENDING_TOUCH_BATCHES:
+        batch = (tier, keys, layers)
+        if batch in self._pending_touches:
+            self._pending_touches.move_to_end(batch)
+            return
+        self._pending_touches[batch] = None
+        self._pending_touch_pages += len(keys) * len(layers)
+        if self._pending_touch_pages > _MAX_PENDING_TOUCH_PAGES:
             self._apply_touches()
 
     def _apply_touches(self) -> None:
         while self._pending_touches:
-            tier, pages = self._pending_touches.popleft()
-            (self._hbm_policy if tier is Tier.HBM else self._dram_policy).touch_many(pages)
+            (tier, keys, layers), _ = self._pending_touches.popitem(last=False)
+            policy = self._hbm_policy if tier is Tier.HBM else self._dram_policy
+            policy.touch_many([(key, layer) for layer in layers for key in keys])
+        self._pending_touch_pages = 0
 
-    def _unpin(self, reads: Sequence[PlannedRead]) -> None:
-        for _, _, entry, source, where in reads:
-            entry.pins -= 1
-            if source is Tier.SSD:
-                segment = self.ssd.segments.get(where.seq)
-                if segment is not None:
-                    self.ssd.unpin(segment)
+    def _unpin(self, plan: LayerPlan) -> None:
+        self._directory.pins[plan.block_rows, plan.layer] -= 1
+        for segment in plan.segments:
+            self.ssd.unpin(segment)
+        plan.segments = []
 
     def _finalize_layer(self, plan: LayerPlan, handle: LayerwiseLoad, record: SessionRecord,
                         target: RowTarget | Tier) -> LayerResult:
         """A layer's copies are done (or failed): unpin, drop bad SSD copies, install promoted pages."""
-        reads = plan.reads
         delivered = not plan.skipped and plan.error is None
         failed = list(plan.failed)
-        by_tier: dict[Tier, int] = {}
+        d = self._directory
         with self._lock:
             self._inflight -= 1
-            self._unpin(reads)
-            for position, reason in plan.bad.items():
-                _, page, entry, _, location = reads[position]
-                self.metrics.load_errors.labels(reason).inc()
-                if reason == "checksum":
-                    log.warning("KV page failed its checksum on SSD; dropped", layer=plan.layer, segment=location.seq)
-                if entry.ssd == location:
-                    # A bad copy is never served again: drop it (and the page if it was the last copy).
-                    self._drop_copy(page, entry, Tier.SSD, "corrupt")
             if isinstance(target, Tier):
-                self._install_promoted(plan, target, record, delivered)
+                self._install_promoted(plan, target, record, delivered)  # before unpinning: rows stay put
+            self._unpin(plan)
+            for position, reason in plan.bad.items():
+                self.metrics.load_errors.labels(reason).inc()
+                row, key = int(plan.block_rows[position]), plan.keys[plan.index[position]]
+                if reason == "checksum":
+                    log.warning("KV page failed its checksum on SSD; dropped", layer=plan.layer,
+                                segment=int(plan.where[position]))
+                if (d.keys[row] == key and d.ssd_seq[row, plan.layer] == plan.where[position]
+                        and d.ssd_page[row, plan.layer] == plan.ssd_page[position]):
+                    # A bad copy is never served again: drop it (and the page if it was the last copy).
+                    self._drop_copy(key, plan.layer, Tier.SSD, "corrupt")
+            if isinstance(target, Tier):
                 self._refresh_gauges()
+        by_tier: dict[Tier, int] = {}
         if delivered:
-            for position, (index, _, _, source, _) in enumerate(reads):
-                if position in plan.bad:
-                    failed.append(index)
-                else:
-                    by_tier[source] = by_tier.get(source, 0) + 1
-            for tier, pages in by_tier.items():
-                self.metrics.hits.labels(tier.name).inc(pages)
-                self._observe_io(tier, "read", pages, plan.started)
+            sources = plan.source
+            if plan.bad:
+                bad = list(plan.bad)
+                failed.extend(plan.index[bad].tolist())
+                sources = np.delete(sources, bad)
+            for tier, pages in enumerate(np.bincount(sources, minlength=len(Tier) + 1).tolist()):
+                if pages:
+                    by_tier[Tier(tier)] = pages
+                    self.metrics.hits.labels(Tier(tier).name).inc(pages)
+                    self._observe_io(Tier(tier), "read", pages, plan.started)
         else:
-            failed.extend(read[0] for read in reads)
+            failed.extend(plan.index.tolist())
         if plan.already and isinstance(target, Tier):
             by_tier[target] = by_tier.get(target, 0) + plan.already
         first = handle.first_block
@@ -611,55 +664,60 @@ class TieredStore:
         loaded = failed_abs[0] - first if failed_abs else handle.num_blocks
         return LayerResult(plan.layer, loaded, failed_abs, by_tier)
 
-    def _after_first_layer(self, plan: LayerPlan, keys: Sequence, later: list[int]) -> None:
-        if later and any(read[3] is Tier.SSD for read in plan.reads):
+    def _after_first_layer(self, plan: LayerPlan, keys: Sequence[BlockKey], later: list[int]) -> None:
+        if later and (plan.source == Tier.SSD).any():
             # fadvise(WILLNEED) blocks while it queues the reads: on its own thread.
             self._readahead_pool.submit(self._readahead, keys, later)
 
-    def _readahead(self, keys: Sequence, layers: list[int]) -> None:
+    def _readahead(self, keys: Sequence[BlockKey], layers: list[int]) -> None:
         """Ask the kernel to start reading every SSD-only page of this load now, in file order.
 
         Lanes then find their pages arriving or arrived instead of each paying a cold read in turn;
         segments hold a save's pages layer-major, so the disk reads the next layers first."""
+        d = self._directory
         with self._lock:
-            spans: dict[int, tuple[int, int]] = {}
-            get = self._pages.get
-            for layer in layers:
-                for key in keys:
-                    entry = get((key, layer))
-                    if entry is None or entry.ssd is None or entry.dram is not None or entry.hbm is not None:
-                        continue
-                    seq, index = entry.ssd.seq, entry.ssd.index
-                    low, high = spans.get(seq, (index, index))
-                    spans[seq] = (min(low, index), max(high, index))
-            ranges = [(self.ssd.segments[seq], low, high) for seq, (low, high) in spans.items()
-                      if seq in self.ssd.segments]
+            ids = d.rows(keys)
+            ids = ids[ids >= 0]
+            seqs, pages = d.ssd_seq[ids][:, layers], d.ssd_page[ids][:, layers]
+            ssd_only = (seqs >= 0) & (d.dram[ids][:, layers] < 0) & (d.hbm[ids][:, layers] < 0)
+            seqs, pages = seqs[ssd_only], pages[ssd_only]
+            ranges = []
+            for seq in np.unique(seqs).tolist():
+                segment = self.ssd.segments.get(seq)
+                if segment is not None:
+                    in_segment = pages[seqs == seq]
+                    ranges.append((segment, int(in_segment.min()), int(in_segment.max())))
         for segment, low, high in sorted(ranges, key=lambda r: r[0].seq):
             self.ssd.advise_willneed(segment, low, high)
 
     def _install_promoted(self, plan: LayerPlan, target: Tier, record: SessionRecord, delivered: bool) -> None:
+        """Give the promoted copies their slots; a slot whose read failed, or whose page changed or
+        gained a copy there meanwhile, goes back. Caller holds the lock, plan still pinned."""
+        d, layer = self._directory, plan.layer
         policy = self._hbm_policy if target is Tier.HBM else self._dram_policy
+        table = d.slots(target)
         unused: list[int] = []
-        for position, ((_, page, read_entry, _, _), slot) in enumerate(zip(plan.reads, plan.rows, strict=True)):
-            entry = self._pages.get(page)
-            held = entry is not None and (entry.hbm if target is Tier.HBM else entry.dram) is not None
-            if not delivered or position in plan.bad or entry is not read_entry or held:
+        for position, (index, row, slot, checksum) in enumerate(zip(
+                plan.index.tolist(), plan.block_rows.tolist(), plan.rows.tolist(), plan.checksums.tolist(),
+                strict=True)):
+            key = plan.keys[index]
+            if (not delivered or position in plan.bad or d.keys[row] != key or table[row, layer] >= 0
+                    or int(d.checksum[row, layer]) != checksum):
                 unused.append(slot)
                 continue
-            if target is Tier.HBM:
-                entry.hbm = slot
-            else:
-                entry.dram = slot
-            policy.insert(page, PageMeta(plan.layer, record.key, record.priority))
+            table[row, layer] = slot
+            policy.insert((key, layer), PageMeta(layer, record.key, record.priority))
         (self._hbm_slots if target is Tier.HBM else self._dram_slots).release(unused)
 
     # ---- capacity ---------------------------------------------------------------------------------
 
     def _allocatable(self, tier: Tier, protect: SessionKey | None = None) -> int:
         """Slots `tier` could hand out now: free ones plus unpinned pages it could evict."""
+        d = self._directory
         allocator = self._hbm_slots if tier is Tier.HBM else self._dram_slots
-        held = (e for e in self._pages.values() if (e.hbm if tier is Tier.HBM else e.dram) is not None)
-        return allocator.free + sum(1 for e in held if not e.pins and e.owner != protect)
+        evictable = (d.slots(tier) >= 0) & (d.pins == 0)
+        protected = [row for row, owner in enumerate(d.owners) if owner == protect]
+        return allocator.free + int(np.count_nonzero(evictable)) - int(np.count_nonzero(evictable[protected]))
 
     def _allocate(self, tier: Tier, count: int, protect: SessionKey | None = None) -> list[int] | None:
         """`count` free slots in `tier`, evicting by its policy if needed; None (nothing changed) if the
@@ -671,62 +729,77 @@ class TieredStore:
         if shortfall > 0:
             self._apply_touches()
             policy = self._hbm_policy if tier is Tier.HBM else self._dram_policy
+            d = self._directory
+
             def evictable(page: object) -> bool:
-                entry = self._pages[page]  # type: ignore[index]
-                return not entry.pins and entry.owner != protect
+                key, layer = page  # type: ignore[misc]
+                row = d.row(key)
+                return row is not None and not d.pins[row, layer] and d.owners[row] != protect
 
             victims = policy.victims(shortfall, evictable)
             if victims is None:
                 return None
-            for page in victims:
-                self._drop_copy(page, self._pages[page], tier, "capacity")  # type: ignore[index]
+            for key, layer in victims:  # type: ignore[misc]
+                self._drop_copy(key, layer, tier, "capacity")
         return allocator.allocate(count)
 
-    def _drop_copy(self, page: PageId, entry: PageEntry, tier: Tier, reason: str) -> None:
+    def _drop_copy(self, key: BlockKey, layer: int, tier: Tier, reason: str) -> None:
         """Remove one tier's copy of a page; a page left with no copy leaves the directory (counted)."""
-        if tier is Tier.HBM and entry.hbm is not None:
-            self._hbm_slots.release([entry.hbm])
-            self._hbm_policy.remove(page)
-            entry.hbm = None
-        elif tier is Tier.DRAM and entry.dram is not None:
-            self._dram_slots.release([entry.dram])
-            self._dram_policy.remove(page)
-            entry.dram = None
-        elif tier is Tier.SSD and entry.ssd is not None:
-            self.ssd.drop_page(entry.ssd)
-            entry.ssd = None
-        else:
+        d = self._directory
+        row = d.row(key)
+        if row is None:
             return
+        if tier is Tier.SSD:
+            location = d.ssd_location(row, layer)
+            if location is None:
+                return
+            self.ssd.drop_page(location)
+            d.set_ssd(row, layer, None)
+        else:
+            table = d.slots(tier)
+            slot = int(table[row, layer])
+            if slot < 0:
+                return
+            (self._hbm_slots if tier is Tier.HBM else self._dram_slots).release([slot])
+            (self._hbm_policy if tier is Tier.HBM else self._dram_policy).remove((key, layer))
+            table[row, layer] = NO_COPY
         self.metrics.evictions.labels(tier.name, reason).inc()
-        if not entry.tiers() and self._pages.get(page) is entry:
-            del self._pages[page]
-            if reason != "superseded":
-                self.metrics.last_copy_dropped.labels(reason).inc()
+        self._after_copy_dropped(row, layer, reason)
+
+    def _after_copy_dropped(self, row: int, layer: int, reason: str) -> None:
+        d = self._directory
+        if d.held(row, layer):
+            return
+        if reason != "superseded":
+            self.metrics.last_copy_dropped.labels(reason).inc()
+        d.release_if_empty(row)
 
     def _forget_segments(self, segments: list[Segment]) -> None:
         """Segments the SSD tier evicted: their pages lose their SSD copy."""
+        d = self._directory
         for segment in segments:
             for index in list(segment.live):
                 entry_meta = segment.header.entries[index]
-                page = (entry_meta.block_key, entry_meta.layer)
-                entry = self._pages.get(page)
-                if entry is not None and entry.ssd == SsdLocation(segment.seq, index):
-                    entry.ssd = None
+                row = d.row(entry_meta.block_key)
+                layer = entry_meta.layer
+                if row is not None and d.ssd_location(row, layer) == SsdLocation(segment.seq, index):
+                    d.set_ssd(row, layer, None)
                     self.metrics.evictions.labels(Tier.SSD.name, "capacity").inc()
-                    if not entry.tiers():
-                        del self._pages[page]
-                        self.metrics.last_copy_dropped.labels("capacity").inc()
+                    self._after_copy_dropped(row, layer, "capacity")
 
     def _rebuild_index(self) -> None:
         pages, damaged = self.ssd.rebuild()
         self.metrics.segments_damaged.inc(damaged)
-        for page, location, checksum in pages:
-            entry = self._pages.get(page)
-            if entry is not None and entry.ssd is not None:
-                self.ssd.drop_page(entry.ssd)  # an older copy; the newest segment wins
-            self._pages[page] = PageEntry(checksum, ("", ""), Priority.NORMAL, ssd=location)
+        d = self._directory
+        for (key, layer), location, checksum in pages:
+            row = d.ensure_row(key)
+            older = d.ssd_location(row, layer)
+            if older is not None:
+                self.ssd.drop_page(older)  # an older copy; the newest segment wins
+            d.set_ssd(row, layer, location)
+            d.checksum[row, layer] = checksum
         if pages or damaged:
-            log.info("KV index rebuilt from SSD", pages=len(self._pages), segments=len(self.ssd.segments),
+            log.info("KV index rebuilt from SSD", pages=d.pages_held(), segments=len(self.ssd.segments),
                      damaged_segments=damaged, directory=str(self.ssd.directory))
         self._refresh_gauges()
 
@@ -756,7 +829,7 @@ class TieredStore:
         with self._lock:
             pages = self._refresh_gauges()
             return {
-                "pages": len(self._pages),
+                "pages": self._directory.pages_held(),
                 "sessions": len(self._sessions),
                 "hbm_pages": pages[Tier.HBM],
                 "dram_pages": pages[Tier.DRAM],

@@ -357,14 +357,15 @@ def test_kill_9_during_writes_leaves_no_torn_page(tmp_path: Path) -> None:
         stats = store.stats()
         assert stats["ssd_pages"] >= 20 * 6
         # Every page the rebuilt index lists reads back and passes its checksum.
-        pages = list(store._pages.items())
+        pages = list(store._directory.ssd_copies())
+        assert len(pages) == stats["ssd_pages"]
         staging = [torch.empty(1, geometry.page_words, dtype=torch.int64) for _ in range(6)]
         bad = 0
-        for (key, layer), entry in pages:
-            segment = store.ssd.segments[entry.ssd.seq]
+        for key, layer, location, checksum in pages:
+            segment = store.ssd.segments[location.seq]
             view = memoryview(staging[layer][0].numpy()).cast("B")
-            store.ssd.read_into(segment, [(entry.ssd.index, view)])
-            bad += page_checksum(key, layer, view) != entry.checksum
+            store.ssd.read_into(segment, [(location.index, view)])
+            bad += page_checksum(key, layer, view) != checksum
         assert bad == 0
     finally:
         store.close()

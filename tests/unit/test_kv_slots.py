@@ -64,3 +64,9 @@ def test_attached_arena_sees_the_owners_writes() -> None:
     finally:
         owner.close()
     assert not Path("/dev/shm", name).exists()
+
+
+def test_copy_rows_refuses_mismatched_row_lists() -> None:
+    src = torch.zeros(4, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="3 destination rows for 2 source rows"):
+        copy_rows(src.clone(), [0, 1, 2], src, [0, 1])

@@ -768,7 +768,7 @@ def test_a_layer_whose_planning_fails_is_reported_and_the_rest_still_load(
         assert handle.layer_ready(layer).result(TIMEOUT).failed == ()
         assert torch.equal(tensors[layer], data[layer])
     assert store.flush(TIMEOUT), "the failed layer's in-flight slot was never returned"
-    assert all(entry.pins == 0 for entry in store._pages.values())
+    assert store.pinned_pages() == 0
 
 
 
@@ -785,4 +785,39 @@ def test_a_consumer_cancelling_its_wait_does_not_stall_the_load(make_store: Make
             assert handle.layer_ready(layer).result(TIMEOUT).failed == ()
             assert torch.equal(tensors[layer], data[layer])
     assert store.flush(TIMEOUT), "an in-flight slot leaked"
-    assert all(entry.pins == 0 for entry in store._pages.values())
+    assert store.pinned_pages() == 0
+
+
+def test_dram_load_with_scattered_rows_releases_every_pin(make_store: MakeStore) -> None:
+    """A load held wholly in DRAM is planned and pinned as one: rows out of order still land right,
+    the pins hold while it runs (eviction cannot take its pages) and all go when it is done."""
+    store = make_store(hbm_pages=0, dram_pages=4 * LAYERS)
+    data = save_session(store, "s1", 4, seed=51)
+    assert store.flush(TIMEOUT)
+    assert store.pinned_pages() == 0
+    rows = [3, 0, 2, 1]
+    tensors, results = load_rows(store, "s1", 4, rows=rows)
+    assert all(r.failed == () and r.by_tier == {Tier.DRAM: 4} and r.loaded == 4 for r in results)
+    for layer in range(LAYERS):
+        for block, row in enumerate(rows):
+            assert torch.equal(tensors[layer][row], data[layer][block])
+    assert store.flush(TIMEOUT) and store.pinned_pages() == 0
+    assert metric(store, "symphony_kv_load_hits_total", tier="DRAM") == 4 * LAYERS
+
+
+def test_repeated_loads_do_not_grow_the_deferred_recency_queue(make_store: MakeStore) -> None:
+    store = make_store(hbm_pages=0, dram_pages=4 * LAYERS)
+    save_session(store, "s1", 2, seed=52)
+    for _ in range(50):
+        load_rows(store, "s1", 2)
+    assert len(store._pending_touches) <= 2, "the same session resumed again must reuse its recency batch"
+
+
+@pytest.mark.parametrize("layers", [[0, 0], [LAYERS], [-1]])
+def test_load_rejects_repeated_or_unknown_layers(make_store: MakeStore, layers: list[int]) -> None:
+    store = make_store()
+    save_session(store, "s1", 1, seed=53)
+    tensors = [torch.zeros(1, WORDS, dtype=torch.int64) for _ in range(LAYERS)]
+    with pytest.raises(InvalidRequest, match="layers"):
+        store.load("acme", "s1", target=RowTarget(tensors, [0]), layers=layers)
+    assert store.flush(TIMEOUT), "a rejected load must not hold an in-flight slot"
