@@ -222,7 +222,10 @@ class StripedLoad:
         self._after_first = after_first
         self._before_last = before_last
         self._plans: list[LayerPlan | None] = [None] * len(order)
-        self._remaining = [stripes] * len(order)
+        # A first layer run alone is one stripe: it then waits on one lane's wake-up and one read,
+        # not on the slower of two (thread wake-ups here take up to milliseconds).
+        self._stripes = [1 if first_alone and position == 0 else stripes for position in range(len(order))]
+        self._remaining = list(self._stripes)
         self._undelivered = len(order)
         self._lock = threading.Lock()
 
@@ -230,7 +233,7 @@ class StripedLoad:
         self._submit(0, 1 if self._first_alone else len(self.order))
 
     def _submit(self, start: int, stop: int) -> None:
-        for lane in range(self.stripes):
+        for lane in range(self._stripes[start]):
             try:
                 self._lanes.submit(self._run_lane, lane, start, stop)
             except RuntimeError:
@@ -259,7 +262,8 @@ class StripedLoad:
                 plan.started = time.perf_counter()
                 self._plans[position] = plan
         count = plan.reads
-        low, high = count * lane // self.stripes, count * (lane + 1) // self.stripes
+        stripes = self._stripes[position]
+        low, high = count * lane // stripes, count * (lane + 1) // stripes
         skipped = skip or self.handle.cancelled
         if not skipped and high > low:
             try:

@@ -544,7 +544,8 @@ class TieredStore:
         from_hbm = (hbm >= 0) & ~already
         from_dram = (dram >= 0) & ~already & ~from_hbm
         from_ssd = (seq >= 0) & ~already & ~from_hbm & ~from_dram
-        for segment_seq in np.unique(seq[from_ssd]).tolist():
+        # sorted(set()), not np.unique: that imports numpy.ma (~9 ms) on its first call, in a load
+        for segment_seq in sorted(set(seq[from_ssd].tolist())):
             segment = self.ssd.pin(segment_seq)
             if segment is None:  # evicted meanwhile: those pages are not on SSD any more
                 from_ssd &= seq != segment_seq
@@ -682,7 +683,7 @@ class TieredStore:
             ssd_only = (seqs >= 0) & (d.dram[ids][:, layers] < 0) & (d.hbm[ids][:, layers] < 0)
             seqs, pages = seqs[ssd_only], pages[ssd_only]
             ranges = []
-            for seq in np.unique(seqs).tolist():
+            for seq in sorted(set(seqs.tolist())):
                 segment = self.ssd.segments.get(seq)
                 if segment is not None:
                     in_segment = pages[seqs == seq]
