@@ -285,10 +285,37 @@ class TieredStore:
                      for key, slot in zip(keys, slots, strict=True)]
         self._observe_io(Tier.DRAM, "write", len(keys), started)
         with self._lock:
-            for key, slot, checksum in zip(keys, slots, checksums, strict=True):
-                self._install_saved(key, layer, slot, checksum, record)
+            fresh = self._install_fresh(keys, layer, slots, checksums, record)
+            for key, slot, checksum, is_fresh in zip(keys, slots, checksums, fresh, strict=True):
+                if not is_fresh:
+                    self._install_saved(key, layer, slot, checksum, record)
             self._writer_wake.notify()
         return len(keys)
+
+    def _install_fresh(self, keys: list[BlockKey], layer: int, slots: list[int], checksums: list[int],
+                       record: SessionRecord) -> list[bool]:
+        """Install, with whole-array operations, the saved pages no tier holds yet (a new turn's
+        blocks: the common save); returns which pages it installed. The rest go through
+        `_install_saved`, page by page. Caller holds the lock."""
+        d = self._directory
+        rows = np.fromiter((d.ensure_row(key, record.key, record.priority) for key in keys), np.int64, len(keys))
+        fresh = (d.hbm[rows, layer] < 0) & (d.dram[rows, layer] < 0) & (d.ssd_seq[rows, layer] < 0)
+        fresh &= ~d.persisting[rows, layer]
+        new_rows = rows[fresh]
+        d.checksum[new_rows, layer] = np.asarray(checksums, np.uint64)[fresh]
+        d.dram[new_rows, layer] = np.asarray(slots, np.int64)[fresh]
+        d.priority[new_rows] = record.priority
+        d.persisting[new_rows, layer] = True
+        d.pins[new_rows, layer] += 1  # held in DRAM until the write-behind has it on SSD
+        installed = fresh.tolist()
+        meta = PageMeta(layer, record.key, record.priority)
+        insert = self._dram_policy.insert
+        for row, key, is_fresh in zip(rows.tolist(), keys, installed, strict=True):
+            if is_fresh:
+                d.owners[row] = record.key
+                insert((key, layer), meta)
+                self._write_queue.append((key, layer))
+        return installed
 
     def _install_saved(self, key: BlockKey, layer: int, slot: int, checksum: int, record: SessionRecord) -> None:
         d = self._directory
