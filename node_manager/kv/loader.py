@@ -105,8 +105,6 @@ class RowTarget:
     rows: Sequence[int]
 
 
-
-
 def _no_reads() -> np.ndarray:
     return np.empty(0, np.int64)
 
