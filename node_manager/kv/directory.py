@@ -120,11 +120,18 @@ class PageDirectory:
         self.ssd_seq[row, layer] = NO_COPY if location is None else location.seq
         self.ssd_page[row, layer] = 0 if location is None else location.index
 
-    def held_matrix(self, ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-        """[len(ids), layers] bool: whether `table` (a slot or segment table) has a copy, False for
-        unknown rows (NO_COPY ids)."""
+    def lookup(self, table: np.ndarray, ids: np.ndarray, layer: int | None = None) -> np.ndarray:
+        """`table` (a slot or segment table) at rows `ids`, all layers or one: [len(ids), layers] or
+        [len(ids)], NO_COPY for unknown rows (NO_COPY ids)."""
         known = ids >= 0
-        return (table[np.where(known, ids, 0)] >= 0) & known[:, None]
+        safe = np.where(known, ids, 0)
+        if layer is None:
+            return np.where(known[:, None], table[safe], NO_COPY)
+        return np.where(known, table[safe, layer], NO_COPY)
+
+    def held_matrix(self, ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+        """[len(ids), layers] bool: whether `table` has a copy, False for unknown rows."""
+        return self.lookup(table, ids) >= 0
 
     def pages_held(self) -> int:
         return int(np.count_nonzero((self.hbm >= 0) | (self.dram >= 0) | (self.ssd_seq >= 0)))

@@ -319,10 +319,7 @@ class StripedLoad:
             if not mine.any():
                 continue
             copied.append(self._pools[tier])
-            if mine.all():
-                copy_rows(plan.dest, plan.rows[low:high], self._pools[tier], plan.where[low:high])
-            else:
-                copy_rows(plan.dest, plan.rows[low:high][mine], self._pools[tier], plan.where[low:high][mine])
+            copy_rows(plan.dest, plan.rows[low:high][mine], self._pools[tier], plan.where[low:high][mine])
         ssd_reads = np.flatnonzero(source == Tier.SSD) + low
         bad = self._read_ssd(plan, ssd_reads.tolist()) if len(ssd_reads) else {}
         self._synchronize(plan.dest, *copied)

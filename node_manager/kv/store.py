@@ -116,9 +116,10 @@ class TieredStore:
         self._ssd_degraded = False
         self._closed = False
         # Looked up once: a labelled child costs a lock and a dict lookup, on every layer of a load.
-        self._dram_hits = self.metrics.hits.labels(Tier.DRAM.name)
-        self._dram_read_bytes = self.metrics.io_bytes.labels(Tier.DRAM.name, "read")
-        self._dram_read_seconds = self.metrics.io_seconds.labels(Tier.DRAM.name, "read")
+        self._hits = {tier: self.metrics.hits.labels(tier.name) for tier in Tier}
+        self._io_metrics = {(tier, direction): (self.metrics.io_bytes.labels(tier.name, direction),
+                                                self.metrics.io_seconds.labels(tier.name, direction))
+                            for tier in Tier for direction in ("read", "write")}
         capacities = {Tier.HBM: config.hbm_bytes, Tier.DRAM: config.dram_bytes, Tier.SSD: config.ssd_bytes}
         for tier, capacity in capacities.items():
             self.metrics.tier_capacity.labels(tier.name).set(capacity)
@@ -217,8 +218,7 @@ class TieredStore:
             record = self.session(tenant, session_id)
             d = self._directory
             ids = d.rows(record.blocks.block_keys)
-            slots = np.where((ids >= 0)[:, None], d.dram[np.where(ids >= 0, ids, 0)], NO_COPY)
-            return slots.T.tolist()
+            return d.lookup(d.dram, ids).T.tolist()
 
     def pinned_pages(self) -> int:
         """Pages with I/O in progress (loads, or a write-behind still owed): 0 once the store is idle."""
@@ -285,66 +285,60 @@ class TieredStore:
                      for key, slot in zip(keys, slots, strict=True)]
         self._observe_io(Tier.DRAM, "write", len(keys), started)
         with self._lock:
-            fresh = self._install_fresh(keys, layer, slots, checksums, record)
-            for key, slot, checksum, is_fresh in zip(keys, slots, checksums, fresh, strict=True):
-                if not is_fresh:
-                    self._install_saved(key, layer, slot, checksum, record)
+            self._install_saved(keys, layer, slots, checksums, record)
             self._writer_wake.notify()
         return len(keys)
 
-    def _install_fresh(self, keys: list[BlockKey], layer: int, slots: list[int], checksums: list[int],
-                       record: SessionRecord) -> list[bool]:
-        """Install, with whole-array operations, the saved pages no tier holds yet (a new turn's
-        blocks: the common save); returns which pages it installed. The rest go through
-        `_install_saved`, page by page. Caller holds the lock."""
+    def _install_saved(self, keys: list[BlockKey], layer: int, slots: list[int], checksums: list[int],
+                       record: SessionRecord) -> None:
+        """Give saved pages their DRAM copies (slot i holds page (keys[i], layer)). A page some tier
+        already holds is settled one by one (`_keep_saved_copy`); then every page kept, a new
+        turn's blocks being the common save, is installed with whole-array operations. Caller holds
+        the lock."""
         d = self._directory
-        rows = np.fromiter((d.ensure_row(key, record.key, record.priority) for key in keys), np.int64, len(keys))
-        fresh = (d.hbm[rows, layer] < 0) & (d.dram[rows, layer] < 0) & (d.ssd_seq[rows, layer] < 0)
-        fresh &= ~d.persisting[rows, layer]
-        new_rows = rows[fresh]
-        d.checksum[new_rows, layer] = np.asarray(checksums, np.uint64)[fresh]
-        d.dram[new_rows, layer] = np.asarray(slots, np.int64)[fresh]
-        d.priority[new_rows] = record.priority
-        d.persisting[new_rows, layer] = True
-        d.pins[new_rows, layer] += 1  # held in DRAM until the write-behind has it on SSD
-        installed = fresh.tolist()
+        ids = d.rows(keys)
+        kept = list(range(len(keys)))
+        if ids.max(initial=NO_COPY) >= 0:  # some blocks are known: look for pages a tier holds
+            held = ((d.lookup(d.hbm, ids, layer) >= 0) | (d.lookup(d.dram, ids, layer) >= 0)
+                    | (d.lookup(d.ssd_seq, ids, layer) >= 0)).tolist()
+            kept = [i for i in kept if not held[i] or self._keep_saved_copy(keys[i], layer, slots[i], checksums[i])]
+        # Rows looked up again: dropping a superseded copy above may have released one.
+        rows = np.fromiter((d.ensure_row(keys[i], record.key, record.priority) for i in kept), np.int64, len(kept))
+        d.checksum[rows, layer] = np.asarray(checksums, np.uint64)[kept]
+        d.dram[rows, layer] = np.asarray(slots, np.int64)[kept]
+        d.priority[rows] = record.priority
+        owed = (d.ssd_seq[rows, layer] < 0) & ~d.persisting[rows, layer]
+        d.persisting[rows[owed], layer] = True
+        d.pins[rows[owed], layer] += 1  # held in DRAM until the write-behind has it on SSD
         meta = PageMeta(layer, record.key, record.priority)
-        insert = self._dram_policy.insert
-        for row, key, is_fresh in zip(rows.tolist(), keys, installed, strict=True):
-            if is_fresh:
-                d.owners[row] = record.key
-                insert((key, layer), meta)
-                self._write_queue.append((key, layer))
-        return installed
+        for row, i, needs_ssd in zip(rows.tolist(), kept, owed.tolist(), strict=True):
+            d.owners[row] = record.key
+            self._dram_policy.insert((keys[i], layer), meta)
+            if needs_ssd:
+                self._write_queue.append((keys[i], layer))
 
-    def _install_saved(self, key: BlockKey, layer: int, slot: int, checksum: int, record: SessionRecord) -> None:
+    def _keep_saved_copy(self, key: BlockKey, layer: int, slot: int, checksum: int) -> bool:
+        """A saved page that some tier already holds: True if its new DRAM copy should be installed
+        (copies with other bytes dropped first), False if the slot went back unused."""
         d = self._directory
         row = d.row(key)
-        if row is not None and d.held(row, layer):
-            same = int(d.checksum[row, layer]) == checksum
-            if same and d.dram[row, layer] >= 0:
-                self._dram_slots.release([slot])  # identical bytes already cached
-                self._defer_touches(Tier.DRAM, (key,), (layer,))
-                return
-            if not same and d.pins[row, layer]:
-                # Different bytes for a page under I/O: keep the copy being read or persisted intact.
-                self._dram_slots.release([slot])
-                self.metrics.save_degraded.labels("page_busy").inc()
-                return
-            if not same:
-                # New bytes under the same key: engines are deterministic per key, so this is rare (a
-                # different model or dtype); the newest copy wins everywhere.
-                for tier in Tier:
-                    self._drop_copy(key, layer, tier, "superseded")
-        row = d.ensure_row(key, record.key, record.priority)  # a drop above may have released it
-        d.checksum[row, layer] = checksum
-        d.dram[row, layer] = slot
-        d.owners[row], d.priority[row] = record.key, record.priority
-        self._dram_policy.insert((key, layer), PageMeta(layer, record.key, record.priority))
-        if d.ssd_seq[row, layer] < 0 and not d.persisting[row, layer]:
-            d.persisting[row, layer] = True
-            d.pins[row, layer] += 1  # held in DRAM until the write-behind has it on SSD
-            self._write_queue.append((key, layer))
+        assert row is not None
+        same = int(d.checksum[row, layer]) == checksum
+        if same and d.dram[row, layer] >= 0:
+            self._dram_slots.release([slot])  # identical bytes already cached
+            self._defer_touches(Tier.DRAM, (key,), (layer,))
+            return False
+        if not same and d.pins[row, layer]:
+            # Different bytes for a page under I/O: keep the copy being read or persisted intact.
+            self._dram_slots.release([slot])
+            self.metrics.save_degraded.labels("page_busy").inc()
+            return False
+        if not same:
+            # New bytes under the same key: engines are deterministic per key, so this is rare (a
+            # different model or dtype); the newest copy wins everywhere.
+            for tier in Tier:
+                self._drop_copy(key, layer, tier, "superseded")
+        return True
 
     # ---- write-behind -----------------------------------------------------------------------------
 
@@ -466,7 +460,7 @@ class TieredStore:
             return handle
         rows = np.asarray(target.rows, dtype=np.int64) if isinstance(target, RowTarget) else None
         with self._lock:
-            prepared = self._plan_load_from_dram(keys, order, target) if isinstance(target, RowTarget) else None
+            prepared = self._plan_load_from_dram(keys, order, target, rows) if rows is not None else None
         run = StripedLoad(
             handle, order, self._io, self.config.io_threads, {Tier.HBM: self.hbm.pages, Tier.DRAM: self.dram.pages},
             self.ssd, self.geometry.page_words,
@@ -506,8 +500,8 @@ class TieredStore:
                 raise
         return plan
 
-    def _plan_load_from_dram(self, keys: Sequence[BlockKey], order: list[int],
-                             target: RowTarget) -> dict[int, LayerPlan] | None:
+    def _plan_load_from_dram(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
+                             rows: np.ndarray) -> dict[int, LayerPlan] | None:
         """The common resume: every page the load wants sits in DRAM and none in HBM. Planned and
         pinned for all layers at once, so the lanes spend their time copying, not in Python holding
         the GIL the other lane needs (per-layer planning and finishing cost more than the copies).
@@ -523,7 +517,7 @@ class TieredStore:
         d.pins[np.ix_(ids, layers)] += 1
         index = np.arange(len(ids))
         source = np.full(len(ids), Tier.DRAM, np.int64)
-        rows = np.asarray(target.rows, dtype=np.int64)
+        in_segment = np.zeros(len(ids), np.int64)  # no SSD reads: kept only as parallel-array padding
         checksums = d.checksum[ids][:, layers]
         # Saves take consecutive slots for a layer's blocks, so most layers are one slice copy.
         rows_consecutive = bool((np.diff(rows) == 1).all())
@@ -532,7 +526,7 @@ class TieredStore:
         plans = {}
         for column, layer in enumerate(order):
             plans[layer] = LayerPlan(layer, target.tensors[layer], keys, index=index, source=source,
-                                     where=slots[:, column], ssd_page=index, rows=rows, block_rows=ids,
+                                     where=slots[:, column], ssd_page=in_segment, rows=rows, block_rows=ids,
                                      checksums=checksums[:, column], only=Tier.DRAM,
                                      span=(int(rows[0]), first_slots[column]) if consecutive[column] else None)
         self._defer_touches(Tier.DRAM, tuple(keys), tuple(order))
@@ -542,9 +536,8 @@ class TieredStore:
         """A layer of a load planned by `_plan_load_from_dram` is done: nothing to unpin yet."""
         if plan.skipped or plan.error is not None:
             return LayerResult(plan.layer, 0, tuple(range(handle.first_block, handle.first_block + handle.num_blocks)))
-        self._dram_hits.inc(plan.reads)
-        self._dram_read_bytes.inc(plan.reads * self.geometry.page_bytes)
-        self._dram_read_seconds.observe(time.perf_counter() - plan.started)
+        self._hits[Tier.DRAM].inc(plan.reads)
+        self._observe_io(Tier.DRAM, "read", plan.reads, plan.started)
         return LayerResult(plan.layer, handle.num_blocks, (), {Tier.DRAM: plan.reads})
 
     def _release_prepared(self, plans: dict[int, LayerPlan]) -> None:
@@ -559,11 +552,7 @@ class TieredStore:
         """Any mix of sources, a tier target, missing pages. Each page comes from the fastest tier
         holding it (never from the tier it is being promoted into). Caller holds the lock."""
         d, layer, keys = self._directory, plan.layer, plan.keys
-        known = ids >= 0
-        safe = np.where(known, ids, 0)
-        hbm = np.where(known, d.hbm[safe, layer], NO_COPY)
-        dram = np.where(known, d.dram[safe, layer], NO_COPY)
-        seq = np.where(known, d.ssd_seq[safe, layer], NO_COPY)
+        hbm, dram, seq = (d.lookup(table, ids, layer) for table in (d.hbm, d.dram, d.ssd_seq))
         if tier_target is None:
             already = np.zeros(len(ids), np.bool_)
         else:
@@ -681,7 +670,7 @@ class TieredStore:
             for tier, pages in enumerate(np.bincount(sources, minlength=len(Tier) + 1).tolist()):
                 if pages:
                     by_tier[Tier(tier)] = pages
-                    self.metrics.hits.labels(Tier(tier).name).inc(pages)
+                    self._hits[Tier(tier)].inc(pages)
                     self._observe_io(Tier(tier), "read", pages, plan.started)
         else:
             failed.extend(plan.index.tolist())
@@ -834,8 +823,9 @@ class TieredStore:
     # ---- metrics and life cycle -------------------------------------------------------------------
 
     def _observe_io(self, tier: Tier, direction: str, pages: int, started: float) -> None:
-        self.metrics.io_bytes.labels(tier.name, direction).inc(pages * self.geometry.page_bytes)
-        self.metrics.io_seconds.labels(tier.name, direction).observe(time.perf_counter() - started)
+        nbytes, seconds = self._io_metrics[tier, direction]
+        nbytes.inc(pages * self.geometry.page_bytes)
+        seconds.observe(time.perf_counter() - started)
 
     def _tier_pages(self) -> dict[Tier, int]:
         return {Tier.HBM: self._hbm_slots.num_slots - self._hbm_slots.free,
