@@ -29,8 +29,9 @@ from eval.plots import plot_tiers
 from eval.results import write_result
 from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Tier
+from node_manager.kv.puller import PeerPuller
 from node_manager.kv.store import StoreConfig, TieredStore
-from node_manager.kv.transfer import PeerPuller, page_batch
+from node_manager.kv.transfer import page_batch
 from symphony.kv_addressing import chain_block_keys
 from symphony.kv_geometry import KVGeometry, hf_config_for, smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc

@@ -94,6 +94,10 @@ class KVConfig:
     max_pending_prefetches: int = 4096
     prefetch_concurrency: int = 2
     peer_timeout_s: float = 30.0  # a node-to-node page stream that stalls this long is abandoned
+    # Node-to-node page pulls: "tcp" (a raw page stream; gRPC's FetchPages when the peer has none) or
+    # "grpc" (FetchPages only, e.g. where only the gRPC port is open between nodes).
+    data_plane: str = "tcp"
+    data_port_base: int = 0  # node i's page stream listens on base + i; 0: a free port, advertised in status
     metrics_port_base: int = 9300  # node i serves Prometheus /metrics on base + i; 0 disables
 
 
@@ -129,6 +133,10 @@ class SymphonyConfig:
 
     def kv_metrics_port(self, index: int) -> int:
         return self.kv.metrics_port_base + index if self.kv.metrics_port_base else 0
+
+    def kv_data_port(self, index: int) -> int:
+        """The page stream's port for node `index`; 0: any free one."""
+        return self.kv.data_port_base + index if self.kv.data_port_base else 0
 
     def kv_ssd_dir(self, index: int) -> Path:
         base = Path(self.kv.ssd_dir).expanduser() if self.kv.ssd_dir else self.home_path / "kv"
@@ -334,6 +342,10 @@ def _validate(config: SymphonyConfig) -> None:
     if kv.metrics_port_base:
         port("kv.metrics_port_base", kv.metrics_port_base)
         port("kv.metrics_port_base + cluster.nodes - 1", kv.metrics_port_base + config.cluster.nodes - 1)
+    check(kv.data_plane in ("tcp", "grpc"), "kv.data_plane", f"{kv.data_plane!r} is not tcp or grpc")
+    if kv.data_port_base:
+        port("kv.data_port_base", kv.data_port_base)
+        port("kv.data_port_base + cluster.nodes - 1", kv.data_port_base + config.cluster.nodes - 1)
     lg = config.logging
     check(lg.level.lower() in ("debug", "info", "warning", "error"), "logging.level",
           f"{lg.level!r} is not one of debug, info, warning, error")
@@ -342,6 +354,8 @@ def _validate(config: SymphonyConfig) -> None:
     ports += [n.engine_port_base + i for i in range(config.cluster.nodes)]
     if kv.metrics_port_base:
         ports += [kv.metrics_port_base + i for i in range(config.cluster.nodes)]
+    if kv.data_port_base:
+        ports += [kv.data_port_base + i for i in range(config.cluster.nodes)]
     check(len(set(ports)) == len(ports), "ports", f"scheduler, node and engine ports overlap: {sorted(ports)}")
 
 

@@ -34,6 +34,8 @@ def check_ports_free(config: SymphonyConfig) -> None:
         wanted.append((config.node.host, config.engine_port(i), f"node.engine_port_base+{i}"))
         if config.kv_metrics_port(i):
             wanted.append((config.node.host, config.kv_metrics_port(i), f"kv.metrics_port_base+{i}"))
+        if config.kv.data_plane == "tcp" and config.kv_data_port(i):
+            wanted.append((config.node.host, config.kv_data_port(i), f"kv.data_port_base+{i}"))
     for host, port, key in wanted:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

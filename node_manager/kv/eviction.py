@@ -31,6 +31,7 @@ class PageMeta:
 
 class EvictionPolicy(Protocol):
     def insert(self, item: Hashable, meta: PageMeta) -> None: ...
+    def insert_many(self, items: list[Hashable], meta: PageMeta) -> None: ...
     def touch(self, item: Hashable) -> None: ...
     def touch_many(self, items: list[Hashable]) -> None: ...
     def remove(self, item: Hashable) -> None: ...
@@ -52,6 +53,10 @@ class LRUPolicy:
     def insert(self, item: Hashable, meta: PageMeta | None = None) -> None:
         self._order[item] = None
         self._order.move_to_end(item)
+
+    def insert_many(self, items: list[Hashable], meta: PageMeta | None = None) -> None:
+        for item in items:
+            self.insert(item, meta)
 
     def touch(self, item: Hashable) -> None:
         if item in self._order:
@@ -94,6 +99,17 @@ class PriorityLRUPolicy:
         self.remove(item)
         self._priority_of[item] = meta.priority
         self._lists[meta.priority][item] = next(self._clock)
+
+    def insert_many(self, items: list[Hashable], meta: PageMeta) -> None:
+        """`insert` for each item in order; a save inserts a layer's ~64 pages, so the lookups are hoisted."""
+        priority_of, lists, clock = self._priority_of, self._lists, self._clock
+        entries = lists[meta.priority]
+        for item in items:
+            old = priority_of.get(item)
+            if old is not None:
+                del lists[old][item]
+            priority_of[item] = meta.priority
+            entries[item] = next(clock)
 
     def touch(self, item: Hashable) -> None:
         priority = self._priority_of.get(item)
@@ -155,6 +171,10 @@ class TopTierYieldPolicy:
         self._meta[item] = meta
         bucket = self._buckets.setdefault((meta.priority, meta.layer), {})
         bucket.setdefault(meta.session, {})[item] = None
+
+    def insert_many(self, items: list[Hashable], meta: PageMeta) -> None:
+        for item in items:
+            self.insert(item, meta)
 
     def touch(self, item: Hashable) -> None:
         """Recency plays no part in this order."""

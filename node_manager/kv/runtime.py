@@ -9,10 +9,12 @@ import grpc
 from prometheus_client import start_http_server
 
 from node_manager.kv.metrics import KVMetrics
+from node_manager.kv.page_stream import PageStreamServer
 from node_manager.kv.prefetch import PrefetchQueue
+from node_manager.kv.puller import PeerPuller
 from node_manager.kv.service import KVStoreService
 from node_manager.kv.store import StoreConfig, TieredStore
-from node_manager.kv.transfer import MAX_MESSAGE_BYTES, PeerPuller
+from node_manager.kv.transfer import MAX_MESSAGE_BYTES
 from symphony.config import SymphonyConfig
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
@@ -31,10 +33,13 @@ class KVRuntime:
     prefetches: PrefetchQueue
     puller: PeerPuller
     service: KVStoreService
+    page_stream: PageStreamServer | None
 
     async def close(self) -> None:
         await self.prefetches.close()
         await self.puller.close()
+        if self.page_stream is not None:
+            await asyncio.to_thread(self.page_stream.close)
         await asyncio.to_thread(self.store.close)
 
 
@@ -53,15 +58,24 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, ser
     metrics = KVMetrics()
     # Rebuilding the index reads every segment header: off the event loop.
     store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index), metrics)
-    puller = PeerPuller(store, config.kv.peer_timeout_s)
+    tcp = config.kv.data_plane == "tcp"
+    try:
+        page_stream = PageStreamServer(store, config.node.host, config.kv_data_port(index),
+                                       config.kv.peer_timeout_s) if tcp else None
+    except OSError:
+        await asyncio.to_thread(store.close)
+        raise
+    puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp)
     prefetches = PrefetchQueue(store, metrics, puller.pull_outcome, max_pending=config.kv.max_pending_prefetches,
                                concurrency=config.kv.prefetch_concurrency)
-    service = KVStoreService(config.node_id(index), store, prefetches, puller)
+    service = KVStoreService(config.node_id(index), store, prefetches, puller,
+                             page_stream.port if page_stream else 0)
     kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)
     port = config.kv_metrics_port(index)
     if port:
         start_http_server(port, addr=config.node.host, registry=metrics.registry)
     log.info("KV store ready", node=config.node_id(index), page_bytes=geometry.page_bytes,
              hbm_mib=config.kv.hbm_bytes >> 20, dram_mib=config.kv.dram_bytes >> 20,
-             ssd_mib=config.kv.ssd_bytes >> 20, ssd_dir=str(store.ssd.directory), metrics_port=port or "off")
-    return KVRuntime(store, prefetches, puller, service)
+             ssd_mib=config.kv.ssd_bytes >> 20, ssd_dir=str(store.ssd.directory), metrics_port=port or "off",
+             page_stream_port=page_stream.port if page_stream else "off")
+    return KVRuntime(store, prefetches, puller, service, page_stream)

@@ -26,8 +26,9 @@ from node_manager.kv.prefetch import (
     PrefetchQueue,
     PrefetchQueueFull,
 )
+from node_manager.kv.puller import PeerPuller
 from node_manager.kv.store import InvalidRequest, SessionNotFound, StoreBusy, TieredStore
-from node_manager.kv.transfer import PRIORITY_FROM_PROTO, PRIORITY_TO_PROTO, PeerPuller, store_batch, stream_pages
+from node_manager.kv.transfer import PRIORITY_FROM_PROTO, PRIORITY_TO_PROTO, store_batch, stream_pages
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 MAX_ID_LEN = 256
@@ -79,8 +80,10 @@ _CLIENT_ERRORS = (_Invalid, InvalidRequest, SessionNotFound, StoreBusy, Prefetch
 
 
 class KVStoreService(kv_pb2_grpc.KVStoreServicer):
-    def __init__(self, node_id: str, store: TieredStore, prefetches: PrefetchQueue, puller: PeerPuller) -> None:
+    def __init__(self, node_id: str, store: TieredStore, prefetches: PrefetchQueue, puller: PeerPuller,
+                 data_port: int = 0) -> None:
         self.node_id = node_id
+        self.data_port = data_port
         self.store = store
         self.prefetches = prefetches
         self.puller = puller
@@ -119,7 +122,8 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
         status = kv_pb2.SessionStatus(session=kv_pb2.SessionRef(tenant=tenant, session_id=session_id),
                                       num_tokens=len(record.token_ids), num_blocks=record.blocks.num_blocks,
                                       priority=PRIORITY_TO_PROTO[record.priority],
-                                      loadable_prefix_blocks=self.store.loadable_prefix_blocks(tenant, session_id))
+                                      loadable_prefix_blocks=self.store.loadable_prefix_blocks(tenant, session_id),
+                                      data_port=self.data_port)
         for tier, layers in self.store.residency(tenant, session_id).items():
             prefix = 0
             while prefix < record.blocks.num_blocks and all(layer[prefix] for layer in layers):
@@ -151,9 +155,6 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
                          ) -> AsyncIterator[kv_pb2.PageBatch]:
         try:
             tenant, session_id = _session(request.session)
-            record = self.store.session(tenant, session_id)
-            if request.first_block > record.blocks.num_blocks:
-                raise _Invalid(f"first_block {request.first_block} beyond the session's {record.blocks.num_blocks}")
             async for batch in stream_pages(self.store, tenant, session_id, request.first_block,
                                             request.num_blocks or None):
                 yield batch

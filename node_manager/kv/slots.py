@@ -123,6 +123,9 @@ class DramArena:
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(buffer, dtype=torch.int64, count=size // 8)
         self.pages = flat.view(max(self.num_slots, 1), geometry.page_words)
+        # page_view runs once per page saved or persisted: no per-call geometry arithmetic or mapping view.
+        self._page_bytes = geometry.page_bytes
+        self._bytes = memoryview(self._mmap)
         self.pinned = False
         if pin_for_cuda and torch.cuda.is_available():
             cudart = torch.cuda.cudart()
@@ -137,14 +140,20 @@ class DramArena:
         return cls(name, geometry, capacity_bytes, create=False)
 
     def page_view(self, slot: int) -> memoryview:
-        start = slot * self.geometry.page_bytes
-        return memoryview(self._mmap)[start:start + self.geometry.page_bytes]
+        start = slot * self._page_bytes
+        return self._bytes[start:start + self._page_bytes]
+
+    def run_view(self, first_slot: int, count: int) -> memoryview:
+        """The bytes of `count` consecutive slots from `first_slot`."""
+        return self._bytes[first_slot * self._page_bytes:(first_slot + count) * self._page_bytes]
 
     def close(self) -> None:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.pages.data_ptr())
             self.pinned = False
         del self.pages
+        with contextlib.suppress(BufferError):
+            self._bytes.release()
         with contextlib.suppress(BufferError):
             self._mmap.close()
         if self._owner:

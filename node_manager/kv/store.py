@@ -11,10 +11,12 @@ without loss.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import itertools
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +73,8 @@ class StoreConfig:
     segment_max_bytes: int = 8 * 1024 * 1024
     max_sessions: int = 100_000
     max_session_tokens: int = 1_048_576
+    # How long the write-behind may hold off while a foreground transfer (a peer pull) runs.
+    write_behind_max_delay_s: float = 0.5
 
     def validate(self) -> None:
         if not 0 <= self.hbm_bytes <= self.dram_bytes <= self.ssd_bytes:
@@ -79,6 +83,8 @@ class StoreConfig:
         for name in ("io_threads", "max_inflight_jobs", "segment_max_bytes", "max_sessions", "max_session_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KV store: {name} must be positive")
+        if self.write_behind_max_delay_s < 0:
+            raise ValueError("KV store: write_behind_max_delay_s must be >= 0")
 
 
 @dataclass(slots=True)
@@ -87,6 +93,18 @@ class SessionRecord:
     token_ids: list[int]
     blocks: SessionBlocks
     priority: Priority
+
+
+@dataclass(slots=True)
+class PageReservation:
+    """DRAM slots set aside for pages of one layer that a caller fills itself (a peer's stream read
+    straight into the arena): slot `slots[i]` will hold block `keys[i]`. Invisible to loads and
+    eviction until committed; a reservation must end in `commit_pages` or `release_pages`."""
+
+    record: SessionRecord
+    layer: int
+    keys: list[BlockKey]
+    slots: list[int]
 
 
 class TieredStore:
@@ -113,6 +131,9 @@ class TieredStore:
         self._write_queue: deque[PageId] = deque()
         self._writer_wake = threading.Condition(self._lock)
         self._writes_in_progress = 0
+        self._foreground_transfers = 0
+        self._write_behind_held = False  # holding off for a foreground transfer (stats, tests)
+        self._flush_waiters = 0
         self._ssd_degraded = False
         self._closed = False
         # Looked up once: a labelled child costs a lock and a dict lookup, on every layer of a load.
@@ -220,6 +241,51 @@ class TieredStore:
             ids = d.rows(record.blocks.block_keys)
             return d.lookup(d.dram, ids).T.tolist()
 
+    def page_checksums(self, tenant: str, session_id: str, first_block: int, count: int) -> np.ndarray:
+        """[count, layers] uint64: the checksum on record for page (first_block + i, layer), 0 where no
+        tier holds it. A sender labels the pages it loads with these instead of hashing them again;
+        a page replaced in between fails the receiver's check rather than passing with stale bytes."""
+        with self._lock:
+            record = self.session(tenant, session_id)
+            self._check_range(record, 0, first_block, count)
+            d = self._directory
+            ids = d.rows(record.blocks.block_keys[first_block:first_block + count])
+            out = np.zeros((count, self.geometry.num_layers), np.uint64)
+            known = ids >= 0
+            out[known] = d.checksum[ids[known]]
+            return out
+
+    @contextlib.contextmanager
+    def pinned_dram_pages(self, tenant: str, session_id: str, first_block: int,
+                          count: int) -> Iterator[tuple[np.ndarray, np.ndarray] | None]:
+        """(slots, checksums), each [count, layers], when DRAM holds every page of blocks
+        first_block..first_block + count - 1. The pages stay pinned (neither evicted nor replaced)
+        until the block exits, so a sender can write them from the arena without copying them out
+        first. None, with nothing pinned, when some page is elsewhere: the caller loads instead.
+        A block that exits normally counts as a DRAM read of every page."""
+        d = self._directory
+        started = time.perf_counter()
+        with self._lock:
+            record = self.session(tenant, session_id)
+            self._check_range(record, 0, first_block, count)
+            keys = record.blocks.block_keys[first_block:first_block + count]
+            ids = d.rows(keys)
+            slots = d.dram[ids] if len(ids) and ids.min() >= 0 else None
+            if slots is None or slots.min() < 0:
+                held = None
+            else:
+                d.pins[ids] += 1
+                held = slots, d.checksum[ids]
+                self._defer_touches(Tier.DRAM, tuple(keys), tuple(range(self.geometry.num_layers)))
+        try:
+            yield held
+            if held is not None:
+                self._observe_io(Tier.DRAM, "read", held[0].size, started)
+        finally:
+            if held is not None:
+                with self._lock:
+                    d.pins[ids] -= 1
+
     def pinned_pages(self) -> int:
         """Pages with I/O in progress (loads, or a write-behind still owed): 0 once the store is idle."""
         with self._lock:
@@ -227,26 +293,30 @@ class TieredStore:
 
     # ---- saves ------------------------------------------------------------------------------------
 
-    def save_layer(self, tenant: str, session_id: str, layer: int, first_block: int,
-                   pages: torch.Tensor) -> concurrent.futures.Future[int]:
+    def save_layer(self, tenant: str, session_id: str, layer: int, first_block: int, pages: torch.Tensor,
+                   expected_checksums: Sequence[int] | None = None) -> concurrent.futures.Future[int]:
         """Save `pages` ([n, page_words] int64, any device) as blocks first_block.. of `layer`.
 
         Never blocks: the copy into DRAM runs on an I/O thread and the write to SSD behind it. The
         future gives the number of pages kept; `pages` must stay unchanged until it resolves. When
         the store is saturated the save degrades (counted in symphony_kv_save_degraded_total)
-        rather than making the caller wait."""
+        rather than making the caller wait. With `expected_checksums` (pages from a peer), a page
+        whose copy in DRAM does not match is not kept: the check runs on the bytes the store keeps,
+        and costs no extra pass because every save checksums its pages anyway."""
         record = self.session(tenant, session_id)
         self._check_range(record, layer, first_block, pages.shape[0] if pages.dim() else -1)
         if pages.dim() != 2 or pages.shape[1] != self.geometry.page_words or pages.dtype != torch.int64:
             raise InvalidRequest(f"pages must be int64 [n, {self.geometry.page_words}], got "
                                  f"{pages.dtype} {list(pages.shape)}")
+        if expected_checksums is not None and len(expected_checksums) != pages.shape[0]:
+            raise InvalidRequest(f"{len(expected_checksums)} checksums for {pages.shape[0]} pages")
         keys = record.blocks.block_keys[first_block:first_block + pages.shape[0]]
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
         if not self._admit_jobs(1):
             self.metrics.save_degraded.labels("io_backpressure").inc(len(keys))
             future.set_result(0)
             return future
-        job = self._io.submit(self._save_pages, record, layer, list(keys), pages)
+        job = self._io.submit(self._save_pages, record, layer, list(keys), pages, expected_checksums)
         job.add_done_callback(lambda done: self._chain(done, future))
         return future
 
@@ -273,21 +343,68 @@ class TieredStore:
             raise InvalidRequest(f"blocks {first_block}..{first_block + count - 1} outside the session's "
                                  f"{record.blocks.num_blocks} full blocks")
 
-    def _save_pages(self, record: SessionRecord, layer: int, keys: list, pages: torch.Tensor) -> int:
+    def _save_pages(self, record: SessionRecord, layer: int, keys: list, pages: torch.Tensor,
+                    expected: Sequence[int] | None) -> int:
+        reservation = self._reserve(record, layer, keys)
+        if reservation is None:
+            return 0
+        started = time.perf_counter()
+        copy_rows(self.dram.pages, reservation.slots, pages.to("cpu"), list(range(len(keys))))
+        self._observe_io(Tier.DRAM, "write", len(keys), started)
+        return self.commit_pages(reservation, expected)
+
+    def reserve_pages(self, tenant: str, session_id: str, layer: int, first_block: int,
+                      count: int) -> PageReservation | None:
+        """DRAM slots for blocks first_block.. of `layer`, to be filled through `reserved_views` and
+        then committed; None if DRAM has no room (counted as a degraded save)."""
+        record = self.session(tenant, session_id)
+        self._check_range(record, layer, first_block, count)
+        return self._reserve(record, layer, list(record.blocks.block_keys[first_block:first_block + count]))
+
+    def _reserve(self, record: SessionRecord, layer: int, keys: list[BlockKey]) -> PageReservation | None:
         with self._lock:
             slots = self._allocate(Tier.DRAM, len(keys))
         if slots is None:
             self.metrics.save_degraded.labels("dram_full").inc(len(keys))
-            return 0
-        started = time.perf_counter()
-        copy_rows(self.dram.pages, slots, pages.to("cpu"), list(range(len(slots))))
+            return None
+        return PageReservation(record, layer, keys, slots)
+
+    def reserved_views(self, reservation: PageReservation) -> list[memoryview]:
+        """Writable byte views covering the reserved slots in page order, one per run of consecutive
+        slots (usually one: fresh slots come off the free stack in order)."""
+        views = []
+        slots = reservation.slots
+        start = 0
+        for i in range(1, len(slots) + 1):
+            if i == len(slots) or slots[i] != slots[i - 1] + 1:
+                views.append(self.dram.run_view(slots[start], i - start))
+                start = i
+        return views
+
+    def commit_pages(self, reservation: PageReservation, expected: Sequence[int] | None = None) -> int:
+        """Checksum the reserved pages as they sit in DRAM and install them; with `expected`, a page
+        whose checksum differs is dropped instead (counted). Returns the pages kept."""
+        keys, slots, layer = reservation.keys, reservation.slots, reservation.layer
+        if expected is not None and len(expected) != len(keys):
+            raise InvalidRequest(f"{len(expected)} checksums for {len(keys)} pages")  # still reserved
         checksums = [page_checksum(key, layer, self.dram.page_view(slot))
                      for key, slot in zip(keys, slots, strict=True)]
-        self._observe_io(Tier.DRAM, "write", len(keys), started)
+        if expected is not None and checksums != list(expected):
+            bad = [i for i, (got, want) in enumerate(zip(checksums, expected, strict=True)) if got != want]
+            self.metrics.save_degraded.labels("checksum_mismatch").inc(len(bad))
+            with self._lock:
+                self._dram_slots.release([slots[i] for i in bad])
+            keep = sorted(set(range(len(keys))) - set(bad))
+            keys, slots, checksums = [keys[i] for i in keep], [slots[i] for i in keep], [checksums[i] for i in keep]
         with self._lock:
-            self._install_saved(keys, layer, slots, checksums, record)
-            self._writer_wake.notify()
+            self._install_saved(keys, layer, slots, checksums, reservation.record)
+            self._writer_wake.notify_all()  # the writer, not only a waiting flush
         return len(keys)
+
+    def release_pages(self, reservation: PageReservation) -> None:
+        """Give back the slots of a reservation that will not be committed."""
+        with self._lock:
+            self._dram_slots.release(reservation.slots)
 
     def _install_saved(self, keys: list[BlockKey], layer: int, slots: list[int], checksums: list[int],
                        record: SessionRecord) -> None:
@@ -310,12 +427,12 @@ class TieredStore:
         owed = (d.ssd_seq[rows, layer] < 0) & ~d.persisting[rows, layer]
         d.persisting[rows[owed], layer] = True
         d.pins[rows[owed], layer] += 1  # held in DRAM until the write-behind has it on SSD
-        meta = PageMeta(layer, record.key, record.priority)
-        for row, i, needs_ssd in zip(rows.tolist(), kept, owed.tolist(), strict=True):
-            d.owners[row] = record.key
-            self._dram_policy.insert((keys[i], layer), meta)
-            if needs_ssd:
-                self._write_queue.append((keys[i], layer))
+        owners = d.owners
+        for row in rows.tolist():
+            owners[row] = record.key
+        pages = [(keys[i], layer) for i in kept]
+        self._dram_policy.insert_many(pages, PageMeta(layer, record.key, record.priority))
+        self._write_queue.extend(itertools.compress(pages, owed.tolist()))
 
     def _keep_saved_copy(self, key: BlockKey, layer: int, slot: int, checksum: int) -> bool:
         """A saved page that some tier already holds: True if its new DRAM copy should be installed
@@ -351,6 +468,7 @@ class TieredStore:
                     self._writer_wake.wait()
                 if self._closed and not self._write_queue:
                     return
+                self._yield_to_foreground()
                 batch: list[WritePending] = []
                 while self._write_queue and len(batch) < max_pages:
                     key, layer = self._write_queue.popleft()
@@ -365,6 +483,37 @@ class TieredStore:
                 with self._lock:
                     self._writes_in_progress -= 1
                     self._writer_wake.notify_all()
+
+    def _yield_to_foreground(self) -> None:
+        """Hold the next segment write while a foreground transfer runs. Persisting competes for CPU
+        and memory bandwidth with the transfer a request is waiting on (measured on a 2-core host: a
+        peer pull ran at about half speed beside it), and the SSD copy is a backstop, not on any
+        request's path. Bounded: never longer than write_behind_max_delay_s, never while a flush
+        waits, never once a quarter of DRAM waits to be persisted. Caller holds the lock."""
+        deadline = time.monotonic() + self.config.write_behind_max_delay_s
+        high_water = max(1, self.dram.num_slots // 4)
+        try:
+            while (self._foreground_transfers and not self._flush_waiters and not self._closed
+                   and len(self._write_queue) < high_water):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._write_behind_held = True
+                self._writer_wake.wait(remaining)
+        finally:
+            self._write_behind_held = False
+
+    @contextlib.contextmanager
+    def foreground_transfer(self) -> Iterator[None]:
+        """Mark a latency-critical transfer (a peer pull) in progress: the write-behind yields to it."""
+        with self._lock:
+            self._foreground_transfers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._foreground_transfers -= 1
+                self._writer_wake.notify_all()
 
     def _persist(self, batch: list[WritePending]) -> None:
         # The persisting pin keeps each page's row, checksum and DRAM copy in place until the end.
@@ -419,12 +568,17 @@ class TieredStore:
         """Wait until every page saved so far has been written to SSD (or degraded). True if drained."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._write_queue or self._writes_in_progress or self._inflight:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._writer_wake.wait(min(remaining, 0.05))
-            return True
+            self._flush_waiters += 1
+            self._writer_wake.notify_all()  # a write-behind holding off for a transfer goes now
+            try:
+                while self._write_queue or self._writes_in_progress or self._inflight:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    self._writer_wake.wait(min(remaining, 0.05))
+                return True
+            finally:
+                self._flush_waiters -= 1
 
     @property
     def ssd_degraded(self) -> bool:
@@ -854,6 +1008,7 @@ class TieredStore:
                 "ssd_pages": pages[Tier.SSD],
                 "ssd_bytes": self.ssd.used_bytes,
                 "write_queue": len(self._write_queue),
+                "write_behind_held": int(self._write_behind_held),
             }
 
     def close(self, flush_timeout: float = 30.0) -> None:

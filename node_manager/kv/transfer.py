@@ -12,23 +12,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
-import grpc
 import torch
 
-from node_manager.kv.loader import RowTarget
+from node_manager.kv.loader import LayerResult, LayerwiseLoad, RowTarget
 from node_manager.kv.pages import Priority, page_checksum
-from node_manager.kv.prefetch import PullOutcome
-from node_manager.kv.store import TieredStore
+from node_manager.kv.store import InvalidRequest, SessionRecord, TieredStore
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
-from symphony.rpc import kv_pb2, kv_pb2_grpc
+from symphony.rpc import kv_pb2
 
 log = get_logger("node_manager.kv.transfer")
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-_MESSAGE_OVERHEAD = 64 * 1024  # room for the session ref, checksums and framing
+MESSAGE_OVERHEAD = 64 * 1024  # room for the session ref, checksums and framing
 # Blocks staged per round of the outgoing stream, bounding the memory one stream holds.
 _STAGE_BYTES = 64 * 1024 * 1024
 
@@ -38,36 +36,64 @@ PRIORITY_FROM_PROTO = {v: k for k, v in PRIORITY_TO_PROTO.items()}
 
 
 def pages_per_message(page_bytes: int) -> int:
-    return max(1, (MAX_MESSAGE_BYTES - _MESSAGE_OVERHEAD) // page_bytes)
+    return max(1, (MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD) // page_bytes)
+
+
+def stream_chunks(store: TieredStore, first_block: int, end: int) -> Iterator[tuple[int, int]]:
+    """(first block, count) of the chunks a stream of blocks [first_block, end) is sent in: at most
+    _STAGE_BYTES each, which bounds what one stream stages or keeps pinned at a time."""
+    chunk_blocks = max(1, _STAGE_BYTES // store.geometry.block_bytes)
+    for chunk_start in range(first_block, end, chunk_blocks):
+        yield chunk_start, min(chunk_blocks, end - chunk_start)
+
+
+def staged_load(store: TieredStore, record: SessionRecord, first_block: int,
+                count: int) -> tuple[list[torch.Tensor], LayerwiseLoad]:
+    """Start loading `count` blocks into fresh staging tensors (one per layer), from whichever tiers hold them."""
+    geometry = store.geometry
+    staging = [torch.empty(count, geometry.page_words, dtype=torch.int64) for _ in range(geometry.num_layers)]
+    handle = store.load(record.key[0], record.key[1], first_block, count, RowTarget(staging, list(range(count))))
+    return staging, handle
+
+
+def loaded_runs(result: LayerResult, chunk_start: int, count: int, per_message: int) -> Iterator[tuple[int, int]]:
+    """Runs [start, end) of chunk offsets whose pages loaded, at most `per_message` long. A failed page
+    is simply left out, and the receiver sees the gap."""
+    failed = set(result.failed)
+    run_start = None
+    for offset in range(count + 1):
+        ok = offset < count and chunk_start + offset not in failed
+        if ok and run_start is None:
+            run_start = offset
+        if run_start is not None and (not ok or offset - run_start == per_message):
+            yield run_start, offset
+            run_start = offset if ok else None
+
+
+def stream_end(store: TieredStore, tenant: str, session_id: str, first_block: int,
+               num_blocks: int | None) -> tuple[SessionRecord, int]:
+    """The session and the end of the block range a fetch asks for (0 or None blocks: to the end)."""
+    record = store.session(tenant, session_id)
+    if first_block > record.blocks.num_blocks:
+        raise InvalidRequest(f"first_block {first_block} beyond the session's {record.blocks.num_blocks}")
+    if not num_blocks:
+        return record, record.blocks.num_blocks
+    return record, min(record.blocks.num_blocks, first_block + num_blocks)
 
 
 async def stream_pages(store: TieredStore, tenant: str, session_id: str, first_block: int,
                        num_blocks: int | None) -> AsyncIterator[kv_pb2.PageBatch]:
     """The pages of blocks [first_block, first_block + num_blocks) in layer order, from any tier."""
-    record = store.session(tenant, session_id)
-    end = record.blocks.num_blocks if not num_blocks else min(record.blocks.num_blocks, first_block + num_blocks)
-    geometry = store.geometry
-    chunk_blocks = max(1, _STAGE_BYTES // geometry.block_bytes)
-    per_message = pages_per_message(geometry.page_bytes)
+    record, end = stream_end(store, tenant, session_id, first_block, num_blocks)
+    per_message = pages_per_message(store.geometry.page_bytes)
     ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
-    for chunk_start in range(first_block, end, chunk_blocks):
-        count = min(chunk_blocks, end - chunk_start)
-        staging = [torch.empty(count, geometry.page_words, dtype=torch.int64) for _ in range(geometry.num_layers)]
-        handle = store.load(tenant, session_id, chunk_start, count, RowTarget(staging, list(range(count))))
-        for layer in range(geometry.num_layers):
+    for chunk_start, count in stream_chunks(store, first_block, end):
+        staging, handle = staged_load(store, record, chunk_start, count)
+        for layer in range(store.geometry.num_layers):
             result = await handle.wait_layer(layer)
-            failed = set(result.failed)
-            # Send runs of loaded blocks; a failed page is simply absent, and the receiver sees the gap.
-            run_start = None
-            for offset in range(count + 1):
-                ok = offset < count and chunk_start + offset not in failed
-                if ok and run_start is None:
-                    run_start = offset
-                if run_start is not None and (not ok or offset - run_start == per_message):
-                    first = chunk_start + run_start
-                    yield page_batch(ref, record.blocks.block_keys[first:chunk_start + offset], layer, first,
-                                     staging[layer][run_start:offset].numpy().tobytes())
-                    run_start = offset if ok else None
+            for start, stop in loaded_runs(result, chunk_start, count, per_message):
+                yield page_batch(ref, record.blocks.block_keys[chunk_start + start:chunk_start + stop], layer,
+                                 chunk_start + start, staging[layer][start:stop].numpy().tobytes())
 
 
 def page_batch(ref: kv_pb2.SessionRef, keys: Sequence[BlockKey], layer: int, first_block: int,
@@ -79,120 +105,26 @@ def page_batch(ref: kv_pb2.SessionRef, keys: Sequence[BlockKey], layer: int, fir
     return kv_pb2.PageBatch(session=ref, layer=layer, first_block=first_block, checksums=checksums, data=data)
 
 
-def verified_pages(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[list[tuple[int, torch.Tensor]], int]:
-    """Split a batch into runs of pages that pass their checksum: ([(first block, pages)], rejected)."""
-    record = store.session(batch.session.tenant, batch.session.session_id)
-    page_bytes = store.geometry.page_bytes
+def submit_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[concurrent.futures.Future[int] | None, int]:
+    """Start saving a batch's pages, each kept only if its bytes in DRAM match its checksum: (the
+    save's future, or None for an empty batch; pages submitted). The future keeps the batch's bytes
+    alive until the copy is done. The block keys are the receiver's own, so a page sent under the
+    wrong block or layer fails its check like a flipped bit."""
     count = len(batch.checksums)
-    if len(batch.data) != count * page_bytes or batch.first_block + count > record.blocks.num_blocks:
-        raise ValueError(f"page batch does not fit: {count} checksums, {len(batch.data)} bytes, "
-                         f"blocks from {batch.first_block} of {record.blocks.num_blocks}")
-    if batch.layer >= store.geometry.num_layers:
-        raise ValueError(f"layer {batch.layer} outside 0..{store.geometry.num_layers - 1}")
-    view = memoryview(batch.data)
-    good = [page_checksum(record.blocks.block_keys[batch.first_block + i], batch.layer,
-                          view[i * page_bytes:(i + 1) * page_bytes]) == batch.checksums[i] for i in range(count)]
+    if len(batch.data) != count * store.geometry.page_bytes:
+        raise ValueError(f"page batch does not fit: {count} checksums, {len(batch.data)} bytes")
+    if not count:
+        return None, 0
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only bytes: we only read them
-        pages = torch.frombuffer(batch.data, dtype=torch.int64).view(count, -1) if count else None
-    runs: list[tuple[int, torch.Tensor]] = []
-    i = 0
-    while i < count:
-        if not good[i]:
-            i += 1
-            continue
-        j = i
-        while j < count and good[j]:
-            j += 1
-        assert pages is not None
-        runs.append((batch.first_block + i, pages[i:j]))
-        i = j
-    return runs, good.count(False)
-
-
-def submit_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[list[concurrent.futures.Future[int]], int, int]:
-    """Start saving a batch's verified pages: (save futures, pages submitted, pages rejected). The
-    futures keep the batch's bytes alive until the copies are done."""
-    runs, rejected = verified_pages(store, batch)
-    futures = [store.save_layer(batch.session.tenant, batch.session.session_id, batch.layer, first, pages)
-               for first, pages in runs]
-    return futures, sum(len(p) for _, p in runs), rejected
+        warnings.simplefilter("ignore", UserWarning)  # read-only bytes: the save only reads them
+        pages = torch.frombuffer(batch.data, dtype=torch.int64).view(count, -1)
+    future = store.save_layer(batch.session.tenant, batch.session.session_id, batch.layer, batch.first_block,
+                              pages, list(batch.checksums))
+    return future, count
 
 
 async def store_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[int, int]:
-    """Save a batch's verified pages; returns (stored, rejected)."""
-    futures, submitted, rejected = submit_batch(store, batch)
-    stored = sum([await asyncio.wrap_future(f) for f in futures])
-    return stored, rejected + submitted - stored
-
-
-class PeerPuller:
-    """Pulls sessions from peer node managers over long-lived channels (one per peer)."""
-
-    def __init__(self, store: TieredStore, timeout_s: float, max_peers: int = 256) -> None:
-        self._store = store
-        self._timeout_s = timeout_s
-        self._max_peers = max_peers
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def _stub(self, peer: str) -> kv_pb2_grpc.KVStoreStub:
-        channel = self._channels.get(peer)
-        if channel is None:
-            if len(self._channels) >= self._max_peers:
-                oldest = self._channels.pop(next(iter(self._channels)))  # insertion order: the oldest
-                asyncio.get_running_loop().create_task(oldest.close())
-            options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES + _MESSAGE_OVERHEAD)]
-            channel = grpc.aio.insecure_channel(peer, options=options)
-            self._channels[peer] = channel
-        return kv_pb2_grpc.KVStoreStub(channel)
-
-    async def pull(self, tenant: str, session_id: str, peer: str) -> kv_pb2.PullReply:
-        """Fetch every page of the session that no local tier holds, from the first missing block."""
-        stub = self._stub(peer)
-        ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
-        reply = kv_pb2.PullReply()
-        try:
-            remote = await stub.GetSessionStatus(kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True),
-                                                 timeout=self._timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            reply.error = f"peer {peer}: {exc.code().name}: {exc.details()}"
-            return reply
-        priority = PRIORITY_FROM_PROTO.get(remote.priority)
-        record = self._store.put_session(tenant, session_id, list(remote.token_ids), priority)
-        start = self._store.loadable_prefix_blocks(tenant, session_id)
-        first = min(start, remote.loadable_prefix_blocks)
-        wanted = remote.loadable_prefix_blocks - first
-        reply.pages_expected = wanted * self._store.geometry.num_layers
-        if wanted <= 0:
-            reply.complete = record.blocks.num_blocks <= start
-            return reply
-        request = kv_pb2.FetchPagesRequest(session=ref, first_block=first, num_blocks=wanted)
-        # Saves run on the store's I/O threads while the next batch arrives; they are awaited at the end.
-        pending: list[concurrent.futures.Future[int]] = []
-        submitted = 0
-        try:
-            async for batch in stub.FetchPages(request, timeout=self._timeout_s):
-                futures, count, rejected = submit_batch(self._store, batch)
-                pending += futures
-                submitted += count
-                reply.pages_rejected += rejected
-        except grpc.aio.AioRpcError as exc:
-            reply.error = f"peer {peer} stream broke: {exc.code().name}: {exc.details()}"
-            log.warning("KV pull from peer stopped early", peer=peer, session=session_id,
-                        received=reply.pages_received, expected=reply.pages_expected, error=exc.code().name)
-        except ValueError as exc:
-            reply.error = f"peer {peer} sent a malformed batch: {exc}"
-        for future in pending:
-            reply.pages_received += await asyncio.wrap_future(future)
-        reply.pages_rejected += submitted - reply.pages_received  # verified but not kept (no room)
-        reply.complete = not reply.error and reply.pages_received == reply.pages_expected
-        return reply
-
-    async def pull_outcome(self, tenant: str, session_id: str, peer: str) -> PullOutcome:
-        reply = await self.pull(tenant, session_id, peer)
-        return PullOutcome(reply.pages_received, reply.complete, reply.error)
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+    """Save a batch's verified pages; returns (stored, rejected: bad checksum or no room)."""
+    future, submitted = submit_batch(store, batch)
+    stored = await asyncio.wrap_future(future) if future is not None else 0
+    return stored, submitted - stored

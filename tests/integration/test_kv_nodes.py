@@ -8,8 +8,11 @@ import json
 import os
 import random
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +196,7 @@ async def test_prefetch_pulls_a_session_from_the_peer_into_the_top_tier(stubs: l
     status = await stubs[1].GetSessionStatus(kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True),
                                              timeout=5)
     assert list(status.token_ids) == token_ids and status.num_blocks == 64 and status.loadable_prefix_blocks == 64
+    assert status.data_port > 0  # every node advertises its raw page stream (pulls prefer it to FetchPages)
     assert _tier(status, kv_pb2.TIER_HBM).complete_prefix_blocks == 64
     assert list(_tier(status, kv_pb2.TIER_DRAM).blocks_per_layer) == [64] * GEOMETRY.num_layers
     assert await _download(stubs[1], ref) == _expected(pages)
@@ -281,7 +285,9 @@ class _DyingPeer(kv_pb2_grpc.KVStoreServicer):
         self.sent: list[kv_pb2.PageBatch] = []
 
     async def GetSessionStatus(self, request, context):  # type: ignore[no-untyped-def]
-        return await self.upstream.GetSessionStatus(request, timeout=5)
+        status = await self.upstream.GetSessionStatus(request, timeout=5)
+        status.data_port = 0  # no raw page stream: the puller falls back to FetchPages, which this test breaks
+        return status
 
     async def FetchPages(self, request, context):  # type: ignore[no-untyped-def]
         async for batch in self.upstream.FetchPages(request, timeout=30):
@@ -318,6 +324,62 @@ async def test_peer_dying_mid_stream_leaves_a_partial_verified_copy(stubs: list[
     assert all(expected[key] == value for key, value in kept.items())  # nothing corrupt was kept
     status = await stubs[1].GetSessionStatus(kv_pb2.SessionStatusRequest(session=ref), timeout=5)
     assert status.loadable_prefix_blocks < 64
+
+
+class _DyingStream(kv_pb2_grpc.KVStoreServicer):
+    """Fault injection on the raw page stream: advertises a proxy in front of a real node's stream that
+    flips one byte in the second frame and cuts the connection after the third."""
+
+    def __init__(self, upstream: kv_pb2_grpc.KVStoreStub) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.upstream_port = 0
+        self.frames: list[tuple[int, int, int]] = []  # (layer, first block, pages) forwarded
+        self.thread = threading.Thread(target=self._proxy, daemon=True)
+        self.thread.start()
+
+    async def GetSessionStatus(self, request, context):  # type: ignore[no-untyped-def]
+        status = await self.upstream.GetSessionStatus(request, timeout=5)
+        self.upstream_port, status.data_port = status.data_port, self.listener.getsockname()[1]
+        return status
+
+    def _proxy(self) -> None:
+        client, _ = self.listener.accept()
+        with client, socket.create_connection(("127.0.0.1", self.upstream_port), timeout=30) as upstream:
+            upstream.sendall(client.recv(65536))  # the request: one small write
+            reader = upstream.makefile("rb")
+            while len(self.frames) < 3:
+                header = reader.read(20)
+                _, layer, first_block, count, page_bytes = struct.unpack("<BxxxIIII", header)
+                body = bytearray(reader.read(count * (8 + page_bytes)))
+                if len(self.frames) == 1:
+                    body[count * 8 + 100] ^= 0xFF  # a byte inside the first page of this frame
+                client.sendall(header + body)
+                self.frames.append((layer, first_block, count))
+        self.listener.close()
+
+
+async def test_peer_stream_cut_mid_transfer_keeps_only_verified_pages(stubs: list[kv_pb2_grpc.KVStoreStub]) -> None:
+    ref, token_ids, pages = _session("dying-stream", 2048, seed=6)
+    await _upload(stubs[0], ref, token_ids, pages)
+    peer = _DyingStream(stubs[0])
+    server = grpc.aio.server()
+    kv_pb2_grpc.add_KVStoreServicer_to_server(peer, server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    await server.start()
+    try:
+        reply = await stubs[1].Pull(kv_pb2.PullRequest(session=ref, peer=address), timeout=30)
+    finally:
+        await server.stop(grace=None)
+    sent_pages = sum(count for _, _, count in peer.frames)
+    assert [layer for layer, _, _ in peer.frames] == sorted(layer for layer, _, _ in peer.frames)  # layer order
+    assert not reply.complete and "broke" in reply.error
+    assert (reply.pages_received, reply.pages_rejected) == (sent_pages - 1, 1)
+    kept = await _download(stubs[1], ref)
+    expected = _expected(pages)
+    assert len(kept) == sent_pages - 1
+    assert all(expected[key] == value for key, value in kept.items())  # nothing corrupt was kept
 
 
 _WRITER = """

@@ -243,6 +243,9 @@ def test_malformed_json_list_from_env_is_a_config_error_naming_the_var() -> None
         ({"scheduler": {"max_session_id_len": 0}}, "scheduler.max_session_id_len"),
         ({"scheduler": {"advisory_ttl_s": 0.0}}, "scheduler.advisory_ttl_s"),
         ({"engine": {"max_restarts": -1}}, "engine.max_restarts"),
+        ({"kv": {"data_plane": "rdma"}}, "kv.data_plane"),
+        ({"kv": {"data_port_base": 70000}}, "kv.data_port_base"),
+        ({"kv": {"data_port_base": 50051}}, "ports"),  # on top of node 0's gRPC port
     ],
 )
 def test_invalid_values_are_rejected_naming_the_key(overrides: dict[str, dict[str, Any]], key: str) -> None:
@@ -260,6 +263,7 @@ def test_invalid_values_are_rejected_naming_the_key(overrides: dict[str, dict[st
         {"scheduler": {"node_addresses": ["[::1]:50051", "node-a.internal:7000"]}},
         {"cluster": {"nodes": 64}},
         {"engine": {"max_restarts": 0}},
+        {"kv": {"data_plane": "grpc", "data_port_base": 9400}},
     ],
 )
 def test_boundary_values_are_accepted(overrides: dict[str, dict[str, Any]]) -> None:

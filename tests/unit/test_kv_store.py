@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from uuid import uuid4
 
@@ -23,67 +22,18 @@ from node_manager.kv.store import (
     TieredStore,
 )
 from symphony.kv_geometry import KVGeometry
-
-GEOMETRY = KVGeometry(num_layers=4, kv_heads=1, head_size=4, block_size=4)  # 64-byte pages of 8 int64 words
-PAGE = GEOMETRY.page_bytes
-WORDS = GEOMETRY.page_words
-BLOCK = GEOMETRY.block_size
-LAYERS = GEOMETRY.num_layers
-SENTINEL = -0x5A5A5A5A5A5A5A5A
-TIMEOUT = 10.0
-
-assert PAGE == 64 and WORDS == 8
-
-MakeStore = Callable[..., TieredStore]
-
-
-@pytest.fixture
-def ssd_dir(tmp_path: Path) -> Path:
-    return tmp_path / "ssd"
-
-
-@pytest.fixture
-def make_store(ssd_dir: Path) -> Iterator[MakeStore]:
-    stores: list[TieredStore] = []
-
-    def make(*, hbm_pages: int = 16, dram_pages: int = 64, ssd_bytes: int = 4 << 20, directory: Path | None = None,
-             geometry: KVGeometry = GEOMETRY, **overrides: object) -> TieredStore:
-        config = StoreConfig(hbm_bytes=hbm_pages * geometry.page_bytes, dram_bytes=dram_pages * geometry.page_bytes,
-                             ssd_bytes=ssd_bytes, ssd_dir=directory or ssd_dir,
-                             arena_name=f"symphony-test-{uuid4().hex[:8]}", **overrides)  # type: ignore[arg-type]
-        store = TieredStore(geometry, config)
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        if not store._closed:
-            store.close(flush_timeout=TIMEOUT)
-        assert not store.dram.path.exists(), "close() must remove the shared-memory arena"
-
-
-def tokens(num_blocks: int, base: int = 1000, tail: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK + tail))
-
-
-def page_data(num_blocks: int, seed: int, geometry: KVGeometry = GEOMETRY) -> list[torch.Tensor]:
-    """Per layer, [num_blocks, page_words] int64 of random (seeded, never SENTINEL-filled) words."""
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(-2**62, 2**62, (num_blocks, geometry.page_words), generator=generator, dtype=torch.int64)
-            for _ in range(geometry.num_layers)]
-
-
-def save_session(store: TieredStore, session: str, num_blocks: int, seed: int, *, tenant: str = "acme",
-                 base: int | None = None, priority: Priority | None = None,
-                 layers: list[int] | None = None, flush_each: bool = False) -> list[torch.Tensor]:
-    store.put_session(tenant, session, tokens(num_blocks, base if base is not None else seed * 10_000), priority)
-    data = page_data(num_blocks, seed, store.geometry)
-    for layer in range(store.geometry.num_layers) if layers is None else layers:
-        kept = store.save_layer(tenant, session, layer, 0, data[layer]).result(TIMEOUT)
-        assert kept == num_blocks
-        if flush_each:
-            assert store.flush(TIMEOUT)
-    return data
+from tests.unit.kv_store_support import (
+    GEOMETRY,
+    LAYERS,
+    PAGE,
+    SENTINEL,
+    TIMEOUT,
+    WORDS,
+    MakeStore,
+    page_data,
+    save_session,
+    tokens,
+)
 
 
 def load_rows(store: TieredStore, session: str, num_blocks: int, *, tenant: str = "acme", first_block: int = 0,

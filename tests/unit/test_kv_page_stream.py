@@ -1,0 +1,220 @@
+"""node_manager.kv.page_stream: the raw TCP page stream between node managers, over real sockets and
+real stores (the two node-process version is in tests/integration/test_kv_nodes.py)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from node_manager.kv import page_stream
+from node_manager.kv.page_stream import PageStreamServer, fetch_pages
+from node_manager.kv.pages import Tier
+from node_manager.kv.store import InvalidRequest, TieredStore
+from symphony.rpc import kv_pb2
+from tests.helpers import wait_until
+from tests.unit.kv_store_support import GEOMETRY, LAYERS, TIMEOUT, MakeStore, save_session, tokens
+
+BLOCKS = 6
+
+
+@pytest.fixture
+def server(make_store: MakeStore) -> Iterator[PageStreamServer]:
+    stream = PageStreamServer(make_store(), "127.0.0.1", 0, timeout_s=TIMEOUT)
+    yield stream
+    stream.close()
+
+
+def _request(session: str, first_block: int = 0, num_blocks: int = 0) -> kv_pb2.FetchPagesRequest:
+    return kv_pb2.FetchPagesRequest(session=kv_pb2.SessionRef(tenant="acme", session_id=session),
+                                    first_block=first_block, num_blocks=num_blocks)
+
+
+def _receiver(make_store: MakeStore, session: str, seed: int) -> TieredStore:
+    store = make_store()
+    store.put_session("acme", session, tokens(BLOCKS, seed * 10_000))
+    return store
+
+
+def _dram_pages(store: TieredStore, session: str) -> list[torch.Tensor]:
+    slots = store.dram_slots("acme", session)
+    return [store.dram.pages[layer_slots] for layer_slots in slots]
+
+
+def test_a_session_in_dram_arrives_whole_and_verified(server: PageStreamServer, make_store: MakeStore) -> None:
+    data = save_session(server._store, "s", BLOCKS, seed=1)
+    receiver = _receiver(make_store, "s", seed=1)
+    outcome = fetch_pages(receiver, "127.0.0.1", server.port, _request("s"), TIMEOUT)
+    assert (outcome.received, outcome.stored, outcome.error) == (BLOCKS * LAYERS, BLOCKS * LAYERS, "")
+    assert all(torch.equal(got, want) for got, want in zip(_dram_pages(receiver, "s"), data, strict=True))
+    wait_until(lambda: server._store.pinned_pages() == 0, TIMEOUT, "the sender's pins to go")
+
+
+def test_pages_spread_over_tiers_are_loaded_then_sent(server: PageStreamServer, make_store: MakeStore) -> None:
+    data = save_session(server._store, "s", BLOCKS, seed=2)
+    assert server._store.flush(TIMEOUT)
+    # Layer 1 of block 0 promoted to HBM: the sender no longer finds every page in DRAM alone.
+    server._store.load("acme", "s", 0, 1, target=Tier.HBM, layers=[1]).wait_all(TIMEOUT)
+    assert server._store.residency("acme", "s")[Tier.HBM][1][0]
+    receiver = _receiver(make_store, "s", seed=2)
+    outcome = fetch_pages(receiver, "127.0.0.1", server.port, _request("s", 2, 3), TIMEOUT)
+    assert (outcome.received, outcome.stored, outcome.error) == (3 * LAYERS, 3 * LAYERS, "")
+    slots = receiver.dram_slots("acme", "s")
+    for layer in range(LAYERS):
+        assert slots[layer][:2] == [-1, -1] and -1 not in slots[layer][2:5]
+        assert torch.equal(receiver.dram.pages[slots[layer][2:5]], data[layer][2:5])
+
+
+def test_unknown_session_and_bad_ranges_end_the_stream_with_a_reason(server: PageStreamServer,
+                                                                     make_store: MakeStore) -> None:
+    receiver = _receiver(make_store, "s", seed=3)
+    missing = fetch_pages(receiver, "127.0.0.1", server.port, _request("s"), TIMEOUT)
+    assert missing.stored == 0 and "no session" in missing.error.lower()
+    save_session(server._store, "s", BLOCKS, seed=3)
+    beyond = fetch_pages(receiver, "127.0.0.1", server.port, _request("s", first_block=BLOCKS + 1), TIMEOUT)
+    assert beyond.stored == 0 and "beyond" in beyond.error
+
+
+def test_garbage_request_gets_an_end_frame_and_the_server_keeps_serving(server: PageStreamServer,
+                                                                        make_store: MakeStore) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        reply = sock.recv(4096)
+    kind, *_rest, length = struct.unpack_from("<BxxxIIII", reply)
+    assert kind == page_stream.END and b"not a Symphony page stream" in reply[20:20 + length]
+    save_session(server._store, "s", BLOCKS, seed=4)
+    outcome = fetch_pages(_receiver(make_store, "s", seed=4), "127.0.0.1", server.port, _request("s"), TIMEOUT)
+    assert outcome.stored == BLOCKS * LAYERS and not outcome.error
+
+
+class _FakeSender:
+    """Fault injection: a listener that answers any request with `frames` (raw bytes), then closes."""
+
+    def __init__(self, frames: bytes) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, args=(frames,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, frames: bytes) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(frames)
+        self.listener.close()
+
+
+def _frame(layer: int, first_block: int, pages: torch.Tensor, checksums: list[int], page_bytes: int) -> bytes:
+    header = struct.pack("<BxxxIIII", page_stream.PAGES, layer, first_block, len(checksums), page_bytes)
+    return header + struct.pack(f"<{len(checksums)}Q", *checksums) + pages.numpy().tobytes()
+
+
+def test_a_flipped_byte_and_a_cut_stream_keep_only_verified_pages(server: PageStreamServer,
+                                                                  make_store: MakeStore) -> None:
+    data = save_session(server._store, "s", BLOCKS, seed=5)
+    checksums = server._store.page_checksums("acme", "s", 0, BLOCKS)
+    corrupt = data[0].clone()
+    corrupt[1, 3] ^= 1
+    frames = (_frame(0, 0, corrupt, checksums[:, 0].tolist(), GEOMETRY.page_bytes)
+              + _frame(1, 0, data[1], checksums[:, 1].tolist(), GEOMETRY.page_bytes)[:-10])  # cut mid-page
+    sender = _FakeSender(frames)
+    receiver = _receiver(make_store, "s", seed=5)
+    outcome = fetch_pages(receiver, "127.0.0.1", sender.port, _request("s"), TIMEOUT)
+    assert "broke" in outcome.error
+    assert (outcome.received, outcome.stored) == (BLOCKS, BLOCKS - 1)
+    slots = receiver.dram_slots("acme", "s")
+    assert slots[0][1] == -1 and all(slots[layer] == [-1] * BLOCKS for layer in range(1, LAYERS))
+    kept = [b for b in range(BLOCKS) if b != 1]
+    assert torch.equal(receiver.dram.pages[[slots[0][b] for b in kept]], data[0][kept])
+    assert receiver.stats()["dram_pages"] == BLOCKS - 1  # the cut frame's slots went back
+    sender.thread.join(TIMEOUT)
+
+
+def test_frames_that_break_the_protocol_are_refused(make_store: MakeStore) -> None:
+    wrong_size = struct.pack("<BxxxIIII", page_stream.PAGES, 0, 0, 1, GEOMETRY.page_bytes * 2)
+    sender = _FakeSender(wrong_size)
+    outcome = fetch_pages(_receiver(make_store, "s", seed=6), "127.0.0.1", sender.port, _request("s"), TIMEOUT)
+    assert outcome.stored == 0 and "bad frame" in outcome.error
+    sender.thread.join(TIMEOUT)
+
+
+def test_streams_beyond_the_bound_are_told_busy(make_store: MakeStore) -> None:
+    store = make_store()
+    stream = PageStreamServer(store, "127.0.0.1", 0, timeout_s=TIMEOUT, max_streams=1)
+    try:
+        holder = socket.create_connection(("127.0.0.1", stream.port), timeout=TIMEOUT)  # sends no request
+        wait_until(lambda: stream._slots._value == 0, TIMEOUT, "the first stream to take the only slot")
+        outcome = fetch_pages(_receiver(make_store, "s", seed=7), "127.0.0.1", stream.port, _request("s"), TIMEOUT)
+        assert "busy" in outcome.error
+        holder.close()
+    finally:
+        stream.close()
+
+
+def test_no_listener_raises_so_the_caller_can_fall_back(make_store: MakeStore) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    with pytest.raises(OSError):
+        fetch_pages(_receiver(make_store, "s", seed=8), "127.0.0.1", port, _request("s"), TIMEOUT)
+
+
+def test_reserved_pages_are_invisible_until_committed(make_store: MakeStore) -> None:
+    store = make_store()
+    data = save_session(make_store(), "s", 2, seed=9)
+    store.put_session("acme", "s", tokens(2, 90_000))
+    reservation = store.reserve_pages("acme", "s", 0, 0, 2)
+    assert reservation is not None and store.dram_slots("acme", "s")[0] == [-1, -1]
+    for view in store.reserved_views(reservation):
+        view[:] = memoryview(data[0].numpy()).cast("B")[:len(view)]
+    with pytest.raises(InvalidRequest):
+        store.commit_pages(reservation, [1])  # one checksum for two pages
+    assert store.commit_pages(reservation, None) == 2
+    assert torch.equal(store.dram.pages[store.dram_slots("acme", "s")[0]], data[0])
+
+
+def test_released_reservations_give_their_slots_back(make_store: MakeStore) -> None:
+    store = make_store(hbm_pages=0, dram_pages=4)
+    store.put_session("acme", "s", tokens(2))
+    first = store.reserve_pages("acme", "s", 0, 0, 2)
+    assert first is not None and store.reserve_pages("acme", "s", 1, 0, 2) is not None
+    assert store.reserve_pages("acme", "s", 2, 0, 2) is None  # full of reservations, nothing evictable
+    store.release_pages(first)
+    assert store.reserve_pages("acme", "s", 2, 0, 2) is not None
+
+
+def test_pinned_dram_pages_hold_only_when_dram_has_them_all(make_store: MakeStore) -> None:
+    store = make_store()
+    save_session(store, "s", BLOCKS, seed=10, layers=[0, 1])
+    with store.pinned_dram_pages("acme", "s", 0, BLOCKS) as held:
+        assert held is None  # layers 2 and 3 were never saved
+    save_session(store, "s", BLOCKS, seed=10, layers=[2, 3])
+    assert store.flush(TIMEOUT)
+    with store.pinned_dram_pages("acme", "s", 0, BLOCKS) as held:
+        assert held is not None
+        slots, checksums = held
+        assert slots.shape == checksums.shape == (BLOCKS, LAYERS)
+        assert store.pinned_pages() == BLOCKS * LAYERS
+    assert store.pinned_pages() == 0
+
+
+def test_write_behind_waits_for_a_foreground_transfer_within_its_bound(make_store: MakeStore) -> None:
+    held = make_store(dram_pages=256, write_behind_max_delay_s=60.0)  # the queue stays under a quarter of DRAM
+    with held.foreground_transfer():
+        save_session(held, "s", BLOCKS, seed=11)
+        wait_until(lambda: held.stats()["write_behind_held"] == 1, TIMEOUT, "the write-behind to hold off")
+        assert held.stats()["write_queue"] == BLOCKS * LAYERS  # nothing persisted while the transfer runs
+    wait_until(lambda: held.stats()["write_queue"] == 0 and held.pinned_pages() == 0, TIMEOUT,
+               "the write-behind to go once the transfer ended")
+    flushed = make_store(write_behind_max_delay_s=60.0)
+    with flushed.foreground_transfer():
+        save_session(flushed, "s", BLOCKS, seed=12)
+        assert flushed.flush(TIMEOUT)  # a flush never waits on the transfer
+    hasty = make_store(write_behind_max_delay_s=0.05)
+    with hasty.foreground_transfer():
+        save_session(hasty, "s", BLOCKS, seed=13)
+        wait_until(lambda: hasty.stats()["write_queue"] == 0 and hasty.pinned_pages() == 0, TIMEOUT,
+                   "the write-behind to go after its bounded delay")
