@@ -31,6 +31,7 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from node_manager.kv.store import KVStoreError, SessionRecord, TieredStore
 from node_manager.kv.transfer import loaded_runs, pages_per_message, staged_load, stream_chunks, stream_end
@@ -46,6 +47,7 @@ PAGES = 1
 END = 2
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_ERROR_BYTES = 4096
+_CONNECT_TIMEOUT_S = 2.0
 
 
 class ProtocolError(Exception):
@@ -69,7 +71,7 @@ def _recv_bytes(sock: socket.socket, size: int) -> bytes:
 
 class PageStreamServer:
     """Serves FetchPages requests over raw TCP: one thread per stream, at most `max_streams` at once
-    (a stream beyond that gets an END frame saying so, and the caller falls back or retries)."""
+    (a stream beyond that gets an END frame saying so, and the puller falls back to gRPC)."""
 
     def __init__(self, store: TieredStore, host: str, port: int, timeout_s: float, max_streams: int = 8) -> None:
         self._store = store
@@ -79,7 +81,7 @@ class PageStreamServer:
         self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=64)
         self.port: int = self._listener.getsockname()[1]
         self._closed = threading.Event()
-        self._streams: set[threading.Thread] = set()
+        self._streams: dict[threading.Thread, socket.socket] = {}
         self._streams_lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept_loop, name="kv-page-stream-accept", daemon=True)
         self._acceptor.start()
@@ -88,17 +90,31 @@ class PageStreamServer:
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # the listener was shut down
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self._timeout_s)
-            if not self._slots.acquire(blocking=False):
-                self._refuse(conn, "busy: too many page streams; retry")
+            except OSError as exc:
+                if self._closed.is_set():
+                    return  # the listener was shut down
+                # Out of file descriptors, a connection reset before accept: the stream stays up.
+                log.warning("page stream accept failed", error=repr(exc))
+                self._closed.wait(0.1)
                 continue
-            thread = threading.Thread(target=self._serve, args=(conn,), name="kv-page-stream", daemon=True)
-            with self._streams_lock:
-                self._streams.add(thread)
-            thread.start()
+            thread: threading.Thread | None = None
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.settimeout(self._timeout_s)
+                if not self._slots.acquire(blocking=False):
+                    self._refuse(conn, "busy: too many page streams; retry")
+                    continue
+                thread = threading.Thread(target=self._serve, args=(conn,), name="kv-page-stream", daemon=True)
+                with self._streams_lock:
+                    self._streams[thread] = conn
+                thread.start()
+            except (OSError, RuntimeError) as exc:  # no thread could be started: drop this one connection
+                log.warning("page stream could not start", error=repr(exc))
+                if thread is not None:  # the slot was taken and _serve will not give it back
+                    with self._streams_lock:
+                        self._streams.pop(thread, None)
+                    self._slots.release()
+                conn.close()
 
     def _refuse(self, conn: socket.socket, message: str) -> None:
         with contextlib.suppress(OSError):
@@ -110,16 +126,21 @@ class PageStreamServer:
             request = _read_request(conn)
             self._send_pages(conn, request)
             conn.sendall(_end_frame(""))
-        except (KVStoreError, ProtocolError, ValueError) as exc:
+        except (KVStoreError, ProtocolError, ValueError, TimeoutError, concurrent.futures.TimeoutError) as exc:
+            # Told to the receiver (a load that timed out included), which reports it in its pull.
             with contextlib.suppress(OSError):
-                conn.sendall(_end_frame(str(exc)))
-        except (OSError, concurrent.futures.TimeoutError) as exc:
+                conn.sendall(_end_frame(str(exc) or type(exc).__name__))
+        except OSError as exc:
             log.debug("page stream ended early", error=repr(exc))
+        except Exception as exc:  # a failed copy in a load: reported, never a dead thread with a stack trace
+            log.warning("page stream failed", error=repr(exc))
+            with contextlib.suppress(OSError):
+                conn.sendall(_end_frame(f"sender failed: {exc!r}"))
         finally:
             conn.close()
             self._slots.release()
             with self._streams_lock:
-                self._streams.discard(threading.current_thread())
+                self._streams.pop(threading.current_thread(), None)
 
     def _send_pages(self, conn: socket.socket, request: kv_pb2.FetchPagesRequest) -> None:
         tenant, session_id = request.session.tenant, request.session.session_id
@@ -178,8 +199,11 @@ class PageStreamServer:
         self._listener.close()
         self._acceptor.join(5)
         with self._streams_lock:
-            streams = list(self._streams)
-        for thread in streams:
+            streams = list(self._streams.items())
+        for _, conn in streams:  # a stream blocked on a slow reader ends now, not after its timeout
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread, _ in streams:
             thread.join(self._timeout_s)
 
 
@@ -190,7 +214,10 @@ def _read_request(conn: socket.socket) -> kv_pb2.FetchPagesRequest:
     if length > MAX_REQUEST_BYTES:
         raise ProtocolError(f"request of {length} bytes is over {MAX_REQUEST_BYTES}")
     request = kv_pb2.FetchPagesRequest()
-    request.ParseFromString(_recv_bytes(conn, length))
+    try:
+        request.ParseFromString(_recv_bytes(conn, length))
+    except DecodeError as exc:
+        raise ProtocolError(f"malformed request: {exc}") from None
     return request
 
 
@@ -211,14 +238,16 @@ def fetch_pages(store: TieredStore, host: str, port: int, request: kv_pb2.FetchP
     """Read one page stream into `store` (blocking; run it off the event loop); `stop` set ends it
     at the next frame. Raises OSError only if no connection could be made, so the caller can fall
     back to gRPC; everything after that is an outcome, partial or complete."""
-    sock = socket.create_connection((host.strip("[]"), port), timeout=timeout_s)
+    # A short connect timeout: a port that drops packets should send the caller to gRPC quickly.
+    sock = socket.create_connection((host.strip("[]"), port), timeout=min(timeout_s, _CONNECT_TIMEOUT_S))
     outcome = StreamOutcome()
     try:
+        sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         body = request.SerializeToString()
         sock.sendall(_REQUEST.pack(MAGIC, len(body)) + body)
         outcome.error = _receive(sock, store, request, outcome, stop or threading.Event())
-    except (OSError, ProtocolError, KVStoreError) as exc:
+    except (OSError, ProtocolError, KVStoreError, ValueError) as exc:
         outcome.error = f"page stream broke: {exc}"
     finally:
         sock.close()
@@ -231,6 +260,7 @@ def _receive(sock: socket.socket, store: TieredStore, request: kv_pb2.FetchPages
     max_pages = pages_per_message(page_bytes)
     header = bytearray(_FRAME.size)
     tenant, session_id = request.session.tenant, request.session.session_id
+    end = request.first_block + request.num_blocks if request.num_blocks else 0
     while not stop.is_set():
         _recv_exactly(sock, memoryview(header))
         kind, layer, first_block, count, extra = _FRAME.unpack(header)
@@ -241,6 +271,8 @@ def _receive(sock: socket.socket, store: TieredStore, request: kv_pb2.FetchPages
         if kind != PAGES or extra != page_bytes or not 0 < count <= max_pages:
             raise ProtocolError(f"bad frame: kind {kind}, {count} pages of {extra} bytes "
                                 f"(expected pages of {page_bytes} bytes, at most {max_pages})")
+        if first_block < request.first_block or (end and first_block + count > end):
+            raise ProtocolError(f"bad frame: blocks {first_block}..{first_block + count - 1} were not asked for")
         checksums = np.frombuffer(_recv_bytes(sock, count * 8), "<u8").tolist()
         # The pages go straight into reserved DRAM slots; verified and installed once all are in.
         reservation = store.reserve_pages(tenant, session_id, layer, first_block, count)
@@ -257,7 +289,11 @@ def _receive(sock: socket.socket, store: TieredStore, request: kv_pb2.FetchPages
         outcome.received += count
         # Committed here, not on another thread: measured no faster on 2 cores (the GIL and the
         # sender want the same CPUs), and while it runs the socket buffer keeps the sender going.
-        outcome.stored += store.commit_pages(reservation, checksums)
+        try:
+            outcome.stored += store.commit_pages(reservation, checksums)
+        except KVStoreError:
+            store.release_pages(reservation)  # commit_pages raises before installing anything
+            raise
     return "pull cancelled"
 
 

@@ -92,6 +92,10 @@ class PeerPuller:
         except asyncio.CancelledError:
             stop.set()  # the reading thread stops at its next frame
             raise
+        if outcome.error and not outcome.received:
+            # Busy, or refused before any page: gRPC gets the same pages, or the peer's status code.
+            log.info("peer page stream gave nothing; pulling over gRPC", peer=peer, error=outcome.error)
+            return False
         reply.pages_received = outcome.stored
         reply.pages_rejected = outcome.received - outcome.stored  # bad checksum, or no room
         if outcome.error:

@@ -7,13 +7,13 @@ import socket
 import struct
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from node_manager.kv import page_stream
 from node_manager.kv.page_stream import PageStreamServer, fetch_pages
-from node_manager.kv.pages import Tier
 from node_manager.kv.store import InvalidRequest, TieredStore
 from symphony.rpc import kv_pb2
 from tests.helpers import wait_until
@@ -54,14 +54,19 @@ def test_a_session_in_dram_arrives_whole_and_verified(server: PageStreamServer, 
     wait_until(lambda: server._store.pinned_pages() == 0, TIMEOUT, "the sender's pins to go")
 
 
-def test_pages_spread_over_tiers_are_loaded_then_sent(server: PageStreamServer, make_store: MakeStore) -> None:
-    data = save_session(server._store, "s", BLOCKS, seed=2)
-    assert server._store.flush(TIMEOUT)
-    # Layer 1 of block 0 promoted to HBM: the sender no longer finds every page in DRAM alone.
-    server._store.load("acme", "s", 0, 1, target=Tier.HBM, layers=[1]).wait_all(TIMEOUT)
-    assert server._store.residency("acme", "s")[Tier.HBM][1][0]
-    receiver = _receiver(make_store, "s", seed=2)
-    outcome = fetch_pages(receiver, "127.0.0.1", server.port, _request("s", 2, 3), TIMEOUT)
+def test_pages_only_on_ssd_are_loaded_then_sent(make_store: MakeStore, ssd_dir: Path) -> None:
+    writer = make_store()
+    data = save_session(writer, "s", BLOCKS, seed=2)
+    writer.close(flush_timeout=TIMEOUT)
+    sender = make_store(directory=ssd_dir)  # a restarted node: its index rebuilt, nothing in DRAM
+    sender.put_session("acme", "s", tokens(BLOCKS, 20_000))
+    assert all(slot == -1 for layer in sender.dram_slots("acme", "s") for slot in layer)
+    stream = PageStreamServer(sender, "127.0.0.1", 0, timeout_s=TIMEOUT)
+    try:
+        receiver = _receiver(make_store, "s", seed=2)
+        outcome = fetch_pages(receiver, "127.0.0.1", stream.port, _request("s", 2, 3), TIMEOUT)
+    finally:
+        stream.close()
     assert (outcome.received, outcome.stored, outcome.error) == (3 * LAYERS, 3 * LAYERS, "")
     slots = receiver.dram_slots("acme", "s")
     for layer in range(LAYERS):
@@ -134,12 +139,24 @@ def test_a_flipped_byte_and_a_cut_stream_keep_only_verified_pages(server: PageSt
     sender.thread.join(TIMEOUT)
 
 
-def test_frames_that_break_the_protocol_are_refused(make_store: MakeStore) -> None:
-    wrong_size = struct.pack("<BxxxIIII", page_stream.PAGES, 0, 0, 1, GEOMETRY.page_bytes * 2)
-    sender = _FakeSender(wrong_size)
-    outcome = fetch_pages(_receiver(make_store, "s", seed=6), "127.0.0.1", sender.port, _request("s"), TIMEOUT)
+@pytest.mark.parametrize("frame", [
+    struct.pack("<BxxxIIII", page_stream.PAGES, 0, 0, 1, GEOMETRY.page_bytes * 2),  # pages of another size
+    struct.pack("<BxxxIIII", page_stream.PAGES, 0, 0, 1, GEOMETRY.page_bytes),  # block 0, but 2.. was asked for
+    struct.pack("<BxxxIIII", 7, 0, 2, 1, GEOMETRY.page_bytes),  # no such frame kind
+])
+def test_frames_that_break_the_protocol_are_refused(make_store: MakeStore, frame: bytes) -> None:
+    sender = _FakeSender(frame)
+    outcome = fetch_pages(_receiver(make_store, "s", seed=6), "127.0.0.1", sender.port, _request("s", 2), TIMEOUT)
     assert outcome.stored == 0 and "bad frame" in outcome.error
     sender.thread.join(TIMEOUT)
+
+
+def test_a_malformed_request_body_gets_a_reason(server: PageStreamServer) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(page_stream.MAGIC + struct.pack("<I", 3) + b"\xff\xff\xff")
+        reply = sock.recv(4096)
+    kind, *_rest, length = struct.unpack_from("<BxxxIIII", reply)
+    assert kind == page_stream.END and b"malformed request" in reply[20:20 + length]
 
 
 def test_streams_beyond_the_bound_are_told_busy(make_store: MakeStore) -> None:
@@ -209,11 +226,12 @@ def test_write_behind_waits_for_a_foreground_transfer_within_its_bound(make_stor
         assert held.stats()["write_queue"] == BLOCKS * LAYERS  # nothing persisted while the transfer runs
     wait_until(lambda: held.stats()["write_queue"] == 0 and held.pinned_pages() == 0, TIMEOUT,
                "the write-behind to go once the transfer ended")
-    flushed = make_store(write_behind_max_delay_s=60.0)
+    flushed = make_store(dram_pages=256, write_behind_max_delay_s=60.0)
     with flushed.foreground_transfer():
         save_session(flushed, "s", BLOCKS, seed=12)
+        wait_until(lambda: flushed.stats()["write_behind_held"] == 1, TIMEOUT, "the write-behind to hold off")
         assert flushed.flush(TIMEOUT)  # a flush never waits on the transfer
-    hasty = make_store(write_behind_max_delay_s=0.05)
+    hasty = make_store(dram_pages=256, write_behind_max_delay_s=0.05)
     with hasty.foreground_transfer():
         save_session(hasty, "s", BLOCKS, seed=13)
         wait_until(lambda: hasty.stats()["write_queue"] == 0 and hasty.pinned_pages() == 0, TIMEOUT,
