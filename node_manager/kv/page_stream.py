@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import itertools
 import socket
 import struct
 import threading
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from node_manager.kv.slots import consecutive_runs
 from node_manager.kv.store import KVStoreError, SessionRecord, TieredStore
 from node_manager.kv.transfer import loaded_runs, pages_per_message, staged_load, stream_chunks, stream_end
 from symphony.logs import get_logger
@@ -163,8 +163,7 @@ class PageStreamServer:
         checksums = checksums.astype("<u8")
         for layer in range(slots.shape[1]):
             column = slots[:, layer]
-            breaks = (np.flatnonzero(np.diff(column) != 1) + 1).tolist()
-            for run_start, run_stop in itertools.pairwise([0, *breaks, len(column)]):
+            for run_start, run_stop in consecutive_runs(column):
                 for start in range(run_start, run_stop, per_message):
                     stop = min(start + per_message, run_stop)
                     self._send_header(conn, layer, chunk_start + start, checksums[start:stop, layer])

@@ -8,6 +8,7 @@ near memcpy speed where a Python loop over 24 KB pages would not.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import warnings
@@ -23,6 +24,12 @@ from symphony.logs import get_logger
 log = get_logger("node_manager.kv.slots")
 
 _SHM_DIR = Path("/dev/shm")
+
+
+def consecutive_runs(slots: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) offsets of the runs in which each slot is one more than the one before."""
+    breaks = (np.flatnonzero(np.diff(np.asarray(slots, dtype=np.int64)) != 1) + 1).tolist()
+    return list(itertools.pairwise([0, *breaks, len(slots)])) if len(slots) else []
 
 
 def copy_rows(dst: torch.Tensor, dst_rows: Sequence[int] | np.ndarray, src: torch.Tensor,

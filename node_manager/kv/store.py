@@ -29,7 +29,7 @@ from node_manager.kv.loader import LayerPlan, LayerResult, LayerwiseLoad, RowTar
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import PageId, Priority, Tier, page_checksum
 from node_manager.kv.segments import SegmentEntry
-from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, copy_rows
+from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, consecutive_runs, copy_rows
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
 from symphony.kv_addressing import BlockKey, SessionBlocks, chain_block_keys
 from symphony.kv_geometry import KVGeometry
@@ -372,14 +372,8 @@ class TieredStore:
     def reserved_views(self, reservation: PageReservation) -> list[memoryview]:
         """Writable byte views covering the reserved slots in page order, one per run of consecutive
         slots (usually one: fresh slots come off the free stack in order)."""
-        views = []
         slots = reservation.slots
-        start = 0
-        for i in range(1, len(slots) + 1):
-            if i == len(slots) or slots[i] != slots[i - 1] + 1:
-                views.append(self.dram.run_view(slots[start], i - start))
-                start = i
-        return views
+        return [self.dram.run_view(slots[start], stop - start) for start, stop in consecutive_runs(slots)]
 
     def commit_pages(self, reservation: PageReservation, expected: Sequence[int] | None = None) -> int:
         """Checksum the reserved pages as they sit in DRAM and install them; with `expected`, a page

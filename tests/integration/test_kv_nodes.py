@@ -276,6 +276,29 @@ async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]
     assert (await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=5)).page_bytes == GEOMETRY.page_bytes
 
 
+async def _pull_through(peer: kv_pb2_grpc.KVStoreServicer, puller: kv_pb2_grpc.KVStoreStub,
+                        ref: kv_pb2.SessionRef) -> kv_pb2.PullReply:
+    """Serve `peer` (a fault-injecting servicer) on a free port and have `puller` pull `ref` from it."""
+    server = grpc.aio.server()
+    kv_pb2_grpc.add_KVStoreServicer_to_server(peer, server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    await server.start()
+    try:
+        return await puller.Pull(kv_pb2.PullRequest(session=ref, peer=address), timeout=30)
+    finally:
+        await server.stop(grace=None)
+
+
+async def _assert_kept_only_verified(stub: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef,
+                                     pages: list[torch.Tensor], count: int) -> None:
+    """The node holds exactly `count` pages of `ref`, each byte-exact: nothing corrupt was kept."""
+    kept = await _download(stub, ref)
+    expected = _expected(pages)
+    assert len(kept) == count
+    assert all(expected[key] == value for key, value in kept.items())
+
+
 class _DyingPeer(kv_pb2_grpc.KVStoreServicer):
     """Fault injection: forwards a real node's stream, flips one byte in the second batch, and dies
     (UNAVAILABLE) after the third, as a peer that crashes mid-transfer would."""
@@ -305,23 +328,12 @@ async def test_peer_dying_mid_stream_leaves_a_partial_verified_copy(stubs: list[
     ref, token_ids, pages = _session("dying", 2048, seed=5)
     await _upload(stubs[0], ref, token_ids, pages)
     peer = _DyingPeer(stubs[0])
-    server = grpc.aio.server()
-    kv_pb2_grpc.add_KVStoreServicer_to_server(peer, server)
-    address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
-    await server.start()
-    try:
-        reply = await stubs[1].Pull(kv_pb2.PullRequest(session=ref, peer=address), timeout=30)
-    finally:
-        await server.stop(grace=None)
+    reply = await _pull_through(peer, stubs[1], ref)
     sent_pages = sum(len(b.checksums) for b in peer.sent)
     assert not reply.complete and "UNAVAILABLE" in reply.error
     assert reply.pages_expected == GEOMETRY.num_layers * 64
     assert (reply.pages_received, reply.pages_rejected) == (sent_pages - 1, 1)
-    kept = await _download(stubs[1], ref)
-    expected = _expected(pages)
-    assert len(kept) == sent_pages - 1
-    assert all(expected[key] == value for key, value in kept.items())  # nothing corrupt was kept
+    await _assert_kept_only_verified(stubs[1], ref, pages, sent_pages - 1)
     status = await stubs[1].GetSessionStatus(kv_pb2.SessionStatusRequest(session=ref), timeout=5)
     assert status.loadable_prefix_blocks < 64
 
@@ -363,23 +375,12 @@ async def test_peer_stream_cut_mid_transfer_keeps_only_verified_pages(stubs: lis
     ref, token_ids, pages = _session("dying-stream", 2048, seed=6)
     await _upload(stubs[0], ref, token_ids, pages)
     peer = _DyingStream(stubs[0])
-    server = grpc.aio.server()
-    kv_pb2_grpc.add_KVStoreServicer_to_server(peer, server)
-    address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
-    await server.start()
-    try:
-        reply = await stubs[1].Pull(kv_pb2.PullRequest(session=ref, peer=address), timeout=30)
-    finally:
-        await server.stop(grace=None)
+    reply = await _pull_through(peer, stubs[1], ref)
     sent_pages = sum(count for _, _, count in peer.frames)
     assert [layer for layer, _, _ in peer.frames] == sorted(layer for layer, _, _ in peer.frames)  # layer order
     assert not reply.complete and "broke" in reply.error
     assert (reply.pages_received, reply.pages_rejected) == (sent_pages - 1, 1)
-    kept = await _download(stubs[1], ref)
-    expected = _expected(pages)
-    assert len(kept) == sent_pages - 1
-    assert all(expected[key] == value for key, value in kept.items())  # nothing corrupt was kept
+    await _assert_kept_only_verified(stubs[1], ref, pages, sent_pages - 1)
 
 
 _WRITER = """

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from node_manager.kv import slots
-from node_manager.kv.slots import DramArena, SlotAllocator, copy_rows
+from node_manager.kv.slots import DramArena, SlotAllocator, consecutive_runs, copy_rows
 from symphony.kv_geometry import KVGeometry
 
 GEOMETRY = KVGeometry(num_layers=2, kv_heads=1, head_size=4, block_size=4)
@@ -70,3 +70,14 @@ def test_copy_rows_refuses_mismatched_row_lists() -> None:
     src = torch.zeros(4, 3, dtype=torch.int64)
     with pytest.raises(ValueError, match="3 destination rows for 2 source rows"):
         copy_rows(src.clone(), [0, 1, 2], src, [0, 1])
+
+
+@pytest.mark.parametrize(("slots", "runs"), [
+    ([], []),
+    ([7], [(0, 1)]),
+    ([3, 4, 5], [(0, 3)]),
+    ([3, 4, 9, 10, 2], [(0, 2), (2, 4), (4, 5)]),
+    ([5, 4], [(0, 1), (1, 2)]),  # descending slots are not a run
+])
+def test_consecutive_runs_split_where_slots_stop_counting_up(slots: list[int], runs: list[tuple[int, int]]) -> None:
+    assert consecutive_runs(slots) == runs
