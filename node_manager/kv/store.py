@@ -25,7 +25,15 @@ import torch
 
 from node_manager.kv.directory import NO_COPY, PageDirectory, SessionKey
 from node_manager.kv.eviction import EvictionPolicy, PageMeta, PriorityLRUPolicy, TopTierYieldPolicy
-from node_manager.kv.loader import LayerPlan, LayerResult, LayerwiseLoad, RowTarget, StripedLoad, copy_lanes
+from node_manager.kv.loader import (
+    LayerPlan,
+    LayerResult,
+    LayerwiseLoad,
+    PreparedDramLoad,
+    RowTarget,
+    StripedLoad,
+    copy_lanes,
+)
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import PageId, Priority, Tier, page_checksum
 from node_manager.kv.segments import SegmentEntry
@@ -617,18 +625,19 @@ class TieredStore:
             (lambda plan: self._finalize_layer(plan, handle, record, target)),
             after_first=lambda plan: self._after_first_layer(plan, keys, order[1:]),
             before_last=(lambda: self._release_prepared(prepared)) if prepared else None,  # type: ignore[arg-type]
-            first_alone=prepared is None)  # DRAM copies need no head start: the disk is not involved
+            # DRAM copies need no head start (the disk is not involved) and are bound by Python per copy
+            first_alone=prepared is None, whole_layers=prepared is not None)
         run.start()
         return handle
 
     def _plan_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence[BlockKey],
                     target: RowTarget | Tier, rows: np.ndarray | None,
-                    prepared: dict[int, LayerPlan] | None = None) -> LayerPlan:
+                    prepared: PreparedDramLoad | None = None) -> LayerPlan:
         """Decide where each page of `layer` comes from and pin it (bookkeeping only, under the lock),
         with whole-array operations over the load's blocks: this runs once per layer of every load.
         A load planned as a whole up front (`prepared`) only hands out its plan."""
         if prepared is not None:
-            return prepared[layer]
+            return prepared.layer_plan(layer)
         tier_target = target if isinstance(target, Tier) else None
         if tier_target is None:
             dest = target.tensors[layer]  # type: ignore[union-attr]
@@ -649,7 +658,7 @@ class TieredStore:
         return plan
 
     def _plan_load_from_dram(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
-                             rows: np.ndarray) -> dict[int, LayerPlan] | None:
+                             rows: np.ndarray) -> PreparedDramLoad | None:
         """The common resume: every page the load wants sits in DRAM and none in HBM. Planned and
         pinned for all layers at once, so the lanes spend their time copying, not in Python holding
         the GIL the other lane needs (per-layer planning and finishing cost more than the copies).
@@ -658,27 +667,21 @@ class TieredStore:
         ids = d.rows(keys)
         if not len(ids) or ids.min() < 0:
             return None
-        layers = np.asarray(order)
-        slots = d.dram[ids][:, layers]
-        if slots.min() < 0 or d.hbm[ids][:, layers].max() >= 0:
+        # Every layer in order (the usual load) selects whole directory rows: no column gather.
+        columns = slice(None) if order == list(range(self.geometry.num_layers)) else np.asarray(order)
+        slots = d.dram[ids][:, columns]
+        if slots.min() < 0 or d.hbm[ids][:, columns].max() >= 0:
             return None
-        d.pins[np.ix_(ids, layers)] += 1
-        index = np.arange(len(ids))
-        source = np.full(len(ids), Tier.DRAM, np.int64)
-        in_segment = np.zeros(len(ids), np.int64)  # no SSD reads: kept only as parallel-array padding
-        checksums = d.checksum[ids][:, layers]
+        if isinstance(columns, slice):
+            d.pins[ids] += 1
+        else:
+            d.pins[np.ix_(ids, columns)] += 1
         # Saves take consecutive slots for a layer's blocks, so most layers are one slice copy.
         rows_consecutive = bool((np.diff(rows) == 1).all())
         consecutive = ((np.diff(slots, axis=0) == 1).all(axis=0) & rows_consecutive).tolist()
-        first_slots = slots[0].tolist()
-        plans = {}
-        for column, layer in enumerate(order):
-            plans[layer] = LayerPlan(layer, target.tensors[layer], keys, index=index, source=source,
-                                     where=slots[:, column], ssd_page=in_segment, rows=rows, block_rows=ids,
-                                     checksums=checksums[:, column], only=Tier.DRAM,
-                                     span=(int(rows[0]), first_slots[column]) if consecutive[column] else None)
         self._defer_touches(Tier.DRAM, tuple(keys), tuple(order))
-        return plans
+        return PreparedDramLoad(keys, target.tensors, order, ids, slots, d.checksum[ids][:, columns], rows,
+                                slots[0].tolist(), consecutive)
 
     def _dram_layer_result(self, plan: LayerPlan, handle: LayerwiseLoad) -> LayerResult:
         """A layer of a load planned by `_plan_load_from_dram` is done: nothing to unpin yet."""
@@ -688,12 +691,15 @@ class TieredStore:
         self._observe_io(Tier.DRAM, "read", plan.reads, plan.started)
         return LayerResult(plan.layer, handle.num_blocks, (), {Tier.DRAM: plan.reads})
 
-    def _release_prepared(self, plans: dict[int, LayerPlan]) -> None:
+    def _release_prepared(self, prepared: PreparedDramLoad) -> None:
         """Every layer of a load planned as a whole is copied: release its pins and in-flight slots."""
         with self._lock:
-            for plan in plans.values():
-                self._directory.pins[plan.block_rows, plan.layer] -= 1
-            self._inflight -= len(plans)
+            pins = self._directory.pins
+            if len(prepared.order) == self.geometry.num_layers:  # every layer (any order): whole rows
+                pins[prepared.block_rows] -= 1
+            else:
+                pins[np.ix_(prepared.block_rows, prepared.order)] -= 1
+            self._inflight -= len(prepared.order)
 
     def _plan_general(self, plan: LayerPlan, ids: np.ndarray, tier_target: Tier | None, rows: np.ndarray | None,
                       record: SessionRecord) -> None:

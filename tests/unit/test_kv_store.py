@@ -755,6 +755,31 @@ def test_dram_load_with_scattered_rows_releases_every_pin(make_store: MakeStore)
     assert metric(store, "symphony_kv_load_hits_total", tier="DRAM") == 4 * LAYERS
 
 
+@pytest.mark.parametrize("order", [[3, 1], [2, 0, 3, 1]], ids=["subset", "permuted"])
+def test_dram_load_of_chosen_layers_in_any_order(make_store: MakeStore, order: list[int]) -> None:
+    """The whole-load DRAM plan selects its layers' columns (or whole rows when every layer comes):
+    each chosen layer lands, the others stay untouched, every layer resolves and no pin is left."""
+    store = make_store(hbm_pages=0, dram_pages=4 * LAYERS)
+    data = save_session(store, "s1", 3, seed=54)
+    tensors = [torch.full((3, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
+    results = store.load("acme", "s1", target=RowTarget(tensors, [0, 1, 2]), layers=order).wait_all(TIMEOUT)
+    for layer in range(LAYERS):
+        if layer in order:
+            assert results[layer].by_tier == {Tier.DRAM: 3} and torch.equal(tensors[layer], data[layer])
+        else:
+            assert results[layer].loaded == 0 and bool((tensors[layer] == SENTINEL).all())
+    assert store.flush(TIMEOUT) and store.pinned_pages() == 0
+
+
+def test_wait_all_times_out_while_a_layer_is_pending() -> None:
+    handle = LayerwiseLoad(2, 0, 1)
+    handle._finish(0, LayerResult(0, 1, ()))
+    with pytest.raises(TimeoutError):
+        handle.wait_all(0.05)
+    handle._finish(1, LayerResult(1, 1, ()))
+    assert [r.layer for r in handle.wait_all(TIMEOUT)] == [0, 1]
+
+
 def test_repeated_loads_do_not_grow_the_deferred_recency_queue(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0, dram_pages=4 * LAYERS)
     save_session(store, "s1", 2, seed=52)
