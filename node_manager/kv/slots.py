@@ -91,7 +91,7 @@ class DramArena:
     """
 
     def __init__(self, name: str, geometry: KVGeometry, capacity_bytes: int, *, create: bool = True,
-                 pin_for_cuda: bool = False) -> None:
+                 pin_for_cuda: bool = False, writable: bool = True) -> None:
         self.name = name
         self.geometry = geometry
         self.num_slots = capacity_bytes // geometry.page_bytes
@@ -109,7 +109,7 @@ class DramArena:
                               "enlarge /dev/shm (docker: --shm-size)")
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         else:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             if create:
                 os.ftruncate(fd, size)
@@ -120,12 +120,12 @@ class DramArena:
                 self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
             else:
-                self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+                self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
         finally:
             os.close(fd)
         self._owner = create
-        buffer = self._mmap if create else memoryview(self._mmap)
-        # torch.frombuffer over a read-only mapping warns once; consumers only read it.
+        buffer = self._mmap if create or writable else memoryview(self._mmap)
+        # torch.frombuffer over a read-only mapping warns once; such consumers only read it.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(buffer, dtype=torch.int64, count=size // 8)
@@ -142,9 +142,11 @@ class DramArena:
                 log.warning("could not pin the DRAM arena; host-device copies will be synchronous", arena=name)
 
     @classmethod
-    def attach(cls, name: str, geometry: KVGeometry, capacity_bytes: int) -> DramArena:
-        """Map an existing arena read-only (the consumer side, e.g. the vLLM worker)."""
-        return cls(name, geometry, capacity_bytes, create=False)
+    def attach(cls, name: str, geometry: KVGeometry, capacity_bytes: int, writable: bool = False,
+               pin_for_cuda: bool = False) -> DramArena:
+        """Map an existing arena (the consumer side, e.g. the vLLM worker). Writable for a process
+        that fills slots the store reserved for it (`reserve_pages`); read-only otherwise."""
+        return cls(name, geometry, capacity_bytes, create=False, writable=writable, pin_for_cuda=pin_for_cuda)
 
     def page_view(self, slot: int) -> memoryview:
         start = slot * self._page_bytes

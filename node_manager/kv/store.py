@@ -115,6 +115,18 @@ class PageReservation:
     slots: list[int]
 
 
+@dataclass(slots=True)
+class DramPin:
+    """Pages pinned in DRAM for a reader outside the store: `slots[i, j]` is the arena slot of block
+    i in the j-th layer asked for, -1 where DRAM held no copy. `rows`/`layers` are the directory
+    cells that hold a pin, released once by `unpin_dram`."""
+
+    rows: np.ndarray
+    layers: np.ndarray
+    slots: np.ndarray
+    released: bool = False
+
+
 class TieredStore:
     def __init__(self, geometry: KVGeometry, config: StoreConfig, metrics: KVMetrics | None = None) -> None:
         config.validate()
@@ -293,6 +305,41 @@ class TieredStore:
             if held is not None:
                 with self._lock:
                     d.pins[ids] -= 1
+
+    def pin_dram(self, tenant: str, session_id: str, first_block: int, count: int,
+                 layers: Sequence[int]) -> DramPin:
+        """Pin the DRAM copies of blocks first_block.. for `layers` so that another process (the vLLM
+        worker, which maps the arena) can copy them out; pages DRAM does not hold get slot -1 and
+        are not pinned. The pins hold until `unpin_dram`: neither eviction nor a replacing save can
+        touch a pinned slot."""
+        d = self._directory
+        with self._lock:
+            record = self.session(tenant, session_id)
+            self._check_range(record, 0, first_block, count)
+            if not all(0 <= layer < self.geometry.num_layers for layer in layers):
+                raise InvalidRequest(f"layers must be within 0..{self.geometry.num_layers - 1}")
+            keys = record.blocks.block_keys[first_block:first_block + count]
+            ids = d.rows(keys)
+            columns = np.asarray(layers, dtype=np.int64)
+            slots = np.full((len(ids), len(columns)), -1, np.int64)
+            known = ids >= 0
+            slots[known] = d.dram[ids[known]][:, columns]
+            held = slots >= 0
+            rows, cols = np.nonzero(held)
+            np.add.at(d.pins, (ids[rows], columns[cols]), 1)
+            if held.any():
+                self._defer_touches(Tier.DRAM, tuple(keys), tuple(int(layer) for layer in columns))
+                self._hits[Tier.DRAM].inc(int(held.sum()))
+            if not held.all():
+                self.metrics.misses.inc(int((~held).sum()))
+        return DramPin(ids[rows], columns[cols], slots)
+
+    def unpin_dram(self, pin: DramPin) -> None:
+        with self._lock:
+            if pin.released:
+                return
+            pin.released = True
+            np.subtract.at(self._directory.pins, (pin.rows, pin.layers), 1)
 
     def pinned_pages(self) -> int:
         """Pages with I/O in progress (loads, or a write-behind still owed): 0 once the store is idle."""

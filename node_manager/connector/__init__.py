@@ -1,0 +1,1 @@
+"""Symphony's vLLM KV connector and its client of the node-local KV channel."""

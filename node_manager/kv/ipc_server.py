@@ -1,0 +1,280 @@
+"""The node-local KV channel, node manager side: serves the vLLM connector over a Unix socket.
+
+The connector runs inside vLLM's processes (scheduler and worker) on the same host and maps the
+DRAM arena itself, so this channel carries bookkeeping only, never page bytes:
+
+- `hello`: the arena's name and the KV geometry, so the worker can map and check it.
+- `match` (+ token ids): register the session's tokens, answer how many leading blocks some tier
+  holds in every layer (what a resumed turn can load instead of recomputing).
+- `load` (items of blocks): per layer, in layer order, one `layer` frame with the DRAM slot of
+  every block (-1: not available, recompute it), pinned until `release`. Pages on SSD are promoted
+  into DRAM first, layer by layer, so the worker copies layer 0 while later layers are still read.
+- `reserve` (+ token ids) / `commit` / `abort`: DRAM slots that the worker fills with a layer's
+  new pages straight from vLLM's KV cache; `commit` checksums and installs them (write-behind to
+  SSD follows as for every save).
+
+Requests on one connection are answered in order. A connection that closes releases its pins and
+reservations, so a worker killed mid-step leaks nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from node_manager.kv import ipc_wire
+from node_manager.kv.pages import Tier
+from node_manager.kv.store import (
+    DramPin,
+    InvalidRequest,
+    KVStoreError,
+    PageReservation,
+    SessionNotFound,
+    StoreBusy,
+    TieredStore,
+)
+from symphony.logs import get_logger
+
+log = get_logger("node_manager.kv.ipc")
+
+MAX_CONNECTIONS = 64
+MAX_OUTSTANDING = 1024  # loads plus reservations one connection may hold at once
+MAX_LOAD_ITEMS = 1024
+DEFAULT_LOAD_TIMEOUT_S = 30.0
+
+
+@dataclass(eq=False)  # kept in a set: identity, not field equality
+class _Connection:
+    sock: socket.socket
+    loads: dict[int, list[DramPin]] = field(default_factory=dict)
+    reservations: dict[int, list[PageReservation | None]] = field(default_factory=dict)
+
+
+class LocalKVServer:
+    def __init__(self, store: TieredStore, path: Path, max_connections: int = MAX_CONNECTIONS) -> None:
+        self.store = store
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a node manager killed with -9 leaves its socket behind; the path is ours
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(self.path))
+        os.chmod(self.path, 0o600)  # only this user's processes may read the store's bookkeeping
+        self._listener.listen(max_connections)
+        self._max_connections = max_connections
+        self._connections: set[_Connection] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._accepter = threading.Thread(target=self._accept_loop, name="kv-ipc-accept", daemon=True)
+        self._accepter.start()
+
+    # ---- connections ------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._closed:
+                    return
+                log.warning("KV channel accept failed; still listening")
+                time.sleep(0.01)  # an error that repeats (fd exhaustion) must not spin a core
+                continue
+            conn = _Connection(sock)
+            with self._lock:
+                full = len(self._connections) >= self._max_connections
+                if not full:
+                    self._connections.add(conn)
+            if full:
+                with contextlib.suppress(OSError):
+                    ipc_wire.send(sock, {"op": "error", "code": "busy",
+                                         "message": f"more than {self._max_connections} connections"})
+                sock.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="kv-ipc-conn", daemon=True).start()
+
+    def _serve(self, conn: _Connection) -> None:
+        try:
+            while True:
+                frame = ipc_wire.recv(conn.sock)
+                if frame is None:
+                    return
+                message, payload = frame
+                try:
+                    self._dispatch(conn, message, payload)
+                except (InvalidRequest, ipc_wire.ProtocolError, ValueError, TypeError, KeyError) as exc:
+                    self._error(conn, message, "invalid_argument", str(exc))
+                except SessionNotFound as exc:
+                    self._error(conn, message, "not_found", str(exc))
+                except KVStoreError as exc:
+                    self._error(conn, message, "unavailable", str(exc))
+        except ipc_wire.ProtocolError as exc:
+            log.warning("KV channel peer sent a bad frame; closing it", error=str(exc))
+        except OSError:
+            pass  # the peer went away: what it held is released below
+        finally:
+            self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        for pins in conn.loads.values():
+            for pin in pins:
+                self.store.unpin_dram(pin)
+        for reservations in conn.reservations.values():
+            self._release(reservations)
+        conn.loads.clear()
+        conn.reservations.clear()
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+        with self._lock:
+            self._connections.discard(conn)
+
+    def _error(self, conn: _Connection, message: dict[str, Any], code: str, text: str) -> None:
+        ipc_wire.send(conn.sock, {"op": "error", "id": message.get("id"), "code": code, "message": text})
+
+    # ---- operations -------------------------------------------------------------------------------
+
+    def _dispatch(self, conn: _Connection, message: dict[str, Any], payload: bytes) -> None:
+        op = message["op"]
+        if op == "hello":
+            g = self.store.geometry
+            ipc_wire.send(conn.sock, {"op": "hello", "arena": self.store.dram.name,
+                                      "arena_bytes": self.store.config.dram_bytes, "num_layers": g.num_layers,
+                                      "kv_heads": g.kv_heads, "head_size": g.head_size,
+                                      "block_size": g.block_size, "dtype": g.dtype, "page_bytes": g.page_bytes})
+        elif op == "match":
+            tenant, session = _str(message, "tenant"), _str(message, "session")
+            self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
+            blocks = self.store.loadable_prefix_blocks(tenant, session)
+            ipc_wire.send(conn.sock, {"op": "match", "blocks": blocks})
+        elif op == "load":
+            self._load(conn, message)
+        elif op == "release":
+            for pin in conn.loads.pop(_int(message, "id"), []):
+                self.store.unpin_dram(pin)
+        elif op == "reserve":
+            self._reserve(conn, message, payload)
+        elif op == "commit":
+            reservations = conn.reservations.pop(_int(message, "id"), None)
+            if reservations is None:
+                raise InvalidRequest(f"no reservation {message['id']}")
+            kept = sum(self.store.commit_pages(r) for r in reservations if r is not None)
+            ipc_wire.send(conn.sock, {"op": "commit", "id": message["id"], "kept": kept})
+        elif op == "abort":
+            self._release(conn.reservations.pop(_int(message, "id"), []))
+        else:
+            raise InvalidRequest(f"unknown operation {op!r}")
+
+    def _check_room(self, conn: _Connection, request_id: int) -> None:
+        if request_id in conn.loads or request_id in conn.reservations:
+            raise InvalidRequest(f"id {request_id} is already in use on this connection")
+        if len(conn.loads) + len(conn.reservations) >= MAX_OUTSTANDING:
+            raise InvalidRequest(f"more than {MAX_OUTSTANDING} loads and reservations outstanding")
+
+    def _load(self, conn: _Connection, message: dict[str, Any]) -> None:
+        """Answer one `layer` frame per layer, in order. Items wholly in DRAM are pinned at once;
+        others are promoted into DRAM by a layer-wise load and pinned as each layer lands. A block
+        that cannot be had (unknown session, a page lost, the store busy) gets slot -1."""
+        request_id = _int(message, "id")
+        self._check_room(conn, request_id)
+        items = message["items"]
+        if not isinstance(items, list) or len(items) > MAX_LOAD_ITEMS:
+            raise InvalidRequest(f"'items' must be a list of at most {MAX_LOAD_ITEMS} loads")
+        parsed = [(_str(item, "tenant"), _str(item, "session"), _int(item, "first_block"), _int(item, "count"))
+                  for item in items]
+        deadline = time.monotonic() + float(message.get("timeout_s", DEFAULT_LOAD_TIMEOUT_S))
+        layers = list(range(self.store.geometry.num_layers))
+        pins: list[DramPin] = []
+        conn.loads[request_id] = pins
+        whole: dict[int, np.ndarray] = {}  # item -> [count, layers] slots, pinned up front
+        promoting: dict[int, Any] = {}  # item -> LayerwiseLoad into DRAM
+        for index, (tenant, session, first, count) in enumerate(parsed):
+            try:
+                pin = self.store.pin_dram(tenant, session, first, count, layers)
+            except KVStoreError as exc:
+                log.info("KV load item not served; the engine recomputes it", session=session, error=str(exc))
+                whole[index] = np.full((count, len(layers)), -1, np.int64)
+                continue
+            if (pin.slots >= 0).all():
+                pins.append(pin)
+                whole[index] = pin.slots
+                continue
+            self.store.unpin_dram(pin)
+            try:
+                promoting[index] = self.store.load(tenant, session, first, count, target=Tier.DRAM)
+            except StoreBusy:
+                whole[index] = np.full((count, len(layers)), -1, np.int64)
+        for layer in layers:
+            parts = []
+            for index, (tenant, session, first, count) in enumerate(parsed):
+                if index in whole:
+                    parts.append(whole[index][:, layer])
+                    continue
+                with contextlib.suppress(concurrent.futures.TimeoutError, KVStoreError, OSError):
+                    promoting[index].layer_ready(layer).result(max(0.0, deadline - time.monotonic()))
+                try:
+                    pin = self.store.pin_dram(tenant, session, first, count, [layer])
+                except KVStoreError:
+                    parts.append(np.full(count, -1, np.int64))
+                    continue
+                pins.append(pin)
+                parts.append(pin.slots[:, 0])
+            slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
+            ipc_wire.send(conn.sock, {"op": "layer", "id": request_id, "layer": layer, "last": layer == layers[-1]},
+                          np.ascontiguousarray(slots, dtype=np.int64).tobytes())
+
+    def _reserve(self, conn: _Connection, message: dict[str, Any], payload: bytes) -> None:
+        request_id = _int(message, "id")
+        self._check_room(conn, request_id)
+        tenant, session = _str(message, "tenant"), _str(message, "session")
+        first, count = _int(message, "first_block"), _int(message, "count")
+        self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
+        reservations: list[PageReservation | None] = []
+        try:
+            for layer in range(self.store.geometry.num_layers):
+                reservations.append(self.store.reserve_pages(tenant, session, layer, first, count))
+        except BaseException:
+            self._release(reservations)
+            raise
+        conn.reservations[request_id] = reservations
+        slots = np.array([r.slots if r is not None else [-1] * count for r in reservations], np.int64)
+        ipc_wire.send(conn.sock, {"op": "reserve", "id": request_id}, slots.tobytes())
+
+    def _release(self, reservations: list[PageReservation | None]) -> None:
+        for reservation in reservations:
+            if reservation is not None:
+                self.store.release_pages(reservation)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)  # its thread then releases what it held
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def _str(message: dict[str, Any], name: str) -> str:
+    value = message.get(name)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"{name!r} must be a non-empty string")
+    return value
+
+
+def _int(message: dict[str, Any], name: str) -> int:
+    value = message.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequest(f"{name!r} must be a non-negative integer")
+    return value

@@ -1,0 +1,171 @@
+"""The node-local KV channel (node_manager.kv.ipc_server + node_manager.connector.kv_client) over a
+real Unix socket, against a real store whose DRAM arena the test maps as the vLLM worker would."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from node_manager.connector.kv_client import KVChannelError, NodeKVClient
+from node_manager.kv.ipc_server import LocalKVServer
+from node_manager.kv.loader import RowTarget
+from node_manager.kv.slots import DramArena
+from node_manager.kv.store import TieredStore
+from tests.helpers import wait_until
+from tests.unit.kv_store_support import (
+    BLOCK,
+    GEOMETRY,
+    LAYERS,
+    TIMEOUT,
+    WORDS,
+    MakeStore,
+    page_data,
+    save_session,
+    tokens,
+)
+
+BLOCKS = 5
+
+
+@pytest.fixture
+def store(make_store: MakeStore) -> TieredStore:
+    return make_store(hbm_pages=0, dram_pages=64)
+
+
+@pytest.fixture
+def server(store: TieredStore, tmp_path: Path) -> Iterator[LocalKVServer]:
+    served = LocalKVServer(store, tmp_path / "kv.sock")
+    yield served
+    served.close()
+
+
+@pytest.fixture
+def client(server: LocalKVServer) -> Iterator[NodeKVClient]:
+    c = NodeKVClient(server.path, timeout_s=TIMEOUT)
+    yield c
+    c.close()
+
+
+def _arena(client: NodeKVClient) -> DramArena:
+    hello = client.hello()
+    assert (hello["num_layers"], hello["page_bytes"], hello["block_size"]) == (LAYERS, GEOMETRY.page_bytes, BLOCK)
+    return DramArena.attach(hello["arena"], GEOMETRY, hello["arena_bytes"])
+
+
+def _read_load(client: NodeKVClient, items: list[dict]) -> tuple[int, list[tuple[int, np.ndarray]]]:
+    load_id, layers = client.load(items, timeout_s=TIMEOUT)
+    return load_id, list(layers)
+
+
+def test_match_registers_tokens_and_counts_held_blocks(store: TieredStore, client: NodeKVClient) -> None:
+    assert client.match("acme", "fresh", tokens(3)) == 0
+    assert store.session("acme", "fresh").blocks.num_blocks == 3
+    save_session(store, "s", BLOCKS, seed=1)
+    history = tokens(BLOCKS, base=10_000)
+    # The next turn: the stored history plus a new message; only the stored blocks are loadable.
+    assert client.match("acme", "s", [*history, *range(7, 7 + 2 * BLOCK + 1)]) == BLOCKS
+    # Same tokens under another tenant: keys are namespaced, nothing is shared.
+    assert client.match("other", "s", history) == 0
+
+
+def test_load_from_dram_pins_until_release(store: TieredStore, client: NodeKVClient) -> None:
+    data = save_session(store, "s", BLOCKS, seed=2)
+    assert store.flush(TIMEOUT)
+    arena = _arena(client)
+    try:
+        load_id, layers = _read_load(client, [{"tenant": "acme", "session": "s", "first_block": 1, "count": 3}])
+        assert [layer for layer, _ in layers] == list(range(LAYERS))
+        for layer, slots in layers:
+            assert (slots >= 0).all()
+            assert torch.equal(arena.pages[torch.from_numpy(slots.copy())], data[layer][1:4])
+        assert store.pinned_pages() == 3 * LAYERS, "the worker's pages must stay put until it releases them"
+        client.release(load_id)
+        wait_until(lambda: store.pinned_pages() == 0, TIMEOUT, "pins released")
+    finally:
+        arena.close()
+
+
+def test_load_promotes_ssd_pages_and_marks_unknown_items(make_store: MakeStore, ssd_dir: Path,
+                                                         tmp_path: Path) -> None:
+    first = make_store(hbm_pages=0)
+    data = save_session(first, "s", BLOCKS, seed=3)
+    first.close()
+    store = make_store(hbm_pages=0)  # same directory: everything is on SSD only
+    store.put_session("acme", "s", tokens(BLOCKS, base=30_000))
+    server = LocalKVServer(store, tmp_path / "kv2.sock")
+    client = NodeKVClient(server.path, timeout_s=TIMEOUT)
+    arena = _arena(client)
+    try:
+        items = [{"tenant": "acme", "session": "s", "first_block": 0, "count": BLOCKS},
+                 {"tenant": "acme", "session": "nobody", "first_block": 0, "count": 2}]
+        load_id, layers = _read_load(client, items)
+        for layer, slots in layers:
+            assert len(slots) == BLOCKS + 2
+            assert (slots[BLOCKS:] == -1).all(), "an unknown session is recomputed, not an error"
+            assert torch.equal(arena.pages[torch.from_numpy(slots[:BLOCKS].copy())], data[layer])
+        client.release(load_id)
+        wait_until(lambda: store.pinned_pages() == 0, TIMEOUT, "pins released")
+    finally:
+        arena.close()
+        client.close()
+        server.close()
+
+
+def test_reserve_fill_commit_saves_pages(store: TieredStore, client: NodeKVClient) -> None:
+    history = tokens(BLOCKS, base=40_000)
+    data = page_data(2, seed=4)
+    arena = _arena_rw(client)
+    try:
+        reservation, slots = client.reserve("acme", "s", 1, 2, history[:3 * BLOCK])
+        assert slots.shape == (LAYERS, 2) and (slots >= 0).all()
+        for layer in range(LAYERS):
+            arena.pages[torch.from_numpy(slots[layer].copy())] = data[layer]
+        assert client.commit(reservation) == 2 * LAYERS
+    finally:
+        arena.close()
+    dest = [torch.zeros(2, WORDS, dtype=torch.int64) for _ in range(LAYERS)]
+    results = store.load("acme", "s", 1, 2, target=RowTarget(dest, [0, 1])).wait_all(TIMEOUT)
+    assert all(r.failed == () for r in results)
+    assert all(torch.equal(dest[layer], data[layer]) for layer in range(LAYERS))
+
+
+def _arena_rw(client: NodeKVClient) -> DramArena:
+    hello = client.hello()
+    return DramArena.attach(hello["arena"], GEOMETRY, hello["arena_bytes"], writable=True)
+
+
+def test_a_closed_connection_releases_pins_and_reservations(store: TieredStore, server: LocalKVServer) -> None:
+    save_session(store, "s", BLOCKS, seed=5)
+    assert store.flush(TIMEOUT)
+    free_before = store._dram_slots.free
+    client = NodeKVClient(server.path, timeout_s=TIMEOUT)
+    _read_load(client, [{"tenant": "acme", "session": "s", "first_block": 0, "count": BLOCKS}])
+    client.reserve("acme", "s2", 0, 2, tokens(2, base=50_000))
+    assert store.pinned_pages() == BLOCKS * LAYERS and store._dram_slots.free == free_before - 2 * LAYERS
+    client.close()  # a worker killed mid-step
+    wait_until(lambda: store.pinned_pages() == 0 and store._dram_slots.free == free_before, TIMEOUT,
+               "pins and reservations released")
+
+
+def test_bad_requests_get_errors_and_the_server_keeps_serving(server: LocalKVServer, client: NodeKVClient) -> None:
+    with pytest.raises(KVChannelError, match="invalid_argument"):
+        client._call({"op": "teleport"})
+    with pytest.raises(KVChannelError, match="invalid_argument"):
+        client._call({"op": "match", "tenant": "", "session": "s"})
+    with pytest.raises(KVChannelError, match="invalid_argument"):
+        client.reserve("acme", "s", 3, 2, tokens(2))  # blocks beyond the tokens given
+    with pytest.raises(KVChannelError, match="invalid_argument"):
+        client.commit(12345)
+    # Garbage on a raw connection: that connection is dropped, the server is not.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect(str(server.path))
+        raw.sendall(struct.pack("<II", 5, 0) + b"\xff\xfe{{{")
+        raw.settimeout(TIMEOUT)
+        assert raw.recv(1) == b""
+    assert client.match("acme", "s", tokens(1)) == 0
