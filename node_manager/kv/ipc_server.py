@@ -198,16 +198,16 @@ class LocalKVServer:
         promoting: dict[int, Any] = {}  # item -> LayerwiseLoad into DRAM
         for index, (tenant, session, first, count) in enumerate(parsed):
             try:
-                pin = self.store.pin_dram(tenant, session, first, count, layers)
+                # All or nothing: a partly held item is counted (hits, misses) by its load below, once.
+                pin = self.store.pin_dram(tenant, session, first, count, layers, whole=True)
             except KVStoreError as exc:
                 log.info("KV load item not served; the engine recomputes it", session=session, error=str(exc))
                 whole[index] = np.full((count, len(layers)), -1, np.int64)
                 continue
-            if (pin.slots >= 0).all():
+            if pin.complete:
                 pins.append(pin)
                 whole[index] = pin.slots
                 continue
-            self.store.unpin_dram(pin)
             try:
                 promoting[index] = self.store.load(tenant, session, first, count, target=Tier.DRAM)
             except StoreBusy:
@@ -221,7 +221,7 @@ class LocalKVServer:
                 with contextlib.suppress(concurrent.futures.TimeoutError, KVStoreError, OSError):
                     promoting[index].layer_ready(layer).result(max(0.0, deadline - time.monotonic()))
                 try:
-                    pin = self.store.pin_dram(tenant, session, first, count, [layer])
+                    pin = self.store.pin_dram(tenant, session, first, count, [layer], record_reads=False)
                 except KVStoreError:
                     parts.append(np.full(count, -1, np.int64))
                     continue

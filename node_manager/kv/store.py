@@ -124,6 +124,7 @@ class DramPin:
     rows: np.ndarray
     layers: np.ndarray
     slots: np.ndarray
+    complete: bool  # DRAM held every page asked for
     released: bool = False
 
 
@@ -306,12 +307,14 @@ class TieredStore:
                 with self._lock:
                     d.pins[ids] -= 1
 
-    def pin_dram(self, tenant: str, session_id: str, first_block: int, count: int,
-                 layers: Sequence[int]) -> DramPin:
+    def pin_dram(self, tenant: str, session_id: str, first_block: int, count: int, layers: Sequence[int], *,
+                 whole: bool = False, record_reads: bool = True) -> DramPin:
         """Pin the DRAM copies of blocks first_block.. for `layers` so that another process (the vLLM
         worker, which maps the arena) can copy them out; pages DRAM does not hold get slot -1 and
         are not pinned. The pins hold until `unpin_dram`: neither eviction nor a replacing save can
-        touch a pinned slot."""
+        touch a pinned slot. With `whole`, nothing is pinned unless every page is (`complete`).
+        `record_reads`: count the pages as DRAM hits and misses; off where a load into DRAM
+        already counted them."""
         d = self._directory
         with self._lock:
             record = self.session(tenant, session_id)
@@ -325,14 +328,17 @@ class TieredStore:
             known = ids >= 0
             slots[known] = d.dram[ids[known]][:, columns]
             held = slots >= 0
+            complete = bool(held.all())
+            if whole and not complete:
+                held[:] = False
             rows, cols = np.nonzero(held)
             np.add.at(d.pins, (ids[rows], columns[cols]), 1)
             if held.any():
                 self._defer_touches(Tier.DRAM, tuple(keys), tuple(int(layer) for layer in columns))
+            if record_reads and (complete or not whole):
                 self._hits[Tier.DRAM].inc(int(held.sum()))
-            if not held.all():
                 self.metrics.misses.inc(int((~held).sum()))
-        return DramPin(ids[rows], columns[cols], slots)
+        return DramPin(ids[rows], columns[cols], slots, complete)
 
     def unpin_dram(self, pin: DramPin) -> None:
         with self._lock:

@@ -111,6 +111,11 @@ def test_load_promotes_ssd_pages_and_marks_unknown_items(make_store: MakeStore, 
             assert torch.equal(arena.pages[torch.from_numpy(slots[:BLOCKS].copy())], data[layer])
         client.release(load_id)
         wait_until(lambda: store.pinned_pages() == 0, TIMEOUT, "pins released")
+        # Counted once, by the promoting load: SSD hits, no DRAM hits or misses for the same pages.
+        registry = store.metrics.registry
+        assert registry.get_sample_value("symphony_kv_load_hits_total", {"tier": "SSD"}) == BLOCKS * LAYERS
+        assert (registry.get_sample_value("symphony_kv_load_hits_total", {"tier": "DRAM"}) or 0) == 0
+        assert (registry.get_sample_value("symphony_kv_load_misses_total") or 0) == 0
     finally:
         arena.close()
         client.close()
