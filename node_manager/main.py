@@ -21,7 +21,8 @@ log = get_logger("node_manager")
 
 async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None:
     node_id = config.node_id(index)
-    launch = engine_launch(config.engine, model, config.node.host, config.engine_port(index))
+    kv_socket = config.kv_socket_path(index) if config.engine.kv_connector else None
+    launch = engine_launch(config.engine, model, config.node.host, config.engine_port(index), kv_socket=kv_socket)
     engine = Engine(f"{node_id}-engine", launch, config.engine, config.home_path / "logs" / f"{node_id}-engine.log",
                     config.node.engine_scrape_interval_ms / 1000)
     server = grpc.aio.server(options=GRPC_OPTIONS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -67,6 +68,7 @@ class EngineConfig:
     max_model_len: int = 8192
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU builds
     enforce_eager: bool = True  # skip torch.compile: ~30 s start instead of minutes on CPU
+    kv_connector: bool = True  # Symphony's KV connector: turns load from and save to the node's tiers
     extra_args: list[str] = field(default_factory=list)  # appended to the vLLM server command line
     startup_timeout_s: float = 300.0
     max_restarts: int = 5  # crash restarts before the node reports FAILED
@@ -133,6 +135,13 @@ class SymphonyConfig:
 
     def kv_metrics_port(self, index: int) -> int:
         return self.kv.metrics_port_base + index if self.kv.metrics_port_base else 0
+
+    def kv_socket_path(self, index: int) -> Path:
+        """The node-local KV channel (Unix socket) between node manager `index` and its engine's
+        connector. Under the temp directory, not the home: socket paths are limited to 107 bytes.
+        Named by user and gRPC port, like the DRAM arena: unique per running node on this host."""
+        return Path(tempfile.gettempdir()) / f"symphony-{os.getuid()}-{self.node_id(index)}-" \
+            f"{self.node.grpc_port_base + index}.sock"
 
     def kv_data_port(self, index: int) -> int:
         """The page stream's port for node `index`; 0: any free one."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import start_http_server
 
+from node_manager.kv.ipc_server import LocalKVServer
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.page_stream import PageStreamServer
 from node_manager.kv.prefetch import PrefetchQueue
@@ -34,8 +35,10 @@ class KVRuntime:
     puller: PeerPuller
     service: KVStoreService
     page_stream: PageStreamServer | None
+    local_channel: LocalKVServer
 
     async def close(self) -> None:
+        await asyncio.to_thread(self.local_channel.close)
         await self.prefetches.close()
         await self.puller.close()
         if self.page_stream is not None:
@@ -65,6 +68,13 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, ser
     except OSError:
         await asyncio.to_thread(store.close)
         raise
+    try:
+        local_channel = LocalKVServer(store, config.kv_socket_path(index))
+    except OSError:
+        if page_stream is not None:
+            await asyncio.to_thread(page_stream.close)
+        await asyncio.to_thread(store.close)
+        raise
     puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp)
     prefetches = PrefetchQueue(store, metrics, puller.pull_outcome, max_pending=config.kv.max_pending_prefetches,
                                concurrency=config.kv.prefetch_concurrency)
@@ -77,5 +87,5 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, ser
     log.info("KV store ready", node=config.node_id(index), page_bytes=geometry.page_bytes,
              hbm_mib=config.kv.hbm_bytes >> 20, dram_mib=config.kv.dram_bytes >> 20,
              ssd_mib=config.kv.ssd_bytes >> 20, ssd_dir=str(store.ssd.directory), metrics_port=port or "off",
-             page_stream_port=page_stream.port if page_stream else "off")
-    return KVRuntime(store, prefetches, puller, service, page_stream)
+             page_stream_port=page_stream.port if page_stream else "off", local_channel=str(local_channel.path))
+    return KVRuntime(store, prefetches, puller, service, page_stream, local_channel)

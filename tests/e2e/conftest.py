@@ -31,6 +31,7 @@ class LiveCluster:
     output: Path
     model: str
     engine_ports: list[int]
+    grpc_ports: list[int]
 
     def readyz(self) -> dict[str, Any]:
         return httpx.get(self.url + "/readyz", timeout=5).json()
@@ -80,11 +81,14 @@ def live_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveClust
     config = _write_config(home, model_dir, scheduler_port, grpc_base, engine_base, free_port_run(NODES))
     output = home / "up.out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
+    # The engines' /reset_prefix_cache (dev endpoint): the connector suite empties vLLM's own cache
+    # so a resumed turn can only get its history from Symphony's tiers.
+    env["VLLM_SERVER_DEV_MODE"] = "1"
     with output.open("wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "up", "--config", str(config)],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
     cluster = LiveCluster(f"http://127.0.0.1:{scheduler_port}", process, home, output, DEFAULT_MODEL_NAME,
-                          [engine_base + i for i in range(NODES)])
+                          [engine_base + i for i in range(NODES)], [grpc_base + i for i in range(NODES)])
 
     def up() -> bool:
         if process.poll() is not None:

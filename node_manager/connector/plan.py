@@ -1,0 +1,127 @@
+"""The connector's scheduler-side bookkeeping: which blocks each step loads and saves.
+
+Pure logic over plain values (no vLLM types, no I/O), so it is tested directly and the vLLM adapter
+only translates. Loads are synchronous and block-aligned: a resumed turn gets the leading full
+blocks the node's tiers hold, loaded layer by layer during the same step's forward; what follows
+is computed. Saves follow computation: every block that becomes full in a step is saved in that
+step, from vLLM's cache into the node's DRAM (then SSD), so the next turn finds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Blocks first_block.. of a session go into vLLM blocks `block_ids` (same order)."""
+
+    tenant: str
+    session: str
+    first_block: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """vLLM blocks `block_ids` hold blocks first_block.. of a session, whose tokens through the end
+    of those blocks are `token_ids` (the node manager keys pages by them)."""
+
+    tenant: str
+    session: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestKV:
+    tenant: str
+    session: str
+    held_blocks: int | None = None  # leading blocks the tiers hold (asked once per request)
+    local_tokens: int = 0  # vLLM's own prefix-cache hit when it last asked
+    pending_load: tuple[int, int] | None = None  # (first block, count) allocated, not yet planned
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0  # leading blocks the node manager has (loaded from it or saved to it)
+
+
+def external_tokens(held_blocks: int, local_tokens: int, num_tokens: int, block_size: int) -> int:
+    """Tokens to load beyond vLLM's own hit: whole blocks only, and never the last token, which
+    vLLM must compute to produce the next one."""
+    loadable = min(held_blocks * block_size, (num_tokens - 1) // block_size * block_size)
+    return max(0, loadable - local_tokens)
+
+
+class ConnectorPlanner:
+    def __init__(self, block_size: int, max_requests: int = 65_536) -> None:
+        self.block_size = block_size
+        self.max_requests = max_requests
+        self.requests: dict[str, RequestKV] = {}
+
+    def track(self, request_id: str, tenant: str, session: str) -> RequestKV:
+        state = self.requests.get(request_id)
+        if state is None:
+            if len(self.requests) >= self.max_requests:
+                # Bounded: requests vLLM never finished (it always does) must not grow this forever.
+                self.requests.pop(next(iter(self.requests)))
+            state = self.requests[request_id] = RequestKV(tenant, session)
+        return state
+
+    def matched(self, state: RequestKV, local_tokens: int, num_tokens: int) -> int:
+        state.local_tokens = local_tokens
+        state.saved_blocks = max(state.saved_blocks, state.held_blocks or 0)  # the store has these already
+        return external_tokens(state.held_blocks or 0, local_tokens, num_tokens, self.block_size)
+
+    def allocated(self, request_id: str, block_ids: Sequence[int], external: int) -> None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        state.block_ids = list(block_ids)
+        if external > 0:
+            state.pending_load = (state.local_tokens // self.block_size, external // self.block_size)
+
+    def step(self, new: Sequence[tuple[str, Sequence[int]]], cached: Sequence[tuple[str, Sequence[int] | None, bool]],
+             computed_after: dict[str, int], tokens_of: dict[str, Sequence[int]]) -> StepPlan:
+        """The loads and saves of one scheduled step.
+
+        new: (request id, all block ids) of newly scheduled requests; cached: (request id, new block
+        ids or None, resumed) of the others, where a resumed request's ids replace its list;
+        computed_after: tokens each scheduled request has computed once this step runs;
+        tokens_of: each scheduled request's token ids so far."""
+        plan = StepPlan()
+        for request_id, block_ids in new:
+            if request_id in self.requests:
+                self.requests[request_id].block_ids = list(block_ids)
+        for request_id, added, resumed in cached:
+            state = self.requests.get(request_id)
+            if state is not None and added is not None:
+                state.block_ids = list(added) if resumed else [*state.block_ids, *added]
+        for state in self.requests.values():
+            if state.pending_load is not None:
+                first, count = state.pending_load
+                state.pending_load = None
+                plan.loads.append(LoadSpec(state.tenant, state.session, first,
+                                           tuple(state.block_ids[first:first + count])))
+                state.saved_blocks = max(state.saved_blocks, first + count)
+        for request_id, computed in computed_after.items():
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            tokens = tokens_of.get(request_id, ())
+            full = min(computed, len(tokens), len(state.block_ids) * self.block_size) // self.block_size
+            if full > state.saved_blocks:
+                first = state.saved_blocks
+                plan.saves.append(SaveSpec(state.tenant, state.session, first, tuple(state.block_ids[first:full]),
+                                           tuple(tokens[:full * self.block_size])))
+                state.saved_blocks = full
+        return plan
+
+    def finished(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)

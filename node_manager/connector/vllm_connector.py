@@ -1,0 +1,154 @@
+"""Symphony's KV connector for vLLM (v1 connector API), loaded through `kv_connector_module_path`.
+
+vLLM builds one instance per role: the scheduler side (engine-core process) asks the node manager
+how much of a request's history its tiers hold and plans each step's loads and saves
+(`node_manager.connector.plan`); the worker side (model process) moves the pages
+(`node_manager.connector.worker`). Both talk to the node manager over the node-local KV channel,
+whose socket path comes in `kv_connector_extra_config["socket"]`.
+
+A request names its session through `kv_transfer_params` ({"tenant", "session_id"}) or vLLM's own
+`session_id`; without either it still gets and leaves KV under its content-derived block keys.
+Anything that goes wrong on the way (node manager away, pages lost) means recompute, never a
+failed request: loads are best effort and run with `kv_load_failure_policy = "recompute"`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from node_manager.connector.kv_client import KVChannelError, NodeKVClient
+from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec
+from node_manager.connector.worker import WorkerSide
+from symphony.logs import get_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = get_logger("node_manager.connector")
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class SymphonyConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class SymphonyConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        socket_path = extra.get("socket")
+        if not socket_path:
+            raise ValueError("SymphonyConnector needs kv_connector_extra_config.socket (the node manager's KV channel)")
+        self._block_size = vllm_config.cache_config.block_size
+        self._planner = ConnectorPlanner(self._block_size)
+        self._scheduler_client = NodeKVClient(socket_path) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = (WorkerSide(socket_path, float(extra.get("layer_wait_s", 30.0)))
+                        if role == KVConnectorRole.WORKER else None)
+        self._channel_down_logged = False
+        self._requests_by_id: dict[str, Request] = {}  # live requests (vLLM adds and finishes each once)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a request that loses its hand-off recomputes, nothing waits for delivery
+
+    # ---- scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        tenant = str(params.get("tenant") or DEFAULT_TENANT)
+        session = str(params.get("session_id") or request.session_id or f"request-{request.request_id}")
+        state = self._planner.track(request.request_id, tenant, session)
+        if state.held_blocks is None:
+            state.held_blocks = self._match(tenant, session, request.prompt_token_ids or [])
+        return self._planner.matched(state, num_computed_tokens, request.num_tokens), False
+
+    def _match(self, tenant: str, session: str, token_ids: list[int]) -> int:
+        assert self._scheduler_client is not None
+        try:
+            return self._scheduler_client.match(tenant, session, token_ids)
+        except (OSError, KVChannelError) as exc:
+            if not self._channel_down_logged:  # one line per outage, not one per request
+                log.warning("node manager KV channel unavailable; requests recompute", error=str(exc))
+                self._channel_down_logged = True
+            return 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        new = [(r.req_id, r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs]
+        cached_reqs = scheduler_output.scheduled_cached_reqs
+        cached = [(req_id, ids[0] if ids is not None else None, req_id in cached_reqs.resumed_req_ids)
+                  for req_id, ids in zip(cached_reqs.req_ids, cached_reqs.new_block_ids, strict=True)]
+        computed_before = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        computed_before.update(zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens, strict=True))
+        computed_after = {req_id: computed_before.get(req_id, 0) + count
+                          for req_id, count in scheduler_output.num_scheduled_tokens.items()}
+        tokens_of = {req_id: self._requests_tokens(req_id) for req_id in computed_after}
+        plan = self._planner.step(new, cached, computed_after, tokens_of)
+        return SymphonyConnectorMetadata(plan.loads, plan.saves)
+
+    def _requests_tokens(self, request_id: str) -> list[int]:
+        request = self._requests_by_id.get(request_id)
+        return list(request.all_token_ids) if request is not None else []
+
+    def on_new_request(self, request: Request) -> None:
+        self._requests_by_id[request.request_id] = request
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._planner.finished(request.request_id)
+        self._requests_by_id.pop(request.request_id, None)
+        return False, None  # saves copy pages out within their step: nothing holds the blocks
+
+    # ---- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, SymphonyConnectorMetadata)
+        self._worker.start_loads(metadata.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, SymphonyConnectorMetadata)
+        self._worker.save_layer(metadata.saves, layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.finish_saves()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler_client is not None:
+            self._scheduler_client.close()

@@ -1,0 +1,207 @@
+"""The connector's worker side: moves pages between vLLM's paged KV cache and the node's DRAM arena.
+
+Loads: the node manager answers a step's loads layer by layer with the arena slot of each page
+(pinned until released); a loader thread copies each layer into vLLM's blocks as its slots arrive
+and marks the layer ready, so the forward runs layer l's attention while later layers still come.
+A page with no slot (lost, evicted, corrupt on SSD) is reported as a load error: vLLM recomputes
+from that block on, never reads garbage.
+Saves: the step's new full blocks get DRAM slots reserved for every layer (one round trip), each
+layer's pages are copied into them right after vLLM computed that layer, and the reservation is
+committed after the forward by a background thread (checksums and write-behind happen in the node
+manager). Pages are out of vLLM's blocks by the end of the step, so block frees never wait on us.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import re
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from node_manager.connector.kv_client import KVChannelError, NodeKVClient
+from node_manager.connector.plan import LoadSpec, SaveSpec
+from node_manager.kv.loader import single_threaded_torch
+from node_manager.kv.slots import DramArena, copy_rows
+from symphony.kv_geometry import KVGeometry
+from symphony.logs import get_logger
+
+log = get_logger("node_manager.connector")
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+MAX_PENDING_COMMITS = 64
+
+
+def layer_index(layer_name: str) -> int:
+    match = _LAYER_INDEX.search(layer_name)
+    if match is None:
+        raise ValueError(f"cannot tell the layer index of {layer_name!r}")
+    return int(match.group(1))
+
+
+class _StepLoad:
+    """One step's loads: per-layer readiness and the vLLM blocks that could not be loaded."""
+
+    def __init__(self, num_layers: int, block_ids: np.ndarray) -> None:
+        self.ready = [threading.Event() for _ in range(num_layers)]
+        self.block_ids = block_ids  # every vLLM block this step loads into, in item order
+
+
+class WorkerSide:
+    def __init__(self, socket_path: str, layer_wait_s: float) -> None:
+        self._socket_path = socket_path
+        self._layer_wait_s = layer_wait_s
+        # Reservations belong to the connection that made them: reserves (forward thread) and
+        # commits (commit thread) share this one, one call at a time.
+        self._control = NodeKVClient(socket_path)
+        self._control_lock = threading.Lock()
+        self._layers: list[torch.Tensor] = []  # per layer: [num_blocks, page_words] int64 view of vLLM's cache
+        self._arena: DramArena | None = None
+        self._load: _StepLoad | None = None
+        self._load_errors: set[int] = set()
+        self._errors_lock = threading.Lock()
+        self._reservations: dict[int, tuple[int, np.ndarray, SaveSpec]] | None = None
+        self._commits: queue.Queue[int | None] = queue.Queue(MAX_PENDING_COMMITS)
+        self._loads: queue.Queue[tuple[list[LoadSpec], _StepLoad] | None] = queue.Queue()
+        self._threads = [threading.Thread(target=self._commit_loop, name="symphony-kv-commit", daemon=True),
+                         threading.Thread(target=self._load_loop, name="symphony-kv-load", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- setup ------------------------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
+        with self._control_lock:
+            hello = self._control.hello()
+        geometry = KVGeometry(hello["num_layers"], hello["kv_heads"], hello["head_size"], hello["block_size"],
+                              hello["dtype"])
+        if len(ordered) != geometry.num_layers:
+            raise ValueError(f"vLLM has {len(ordered)} KV layers, the node manager's store {geometry.num_layers}")
+        layers = []
+        for name, kv in ordered:
+            page_bytes = kv[0].numel() * kv.element_size()
+            if page_bytes != geometry.page_bytes or not kv.is_contiguous():
+                raise ValueError(f"{name}: vLLM pages of {page_bytes} bytes (contiguous: {kv.is_contiguous()}) do "
+                                 f"not match the store's {geometry.page_bytes}-byte pages")
+            layers.append(kv.view(kv.shape[0], -1).view(torch.int64))  # a page is an opaque row of words
+        self._layers = layers
+        self._arena = DramArena.attach(hello["arena"], geometry, hello["arena_bytes"], writable=True,
+                                       pin_for_cuda=layers[0].device.type == "cuda")
+        log.info("Symphony KV connector attached", layers=len(layers), arena=hello["arena"],
+                 page_bytes=geometry.page_bytes)
+
+    # ---- loads ------------------------------------------------------------------------------------
+
+    def start_loads(self, loads: Sequence[LoadSpec]) -> None:
+        if not loads or self._arena is None:
+            self._load = None
+            return
+        step = _StepLoad(len(self._layers), np.array([b for spec in loads for b in spec.block_ids], np.int64))
+        self._load = step
+        self._loads.put((list(loads), step))
+
+    def wait_layer(self, layer_name: str) -> None:
+        step = self._load
+        if step is None:
+            return
+        layer = layer_index(layer_name)
+        if not step.ready[layer].wait(self._layer_wait_s):
+            # The forward cannot wait longer: every block of the step is reported, so vLLM drops
+            # this step's output for those requests and recomputes them instead of using the cache.
+            log.warning("KV layer load timed out; the step's loaded blocks are recomputed", layer=layer)
+            self._fail(step.block_ids)
+            for event in step.ready:
+                event.set()
+
+    def _load_loop(self) -> None:
+        single_threaded_torch()  # the forward owns the OpenMP team; this thread copies on its own
+        client = NodeKVClient(self._socket_path)
+        while (job := self._loads.get()) is not None:
+            loads, step = job
+            items = [{"tenant": s.tenant, "session": s.session, "first_block": s.first_block,
+                      "count": len(s.block_ids)} for s in loads]
+            load_id = None
+            delivered = 0
+            try:
+                load_id, layers = client.load(items, timeout_s=self._layer_wait_s)
+                for layer, slots in layers:
+                    ok = slots >= 0
+                    if not ok.all():
+                        self._fail(step.block_ids[~ok])  # before the layer is ready: this step reports it
+                    if ok.any():
+                        assert self._arena is not None
+                        copy_rows(self._layers[layer], step.block_ids[ok], self._arena.pages, slots[ok])
+                    step.ready[layer].set()
+                    delivered += 1
+            except (OSError, KVChannelError) as exc:
+                log.warning("KV load failed; its blocks are recomputed", error=str(exc))
+            finally:
+                if delivered < len(step.ready):
+                    self._fail(step.block_ids)
+                for event in step.ready:
+                    event.set()
+                if load_id is not None:
+                    # A broken connection needs no release: the node manager dropped its pins with it.
+                    with contextlib.suppress(OSError):
+                        client.release(load_id)
+
+    def _fail(self, block_ids: np.ndarray) -> None:
+        with self._errors_lock:
+            self._load_errors.update(block_ids.tolist())
+
+    def take_load_errors(self) -> set[int]:
+        with self._errors_lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- saves ------------------------------------------------------------------------------------
+
+    def save_layer(self, saves: Sequence[SaveSpec], layer_name: str, kv_layer: torch.Tensor) -> None:
+        if not saves or self._arena is None:
+            return
+        if self._reservations is None:
+            self._reservations = self._reserve(saves)
+        layer = layer_index(layer_name)
+        pages = kv_layer.view(kv_layer.shape[0], -1).view(torch.int64)
+        for _, slots, spec in self._reservations.values():
+            ok = slots[layer] >= 0
+            if ok.any():
+                copy_rows(self._arena.pages, slots[layer][ok], pages, np.asarray(spec.block_ids, np.int64)[ok])
+
+    def _reserve(self, saves: Sequence[SaveSpec]) -> dict[int, tuple[int, np.ndarray, SaveSpec]]:
+        reserved = {}
+        for index, spec in enumerate(saves):
+            try:
+                with self._control_lock:
+                    reservation, slots = self._control.reserve(spec.tenant, spec.session, spec.first_block,
+                                                               len(spec.block_ids), spec.token_ids)
+            except (OSError, KVChannelError) as exc:
+                log.warning("KV save skipped: no slots from the node manager", error=str(exc))
+                continue
+            reserved[index] = (reservation, slots, spec)
+        return reserved
+
+    def finish_saves(self) -> None:
+        """After the forward: every reserved page has been copied; commit them off this thread."""
+        reservations, self._reservations = self._reservations, None
+        for reservation, _, _ in (reservations or {}).values():
+            self._commits.put(reservation)  # bounded: if commits fall this far behind, the forward waits
+
+    def _commit_loop(self) -> None:
+        while (reservation := self._commits.get()) is not None:
+            try:
+                with self._control_lock:
+                    self._control.commit(reservation)
+            except (OSError, KVChannelError) as exc:
+                log.warning("KV save commit failed; those pages stay unsaved", error=str(exc))
+
+    def close(self) -> None:
+        self._commits.put(None)
+        self._loads.put(None)
+        self._control.close()
+        if self._arena is not None:
+            self._arena.close()
