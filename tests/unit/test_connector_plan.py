@@ -1,0 +1,64 @@
+"""node_manager.connector.plan: the connector's per-step load and save bookkeeping (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec, external_tokens
+
+BS = 4
+
+
+@pytest.mark.parametrize(("held", "local", "num_tokens", "expected"), [
+    (0, 0, 20, 0),  # nothing held
+    (3, 0, 20, 12),  # three whole blocks
+    (3, 8, 20, 4),  # vLLM already has two of them
+    (5, 0, 20, 16),  # all 20 tokens held: the last one is still computed, so 4 blocks, not 5
+    (5, 0, 21, 20),
+    (2, 12, 20, 0),  # vLLM's own hit is longer than ours
+])
+def test_external_tokens(held: int, local: int, num_tokens: int, expected: int) -> None:
+    assert external_tokens(held, local, num_tokens, BS) == expected
+
+
+def test_a_resumed_turn_loads_then_saves_its_new_blocks() -> None:
+    planner = ConnectorPlanner(BS)
+    state = planner.track("r1", "acme", "s")
+    state.held_blocks = 3
+    tokens = list(range(100, 114))  # 14 tokens: 3 full blocks held + 2 new tokens... then more
+    assert planner.matched(state, local_tokens=4, num_tokens=len(tokens)) == 8
+    planner.allocated("r1", [10, 11, 12, 13], external=8)
+    plan = planner.step(new=[("r1", [10, 11, 12, 13])], cached=[], computed_after={"r1": 14},
+                        tokens_of={"r1": tokens})
+    assert plan.loads == [LoadSpec("acme", "s", 1, (11, 12))]
+    assert plan.saves == []  # blocks 0-2 are the store's already; 14 tokens fill no new block
+    # Two decode steps later the fourth block is full: saved once, with the tokens that key it.
+    tokens += [7, 8]
+    plan = planner.step(new=[], cached=[("r1", None, False)], computed_after={"r1": 16}, tokens_of={"r1": tokens})
+    assert plan.loads == []
+    assert plan.saves == [SaveSpec("acme", "s", 3, (13,), tuple(tokens))]
+    plan = planner.step(new=[], cached=[("r1", [14], False)], computed_after={"r1": 17},
+                        tokens_of={"r1": [*tokens, 9]})
+    assert plan.saves == []
+
+
+def test_a_resumed_preempted_request_replaces_its_block_list() -> None:
+    planner = ConnectorPlanner(BS)
+    state = planner.track("r1", "acme", "s")
+    state.held_blocks = 0
+    planner.matched(state, 0, 9)
+    planner.allocated("r1", [1, 2, 3], external=0)
+    tokens = list(range(9))
+    plan = planner.step(new=[("r1", [1, 2, 3])], cached=[], computed_after={"r1": 8}, tokens_of={"r1": tokens})
+    assert plan.saves == [SaveSpec("acme", "s", 0, (1, 2), tuple(tokens[:8]))]
+    planner.step(new=[], cached=[("r1", [7, 8, 9], True)], computed_after={"r1": 9}, tokens_of={"r1": tokens})
+    assert planner.requests["r1"].block_ids == [7, 8, 9]
+
+
+def test_requests_are_bounded_and_forgotten_when_finished() -> None:
+    planner = ConnectorPlanner(BS, max_requests=2)
+    for request_id in ("a", "b", "c"):
+        planner.track(request_id, "acme", request_id)
+    assert list(planner.requests) == ["b", "c"]
+    planner.finished("b")
+    assert list(planner.requests) == ["c"]
