@@ -7,7 +7,8 @@ managers, so every level of the process tree stops the same way and leaves nothi
   stops children in order) and gets PDEATHSIG, so a killed parent never leaves orphans;
 - stopping is SIGTERM to the leader, then SIGTERM and SIGKILL to the whole group;
 - POSIX shared memory (/dev/shm) mapped by the group is recorded while it runs and unlinked after it
-  exits, because a SIGKILLed vLLM cannot clean its own segments.
+  exits, because a SIGKILLed vLLM cannot clean its own segments; segments the supervisor maps itself
+  (the node manager's DRAM arena, which the engine's worker attaches) are the supervisor's, not leaks.
 """
 
 from __future__ import annotations
@@ -290,7 +291,9 @@ class ManagedProcess:
             self._shm_paths |= _shm_mapped_by_group(self._proc.pid)
 
     def _unlink_shm(self) -> None:
-        for path in sorted(self._shm_paths):
+        # Checked at unlink time, not when recorded: the supervisor may map a segment after the child did.
+        ours = _shm_mapped_by_pids([os.getpid()])
+        for path in sorted(self._shm_paths - ours):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 log.info("removed leaked shared memory", process=self.name, path=path)
@@ -345,8 +348,12 @@ async def _wait_group_gone(pgid: int, timeout_s: float) -> None:
 
 
 def _shm_mapped_by_group(pgid: int) -> set[str]:
+    return _shm_mapped_by_pids(group_members(pgid))
+
+
+def _shm_mapped_by_pids(pids: list[int]) -> set[str]:
     paths: set[str] = set()
-    for pid in group_members(pgid):
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as fh:
                 for line in fh:

@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--never-ready", action="store_true", help="never answer /health")
     parser.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (forces SIGKILL)")
     parser.add_argument("--shm", help="create and map /dev/shm/<name>.<pid>")
+    parser.add_argument("--attach-shm", type=Path, help="map this existing /dev/shm file (as vLLM maps the arena)")
     parser.add_argument("--grandchild", action="store_true", help="spawn a long sleep in our process group")
     parser.add_argument("--unhealthy-flag", type=Path, help="answer 503 once this file exists")
     parser.add_argument("--pidfile", type=Path, help="append our pid (and the grandchild's) to this file")
@@ -38,6 +39,9 @@ def main() -> None:
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(fd, 4096)
         keep.append(mmap.mmap(fd, 4096))
+    if args.attach_shm:
+        with args.attach_shm.open("r+b") as fh:
+            keep.append(mmap.mmap(fh.fileno(), 0))
     pids = [os.getpid()]
     if args.grandchild:
         pids.append(subprocess.Popen(["sleep", "600"]).pid)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -151,6 +154,38 @@ async def test_shared_memory_is_removed_after_a_crash_before_restart(tmp_path: P
     finally:
         await proc.stop()
     assert not _shm_files(name)
+
+
+@contextlib.contextmanager
+def _mapped_here(path: Path) -> Iterator[mmap.mmap]:
+    """A /dev/shm file this (supervising) process creates and maps, as the node manager its arena."""
+    path.write_bytes(b"\x00" * 4096)
+    try:
+        with path.open("r+b") as fh, mmap.mmap(fh.fileno(), 0) as mapping:
+            yield mapping
+    finally:
+        path.unlink(missing_ok=True)
+
+
+async def test_shared_memory_the_supervisor_maps_survives_the_childs_crash(tmp_path: Path) -> None:
+    # The node manager's DRAM arena is mapped by both it and the vLLM worker: the worker's death is no
+    # reason to delete the arena under the node manager and the restarted worker.
+    ours = Path(f"/dev/shm/symphony-test-{os.getpid()}-{free_port()}-supervisor")
+    name = f"symphony-test-{os.getpid()}-{free_port()}"
+    with _mapped_here(ours):
+        proc = _process(tmp_path, "--shm", name, "--attach-shm", str(ours))
+        proc.start()
+        try:
+            assert await proc.wait_ready(timeout_s=20)
+            childs = _shm_files(name)
+            assert len(childs) == 1
+            await proc.kill_for_test(signal.SIGKILL)
+            await async_wait_until(lambda: proc.restarts == 1 and proc.state is ProcessState.READY, 20, "restart")
+            assert not childs[0].exists()
+            assert _shm_files(ours.name) == [ours]
+        finally:
+            await proc.stop()
+        assert _shm_files(ours.name) == [ours]
 
 
 async def test_start_twice_is_an_error(tmp_path: Path) -> None:
