@@ -33,6 +33,7 @@ from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 MAX_ID_LEN = 256
 MAX_DEADLINE_MS = 24 * 3600 * 1000
+DEMOTE_FLUSH_TIMEOUT_S = 30.0
 _PEER = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 _STATE_TO_PROTO = {QUEUED: kv_pb2.PREFETCH_STATE_QUEUED, RUNNING: kv_pb2.PREFETCH_STATE_RUNNING,
                    DONE: kv_pb2.PREFETCH_STATE_DONE, PARTIAL: kv_pb2.PREFETCH_STATE_PARTIAL,
@@ -113,6 +114,22 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
         try:
             tenant, session_id = _session(request.session)
             return self._status(tenant, session_id, request.include_token_ids, request.include_dram_slots)
+        except _CLIENT_ERRORS as exc:
+            await _abort_for(context, exc)
+            raise AssertionError("unreachable") from None
+
+    async def DemoteSession(self, request: kv_pb2.DemoteRequest, context: grpc.aio.ServicerContext
+                            ) -> kv_pb2.SessionStatus:
+        try:
+            tenant, session_id = _session(request.session)
+            tier = _TIER_FROM_PROTO.get(request.tier)
+            if tier is None or tier is Tier.SSD:
+                raise _Invalid("tier must be TIER_HBM or TIER_DRAM")
+            self.store.session(tenant, session_id)  # NOT_FOUND before waiting on the write-behind
+            # Pages saved moments ago may still be on their way to SSD; only SSD-held copies drop.
+            await asyncio.to_thread(self.store.flush, DEMOTE_FLUSH_TIMEOUT_S)
+            self.store.demote(tenant, session_id, tier)
+            return self._status(tenant, session_id, False, False)
         except _CLIENT_ERRORS as exc:
             await _abort_for(context, exc)
             raise AssertionError("unreachable") from None

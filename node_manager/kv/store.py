@@ -254,6 +254,29 @@ class TieredStore:
             complete = held.all(axis=1)
             return int(np.argmin(complete)) if not complete.all() else record.blocks.num_blocks
 
+    def demote(self, tenant: str, session_id: str, tier: Tier) -> int:
+        """Drop the session's copies in `tier` (HBM or DRAM) that the SSD tier also holds, and return
+        how many pages were dropped. Pinned pages (under I/O or held by a load) and pages with no SSD
+        copy stay: demoting frees the tier, it never loses KV. An operator frees DRAM for other
+        sessions this way; benchmarks use it to leave a history on SSD only."""
+        if tier is Tier.SSD:
+            raise InvalidRequest("only HBM and DRAM copies can be demoted (SSD is the last tier)")
+        dropped = 0
+        with self._lock:
+            record = self.session(tenant, session_id)
+            d = self._directory
+            table = d.slots(tier)
+            for key in record.blocks.block_keys:
+                row = d.row(key)
+                if row is None:
+                    continue
+                for layer in range(self.geometry.num_layers):
+                    if table[row, layer] >= 0 and not d.pins[row, layer] and d.ssd_location(row, layer) is not None:
+                        self._drop_copy(key, layer, tier, "demoted")
+                        dropped += 1
+            self._refresh_gauges()
+        return dropped
+
     def dram_slots(self, tenant: str, session_id: str) -> list[list[int]]:
         """Per layer, per block: the DRAM arena slot holding the page, or -1."""
         with self._lock:

@@ -243,6 +243,17 @@ async def test_restart_after_kill_serves_everything_from_disk(stubs: list[kv_pb2
     assert 'symphony_kv_load_hits_total{tier="SSD"}' in metrics
 
 
+async def test_demote_leaves_a_session_on_ssd_only(stubs: list[kv_pb2_grpc.KVStoreStub]) -> None:
+    ref, token_ids, pages = _session("demote", 512, seed=5)
+    await _upload(stubs[0], ref, token_ids, pages)
+    # Straight after the upload: the write-behind may still be busy; demote waits for it.
+    status = await stubs[0].DemoteSession(kv_pb2.DemoteRequest(session=ref, tier=kv_pb2.TIER_DRAM), timeout=40)
+    assert list(_tier(status, kv_pb2.TIER_DRAM).blocks_per_layer) == [0] * GEOMETRY.num_layers
+    assert _tier(status, kv_pb2.TIER_SSD).complete_prefix_blocks == 16
+    assert status.loadable_prefix_blocks == 16
+    assert await _download(stubs[0], ref) == _expected(pages)
+
+
 async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]) -> None:
     stub = stubs[0]
     unknown = kv_pb2.SessionRef(tenant=TENANT, session_id="never-seen")
@@ -260,6 +271,10 @@ async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]
         (stub.PutSession(kv_pb2.PutSessionRequest(session=unknown, priority=17), timeout=5),
          grpc.StatusCode.INVALID_ARGUMENT),
         (stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown), timeout=5), grpc.StatusCode.NOT_FOUND),
+        (stub.DemoteSession(kv_pb2.DemoteRequest(session=unknown, tier=kv_pb2.TIER_DRAM), timeout=5),
+         grpc.StatusCode.NOT_FOUND),
+        (stub.DemoteSession(kv_pb2.DemoteRequest(session=unknown, tier=kv_pb2.TIER_SSD), timeout=5),
+         grpc.StatusCode.INVALID_ARGUMENT),
     ]
     for call, code in cases:
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -380,6 +380,49 @@ def test_dram_eviction_is_lru_and_pages_stay_loadable_from_ssd(make_store: MakeS
         assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS)), name
 
 
+def test_demote_drops_dram_copies_that_ssd_holds_and_keeps_pinned_ones(make_store: MakeStore) -> None:
+    store = make_store(hbm_pages=0)
+    data = save_session(store, "a", 2, seed=30)
+    other = save_session(store, "b", 1, seed=31)
+    assert store.flush(TIMEOUT)
+    held = store.pin_dram("acme", "a", 0, 1, [0])  # a page a load holds stays where it is
+    assert store.demote("acme", "a", Tier.DRAM) == 2 * LAYERS - 1
+    store.unpin_dram(held)
+    dram = store.residency("acme", "a")[Tier.DRAM]
+    assert dram[0] == [True, False] and not any(any(layer) for layer in dram[1:])
+    assert all_true(store.residency("acme", "a")[Tier.SSD])
+    assert all_true(store.residency("acme", "b")[Tier.DRAM]), "another session's pages are not touched"
+    assert metric(store, "symphony_kv_evictions_total", tier="DRAM", reason="demoted") == 2 * LAYERS - 1
+    assert metric(store, "symphony_kv_last_copy_dropped_total", reason="demoted") == 0
+    for name, blocks, expected in (("a", 2, data), ("b", 1, other)):
+        tensors, results = load_rows(store, name, blocks)
+        assert all(r.failed == () for r in results)
+        assert all(torch.equal(tensors[layer], expected[layer]) for layer in range(LAYERS))
+    with pytest.raises(InvalidRequest):
+        store.demote("acme", "a", Tier.SSD)
+    with pytest.raises(SessionNotFound):
+        store.demote("acme", "nobody", Tier.DRAM)
+
+
+def test_demote_keeps_pages_not_yet_on_ssd(make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store(hbm_pages=0)
+    gate = threading.Event()
+    real_write = store.ssd.write
+
+    def held_write(*args: object, **kwargs: object) -> None:
+        gate.wait(TIMEOUT)
+        real_write(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store.ssd, "write", held_write)
+    save_session(store, "a", 1, seed=32)
+    assert store.demote("acme", "a", Tier.DRAM) == 0  # DRAM holds the only copy until the write lands
+    assert all_true(store.residency("acme", "a")[Tier.DRAM])
+    gate.set()
+    assert store.flush(TIMEOUT)
+    assert store.demote("acme", "a", Tier.DRAM) == LAYERS
+    assert metric(store, "symphony_kv_last_copy_dropped_total", reason="demoted") == 0
+
+
 def test_dram_eviction_keeps_high_priority_pages_over_newer_normal_ones(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0, dram_pages=2 * LAYERS)
     save_session(store, "vip", 1, seed=23, priority=Priority.HIGH)
