@@ -118,6 +118,12 @@ class NodeKVClient:
     def abort(self, reservation_id: int) -> None:
         self._call({"op": "abort", "id": reservation_id}, reply=False)
 
+    def report(self, *, prompt_tokens: dict[str, int] | None = None, load_error_blocks: int = 0,
+               layer_waits_s: Sequence[float] = ()) -> None:
+        """Send what only the connector sees to the node's metrics (no reply)."""
+        self._call({"op": "report", "prompt_tokens": prompt_tokens or {}, "load_error_blocks": load_error_blocks,
+                    "layer_waits_s": list(layer_waits_s)}, reply=False)
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()

@@ -50,6 +50,7 @@ class RequestKV:
     pending_load: tuple[int, int] | None = None  # (first block, count) allocated, not yet planned
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # leading blocks the node manager has (loaded from it or saved to it)
+    accounted: bool = False  # its prompt's token sources were counted (once, at first admission)
 
 
 def external_tokens(held_blocks: int, local_tokens: int, num_tokens: int, block_size: int) -> int:
@@ -79,13 +80,22 @@ class ConnectorPlanner:
         state.saved_blocks = max(state.saved_blocks, state.held_blocks or 0)  # the store has these already
         return external_tokens(state.held_blocks or 0, local_tokens, num_tokens, self.block_size)
 
-    def allocated(self, request_id: str, block_ids: Sequence[int], external: int) -> None:
+    def allocated(self, request_id: str, block_ids: Sequence[int], external: int,
+                  prompt_tokens: int) -> dict[str, int] | None:
+        """Record the blocks vLLM gave the request and the load they receive. The first time, also
+        return where its prompt's KV comes from (tokens per source) for the node's metrics."""
         state = self.requests.get(request_id)
         if state is None:
-            return
+            return None
         state.block_ids = list(block_ids)
         if external > 0:
             state.pending_load = (state.local_tokens // self.block_size, external // self.block_size)
+        if state.accounted:
+            return None  # a preempted request admitted again: its prompt was counted already
+        state.accounted = True
+        local = min(state.local_tokens, prompt_tokens)
+        loaded = min(external, prompt_tokens - local)
+        return {"engine_cache": local, "symphony": loaded, "computed": prompt_tokens - local - loaded}
 
     def step(self, new: Sequence[tuple[str, Sequence[int]]], cached: Sequence[tuple[str, Sequence[int] | None, bool]],
              computed_after: dict[str, int], tokens_of: dict[str, Sequence[int]]) -> StepPlan:

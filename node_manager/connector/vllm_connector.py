@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
 from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec
 from node_manager.connector.worker import WorkerSide
+from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES
 from symphony.logs import get_logger
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class SymphonyConnector(KVConnectorBase_V1):
                         if role == KVConnectorRole.WORKER else None)
         self._channel_down_logged = False
         self._requests_by_id: dict[str, Request] = {}  # live requests (vLLM adds and finishes each once)
+        self._prompt_tokens = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # not yet reported to the node manager
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -90,7 +92,10 @@ class SymphonyConnector(KVConnectorBase_V1):
             return 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+        sources = self._planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens,
+                                          request.num_prompt_tokens)
+        for source, tokens in (sources or {}).items():
+            self._prompt_tokens[source] += tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         new = [(r.req_id, r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs]
@@ -103,7 +108,18 @@ class SymphonyConnector(KVConnectorBase_V1):
                           for req_id, count in scheduler_output.num_scheduled_tokens.items()}
         tokens_of = {req_id: self._requests_tokens(req_id) for req_id in computed_after}
         plan = self._planner.step(new, cached, computed_after, tokens_of)
+        self._report_prompt_tokens()
         return SymphonyConnectorMetadata(plan.loads, plan.saves)
+
+    def _report_prompt_tokens(self) -> None:
+        if not any(self._prompt_tokens.values()):
+            return
+        assert self._scheduler_client is not None
+        try:
+            self._scheduler_client.report(prompt_tokens=self._prompt_tokens)
+        except OSError:
+            return  # kept for the next step; the match path logs the outage
+        self._prompt_tokens = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
 
     def _requests_tokens(self, request_id: str) -> list[int]:
         request = self._requests_by_id.get(request_id)

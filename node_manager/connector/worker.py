@@ -9,6 +9,7 @@ Saves: the step's new full blocks get DRAM slots reserved for every layer (one r
 layer's pages are copied into them right after vLLM computed that layer, and the reservation is
 committed after the forward by a background thread (checksums and write-behind happen in the node
 manager). Pages are out of vLLM's blocks by the end of the step, so block frees never wait on us.
+Metrics: each step's per-layer waits and failed blocks go to the node manager by the same thread.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import contextlib
 import queue
 import re
 import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,7 +67,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
         self._reservations: dict[int, tuple[int, np.ndarray, SaveSpec]] | None = None
-        self._commits: queue.Queue[int | None] = queue.Queue(MAX_PENDING_COMMITS)
+        self._layer_waits: list[float] = []  # this step's waits (forward thread only)
+        # Commits (reservation ids) and metric reports, in order, for the control thread.
+        self._commits: queue.Queue[int | dict[str, Any] | None] = queue.Queue(MAX_PENDING_COMMITS)
         self._loads: queue.Queue[tuple[list[LoadSpec], _StepLoad] | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._commit_loop, name="symphony-kv-commit", daemon=True),
                          threading.Thread(target=self._load_loop, name="symphony-kv-load", daemon=True)]
@@ -109,7 +114,10 @@ class WorkerSide:
         if step is None:
             return
         layer = layer_index(layer_name)
-        if not step.ready[layer].wait(self._layer_wait_s):
+        started = time.perf_counter()
+        ready = step.ready[layer].wait(self._layer_wait_s)
+        self._layer_waits.append(time.perf_counter() - started)
+        if not ready:
             # The forward cannot wait longer: every block of the step is reported, so vLLM drops
             # this step's output for those requests and recomputes them instead of using the cache.
             log.warning("KV layer load timed out; the step's loaded blocks are recomputed", layer=layer)
@@ -156,7 +164,14 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         with self._errors_lock:
             errors, self._load_errors = self._load_errors, set()
+        if errors:
+            self._send_report({"load_error_blocks": len(errors)})
         return errors
+
+    def _send_report(self, report: dict[str, Any]) -> None:
+        # Metrics never hold up the forward: a report that finds the queue full is dropped.
+        with contextlib.suppress(queue.Full):
+            self._commits.put_nowait(report)
 
     # ---- saves ------------------------------------------------------------------------------------
 
@@ -190,14 +205,21 @@ class WorkerSide:
         reservations, self._reservations = self._reservations, None
         for reservation, _, _ in (reservations or {}).values():
             self._commits.put(reservation)  # bounded: if commits fall this far behind, the forward waits
+        if self._layer_waits:
+            waits, self._layer_waits = self._layer_waits, []
+            self._send_report({"layer_waits_s": waits})
 
     def _commit_loop(self) -> None:
-        while (reservation := self._commits.get()) is not None:
+        while (job := self._commits.get()) is not None:
             try:
                 with self._control_lock:
-                    self._control.commit(reservation)
+                    if isinstance(job, dict):
+                        self._control.report(**job)
+                    else:
+                        self._control.commit(job)
             except (OSError, KVChannelError) as exc:
-                log.warning("KV save commit failed; those pages stay unsaved", error=str(exc))
+                if not isinstance(job, dict):
+                    log.warning("KV save commit failed; those pages stay unsaved", error=str(exc))
 
     def close(self) -> None:
         self._commits.put(None)

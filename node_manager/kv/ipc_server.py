@@ -12,6 +12,8 @@ DRAM arena itself, so this channel carries bookkeeping only, never page bytes:
 - `reserve` (+ token ids) / `commit` / `abort`: DRAM slots that the worker fills with a layer's
   new pages straight from vLLM's KV cache; `commit` checksums and installs them (write-behind to
   SSD follows as for every save).
+- `report` (no reply): what only the connector sees, for the node's metrics: where admitted
+  prompt tokens' KV came from, blocks whose load failed, how long the forward waited per layer.
 
 Requests on one connection are answered in order. A connection that closes releases its pins and
 reservations, so a worker killed mid-step leaks nothing.
@@ -33,6 +35,7 @@ import numpy as np
 
 from node_manager.kv import ipc_wire
 from node_manager.kv.pages import Tier
+from node_manager.kv.prefetch import PrefetchQueue
 from node_manager.kv.store import (
     DramPin,
     InvalidRequest,
@@ -59,9 +62,15 @@ class _Connection:
     reservations: dict[int, list[PageReservation | None]] = field(default_factory=dict)
 
 
+NO_REPLY_OPS = frozenset({"release", "abort", "report"})
+MAX_REPORTED_WAITS = 4096  # layer waits one report may carry
+
+
 class LocalKVServer:
-    def __init__(self, store: TieredStore, path: Path, max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(self, store: TieredStore, path: Path, max_connections: int = MAX_CONNECTIONS,
+                 prefetches: PrefetchQueue | None = None) -> None:
         self.store = store
+        self.prefetches = prefetches  # set once the runtime has its queue: prefetch hits are counted at match
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
@@ -138,6 +147,10 @@ class LocalKVServer:
             self._connections.discard(conn)
 
     def _error(self, conn: _Connection, message: dict[str, Any], code: str, text: str) -> None:
+        if message.get("op") in NO_REPLY_OPS:
+            # The client reads no reply to these: an error frame would answer its next call instead.
+            log.warning("KV channel request refused", op=message.get("op"), code=code, error=text)
+            return
         ipc_wire.send(conn.sock, {"op": "error", "id": message.get("id"), "code": code, "message": text})
 
     # ---- operations -------------------------------------------------------------------------------
@@ -154,6 +167,7 @@ class LocalKVServer:
             tenant, session = _str(message, "tenant"), _str(message, "session")
             self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
             blocks = self.store.loadable_prefix_blocks(tenant, session)
+            self._count_prefetch_arrival(tenant, session, blocks)
             ipc_wire.send(conn.sock, {"op": "match", "blocks": blocks})
         elif op == "load":
             self._load(conn, message)
@@ -170,8 +184,36 @@ class LocalKVServer:
             ipc_wire.send(conn.sock, {"op": "commit", "id": message["id"], "kept": kept})
         elif op == "abort":
             self._release(conn.reservations.pop(_int(message, "id"), []))
+        elif op == "report":
+            self._report(message)
         else:
             raise InvalidRequest(f"unknown operation {op!r}")
+
+    def _count_prefetch_arrival(self, tenant: str, session: str, loadable_blocks: int) -> None:
+        job = self.prefetches.claim_arrival((tenant, session)) if self.prefetches is not None else None
+        if job is None:
+            return
+        in_target = self.store.residency(tenant, session)[job.target]
+        ready = loadable_blocks > 0 and all(all(layer[:loadable_blocks]) for layer in in_target)
+        self.store.metrics.prefetch_arrivals.labels("yes" if ready else "no").inc()
+
+    def _report(self, message: dict[str, Any]) -> None:
+        metrics = self.store.metrics
+        tokens = message.get("prompt_tokens", {})
+        if not isinstance(tokens, dict):
+            raise InvalidRequest("'prompt_tokens' must be an object")
+        for source in ipc_wire.PROMPT_TOKEN_SOURCES:
+            if source in tokens:
+                metrics.connector_prompt_tokens.labels(source).inc(_int(tokens, source))
+        if "load_error_blocks" in message:
+            metrics.connector_load_errors.inc(_int(message, "load_error_blocks"))
+        waits = message.get("layer_waits_s", [])
+        if not isinstance(waits, list) or len(waits) > MAX_REPORTED_WAITS:
+            raise InvalidRequest(f"'layer_waits_s' must be a list of at most {MAX_REPORTED_WAITS} numbers")
+        for wait in waits:
+            if not isinstance(wait, int | float) or not 0 <= wait < 3600:
+                raise InvalidRequest("layer waits must be seconds in [0, 3600)")
+            metrics.connector_layer_wait.observe(wait)
 
     def _check_room(self, conn: _Connection, request_id: int) -> None:
         if request_id in conn.loads or request_id in conn.reservations:
@@ -212,11 +254,13 @@ class LocalKVServer:
                 promoting[index] = self.store.load(tenant, session, first, count, target=Tier.DRAM)
             except StoreBusy:
                 whole[index] = np.full((count, len(layers)), -1, np.int64)
+        delivered = [np.ones(count, bool) for _, _, _, count in parsed]  # blocks with every layer so far
         for layer in layers:
             parts = []
             for index, (tenant, session, first, count) in enumerate(parsed):
                 if index in whole:
                     parts.append(whole[index][:, layer])
+                    delivered[index] &= whole[index][:, layer] >= 0
                     continue
                 with contextlib.suppress(concurrent.futures.TimeoutError, KVStoreError, OSError):
                     promoting[index].layer_ready(layer).result(max(0.0, deadline - time.monotonic()))
@@ -227,9 +271,20 @@ class LocalKVServer:
                     continue
                 pins.append(pin)
                 parts.append(pin.slots[:, 0])
+                delivered[index] &= pin.slots[:, 0] >= 0
             slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
-            ipc_wire.send(conn.sock, {"op": "layer", "id": request_id, "layer": layer, "last": layer == layers[-1]},
+            last = layer == layers[-1]
+            if last:  # counted before the worker can finish the step: a client sees it with its answer
+                self._count_loaded(delivered, promoting)
+            ipc_wire.send(conn.sock, {"op": "layer", "id": request_id, "layer": layer, "last": last},
                           np.ascontiguousarray(slots, dtype=np.int64).tobytes())
+
+    def _count_loaded(self, delivered: list[np.ndarray], promoting: dict[int, Any]) -> None:
+        """Tokens of the blocks delivered in every layer, by the tier their item was served from."""
+        block_size = self.store.geometry.block_size
+        for index, blocks in enumerate(delivered):
+            tier = Tier.SSD if index in promoting else Tier.DRAM
+            self.store.metrics.connector_tokens_loaded.labels(tier.name).inc(int(blocks.sum()) * block_size)
 
     def _reserve(self, conn: _Connection, message: dict[str, Any], payload: bytes) -> None:
         request_id = _int(message, "id")

@@ -19,6 +19,8 @@ import numpy as np
 HEADER = struct.Struct("<II")
 MAX_JSON_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # 8 M slots or 16 M token ids: far above any real request
+# Where an admitted prompt's KV came from, as the connector reports it (`report` op).
+PROMPT_TOKEN_SOURCES = ("engine_cache", "symphony", "computed")
 
 
 class ProtocolError(Exception):

@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _IO_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # deadline - completion: positive = finished ahead of the request, negative = late.
 _LEAD_BUCKETS = (-10.0, -1.0, -0.1, 0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# How long the forward waited for one layer's KV: ~0 when loads run ahead of compute.
+_LAYER_WAIT_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0)
 
 
 class KVMetrics:
@@ -41,6 +43,26 @@ class KVMetrics:
                                         "Segment files dropped at index rebuild as damaged", registry=r)
         self.peer_pages = Counter("symphony_kv_peer_pages_total", "Pages received from peers, by outcome",
                                   ["outcome"], registry=r)
+
+        # The vLLM connector's view (served over the node-local KV channel, reported by its sides).
+        self.connector_tokens_loaded = Counter(
+            "symphony_connector_tokens_loaded_total",
+            "Prompt tokens the connector loaded into vLLM instead of computing, by the tier that served them "
+            "(SSD: the load promoted pages from SSD)", ["tier"], registry=r)
+        self.connector_prompt_tokens = Counter(
+            "symphony_connector_prompt_tokens_total",
+            "Prompt tokens of requests vLLM admitted, by where their KV came from: engine_cache (vLLM's own "
+            "prefix cache), symphony (loaded from the node's tiers), computed (prefilled)", ["source"], registry=r)
+        self.connector_load_errors = Counter(
+            "symphony_connector_load_error_blocks_total",
+            "vLLM blocks whose planned load failed and were recomputed instead", registry=r)
+        self.connector_layer_wait = Histogram(
+            "symphony_connector_layer_wait_seconds", "Time the forward pass waited for one layer's KV to load",
+            buckets=_LAYER_WAIT_BUCKETS, registry=r)
+        self.prefetch_arrivals = Counter(
+            "symphony_kv_prefetch_arrivals_total",
+            "Requests for a session with a prefetch, by whether its KV was all in the prefetch's target tier "
+            "when the request arrived (ready) or not", ["ready"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

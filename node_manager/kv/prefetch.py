@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -75,6 +76,10 @@ class PrefetchQueue:
         self._seq = itertools.count()
         self._active: dict[tuple[SessionKey, Tier], PrefetchJob] = {}
         self._jobs: OrderedDict[str, PrefetchJob] = OrderedDict()
+        # The latest prefetch of each session that no request has arrived for yet; read by the
+        # node-local KV channel's threads, hence its own lock.
+        self._awaiting_arrival: OrderedDict[SessionKey, PrefetchJob] = OrderedDict()
+        self._arrival_lock = threading.Lock()
         self._wake = asyncio.Event()
         self._workers = [asyncio.create_task(self._work(), name=f"kv-prefetch-{i}") for i in range(concurrency)]
 
@@ -93,6 +98,11 @@ class PrefetchQueue:
         job = PrefetchJob(uuid.uuid4().hex, session, target, time.monotonic() + deadline_s, priority, source_peer)
         self._active[(session, target)] = job
         self._jobs[job.id] = job
+        with self._arrival_lock:
+            self._awaiting_arrival[session] = job
+            self._awaiting_arrival.move_to_end(session)
+            while len(self._awaiting_arrival) > self._max_finished + self._max_pending:
+                self._awaiting_arrival.popitem(last=False)
         while len(self._jobs) > self._max_finished + self._max_pending:
             oldest_id, oldest = next(iter(self._jobs.items()))
             if oldest.state not in FINISHED:
@@ -104,6 +114,11 @@ class PrefetchQueue:
     def _push(self, job: PrefetchJob) -> None:
         heapq.heappush(self._heap, (job.order_key(), next(self._seq), job))
         self._wake.set()
+
+    def claim_arrival(self, session: SessionKey) -> PrefetchJob | None:
+        """The session's latest prefetch, once: its request has arrived (prefetch-hit accounting)."""
+        with self._arrival_lock:
+            return self._awaiting_arrival.pop(session, None)
 
     def get(self, prefetch_id: str) -> PrefetchJob | None:
         return self._jobs.get(prefetch_id)

@@ -78,6 +78,7 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, ser
     puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp)
     prefetches = PrefetchQueue(store, metrics, puller.pull_outcome, max_pending=config.kv.max_pending_prefetches,
                                concurrency=config.kv.prefetch_concurrency)
+    local_channel.prefetches = prefetches
     service = KVStoreService(config.node_id(index), store, prefetches, puller,
                              page_stream.port if page_stream else 0)
     kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)

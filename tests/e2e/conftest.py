@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from symphony.config import default_home
 from symphony.models import DEFAULT_MODEL_NAME, fetch_default_model
@@ -32,6 +33,7 @@ class LiveCluster:
     model: str
     engine_ports: list[int]
     grpc_ports: list[int]
+    kv_metrics_ports: list[int]
 
     def readyz(self) -> dict[str, Any]:
         return httpx.get(self.url + "/readyz", timeout=5).json()
@@ -41,6 +43,15 @@ class LiveCluster:
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5).text
+
+    def node_metric(self, index: int, name: str, **labels: str) -> float:
+        """One sample from node `index`'s KV metrics (0 when not yet exported)."""
+        text = httpx.get(f"http://127.0.0.1:{self.kv_metrics_ports[index]}/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return 0.0
 
     def output_tail(self, lines: int = 40) -> str:
         return "\n".join(self.output.read_text(errors="replace").splitlines()[-lines:])
@@ -78,7 +89,8 @@ def live_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveClust
     model_dir = fetch_default_model(default_home(), progress=lambda _: None)
     home = tmp_path_factory.mktemp("symphony-home")
     scheduler_port, grpc_base, engine_base = free_port(), free_port_run(NODES), free_port_run(NODES)
-    config = _write_config(home, model_dir, scheduler_port, grpc_base, engine_base, free_port_run(NODES))
+    metrics_base = free_port_run(NODES)
+    config = _write_config(home, model_dir, scheduler_port, grpc_base, engine_base, metrics_base)
     output = home / "up.out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
     # The engines' /reset_prefix_cache (dev endpoint): the connector suite empties vLLM's own cache
@@ -88,7 +100,8 @@ def live_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveClust
         process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "up", "--config", str(config)],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
     cluster = LiveCluster(f"http://127.0.0.1:{scheduler_port}", process, home, output, DEFAULT_MODEL_NAME,
-                          [engine_base + i for i in range(NODES)], [grpc_base + i for i in range(NODES)])
+                          [engine_base + i for i in range(NODES)], [grpc_base + i for i in range(NODES)],
+                          [metrics_base + i for i in range(NODES)])
 
     def up() -> bool:
         if process.poll() is not None:

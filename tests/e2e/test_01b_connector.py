@@ -17,8 +17,9 @@ from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.e2e.conftest import LiveCluster
 from tests.helpers import wait_until
 
-MTBENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mtbench" / "mt_bench_question.jsonl"
+MTBENCH = Path(__file__).resolve().parents[2] / "eval" / "data" / "mtbench" / "mt_bench_question.jsonl"
 BLOCK = 32
+LAYERS = 30  # SmolLM2-135M
 ANSWER_TOKENS = 96  # turn 1's answer: with the question, a few full blocks of history to load
 
 
@@ -69,7 +70,14 @@ def test_resumed_turn_loaded_from_symphony_matches_recompute(live_cluster: LiveC
     # vLLM's own prefix cache still holds turn 1: the reference for KV computed in turn 1.
     engine_cache = _complete(client, live_cluster.model, prompt, f"cache-{uuid.uuid4().hex[:8]}", session, 24)
     _reset_engine_cache(engine_url)
+    loaded_before = live_cluster.node_metric(0, "symphony_connector_tokens_loaded_total", tier="DRAM")
+    waits_before = live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count")
     loaded = _complete(client, live_cluster.model, prompt, tenant, session, 24)
+    # Metrics: the history's tokens counted as loaded from DRAM; the forward waited once per layer.
+    assert (live_cluster.node_metric(0, "symphony_connector_tokens_loaded_total", tier="DRAM") - loaded_before
+            == loaded.usage.prompt_tokens_details.cached_tokens)
+    wait_until(lambda: live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count") - waits_before
+               >= LAYERS, 10, "the worker to report its layer waits")
     _reset_engine_cache(engine_url)
     recomputed = _complete(client, live_cluster.model, prompt, f"fresh-{uuid.uuid4().hex[:8]}", session, 24)
 

@@ -27,7 +27,8 @@ def test_a_resumed_turn_loads_then_saves_its_new_blocks() -> None:
     state.held_blocks = 3
     tokens = list(range(100, 114))  # 14 tokens: 3 full blocks held + 2 new tokens... then more
     assert planner.matched(state, local_tokens=4, num_tokens=len(tokens)) == 8
-    planner.allocated("r1", [10, 11, 12, 13], external=8)
+    assert planner.allocated("r1", [10, 11, 12, 13], external=8, prompt_tokens=14) == {
+        "engine_cache": 4, "symphony": 8, "computed": 2}
     plan = planner.step(new=[("r1", [10, 11, 12, 13])], cached=[], computed_after={"r1": 14},
                         tokens_of={"r1": tokens})
     assert plan.loads == [LoadSpec("acme", "s", 1, (11, 12))]
@@ -47,12 +48,15 @@ def test_a_resumed_preempted_request_replaces_its_block_list() -> None:
     state = planner.track("r1", "acme", "s")
     state.held_blocks = 0
     planner.matched(state, 0, 9)
-    planner.allocated("r1", [1, 2, 3], external=0)
+    assert planner.allocated("r1", [1, 2, 3], external=0, prompt_tokens=9) == {
+        "engine_cache": 0, "symphony": 0, "computed": 9}
     tokens = list(range(9))
     plan = planner.step(new=[("r1", [1, 2, 3])], cached=[], computed_after={"r1": 8}, tokens_of={"r1": tokens})
     assert plan.saves == [SaveSpec("acme", "s", 0, (1, 2), tuple(tokens[:8]))]
     planner.step(new=[], cached=[("r1", [7, 8, 9], True)], computed_after={"r1": 9}, tokens_of={"r1": tokens})
     assert planner.requests["r1"].block_ids == [7, 8, 9]
+    # Admitted again after preemption: its prompt's sources were counted the first time.
+    assert planner.allocated("r1", [7, 8, 9], external=0, prompt_tokens=9) is None
 
 
 def test_requests_are_bounded_and_forgotten_when_finished() -> None:

@@ -7,6 +7,7 @@ import socket
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
 from node_manager.kv.ipc_server import LocalKVServer
 from node_manager.kv.loader import RowTarget
+from node_manager.kv.pages import Tier
 from node_manager.kv.slots import DramArena
 from node_manager.kv.store import TieredStore
 from tests.helpers import wait_until
@@ -58,6 +60,10 @@ def _arena(client: NodeKVClient) -> DramArena:
     return DramArena.attach(hello["arena"], GEOMETRY, hello["arena_bytes"])
 
 
+def _sample(store: TieredStore, name: str, **labels: str) -> float:
+    return store.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
 def _read_load(client: NodeKVClient, items: list[dict]) -> tuple[int, list[tuple[int, np.ndarray]]]:
     load_id, layers = client.load(items, timeout_s=TIMEOUT)
     return load_id, list(layers)
@@ -87,6 +93,7 @@ def test_load_from_dram_pins_until_release(store: TieredStore, client: NodeKVCli
         assert store.pinned_pages() == 3 * LAYERS, "the worker's pages must stay put until it releases them"
         client.release(load_id)
         wait_until(lambda: store.pinned_pages() == 0, TIMEOUT, "pins released")
+        assert _sample(store, "symphony_connector_tokens_loaded_total", tier="DRAM") == 3 * BLOCK
     finally:
         arena.close()
 
@@ -116,6 +123,8 @@ def test_load_promotes_ssd_pages_and_marks_unknown_items(make_store: MakeStore, 
         assert registry.get_sample_value("symphony_kv_load_hits_total", {"tier": "SSD"}) == BLOCKS * LAYERS
         assert (registry.get_sample_value("symphony_kv_load_hits_total", {"tier": "DRAM"}) or 0) == 0
         assert (registry.get_sample_value("symphony_kv_load_misses_total") or 0) == 0
+        assert _sample(store, "symphony_connector_tokens_loaded_total", tier="SSD") == BLOCKS * BLOCK
+        assert _sample(store, "symphony_connector_tokens_loaded_total", tier="DRAM") == 0
     finally:
         arena.close()
         client.close()
@@ -167,6 +176,8 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server: LocalKVSer
         client.reserve("acme", "s", 3, 2, tokens(2))  # blocks beyond the tokens given
     with pytest.raises(KVChannelError, match="invalid_argument"):
         client.commit(12345)
+    client.release(-3)  # refused without a reply, which would otherwise answer the next call
+    client.abort(99999)
     # Garbage on a raw connection: that connection is dropped, the server is not.
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
         raw.connect(str(server.path))
@@ -174,3 +185,57 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server: LocalKVSer
         raw.settimeout(TIMEOUT)
         assert raw.recv(1) == b""
     assert client.match("acme", "s", tokens(1)) == 0
+
+
+def test_reports_feed_the_connector_metrics(store: TieredStore, client: NodeKVClient) -> None:
+    client.report(prompt_tokens={"engine_cache": 64, "symphony": 2048, "computed": 40}, load_error_blocks=2,
+                  layer_waits_s=[0.0, 0.002, 0.5])
+    client.report(prompt_tokens={"computed": 10})
+    wait_until(lambda: _sample(store, "symphony_connector_prompt_tokens_total", source="computed") == 50, TIMEOUT,
+               "the reports to be counted")
+    assert _sample(store, "symphony_connector_prompt_tokens_total", source="symphony") == 2048
+    assert _sample(store, "symphony_connector_prompt_tokens_total", source="engine_cache") == 64
+    assert _sample(store, "symphony_connector_load_error_blocks_total") == 2
+    assert _sample(store, "symphony_connector_layer_wait_seconds_count") == 3
+    assert _sample(store, "symphony_connector_layer_wait_seconds_bucket", le="0.0025") == 2
+
+
+@pytest.mark.parametrize("report", [
+    {"prompt_tokens": {"computed": -1}},
+    {"prompt_tokens": [1, 2]},
+    {"load_error_blocks": "many"},
+    {"layer_waits_s": [-0.1]},
+    {"layer_waits_s": "slow"},
+    {"layer_waits_s": [0.0] * 5000},
+])
+def test_bad_reports_are_refused_and_count_nothing(store: TieredStore, client: NodeKVClient,
+                                                   report: dict) -> None:
+    client._call({"op": "report", **report}, reply=False)
+    # No reply, not even an error: the next call on the connection gets its own answer.
+    assert client.match("acme", "after", tokens(1)) == 0
+    assert _sample(store, "symphony_connector_layer_wait_seconds_count") == 0
+    assert _sample(store, "symphony_connector_load_error_blocks_total") == 0
+
+
+class _OnePrefetch:
+    """Stands in for the runtime's PrefetchQueue: the channel only asks it for a session's prefetch."""
+
+    def __init__(self, session: tuple[str, str], target: Tier) -> None:
+        self.jobs = {session: SimpleNamespace(target=target)}
+
+    def claim_arrival(self, session: tuple[str, str]) -> SimpleNamespace | None:
+        return self.jobs.pop(session, None)
+
+
+def test_a_request_for_a_prefetched_session_counts_whether_its_kv_was_ready(store: TieredStore,
+                                                                          server: LocalKVServer,
+                                                                          client: NodeKVClient) -> None:
+    save_session(store, "ready", 2, seed=5)
+    server.prefetches = _OnePrefetch(("acme", "ready"), Tier.DRAM)  # type: ignore[assignment]
+    assert client.match("acme", "ready", tokens(2, base=50_000, tail=3)) == 2
+    assert client.match("acme", "ready", tokens(2, base=50_000, tail=3)) == 2  # counted once per prefetch
+    assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="yes") == 1
+    save_session(store, "late", 2, seed=6)
+    server.prefetches = _OnePrefetch(("acme", "late"), Tier.HBM)  # type: ignore[assignment]
+    client.match("acme", "late", tokens(2, base=60_000))
+    assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 1
