@@ -60,3 +60,20 @@ def plot_tiers(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_resume(result: dict[str, Any], path: Path) -> None:
+    """Median TTFT of the resumed turn per path, against vLLM's own prefix-cache hit."""
+    plt = _pyplot()
+    paths = list(result["ttft_ms"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(range(len(paths)), [result["ttft_ms"][p] for p in paths])
+    ax.axhline(result["ttft_ms"]["engine_cache"], color="grey", linestyle="--", label="engine_cache")
+    ax.set_xticks(range(len(paths)), paths, rotation=20)
+    ax.set_ylabel("TTFT, median (ms)")
+    ax.set_title(f"Resumed turn after {result['context_tokens']} tokens of history")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -218,7 +218,29 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--device", default="cpu", help="HBM tier device: cpu or cuda (cpu)")
     tiers.add_argument("--work-dir", type=Path, help="where the SSD tier's files go (default: the temp dir)")
     tiers.set_defaults(func=cmd_bench_tiers)
+    resume = bench_sub.add_parser("resume", help="TTFT of a resumed turn by where its history's KV is "
+                                  "(starts a private 2-node cluster)")
+    _add_config_args(resume)
+    resume.add_argument("--out", type=Path, required=True, help="JSON results file")
+    resume.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
+    resume.add_argument("--context-tokens", type=_positive_int, default=2048,
+                        help="history length in tokens, a multiple of the block size (2048)")
+    resume.add_argument("--trials", type=_positive_int, default=5, help="trials per path, interleaved (5)")
+    resume.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
+    resume.add_argument("--served-model-name", help=argparse.SUPPRESS)
+    resume.set_defaults(func=cmd_bench_resume)
     return parser
+
+
+def cmd_bench_resume(args: argparse.Namespace) -> int:
+    from eval.bench_resume import run_resume_bench
+
+    config = _load(args, _engine_overrides(args))
+    if args.context_tokens % config.engine.block_size:
+        raise CliError(f"--context-tokens {args.context_tokens}: must be a multiple of engine.block_size "
+                       f"({config.engine.block_size}), so the whole history is loadable")
+    return run_resume_bench(config, out=args.out, context_tokens=args.context_tokens, trials=args.trials,
+                            plot=args.plot)
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:

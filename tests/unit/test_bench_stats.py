@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from eval.bench_proxy import _bootstrap_median_ci
-from eval.stats import percentile
+from eval.stats import histogram_quantile, percentile
 
 
 @pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])
@@ -29,3 +29,20 @@ def test_bootstrap_interval_brackets_the_median_and_narrows_with_more_data() -> 
     assert low_s <= np.median(small) <= high_s
     assert low_l <= np.median(large) <= high_l
     assert high_l - low_l <= high_s - low_s
+
+
+INF = float("inf")
+
+
+def test_histogram_quantile_interpolates_within_the_bucket_of_the_window() -> None:
+    before = {0.001: 5.0, 0.01: 5.0, 0.1: 5.0, INF: 5.0}  # observations before the window do not count
+    after = {0.001: 5.0 + 50, 0.01: 5.0 + 90, 0.1: 5.0 + 100, INF: 5.0 + 100}
+    assert histogram_quantile(before, after, 0.5) == pytest.approx(0.001)  # the 50th of 100 is the bucket's edge
+    assert histogram_quantile(before, after, 0.7) == pytest.approx(0.001 + 0.009 * (20 / 40))
+    assert histogram_quantile(before, after, 0.99) == pytest.approx(0.01 + 0.09 * (9 / 10))
+
+
+def test_histogram_quantile_edges() -> None:
+    assert math.isnan(histogram_quantile({}, {0.1: 0.0, INF: 0.0}, 0.5))
+    assert histogram_quantile({}, {0.1: 0.0, INF: 3.0}, 0.5) == 0.1  # all above the last finite bound
+    assert histogram_quantile({}, {0.1: 4.0, INF: 4.0}, 0.0) == 0.0

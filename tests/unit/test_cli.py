@@ -50,6 +50,12 @@ def test_bench_proxy_without_out_is_a_usage_error(capsys: pytest.CaptureFixture[
     assert "--out" in capsys.readouterr().err
 
 
+def test_bench_resume_context_must_fill_whole_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "resume", "--out", "/tmp/never-written.json", "--context-tokens", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "--context-tokens 1000" in err and "block_size" in err
+
+
 def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as excinfo:
         main([])

@@ -1,0 +1,338 @@
+"""`symphony bench resume`: time to first token of a resumed turn, by where its history's KV is.
+
+One run starts a private 2-node cluster (real vLLM engines with Symphony's connector). Each trial
+builds a conversation history of `context_tokens` tokens and sends its next turn along every path,
+in an order shuffled per trial, so the drift of this shared machine falls on all paths alike:
+
+- recompute: nothing holds the history; the engine prefills all of it.
+- engine_cache: vLLM's own prefix cache holds it (the turn that built it just ran there).
+- dram: only Symphony's DRAM tier holds it; the connector loads it layer by layer.
+- ssd_on_demand: only SSD holds it (DRAM copies demoted, page cache dropped); no advisory, so it
+  is read layer by layer when the request arrives.
+- ssd_prefetched: as ssd_on_demand, but an advisory's prefetch brought it into DRAM first.
+- remote_prefetched: the history was built on the other node; a prefetch pulled it across first.
+
+Isolation: vLLM's prefix cache is keyed by token content and `cache_salt`, Symphony's tiers by
+tenant. Every (trial, path) is its own tenant and salt, and every resumed turn except
+engine_cache's uses a salt its history never had, so it can only get the history from Symphony.
+Histories are token ids (MT-bench text, tokenized once) so a turn's prompt is exactly the history
+plus the follow-up: no re-tokenization at the seam.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from eval.plots import plot_resume
+from eval.results import write_result
+from eval.stats import histogram_quantile
+from symphony.config import SymphonyConfig
+from symphony.launcher import Cluster
+from symphony.models import fetch_default_model, resolve_model
+from symphony.rpc import kv_pb2, kv_pb2_grpc
+
+PATHS = ("recompute", "engine_cache", "dram", "ssd_on_demand", "ssd_prefetched", "remote_prefetched")
+MTBENCH = Path(__file__).resolve().parent / "data" / "mtbench" / "mt_bench_question.jsonl"
+FOLLOW_UP_TOKENS = 48  # the new user message of the resumed turn
+OUTPUT_TOKENS = 8
+SAVE_WAIT_S = 120.0
+PREFETCH_WAIT_MS = 120_000
+# Targets at 2,048 tokens (issue 4), as ratios to engine_cache's median TTFT.
+TARGETS = {"dram": 1.15, "ssd_prefetched": 1.15, "remote_prefetched": 1.2, "ssd_on_demand": 2.0}
+RECOMPUTE_SANITY = 5.0
+
+
+@dataclasses.dataclass
+class Node:
+    engine: openai.OpenAI
+    kv: kv_pb2_grpc.KVStoreStub
+    grpc_address: str
+    metrics_url: str
+    ssd_dir: Path
+
+
+@dataclasses.dataclass
+class _Turn:
+    ttft_ms: float
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def _corpus_ids(base_url: str, model: str) -> list[int]:
+    """MT-bench questions, tokenized once: the material every history is cut from."""
+    text = "\n\n".join(" ".join(json.loads(line)["turns"]) for line in MTBENCH.read_text().splitlines())
+    reply = httpx.post(base_url + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False},
+                       timeout=60)
+    reply.raise_for_status()
+    return list(reply.json()["tokens"])
+
+
+def _slice(corpus: list[int], start: int, length: int) -> list[int]:
+    return [corpus[(start + i) % len(corpus)] for i in range(length)]
+
+
+def _turn(node: Node, model: str, prompt: list[int], tenant: str, salt: str, max_tokens: int) -> _Turn:
+    started = time.perf_counter()
+    stream = node.engine.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"kv_transfer_params": {"tenant": tenant, "session_id": "conversation"}, "cache_salt": salt,
+                    "ignore_eos": True})
+    ttft = None
+    text = []
+    usage = None
+    for chunk in stream:
+        if chunk.choices:
+            if ttft is None:
+                ttft = (time.perf_counter() - started) * 1000.0
+            text.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    if ttft is None or usage is None:
+        raise RuntimeError("the engine streamed no token or no usage")
+    details = usage.prompt_tokens_details
+    return _Turn(ttft, "".join(text), usage.prompt_tokens, (details.cached_tokens or 0) if details else 0)
+
+
+def _ref(tenant: str) -> kv_pb2.SessionRef:
+    return kv_pb2.SessionRef(tenant=tenant, session_id="conversation")
+
+
+def _wait_saved(node: Node, tenant: str, blocks: int) -> None:
+    deadline = time.monotonic() + SAVE_WAIT_S
+    while time.monotonic() < deadline:
+        status = node.kv.GetSessionStatus(kv_pb2.SessionStatusRequest(session=_ref(tenant)), timeout=10)
+        if status.loadable_prefix_blocks >= blocks:
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"the history of {tenant} was not saved within {SAVE_WAIT_S:.0f} s")
+
+
+def _drop_page_cache(directory: Path) -> None:
+    """So that an SSD read is a disk read, not a page-cache hit."""
+    for path in directory.rglob("*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # a directory, or a segment evicted meanwhile
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _prefetch(node: Node, tenant: str, source_peer: str = "") -> None:
+    status = node.kv.Prefetch(kv_pb2.PrefetchRequest(session=_ref(tenant), target_tier=kv_pb2.TIER_DRAM,
+                                                     deadline_ms=5_000, source_peer=source_peer,
+                                                     wait_ms=PREFETCH_WAIT_MS), timeout=PREFETCH_WAIT_MS / 1000 + 10)
+    if status.state != kv_pb2.PREFETCH_STATE_DONE:
+        raise RuntimeError(f"prefetch of {tenant} ended {kv_pb2.PrefetchState.Name(status.state)}: {status.error}")
+
+
+def _layer_wait_buckets(node: Node) -> dict[float, float]:
+    text = httpx.get(node.metrics_url, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "symphony_connector_layer_wait_seconds":
+            return {float(s.labels["le"]): s.value for s in family.samples if s.name.endswith("_bucket")}
+    return {}
+
+
+class _Bench:
+    def __init__(self, nodes: list[Node], model: str, corpus: list[int], context_tokens: int,
+                 block_size: int) -> None:
+        self.nodes = nodes
+        self.model = model
+        self.corpus = corpus
+        self.context_tokens = context_tokens
+        self.history_blocks = context_tokens // block_size
+        self.run_id = uuid.uuid4().hex[:8]
+        self.wait_before: dict[float, float] = {}
+        self.wait_after: dict[float, float] = {}
+        self.ssd_wait_windows: list[tuple[dict[float, float], dict[float, float]]] = []
+
+    def resumed_turn(self, trial: int, path: str) -> _Turn:
+        tenant = salt = f"resume-{self.run_id}-{trial}-{path}"
+        history = _slice(self.corpus, trial * 7919, self.context_tokens)
+        prompt = [*history, *_slice(self.corpus, trial * 7919 + self.context_tokens + 1000, FOLLOW_UP_TOKENS)]
+        home, other = self.nodes
+        if path == "recompute":
+            return _turn(home, self.model, prompt, tenant, salt, OUTPUT_TOKENS)
+        built_on = other if path == "remote_prefetched" else home
+        _turn(built_on, self.model, history, tenant, salt, 1)  # the turn that leaves the history behind
+        if path == "engine_cache":
+            return _turn(home, self.model, prompt, tenant, salt, OUTPUT_TOKENS)
+        _wait_saved(built_on, tenant, self.history_blocks)
+        if path in ("ssd_on_demand", "ssd_prefetched"):
+            home.kv.DemoteSession(kv_pb2.DemoteRequest(session=_ref(tenant), tier=kv_pb2.TIER_DRAM), timeout=60)
+            _drop_page_cache(home.ssd_dir)
+        if path == "ssd_prefetched":
+            _prefetch(home, tenant)
+        if path == "remote_prefetched":
+            _prefetch(home, tenant, source_peer=other.grpc_address)
+        if path == "ssd_on_demand":
+            before = _layer_wait_buckets(home)
+            turn = _turn(home, self.model, prompt, tenant, salt + "-resumed", OUTPUT_TOKENS)
+            self.ssd_wait_windows.append((before, _await_wait_report(home, before)))
+            return turn
+        return _turn(home, self.model, prompt, tenant, salt + "-resumed", OUTPUT_TOKENS)
+
+
+def _await_wait_report(node: Node, before: dict[float, float], timeout_s: float = 10.0) -> dict[float, float]:
+    """The worker reports a step's layer waits just after the step: wait for that report."""
+    deadline = time.monotonic() + timeout_s
+    after = _layer_wait_buckets(node)
+    inf = float("inf")
+    while after.get(inf, 0.0) <= before.get(inf, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        after = _layer_wait_buckets(node)
+    return after
+
+
+def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, trials: int, block_size: int,
+            seed: int = 11) -> dict[str, Any]:
+    corpus = _corpus_ids(base_url, model)
+    bench = _Bench(nodes, model, corpus, context_tokens, block_size)
+    rng = random.Random(seed)
+    for path in PATHS:  # warm-up, unrecorded: first-use costs (allocator, page faults, connections)
+        bench.resumed_turn(-1, path)
+    turns: dict[str, list[_Turn]] = {path: [] for path in PATHS}
+    outputs_identical = True
+    with tqdm(total=trials * len(PATHS), desc=f"resume {context_tokens} tokens", file=sys.stderr) as bar:
+        for trial in range(trials):
+            order = list(PATHS)
+            rng.shuffle(order)
+            texts = set()
+            for path in order:
+                turn = bench.resumed_turn(trial, path)
+                turns[path].append(turn)
+                texts.add(turn.text)
+                bar.update()
+            outputs_identical &= len(texts) == 1
+    result: dict[str, Any] = {"context_tokens": context_tokens, "trials": trials,
+                              "follow_up_tokens": FOLLOW_UP_TOKENS, "output_tokens": OUTPUT_TOKENS}
+    result["ttft_ms"] = {path: statistics.median(t.ttft_ms for t in turns[path]) for path in PATHS}
+    result["ttft_ms_all"] = {path: [round(t.ttft_ms, 2) for t in turns[path]] for path in PATHS}
+    result["prefill_tokens_computed"] = {path: statistics.median(t.prompt_tokens - t.cached_tokens
+                                                                 for t in turns[path]) for path in PATHS}
+    result["outputs_identical"] = outputs_identical
+    before = {b: sum(w[0].get(b, 0.0) for w in bench.ssd_wait_windows) for b in bench.ssd_wait_windows[0][1]}
+    after = {b: sum(w[1].get(b, 0.0) for w in bench.ssd_wait_windows) for b in bench.ssd_wait_windows[0][1]}
+    result["layer_wait_ms_p50"] = histogram_quantile(before, after, 0.5) * 1000.0
+    result["layer_wait_ms_p99"] = histogram_quantile(before, after, 0.99) * 1000.0
+    engine = result["ttft_ms"]["engine_cache"]
+    result["ratio_to_engine_cache"] = {path: result["ttft_ms"][path] / engine for path in PATHS}
+    targets = {f"{path}_le_{bound}x_engine_cache": result["ratio_to_engine_cache"][path] <= bound
+               for path, bound in TARGETS.items()}
+    targets[f"recompute_ge_{RECOMPUTE_SANITY:g}x_engine_cache"] = (
+        result["ratio_to_engine_cache"]["recompute"] >= RECOMPUTE_SANITY)
+    targets["outputs_identical"] = outputs_identical
+    result["targets"] = targets
+    return result
+
+
+def _free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports free now."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = sock.getsockname()[1]
+        if base + count < 65536 and all(_port_free(base + i) for i in range(1, count)):
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path) -> SymphonyConfig:
+    """Two nodes on free ports, a private home (its SSD tier starts empty), room for the context."""
+    return dataclasses.replace(
+        config,
+        home=str(home),
+        cluster=dataclasses.replace(config.cluster, nodes=2),
+        scheduler=dataclasses.replace(config.scheduler, port=_free_port_run(1), node_addresses=[]),
+        node=dataclasses.replace(config.node, grpc_port_base=_free_port_run(2), engine_port_base=_free_port_run(2)),
+        kv=dataclasses.replace(config.kv, metrics_port_base=_free_port_run(2), ssd_dir="", data_port_base=0),
+        engine=dataclasses.replace(config.engine, kv_connector=True,
+                                   max_model_len=max(config.engine.max_model_len,
+                                                     context_tokens + FOLLOW_UP_TOKENS + OUTPUT_TOKENS + 64)),
+    )
+
+
+async def _with_private_cluster(config: SymphonyConfig, home: Path, context_tokens: int,
+                                trials: int) -> dict[str, Any]:
+    model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+    config = _bench_config(config, context_tokens, home)
+    cluster = Cluster(config, model, sys.stderr)
+    cluster.spawn()
+    channels = []
+    try:
+        if not await cluster.wait_ready(asyncio.Event()):
+            raise RuntimeError("the benchmark cluster did not become ready")
+        nodes = []
+        for i in range(2):
+            channel = grpc.insecure_channel(config.node_grpc_address(i))
+            channels.append(channel)
+            base_url = f"http://{config.node.host}:{config.engine_port(i)}"
+            nodes.append(Node(openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
+                                             timeout=600),
+                               kv_pb2_grpc.KVStoreStub(channel), config.node_grpc_address(i),
+                               f"http://{config.node.host}:{config.kv_metrics_port(i)}/metrics",
+                               config.kv_ssd_dir(i)))
+        base_url = f"http://{config.node.host}:{config.engine_port(0)}"
+        return await asyncio.to_thread(measure, nodes, base_url, model.served_name, context_tokens, trials,
+                                       config.engine.block_size)
+    finally:
+        for channel in channels:
+            channel.close()
+        await cluster.shutdown()
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    print(f"resumed turn after {result['context_tokens']} tokens of history, {result['trials']} trials")
+    print(f"{'path':<20}{'TTFT p50 ms':>14}{'x engine':>10}{'prefill tok':>13}")
+    for path in PATHS:
+        print(f"{path:<20}{result['ttft_ms'][path]:>14.1f}{result['ratio_to_engine_cache'][path]:>10.2f}"
+              f"{result['prefill_tokens_computed'][path]:>13.0f}")
+    print(f"outputs identical: {result['outputs_identical']}   ssd_on_demand layer wait p50 "
+          f"{result['layer_wait_ms_p50']:.2f} ms, p99 {result['layer_wait_ms_p99']:.2f} ms")
+    for name, ok in result["targets"].items():
+        print(f"  target {name}: {'met' if ok else 'NOT met'}")
+
+
+def run_resume_bench(config: SymphonyConfig, *, out: Path, context_tokens: int, trials: int,
+                     plot: Path | None = None) -> int:
+    if not config.engine.model:
+        fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
+    home = config.home_path / "bench" / f"resume-{uuid.uuid4().hex[:8]}"
+    try:
+        result = asyncio.run(_with_private_cluster(config, home, context_tokens, trials))
+    finally:
+        shutil.rmtree(home, ignore_errors=True)  # its SSD tier holds every trial's history
+    write_result(result, out, table=_print_table, plot=plot, plotter=plot_resume)
+    return 0
