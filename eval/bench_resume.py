@@ -12,6 +12,11 @@ in an order shuffled per trial, so the drift of this shared machine falls on all
 - ssd_prefetched: as ssd_on_demand, but an advisory's prefetch brought it into DRAM first.
 - remote_prefetched: the history was built on the other node; a prefetch pulled it across first.
 
+Between the turn that leaves the history and the resumed turn, every path waits the same gap
+(`gap_s`, 1 s by default): a user reading and typing, during which the advisory's prefetch runs
+and the nodes' write-behind to SSD drains. With no gap the resumed turn would race the background
+writes of the turn before it on this 2-core machine, which measures that race, not the path.
+
 Isolation: vLLM's prefix cache is keyed by token content and `cache_salt`, Symphony's tiers by
 tenant. Every (trial, path) is its own tenant and salt, and every resumed turn except
 engine_cache's uses a salt its history never had, so it can only get the history from Symphony.
@@ -43,7 +48,8 @@ from tqdm import tqdm
 
 from eval.plots import plot_resume
 from eval.results import write_result
-from eval.stats import histogram_quantile
+from eval.stats import histogram_quantile, percentile
+from node_manager.connector.kv_client import NodeKVClient
 from symphony.config import SymphonyConfig
 from symphony.launcher import Cluster
 from symphony.models import fetch_default_model, resolve_model
@@ -58,6 +64,8 @@ PREFETCH_WAIT_MS = 120_000
 # Targets at 2,048 tokens (issue 4), as ratios to engine_cache's median TTFT.
 TARGETS = {"dram": 1.15, "ssd_prefetched": 1.15, "remote_prefetched": 1.2, "ssd_on_demand": 2.0}
 RECOMPUTE_SANITY = 5.0
+MATCH_CALLS = 500
+MATCH_P99_TARGET_MS = 1.0
 
 
 @dataclasses.dataclass
@@ -67,6 +75,7 @@ class Node:
     grpc_address: str
     metrics_url: str
     ssd_dir: Path
+    kv_socket: Path  # the node-local channel the engine's connector asks
 
 
 @dataclasses.dataclass
@@ -158,8 +167,9 @@ def _layer_wait_buckets(node: Node) -> dict[float, float]:
 
 class _Bench:
     def __init__(self, nodes: list[Node], model: str, corpus: list[int], context_tokens: int,
-                 block_size: int) -> None:
+                 block_size: int, gap_s: float) -> None:
         self.nodes = nodes
+        self.gap_s = gap_s
         self.model = model
         self.corpus = corpus
         self.context_tokens = context_tokens
@@ -169,16 +179,26 @@ class _Bench:
         self.wait_after: dict[float, float] = {}
         self.ssd_wait_windows: list[tuple[dict[float, float], dict[float, float]]] = []
 
+    def history(self, trial: int) -> list[int]:
+        return _slice(self.corpus, trial * 7919, self.context_tokens)
+
+    def prompt(self, trial: int) -> list[int]:
+        """The resumed turn: the history, then a new message from elsewhere in the corpus."""
+        return [*self.history(trial), *_slice(self.corpus, trial * 7919 + self.context_tokens + 1000,
+                                                FOLLOW_UP_TOKENS)]
+
     def resumed_turn(self, trial: int, path: str) -> _Turn:
         tenant = salt = f"resume-{self.run_id}-{trial}-{path}"
-        history = _slice(self.corpus, trial * 7919, self.context_tokens)
-        prompt = [*history, *_slice(self.corpus, trial * 7919 + self.context_tokens + 1000, FOLLOW_UP_TOKENS)]
+        history = self.history(trial)
+        prompt = self.prompt(trial)
         home, other = self.nodes
         if path == "recompute":
             return _turn(home, self.model, prompt, tenant, salt, OUTPUT_TOKENS)
         built_on = other if path == "remote_prefetched" else home
         _turn(built_on, self.model, history, tenant, salt, 1)  # the turn that leaves the history behind
+        gap_ends = time.monotonic() + self.gap_s
         if path == "engine_cache":
+            _sleep_until(gap_ends)
             return _turn(home, self.model, prompt, tenant, salt, OUTPUT_TOKENS)
         _wait_saved(built_on, tenant, self.history_blocks)
         if path in ("ssd_on_demand", "ssd_prefetched"):
@@ -188,12 +208,17 @@ class _Bench:
             _prefetch(home, tenant)
         if path == "remote_prefetched":
             _prefetch(home, tenant, source_peer=other.grpc_address)
+        _sleep_until(gap_ends)  # the think time between turns; the moves above happened within it
         if path == "ssd_on_demand":
             before = _layer_wait_buckets(home)
             turn = _turn(home, self.model, prompt, tenant, salt + "-resumed", OUTPUT_TOKENS)
             self.ssd_wait_windows.append((before, _await_wait_report(home, before)))
             return turn
         return _turn(home, self.model, prompt, tenant, salt + "-resumed", OUTPUT_TOKENS)
+
+
+def _sleep_until(deadline: float) -> None:
+    time.sleep(max(0.0, deadline - time.monotonic()))
 
 
 def _await_wait_report(node: Node, before: dict[float, float], timeout_s: float = 10.0) -> dict[float, float]:
@@ -207,10 +232,25 @@ def _await_wait_report(node: Node, before: dict[float, float], timeout_s: float 
     return after
 
 
+def _match_latency_ms(node: Node, tenant: str, prompt: list[int], calls: int = MATCH_CALLS) -> list[float]:
+    """What the connector's scheduler side pays per new request: one `match` over the local channel
+    for a session whose history the tiers hold."""
+    client = NodeKVClient(node.kv_socket)
+    try:
+        samples = []
+        for _ in range(calls):
+            started = time.perf_counter()
+            client.match(tenant, "conversation", prompt)
+            samples.append((time.perf_counter() - started) * 1000.0)
+        return samples
+    finally:
+        client.close()
+
+
 def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, trials: int, block_size: int,
-            seed: int = 11) -> dict[str, Any]:
+            gap_s: float = 1.0, seed: int = 11) -> dict[str, Any]:
     corpus = _corpus_ids(base_url, model)
-    bench = _Bench(nodes, model, corpus, context_tokens, block_size)
+    bench = _Bench(nodes, model, corpus, context_tokens, block_size, gap_s)
     rng = random.Random(seed)
     for path in PATHS:  # warm-up, unrecorded: first-use costs (allocator, page faults, connections)
         bench.resumed_turn(-1, path)
@@ -227,13 +267,17 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
                 texts.add(turn.text)
                 bar.update()
             outputs_identical &= len(texts) == 1
-    result: dict[str, Any] = {"context_tokens": context_tokens, "trials": trials,
+    result: dict[str, Any] = {"context_tokens": context_tokens, "trials": trials, "gap_s": gap_s,
                               "follow_up_tokens": FOLLOW_UP_TOKENS, "output_tokens": OUTPUT_TOKENS}
     result["ttft_ms"] = {path: statistics.median(t.ttft_ms for t in turns[path]) for path in PATHS}
     result["ttft_ms_all"] = {path: [round(t.ttft_ms, 2) for t in turns[path]] for path in PATHS}
     result["prefill_tokens_computed"] = {path: statistics.median(t.prompt_tokens - t.cached_tokens
                                                                  for t in turns[path]) for path in PATHS}
     result["outputs_identical"] = outputs_identical
+    dram_tenant = f"resume-{bench.run_id}-0-dram"
+    match_ms = _match_latency_ms(nodes[0], dram_tenant, bench.prompt(0))
+    result["match_ms_p50"] = percentile(match_ms, 50)
+    result["match_ms_p99"] = percentile(match_ms, 99)
     before = {b: sum(w[0].get(b, 0.0) for w in bench.ssd_wait_windows) for b in bench.ssd_wait_windows[0][1]}
     after = {b: sum(w[1].get(b, 0.0) for w in bench.ssd_wait_windows) for b in bench.ssd_wait_windows[0][1]}
     result["layer_wait_ms_p50"] = histogram_quantile(before, after, 0.5) * 1000.0
@@ -245,6 +289,7 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
     targets[f"recompute_ge_{RECOMPUTE_SANITY:g}x_engine_cache"] = (
         result["ratio_to_engine_cache"]["recompute"] >= RECOMPUTE_SANITY)
     targets["outputs_identical"] = outputs_identical
+    targets[f"match_p99_le_{MATCH_P99_TARGET_MS:g}ms"] = result["match_ms_p99"] <= MATCH_P99_TARGET_MS
     result["targets"] = targets
     return result
 
@@ -284,8 +329,8 @@ def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path) -> Sy
     )
 
 
-async def _with_private_cluster(config: SymphonyConfig, home: Path, context_tokens: int,
-                                trials: int) -> dict[str, Any]:
+async def _with_private_cluster(config: SymphonyConfig, home: Path, context_tokens: int, trials: int,
+                                gap_s: float) -> dict[str, Any]:
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     config = _bench_config(config, context_tokens, home)
     cluster = Cluster(config, model, sys.stderr)
@@ -303,10 +348,10 @@ async def _with_private_cluster(config: SymphonyConfig, home: Path, context_toke
                                              timeout=600),
                                kv_pb2_grpc.KVStoreStub(channel), config.node_grpc_address(i),
                                f"http://{config.node.host}:{config.kv_metrics_port(i)}/metrics",
-                               config.kv_ssd_dir(i)))
+                               config.kv_ssd_dir(i), config.kv_socket_path(i)))
         base_url = f"http://{config.node.host}:{config.engine_port(0)}"
         return await asyncio.to_thread(measure, nodes, base_url, model.served_name, context_tokens, trials,
-                                       config.engine.block_size)
+                                       config.engine.block_size, gap_s)
     finally:
         for channel in channels:
             channel.close()
@@ -320,18 +365,19 @@ def _print_table(result: dict[str, Any]) -> None:
         print(f"{path:<20}{result['ttft_ms'][path]:>14.1f}{result['ratio_to_engine_cache'][path]:>10.2f}"
               f"{result['prefill_tokens_computed'][path]:>13.0f}")
     print(f"outputs identical: {result['outputs_identical']}   ssd_on_demand layer wait p50 "
-          f"{result['layer_wait_ms_p50']:.2f} ms, p99 {result['layer_wait_ms_p99']:.2f} ms")
+          f"{result['layer_wait_ms_p50']:.2f} ms, p99 {result['layer_wait_ms_p99']:.2f} ms   "
+          f"match p50 {result['match_ms_p50']:.3f} ms, p99 {result['match_ms_p99']:.3f} ms")
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")
 
 
-def run_resume_bench(config: SymphonyConfig, *, out: Path, context_tokens: int, trials: int,
+def run_resume_bench(config: SymphonyConfig, *, out: Path, context_tokens: int, trials: int, gap_s: float = 1.0,
                      plot: Path | None = None) -> int:
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     home = config.home_path / "bench" / f"resume-{uuid.uuid4().hex[:8]}"
     try:
-        result = asyncio.run(_with_private_cluster(config, home, context_tokens, trials))
+        result = asyncio.run(_with_private_cluster(config, home, context_tokens, trials, gap_s))
     finally:
         shutil.rmtree(home, ignore_errors=True)  # its SSD tier holds every trial's history
     write_result(result, out, table=_print_table, plot=plot, plotter=plot_resume)

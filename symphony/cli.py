@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--context-tokens", type=_positive_int, default=2048,
                         help="history length in tokens, a multiple of the block size (2048)")
     resume.add_argument("--trials", type=_positive_int, default=5, help="trials per path, interleaved (5)")
+    resume.add_argument("--gap-ms", type=_positive_int, default=1000,
+                        help="think time between a history's turn and the resumed turn, every path alike (1000)")
     resume.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     resume.add_argument("--served-model-name", help=argparse.SUPPRESS)
     resume.set_defaults(func=cmd_bench_resume)
@@ -240,7 +242,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         raise CliError(f"--context-tokens {args.context_tokens}: must be a multiple of engine.block_size "
                        f"({config.engine.block_size}), so the whole history is loadable")
     return run_resume_bench(config, out=args.out, context_tokens=args.context_tokens, trials=args.trials,
-                            plot=args.plot)
+                            gap_s=args.gap_ms / 1000.0, plot=args.plot)
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:

@@ -55,9 +55,12 @@ def chain_block_keys(tenant: str, token_ids: Sequence[int], block_size: int,
     tokens) only the new blocks are hashed, so appending a turn costs what the turn adds."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    for token in token_ids:
-        if not 0 <= token <= _MAX_TOKEN_ID:
-            raise ValueError(f"token id {token} outside 0..{_MAX_TOKEN_ID}")
+    if len(token_ids):
+        # min/max run in C: the connector asks for every request, so a per-token Python check would
+        # be most of that call's cost.
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high > _MAX_TOKEN_ID:
+            raise ValueError(f"token id {low if low < 0 else high} outside 0..{_MAX_TOKEN_ID}")
     keys: list[BlockKey] = []
     first_block = 0
     if start is not None and start.tenant == tenant and start.block_size == block_size:

@@ -9,6 +9,7 @@ channel is a Unix socket: local only, guarded by file permissions, no network st
 
 from __future__ import annotations
 
+import array
 import json
 import socket
 import struct
@@ -21,6 +22,8 @@ MAX_JSON_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # 8 M slots or 16 M token ids: far above any real request
 # Where an admitted prompt's KV came from, as the connector reports it (`report` op).
 PROMPT_TOKEN_SOURCES = ("engine_cache", "symphony", "computed")
+
+assert array.array("I").itemsize == 4, "token payloads are uint32"
 
 
 class ProtocolError(Exception):
@@ -70,7 +73,11 @@ def _recv_exact(sock: socket.socket, count: int, allow_eof: bool = False) -> byt
 
 
 def token_payload(token_ids: Any) -> bytes:
-    return np.asarray(token_ids, dtype=np.uint32).tobytes()
+    if isinstance(token_ids, np.ndarray):
+        return np.ascontiguousarray(token_ids, dtype=np.uint32).tobytes()
+    # A list (what vLLM hands the connector): array() converts it ~6x faster than numpy, and this
+    # runs once per request on vLLM's scheduling path.
+    return array.array("I", token_ids).tobytes()
 
 
 def tokens_from(payload: bytes) -> list[int]:

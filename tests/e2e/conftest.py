@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from symphony.config import default_home
+from symphony.config import default_home, load_config
 from symphony.models import DEFAULT_MODEL_NAME, fetch_default_model
 from tests.helpers import free_port, free_port_run, wait_until
 
@@ -34,6 +34,7 @@ class LiveCluster:
     engine_ports: list[int]
     grpc_ports: list[int]
     kv_metrics_ports: list[int]
+    kv_sockets: list[Path]
 
     def readyz(self) -> dict[str, Any]:
         return httpx.get(self.url + "/readyz", timeout=5).json()
@@ -101,7 +102,8 @@ def live_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveClust
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
     cluster = LiveCluster(f"http://127.0.0.1:{scheduler_port}", process, home, output, DEFAULT_MODEL_NAME,
                           [engine_base + i for i in range(NODES)], [grpc_base + i for i in range(NODES)],
-                          [metrics_base + i for i in range(NODES)])
+                          [metrics_base + i for i in range(NODES)],
+                          [load_config(config, env={}).kv_socket_path(i) for i in range(NODES)])
 
     def up() -> bool:
         if process.poll() is not None:
