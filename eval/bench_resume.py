@@ -175,8 +175,6 @@ class _Bench:
         self.context_tokens = context_tokens
         self.history_blocks = context_tokens // block_size
         self.run_id = uuid.uuid4().hex[:8]
-        self.wait_before: dict[float, float] = {}
-        self.wait_after: dict[float, float] = {}
         self.ssd_wait_windows: list[tuple[dict[float, float], dict[float, float]]] = []
 
     def history(self, trial: int) -> list[int]:

@@ -7,18 +7,25 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
+# Symphony's default ports (scheduler, engines, node gRPC, KV metrics, a few nodes' worth): a test
+# config that leaves some defaults in place would be refused as overlapping a free port picked here.
+_DEFAULT_PORTS = frozenset([8000, *range(8100, 8108), *range(9300, 9308), *range(50051, 50059)])
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _DEFAULT_PORTS:
+            return port
 
 
 def free_port_run(count: int) -> int:
     """A base port such that base .. base+count-1 are all free right now."""
     for _ in range(200):
         base = free_port()
-        if base + count > 65535:
+        if base + count > 65535 or any(base + offset in _DEFAULT_PORTS for offset in range(count)):
             continue
         socks = []
         try:
