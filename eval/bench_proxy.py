@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import socket
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import openai
 from tqdm import tqdm
 
 from eval.plots import plot_proxy
+from eval.ports import free_port
 from eval.results import write_result
 from eval.stats import percentile
 from symphony.config import SymphonyConfig
@@ -138,19 +138,13 @@ async def measure(scheduler_url: str, engine_url: str, model: str, concurrency: 
     return result
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def _with_private_cluster(config: SymphonyConfig, **kwargs: Any) -> dict[str, Any]:
     """Start a 1-node cluster on free ports (so the scheduler fronts exactly the engine measured)."""
     config = dataclasses.replace(
         config,
         cluster=dataclasses.replace(config.cluster, nodes=1),
-        scheduler=dataclasses.replace(config.scheduler, port=_free_port(), node_addresses=[]),
-        node=dataclasses.replace(config.node, grpc_port_base=_free_port(), engine_port_base=_free_port()),
+        scheduler=dataclasses.replace(config.scheduler, port=free_port(), node_addresses=[]),
+        node=dataclasses.replace(config.node, grpc_port_base=free_port(), engine_port_base=free_port()),
     )
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))

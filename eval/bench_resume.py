@@ -32,7 +32,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from eval.plots import plot_resume
+from eval.ports import free_port_run
 from eval.results import write_result
 from eval.stats import histogram_quantile, percentile
 from node_manager.connector.kv_client import NodeKVClient
@@ -292,35 +292,15 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
     return result
 
 
-def _free_port_run(count: int) -> int:
-    """The first of `count` consecutive ports free now."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base + count < 65536 and all(_port_free(base + i) for i in range(1, count)):
-            return base
-    raise RuntimeError("no run of free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path) -> SymphonyConfig:
     """Two nodes on free ports, a private home (its SSD tier starts empty), room for the context."""
     return dataclasses.replace(
         config,
         home=str(home),
         cluster=dataclasses.replace(config.cluster, nodes=2),
-        scheduler=dataclasses.replace(config.scheduler, port=_free_port_run(1), node_addresses=[]),
-        node=dataclasses.replace(config.node, grpc_port_base=_free_port_run(2), engine_port_base=_free_port_run(2)),
-        kv=dataclasses.replace(config.kv, metrics_port_base=_free_port_run(2), ssd_dir="", data_port_base=0),
+        scheduler=dataclasses.replace(config.scheduler, port=free_port_run(1), node_addresses=[]),
+        node=dataclasses.replace(config.node, grpc_port_base=free_port_run(2), engine_port_base=free_port_run(2)),
+        kv=dataclasses.replace(config.kv, metrics_port_base=free_port_run(2), ssd_dir="", data_port_base=0),
         engine=dataclasses.replace(config.engine, kv_connector=True,
                                    max_model_len=max(config.engine.max_model_len,
                                                      context_tokens + FOLLOW_UP_TOKENS + OUTPUT_TOKENS + 64)),
