@@ -380,6 +380,19 @@ def test_dram_eviction_is_lru_and_pages_stay_loadable_from_ssd(make_store: MakeS
         assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS)), name
 
 
+def _hold_ssd_writes(store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make the write-behind wait (its pages stay pinned, DRAM-only) until the returned gate is set."""
+    gate = threading.Event()
+    real_write = store.ssd.write
+
+    def held_write(*args: object, **kwargs: object) -> None:
+        gate.wait(TIMEOUT)
+        real_write(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store.ssd, "write", held_write)
+    return gate
+
+
 def test_demote_drops_dram_copies_that_ssd_holds_and_keeps_pinned_ones(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0)
     data = save_session(store, "a", 2, seed=30)
@@ -406,14 +419,7 @@ def test_demote_drops_dram_copies_that_ssd_holds_and_keeps_pinned_ones(make_stor
 
 def test_demote_keeps_pages_not_yet_on_ssd(make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
     store = make_store(hbm_pages=0)
-    gate = threading.Event()
-    real_write = store.ssd.write
-
-    def held_write(*args: object, **kwargs: object) -> None:
-        gate.wait(TIMEOUT)
-        real_write(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(store.ssd, "write", held_write)
+    gate = _hold_ssd_writes(store, monkeypatch)
     save_session(store, "a", 1, seed=32)
     assert store.demote("acme", "a", Tier.DRAM) == 0  # DRAM holds the only copy until the write lands
     assert all_true(store.residency("acme", "a")[Tier.DRAM])
@@ -452,14 +458,7 @@ def test_low_priority_pages_go_before_older_normal_ones(make_store: MakeStore) -
 def test_save_degrades_when_dram_is_full_of_unpersisted_pages(make_store: MakeStore,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     store = make_store(hbm_pages=0, dram_pages=LAYERS)
-    gate = threading.Event()
-    real_write = store.ssd.write
-
-    def held_write(*args: object, **kwargs: object) -> None:
-        gate.wait(TIMEOUT)
-        real_write(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(store.ssd, "write", held_write)
+    gate = _hold_ssd_writes(store, monkeypatch)
     save_session(store, "a", 1, seed=29)  # fills DRAM; the pages stay pinned until written
     store.put_session("acme", "b", tokens(1, base=77_000))
     assert store.save_layer("acme", "b", 0, 0, page_data(1, seed=30)[0]).result(TIMEOUT) == 0
