@@ -265,6 +265,7 @@ async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], to
             store = _store(geometry, work / f"pull-{trial}", f"p{trial}", nbytes, "cpu")
             puller = PeerPuller(store, timeout_s=60)
             try:
+                await puller.connect(peer.address)  # a node's channels to its peers are long-lived
                 started = time.perf_counter()
                 reply = await puller.pull(TENANT, "s", peer.address)
                 elapsed = time.perf_counter() - started

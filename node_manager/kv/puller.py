@@ -46,6 +46,12 @@ class PeerPuller:
             self._channels[peer] = channel
         return kv_pb2_grpc.KVStoreStub(channel)
 
+    async def connect(self, peer: str, timeout_s: float | None = None) -> None:
+        """Open the channel to `peer` now, so the first pull does not pay the connection set-up
+        (a TCP and HTTP/2 handshake, milliseconds) while a request may be waiting on it."""
+        self._stub(peer)
+        await asyncio.wait_for(self._channels[peer].channel_ready(), timeout_s or self._timeout_s)
+
     async def pull(self, tenant: str, session_id: str, peer: str) -> kv_pb2.PullReply:
         """Fetch every page of the session that no local tier holds, from the first missing block."""
         stub = self._stub(peer)
