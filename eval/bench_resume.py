@@ -37,7 +37,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import httpx
@@ -79,11 +79,13 @@ class Node:
 
 
 @dataclasses.dataclass
-class _Turn:
+class Turn:
     ttft_ms: float
     text: str
     prompt_tokens: int
     cached_tokens: int
+    tokens: list[str] = dataclasses.field(default_factory=list)  # "token_id:N", with `logprobs` asked for
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # of each chosen token
 
 
 def _corpus_ids(base_url: str, model: str) -> list[int]:
@@ -99,27 +101,37 @@ def _slice(corpus: list[int], start: int, length: int) -> list[int]:
     return [corpus[(start + i) % len(corpus)] for i in range(length)]
 
 
-def _turn(node: Node, model: str, prompt: list[int], tenant: str, salt: str, max_tokens: int) -> _Turn:
+def _turn(node: Node, model: str, prompt: list[int], tenant: str, salt: str, max_tokens: int,
+          logprobs: bool = False) -> Turn:
     started = time.perf_counter()
+    extra: dict[str, Any] = {"kv_transfer_params": {"tenant": tenant, "session_id": "conversation"},
+                             "cache_salt": salt, "ignore_eos": True}
+    if logprobs:
+        extra["return_tokens_as_token_ids"] = True  # ids, not strings two tokens could share
     stream = node.engine.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"kv_transfer_params": {"tenant": tenant, "session_id": "conversation"}, "cache_salt": salt,
-                    "ignore_eos": True})
+        stream_options={"include_usage": True}, logprobs=1 if logprobs else None, extra_body=extra)
     ttft = None
-    text = []
+    text: list[str] = []
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
     usage = None
     for chunk in stream:
         if chunk.choices:
             if ttft is None:
                 ttft = (time.perf_counter() - started) * 1000.0
-            text.append(chunk.choices[0].text)
+            choice = chunk.choices[0]
+            text.append(choice.text)
+            if choice.logprobs is not None:
+                tokens.extend(choice.logprobs.tokens or [])
+                token_logprobs.extend(choice.logprobs.token_logprobs or [])
         if chunk.usage is not None:
             usage = chunk.usage
     if ttft is None or usage is None:
         raise RuntimeError("the engine streamed no token or no usage")
     details = usage.prompt_tokens_details
-    return _Turn(ttft, "".join(text), usage.prompt_tokens, (details.cached_tokens or 0) if details else 0)
+    return Turn(ttft, "".join(text), usage.prompt_tokens, (details.cached_tokens or 0) if details else 0,
+                tokens, token_logprobs)
 
 
 def _ref(tenant: str) -> kv_pb2.SessionRef:
@@ -165,40 +177,63 @@ def _layer_wait_buckets(node: Node) -> dict[float, float]:
     return {}
 
 
-class _Bench:
-    def __init__(self, nodes: list[Node], model: str, corpus: list[int], context_tokens: int,
-                 block_size: int, gap_s: float) -> None:
-        self.nodes = nodes
-        self.gap_s = gap_s
-        self.model = model
+class Histories(Protocol):
+    """Where a trial's conversation comes from: its history, and the resumed turn's prompt (the
+    history, then the new message)."""
+
+    def history(self, trial: int) -> list[int]: ...
+
+    def prompt(self, trial: int) -> list[int]: ...
+
+
+class CorpusHistories:
+    """Histories of one length cut from the MT-bench corpus, each followed by a message cut from
+    elsewhere in it: the timing trials, where only the length matters."""
+
+    def __init__(self, corpus: list[int], context_tokens: int) -> None:
         self.corpus = corpus
         self.context_tokens = context_tokens
-        self.history_blocks = context_tokens // block_size
-        self.run_id = uuid.uuid4().hex[:8]
-        self.ssd_wait_windows: list[tuple[dict[float, float], dict[float, float]]] = []
 
     def history(self, trial: int) -> list[int]:
         return _slice(self.corpus, trial * 7919, self.context_tokens)
 
     def prompt(self, trial: int) -> list[int]:
-        """The resumed turn: the history, then a new message from elsewhere in the corpus."""
         return [*self.history(trial), *_slice(self.corpus, trial * 7919 + self.context_tokens + 1000,
                                                 FOLLOW_UP_TOKENS)]
 
-    def resumed_turn(self, trial: int, path: str) -> _Turn:
+
+class ResumeRunner:
+    """Sends a trial's resumed turn along one path, after putting its history where the path says."""
+
+    def __init__(self, nodes: list[Node], model: str, histories: Histories, block_size: int, gap_s: float,
+                 output_tokens: int = OUTPUT_TOKENS, logprobs: bool = False) -> None:
+        self.nodes = nodes
+        self.gap_s = gap_s
+        self.model = model
+        self.histories = histories
+        self.block_size = block_size
+        self.output_tokens = output_tokens
+        self.logprobs = logprobs
+        self.run_id = uuid.uuid4().hex[:8]
+        self.ssd_wait_windows: list[tuple[dict[float, float], dict[float, float]]] = []
+
+    def _resumed(self, node: Node, prompt: list[int], tenant: str, salt: str) -> Turn:
+        return _turn(node, self.model, prompt, tenant, salt, self.output_tokens, self.logprobs)
+
+    def resumed_turn(self, trial: int, path: str) -> Turn:
         tenant = salt = f"resume-{self.run_id}-{trial}-{path}"
-        history = self.history(trial)
-        prompt = self.prompt(trial)
+        history = self.histories.history(trial)
+        prompt = self.histories.prompt(trial)
         home, other = self.nodes
         if path == "recompute":
-            return _turn(home, self.model, prompt, tenant, salt, OUTPUT_TOKENS)
+            return self._resumed(home, prompt, tenant, salt)
         built_on = other if path == "remote_prefetched" else home
         _turn(built_on, self.model, history, tenant, salt, 1)  # the turn that leaves the history behind
         gap_ends = time.monotonic() + self.gap_s
         if path == "engine_cache":
             _sleep_until(gap_ends)
-            return _turn(home, self.model, prompt, tenant, salt, OUTPUT_TOKENS)
-        _wait_saved(built_on, tenant, self.history_blocks)
+            return self._resumed(home, prompt, tenant, salt)
+        _wait_saved(built_on, tenant, len(history) // self.block_size)
         if path in ("ssd_on_demand", "ssd_prefetched"):
             home.kv.DemoteSession(kv_pb2.DemoteRequest(session=_ref(tenant), tier=kv_pb2.TIER_DRAM), timeout=60)
             _drop_page_cache(home.ssd_dir)
@@ -209,10 +244,10 @@ class _Bench:
         _sleep_until(gap_ends)  # the think time between turns; the moves above happened within it
         if path == "ssd_on_demand":
             before = _layer_wait_buckets(home)
-            turn = _turn(home, self.model, prompt, tenant, salt + "-resumed", OUTPUT_TOKENS)
+            turn = self._resumed(home, prompt, tenant, salt + "-resumed")
             self.ssd_wait_windows.append((before, _await_wait_report(home, before)))
             return turn
-        return _turn(home, self.model, prompt, tenant, salt + "-resumed", OUTPUT_TOKENS)
+        return self._resumed(home, prompt, tenant, salt + "-resumed")
 
 
 def _sleep_until(deadline: float) -> None:
@@ -248,11 +283,11 @@ def _match_latency_ms(node: Node, tenant: str, prompt: list[int], calls: int = M
 def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, trials: int, block_size: int,
             gap_s: float = 1.0, seed: int = 11) -> dict[str, Any]:
     corpus = _corpus_ids(base_url, model)
-    bench = _Bench(nodes, model, corpus, context_tokens, block_size, gap_s)
+    bench = ResumeRunner(nodes, model, CorpusHistories(corpus, context_tokens), block_size, gap_s)
     rng = random.Random(seed)
     for path in PATHS:  # warm-up, unrecorded: first-use costs (allocator, page faults, connections)
         bench.resumed_turn(-1, path)
-    turns: dict[str, list[_Turn]] = {path: [] for path in PATHS}
+    turns: dict[str, list[Turn]] = {path: [] for path in PATHS}
     outputs_identical = True
     with tqdm(total=trials * len(PATHS), desc=f"resume {context_tokens} tokens", file=sys.stderr) as bar:
         for trial in range(trials):
@@ -273,7 +308,7 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
                                                                  for t in turns[path]) for path in PATHS}
     result["outputs_identical"] = outputs_identical
     dram_tenant = f"resume-{bench.run_id}-0-dram"
-    match_ms = _match_latency_ms(nodes[0], dram_tenant, bench.prompt(0))
+    match_ms = _match_latency_ms(nodes[0], dram_tenant, bench.histories.prompt(0))
     result["match_ms_p50"] = percentile(match_ms, 50)
     result["match_ms_p99"] = percentile(match_ms, 99)
     before = {b: sum(w[0].get(b, 0.0) for w in bench.ssd_wait_windows) for b in bench.ssd_wait_windows[0][1]}
@@ -308,7 +343,7 @@ def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path) -> Sy
 
 
 async def _with_private_cluster(config: SymphonyConfig, home: Path, context_tokens: int, trials: int,
-                                gap_s: float) -> dict[str, Any]:
+                                gap_s: float, conversations: int) -> dict[str, Any]:
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     config = _bench_config(config, context_tokens, home)
     cluster = Cluster(config, model, sys.stderr)
@@ -328,8 +363,16 @@ async def _with_private_cluster(config: SymphonyConfig, home: Path, context_toke
                                f"http://{config.node.host}:{config.kv_metrics_port(i)}/metrics",
                                config.kv_ssd_dir(i), config.kv_socket_path(i)))
         base_url = f"http://{config.node.host}:{config.engine_port(0)}"
-        return await asyncio.to_thread(measure, nodes, base_url, model.served_name, context_tokens, trials,
-                                       config.engine.block_size, gap_s)
+        result = await asyncio.to_thread(measure, nodes, base_url, model.served_name, context_tokens, trials,
+                                         config.engine.block_size, gap_s)
+        if conversations:
+            from eval.resume_correctness import check_resume_correctness
+
+            result["correctness"] = await asyncio.to_thread(check_resume_correctness, nodes, base_url,
+                                                            model.served_name, conversations,
+                                                            config.engine.block_size, gap_s)
+            result["targets"]["correctness_identical"] = result["correctness"]["identical"]
+        return result
     finally:
         for channel in channels:
             channel.close()
@@ -345,17 +388,22 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"outputs identical: {result['outputs_identical']}   ssd_on_demand layer wait p50 "
           f"{result['layer_wait_ms_p50']:.2f} ms, p99 {result['layer_wait_ms_p99']:.2f} ms   "
           f"match p50 {result['match_ms_p50']:.3f} ms, p99 {result['match_ms_p99']:.3f} ms")
+    if "correctness" in result:
+        check = result["correctness"]
+        print(f"correctness over {check['conversations']} MT-bench two-turn conversations: "
+              f"{'identical' if check['identical'] else 'MISMATCHED ' + str(check['mismatched_conversations'])}, "
+              f"max logprob gap to recompute {check['max_logprob_gap']:.2e} (tolerance {check['logprob_tolerance']:g})")
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")
 
 
 def run_resume_bench(config: SymphonyConfig, *, out: Path, context_tokens: int, trials: int, gap_s: float = 1.0,
-                     plot: Path | None = None) -> int:
+                     conversations: int = 0, plot: Path | None = None) -> int:
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     home = config.home_path / "bench" / f"resume-{uuid.uuid4().hex[:8]}"
     try:
-        result = asyncio.run(_with_private_cluster(config, home, context_tokens, trials, gap_s))
+        result = asyncio.run(_with_private_cluster(config, home, context_tokens, trials, gap_s, conversations))
     finally:
         shutil.rmtree(home, ignore_errors=True)  # its SSD tier holds every trial's history
     write_result(result, out, table=_print_table, plot=plot, plotter=plot_resume)

@@ -9,7 +9,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +22,24 @@ class CliError(Exception):
     """A user-facing failure: printed as one line, exit status 2."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_between(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in low..high (high None: no upper bound)."""
+    wanted = f"an integer from {low} to {high}" if high is not None else (
+        "a positive integer" if low == 1 else f"an integer of at least {low}")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_between(1)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--trials", type=_positive_int, default=5, help="trials per path, interleaved (5)")
     resume.add_argument("--gap-ms", type=_positive_int, default=1000,
                         help="think time between a history's turn and the resumed turn, every path alike (1000)")
+    resume.add_argument("--conversations", type=_int_between(0, 80), default=0,
+                        help="also check correctness on this many MT-bench two-turn conversations (of 80): "
+                             "every path must give the same greedy tokens, logprobs within 1e-2 (0: skip)")
     resume.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     resume.add_argument("--served-model-name", help=argparse.SUPPRESS)
     resume.set_defaults(func=cmd_bench_resume)
@@ -242,7 +255,7 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
         raise CliError(f"--context-tokens {args.context_tokens}: must be a multiple of engine.block_size "
                        f"({config.engine.block_size}), so the whole history is loadable")
     return run_resume_bench(config, out=args.out, context_tokens=args.context_tokens, trials=args.trials,
-                            gap_s=args.gap_ms / 1000.0, plot=args.plot)
+                            gap_s=args.gap_ms / 1000.0, conversations=args.conversations, plot=args.plot)
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:

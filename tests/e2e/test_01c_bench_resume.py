@@ -3,13 +3,11 @@ its history from where the path says (checked through what the engine had to pre
 
 from __future__ import annotations
 
-import grpc
-import openai
 import pytest
 
-from eval.bench_resume import FOLLOW_UP_TOKENS, PATHS, Node, measure
-from symphony.rpc import kv_pb2_grpc
+from eval.bench_resume import FOLLOW_UP_TOKENS, PATHS, measure
 from tests.e2e.conftest import LiveCluster
+from tests.e2e.resume_support import resume_nodes
 
 pytestmark = pytest.mark.e2e
 
@@ -17,21 +15,9 @@ CONTEXT = 256  # 8 blocks: small enough for CI, long enough to load across block
 
 
 def test_every_resume_path_gets_its_history_from_the_intended_place(live_cluster: LiveCluster) -> None:
-    channels = [grpc.insecure_channel(f"127.0.0.1:{port}") for port in live_cluster.grpc_ports]
-    try:
-        nodes = [Node(openai.OpenAI(base_url=f"http://127.0.0.1:{engine}/v1", api_key="unused", max_retries=0,
-                                    timeout=300),
-                      kv_pb2_grpc.KVStoreStub(channel), f"127.0.0.1:{grpc_port}",
-                      f"http://127.0.0.1:{metrics}/metrics", live_cluster.home / "kv" / f"node-{i}",
-                      live_cluster.kv_sockets[i])
-                 for i, (engine, channel, grpc_port, metrics) in enumerate(zip(
-                     live_cluster.engine_ports, channels, live_cluster.grpc_ports, live_cluster.kv_metrics_ports,
-                     strict=True))]
+    with resume_nodes(live_cluster) as nodes:
         result = measure(nodes, f"http://127.0.0.1:{live_cluster.engine_ports[0]}", live_cluster.model,
                          context_tokens=CONTEXT, trials=1, block_size=32, gap_s=0.2)
-    finally:
-        for channel in channels:
-            channel.close()
     assert set(result["ttft_ms"]) == set(PATHS)
     assert all(ms > 0 for ms in result["ttft_ms"].values())
     # Only recompute prefills the history; every other path computes the follow-up message alone.

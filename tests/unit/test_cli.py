@@ -43,6 +43,17 @@ def test_up_with_bad_node_count_is_a_usage_error(capsys: pytest.CaptureFixture[s
     assert "positive integer" in err
 
 
+@pytest.mark.parametrize("value", ["-1", "81", "many"])
+def test_bench_resume_conversations_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                                                 value: str) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main(["bench", "resume", "--out", "r.json", "--conversations", value])
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert "--conversations" in err
+    assert "from 0 to 80" in err
+
+
 def test_bench_proxy_without_out_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as excinfo:
         main(["bench", "proxy"])

@@ -1,0 +1,111 @@
+"""Is a resumed turn the same whichever path its history's KV took?
+
+MT-bench two-turn conversations: the first question, the model's greedy answer to it (generated
+once, up front), then the second question. Each conversation's resumed turn (its second) is sent
+along every path of `bench resume` (recompute, vLLM's prefix cache, Symphony's DRAM, SSD on demand,
+SSD prefetched, fetched from the other node) and must give the same token ids, with each token's
+logprob within `LOGPROB_TOLERANCE` of the recomputed turn's.
+
+The history's KV is built the way every path can build it alike: a prefill of the first turn
+(question and answer). A history whose answer tokens were decoded one by one holds the decode
+kernels' KV, which differs from a prefill's in the last bf16 bits; recompute would then differ from
+vLLM's own prefix cache too, which is the engine's property, not a path's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from eval.bench_resume import MTBENCH, PATHS, Node, ResumeRunner, Turn
+
+LOGPROB_TOLERANCE = 1e-2
+ANSWER_TOKENS = 64  # of the first turn's answer, so histories span several blocks
+OUTPUT_TOKENS = 16  # compared per resumed turn
+
+
+@dataclass(frozen=True)
+class Conversation:
+    history: list[int]  # the first turn, question and answer, in the chat template
+    prompt: list[int]  # the history, then the second question and the assistant's cue
+
+
+class TwoTurnConversations:
+    """`Histories` for `ResumeRunner`: trial i is conversation i."""
+
+    def __init__(self, conversations: list[Conversation]) -> None:
+        self.conversations = conversations
+
+    def history(self, trial: int) -> list[int]:
+        return self.conversations[trial].history
+
+    def prompt(self, trial: int) -> list[int]:
+        return self.conversations[trial].prompt
+
+
+def _chat_ids(base_url: str, model: str, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    reply = httpx.post(base_url + "/tokenize", json={"model": model, "messages": messages,
+                                                     "add_generation_prompt": generation_prompt}, timeout=60)
+    reply.raise_for_status()
+    return list(reply.json()["tokens"])
+
+
+def mtbench_conversations(node: Node, base_url: str, model: str, count: int) -> list[Conversation]:
+    """The first `count` MT-bench questions with two turns, each with the model's greedy answer."""
+    questions = [json.loads(line)["turns"] for line in MTBENCH.read_text().splitlines()]
+    questions = [turns for turns in questions if len(turns) >= 2][:count]
+    if len(questions) < count:
+        raise ValueError(f"MT-bench has only {len(questions)} two-turn conversations")
+    conversations = []
+    for index, (first, second) in enumerate(tqdm(questions, desc="first turns", file=sys.stderr,
+                                                 unit="conversation")):
+        opening = _chat_ids(base_url, model, [{"role": "user", "content": first}], True)
+        answer = node.engine.completions.create(
+            model=model, prompt=opening, max_tokens=ANSWER_TOKENS, temperature=0,
+            extra_body={"cache_salt": f"first-turn-{index}"}).choices[0].text
+        past = [{"role": "user", "content": first}, {"role": "assistant", "content": answer}]
+        history = _chat_ids(base_url, model, past, False)
+        prompt = _chat_ids(base_url, model, [*past, {"role": "user", "content": second}], True)
+        if prompt[:len(history)] != history:
+            raise RuntimeError(f"conversation {index}: the chat template does not extend the history")
+        conversations.append(Conversation(history, prompt))
+    return conversations
+
+
+def _compare(turns: dict[str, Turn]) -> tuple[bool, float]:
+    """(token ids identical on every path, largest logprob gap to recompute)."""
+    reference = turns["recompute"]
+    identical = all(turn.tokens == reference.tokens and len(turn.tokens) == OUTPUT_TOKENS for turn in turns.values())
+    gap = max((abs(a - b) for turn in turns.values()
+               for a, b in zip(turn.logprobs, reference.logprobs, strict=False)), default=0.0)
+    return identical, gap
+
+
+def check_resume_correctness(nodes: list[Node], base_url: str, model: str, count: int, block_size: int,
+                             gap_s: float) -> dict[str, Any]:
+    conversations = mtbench_conversations(nodes[0], base_url, model, count)
+    runner = ResumeRunner(nodes, model, TwoTurnConversations(conversations), block_size, gap_s,
+                          output_tokens=OUTPUT_TOKENS, logprobs=True)
+    mismatched: list[int] = []
+    gaps: list[float] = []
+    cached: dict[str, list[int]] = {path: [] for path in PATHS}
+    with tqdm(total=count * len(PATHS), desc="resume correctness", file=sys.stderr) as bar:
+        for index in range(count):
+            turns = {}
+            for path in PATHS:
+                turns[path] = runner.resumed_turn(index, path)
+                cached[path].append(turns[path].cached_tokens)
+                bar.update()
+            identical, gap = _compare(turns)
+            gaps.append(gap)
+            if not identical or gap > LOGPROB_TOLERANCE:
+                mismatched.append(index)
+    return {"conversations": count, "paths": list(PATHS), "output_tokens": OUTPUT_TOKENS,
+            "history_tokens": [len(c.history) for c in conversations],
+            "cached_tokens": cached, "max_logprob_gap": max(gaps), "logprob_tolerance": LOGPROB_TOLERANCE,
+            "mismatched_conversations": mismatched, "identical": not mismatched}
