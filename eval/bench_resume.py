@@ -52,7 +52,7 @@ from eval.stats import histogram_quantile, percentile
 from node_manager.connector.kv_client import NodeKVClient
 from symphony.config import SymphonyConfig
 from symphony.launcher import Cluster
-from symphony.models import fetch_default_model, resolve_model
+from symphony.models import ModelError, ModelInfo, context_window, fetch_default_model, resolve_model
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 PATHS = ("recompute", "engine_cache", "dram", "ssd_on_demand", "ssd_prefetched", "remote_prefetched")
@@ -289,6 +289,7 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
         bench.resumed_turn(-1, path)
     turns: dict[str, list[Turn]] = {path: [] for path in PATHS}
     outputs_identical = True
+    differing: set[str] = set()  # paths whose output differed from engine_cache's in some trial
     with tqdm(total=trials * len(PATHS), desc=f"resume {context_tokens} tokens", file=sys.stderr) as bar:
         for trial in range(trials):
             order = list(PATHS)
@@ -300,6 +301,7 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
                 texts.add(turn.text)
                 bar.update()
             outputs_identical &= len(texts) == 1
+            differing.update(path for path in PATHS if turns[path][-1].text != turns["engine_cache"][-1].text)
     result: dict[str, Any] = {"context_tokens": context_tokens, "trials": trials, "gap_s": gap_s,
                               "follow_up_tokens": FOLLOW_UP_TOKENS, "output_tokens": OUTPUT_TOKENS}
     result["ttft_ms"] = {path: statistics.median(t.ttft_ms for t in turns[path]) for path in PATHS}
@@ -307,6 +309,7 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
     result["prefill_tokens_computed"] = {path: statistics.median(t.prompt_tokens - t.cached_tokens
                                                                  for t in turns[path]) for path in PATHS}
     result["outputs_identical"] = outputs_identical
+    result["outputs_differing_from_engine_cache"] = sorted(differing)
     dram_tenant = f"resume-{bench.run_id}-0-dram"
     match_ms = _match_latency_ms(nodes[0], dram_tenant, bench.histories.prompt(0))
     result["match_ms_p50"] = percentile(match_ms, 50)
@@ -327,8 +330,10 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
     return result
 
 
-def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path) -> SymphonyConfig:
-    """Two nodes on free ports, a private home (its SSD tier starts empty), room for the context."""
+def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path, window: int | None) -> SymphonyConfig:
+    """Two nodes on free ports, a private home (its SSD tier starts empty), room for the context
+    (within the model's window, which the caller checked the turn fits)."""
+    max_model_len = max(config.engine.max_model_len, context_tokens + FOLLOW_UP_TOKENS + OUTPUT_TOKENS)
     return dataclasses.replace(
         config,
         home=str(home),
@@ -337,15 +342,13 @@ def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path) -> Sy
         node=dataclasses.replace(config.node, grpc_port_base=free_port_run(2), engine_port_base=free_port_run(2)),
         kv=dataclasses.replace(config.kv, metrics_port_base=free_port_run(2), ssd_dir="", data_port_base=0),
         engine=dataclasses.replace(config.engine, kv_connector=True,
-                                   max_model_len=max(config.engine.max_model_len,
-                                                     context_tokens + FOLLOW_UP_TOKENS + OUTPUT_TOKENS + 64)),
+                                   max_model_len=min(max_model_len, window) if window else max_model_len),
     )
 
 
-async def _with_private_cluster(config: SymphonyConfig, home: Path, context_tokens: int, trials: int,
-                                gap_s: float, conversations: int) -> dict[str, Any]:
-    model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
-    config = _bench_config(config, context_tokens, home)
+async def _with_private_cluster(config: SymphonyConfig, model: ModelInfo, home: Path, context_tokens: int,
+                                trials: int, gap_s: float, conversations: int) -> dict[str, Any]:
+    config = _bench_config(config, context_tokens, home, context_window(model.path))
     cluster = Cluster(config, model, sys.stderr)
     cluster.spawn()
     channels = []
@@ -401,10 +404,19 @@ def run_resume_bench(config: SymphonyConfig, *, out: Path, context_tokens: int, 
                      conversations: int = 0, plot: Path | None = None) -> int:
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
+    model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+    window, block = context_window(model.path), config.engine.block_size
+    if window is not None and context_tokens + FOLLOW_UP_TOKENS + OUTPUT_TOKENS > window:
+        # The engines would refuse a max_model_len past the model's window and restart forever.
+        raise ModelError(f"--context-tokens {context_tokens}: the resumed turn adds {FOLLOW_UP_TOKENS} + "
+                         f"{OUTPUT_TOKENS} tokens, past {model.path.name}'s {window}-token context window; use "
+                         f"at most {(window - FOLLOW_UP_TOKENS - OUTPUT_TOKENS) // block * block}")
     home = config.home_path / "bench" / f"resume-{uuid.uuid4().hex[:8]}"
     try:
-        result = asyncio.run(_with_private_cluster(config, home, context_tokens, trials, gap_s, conversations))
-    finally:
-        shutil.rmtree(home, ignore_errors=True)  # its SSD tier holds every trial's history
+        result = asyncio.run(_with_private_cluster(config, model, home, context_tokens, trials, gap_s, conversations))
+    except BaseException:
+        print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
+        raise
+    shutil.rmtree(home, ignore_errors=True)  # its SSD tier holds every trial's history
     write_result(result, out, table=_print_table, plot=plot, plotter=plot_resume)
     return 0

