@@ -88,9 +88,14 @@ class Turn:
     logprobs: list[float] = dataclasses.field(default_factory=list)  # of each chosen token
 
 
+def mtbench_turns() -> list[list[str]]:
+    """Each MT-bench question's user turns, in file order."""
+    return [json.loads(line)["turns"] for line in MTBENCH.read_text().splitlines()]
+
+
 def _corpus_ids(base_url: str, model: str) -> list[int]:
     """MT-bench questions, tokenized once: the material every history is cut from."""
-    text = "\n\n".join(" ".join(json.loads(line)["turns"]) for line in MTBENCH.read_text().splitlines())
+    text = "\n\n".join(" ".join(turns) for turns in mtbench_turns())
     reply = httpx.post(base_url + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False},
                        timeout=60)
     reply.raise_for_status()
@@ -288,19 +293,15 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
     for path in PATHS:  # warm-up, unrecorded: first-use costs (allocator, page faults, connections)
         bench.resumed_turn(-1, path)
     turns: dict[str, list[Turn]] = {path: [] for path in PATHS}
-    outputs_identical = True
     differing: set[str] = set()  # paths whose output differed from engine_cache's in some trial
     with tqdm(total=trials * len(PATHS), desc=f"resume {context_tokens} tokens", file=sys.stderr) as bar:
         for trial in range(trials):
             order = list(PATHS)
             rng.shuffle(order)
-            texts = set()
             for path in order:
                 turn = bench.resumed_turn(trial, path)
                 turns[path].append(turn)
-                texts.add(turn.text)
                 bar.update()
-            outputs_identical &= len(texts) == 1
             differing.update(path for path in PATHS if turns[path][-1].text != turns["engine_cache"][-1].text)
     result: dict[str, Any] = {"context_tokens": context_tokens, "trials": trials, "gap_s": gap_s,
                               "follow_up_tokens": FOLLOW_UP_TOKENS, "output_tokens": OUTPUT_TOKENS}
@@ -308,6 +309,7 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
     result["ttft_ms_all"] = {path: [round(t.ttft_ms, 2) for t in turns[path]] for path in PATHS}
     result["prefill_tokens_computed"] = {path: statistics.median(t.prompt_tokens - t.cached_tokens
                                                                  for t in turns[path]) for path in PATHS}
+    outputs_identical = not differing  # every path's output equal to engine_cache's, in every trial
     result["outputs_identical"] = outputs_identical
     result["outputs_differing_from_engine_cache"] = sorted(differing)
     dram_tenant = f"resume-{bench.run_id}-0-dram"
@@ -346,9 +348,9 @@ def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path, windo
     )
 
 
-async def _with_private_cluster(config: SymphonyConfig, model: ModelInfo, home: Path, context_tokens: int,
-                                trials: int, gap_s: float, conversations: int) -> dict[str, Any]:
-    config = _bench_config(config, context_tokens, home, context_window(model.path))
+async def _with_private_cluster(config: SymphonyConfig, model: ModelInfo, window: int | None, home: Path,
+                                context_tokens: int, trials: int, gap_s: float, conversations: int) -> dict[str, Any]:
+    config = _bench_config(config, context_tokens, home, window)
     cluster = Cluster(config, model, sys.stderr)
     cluster.spawn()
     channels = []
@@ -413,7 +415,8 @@ def run_resume_bench(config: SymphonyConfig, *, out: Path, context_tokens: int, 
                          f"at most {(window - FOLLOW_UP_TOKENS - OUTPUT_TOKENS) // block * block}")
     home = config.home_path / "bench" / f"resume-{uuid.uuid4().hex[:8]}"
     try:
-        result = asyncio.run(_with_private_cluster(config, model, home, context_tokens, trials, gap_s, conversations))
+        result = asyncio.run(_with_private_cluster(config, model, window, home, context_tokens, trials, gap_s,
+                                                   conversations))
     except BaseException:
         print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
         raise

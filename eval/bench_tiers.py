@@ -62,6 +62,11 @@ def _single_threaded_torch() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _same_bytes(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    with _single_threaded_torch():
+        return all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -167,9 +172,7 @@ def measure_store_paths(geometry: KVGeometry, pages: list[torch.Tensor], token_i
         started = time.perf_counter()
         results = store.load(TENANT, "s", target=RowTarget(dest, rows)).wait_all(60)
         out["dram_load_gbps"] = _gbps(nbytes, time.perf_counter() - started)
-        with _single_threaded_torch():
-            assert all(not r.failed for r in results) and all(torch.equal(d, p) for d, p in zip(dest, pages,
-                                                                                               strict=True))
+        assert all(not r.failed for r in results) and _same_bytes(dest, pages)
     finally:
         store.close()
     # A fresh store on the same directory: DRAM is empty, so every page comes from SSD (uncached).
@@ -186,8 +189,7 @@ def measure_store_paths(geometry: KVGeometry, pages: list[torch.Tensor], token_i
         results = handle.wait_all(60)
         elapsed = time.perf_counter() - started
         assert all(r.by_tier.get(Tier.SSD) == blocks for r in results), "SSD load was served from elsewhere"
-        with _single_threaded_torch():
-            assert all(torch.equal(d, p) for d, p in zip(dest, pages, strict=True)), "SSD load returned wrong bytes"
+        assert _same_bytes(dest, pages), "SSD load returned wrong bytes"
         out["ssd_read_gbps"] = _gbps(nbytes, elapsed)
         out["ssd_first_layer_ready_ms"] = first * 1000
         out["ssd_all_layers_ready_ms"] = elapsed * 1000

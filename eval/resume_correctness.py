@@ -14,7 +14,6 @@ vLLM's own prefix cache too, which is the engine's property, not a path's.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from eval.bench_resume import MTBENCH, PATHS, Node, ResumeRunner, Turn
+from eval.bench_resume import PATHS, Node, ResumeRunner, Turn, mtbench_turns
 
 LOGPROB_TOLERANCE = 1e-2
 ANSWER_TOKENS = 64  # of the first turn's answer, so histories span several blocks
@@ -57,8 +56,7 @@ def _chat_ids(base_url: str, model: str, messages: list[dict[str, str]], generat
 
 def mtbench_conversations(node: Node, base_url: str, model: str, count: int) -> list[Conversation]:
     """The first `count` MT-bench questions with two turns, each with the model's greedy answer."""
-    questions = [json.loads(line)["turns"] for line in MTBENCH.read_text().splitlines()]
-    questions = [turns for turns in questions if len(turns) >= 2][:count]
+    questions = [turns for turns in mtbench_turns() if len(turns) >= 2][:count]
     if len(questions) < count:
         raise ValueError(f"MT-bench has only {len(questions)} two-turn conversations")
     conversations = []
