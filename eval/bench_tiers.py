@@ -249,7 +249,9 @@ class _PeerNode:
 
 
 async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], token_ids: list[int], work: Path,
-                             trials: int, progress: tqdm) -> list[float]:
+                             trials: int, progress: tqdm) -> dict[str, list[float]]:
+    """Per trial, the loopback bound and then a pull of the session from a peer node process, in
+    that order, so the two are measured under the same conditions: {key: samples}."""
     peer = _PeerNode(work, geometry)
     channel = grpc.aio.insecure_channel(peer.address)
     try:
@@ -262,8 +264,9 @@ async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], to
                    for layer, layer_pages in enumerate(pages)]
         await stub.WritePages(iter(batches), timeout=60)
         nbytes = len(keys) * geometry.block_bytes
-        rates = []
+        rates: dict[str, list[float]] = {"loopback_bound_gbps": [], "peer_fetch_gbps": []}
         for trial in range(trials):
+            rates["loopback_bound_gbps"].append(measure_loopback(nbytes))
             store = _store(geometry, work / f"pull-{trial}", f"p{trial}", nbytes, "cpu")
             puller = PeerPuller(store, timeout_s=60)
             try:
@@ -273,7 +276,7 @@ async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], to
                 elapsed = time.perf_counter() - started
                 if not reply.complete:
                     raise RuntimeError(f"peer pull incomplete: {reply}")
-                rates.append(_gbps(nbytes, elapsed))
+                rates["peer_fetch_gbps"].append(_gbps(nbytes, elapsed))
             finally:
                 await puller.close()
                 await asyncio.to_thread(store.close)
@@ -302,12 +305,10 @@ def run_tiers_bench(*, out: Path, tokens: int = 2048, trials: int = 5, device: s
                 row = {"memcpy_gbps": measure_memcpy(pages)}
                 row["disk_write_bound_gbps"], row["disk_read_bound_gbps"] = measure_disk_bounds(work, nbytes)
                 row.update(measure_store_paths(geometry, pages, token_ids, work, trial, device))
-                row["loopback_bound_gbps"] = measure_loopback(nbytes)
                 for key, value in row.items():
                     samples.setdefault(key, []).append(value)
                 progress.update(1)
-            samples["peer_fetch_gbps"] = asyncio.run(measure_peer_fetch(geometry, pages, token_ids, work, trials,
-                                                                        progress))
+            samples.update(asyncio.run(measure_peer_fetch(geometry, pages, token_ids, work, trials, progress)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result: dict[str, Any] = {key: statistics.median(values) for key, values in samples.items()}

@@ -108,6 +108,10 @@ class PageDirectory:
         """Whether some tier holds a copy of this page."""
         return bool(self.hbm[row, layer] >= 0 or self.dram[row, layer] >= 0 or self.ssd_seq[row, layer] >= 0)
 
+    def held_rows(self, rows: np.ndarray, layer: int) -> np.ndarray:
+        """`held` for many known rows at once: a bool per row."""
+        return (self.hbm[rows, layer] >= 0) | (self.dram[rows, layer] >= 0) | (self.ssd_seq[rows, layer] >= 0)
+
     def slots(self, tier: Tier) -> np.ndarray:
         """The slot table of a slot-backed tier (HBM or DRAM)."""
         return self.hbm if tier is Tier.HBM else self.dram

@@ -1,9 +1,11 @@
 """Pull a session's missing pages from a peer node manager.
 
-The peer's session status (over gRPC) says which blocks it can deliver and where its raw page
-stream listens; the pages then come over that stream, or over gRPC's FetchPages when the peer has
-no stream or it cannot be reached. Either way every page is checked against its checksum before the
-store keeps it, and a transfer cut short leaves a partial result, never a bad page.
+The peer's session status says which blocks it can deliver; the pages then come over the peer's raw
+page stream, or over gRPC's FetchPages when the peer has no stream or it cannot be reached. Once the
+stream's port is known (from `connect` or an earlier status), the status comes over the stream's own
+connection, ahead of the pages; otherwise from a GetSessionStatus call. Either way every page is
+checked against its checksum before the store keeps it, and a transfer cut short leaves a partial
+result, never a bad page.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 
 import grpc
 
-from node_manager.kv.page_stream import fetch_pages
+from node_manager.kv.page_stream import Plan, StreamOutcome, fetch_pages
 from node_manager.kv.prefetch import PullOutcome
 from node_manager.kv.store import KVStoreError, TieredStore
 from node_manager.kv.transfer import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD, PRIORITY_FROM_PROTO, submit_batch
@@ -34,35 +36,52 @@ class PeerPuller:
         self._max_peers = max_peers
         self._use_page_stream = use_page_stream
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Each peer's page stream port, as its last status or store info gave it: a pull then asks the
+        # stream itself for the session's status instead of a gRPC round trip first. Bounded with the
+        # channels (an entry leaves with its peer's channel).
+        self._data_ports: dict[str, int] = {}
 
     def _stub(self, peer: str) -> kv_pb2_grpc.KVStoreStub:
         channel = self._channels.get(peer)
         if channel is None:
             if len(self._channels) >= self._max_peers:
-                oldest = self._channels.pop(next(iter(self._channels)))  # insertion order: the oldest
-                asyncio.get_running_loop().create_task(oldest.close())
+                oldest = next(iter(self._channels))  # insertion order: the oldest
+                self._data_ports.pop(oldest, None)
+                asyncio.get_running_loop().create_task(self._channels.pop(oldest).close())
             options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES + MESSAGE_OVERHEAD)]
             channel = grpc.aio.insecure_channel(peer, options=options)
             self._channels[peer] = channel
         return kv_pb2_grpc.KVStoreStub(channel)
 
     async def connect(self, peer: str, timeout_s: float | None = None) -> None:
-        """Open the channel to `peer` now, so the first pull does not pay the connection set-up
-        (a TCP and HTTP/2 handshake, milliseconds) while a request may be waiting on it."""
-        self._stub(peer)
-        await asyncio.wait_for(self._channels[peer].channel_ready(), timeout_s or self._timeout_s)
+        """Open the channel to `peer` now and learn where its page stream listens, so the first pull
+        pays neither the connection set-up (a TCP and HTTP/2 handshake) nor a status round trip while
+        a request may be waiting on it."""
+        info = await self._stub(peer).GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=timeout_s or self._timeout_s,
+                                                   wait_for_ready=True)
+        self._data_ports[peer] = info.data_port
 
     async def pull(self, tenant: str, session_id: str, peer: str) -> kv_pb2.PullReply:
         """Fetch every page of the session that no local tier holds, from the first missing block."""
-        stub = self._stub(peer)
         ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
         reply = kv_pb2.PullReply()
-        try:
-            remote = await stub.GetSessionStatus(kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True),
-                                                 timeout=self._timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            reply.error = f"peer {peer}: {exc.code().name}: {exc.details()}"
-            return reply
+        with self._store.foreground_transfer():  # the write-behind waits: a request may be waiting on this
+            if not await self._pull_with_session(peer, ref, reply):
+                await self._pull_after_status(peer, ref, reply)
+        if reply.pages_expected:
+            reply.complete = not reply.error and reply.pages_received == reply.pages_expected
+            self._store.metrics.peer_pages.labels("stored").inc(reply.pages_received)
+            self._store.metrics.peer_pages.labels("rejected").inc(reply.pages_rejected)
+        if reply.error:
+            log.warning("KV pull from peer stopped early", peer=peer, session=session_id,
+                        received=reply.pages_received, expected=reply.pages_expected, error=reply.error)
+        return reply
+
+    def _plan(self, ref: kv_pb2.SessionRef, remote: kv_pb2.SessionStatus,
+              reply: kv_pb2.PullReply) -> kv_pb2.FetchPagesRequest | None:
+        """Register the session as the peer describes it and choose the blocks to fetch: from the
+        first one no local tier holds to the end of what the peer can deliver (None: nothing)."""
+        tenant, session_id = ref.tenant, ref.session_id
         priority = PRIORITY_FROM_PROTO.get(remote.priority)
         record = self._store.put_session(tenant, session_id, list(remote.token_ids), priority)
         start = self._store.loadable_prefix_blocks(tenant, session_id)
@@ -71,35 +90,68 @@ class PeerPuller:
         reply.pages_expected = wanted * self._store.geometry.num_layers
         if wanted <= 0:
             reply.complete = record.blocks.num_blocks <= start
-            return reply
-        request = kv_pb2.FetchPagesRequest(session=ref, first_block=first, num_blocks=wanted)
-        with self._store.foreground_transfer():  # the write-behind waits: a request may be waiting on this
-            if not (self._use_page_stream and remote.data_port
-                    and await self._pull_stream(peer, remote.data_port, request, reply)):
-                await self._pull_grpc(stub, peer, request, reply)
-        reply.complete = not reply.error and reply.pages_received == reply.pages_expected
-        self._store.metrics.peer_pages.labels("stored").inc(reply.pages_received)
-        self._store.metrics.peer_pages.labels("rejected").inc(reply.pages_rejected)
-        if reply.error:
-            log.warning("KV pull from peer stopped early", peer=peer, session=session_id,
-                        received=reply.pages_received, expected=reply.pages_expected, error=reply.error)
-        return reply
+            return None
+        return kv_pb2.FetchPagesRequest(session=ref, first_block=first, num_blocks=wanted)
 
-    async def _pull_stream(self, peer: str, port: int, request: kv_pb2.FetchPagesRequest,
-                           reply: kv_pb2.PullReply) -> bool:
-        """Read the pages over the peer's raw stream; False (nothing read) if it cannot be reached."""
+    async def _pull_with_session(self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply) -> bool:
+        """The pull over one page stream connection that first describes the session; False (nothing
+        done) if the peer's stream port is unknown or the stream gave no session status."""
+        port = self._data_ports.get(peer, 0) if self._use_page_stream else 0
+        if not port:
+            return False
+        planned: list[kv_pb2.FetchPagesRequest] = []
+
+        def plan(remote: kv_pb2.SessionStatus) -> kv_pb2.FetchPagesRequest | None:
+            request = self._plan(ref, remote, reply)
+            planned.extend([request] if request is not None else [])
+            return request
+
+        outcome = await self._stream(peer, port, kv_pb2.FetchPagesRequest(session=ref, with_session=True), plan)
+        if outcome is None or outcome.status is None:
+            # Unreachable, busy, or an unknown session: gRPC's status says which (and where the stream is now).
+            return False
+        if planned:
+            if not self._took(peer, outcome, reply):
+                await self._pull_grpc(peer, planned[0], reply)
+        elif outcome.error:  # the session could not be registered here
+            reply.error = f"peer {peer}: {outcome.error}"
+        return True
+
+    async def _pull_after_status(self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply) -> None:
+        try:
+            remote = await self._stub(peer).GetSessionStatus(
+                kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True), timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            reply.error = f"peer {peer}: {exc.code().name}: {exc.details()}"
+            return
+        self._data_ports[peer] = remote.data_port
+        request = self._plan(ref, remote, reply)
+        if request is None:
+            return
+        outcome = None
+        if self._use_page_stream and remote.data_port:
+            outcome = await self._stream(peer, remote.data_port, request)
+        if outcome is None or not self._took(peer, outcome, reply):
+            await self._pull_grpc(peer, request, reply)
+
+    async def _stream(self, peer: str, port: int, request: kv_pb2.FetchPagesRequest,
+                      plan: Plan | None = None) -> StreamOutcome | None:
+        """Run one page stream on a thread; None if the peer's stream cannot be reached."""
         host = peer.rpartition(":")[0]
         stop = threading.Event()
         try:
-            outcome = await asyncio.to_thread(fetch_pages, self._store, host, port, request, self._timeout_s, stop)
+            return await asyncio.to_thread(fetch_pages, self._store, host, port, request, self._timeout_s, stop, plan)
         except OSError as exc:
             log.info("peer page stream unreachable; pulling over gRPC", peer=peer, port=port, error=str(exc))
-            return False
+            return None
         except asyncio.CancelledError:
             stop.set()  # the reading thread stops at its next frame
             raise
+
+    def _took(self, peer: str, outcome: StreamOutcome, reply: kv_pb2.PullReply) -> bool:
+        """Count a stream's pages into the reply; False (nothing counted) if it delivered no page and
+        said why (busy, or refused): gRPC then gets the same pages, or the peer's status code."""
         if outcome.error and not outcome.received:
-            # Busy, or refused before any page: gRPC gets the same pages, or the peer's status code.
             log.info("peer page stream gave nothing; pulling over gRPC", peer=peer, error=outcome.error)
             return False
         reply.pages_received = outcome.stored
@@ -108,13 +160,12 @@ class PeerPuller:
             reply.error = f"peer {peer}: {outcome.error}"
         return True
 
-    async def _pull_grpc(self, stub: kv_pb2_grpc.KVStoreStub, peer: str, request: kv_pb2.FetchPagesRequest,
-                         reply: kv_pb2.PullReply) -> None:
+    async def _pull_grpc(self, peer: str, request: kv_pb2.FetchPagesRequest, reply: kv_pb2.PullReply) -> None:
         # Saves run on the store's I/O threads while the next batch arrives; they are awaited at the end.
         pending: list[concurrent.futures.Future[int]] = []
         submitted = 0
         try:
-            async for batch in stub.FetchPages(request, timeout=self._timeout_s):
+            async for batch in self._stub(peer).FetchPages(request, timeout=self._timeout_s):
                 future, count = submit_batch(self._store, batch)
                 if future is not None:
                     pending.append(future)

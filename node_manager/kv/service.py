@@ -28,7 +28,7 @@ from node_manager.kv.prefetch import (
 )
 from node_manager.kv.puller import PeerPuller
 from node_manager.kv.store import InvalidRequest, SessionNotFound, StoreBusy, TieredStore
-from node_manager.kv.transfer import PRIORITY_FROM_PROTO, PRIORITY_TO_PROTO, store_batch, stream_pages
+from node_manager.kv.transfer import PRIORITY_FROM_PROTO, session_status, store_batch, stream_pages
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 MAX_ID_LEN = 256
@@ -97,7 +97,8 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
                                 head_size=g.head_size, block_size=g.block_size, dtype=g.dtype,
                                 page_bytes=g.page_bytes, dram_arena_name=self.store.dram.name,
                                 dram_arena_slots=self.store.dram.num_slots, hbm_capacity_bytes=c.hbm_bytes,
-                                dram_capacity_bytes=c.dram_bytes, ssd_capacity_bytes=c.ssd_bytes)
+                                dram_capacity_bytes=c.dram_bytes, ssd_capacity_bytes=c.ssd_bytes,
+                                data_port=self.data_port)
 
     async def PutSession(self, request: kv_pb2.PutSessionRequest, context: grpc.aio.ServicerContext
                          ) -> kv_pb2.SessionStatus:
@@ -135,21 +136,15 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             raise AssertionError("unreachable") from None
 
     def _status(self, tenant: str, session_id: str, tokens: bool, slots: bool) -> kv_pb2.SessionStatus:
-        record = self.store.session(tenant, session_id)
-        status = kv_pb2.SessionStatus(session=kv_pb2.SessionRef(tenant=tenant, session_id=session_id),
-                                      num_tokens=len(record.token_ids), num_blocks=record.blocks.num_blocks,
-                                      priority=PRIORITY_TO_PROTO[record.priority],
-                                      loadable_prefix_blocks=self.store.loadable_prefix_blocks(tenant, session_id),
-                                      data_port=self.data_port)
+        status = session_status(self.store, tenant, session_id, token_ids=tokens, data_port=self.data_port)
+        num_blocks = status.num_blocks
         for tier, layers in self.store.residency(tenant, session_id).items():
             prefix = 0
-            while prefix < record.blocks.num_blocks and all(layer[prefix] for layer in layers):
+            while prefix < num_blocks and all(layer[prefix] for layer in layers):
                 prefix += 1
             status.tiers.append(kv_pb2.TierResidency(tier=_TIER_TO_PROTO[tier],
                                                      blocks_per_layer=[sum(layer) for layer in layers],
                                                      complete_prefix_blocks=prefix))
-        if tokens:
-            status.token_ids.extend(record.token_ids)
         if slots:
             for layer in self.store.dram_slots(tenant, session_id):
                 status.dram_slots.extend(layer)

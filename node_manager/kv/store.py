@@ -492,13 +492,17 @@ class TieredStore:
         the lock."""
         d = self._directory
         ids = d.rows(keys)
-        kept = list(range(len(keys)))
-        if ids.max(initial=NO_COPY) >= 0:  # some blocks are known: look for pages a tier holds
-            held = ((d.lookup(d.hbm, ids, layer) >= 0) | (d.lookup(d.dram, ids, layer) >= 0)
-                    | (d.lookup(d.ssd_seq, ids, layer) >= 0)).tolist()
-            kept = [i for i in kept if not held[i] or self._keep_saved_copy(keys[i], layer, slots[i], checksums[i])]
-        # Rows looked up again: dropping a superseded copy above may have released one.
-        rows = np.fromiter((d.ensure_row(keys[i], record.key, record.priority) for i in kept), np.int64, len(kept))
+        known = np.flatnonzero(ids >= 0)
+        held = known[d.held_rows(ids[known], layer)].tolist() if len(known) else []
+        kept: list[int] | slice = slice(None)  # every page, the common case: no per-page lists built
+        if held:  # some tier holds these pages already
+            dropped = {i for i in held if not self._keep_saved_copy(keys[i], layer, slots[i], checksums[i])}
+            kept = [i for i in range(len(keys)) if i not in dropped]
+            ids = d.rows(keys)  # looked up again: dropping a superseded copy above may have released a row
+        rows = ids[kept]
+        kept_keys = keys if isinstance(kept, slice) else [keys[i] for i in kept]
+        for at in np.flatnonzero(rows < 0).tolist():  # blocks new to the directory
+            rows[at] = d.ensure_row(kept_keys[at], record.key, record.priority)
         d.checksum[rows, layer] = np.asarray(checksums, np.uint64)[kept]
         d.dram[rows, layer] = np.asarray(slots, np.int64)[kept]
         d.priority[rows] = record.priority
@@ -508,7 +512,7 @@ class TieredStore:
         owners = d.owners
         for row in rows.tolist():
             owners[row] = record.key
-        pages = [(keys[i], layer) for i in kept]
+        pages = list(zip(kept_keys, itertools.repeat(layer)))
         self._dram_policy.insert_many(pages, PageMeta(layer, record.key, record.priority))
         self._write_queue.extend(itertools.compress(pages, owed.tolist()))
 

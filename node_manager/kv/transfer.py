@@ -70,6 +70,21 @@ def loaded_runs(result: LayerResult, chunk_start: int, count: int, per_message: 
             run_start = offset if ok else None
 
 
+def session_status(store: TieredStore, tenant: str, session_id: str, *, token_ids: bool,
+                   data_port: int = 0) -> kv_pb2.SessionStatus:
+    """What a puller needs of a session before asking for its pages: its length, priority, the
+    blocks every layer can deliver, and (with `token_ids`) the ids its block keys derive from."""
+    record = store.session(tenant, session_id)
+    status = kv_pb2.SessionStatus(session=kv_pb2.SessionRef(tenant=tenant, session_id=session_id),
+                                  num_tokens=len(record.token_ids), num_blocks=record.blocks.num_blocks,
+                                  priority=PRIORITY_TO_PROTO[record.priority],
+                                  loadable_prefix_blocks=store.loadable_prefix_blocks(tenant, session_id),
+                                  data_port=data_port)
+    if token_ids:
+        status.token_ids.extend(record.token_ids)
+    return status
+
+
 def stream_end(store: TieredStore, tenant: str, session_id: str, first_block: int,
                num_blocks: int | None) -> tuple[SessionRecord, int]:
     """The session and the end of the block range a fetch asks for (0 or None blocks: to the end)."""

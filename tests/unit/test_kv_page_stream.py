@@ -96,6 +96,56 @@ def test_garbage_request_gets_an_end_frame_and_the_server_keeps_serving(server: 
     assert outcome.stored == BLOCKS * LAYERS and not outcome.error
 
 
+def test_a_request_with_session_gets_the_status_first_and_then_the_planned_range(server: PageStreamServer,
+                                                                                 make_store: MakeStore) -> None:
+    data = save_session(server._store, "s", BLOCKS, seed=9)
+    receiver = make_store()
+    seen: list[kv_pb2.SessionStatus] = []
+
+    def plan(status: kv_pb2.SessionStatus) -> kv_pb2.FetchPagesRequest:
+        seen.append(status)
+        receiver.put_session("acme", "s", list(status.token_ids))
+        return _request("s", first_block=1, num_blocks=2)
+
+    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True)
+    outcome = fetch_pages(receiver, "127.0.0.1", server.port, opening, TIMEOUT, plan=plan)
+    assert (outcome.received, outcome.stored, outcome.error) == (2 * LAYERS, 2 * LAYERS, "")
+    assert outcome.status is not None and seen == [outcome.status]
+    assert list(outcome.status.token_ids) == server._store.session("acme", "s").token_ids
+    assert outcome.status.loadable_prefix_blocks == BLOCKS
+    slots = receiver.dram_slots("acme", "s")
+    for layer in range(LAYERS):
+        assert slots[layer][0] == -1 and slots[layer][3:] == [-1] * (BLOCKS - 3)
+        assert torch.equal(receiver.dram.pages[slots[layer][1:3]], data[layer][1:3])
+
+
+def test_a_receiver_that_needs_no_pages_hangs_up_and_the_server_goes_on(server: PageStreamServer,
+                                                                         make_store: MakeStore) -> None:
+    save_session(server._store, "s", BLOCKS, seed=10)
+    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True)
+    quiet = fetch_pages(make_store(), "127.0.0.1", server.port, opening, TIMEOUT, plan=lambda status: None)
+    assert quiet.status is not None and (quiet.received, quiet.error) == (0, "")
+    missing = fetch_pages(make_store(), "127.0.0.1", server.port,
+                          kv_pb2.FetchPagesRequest(session=_request("gone").session, with_session=True),
+                          TIMEOUT, plan=lambda status: None)
+    assert missing.status is None and "no session" in missing.error.lower()
+    outcome = fetch_pages(_receiver(make_store, "s", seed=10), "127.0.0.1", server.port, _request("s"), TIMEOUT)
+    assert outcome.stored == BLOCKS * LAYERS and not outcome.error
+    wait_until(lambda: server._slots._value == 8, TIMEOUT, "every stream's slot to come back")
+
+
+def test_a_range_for_another_session_than_described_is_refused(server: PageStreamServer,
+                                                               make_store: MakeStore) -> None:
+    save_session(server._store, "s", BLOCKS, seed=11)
+    save_session(server._store, "t", BLOCKS, seed=12)
+    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True)
+    receiver = _receiver(make_store, "t", seed=12)
+    outcome = fetch_pages(receiver, "127.0.0.1", server.port, opening, TIMEOUT, plan=lambda status: _request("t"))
+    assert outcome.stored == 0 and "the range request must name the session just described" in outcome.error
+    with pytest.raises(ValueError, match="needs a plan"):
+        fetch_pages(receiver, "127.0.0.1", server.port, opening, TIMEOUT)
+
+
 class _FakeSender:
     """Fault injection: a listener that answers any request with `frames` (raw bytes), then closes."""
 

@@ -1,36 +1,159 @@
-"""PeerPuller's channel handling, against a real gRPC server in this process."""
+"""PeerPuller against a real peer in this process: the KV gRPC service on a real server, beside a real
+page stream, both over one sender store (the two node-process version is in
+tests/integration/test_kv_nodes.py)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
 import grpc
 import pytest
+import torch
 
+from node_manager.kv.page_stream import PageStreamServer
+from node_manager.kv.prefetch import PrefetchQueue
 from node_manager.kv.puller import PeerPuller
+from node_manager.kv.service import KVStoreService
+from node_manager.kv.store import TieredStore
+from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.helpers import free_port
-from tests.unit.kv_store_support import MakeStore
+from tests.unit.kv_store_support import LAYERS, TIMEOUT, MakeStore, save_session, tokens
+
+BLOCKS = 5
 
 
-async def test_connect_opens_the_channel_a_pull_then_reuses(make_store: MakeStore) -> None:
+class _CountingService(KVStoreService):
+    """The real service, counting the status calls a pull makes."""
+
+    status_calls = 0
+
+    async def GetSessionStatus(self, request: kv_pb2.SessionStatusRequest, context: grpc.aio.ServicerContext
+                               ) -> kv_pb2.SessionStatus:
+        self.status_calls += 1
+        return await super().GetSessionStatus(request, context)
+
+
+@dataclass
+class _Peer:
+    address: str
+    store: TieredStore
+    service: _CountingService
+    stream: PageStreamServer
+
+
+@pytest.fixture
+async def peer(make_store: MakeStore, tmp_path: Path) -> AsyncIterator[_Peer]:
+    store = make_store(directory=tmp_path / "peer")  # its own SSD: what a receiver holds comes from the pull
+    stream = PageStreamServer(store, "127.0.0.1", 0, timeout_s=TIMEOUT)
+    own_puller = PeerPuller(store, TIMEOUT)
+    service = _CountingService("peer", store, PrefetchQueue(store, store.metrics, own_puller, max_pending=4,
+                                                            concurrency=1), own_puller, stream.port)
     server = grpc.aio.server()
+    kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    puller = PeerPuller(make_store(), timeout_s=5)
+    yield _Peer(f"127.0.0.1:{port}", store, service, stream)
+    await server.stop(None)
+    stream.close()
+
+
+def _pages(store: TieredStore, session: str) -> list[torch.Tensor]:
+    return [store.dram.pages[slots] for slots in store.dram_slots("acme", session)]
+
+
+async def test_connect_opens_the_channel_and_learns_the_page_stream(peer: _Peer, make_store: MakeStore) -> None:
+    puller = PeerPuller(make_store(), timeout_s=TIMEOUT)
     try:
-        address = f"127.0.0.1:{port}"
-        await puller.connect(address)
-        channel = puller._channels[address]
+        await puller.connect(peer.address)
+        channel = puller._channels[peer.address]
         assert channel.get_state() is grpc.ChannelConnectivity.READY
-        puller._stub(address)
-        assert puller._channels[address] is channel  # the pull's stub rides the warm channel
+        assert puller._data_ports[peer.address] == peer.stream.port
+        puller._stub(peer.address)
+        assert puller._channels[peer.address] is channel  # the pull's stub rides the warm channel
     finally:
         await puller.close()
-        await server.stop(None)
 
 
-async def test_connect_to_a_dead_peer_times_out(make_store: MakeStore) -> None:
-    puller = PeerPuller(make_store(), timeout_s=5)
+async def test_a_connected_pull_takes_the_status_from_the_page_stream(peer: _Peer, make_store: MakeStore) -> None:
+    data = save_session(peer.store, "s", BLOCKS, seed=1)
+    receiver = make_store()
+    puller = PeerPuller(receiver, timeout_s=TIMEOUT)
     try:
-        with pytest.raises(TimeoutError):
+        await puller.connect(peer.address)
+        reply = await puller.pull("acme", "s", peer.address)
+    finally:
+        await puller.close()
+    assert (reply.complete, reply.pages_expected, reply.pages_received, reply.error) == \
+        (True, BLOCKS * LAYERS, BLOCKS * LAYERS, "")
+    assert peer.service.status_calls == 0
+    assert receiver.session("acme", "s").token_ids == peer.store.session("acme", "s").token_ids
+    assert all(torch.equal(got, want) for got, want in zip(_pages(receiver, "s"), data, strict=True))
+
+
+async def test_a_first_pull_asks_grpc_for_the_status_and_later_ones_do_not(peer: _Peer,
+                                                                            make_store: MakeStore) -> None:
+    save_session(peer.store, "a", BLOCKS, seed=2)
+    save_session(peer.store, "b", BLOCKS, seed=3)
+    puller = PeerPuller(make_store(), timeout_s=TIMEOUT)
+    try:
+        first = await puller.pull("acme", "a", peer.address)
+        second = await puller.pull("acme", "b", peer.address)
+        again = await puller.pull("acme", "b", peer.address)  # all held here now: nothing to fetch
+    finally:
+        await puller.close()
+    assert first.complete and first.pages_received == BLOCKS * LAYERS
+    assert second.complete and second.pages_received == BLOCKS * LAYERS
+    assert (again.complete, again.pages_expected, again.pages_received) == (True, 0, 0)
+    assert peer.service.status_calls == 1
+
+
+async def test_a_pull_only_fetches_the_blocks_it_lacks(peer: _Peer, make_store: MakeStore) -> None:
+    data = save_session(peer.store, "s", BLOCKS, seed=4)
+    receiver = make_store()
+    receiver.put_session("acme", "s", tokens(2, 40_000))  # the first two blocks already here
+    for layer in range(LAYERS):
+        assert receiver.save_layer("acme", "s", layer, 0, data[layer][:2]).result(TIMEOUT) == 2
+    puller = PeerPuller(receiver, timeout_s=TIMEOUT)
+    try:
+        await puller.connect(peer.address)
+        reply = await puller.pull("acme", "s", peer.address)
+    finally:
+        await puller.close()
+    assert (reply.complete, reply.pages_expected, reply.pages_received) == (True, 3 * LAYERS, 3 * LAYERS)
+    assert all(torch.equal(got, want) for got, want in zip(_pages(receiver, "s"), data, strict=True))
+
+
+async def test_an_unknown_session_reports_the_peers_not_found(peer: _Peer, make_store: MakeStore) -> None:
+    puller = PeerPuller(make_store(), timeout_s=TIMEOUT)
+    try:
+        await puller.connect(peer.address)
+        reply = await puller.pull("acme", "nobody", peer.address)
+    finally:
+        await puller.close()
+    assert not reply.complete and "NOT_FOUND" in reply.error
+
+
+async def test_a_stale_page_stream_port_falls_back_and_is_relearned(peer: _Peer, make_store: MakeStore) -> None:
+    save_session(peer.store, "s", BLOCKS, seed=5)
+    puller = PeerPuller(make_store(), timeout_s=TIMEOUT)
+    try:
+        await puller.connect(peer.address)
+        puller._data_ports[peer.address] = free_port()  # as if the peer restarted on another port
+        reply = await puller.pull("acme", "s", peer.address)
+    finally:
+        await puller.close()
+    assert reply.complete and reply.pages_received == BLOCKS * LAYERS
+    assert peer.service.status_calls == 1
+    assert puller._data_ports[peer.address] == peer.stream.port
+
+
+async def test_connect_to_a_dead_peer_fails_within_its_timeout(make_store: MakeStore) -> None:
+    puller = PeerPuller(make_store(), timeout_s=TIMEOUT)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
             await puller.connect(f"127.0.0.1:{free_port()}", timeout_s=0.3)
+        assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         await puller.close()
