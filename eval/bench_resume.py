@@ -9,8 +9,10 @@ in an order shuffled per trial, so the drift of this shared machine falls on all
 - dram: only Symphony's DRAM tier holds it; the connector loads it layer by layer.
 - ssd_on_demand: only SSD holds it (DRAM copies demoted, page cache dropped); no advisory, so it
   is read layer by layer when the request arrives.
-- ssd_prefetched: as ssd_on_demand, but an advisory's prefetch brought it into DRAM first.
-- remote_prefetched: the history was built on the other node; a prefetch pulled it across first.
+- ssd_prefetched: as ssd_on_demand, but an advisory's top-tier prefetch moved it first: up from
+  SSD, then into the engine's own prefix cache (a one-token warm-up under the next turn's salt).
+- remote_prefetched: the history was built on the other node; the prefetch pulled it across first,
+  then into the engine the same way.
 
 Between the turn that leaves the history and the resumed turn, every path waits the same gap
 (`gap_s`, 1 s by default): a user reading and typing, during which the advisory's prefetch runs
@@ -166,12 +168,16 @@ def _drop_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
-def _prefetch(node: Node, tenant: str, source_peer: str = "") -> None:
-    status = node.kv.Prefetch(kv_pb2.PrefetchRequest(session=_ref(tenant), target_tier=kv_pb2.TIER_DRAM,
+def _prefetch(node: Node, tenant: str, next_salt: str, source_peer: str = "") -> kv_pb2.PrefetchStatus:
+    """What an advisory does: a top-tier prefetch, ending in the engine's prefix cache under the
+    salt the next turn carries."""
+    status = node.kv.Prefetch(kv_pb2.PrefetchRequest(session=_ref(tenant), target_tier=kv_pb2.TIER_HBM,
                                                      deadline_ms=5_000, source_peer=source_peer,
-                                                     wait_ms=PREFETCH_WAIT_MS), timeout=PREFETCH_WAIT_MS / 1000 + 10)
+                                                     engine_cache_salt=next_salt, wait_ms=PREFETCH_WAIT_MS),
+                              timeout=PREFETCH_WAIT_MS / 1000 + 10)
     if status.state != kv_pb2.PREFETCH_STATE_DONE:
         raise RuntimeError(f"prefetch of {tenant} ended {kv_pb2.PrefetchState.Name(status.state)}: {status.error}")
+    return status
 
 
 def _layer_wait_buckets(node: Node) -> dict[float, float]:
@@ -221,6 +227,9 @@ class ResumeRunner:
         self.logprobs = logprobs
         self.run_id = uuid.uuid4().hex[:8]
         self.ssd_wait_windows: list[tuple[dict[float, float], dict[float, float]]] = []
+        # Per prefetched path, the history tokens each prefetch left in the engine's prefix cache
+        # (0: the warm-up was skipped or failed, and the turn loaded from the tiers instead).
+        self.engine_cached_tokens: dict[str, list[int]] = {}
 
     def _resumed(self, node: Node, prompt: list[int], tenant: str, salt: str) -> Turn:
         return _turn(node, self.model, prompt, tenant, salt, self.output_tokens, self.logprobs)
@@ -242,10 +251,10 @@ class ResumeRunner:
         if path in ("ssd_on_demand", "ssd_prefetched"):
             home.kv.DemoteSession(kv_pb2.DemoteRequest(session=_ref(tenant), tier=kv_pb2.TIER_DRAM), timeout=60)
             _drop_page_cache(home.ssd_dir)
-        if path == "ssd_prefetched":
-            _prefetch(home, tenant)
-        if path == "remote_prefetched":
-            _prefetch(home, tenant, source_peer=other.grpc_address)
+        if path in ("ssd_prefetched", "remote_prefetched"):
+            status = _prefetch(home, tenant, salt + "-resumed",
+                               source_peer=other.grpc_address if path == "remote_prefetched" else "")
+            self.engine_cached_tokens.setdefault(path, []).append(status.engine_cached_tokens)
         _sleep_until(gap_ends)  # the think time between turns; the moves above happened within it
         if path == "ssd_on_demand":
             before = _layer_wait_buckets(home)
@@ -309,6 +318,8 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
     result["ttft_ms_all"] = {path: [round(t.ttft_ms, 2) for t in turns[path]] for path in PATHS}
     result["prefill_tokens_computed"] = {path: statistics.median(t.prompt_tokens - t.cached_tokens
                                                                  for t in turns[path]) for path in PATHS}
+    result["prefetch_engine_cached_tokens"] = {path: statistics.median(counts)
+                                               for path, counts in bench.engine_cached_tokens.items()}
     outputs_identical = not differing  # every path's output equal to engine_cache's, in every trial
     result["outputs_identical"] = outputs_identical
     result["outputs_differing_from_engine_cache"] = sorted(differing)

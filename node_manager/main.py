@@ -28,7 +28,8 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     server = grpc.aio.server(options=GRPC_OPTIONS)
     node_pb2_grpc.add_NodeManagerServicer_to_server(NodeManagerService(node_id, engine, model.served_name), server)
     geometry = geometry_from_model_dir(model.path, config.engine.block_size, config.engine.dtype)
-    kv = await start_kv(config, index, geometry, server)
+    serving = config.engine.enabled and config.engine.kv_connector  # the engine loads from this node's tiers
+    kv = await start_kv(config, index, geometry, server, engine if serving else None, model.served_name)
     address = config.node_grpc_address(index)
     if server.add_insecure_port(address) == 0:
         await kv.close()

@@ -101,6 +101,11 @@ class KVConfig:
     data_plane: str = "tcp"
     data_port_base: int = 0  # node i's page stream listens on base + i; 0: a free port, advertised in status
     metrics_port_base: int = 9300  # node i serves Prometheus /metrics on base + i; 0 disables
+    # A TIER_HBM prefetch ends with a warm-up request that puts the history in vLLM's own prefix
+    # cache, sent only while no request waits and the engine's KV usage is below this fraction
+    # (a warm-up must never delay a real request); 0 disables warm-ups.
+    engine_warmup_max_kv_usage: float = 0.8
+    engine_warmup_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -348,6 +353,9 @@ def _validate(config: SymphonyConfig) -> None:
                  "max_pending_prefetches", "prefetch_concurrency", "peer_timeout_s"):
         check(getattr(kv, name) > 0, f"kv.{name}", "must be positive")
     check(kv.device == "cpu" or kv.device.startswith("cuda"), "kv.device", f"{kv.device!r} is not cpu or cuda[:N]")
+    check(0 <= kv.engine_warmup_max_kv_usage <= 1, "kv.engine_warmup_max_kv_usage",
+          f"{kv.engine_warmup_max_kv_usage} is not a fraction in [0, 1]")
+    check(kv.engine_warmup_timeout_s > 0, "kv.engine_warmup_timeout_s", "must be positive")
     if kv.metrics_port_base:
         port("kv.metrics_port_base", kv.metrics_port_base)
         port("kv.metrics_port_base + cluster.nodes - 1", kv.metrics_port_base + config.cluster.nodes - 1)

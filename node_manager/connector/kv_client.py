@@ -67,10 +67,13 @@ class NodeKVClient:
     def hello(self) -> dict[str, Any]:
         return self._call({"op": "hello"})[0]
 
-    def match(self, tenant: str, session: str, token_ids: Sequence[int]) -> int:
-        """Register the session's tokens; the number of leading full blocks the tiers can load."""
-        message, _ = self._call({"op": "match", "tenant": tenant, "session": session},
-                                ipc_wire.token_payload(token_ids))
+    def match(self, tenant: str, session: str, token_ids: Sequence[int], warmup: bool = False) -> int:
+        """Register the session's tokens; the number of leading full blocks the tiers can load.
+        `warmup`: the request is the node manager's engine warm-up, not the session's next turn."""
+        header: dict[str, Any] = {"op": "match", "tenant": tenant, "session": session}
+        if warmup:
+            header["warmup"] = True
+        message, _ = self._call(header, ipc_wire.token_payload(token_ids))
         return int(message["blocks"])
 
     def load(self, items: Sequence[dict[str, Any]],

@@ -51,6 +51,9 @@ class RequestKV:
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # leading blocks the node manager has (loaded from it or saved to it)
     accounted: bool = False  # its prompt's token sources were counted (once, at first admission)
+    # The node manager's engine warm-up of a prefetched session: it loads the history and saves
+    # nothing (the tiers have it all), and is no user's prompt in the token-source counts.
+    warmup: bool = False
 
 
 def external_tokens(held_blocks: int, local_tokens: int, num_tokens: int, block_size: int) -> int:
@@ -66,13 +69,13 @@ class ConnectorPlanner:
         self.max_requests = max_requests
         self.requests: dict[str, RequestKV] = {}
 
-    def track(self, request_id: str, tenant: str, session: str) -> RequestKV:
+    def track(self, request_id: str, tenant: str, session: str, warmup: bool = False) -> RequestKV:
         state = self.requests.get(request_id)
         if state is None:
             if len(self.requests) >= self.max_requests:
                 # Bounded: requests vLLM never finished (it always does) must not grow this forever.
                 self.requests.pop(next(iter(self.requests)))
-            state = self.requests[request_id] = RequestKV(tenant, session)
+            state = self.requests[request_id] = RequestKV(tenant, session, warmup=warmup)
         return state
 
     def matched(self, state: RequestKV, local_tokens: int, num_tokens: int) -> int:
@@ -90,8 +93,8 @@ class ConnectorPlanner:
         state.block_ids = list(block_ids)
         if external > 0:
             state.pending_load = (state.local_tokens // self.block_size, external // self.block_size)
-        if state.accounted:
-            return None  # a preempted request admitted again: its prompt was counted already
+        if state.accounted or state.warmup:
+            return None  # a preempted request admitted again (its prompt was counted), or a warm-up
         state.accounted = True
         local = min(state.local_tokens, prompt_tokens)
         loaded = min(external, prompt_tokens - local)
@@ -122,7 +125,7 @@ class ConnectorPlanner:
                 state.saved_blocks = max(state.saved_blocks, first + count)
         for request_id, computed in computed_after.items():
             state = self.requests.get(request_id)
-            if state is None:
+            if state is None or state.warmup:
                 continue
             tokens = tokens_of.get(request_id, ())
             full = min(computed, len(tokens), len(state.block_ids) * self.block_size) // self.block_size

@@ -8,6 +8,8 @@ whose socket path comes in `kv_connector_extra_config["socket"]`.
 
 A request names its session through `kv_transfer_params` ({"tenant", "session_id"}) or vLLM's own
 `session_id`; without either it still gets and leaves KV under its content-derived block keys.
+`"symphony_warmup": true` there marks the node manager's own warm-up of a prefetched session
+(`node_manager.engine_warmup`), which must not count as the session's next turn arriving.
 Anything that goes wrong on the way (node manager away, pages lost) means recompute, never a
 failed request: loads are best effort and run with `kv_load_failure_policy = "recompute"`.
 """
@@ -27,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
 from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec
 from node_manager.connector.worker import WorkerSide
-from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES
+from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES, WARMUP_PARAM
 from symphony.logs import get_logger
 
 if TYPE_CHECKING:
@@ -76,15 +78,16 @@ class SymphonyConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params or {}
         tenant = str(params.get("tenant") or DEFAULT_TENANT)
         session = str(params.get("session_id") or request.session_id or f"request-{request.request_id}")
-        state = self._planner.track(request.request_id, tenant, session)
+        warmup = bool(params.get(WARMUP_PARAM))
+        state = self._planner.track(request.request_id, tenant, session, warmup)
         if state.held_blocks is None:
-            state.held_blocks = self._match(tenant, session, request.prompt_token_ids or [])
+            state.held_blocks = self._match(tenant, session, request.prompt_token_ids or [], warmup)
         return self._planner.matched(state, num_computed_tokens, request.num_tokens), False
 
-    def _match(self, tenant: str, session: str, token_ids: list[int]) -> int:
+    def _match(self, tenant: str, session: str, token_ids: list[int], warmup: bool) -> int:
         assert self._scheduler_client is not None
         try:
-            return self._scheduler_client.match(tenant, session, token_ids)
+            return self._scheduler_client.match(tenant, session, token_ids, warmup)
         except (OSError, KVChannelError) as exc:
             if not self._channel_down_logged:  # one line per outage, not one per request
                 log.warning("node manager KV channel unavailable; requests recompute", error=str(exc))

@@ -167,7 +167,8 @@ class LocalKVServer:
             tenant, session = _str(message, "tenant"), _str(message, "session")
             self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
             blocks = self.store.loadable_prefix_blocks(tenant, session)
-            self._count_prefetch_arrival(tenant, session, blocks)
+            if not message.get("warmup"):  # a warm-up is the prefetch's own last step, not the arrival
+                self._count_prefetch_arrival(tenant, session, blocks)
             ipc_wire.send(conn.sock, {"op": "match", "blocks": blocks})
         elif op == "load":
             self._load(conn, message)

@@ -22,6 +22,9 @@ MAX_JSON_BYTES = 64 * 1024
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024  # 8 M slots or 16 M token ids: far above any real request
 # Where an admitted prompt's KV came from, as the connector reports it (`report` op).
 PROMPT_TOKEN_SOURCES = ("engine_cache", "symphony", "computed")
+# In a request's kv_transfer_params: the node manager's engine warm-up of a prefetched session
+# (node_manager.engine_warmup), which the connector tells apart from the session's next turn.
+WARMUP_PARAM = "symphony_warmup"
 
 assert array.array("I").itemsize == 4, "token payloads are uint32"
 

@@ -64,5 +64,13 @@ class KVMetrics:
             "Requests for a session with a prefetch, by whether its KV was all in the prefetch's target tier "
             "when the request arrived (ready) or not", ["ready"], registry=r)
 
+        self.engine_warmups = Counter(
+            "symphony_engine_warmups_total",
+            "Top-tier prefetches' warm-up requests, by outcome: cached (the engine's prefix cache took the "
+            "history), skipped (engine busy or not ready), failed", ["outcome"], registry=r)
+        self.engine_warmup_tokens = Counter(
+            "symphony_engine_warmup_cached_tokens_total",
+            "History tokens warm-ups left in the engine's prefix cache", registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,6 +4,10 @@ Jobs run earliest deadline first, higher priority first among equal deadlines. A
 idempotent per (session, target tier): asking again while one is queued or running returns it (with
 the earlier deadline and higher priority of the two). Finished jobs stay queryable in a bounded
 table. Lead time (deadline - completion) is what the scheduler needs to know about advisories.
+
+A prefetch to the top tier on a node serving a model ends in the engine itself: once the pages are
+in, the queue's `warm` hook (`node_manager.engine_warmup`) has the engine take the history into
+its own prefix cache, so the request finds it there like any local prefix hit.
 """
 
 from __future__ import annotations
@@ -40,6 +44,16 @@ class PullOutcome:
 Puller = Callable[[str, str, str], Awaitable[PullOutcome]]
 
 
+@dataclass(frozen=True, slots=True)
+class WarmOutcome:
+    cached_tokens: int  # history tokens the engine's prefix cache holds afterwards
+    note: str = ""  # why it holds none: the engine was busy or away, or the warm-up failed
+
+
+# (tenant, session id, history token ids, cache salt) -> what the engine's prefix cache took
+Warm = Callable[[str, str, list[int], str], Awaitable[WarmOutcome]]
+
+
 @dataclass(slots=True)
 class PrefetchJob:
     id: str
@@ -48,12 +62,15 @@ class PrefetchJob:
     deadline: float  # time.monotonic() seconds
     priority: Priority
     source_peer: str = ""
+    engine_salt: str = ""  # the cache_salt of the session's next request, for the engine's prefix cache
     state: str = QUEUED
     pages_in_target: int = 0
     pages_failed: int = 0
     pages_from_peer: int = 0
     lead_time_s: float = 0.0
     error: str = ""
+    engine_cached_tokens: int = 0
+    engine_note: str = ""
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     def order_key(self) -> tuple[float, int]:
@@ -66,10 +83,11 @@ class PrefetchQueueFull(KVStoreError):
 
 class PrefetchQueue:
     def __init__(self, store: TieredStore, metrics: KVMetrics, puller: Puller | None, *, max_pending: int,
-                 concurrency: int, max_finished: int = 4096) -> None:
+                 concurrency: int, max_finished: int = 4096, warm: Warm | None = None) -> None:
         self._store = store
         self._metrics = metrics
         self._puller = puller
+        self._warm = warm
         self._max_pending = max_pending
         self._max_finished = max_finished
         self._heap: list[tuple[tuple[float, int], int, PrefetchJob]] = []
@@ -84,7 +102,8 @@ class PrefetchQueue:
         self._workers = [asyncio.create_task(self._work(), name=f"kv-prefetch-{i}") for i in range(concurrency)]
 
     def submit(self, session: SessionKey, target: Tier, deadline_s: float, priority: Priority,
-               source_peer: str = "") -> PrefetchJob:
+               source_peer: str = "", engine_salt: str = "") -> PrefetchJob:
+        """Queue a prefetch (or return the session's active one to `target`, whose engine salt stays)."""
         existing = self._active.get((session, target))
         if existing is not None:
             deadline = time.monotonic() + deadline_s
@@ -95,7 +114,8 @@ class PrefetchQueue:
             return existing
         if len(self._active) >= self._max_pending:
             raise PrefetchQueueFull(f"{len(self._active)} prefetches pending (kv.max_pending_prefetches)")
-        job = PrefetchJob(uuid.uuid4().hex, session, target, time.monotonic() + deadline_s, priority, source_peer)
+        job = PrefetchJob(uuid.uuid4().hex, session, target, time.monotonic() + deadline_s, priority, source_peer,
+                          engine_salt)
         self._active[(session, target)] = job
         self._jobs[job.id] = job
         with self._arrival_lock:
@@ -175,10 +195,25 @@ class PrefetchQueue:
             result = await handle.wait_layer(layer)
             job.pages_in_target += handle.num_blocks - len(result.failed)
             job.pages_failed += len(result.failed)
+        if job.state != CANCELLED and job.target is Tier.HBM:
+            await self._into_engine(job)
         if job.state == CANCELLED:
             self._finish(job, CANCELLED)
         else:
             self._finish(job, DONE if not job.pages_failed and not job.error else PARTIAL)
+
+    async def _into_engine(self, job: PrefetchJob) -> None:
+        """The top tier's last step: the engine's own prefix cache (on a node that serves a model)."""
+        if self._warm is None:
+            job.engine_note = "this node serves no model"
+            return
+        if job.pages_failed or not job.pages_in_target:
+            job.engine_note = "not every page reached the top tier"
+            return
+        tenant, session_id = job.session
+        outcome = await self._warm(tenant, session_id, list(self._store.session(tenant, session_id).token_ids),
+                                   job.engine_salt)
+        job.engine_cached_tokens, job.engine_note = outcome.cached_tokens, outcome.note
 
     def _finish(self, job: PrefetchJob, state: str) -> None:
         job.state = state

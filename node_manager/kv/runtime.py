@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import start_http_server
 
+from node_manager.engine_warmup import EngineView, EngineWarmer
 from node_manager.kv.ipc_server import LocalKVServer
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.page_stream import PageStreamServer
@@ -36,10 +37,13 @@ class KVRuntime:
     service: KVStoreService
     page_stream: PageStreamServer | None
     local_channel: LocalKVServer
+    warmer: EngineWarmer | None = None
 
     async def close(self) -> None:
         await asyncio.to_thread(self.local_channel.close)
         await self.prefetches.close()
+        if self.warmer is not None:
+            await self.warmer.aclose()
         await self.puller.close()
         if self.page_stream is not None:
             await asyncio.to_thread(self.page_stream.close)
@@ -57,7 +61,10 @@ def store_config(config: SymphonyConfig, index: int) -> StoreConfig:
                        max_session_tokens=kv.max_session_tokens)
 
 
-async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, server: grpc.aio.Server) -> KVRuntime:
+async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, server: grpc.aio.Server,
+                   engine: EngineView | None = None, served_model: str = "") -> KVRuntime:
+    """With `engine` (a node serving a model through Symphony's connector), top-tier prefetches end
+    in that engine's own prefix cache."""
     metrics = KVMetrics()
     # Rebuilding the index reads every segment header: off the event loop.
     store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index), metrics)
@@ -76,8 +83,10 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, ser
         await asyncio.to_thread(store.close)
         raise
     puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp)
+    warmer = (EngineWarmer(engine, served_model, metrics, max_kv_usage=config.kv.engine_warmup_max_kv_usage,
+                           timeout_s=config.kv.engine_warmup_timeout_s) if engine is not None else None)
     prefetches = PrefetchQueue(store, metrics, puller.pull_outcome, max_pending=config.kv.max_pending_prefetches,
-                               concurrency=config.kv.prefetch_concurrency)
+                               concurrency=config.kv.prefetch_concurrency, warm=warmer.warm if warmer else None)
     local_channel.prefetches = prefetches
     service = KVStoreService(config.node_id(index), store, prefetches, puller,
                              page_stream.port if page_stream else 0)
@@ -89,4 +98,4 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, ser
              hbm_mib=config.kv.hbm_bytes >> 20, dram_mib=config.kv.dram_bytes >> 20,
              ssd_mib=config.kv.ssd_bytes >> 20, ssd_dir=str(store.ssd.directory), metrics_port=port or "off",
              page_stream_port=page_stream.port if page_stream else "off", local_channel=str(local_channel.path))
-    return KVRuntime(store, prefetches, puller, service, page_stream, local_channel)
+    return KVRuntime(store, prefetches, puller, service, page_stream, local_channel, warmer)

@@ -33,6 +33,7 @@ from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 MAX_ID_LEN = 256
 MAX_DEADLINE_MS = 24 * 3600 * 1000
+MAX_SALT_CHARS = 256  # a cache_salt names a tenant or user; anything longer is a mistake
 DEMOTE_FLUSH_TIMEOUT_S = 30.0
 _PEER = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 _STATE_TO_PROTO = {QUEUED: kv_pb2.PREFETCH_STATE_QUEUED, RUNNING: kv_pb2.PREFETCH_STATE_RUNNING,
@@ -193,10 +194,15 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             if request.deadline_ms > MAX_DEADLINE_MS:
                 raise _Invalid(f"deadline_ms {request.deadline_ms} is more than a day away")
             peer = _peer(request.source_peer)
+            salt = request.engine_cache_salt
+            if salt and target is not Tier.HBM:
+                raise _Invalid("engine_cache_salt goes with target_tier TIER_HBM (the engine's own cache)")
+            if len(salt) > MAX_SALT_CHARS:
+                raise _Invalid(f"engine_cache_salt is longer than {MAX_SALT_CHARS} characters")
             if not peer:
                 self.store.session(tenant, session_id)  # NOT_FOUND now rather than a failed job later
             job = self.prefetches.submit((tenant, session_id), target, request.deadline_ms / 1000,
-                                         _priority(request.priority) or Priority.NORMAL, peer)
+                                         _priority(request.priority) or Priority.NORMAL, peer, salt)
         except _CLIENT_ERRORS as exc:
             await _abort_for(context, exc)
             raise AssertionError("unreachable") from None
@@ -224,4 +230,5 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
         return kv_pb2.PrefetchStatus(prefetch_id=job.id, state=_STATE_TO_PROTO[job.state],
                                      pages_in_target=job.pages_in_target, pages_failed=job.pages_failed,
                                      pages_from_peer=job.pages_from_peer,
-                                     lead_time_ms=int(job.lead_time_s * 1000), error=job.error)
+                                     lead_time_ms=int(job.lead_time_s * 1000), error=job.error,
+                                     engine_cached_tokens=job.engine_cached_tokens, engine_note=job.engine_note)

@@ -190,6 +190,8 @@ async def test_prefetch_pulls_a_session_from_the_peer_into_the_top_tier(stubs: l
     assert done.state == kv_pb2.PREFETCH_STATE_DONE, done
     assert done.pages_from_peer == GEOMETRY.num_layers * 64
     assert done.pages_in_target == GEOMETRY.num_layers * 64
+    # These nodes serve no model: the top tier ends at the store's own device pool, and says so.
+    assert done.engine_cached_tokens == 0 and "serves no model" in done.engine_note
     again = await stubs[1].GetPrefetch(kv_pb2.PrefetchRef(prefetch_id=done.prefetch_id), timeout=5)
     assert again.state == kv_pb2.PREFETCH_STATE_DONE
 
@@ -268,6 +270,11 @@ async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]
          grpc.StatusCode.INVALID_ARGUMENT),
         (stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_HBM, source_peer="no port"),
                        timeout=5), grpc.StatusCode.INVALID_ARGUMENT),
+        (stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_DRAM, engine_cache_salt="s"),
+                       timeout=5), grpc.StatusCode.INVALID_ARGUMENT),
+        (stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_HBM,
+                                              engine_cache_salt="s" * 257), timeout=5),
+         grpc.StatusCode.INVALID_ARGUMENT),
         (stub.PutSession(kv_pb2.PutSessionRequest(session=unknown, priority=17), timeout=5),
          grpc.StatusCode.INVALID_ARGUMENT),
         (stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown), timeout=5), grpc.StatusCode.NOT_FOUND),

@@ -59,6 +59,20 @@ def test_a_resumed_preempted_request_replaces_its_block_list() -> None:
     assert planner.allocated("r1", [7, 8, 9], external=0, prompt_tokens=9) is None
 
 
+def test_a_warm_up_loads_its_history_and_saves_and_counts_nothing() -> None:
+    planner = ConnectorPlanner(BS)
+    state = planner.track("w1", "acme", "s", warmup=True)
+    state.held_blocks = 3
+    tokens = list(range(13))  # three whole blocks and the one token more a warm-up sends
+    assert planner.matched(state, local_tokens=0, num_tokens=len(tokens)) == 12
+    assert planner.allocated("w1", [5, 6, 7, 8], external=12, prompt_tokens=13) is None
+    plan = planner.step(new=[("w1", [5, 6, 7, 8])], cached=[], computed_after={"w1": 13}, tokens_of={"w1": tokens})
+    assert plan.loads == [LoadSpec("acme", "s", 0, (5, 6, 7))]
+    tokens += [1, 2, 3]  # had it run on, its new full block would still not be saved
+    plan = planner.step(new=[], cached=[("w1", None, False)], computed_after={"w1": 16}, tokens_of={"w1": tokens})
+    assert plan.saves == []
+
+
 def test_requests_are_bounded_and_forgotten_when_finished() -> None:
     planner = ConnectorPlanner(BS, max_requests=2)
     for request_id in ("a", "b", "c"):

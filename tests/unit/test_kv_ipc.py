@@ -239,3 +239,13 @@ def test_a_request_for_a_prefetched_session_counts_whether_its_kv_was_ready(stor
     server.prefetches = _OnePrefetch(("acme", "late"), Tier.HBM)  # type: ignore[assignment]
     client.match("acme", "late", tokens(2, base=60_000))
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 1
+
+
+def test_an_engine_warm_up_is_not_the_prefetched_sessions_arrival(store: TieredStore, server: LocalKVServer,
+                                                                  client: NodeKVClient) -> None:
+    save_session(store, "warm", 2, seed=7)
+    server.prefetches = _OnePrefetch(("acme", "warm"), Tier.HBM)  # type: ignore[assignment]
+    assert client.match("acme", "warm", tokens(2, base=70_000), warmup=True) == 2
+    assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 0
+    client.match("acme", "warm", tokens(2, base=70_000, tail=5))  # the turn itself: counted now
+    assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 1
