@@ -25,8 +25,9 @@ from typing import Protocol
 import httpx
 
 from node_manager.engine_metrics import EngineLoad
-from node_manager.kv.ipc_wire import WARMUP_PARAM
+from node_manager.kv.ipc_wire import WARMUP_PARAM, WARMUP_PRIORITY_PARAM
 from node_manager.kv.metrics import KVMetrics
+from node_manager.kv.pages import Priority
 from node_manager.kv.prefetch import WarmOutcome
 from symphony.logs import get_logger
 from symphony.rpc import node_pb2
@@ -70,7 +71,8 @@ class EngineWarmer:
             return f"the engine's KV cache is {load.kv_usage:.0%} used"
         return ""
 
-    async def warm(self, tenant: str, session_id: str, token_ids: list[int], salt: str) -> WarmOutcome:
+    async def warm(self, tenant: str, session_id: str, token_ids: list[int], salt: str,
+                   priority: Priority = Priority.NORMAL) -> WarmOutcome:
         """Have the engine take the history into its prefix cache; what it took, or why it did not."""
         reason = self.busy()
         if reason:
@@ -81,7 +83,8 @@ class EngineWarmer:
         # uncached partial block, and a warm-up saves nothing) keeps every block.
         body: dict[str, object] = {
             "model": self._model, "prompt": [*token_ids, *token_ids[-1:]], "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"tenant": tenant, "session_id": session_id, WARMUP_PARAM: True},
+            "kv_transfer_params": {"tenant": tenant, "session_id": session_id, WARMUP_PARAM: True,
+                                   WARMUP_PRIORITY_PARAM: int(priority)},
         }
         if salt:
             body["cache_salt"] = salt

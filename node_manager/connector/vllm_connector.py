@@ -28,14 +28,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
 from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec
+from node_manager.connector.warm_order import WarmedBlocks
 from node_manager.connector.worker import WorkerSide
-from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES, WARMUP_PARAM
+from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES, WARMUP_PARAM, WARMUP_PRIORITY_PARAM
+from node_manager.kv.pages import Priority
 from symphony.logs import get_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -67,6 +70,8 @@ class SymphonyConnector(KVConnectorBase_V1):
         self._channel_down_logged = False
         self._requests_by_id: dict[str, Request] = {}  # live requests (vLLM adds and finishes each once)
         self._prompt_tokens = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # not yet reported to the node manager
+        self._block_pool: BlockPool | None = None  # vLLM's, bound on the scheduler side
+        self._warmed = WarmedBlocks()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -79,6 +84,8 @@ class SymphonyConnector(KVConnectorBase_V1):
         tenant = str(params.get("tenant") or DEFAULT_TENANT)
         session = str(params.get("session_id") or request.session_id or f"request-{request.request_id}")
         warmup = bool(params.get(WARMUP_PARAM))
+        if not warmup:
+            self._warmed.arrived((tenant, session))  # its warmed blocks, if any, are this request's now
         state = self._planner.track(request.request_id, tenant, session, warmup)
         if state.held_blocks is None:
             state.held_blocks = self._match(tenant, session, request.prompt_token_ids or [], warmup)
@@ -111,6 +118,8 @@ class SymphonyConnector(KVConnectorBase_V1):
                           for req_id, count in scheduler_output.num_scheduled_tokens.items()}
         tokens_of = {req_id: self._requests_tokens(req_id) for req_id in computed_after}
         plan = self._planner.step(new, cached, computed_after, tokens_of)
+        if self._block_pool is not None:  # warm-ups that ended last step: their blocks are free now
+            self._warmed.refile(self._block_pool.free_block_queue)
         self._report_prompt_tokens()
         return SymphonyConnectorMetadata(plan.loads, plan.saves)
 
@@ -131,7 +140,14 @@ class SymphonyConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         self._requests_by_id[request.request_id] = request
 
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self._block_pool = gpu_block_pool
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        state = self._planner.requests.get(request.request_id)
+        if state is not None and state.warmup and self._block_pool is not None:
+            self._warmed.finished((state.tenant, state.session), _priority(request.kv_transfer_params),
+                                  [self._block_pool.blocks[i] for i in block_ids])
         self._planner.finished(request.request_id)
         self._requests_by_id.pop(request.request_id, None)
         return False, None  # saves copy pages out within their step: nothing holds the blocks
@@ -171,3 +187,12 @@ class SymphonyConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._scheduler_client is not None:
             self._scheduler_client.close()
+
+
+def _priority(params: dict[str, Any] | None) -> Priority:
+    """A warm-up's priority tier from its kv_transfer_params; NORMAL when absent or not a tier
+    (the parameters come with a request: nothing in them may stop the scheduler)."""
+    try:
+        return Priority(int((params or {}).get(WARMUP_PRIORITY_PARAM, Priority.NORMAL)))
+    except (TypeError, ValueError):
+        return Priority.NORMAL

@@ -39,6 +39,13 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
 
+def session_yield_key(priority: Priority, size: int) -> tuple[int, int]:
+    """Symphony's order between sessions whose staged KV must give memory back (smallest first):
+    lower priority tiers before higher ones, then smaller sessions, the cheapest to reload or
+    recompute. Shared by the store's top tier and the warmed blocks inside vLLM."""
+    return int(priority), size
+
+
 def _take(candidates: Iterator[Hashable], count: int, evictable: Evictable) -> list[Hashable] | None:
     chosen = list(itertools.islice((c for c in candidates if evictable(c)), count))
     return chosen if len(chosen) == count else None
@@ -198,7 +205,8 @@ class TopTierYieldPolicy:
     def _in_order(self) -> Iterator[Hashable]:
         for key in sorted(self._buckets, key=lambda k: (k[0], -k[1])):
             sessions = self._buckets.get(key, {})
-            for session in sorted(sessions, key=self._session_size):
+            priority = key[0]
+            for session in sorted(sessions, key=lambda s: session_yield_key(priority, self._session_size(s))):
                 yield from list(sessions.get(session, ()))
 
     def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None:

@@ -25,6 +25,7 @@ PROMPT_TOKEN_SOURCES = ("engine_cache", "symphony", "computed")
 # In a request's kv_transfer_params: the node manager's engine warm-up of a prefetched session
 # (node_manager.engine_warmup), which the connector tells apart from the session's next turn.
 WARMUP_PARAM = "symphony_warmup"
+WARMUP_PRIORITY_PARAM = "symphony_priority"  # the session's priority tier (int Priority): its blocks' yielding order
 
 assert array.array("I").itemsize == 4, "token payloads are uint32"
 

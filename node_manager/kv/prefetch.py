@@ -50,8 +50,8 @@ class WarmOutcome:
     note: str = ""  # why it holds none: the engine was busy or away, or the warm-up failed
 
 
-# (tenant, session id, history token ids, cache salt) -> what the engine's prefix cache took
-Warm = Callable[[str, str, list[int], str], Awaitable[WarmOutcome]]
+# (tenant, session id, history token ids, cache salt, priority) -> what the engine's prefix cache took
+Warm = Callable[[str, str, list[int], str, Priority], Awaitable[WarmOutcome]]
 
 
 @dataclass(slots=True)
@@ -211,8 +211,8 @@ class PrefetchQueue:
             job.engine_note = "not every page reached the top tier"
             return
         tenant, session_id = job.session
-        outcome = await self._warm(tenant, session_id, list(self._store.session(tenant, session_id).token_ids),
-                                   job.engine_salt)
+        record = self._store.session(tenant, session_id)
+        outcome = await self._warm(tenant, session_id, list(record.token_ids), job.engine_salt, record.priority)
         job.engine_cached_tokens, job.engine_note = outcome.cached_tokens, outcome.note
 
     def _finish(self, job: PrefetchJob, state: str) -> None:

@@ -81,6 +81,8 @@ metrics_port_base = {metrics_base}
 model = "{model_dir}"
 kv_cache_space_gib = 1
 max_model_len = 8192
+# 16,384 tokens of KV per engine: small enough that a test can fill it with prefetched sessions.
+extra_args = ["--num-gpu-blocks-override", "512"]
 """)
     return config
 

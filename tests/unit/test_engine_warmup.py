@@ -13,7 +13,7 @@ import pytest
 
 from node_manager.engine_metrics import EngineLoad
 from node_manager.engine_warmup import EngineWarmer
-from node_manager.kv.ipc_wire import WARMUP_PARAM
+from node_manager.kv.ipc_wire import WARMUP_PARAM, WARMUP_PRIORITY_PARAM
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import Priority, Tier
 from node_manager.kv.prefetch import DONE, PrefetchJob, PrefetchQueue, WarmOutcome
@@ -51,11 +51,12 @@ async def test_a_warm_up_sends_the_history_for_one_token_under_the_salt() -> Non
         return httpx.Response(200, json={"usage": usage})
 
     warmer, metrics = _warmer(_EngineState(load=EngineLoad(1, 0, 0.3)), httpx.MockTransport(answer))
-    outcome = await warmer.warm("acme", "chat", list(range(70)), "tenant-salt")
+    outcome = await warmer.warm("acme", "chat", list(range(70)), "tenant-salt", Priority.HIGH)
     await warmer.aclose()
     assert outcome == WarmOutcome(64)
     assert sent == [{"model": "smol", "prompt": [*range(70), 69], "max_tokens": 1, "temperature": 0,
-                     "kv_transfer_params": {"tenant": "acme", "session_id": "chat", WARMUP_PARAM: True},
+                     "kv_transfer_params": {"tenant": "acme", "session_id": "chat", WARMUP_PARAM: True,
+                                            WARMUP_PRIORITY_PARAM: int(Priority.HIGH)},
                      "cache_salt": "tenant-salt"}]
     assert _count(metrics, "cached") == 1
     assert metrics.registry.get_sample_value("symphony_engine_warmup_cached_tokens_total") == 64
@@ -99,7 +100,7 @@ async def test_only_a_top_tier_prefetch_ends_in_the_engine(make_store: MakeStore
     save_session(store, "mid", 3, seed=2)
     calls: list[tuple[str, str, list[int], str]] = []
 
-    async def warm(tenant: str, session_id: str, token_ids: list[int], salt: str) -> WarmOutcome:
+    async def warm(tenant: str, session_id: str, token_ids: list[int], salt: str, priority: Priority) -> WarmOutcome:
         calls.append((tenant, session_id, token_ids, salt))
         return WarmOutcome(len(token_ids) - 1)
 
