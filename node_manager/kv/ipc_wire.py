@@ -84,10 +84,11 @@ def token_payload(token_ids: Any) -> bytes:
     return array.array("I", token_ids).tobytes()
 
 
-def tokens_from(payload: bytes) -> list[int]:
+def tokens_from(payload: bytes) -> np.ndarray:
+    """A read-only uint32 view of the payload (what `token_array` makes), no per-token objects."""
     if len(payload) % 4:
         raise ProtocolError("token payload is not a whole number of uint32")
-    return np.frombuffer(payload, dtype=np.uint32).tolist()
+    return np.frombuffer(payload, dtype="<u4")
 
 
 def slots_from(payload: bytes) -> np.ndarray:

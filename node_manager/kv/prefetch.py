@@ -212,7 +212,7 @@ class PrefetchQueue:
             return
         tenant, session_id = job.session
         record = self._store.session(tenant, session_id)
-        outcome = await self._warm(tenant, session_id, list(record.token_ids), job.engine_salt, record.priority)
+        outcome = await self._warm(tenant, session_id, record.token_ids.tolist(), job.engine_salt, record.priority)
         job.engine_cached_tokens, job.engine_note = outcome.cached_tokens, outcome.note
 
     def _finish(self, job: PrefetchJob, state: str) -> None:

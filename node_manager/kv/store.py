@@ -39,7 +39,7 @@ from node_manager.kv.pages import PageId, Priority, Tier, page_checksum
 from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, consecutive_runs, copy_rows
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
-from symphony.kv_addressing import BlockKey, SessionBlocks, chain_block_keys
+from symphony.kv_addressing import BlockKey, SessionBlocks, chain_block_keys, token_array
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
 
@@ -98,7 +98,7 @@ class StoreConfig:
 @dataclass(slots=True)
 class SessionRecord:
     key: SessionKey
-    token_ids: list[int]
+    token_ids: np.ndarray  # read-only uint32 (`token_array`)
     blocks: SessionBlocks
     priority: Priority
 
@@ -181,19 +181,20 @@ class TieredStore:
             raise InvalidRequest(f"{len(token_ids)} tokens exceed kv.max_session_tokens "
                                  f"({self.config.max_session_tokens})")
         key = (tenant, session_id)
+        try:
+            tokens = token_array(token_ids)
+        except (ValueError, OverflowError, TypeError) as exc:
+            raise InvalidRequest(f"bad token ids: {exc}") from None
         with self._lock:
             record = self._sessions.get(key)
         start = None
-        if record is not None and record.token_ids == list(token_ids[:len(record.token_ids)]):
+        if record is not None and np.array_equal(record.token_ids, tokens[:len(record.token_ids)]):
             start = record.blocks
-        try:
-            blocks = chain_block_keys(tenant, token_ids, self.geometry.block_size, start)
-        except (ValueError, OverflowError) as exc:
-            raise InvalidRequest(str(exc)) from None
+        blocks = chain_block_keys(tenant, tokens, self.geometry.block_size, start)
         with self._lock:
             old = self._sessions.get(key)
             new_priority = priority if priority is not None else (old.priority if old else Priority.NORMAL)
-            record = SessionRecord(key, list(token_ids), blocks, new_priority)
+            record = SessionRecord(key, tokens, blocks, new_priority)
             self._sessions[key] = record
             self._sessions.move_to_end(key)
             while len(self._sessions) > self.config.max_sessions:
@@ -250,9 +251,11 @@ class TieredStore:
             record = self.session(tenant, session_id)
             d = self._directory
             ids = d.rows(record.blocks.block_keys)
-            held = d.held_matrix(ids, d.hbm) | d.held_matrix(ids, d.dram) | d.held_matrix(ids, d.ssd_seq)
-            complete = held.all(axis=1)
-            return int(np.argmin(complete)) if not complete.all() else record.blocks.num_blocks
+            unknown = np.flatnonzero(ids < 0)
+            known = ids[:unknown[0]] if len(unknown) else ids  # the prefix ends at the first unknown block
+            # The connector asks this for every new request: plain gathers, no masking of unknown rows.
+            complete = ((d.hbm[known] >= 0) | (d.dram[known] >= 0) | (d.ssd_seq[known] >= 0)).all(axis=1)
+            return int(np.argmin(complete)) if not complete.all() else len(known)
 
     def demote(self, tenant: str, session_id: str, tier: Tier) -> int:
         """Drop the session's copies in `tier` (HBM or DRAM) that the SSD tier also holds, and return

@@ -81,7 +81,7 @@ def session_status(store: TieredStore, tenant: str, session_id: str, *, token_id
                                   loadable_prefix_blocks=store.loadable_prefix_blocks(tenant, session_id),
                                   data_port=data_port)
     if token_ids:
-        status.token_ids.extend(record.token_ids)
+        status.token_ids.extend(record.token_ids.tolist())
     return status
 
 

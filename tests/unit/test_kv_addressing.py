@@ -9,9 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from symphony.kv_addressing import BLOCK_KEY_BYTES, SessionBlocks, block_key, chain_block_keys, tenant_root
+from symphony.kv_addressing import (
+    BLOCK_KEY_BYTES,
+    SessionBlocks,
+    block_key,
+    chain_block_keys,
+    tenant_root,
+    token_array,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENS = [101, 7, 65535, 0, 2**32 - 1, 42, 42, 42, 9, 8, 7, 6, 5]  # 3 full blocks of 4 + a 1-token tail
@@ -164,3 +172,28 @@ def test_session_blocks_is_immutable() -> None:
     assert isinstance(blocks, SessionBlocks)
     with pytest.raises(AttributeError):
         blocks.tenant = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64, np.uint64])
+def test_token_arrays_key_like_lists(dtype: type) -> None:
+    array = np.array(TOKENS, dtype=dtype)
+    assert chain_block_keys("acme", array, 4) == chain_block_keys("acme", TOKENS, 4)
+    start = chain_block_keys("acme", TOKENS[:8], 4)
+    assert chain_block_keys("acme", array, 4, start=start) == chain_block_keys("acme", TOKENS, 4)
+
+
+def test_token_array_is_read_only_and_validated() -> None:
+    tokens = token_array(TOKENS)
+    assert tokens.tolist() == TOKENS and not tokens.flags.writeable
+    assert token_array(tokens) is tokens  # already a token array: no copy
+    with pytest.raises(ValueError):
+        tokens[0] = 1
+    writable = np.array(TOKENS, dtype=np.uint32)
+    copied = token_array(writable)
+    writable[0] = 5  # the caller's array changing later must not change a stored history
+    assert copied[0] == TOKENS[0]
+    for bad in (np.array([1, -1]), np.array([2**32]), np.array([1.5]), np.zeros((2, 2), np.uint32)):
+        with pytest.raises(ValueError):
+            token_array(bad)
+    with pytest.raises(OverflowError):
+        token_array([1, -1])

@@ -111,7 +111,7 @@ def test_a_request_with_session_gets_the_status_first_and_then_the_planned_range
     outcome = fetch_pages(receiver, "127.0.0.1", server.port, opening, TIMEOUT, plan=plan)
     assert (outcome.received, outcome.stored, outcome.error) == (2 * LAYERS, 2 * LAYERS, "")
     assert outcome.status is not None and seen == [outcome.status]
-    assert list(outcome.status.token_ids) == server._store.session("acme", "s").token_ids
+    assert list(outcome.status.token_ids) == server._store.session("acme", "s").token_ids.tolist()
     assert outcome.status.loadable_prefix_blocks == BLOCKS
     slots = receiver.dram_slots("acme", "s")
     for layer in range(LAYERS):
