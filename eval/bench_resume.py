@@ -47,11 +47,11 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from eval.match_latency import match_latency_ms
 from eval.plots import plot_resume
 from eval.ports import free_port_run
 from eval.results import write_result
 from eval.stats import histogram_quantile, percentile
-from node_manager.connector.kv_client import NodeKVClient
 from symphony.config import SymphonyConfig
 from symphony.launcher import Cluster
 from symphony.models import ModelError, ModelInfo, context_window, fetch_default_model, resolve_model
@@ -279,21 +279,6 @@ def _await_wait_report(node: Node, before: dict[float, float], timeout_s: float 
     return after
 
 
-def _match_latency_ms(node: Node, tenant: str, prompt: list[int], calls: int = MATCH_CALLS) -> list[float]:
-    """What the connector's scheduler side pays per new request: one `match` over the local channel
-    for a session whose history the tiers hold."""
-    client = NodeKVClient(node.kv_socket)
-    try:
-        samples = []
-        for _ in range(calls):
-            started = time.perf_counter()
-            client.match(tenant, "conversation", prompt)
-            samples.append((time.perf_counter() - started) * 1000.0)
-        return samples
-    finally:
-        client.close()
-
-
 def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, trials: int, block_size: int,
             gap_s: float = 1.0, seed: int = 11) -> dict[str, Any]:
     corpus = _corpus_ids(base_url, model)
@@ -324,7 +309,7 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
     result["outputs_identical"] = outputs_identical
     result["outputs_differing_from_engine_cache"] = sorted(differing)
     dram_tenant = f"resume-{bench.run_id}-0-dram"
-    match_ms = _match_latency_ms(nodes[0], dram_tenant, bench.histories.prompt(0))
+    match_ms = match_latency_ms(nodes[0].kv_socket, dram_tenant, bench.histories.prompt(0), MATCH_CALLS)
     result["match_ms_p50"] = percentile(match_ms, 50)
     result["match_ms_p99"] = percentile(match_ms, 99)
     before = {b: sum(w[0].get(b, 0.0) for w in bench.ssd_wait_windows) for b in bench.ssd_wait_windows[0][1]}
@@ -388,6 +373,7 @@ async def _with_private_cluster(config: SymphonyConfig, model: ModelInfo, window
                                                             model.served_name, conversations,
                                                             config.engine.block_size, gap_s)
             result["targets"]["correctness_identical"] = result["correctness"]["identical"]
+            result["targets"]["correctness_identical_to_recompute"] = result["correctness"]["identical_to_recompute"]
         return result
     finally:
         for channel in channels:
@@ -406,9 +392,12 @@ def _print_table(result: dict[str, Any]) -> None:
           f"match p50 {result['match_ms_p50']:.3f} ms, p99 {result['match_ms_p99']:.3f} ms")
     if "correctness" in result:
         check = result["correctness"]
-        print(f"correctness over {check['conversations']} MT-bench two-turn conversations: "
-              f"{'identical' if check['identical'] else 'MISMATCHED ' + str(check['mismatched_conversations'])}, "
-              f"max logprob gap to recompute {check['max_logprob_gap']:.2e} (tolerance {check['logprob_tolerance']:g})")
+        print(f"correctness over {check['conversations']} MT-bench two-turn conversations: Symphony's paths vs "
+              f"vLLM's own cache hit "
+              f"{'identical' if check['identical'] else 'MISMATCHED ' + str(check['differing_paths'])}, "
+              f"max logprob gap {check['max_logprob_gap']:.2e} (tolerance {check['logprob_tolerance']:g}); "
+              f"vLLM's cache hit vs recompute: {len(check['engine_cache_vs_recompute_mismatched'])} parted, "
+              f"max logprob gap {check['engine_cache_vs_recompute_max_logprob_gap']:.2e}")
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")
 

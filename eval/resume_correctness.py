@@ -3,8 +3,10 @@
 MT-bench two-turn conversations: the first question, the model's greedy answer to it (generated
 once, up front), then the second question. Each conversation's resumed turn (its second) is sent
 along every path of `bench resume` (recompute, vLLM's prefix cache, Symphony's DRAM, SSD on demand,
-SSD prefetched, fetched from the other node) and must give the same token ids, with each token's
-logprob within `LOGPROB_TOLERANCE` of the recomputed turn's.
+SSD prefetched, fetched from the other node). Every Symphony path must give the token ids of vLLM's
+own prefix-cache hit, with each token's logprob within `LOGPROB_TOLERANCE` of it (`identical`): it
+hands vLLM the same bytes. Whether that hit also matches a recompute is reported beside it
+(`identical_to_recompute`): that is vLLM's own numerics, which depend on the CPU's kernels.
 
 The history's KV is built the way every path can build it alike: a prefill of the first turn
 (question and answer). A history whose answer tokens were decoded one by one holds the decode
@@ -75,13 +77,16 @@ def mtbench_conversations(node: Node, base_url: str, model: str, count: int) -> 
     return conversations
 
 
-def _compare(turns: dict[str, Turn]) -> tuple[bool, float]:
-    """(token ids identical on every path, largest logprob gap to recompute)."""
-    reference = turns["recompute"]
-    identical = all(turn.tokens == reference.tokens and len(turn.tokens) == OUTPUT_TOKENS for turn in turns.values())
-    gap = max((abs(a - b) for turn in turns.values()
-               for a, b in zip(turn.logprobs, reference.logprobs, strict=False)), default=0.0)
-    return identical, gap
+def _gap(turn: Turn, reference: Turn) -> float:
+    return max((abs(a - b) for a, b in zip(turn.logprobs, reference.logprobs, strict=False)), default=0.0)
+
+
+def _differing(turns: dict[str, Turn], reference: str) -> list[str]:
+    """Paths whose token ids differ from `reference`'s, or whose logprobs part from them by more
+    than the tolerance."""
+    ref = turns[reference]
+    return [path for path, turn in turns.items()
+            if turn.tokens != ref.tokens or len(turn.tokens) != OUTPUT_TOKENS or _gap(turn, ref) > LOGPROB_TOLERANCE]
 
 
 def check_resume_correctness(nodes: list[Node], base_url: str, model: str, count: int, block_size: int,
@@ -89,8 +94,11 @@ def check_resume_correctness(nodes: list[Node], base_url: str, model: str, count
     conversations = mtbench_conversations(nodes[0], base_url, model, count)
     runner = ResumeRunner(nodes, model, TwoTurnConversations(conversations), block_size, gap_s,
                           output_tokens=OUTPUT_TOKENS, logprobs=True)
-    mismatched: list[int] = []
+    mismatched: list[int] = []  # conversations where a Symphony path parted from vLLM's own cache hit
+    engine_vs_recompute: list[int] = []  # conversations where vLLM's own cache hit parted from recompute
+    differing: dict[int, list[str]] = {}  # mismatched conversation -> the paths that parted
     gaps: list[float] = []
+    recompute_gaps: list[float] = []
     cached: dict[str, list[int]] = {path: [] for path in PATHS}
     with tqdm(total=count * len(PATHS), desc="resume correctness", file=sys.stderr) as bar:
         for index in range(count):
@@ -99,11 +107,24 @@ def check_resume_correctness(nodes: list[Node], base_url: str, model: str, count
                 turns[path] = runner.resumed_turn(index, path)
                 cached[path].append(turns[path].cached_tokens)
                 bar.update()
-            identical, gap = _compare(turns)
-            gaps.append(gap)
-            if not identical or gap > LOGPROB_TOLERANCE:
+            # A Symphony path hands vLLM the very bytes its own prefix cache would hold, so it must
+            # behave like that cache hit. Whether the hit behaves like a recompute is the engine's
+            # numerics (prefill with a cached prefix runs other kernels than a full prefill): on
+            # some CPUs it does to 1e-2, on others greedy paths part at near ties. Both are kept.
+            symphony = {path: turn for path, turn in turns.items() if path != "recompute"}
+            gaps.append(max(_gap(turn, turns["engine_cache"]) for turn in symphony.values()))
+            recompute_gaps.append(_gap(turns["engine_cache"], turns["recompute"]))
+            parted = _differing(symphony, "engine_cache")
+            if parted:
                 mismatched.append(index)
+                differing[index] = parted
+            if _differing({p: turns[p] for p in ("engine_cache", "recompute")}, "recompute"):
+                engine_vs_recompute.append(index)
     return {"conversations": count, "paths": list(PATHS), "output_tokens": OUTPUT_TOKENS,
             "history_tokens": [len(c.history) for c in conversations],
-            "cached_tokens": cached, "max_logprob_gap": max(gaps), "logprob_tolerance": LOGPROB_TOLERANCE,
-            "mismatched_conversations": mismatched, "identical": not mismatched}
+            "cached_tokens": cached, "logprob_tolerance": LOGPROB_TOLERANCE,
+            "max_logprob_gap": max(gaps), "mismatched_conversations": mismatched, "differing_paths": differing,
+            "identical": not mismatched,
+            "engine_cache_vs_recompute_max_logprob_gap": max(recompute_gaps),
+            "engine_cache_vs_recompute_mismatched": engine_vs_recompute,
+            "identical_to_recompute": not mismatched and not engine_vs_recompute}

@@ -106,3 +106,12 @@ def chain_block_keys(tenant: str, token_ids: Sequence[int] | np.ndarray, block_s
     tail = token_ids[full_blocks * block_size:]
     return SessionBlocks(tenant, block_size, tuple(keys),
                          tuple(tail.tolist() if isinstance(tail, np.ndarray) else tail))
+
+
+def chain_after(tenant: str, tokens: np.ndarray, block_size: int, known_tokens: np.ndarray | None,
+                known: SessionBlocks | None) -> SessionBlocks:
+    """`chain_block_keys` of `tokens` (a token array), hashing only the blocks past `known` when
+    `known_tokens` (whose keys `known` holds) are a prefix of them: a resumed turn costs what it adds."""
+    if known is not None and known_tokens is not None and np.array_equal(known_tokens, tokens[:len(known_tokens)]):
+        return chain_block_keys(tenant, tokens, block_size, known)
+    return chain_block_keys(tenant, tokens, block_size)

@@ -31,9 +31,11 @@ class NodeKVClient:
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
+        self.connections = 0  # connections opened so far: a new one may reach a restarted node manager
 
     def _connection(self) -> socket.socket:
         if self._sock is None:
+            self.connections += 1
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout_s)
             try:
@@ -67,14 +69,15 @@ class NodeKVClient:
     def hello(self) -> dict[str, Any]:
         return self._call({"op": "hello"})[0]
 
-    def match(self, tenant: str, session: str, token_ids: Sequence[int], warmup: bool = False) -> int:
-        """Register the session's tokens; the number of leading full blocks the tiers can load.
-        `warmup`: the request is the node manager's engine warm-up, not the session's next turn."""
-        header: dict[str, Any] = {"op": "match", "tenant": tenant, "session": session}
+    def register(self, tenant: str, session: str, token_ids: Sequence[int] | np.ndarray, warmup: bool = False) -> None:
+        """Tell the node manager a request's history (no reply): its loads and saves address the
+        session's blocks. `warmup`: the request is the node manager's engine warm-up, not the
+        session's next turn. How much of the history the tiers hold is read from the block index
+        (`node_manager.connector.lookup`), not asked."""
+        header: dict[str, Any] = {"op": "register", "tenant": tenant, "session": session}
         if warmup:
             header["warmup"] = True
-        message, _ = self._call(header, ipc_wire.token_payload(token_ids))
-        return int(message["blocks"])
+        self._call(header, ipc_wire.token_payload(token_ids), reply=False)
 
     def load(self, items: Sequence[dict[str, Any]],
              timeout_s: float = 30.0) -> tuple[int, Iterator[tuple[int, np.ndarray]]]:

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """Blocks first_block.. of a session go into vLLM blocks `block_ids` (same order)."""
+    """Blocks first_block.. of a session go into vLLM blocks `block_ids` (same order); `last_key` is
+    the block key of the last of them, so the node manager serves exactly this history's pages."""
 
     tenant: str
     session: str
     first_block: int
     block_ids: tuple[int, ...]
+    last_key: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +47,7 @@ class StepPlan:
 class RequestKV:
     tenant: str
     session: str
-    held_blocks: int | None = None  # leading blocks the tiers hold (asked once per request)
+    held_keys: tuple[bytes, ...] | None = None  # keys of the leading blocks the tiers hold (looked up once)
     local_tokens: int = 0  # vLLM's own prefix-cache hit when it last asked
     pending_load: tuple[int, int] | None = None  # (first block, count) allocated, not yet planned
     block_ids: list[int] = field(default_factory=list)
@@ -54,6 +56,10 @@ class RequestKV:
     # The node manager's engine warm-up of a prefetched session: it loads the history and saves
     # nothing (the tiers have it all), and is no user's prompt in the token-source counts.
     warmup: bool = False
+
+    @property
+    def held_blocks(self) -> int:
+        return len(self.held_keys or ())
 
 
 def external_tokens(held_blocks: int, local_tokens: int, num_tokens: int, block_size: int) -> int:
@@ -80,8 +86,8 @@ class ConnectorPlanner:
 
     def matched(self, state: RequestKV, local_tokens: int, num_tokens: int) -> int:
         state.local_tokens = local_tokens
-        state.saved_blocks = max(state.saved_blocks, state.held_blocks or 0)  # the store has these already
-        return external_tokens(state.held_blocks or 0, local_tokens, num_tokens, self.block_size)
+        state.saved_blocks = max(state.saved_blocks, state.held_blocks)  # the store has these already
+        return external_tokens(state.held_blocks, local_tokens, num_tokens, self.block_size)
 
     def allocated(self, request_id: str, block_ids: Sequence[int], external: int,
                   prompt_tokens: int) -> dict[str, int] | None:
@@ -120,8 +126,10 @@ class ConnectorPlanner:
             if state.pending_load is not None:
                 first, count = state.pending_load
                 state.pending_load = None
+                assert state.held_keys is not None and first + count <= len(state.held_keys)
                 plan.loads.append(LoadSpec(state.tenant, state.session, first,
-                                           tuple(state.block_ids[first:first + count])))
+                                           tuple(state.block_ids[first:first + count]),
+                                           state.held_keys[first + count - 1]))
                 state.saved_blocks = max(state.saved_blocks, first + count)
         for request_id, computed in computed_after.items():
             state = self.requests.get(request_id)

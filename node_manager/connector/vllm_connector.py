@@ -16,6 +16,7 @@ failed request: loads are best effort and run with `kv_load_failure_policy = "re
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
+from node_manager.connector.lookup import HistoryLookup
 from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec
 from node_manager.connector.warm_order import WarmedBlocks
 from node_manager.connector.worker import WorkerSide
@@ -65,6 +67,12 @@ class SymphonyConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._planner = ConnectorPlanner(self._block_size)
         self._scheduler_client = NodeKVClient(socket_path) if role == KVConnectorRole.SCHEDULER else None
+        self._lookup = HistoryLookup(self._scheduler_client) if self._scheduler_client is not None else None
+        if self._lookup is not None:
+            # Mapped up front, so the first request pays no hello; a node manager not up yet is
+            # attached by the first request that finds it.
+            with contextlib.suppress(OSError, ValueError, KVChannelError):
+                self._lookup.attach()
         self._worker = (WorkerSide(socket_path, float(extra.get("layer_wait_s", 30.0)))
                         if role == KVConnectorRole.WORKER else None)
         self._channel_down_logged = False
@@ -87,19 +95,21 @@ class SymphonyConnector(KVConnectorBase_V1):
         if not warmup:
             self._warmed.arrived((tenant, session))  # its warmed blocks, if any, are this request's now
         state = self._planner.track(request.request_id, tenant, session, warmup)
-        if state.held_blocks is None:
-            state.held_blocks = self._match(tenant, session, request.prompt_token_ids or [], warmup)
+        if state.held_keys is None:
+            state.held_keys = self._match(tenant, session, request.prompt_token_ids or [], warmup)
         return self._planner.matched(state, num_computed_tokens, request.num_tokens), False
 
-    def _match(self, tenant: str, session: str, token_ids: list[int], warmup: bool) -> int:
-        assert self._scheduler_client is not None
+    def _match(self, tenant: str, session: str, token_ids: list[int], warmup: bool) -> tuple[bytes, ...]:
+        assert self._lookup is not None
         try:
-            return self._scheduler_client.match(tenant, session, token_ids, warmup)
-        except (OSError, KVChannelError) as exc:
+            held = self._lookup.match(tenant, session, token_ids, warmup)
+        except (OSError, ValueError, KVChannelError) as exc:
             if not self._channel_down_logged:  # one line per outage, not one per request
                 log.warning("node manager KV channel unavailable; requests recompute", error=str(exc))
                 self._channel_down_logged = True
-            return 0
+            return ()
+        self._channel_down_logged = False
+        return held.keys
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         sources = self._planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens,
@@ -185,6 +195,8 @@ class SymphonyConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._lookup is not None:
+            self._lookup.close()
         if self._scheduler_client is not None:
             self._scheduler_client.close()
 

@@ -112,6 +112,11 @@ class PageDirectory:
         """`held` for many known rows at once: a bool per row."""
         return (self.hbm[rows, layer] >= 0) | (self.dram[rows, layer] >= 0) | (self.ssd_seq[rows, layer] >= 0)
 
+    def complete_rows(self, rows: np.ndarray) -> np.ndarray:
+        """For known rows: whether some tier holds every layer of the block (what a load can serve
+        without recomputing any of it)."""
+        return ((self.hbm[rows] >= 0) | (self.dram[rows] >= 0) | (self.ssd_seq[rows] >= 0)).all(axis=1)
+
     def slots(self, tier: Tier) -> np.ndarray:
         """The slot table of a slot-backed tier (HBM or DRAM)."""
         return self.hbm if tier is Tier.HBM else self.dram

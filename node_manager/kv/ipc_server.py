@@ -3,9 +3,11 @@
 The connector runs inside vLLM's processes (scheduler and worker) on the same host and maps the
 DRAM arena itself, so this channel carries bookkeeping only, never page bytes:
 
-- `hello`: the arena's name and the KV geometry, so the worker can map and check it.
-- `match` (+ token ids): register the session's tokens, answer how many leading blocks some tier
-  holds in every layer (what a resumed turn can load instead of recomputing).
+- `hello`: the arena's and the block index's names and the KV geometry, so the worker can map and
+  check the arena and the scheduler side can map the index (`node_manager.kv.block_index`): how
+  many leading blocks of a history some tier holds in every layer is read there, not asked here.
+- `register` (+ token ids, no reply): the session's tokens, so that its loads, saves and prefetch
+  warm-ups know its blocks; counts a prefetched session's arrival.
 - `load` (items of blocks): per layer, in layer order, one `layer` frame with the DRAM slot of
   every block (-1: not available, recompute it), pinned until `release`. Pages on SSD are promoted
   into DRAM first, layer by layer, so the worker copies layer 0 while later layers are still read.
@@ -42,9 +44,9 @@ from node_manager.kv.store import (
     KVStoreError,
     PageReservation,
     SessionNotFound,
-    StoreBusy,
     TieredStore,
 )
+from symphony.kv_addressing import BLOCK_KEY_BYTES
 from symphony.logs import get_logger
 
 log = get_logger("node_manager.kv.ipc")
@@ -62,14 +64,19 @@ class _Connection:
     reservations: dict[int, list[PageReservation | None]] = field(default_factory=dict)
 
 
-NO_REPLY_OPS = frozenset({"release", "abort", "report"})
+NO_REPLY_OPS = frozenset({"register", "release", "abort", "report"})
 MAX_REPORTED_WAITS = 4096  # layer waits one report may carry
+# A load may arrive (from the worker's connection) before the registration of its session (sent by
+# the scheduler side on another connection) was handled: it waits this long for it at most.
+REGISTRATION_WAIT_S = 1.0
 
 
 class LocalKVServer:
     def __init__(self, store: TieredStore, path: Path, max_connections: int = MAX_CONNECTIONS,
-                 prefetches: PrefetchQueue | None = None) -> None:
+                 prefetches: PrefetchQueue | None = None, registration_wait_s: float = REGISTRATION_WAIT_S) -> None:
         self.store = store
+        self.registration_wait_s = registration_wait_s
+        self.loads_awaiting_registration = 0  # loads waiting right now for their session's registration
         self.prefetches = prefetches  # set once the runtime has its queue: prefetch hits are counted at match
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,6 +89,7 @@ class LocalKVServer:
         self._max_connections = max_connections
         self._connections: set[_Connection] = set()
         self._lock = threading.Lock()
+        self._registered = threading.Condition()  # notified after each registration
         self._closed = False
         self._accepter = threading.Thread(target=self._accept_loop, name="kv-ipc-accept", daemon=True)
         self._accepter.start()
@@ -160,16 +168,17 @@ class LocalKVServer:
         if op == "hello":
             g = self.store.geometry
             ipc_wire.send(conn.sock, {"op": "hello", "arena": self.store.dram.name,
+                                      "block_index": self.store.block_index.name,
                                       "arena_bytes": self.store.config.dram_bytes, "num_layers": g.num_layers,
                                       "kv_heads": g.kv_heads, "head_size": g.head_size,
                                       "block_size": g.block_size, "dtype": g.dtype, "page_bytes": g.page_bytes})
-        elif op == "match":
+        elif op == "register":
             tenant, session = _str(message, "tenant"), _str(message, "session")
             self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
-            blocks = self.store.loadable_prefix_blocks(tenant, session)
+            with self._registered:
+                self._registered.notify_all()
             if not message.get("warmup"):  # a warm-up is the prefetch's own last step, not the arrival
-                self._count_prefetch_arrival(tenant, session, blocks)
-            ipc_wire.send(conn.sock, {"op": "match", "blocks": blocks})
+                self._count_prefetch_arrival(tenant, session)
         elif op == "load":
             self._load(conn, message)
         elif op == "release":
@@ -190,10 +199,11 @@ class LocalKVServer:
         else:
             raise InvalidRequest(f"unknown operation {op!r}")
 
-    def _count_prefetch_arrival(self, tenant: str, session: str, loadable_blocks: int) -> None:
+    def _count_prefetch_arrival(self, tenant: str, session: str) -> None:
         job = self.prefetches.claim_arrival((tenant, session)) if self.prefetches is not None else None
         if job is None:
             return
+        loadable_blocks = self.store.loadable_prefix_blocks(tenant, session)
         in_target = self.store.residency(tenant, session)[job.target]
         ready = loadable_blocks > 0 and all(all(layer[:loadable_blocks]) for layer in in_target)
         self.store.metrics.prefetch_arrivals.labels("yes" if ready else "no").inc()
@@ -231,18 +241,20 @@ class LocalKVServer:
         items = message["items"]
         if not isinstance(items, list) or len(items) > MAX_LOAD_ITEMS:
             raise InvalidRequest(f"'items' must be a list of at most {MAX_LOAD_ITEMS} loads")
-        parsed = [(_str(item, "tenant"), _str(item, "session"), _int(item, "first_block"), _int(item, "count"))
-                  for item in items]
+        parsed = [(_str(item, "tenant"), _str(item, "session"), _int(item, "first_block"), _int(item, "count"),
+                   _block_key(item)) for item in items]
         deadline = time.monotonic() + float(message.get("timeout_s", DEFAULT_LOAD_TIMEOUT_S))
         layers = list(range(self.store.geometry.num_layers))
         pins: list[DramPin] = []
         conn.loads[request_id] = pins
         whole: dict[int, np.ndarray] = {}  # item -> [count, layers] slots, pinned up front
         promoting: dict[int, Any] = {}  # item -> LayerwiseLoad into DRAM
-        for index, (tenant, session, first, count) in enumerate(parsed):
+        for index, (tenant, session, first, count, key) in enumerate(parsed):
+            self._await_registration(tenant, session, first + count, key,
+                                     min(deadline, time.monotonic() + self.registration_wait_s))
             try:
                 # All or nothing: a partly held item is counted (hits, misses) by its load below, once.
-                pin = self.store.pin_dram(tenant, session, first, count, layers, whole=True)
+                pin = self.store.pin_dram(tenant, session, first, count, layers, whole=True, last_key=key)
             except KVStoreError as exc:
                 log.info("KV load item not served; the engine recomputes it", session=session, error=str(exc))
                 whole[index] = np.full((count, len(layers)), -1, np.int64)
@@ -252,13 +264,13 @@ class LocalKVServer:
                 whole[index] = pin.slots
                 continue
             try:
-                promoting[index] = self.store.load(tenant, session, first, count, target=Tier.DRAM)
-            except StoreBusy:
+                promoting[index] = self.store.load(tenant, session, first, count, target=Tier.DRAM, last_key=key)
+            except KVStoreError:
                 whole[index] = np.full((count, len(layers)), -1, np.int64)
-        delivered = [np.ones(count, bool) for _, _, _, count in parsed]  # blocks with every layer so far
+        delivered = [np.ones(item[3], bool) for item in parsed]  # blocks with every layer so far
         for layer in layers:
             parts = []
-            for index, (tenant, session, first, count) in enumerate(parsed):
+            for index, (tenant, session, first, count, key) in enumerate(parsed):
                 if index in whole:
                     parts.append(whole[index][:, layer])
                     delivered[index] &= whole[index][:, layer] >= 0
@@ -266,7 +278,8 @@ class LocalKVServer:
                 with contextlib.suppress(concurrent.futures.TimeoutError, KVStoreError, OSError):
                     promoting[index].layer_ready(layer).result(max(0.0, deadline - time.monotonic()))
                 try:
-                    pin = self.store.pin_dram(tenant, session, first, count, [layer], record_reads=False)
+                    pin = self.store.pin_dram(tenant, session, first, count, [layer], record_reads=False,
+                                              last_key=key)
                 except KVStoreError:
                     parts.append(np.full(count, -1, np.int64))
                     continue
@@ -280,6 +293,28 @@ class LocalKVServer:
             ipc_wire.send(conn.sock, {"op": "layer", "id": request_id, "layer": layer, "last": last},
                           np.ascontiguousarray(slots, dtype=np.int64).tobytes())
 
+    def _await_registration(self, tenant: str, session: str, blocks: int, last_key: bytes | None,
+                            deadline: float) -> None:
+        """Wait until the session is registered with at least `blocks` full blocks, the last of them
+        `last_key` if given, or until `deadline`. The scheduler side registers a request's history
+        on its own connection without waiting for an answer, so the worker's load of it can come
+        first. Past the deadline the load goes ahead: what the store cannot match is recomputed."""
+        def registered() -> bool:
+            try:
+                keys = self.store.session(tenant, session).blocks.block_keys
+            except SessionNotFound:
+                return False
+            return len(keys) >= blocks and (last_key is None or blocks == 0 or keys[blocks - 1] == last_key)
+
+        with self._registered:
+            if registered():
+                return
+            self.loads_awaiting_registration += 1
+            try:
+                self._registered.wait_for(registered, max(0.0, deadline - time.monotonic()))
+            finally:
+                self.loads_awaiting_registration -= 1
+
     def _count_loaded(self, delivered: list[np.ndarray], promoting: dict[int, Any]) -> None:
         """Tokens of the blocks delivered in every layer, by the tier their item was served from."""
         block_size = self.store.geometry.block_size
@@ -292,11 +327,14 @@ class LocalKVServer:
         self._check_room(conn, request_id)
         tenant, session = _str(message, "tenant"), _str(message, "session")
         first, count = _int(message, "first_block"), _int(message, "count")
-        self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
+        record = self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
+        # Pinned to this history: a registration of another one in the meantime must not get these pages.
+        keys = record.blocks.block_keys
+        last_key = keys[first + count - 1] if count and first + count <= len(keys) else None
         reservations: list[PageReservation | None] = []
         try:
             for layer in range(self.store.geometry.num_layers):
-                reservations.append(self.store.reserve_pages(tenant, session, layer, first, count))
+                reservations.append(self.store.reserve_pages(tenant, session, layer, first, count, last_key))
         except BaseException:
             self._release(reservations)
             raise
@@ -327,6 +365,19 @@ def _str(message: dict[str, Any], name: str) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"{name!r} must be a non-empty string")
     return value
+
+
+def _block_key(item: dict[str, Any]) -> bytes | None:
+    """A load item's optional `key`: the hex block key of its last block."""
+    value = item.get("key")
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 2 * BLOCK_KEY_BYTES:
+        raise InvalidRequest(f"'key' must be a block key in {2 * BLOCK_KEY_BYTES} hex digits")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise InvalidRequest("'key' is not hexadecimal") from None
 
 
 def _int(message: dict[str, Any], name: str) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from node_manager.kv.block_index import BlockIndex
 from node_manager.kv.directory import NO_COPY, PageDirectory, SessionKey
 from node_manager.kv.eviction import EvictionPolicy, PageMeta, PriorityLRUPolicy, TopTierYieldPolicy
 from node_manager.kv.loader import (
@@ -39,7 +40,7 @@ from node_manager.kv.pages import PageId, Priority, Tier, page_checksum
 from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, consecutive_runs, copy_rows
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
-from symphony.kv_addressing import BlockKey, SessionBlocks, chain_block_keys, token_array
+from symphony.kv_addressing import BlockKey, SessionBlocks, chain_after, token_array
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
 
@@ -58,6 +59,11 @@ class KVStoreError(Exception):
 
 class SessionNotFound(KVStoreError):
     pass
+
+
+class HistoryChanged(KVStoreError):
+    """The session's stored history no longer has the block a caller addressed (another request
+    registered a different history under the same session id)."""
 
 
 class InvalidRequest(KVStoreError):
@@ -140,6 +146,10 @@ class TieredStore:
         self.hbm = DevicePool(geometry, config.hbm_bytes, config.device)
         self.dram = DramArena(config.arena_name, geometry, config.dram_bytes, pin_for_cuda=config.device != "cpu")
         self.ssd = SsdTier(config.ssd_dir, geometry.page_bytes, config.ssd_bytes)
+        # Blocks complete in some tier, for the connector to look up without asking (block_index). A
+        # complete block has a page per layer, so the tiers' pages bound how many there can be.
+        total_pages = (config.hbm_bytes + config.dram_bytes + config.ssd_bytes) // geometry.page_bytes
+        self.block_index = BlockIndex(f"{config.arena_name}-blocks", total_pages // geometry.num_layers + 1)
         self._hbm_slots = SlotAllocator(self.hbm.num_slots)
         self._dram_slots = SlotAllocator(self.dram.num_slots)
         self._hbm_policy: EvictionPolicy = TopTierYieldPolicy(self._session_blocks)
@@ -187,10 +197,8 @@ class TieredStore:
             raise InvalidRequest(f"bad token ids: {exc}") from None
         with self._lock:
             record = self._sessions.get(key)
-        start = None
-        if record is not None and np.array_equal(record.token_ids, tokens[:len(record.token_ids)]):
-            start = record.blocks
-        blocks = chain_block_keys(tenant, tokens, self.geometry.block_size, start)
+        blocks = chain_after(tenant, tokens, self.geometry.block_size, record.token_ids if record else None,
+                             record.blocks if record else None)
         with self._lock:
             old = self._sessions.get(key)
             new_priority = priority if priority is not None else (old.priority if old else Priority.NORMAL)
@@ -253,8 +261,7 @@ class TieredStore:
             ids = d.rows(record.blocks.block_keys)
             unknown = np.flatnonzero(ids < 0)
             known = ids[:unknown[0]] if len(unknown) else ids  # the prefix ends at the first unknown block
-            # The connector asks this for every new request: plain gathers, no masking of unknown rows.
-            complete = ((d.hbm[known] >= 0) | (d.dram[known] >= 0) | (d.ssd_seq[known] >= 0)).all(axis=1)
+            complete = d.complete_rows(known)
             return int(np.argmin(complete)) if not complete.all() else len(known)
 
     def demote(self, tenant: str, session_id: str, tier: Tier) -> int:
@@ -334,20 +341,20 @@ class TieredStore:
                     d.pins[ids] -= 1
 
     def pin_dram(self, tenant: str, session_id: str, first_block: int, count: int, layers: Sequence[int], *,
-                 whole: bool = False, record_reads: bool = True) -> DramPin:
+                 whole: bool = False, record_reads: bool = True, last_key: BlockKey | None = None) -> DramPin:
         """Pin the DRAM copies of blocks first_block.. for `layers` so that another process (the vLLM
         worker, which maps the arena) can copy them out; pages DRAM does not hold get slot -1 and
         are not pinned. The pins hold until `unpin_dram`: neither eviction nor a replacing save can
         touch a pinned slot. With `whole`, nothing is pinned unless every page is (`complete`).
         `record_reads`: count the pages as DRAM hits and misses; off where a load into DRAM
-        already counted them."""
+        already counted them. `last_key`: see `_addressed_keys`."""
         d = self._directory
         with self._lock:
             record = self.session(tenant, session_id)
             self._check_range(record, 0, first_block, count)
             if not all(0 <= layer < self.geometry.num_layers for layer in layers):
                 raise InvalidRequest(f"layers must be within 0..{self.geometry.num_layers - 1}")
-            keys = record.blocks.block_keys[first_block:first_block + count]
+            keys = _addressed_keys(record, first_block, count, last_key)
             ids = d.rows(keys)
             columns = np.asarray(layers, dtype=np.int64)
             slots = np.full((len(ids), len(columns)), -1, np.int64)
@@ -441,12 +448,13 @@ class TieredStore:
         return self.commit_pages(reservation, expected)
 
     def reserve_pages(self, tenant: str, session_id: str, layer: int, first_block: int,
-                      count: int) -> PageReservation | None:
+                      count: int, last_key: BlockKey | None = None) -> PageReservation | None:
         """DRAM slots for blocks first_block.. of `layer`, to be filled through `reserved_views` and
-        then committed; None if DRAM has no room (counted as a degraded save)."""
+        then committed; None if DRAM has no room (counted as a degraded save). `last_key`: see
+        `_addressed_keys`."""
         record = self.session(tenant, session_id)
         self._check_range(record, layer, first_block, count)
-        return self._reserve(record, layer, list(record.blocks.block_keys[first_block:first_block + count]))
+        return self._reserve(record, layer, list(_addressed_keys(record, first_block, count, last_key)))
 
     def _reserve(self, record: SessionRecord, layer: int, keys: list[BlockKey]) -> PageReservation | None:
         with self._lock:
@@ -518,6 +526,7 @@ class TieredStore:
         pages = list(zip(kept_keys, itertools.repeat(layer)))
         self._dram_policy.insert_many(pages, PageMeta(layer, record.key, record.priority))
         self._write_queue.extend(itertools.compress(pages, owed.tolist()))
+        self._publish_complete(rows)
 
     def _keep_saved_copy(self, key: BlockKey, layer: int, slot: int, checksum: int) -> bool:
         """A saved page that some tier already holds: True if its new DRAM copy should be installed
@@ -672,11 +681,12 @@ class TieredStore:
     # ---- loads ------------------------------------------------------------------------------------
 
     def load(self, tenant: str, session_id: str, first_block: int = 0, num_blocks: int | None = None,
-             target: RowTarget | Tier = Tier.HBM, layers: Sequence[int] | None = None) -> LayerwiseLoad:
+             target: RowTarget | Tier = Tier.HBM, layers: Sequence[int] | None = None,
+             last_key: BlockKey | None = None) -> LayerwiseLoad:
         """Bring blocks [first_block, first_block + num_blocks) of every layer into `target`, layer by
         layer from whichever tier holds each page (fastest first). Returns at once; per-layer futures
         report what arrived. With a tier target this is a promotion (prefetch); pages already there
-        count as loaded."""
+        count as loaded. `last_key`: see `_addressed_keys`."""
         record = self.session(tenant, session_id)
         count = record.blocks.num_blocks - first_block if num_blocks is None else num_blocks
         self._check_range(record, 0, first_block, count)
@@ -688,8 +698,8 @@ class TieredStore:
         order = list(range(self.geometry.num_layers)) if layers is None else list(layers)
         if len(set(order)) != len(order) or not all(0 <= layer < self.geometry.num_layers for layer in order):
             raise InvalidRequest(f"layers must be distinct and within 0..{self.geometry.num_layers - 1}")
+        keys = _addressed_keys(record, first_block, count, last_key)
         handle = LayerwiseLoad(self.geometry.num_layers, first_block, count)
-        keys = record.blocks.block_keys[first_block:first_block + count]
         if not self._admit_jobs(len(order)):
             raise StoreBusy("too many KV transfers in flight; retry or recompute")
         for layer in range(self.geometry.num_layers):
@@ -1024,6 +1034,7 @@ class TieredStore:
         d = self._directory
         if d.held(row, layer):
             return
+        self.block_index.discard(d.keys[row])  # type: ignore[arg-type]
         if reason != "superseded":
             self.metrics.last_copy_dropped.labels(reason).inc()
         d.release_if_empty(row)
@@ -1052,10 +1063,19 @@ class TieredStore:
                 self.ssd.drop_page(older)  # an older copy; the newest segment wins
             d.set_ssd(row, layer, location)
             d.checksum[row, layer] = checksum
+        self._publish_complete(np.arange(len(d.keys))[[key is not None for key in d.keys]])
         if pages or damaged:
             log.info("KV index rebuilt from SSD", pages=d.pages_held(), segments=len(self.ssd.segments),
                      damaged_segments=damaged, directory=str(self.ssd.directory))
         self._refresh_gauges()
+
+    def _publish_complete(self, rows: np.ndarray) -> None:
+        """Put the blocks of `rows` that some tier now holds in every layer into the block index.
+        Caller holds the lock. (Blocks leave it in `_after_copy_dropped`, when a page loses its
+        last copy.)"""
+        d = self._directory
+        keys = d.keys
+        self.block_index.add(keys[row] for row in rows[d.complete_rows(rows)].tolist())  # type: ignore[misc]
 
     # ---- metrics and life cycle -------------------------------------------------------------------
 
@@ -1105,4 +1125,16 @@ class TieredStore:
         self._readahead_pool.shutdown(wait=True)
         self.dram.close()
         self.hbm.close()
+        self.block_index.close()
 
+
+def _addressed_keys(record: SessionRecord, first_block: int, count: int,
+                    last_key: BlockKey | None) -> tuple[BlockKey, ...]:
+    """The keys of blocks first_block.. of the session's history. With `last_key`, the caller's key
+    for the last of them: keys are chained, so one equal key means every block before it is the
+    same content too, and a history re-registered with other tokens in the meantime raises
+    HistoryChanged instead of serving or storing another history's pages under this one."""
+    keys = record.blocks.block_keys[first_block:first_block + count]
+    if last_key is not None and keys and keys[-1] != last_key:
+        raise HistoryChanged(f"session {record.key[1]!r} holds another history at block {first_block + count - 1}")
+    return keys

@@ -1,6 +1,6 @@
 """Symphony's KV connector inside the cluster's real vLLM engines: a resumed MT-bench turn whose
 history only Symphony's tiers hold (vLLM's own prefix cache emptied) loads it and produces the
-same greedy tokens and logprobs as recomputing it."""
+same greedy tokens and logprobs as vLLM's own prefix-cache hit of that history."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def _loadable_blocks(grpc_port: int, tenant: str, session: str) -> int:
 
 
 @pytest.mark.parametrize("conversation", range(3))
-def test_resumed_turn_loaded_from_symphony_matches_recompute(live_cluster: LiveCluster, conversation: int) -> None:
+def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(live_cluster: LiveCluster,
+                                                                      conversation: int) -> None:
     first, second = _questions(3)[conversation]
     engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[0]}"
     client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -78,20 +79,14 @@ def test_resumed_turn_loaded_from_symphony_matches_recompute(live_cluster: LiveC
             == loaded.usage.prompt_tokens_details.cached_tokens)
     wait_until(lambda: live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count") - waits_before
                >= LAYERS, 10, "the worker to report its layer waits")
-    _reset_engine_cache(engine_url)
-    recomputed = _complete(client, live_cluster.model, prompt, f"fresh-{uuid.uuid4().hex[:8]}", session, 24)
 
-    assert recomputed.usage.prompt_tokens_details.cached_tokens == 0
     assert engine_cache.usage.prompt_tokens_details.cached_tokens >= history_blocks * BLOCK
     assert loaded.usage.prompt_tokens_details.cached_tokens >= history_blocks * BLOCK, "history was not loaded"
-    # Loaded pages are turn 1's bytes: the same tokens and logprobs as vLLM's own cache hit.
+    # Loaded pages are turn 1's bytes: the same tokens and logprobs as vLLM's own cache hit. (A
+    # recompute builds the answer's KV in one prefill where turn 1 decoded it token by token; how
+    # far that parts from both is vLLM's numerics, which test_01d reports.)
     assert loaded.choices[0].token_ids == engine_cache.choices[0].token_ids
     _assert_logprobs_close(loaded, engine_cache)
-    # Recompute builds the answer's KV in one prefill, turn 1 built it token by token: bf16 rounding
-    # differs (vLLM's own cache hit parts from recompute by up to ~0.02 in logprob here), so greedy
-    # paths may part at a near tie. The first token and its distribution agree.
-    assert loaded.choices[0].token_ids[0] == recomputed.choices[0].token_ids[0]
-    assert abs(loaded.choices[0].logprobs.token_logprobs[0] - recomputed.choices[0].logprobs.token_logprobs[0]) <= 5e-2
 
 
 def _assert_logprobs_close(a: openai.types.Completion, b: openai.types.Completion) -> None:

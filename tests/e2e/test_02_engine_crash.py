@@ -64,12 +64,12 @@ def test_killed_engine_is_routed_around_and_restarted(live_cluster: LiveCluster)
     assert "SIGKILL" in node["last_engine_error"]
     assert f'symphony_node_engine_restarts{{node="node-1"}} {restarts_before + 1}.0' in live_cluster.metrics()
     # The killed engine could not unlink its shared memory; the node manager did, all but its own
-    # DRAM arena, which the engine's worker maps too and the restarted worker attached again.
-    arena = {p for p in shm_before if p.name.startswith("symphony-kv-node-1-")}
-    assert len(arena) == 1, shm_before
-    assert not [p for p in shm_before - arena if p.exists()]
-    arena_path = arena.pop()
-    assert arena_path.exists()
+    # segments, which the engine maps too and the restarted engine attached again: the DRAM arena
+    # (its worker) and the block index (its scheduler).
+    own = {p for p in shm_before if p.name.startswith("symphony-kv-node-1-")}
+    assert {p.name.endswith("-blocks") for p in own} == {True, False} and len(own) == 2, shm_before
+    assert not [p for p in shm_before - own if p.exists()]
+    assert all(p.exists() for p in own)
     restarted = _engine_pid(live_cluster, live_cluster.engine_ports[1])
-    assert arena_path in _shm_of_group(os.getpgid(restarted)), "the restarted worker maps the arena again"
+    assert own <= _shm_of_group(os.getpgid(restarted)), "the restarted engine maps the arena and index again"
     assert "node-1: engine restarting" in live_cluster.output.read_text()

@@ -7,6 +7,7 @@ import pytest
 from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec, external_tokens
 
 BS = 4
+KEYS = (b"k0", b"k1", b"k2")  # stand-ins for the held blocks' keys: loads name their last block's
 
 
 @pytest.mark.parametrize(("held", "local", "num_tokens", "expected"), [
@@ -24,14 +25,14 @@ def test_external_tokens(held: int, local: int, num_tokens: int, expected: int) 
 def test_a_resumed_turn_loads_then_saves_its_new_blocks() -> None:
     planner = ConnectorPlanner(BS)
     state = planner.track("r1", "acme", "s")
-    state.held_blocks = 3
+    state.held_keys = KEYS
     tokens = list(range(100, 114))  # 14 tokens: 3 full blocks held + 2 new tokens... then more
     assert planner.matched(state, local_tokens=4, num_tokens=len(tokens)) == 8
     assert planner.allocated("r1", [10, 11, 12, 13], external=8, prompt_tokens=14) == {
         "engine_cache": 4, "symphony": 8, "computed": 2}
     plan = planner.step(new=[("r1", [10, 11, 12, 13])], cached=[], computed_after={"r1": 14},
                         tokens_of={"r1": tokens})
-    assert plan.loads == [LoadSpec("acme", "s", 1, (11, 12))]
+    assert plan.loads == [LoadSpec("acme", "s", 1, (11, 12), b"k2")]
     assert plan.saves == []  # blocks 0-2 are the store's already; 14 tokens fill no new block
     # Two decode steps later the fourth block is full: saved once, with the tokens that key it.
     tokens += [7, 8]
@@ -46,7 +47,7 @@ def test_a_resumed_turn_loads_then_saves_its_new_blocks() -> None:
 def test_a_resumed_preempted_request_replaces_its_block_list() -> None:
     planner = ConnectorPlanner(BS)
     state = planner.track("r1", "acme", "s")
-    state.held_blocks = 0
+    state.held_keys = ()
     planner.matched(state, 0, 9)
     assert planner.allocated("r1", [1, 2, 3], external=0, prompt_tokens=9) == {
         "engine_cache": 0, "symphony": 0, "computed": 9}
@@ -62,12 +63,12 @@ def test_a_resumed_preempted_request_replaces_its_block_list() -> None:
 def test_a_warm_up_loads_its_history_and_saves_and_counts_nothing() -> None:
     planner = ConnectorPlanner(BS)
     state = planner.track("w1", "acme", "s", warmup=True)
-    state.held_blocks = 3
+    state.held_keys = KEYS
     tokens = list(range(13))  # three whole blocks and the one token more a warm-up sends
     assert planner.matched(state, local_tokens=0, num_tokens=len(tokens)) == 12
     assert planner.allocated("w1", [5, 6, 7, 8], external=12, prompt_tokens=13) is None
     plan = planner.step(new=[("w1", [5, 6, 7, 8])], cached=[], computed_after={"w1": 13}, tokens_of={"w1": tokens})
-    assert plan.loads == [LoadSpec("acme", "s", 0, (5, 6, 7))]
+    assert plan.loads == [LoadSpec("acme", "s", 0, (5, 6, 7), b"k2")]
     tokens += [1, 2, 3]  # had it run on, its new full block would still not be saved
     plan = planner.step(new=[], cached=[("w1", None, False)], computed_after={"w1": 16}, tokens_of={"w1": tokens})
     assert plan.saves == []

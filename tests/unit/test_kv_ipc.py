@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
+from node_manager.connector.lookup import HistoryLookup
 from node_manager.kv.ipc_server import LocalKVServer
 from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Tier
@@ -54,6 +55,19 @@ def client(server: LocalKVServer) -> Iterator[NodeKVClient]:
     c.close()
 
 
+@pytest.fixture
+def lookup(client: NodeKVClient) -> Iterator[HistoryLookup]:
+    history = HistoryLookup(client)
+    yield history
+    history.close()
+
+
+def _handled(client: NodeKVClient) -> None:
+    """Return once the server handled everything sent on this connection before (requests on one
+    connection are answered in order; a registration gets no answer of its own)."""
+    client.hello()
+
+
 def _arena(client: NodeKVClient) -> DramArena:
     hello = client.hello()
     assert (hello["num_layers"], hello["page_bytes"], hello["block_size"]) == (LAYERS, GEOMETRY.page_bytes, BLOCK)
@@ -69,15 +83,51 @@ def _read_load(client: NodeKVClient, items: list[dict]) -> tuple[int, list[tuple
     return load_id, list(layers)
 
 
-def test_match_registers_tokens_and_counts_held_blocks(store: TieredStore, client: NodeKVClient) -> None:
-    assert client.match("acme", "fresh", tokens(3)) == 0
+def test_match_registers_tokens_and_counts_held_blocks(store: TieredStore, client: NodeKVClient,
+                                                       lookup: HistoryLookup) -> None:
+    assert lookup.match("acme", "fresh", tokens(3)).blocks == 0
+    _handled(client)
     assert store.session("acme", "fresh").blocks.num_blocks == 3
     save_session(store, "s", BLOCKS, seed=1)
     history = tokens(BLOCKS, base=10_000)
     # The next turn: the stored history plus a new message; only the stored blocks are loadable.
-    assert client.match("acme", "s", [*history, *range(7, 7 + 2 * BLOCK + 1)]) == BLOCKS
+    held = lookup.match("acme", "s", [*history, *range(7, 7 + 2 * BLOCK + 1)])
+    assert held.blocks == BLOCKS == store.loadable_prefix_blocks("acme", "s")
+    assert held.keys == store.session("acme", "s").blocks.block_keys[:BLOCKS]
     # Same tokens under another tenant: keys are namespaced, nothing is shared.
-    assert client.match("other", "s", history) == 0
+    assert lookup.match("other", "s", history).blocks == 0
+
+
+def test_match_follows_evictions_and_a_restarted_node_manager(make_store: MakeStore, tmp_path: Path) -> None:
+    store = make_store(hbm_pages=0)
+    save_session(store, "s", BLOCKS, seed=11)
+    assert store.flush(TIMEOUT)
+    path = tmp_path / "restart.sock"
+    server = LocalKVServer(store, path)
+    client = NodeKVClient(path, timeout_s=TIMEOUT)
+    lookup = HistoryLookup(client)
+    history = tokens(BLOCKS, base=110_000)
+    try:
+        assert lookup.match("acme", "s", history).blocks == BLOCKS
+        with store._lock:  # block 2 loses its only copy of layer 1 (its SSD copy; DRAM's went first)
+            key = store.session("acme", "s").blocks.block_keys[2]
+            for tier in Tier:
+                store._drop_copy(key, 1, tier, "capacity")
+        assert lookup.match("acme", "s", history).blocks == 2
+        server.close()
+        store.close()
+        # A new node manager on the same socket path, serving what is on disk (a new index file).
+        store = make_store(hbm_pages=0)
+        server = LocalKVServer(store, path)
+        with pytest.raises(OSError):
+            lookup.match("acme", "s", history)  # the old connection is gone: the connector recomputes
+        held = lookup.match("acme", "s", history)  # reconnected: the new index is mapped
+        _handled(client)
+        assert held.blocks == store.loadable_prefix_blocks("acme", "s") > 0
+    finally:
+        lookup.close()
+        client.close()
+        server.close()
 
 
 def test_load_from_dram_pins_until_release(store: TieredStore, client: NodeKVClient) -> None:
@@ -131,6 +181,37 @@ def test_load_promotes_ssd_pages_and_marks_unknown_items(make_store: MakeStore, 
         server.close()
 
 
+def test_a_load_waits_for_its_registration_and_never_serves_another_history(store: TieredStore,
+                                                                            server: LocalKVServer,
+                                                                            client: NodeKVClient,
+                                                                            lookup: HistoryLookup) -> None:
+    data = save_session(store, "s", BLOCKS, seed=8)
+    assert store.flush(TIMEOUT)
+    history = tokens(BLOCKS, base=80_000)
+    key = store.session("acme", "s").blocks.block_keys[-1].hex()
+    store.put_session("acme", "s", tokens(BLOCKS, base=5))  # meanwhile: another history, same session id
+    item = {"tenant": "acme", "session": "s", "first_block": 0, "count": BLOCKS, "key": key}
+    worker = NodeKVClient(server.path, timeout_s=TIMEOUT)  # the worker's own connection
+    arena = _arena(client)
+    try:
+        # The worker's load of the request's history comes before the scheduler side's registration.
+        load_id, layers = worker.load([item], timeout_s=TIMEOUT)
+        wait_until(lambda: server.loads_awaiting_registration == 1, TIMEOUT, "the load to wait")
+        lookup.match("acme", "s", history)
+        for layer, slots in layers:
+            assert torch.equal(arena.pages[torch.from_numpy(slots.copy())], data[layer])
+        worker.release(load_id)
+        # Re-registered with the other history and nothing more coming: never its pages, a recompute.
+        store.put_session("acme", "s", tokens(BLOCKS, base=5))
+        server.registration_wait_s = 0.05
+        load_id, layers = worker.load([item], timeout_s=TIMEOUT)
+        assert all((slots == -1).all() for _, slots in layers)
+        worker.release(load_id)
+    finally:
+        arena.close()
+        worker.close()
+
+
 def test_reserve_fill_commit_saves_pages(store: TieredStore, client: NodeKVClient) -> None:
     history = tokens(BLOCKS, base=40_000)
     data = page_data(2, seed=4)
@@ -171,7 +252,8 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server: LocalKVSer
     with pytest.raises(KVChannelError, match="invalid_argument"):
         client._call({"op": "teleport"})
     with pytest.raises(KVChannelError, match="invalid_argument"):
-        client._call({"op": "match", "tenant": "", "session": "s"})
+        client._call({"op": "load", "id": 1, "items": [{"tenant": "acme", "session": "s", "first_block": 0,
+                                                         "count": 1, "key": "zz"}]})
     with pytest.raises(KVChannelError, match="invalid_argument"):
         client.reserve("acme", "s", 3, 2, tokens(2))  # blocks beyond the tokens given
     with pytest.raises(KVChannelError, match="invalid_argument"):
@@ -184,7 +266,8 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server: LocalKVSer
         raw.sendall(struct.pack("<II", 5, 0) + b"\xff\xfe{{{")
         raw.settimeout(TIMEOUT)
         assert raw.recv(1) == b""
-    assert client.match("acme", "s", tokens(1)) == 0
+    client.register("acme", "", tokens(1))  # refused without a reply
+    assert client.hello()["num_layers"] == LAYERS
 
 
 def test_reports_feed_the_connector_metrics(store: TieredStore, client: NodeKVClient) -> None:
@@ -212,7 +295,7 @@ def test_bad_reports_are_refused_and_count_nothing(store: TieredStore, client: N
                                                    report: dict) -> None:
     client._call({"op": "report", **report}, reply=False)
     # No reply, not even an error: the next call on the connection gets its own answer.
-    assert client.match("acme", "after", tokens(1)) == 0
+    assert client.hello()["num_layers"] == LAYERS
     assert _sample(store, "symphony_connector_layer_wait_seconds_count") == 0
     assert _sample(store, "symphony_connector_load_error_blocks_total") == 0
 
@@ -229,23 +312,28 @@ class _OnePrefetch:
 
 def test_a_request_for_a_prefetched_session_counts_whether_its_kv_was_ready(store: TieredStore,
                                                                           server: LocalKVServer,
-                                                                          client: NodeKVClient) -> None:
+                                                                          client: NodeKVClient,
+                                                                          lookup: HistoryLookup) -> None:
     save_session(store, "ready", 2, seed=5)
     server.prefetches = _OnePrefetch(("acme", "ready"), Tier.DRAM)  # type: ignore[assignment]
-    assert client.match("acme", "ready", tokens(2, base=50_000, tail=3)) == 2
-    assert client.match("acme", "ready", tokens(2, base=50_000, tail=3)) == 2  # counted once per prefetch
+    assert lookup.match("acme", "ready", tokens(2, base=50_000, tail=3)).blocks == 2
+    assert lookup.match("acme", "ready", tokens(2, base=50_000, tail=3)).blocks == 2  # counted once per prefetch
+    _handled(client)
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="yes") == 1
     save_session(store, "late", 2, seed=6)
     server.prefetches = _OnePrefetch(("acme", "late"), Tier.HBM)  # type: ignore[assignment]
-    client.match("acme", "late", tokens(2, base=60_000))
+    lookup.match("acme", "late", tokens(2, base=60_000))
+    _handled(client)
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 1
 
 
 def test_an_engine_warm_up_is_not_the_prefetched_sessions_arrival(store: TieredStore, server: LocalKVServer,
-                                                                  client: NodeKVClient) -> None:
+                                                                  client: NodeKVClient, lookup: HistoryLookup) -> None:
     save_session(store, "warm", 2, seed=7)
     server.prefetches = _OnePrefetch(("acme", "warm"), Tier.HBM)  # type: ignore[assignment]
-    assert client.match("acme", "warm", tokens(2, base=70_000), warmup=True) == 2
+    assert lookup.match("acme", "warm", tokens(2, base=70_000), warmup=True).blocks == 2
+    _handled(client)
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 0
-    client.match("acme", "warm", tokens(2, base=70_000, tail=5))  # the turn itself: counted now
+    lookup.match("acme", "warm", tokens(2, base=70_000, tail=5))  # the turn itself: counted now
+    _handled(client)
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 1

@@ -1,0 +1,91 @@
+"""The connector's scheduler side of "how much of this history can the node's tiers load?".
+
+vLLM asks once per new request, inside its scheduling step, so the answer must not wait on another
+process: the request's block keys are computed here (the chained hash every process shares,
+`symphony.kv_addressing`) and looked up in the node manager's shared-memory block index
+(`node_manager.kv.block_index`). The history itself goes to the node manager without waiting for a
+reply, so that its loads, saves and prefetch warm-ups know the session's blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from node_manager.connector.kv_client import NodeKVClient
+from node_manager.kv.block_index import BlockIndexReader
+from symphony.kv_addressing import BlockKey, SessionBlocks, chain_after, token_array
+
+# Recent histories whose keys are kept, so a resumed turn hashes only its new blocks; bounded in
+# tokens (4 bytes each, plus 32 bytes of key per block) as well as in sessions.
+MAX_SESSIONS = 4096
+MAX_KEPT_TOKENS = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class HeldHistory:
+    """The leading blocks of a request's history that the tiers hold in every layer, with their keys
+    (a load names its last block's key, so it cannot be served another history's pages)."""
+
+    blocks: int
+    keys: tuple[BlockKey, ...]
+
+
+class HistoryLookup:
+    """One per scheduler-side connector; not thread-safe (vLLM's scheduler runs on one thread)."""
+
+    def __init__(self, client: NodeKVClient, max_sessions: int = MAX_SESSIONS,
+                 max_kept_tokens: int = MAX_KEPT_TOKENS) -> None:
+        self._client = client
+        self._max_sessions = max_sessions
+        self._max_kept_tokens = max_kept_tokens
+        self._sessions: OrderedDict[tuple[str, str], tuple[np.ndarray, SessionBlocks]] = OrderedDict()
+        self._kept_tokens = 0
+        self._index: BlockIndexReader | None = None
+        self._block_size = 0
+        self._attached_connection = -1  # the client connection whose hello named the index
+
+    def match(self, tenant: str, session: str, token_ids: Sequence[int] | np.ndarray,
+              warmup: bool = False) -> HeldHistory:
+        """Register the history with the node manager and look up how much of it the tiers hold.
+        Raises OSError (or KVChannelError) when the node manager cannot be reached."""
+        tokens = token_array(token_ids)
+        self._client.register(tenant, session, tokens, warmup)
+        index = self.attach()
+        blocks = self._keys(tenant, session, tokens)
+        held = index.leading(blocks.block_keys)
+        return HeldHistory(held, blocks.block_keys[:held])
+
+    def attach(self) -> BlockIndexReader:
+        """The index of the node manager the client is connected to, mapped now if it is not yet:
+        after a reconnect (the node manager may have restarted, with a new index file) again."""
+        if self._index is None or self._attached_connection != self._client.connections:
+            hello = self._client.hello()
+            self.close()
+            self._index = BlockIndexReader(hello["block_index"])
+            self._block_size = int(hello["block_size"])
+            self._attached_connection = self._client.connections
+            self._sessions.clear()  # keyed under the old block size, possibly
+            self._kept_tokens = 0
+        return self._index
+
+    def _keys(self, tenant: str, session: str, tokens: np.ndarray) -> SessionBlocks:
+        key = (tenant, session)
+        known_tokens, known = self._sessions.pop(key, (None, None))
+        blocks = chain_after(tenant, tokens, self._block_size, known_tokens, known)
+        if known_tokens is not None:
+            self._kept_tokens -= len(known_tokens)
+        self._sessions[key] = (tokens, blocks)
+        self._kept_tokens += len(tokens)
+        while len(self._sessions) > self._max_sessions or self._kept_tokens > self._max_kept_tokens:
+            dropped, _ = self._sessions.popitem(last=False)[1]
+            self._kept_tokens -= len(dropped)
+        return blocks
+
+    def close(self) -> None:
+        if self._index is not None:
+            self._index.close()
+            self._index = None
