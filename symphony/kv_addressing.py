@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -83,29 +83,44 @@ def chain_block_keys(tenant: str, token_ids: Sequence[int] | np.ndarray, block_s
                      start: SessionBlocks | None = None) -> SessionBlocks:
     """Key every full block of `token_ids`. With `start` (an earlier result for a prefix of the same
     tokens) only the new blocks are hashed, so appending a turn costs what the turn adds."""
+    tokens = _checked(token_ids)
+    known: tuple[BlockKey, ...] = ()
+    if start is not None and start.tenant == tenant and start.block_size == block_size:
+        known = start.block_keys
+    keys = [*known, *keys_after(tenant, tokens, block_size, known)]
+    full_blocks = len(tokens) // block_size
+    return SessionBlocks(tenant, block_size, tuple(keys), tuple(tokens[full_blocks * block_size:].tolist()))
+
+
+def keys_after(tenant: str, tokens: np.ndarray, block_size: int, known: Sequence[BlockKey]) -> Iterator[BlockKey]:
+    """The keys of the full blocks of `tokens` (a token array) after the `known` leading ones,
+    hashed one at a time as they are asked for: a reader that stops at the first block it does not
+    find pays for no more (the connector's lookup of a request's history)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    # One bytes object for all the tokens, hashed through slices of a view of it: the connector keys
+    # every new request's prompt on vLLM's scheduling thread, and per-block numpy slices and
+    # conversions were half of that cost. The bytes hashed are `block_key`'s.
+    view = memoryview(tokens.tobytes())
+    step = 4 * block_size
+    parent = known[-1] if known else tenant_root(tenant)
+    sha256 = hashlib.sha256
+    for offset in range(len(known) * step, len(tokens) // block_size * step, step):
+        digest = sha256(parent)
+        digest.update(view[offset:offset + step])
+        parent = BlockKey(digest.digest())
+        yield parent
+
+
+def _checked(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(token_ids, np.ndarray):
-        token_ids = token_array(token_ids)  # validated; free when already a token array
-    elif len(token_ids):
-        # min/max run in C: the connector asks for every request, so a per-token Python check would
-        # be most of that call's cost.
+        return token_array(token_ids)  # validated; free when already a token array
+    if len(token_ids):
+        # min/max run in C; array() in token_array would raise OverflowError, not this ValueError.
         low, high = min(token_ids), max(token_ids)
         if low < 0 or high > _MAX_TOKEN_ID:
             raise ValueError(f"token id {low if low < 0 else high} outside 0..{_MAX_TOKEN_ID}")
-    keys: list[BlockKey] = []
-    first_block = 0
-    if start is not None and start.tenant == tenant and start.block_size == block_size:
-        keys = list(start.block_keys)
-        first_block = len(keys)
-    parent = keys[-1] if keys else tenant_root(tenant)
-    full_blocks = len(token_ids) // block_size
-    for index in range(first_block, full_blocks):
-        parent = block_key(parent, token_ids[index * block_size:(index + 1) * block_size])
-        keys.append(parent)
-    tail = token_ids[full_blocks * block_size:]
-    return SessionBlocks(tenant, block_size, tuple(keys),
-                         tuple(tail.tolist() if isinstance(tail, np.ndarray) else tail))
+    return token_array(token_ids)
 
 
 def chain_after(tenant: str, tokens: np.ndarray, block_size: int, known_tokens: np.ndarray | None,

@@ -3,8 +3,10 @@
 vLLM asks once per new request, inside its scheduling step, so the answer must not wait on another
 process: the request's block keys are computed here (the chained hash every process shares,
 `symphony.kv_addressing`) and looked up in the node manager's shared-memory block index
-(`node_manager.kv.block_index`). The history itself goes to the node manager without waiting for a
-reply, so that its loads, saves and prefetch warm-ups know the session's blocks.
+(`node_manager.kv.block_index`), one block at a time, stopping at the first the tiers lack, so a new
+turn hashes only what it could load, and a session's keys from its last turn are reused. The history
+itself goes to the node manager without waiting for a reply, so that its loads, saves and prefetch
+warm-ups know the session's blocks.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import numpy as np
 
 from node_manager.connector.kv_client import NodeKVClient
 from node_manager.kv.block_index import BlockIndexReader
-from symphony.kv_addressing import BlockKey, SessionBlocks, chain_after, token_array
+from symphony.kv_addressing import BlockKey, keys_after, token_array
 
-# Recent histories whose keys are kept, so a resumed turn hashes only its new blocks; bounded in
-# tokens (4 bytes each, plus 32 bytes of key per block) as well as in sessions.
+# Recent sessions whose held blocks' keys are kept, so a resumed turn hashes only its new blocks;
+# bounded in tokens (4 bytes each, plus 32 bytes of key per block) as well as in sessions.
 MAX_SESSIONS = 4096
 MAX_KEPT_TOKENS = 4 << 20
 
@@ -42,7 +44,8 @@ class HistoryLookup:
         self._client = client
         self._max_sessions = max_sessions
         self._max_kept_tokens = max_kept_tokens
-        self._sessions: OrderedDict[tuple[str, str], tuple[np.ndarray, SessionBlocks]] = OrderedDict()
+        # session -> (the tokens of its held blocks when last asked, their keys)
+        self._sessions: OrderedDict[tuple[str, str], tuple[np.ndarray, tuple[BlockKey, ...]]] = OrderedDict()
         self._kept_tokens = 0
         self._index: BlockIndexReader | None = None
         self._block_size = 0
@@ -55,9 +58,15 @@ class HistoryLookup:
         tokens = token_array(token_ids)
         self._client.register(tenant, session, tokens, warmup)
         index = self.attach()
-        blocks = self._keys(tenant, session, tokens)
-        held = index.leading(blocks.block_keys)
-        return HeldHistory(held, blocks.block_keys[:held])
+        known = self._known_keys(tenant, session, tokens)
+        held = list(known[:index.leading(known)])
+        if len(held) == len(known):
+            for key in keys_after(tenant, tokens, self._block_size, held):
+                if not index.holds(key):
+                    break
+                held.append(key)
+        self._remember(tenant, session, tokens[:len(held) * self._block_size], tuple(held))
+        return HeldHistory(len(held), tuple(held))
 
     def attach(self) -> BlockIndexReader:
         """The index of the node manager the client is connected to, mapped now if it is not yet:
@@ -72,18 +81,20 @@ class HistoryLookup:
             self._kept_tokens = 0
         return self._index
 
-    def _keys(self, tenant: str, session: str, tokens: np.ndarray) -> SessionBlocks:
-        key = (tenant, session)
-        known_tokens, known = self._sessions.pop(key, (None, None))
-        blocks = chain_after(tenant, tokens, self._block_size, known_tokens, known)
-        if known_tokens is not None:
-            self._kept_tokens -= len(known_tokens)
-        self._sessions[key] = (tokens, blocks)
+    def _known_keys(self, tenant: str, session: str, tokens: np.ndarray) -> tuple[BlockKey, ...]:
+        """The keys kept from the session's last lookup, if its tokens then lead the tokens now."""
+        known_tokens, keys = self._sessions.pop((tenant, session), (None, ()))
+        if known_tokens is None:
+            return ()
+        self._kept_tokens -= len(known_tokens)
+        return keys if np.array_equal(known_tokens, tokens[:len(known_tokens)]) else ()
+
+    def _remember(self, tenant: str, session: str, tokens: np.ndarray, keys: tuple[BlockKey, ...]) -> None:
+        self._sessions[(tenant, session)] = (tokens, keys)
         self._kept_tokens += len(tokens)
         while len(self._sessions) > self._max_sessions or self._kept_tokens > self._max_kept_tokens:
             dropped, _ = self._sessions.popitem(last=False)[1]
             self._kept_tokens -= len(dropped)
-        return blocks
 
     def close(self) -> None:
         if self._index is not None:

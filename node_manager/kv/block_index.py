@@ -175,6 +175,9 @@ class BlockIndexReader:
         self.name = name
         self._table = _Table(_SHM_DIR / name, create_slots=None)
 
+    def holds(self, key: BlockKey) -> bool:
+        return self._table.find(fingerprint(key)) >= 0
+
     def leading(self, keys: Sequence[BlockKey]) -> int:
         """How many of `keys`, from the first, the index holds."""
         find = self._table.find

@@ -433,7 +433,8 @@ def test_kill_9_during_writes_leaves_no_torn_page(tmp_path: Path) -> None:
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait()
-    Path("/dev/shm", arena).unlink(missing_ok=True)
+    for leftover in (arena, f"{arena}-blocks"):  # the killed store's arena and block index
+        Path("/dev/shm", leftover).unlink(missing_ok=True)
     geometry = KVGeometry(6, 3, 64, 32)
     store = TieredStore(geometry, StoreConfig(hbm_bytes=0, dram_bytes=8 << 20, ssd_bytes=1 << 30, ssd_dir=ssd,
                                               arena_name=arena + "-check"))

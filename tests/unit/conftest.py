@@ -36,3 +36,4 @@ def make_store(ssd_dir: Path) -> Iterator[MakeStore]:
         if not store._closed:
             store.close(flush_timeout=TIMEOUT)
         assert not store.dram.path.exists(), "close() must remove the shared-memory arena"
+        assert not store.block_index.path.exists(), "close() must remove the block index"

@@ -7,7 +7,9 @@ import os
 import struct
 import subprocess
 import sys
+from array import array
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -131,11 +133,23 @@ def test_incremental_start_hashes_only_new_blocks(monkeypatch: pytest.MonkeyPatc
     import symphony.kv_addressing as addressing
 
     prefix = chain_block_keys("acme", TOKENS[:8], 4)
-    calls = []
-    real = addressing.block_key
-    monkeypatch.setattr(addressing, "block_key", lambda parent, toks: calls.append(list(toks)) or real(parent, toks))
-    chain_block_keys("acme", TOKENS, 4, start=prefix)
-    assert calls == [TOKENS[8:12]]
+    hashed: list[bytes] = []
+
+    class CountingSha256:
+        def __init__(self, parent: bytes) -> None:
+            self._digest = hashlib.sha256(parent)
+
+        def update(self, data: memoryview) -> None:
+            hashed.append(bytes(data))
+            self._digest.update(data)
+
+        def digest(self) -> bytes:
+            return self._digest.digest()
+
+    expected = chain_block_keys("acme", TOKENS, 4)
+    monkeypatch.setattr(addressing, "hashlib", SimpleNamespace(sha256=CountingSha256))
+    assert chain_block_keys("acme", TOKENS, 4, start=prefix) == expected
+    assert hashed == [array("I", TOKENS[8:12]).tobytes()]
 
 
 def test_start_from_another_tenant_or_block_size_is_ignored() -> None:

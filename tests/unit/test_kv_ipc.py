@@ -8,11 +8,13 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from node_manager.connector import lookup as lookup_module
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
 from node_manager.connector.lookup import HistoryLookup
 from node_manager.kv.ipc_server import LocalKVServer
@@ -96,6 +98,30 @@ def test_match_registers_tokens_and_counts_held_blocks(store: TieredStore, clien
     assert held.keys == store.session("acme", "s").blocks.block_keys[:BLOCKS]
     # Same tokens under another tenant: keys are namespaced, nothing is shared.
     assert lookup.match("other", "s", history).blocks == 0
+
+
+def test_match_hashes_only_what_the_tiers_could_load(store: TieredStore, lookup: HistoryLookup,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    save_session(store, "s", 3, seed=9)
+    history = tokens(3, base=90_000)
+    hashed: list[bytes] = []
+    real = lookup_module.keys_after
+
+    def counting(*args: Any) -> Iterator[bytes]:
+        for key in real(*args):
+            hashed.append(key)
+            yield key
+
+    monkeypatch.setattr(lookup_module, "keys_after", counting)
+    prompt = [*history, *range(5, 5 + 2 * BLOCK + 1)]  # 3 held blocks, then 2 new full blocks
+    assert lookup.match("acme", "s", prompt).blocks == 3
+    assert len(hashed) == 4  # the held blocks and the first one the tiers lack; not the one after
+    hashed.clear()
+    assert lookup.match("acme", "s", [*prompt, *range(BLOCK)]).blocks == 3  # the session's next turn
+    assert len(hashed) == 1  # the held keys are kept from the last turn
+    hashed.clear()
+    assert lookup.match("acme", "s", [7, *prompt[1:]]).blocks == 0  # an edited history: nothing kept
+    assert len(hashed) == 1
 
 
 def test_match_follows_evictions_and_a_restarted_node_manager(make_store: MakeStore, tmp_path: Path) -> None:
