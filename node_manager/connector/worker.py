@@ -15,6 +15,7 @@ Metrics: each step's per-layer waits and failed blocks go to the node manager by
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import re
 import threading
@@ -127,6 +128,7 @@ class WorkerSide:
 
     def _load_loop(self) -> None:
         single_threaded_torch()  # the forward owns the OpenMP team; this thread copies on its own
+        _off_the_forwards_cores()
         client = NodeKVClient(self._socket_path)
         while (job := self._loads.get()) is not None:
             loads, step = job
@@ -210,6 +212,7 @@ class WorkerSide:
             self._send_report({"layer_waits_s": waits})
 
     def _commit_loop(self) -> None:
+        _off_the_forwards_cores()
         while (job := self._commits.get()) is not None:
             try:
                 with self._control_lock:
@@ -227,3 +230,13 @@ class WorkerSide:
         self._control.close()
         if self._arena is not None:
             self._arena.close()
+
+
+def _off_the_forwards_cores() -> None:
+    """Let this thread run on any of the host's cores. vLLM's CPU worker pins its process to the
+    cores of its OpenMP team (one core per engine on a small host), and threads started inside it
+    inherit that: a layer's copy would then wait for the forward it is meant to run beside. Linux
+    applies sched_setaffinity(0) to the calling thread only; the forward's threads keep their pins."""
+    # Not Linux, or a cpuset that allows none of them: the thread keeps the cores it inherited.
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
