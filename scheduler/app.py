@@ -10,18 +10,22 @@ from collections.abc import AsyncIterator
 # Starlette loads anyio's asyncio backend lazily, on first use of its task groups or thread pool
 # (~0.3 s on this machine); importing it here keeps that cost out of the first request's latency.
 import anyio._backends._asyncio  # noqa: F401
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
+from scheduler.admin import admin_routes
 from scheduler.advisories import AdvisoryTable
+from scheduler.auth import Authenticator
 from scheduler.cluster import Cluster
 from scheduler.dispatch import Dispatcher
-from scheduler.errors import http_error_handler
+from scheduler.errors import ApiError, http_error_handler
 from scheduler.hot_path import HotPath
 from scheduler.metrics import SchedulerMetrics
-from scheduler.routing import make_policy
+from scheduler.policies import make_policy
+from scheduler.priorities import PriorityTable
+from scheduler.sessions import SessionTable
 from symphony.config import SymphonyConfig
 
 
@@ -36,13 +40,18 @@ class SchedulerState:
                                down_after_s=sc.node_down_after_ms / 1000)
         self.advisories = AdvisoryTable(sc.max_advisories, sc.advisory_ttl_s,
                                         on_drop=lambda reason: self.metrics.advisories_dropped.labels(reason).inc())
-        self.dispatcher = Dispatcher(self.cluster, make_policy(sc.policy), self.advisories, self.metrics, sc)
+        self.auth = Authenticator(sc.api_keys, sc.admin_token)
+        self.sessions = SessionTable(sc.max_sessions, sc.session_ttl_s)
+        self.priorities = PriorityTable(sc.max_priority_settings)
+        self.dispatcher = Dispatcher(self.cluster, make_policy(sc.policy), self.advisories, self.metrics, sc,
+                                     sessions=self.sessions, priorities=self.priorities)
 
     def export_gauges(self) -> None:
         """Refresh the gauges from live state; done when /metrics is scraped, not on every change."""
         now = time.monotonic()
         m = self.metrics
         self.advisories.purge(now)
+        self.sessions.purge()
         m.advisories_pending.set(len(self.advisories))
         for node in self.cluster.nodes:
             if not node.reported:
@@ -76,6 +85,13 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
 
     app = FastAPI(title="Symphony scheduler", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    app.add_exception_handler(ApiError, api_error)
+    app.include_router(admin_routes(state))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

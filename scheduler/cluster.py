@@ -12,7 +12,7 @@ import grpc
 
 from scheduler.routing import NodeSnapshot
 from symphony.logs import get_logger
-from symphony.rpc import node_pb2, node_pb2_grpc
+from symphony.rpc import kv_pb2_grpc, node_pb2, node_pb2_grpc
 
 log = get_logger("scheduler.cluster")
 
@@ -38,6 +38,7 @@ class NodeView:
     last_poll_error: str = ""
     unreachable_until: float = float("-inf")  # set when dispatch could not connect to the engine
     inflight: int = 0
+    kv: kv_pb2_grpc.KVStoreStub | None = None  # the node manager's KV store (same channel as Status)
 
     @property
     def reported(self) -> bool:
@@ -48,9 +49,9 @@ class NodeView:
         return (self.engine_state == READY and now - self.last_status_at <= down_after_s
                 and now >= self.unreachable_until and bool(self.engine_url))
 
-    def snapshot(self, now: float, down_after_s: float, announced: int = 0) -> NodeSnapshot:
+    def snapshot(self, now: float, down_after_s: float, announced: int = 0, high_sessions: int = 0) -> NodeSnapshot:
         return NodeSnapshot(self.node_id, self.available(now, down_after_s), self.running, self.waiting,
-                            self.inflight, self.kv_usage, announced)
+                            self.inflight, self.kv_usage, announced, high_sessions)
 
     def state_name(self, now: float, down_after_s: float) -> str:
         if now - self.last_status_at > down_after_s:
@@ -64,21 +65,24 @@ class Cluster:
     """Owns the node views and one polling task per node."""
 
     def __init__(self, addresses: list[str], *, poll_interval_s: float, down_after_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, on_status: Callable[[], None] | None = None) -> None:
         self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
         self.poll_interval_s = poll_interval_s
         self.down_after_s = down_after_s
         self._clock = clock
+        self.on_status = on_status  # called after each status applied: room may have opened on a node
         self._channels: list[grpc.aio.Channel] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     def by_id(self, node_id: str) -> NodeView | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
 
-    def snapshot(self, model: str, announced: Mapping[str, int] | None = None) -> list[NodeSnapshot]:
+    def snapshot(self, model: str, announced: Mapping[str, int] | None = None,
+                 high_sessions: Mapping[str, int] | None = None) -> list[NodeSnapshot]:
         now = self._clock()
         announced = announced or {}
-        return [n.snapshot(now, self.down_after_s, announced.get(n.node_id, 0))
+        high_sessions = high_sessions or {}
+        return [n.snapshot(now, self.down_after_s, announced.get(n.node_id, 0), high_sessions.get(n.node_id, 0))
                 for n in self.nodes if n.served_model == model]
 
     def served_models(self) -> dict[str, int]:
@@ -112,6 +116,7 @@ class Cluster:
             channel = grpc.aio.insecure_channel(node.address)
             self._channels.append(channel)
             stub = node_pb2_grpc.NodeManagerStub(channel)
+            node.kv = kv_pb2_grpc.KVStoreStub(channel)
             self._tasks.append(asyncio.create_task(self._poll(node, stub), name=f"poll-{node.address}"))
 
     async def stop(self) -> None:
@@ -167,6 +172,8 @@ class Cluster:
         if was_ready != (status.engine_state == READY):
             log.info("node engine state", node=node.node_id,
                      state=node_pb2.EngineState.Name(status.engine_state), restarts=status.engine_restarts)
+        if self.on_status is not None:
+            self.on_status()
 
     async def _poll(self, node: NodeView, stub: node_pb2_grpc.NodeManagerStub) -> None:
         while True:

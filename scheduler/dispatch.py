@@ -1,4 +1,5 @@
-"""Dispatch: pick a node (pending advisory first, else the routing policy) and relay to its engine.
+"""Dispatch: pick a node (pending advisory first, else the routing policy, which may hold a request
+back until a node has room) and relay to its engine; advisories route ahead and move KV there.
 
 The scheduler is on the token path only as a byte relay: request bodies go out as received (after
 validation) and streamed chunks are passed through unparsed, which keeps the added TTFT to the cost
@@ -7,20 +8,30 @@ of one local HTTP hop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import aiohttp
 from fastapi.responses import Response
 
-from scheduler.advisories import AdvisoryTable, SessionKey
+from scheduler.advisories import AdvisoryTable
 from scheduler.cluster import Cluster, NodeView
 from scheduler.errors import ApiError, error_response
 from scheduler.metrics import SchedulerMetrics
+from scheduler.prefetcher import Prefetch, Prefetcher
+from scheduler.priorities import PriorityTable
+from scheduler.push_queue import PushQueue, QueueFull
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
-from scheduler.routing import RouteRequest, RoutingPolicy
+from scheduler.routing import NodeSnapshot, RouteDecision, RouteRequest, RoutingPolicy
+from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
+from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
 from symphony.logs import get_logger
+from symphony.rpc import kv_pb2_grpc
 
 log = get_logger("scheduler.dispatch")
 
@@ -36,6 +47,12 @@ _NOT_STARTED = (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.S
 _UNREACHABLE_HOLD_S = 1.0
 
 
+def _unqueued(policy: RoutingPolicy, request: RouteRequest, nodes: list[NodeSnapshot]) -> RouteDecision:
+    """The policy's choice with selective pushing set aside (an advisory reserves no slot)."""
+    pretend = [replace(n, waiting=0) for n in nodes]
+    return policy.choose(request, pretend)
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     node: NodeView
@@ -44,14 +61,21 @@ class Route:
 
 class Dispatcher:
     def __init__(self, cluster: Cluster, policy: RoutingPolicy, advisories: AdvisoryTable,
-                 metrics: SchedulerMetrics, config: SchedulerConfig) -> None:
+                 metrics: SchedulerMetrics, config: SchedulerConfig, *, sessions: SessionTable | None = None,
+                 priorities: PriorityTable | None = None) -> None:
         self.cluster = cluster
         self.policy = policy
         self.advisories = advisories
         self.metrics = metrics
         self.config = config
+        self.sessions = sessions or SessionTable(config.max_sessions, config.session_ttl_s)
+        self.priorities = priorities or PriorityTable(config.max_priority_settings)
+        self.queue = PushQueue(config.max_queued_requests)
+        self.prefetcher = Prefetcher(self._kv_stub, metrics, config.max_prefetches, self.sessions.moved)
+        self.prefetches: OrderedDict[SessionKey, Prefetch] = OrderedDict()  # the latest per advised session
         self.inflight_total = 0
         self._session: aiohttp.ClientSession | None = None
+        cluster.on_status = self.wake_queued
 
     async def start(self) -> None:
         # aiohttp rather than httpx: httpx's pool walks every connection per request, which cost
@@ -64,30 +88,90 @@ class Dispatcher:
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
 
     async def stop(self) -> None:
+        await self.prefetcher.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
-    # -- routing --------------------------------------------------------------------------------
-    def _route(self, model: str, tenant: str, session_id: str | None, exclude: set[str],
-               advised_node: str | None) -> Route:
-        self.advisories.purge()  # expired announcements must not count as load
-        nodes = [n for n in self.cluster.snapshot(model, self.advisories.pending_by_node) if n.node_id not in exclude]
-        if advised_node is not None:
-            if any(n.node_id == advised_node and n.available for n in nodes):
-                self.metrics.advisory_followups.labels("honored").inc()
-                return Route(self._node(advised_node), "advisory")
-            self.metrics.advisory_followups.labels("rerouted").inc()
-        decision = self.policy.choose(RouteRequest(tenant, session_id, model), nodes)
-        if decision.node_id is None:
-            states = ", ".join(f"{k}={v}" for k, v in self.cluster.states().items())
-            raise ApiError(503, f"no engine is available to serve {model!r} ({states}); retry shortly",
-                           code="no_engine_available")
-        reason = decision.reason if advised_node is None else f"{decision.reason}_after_advisory"
-        return Route(self._node(decision.node_id), reason)
-
-    def _node(self, node_id: str) -> NodeView:
+    def _kv_stub(self, node_id: str) -> kv_pb2_grpc.KVStoreStub | None:
         node = self.cluster.by_id(node_id)
+        return node.kv if node is not None else None
+
+    # -- routing --------------------------------------------------------------------------------
+    def _route_request(self, model: str, tenant: str, session_id: str | None, history_tokens: int,
+                       text: Callable[[], str] | None = None) -> RouteRequest:
+        """What the policy sees of a request: its session's KV whereabouts (on nodes that can serve)
+        and priority tier from the scheduler's tables."""
+        kv_tokens: dict[str, int] = {}
+        if session_id is not None:
+            entry = self.sessions.get((tenant, session_id))
+            if entry is not None:
+                history_tokens = max(history_tokens, entry.history_tokens)
+                kv_tokens = dict(entry.kv_tokens)
+        routing_text = text() if text is not None and self.policy.traits.needs_routing_text else ""
+        return RouteRequest(tenant, session_id, model, self.priorities.of(tenant, session_id), history_tokens,
+                            kv_tokens, routing_text)
+
+    def _snapshot(self, model: str, exclude: set[str]) -> list[NodeSnapshot]:
+        self.advisories.purge()  # expired announcements must not count as load
+        return [n for n in self.cluster.snapshot(model, self.advisories.pending_by_node, self.sessions.high_sessions)
+                if n.node_id not in exclude]
+
+    async def _route(self, request: RouteRequest, exclude: set[str], advised_node: str | None,
+                     wait_until: float | None) -> Route:
+        """The node for `request`: its advised node if that can serve, else the policy's choice. When
+        the policy holds it back (selective pushing) and `wait_until` is given, it waits for room."""
+        requeued = rerouted = False
+        while True:
+            nodes = self._snapshot(request.model, exclude)
+            if advised_node is not None:
+                if any(n.node_id == advised_node and n.available for n in nodes):
+                    self.metrics.advisory_followups.labels("honored").inc()
+                    return Route(self._node(advised_node), "advisory")
+                self.metrics.advisory_followups.labels("rerouted").inc()
+                advised_node, rerouted = None, True
+            decision = self.policy.choose(request, nodes)
+            if decision.node_id is not None:
+                reason = f"{decision.reason}_after_advisory" if rerouted else decision.reason
+                return Route(self._node(decision.node_id), reason)
+            if not decision.queue:
+                states = ", ".join(f"{k}={v}" for k, v in self.cluster.states().items())
+                raise ApiError(503, f"no engine is available to serve {request.model!r} ({states}); retry shortly",
+                               code="no_engine_available")
+            if wait_until is None:  # an advisory: it reserves no slot, so it takes the best node as is
+                decision = _unqueued(self.policy, request, nodes)
+                return Route(self._node(decision.node_id), decision.reason)
+            await self._wait_for_room(request.priority, wait_until, requeued)
+            requeued = True
+
+    async def _wait_for_room(self, priority: str, wait_until: float, requeued: bool) -> None:
+        remaining = wait_until - time.monotonic()
+        if remaining <= 0:
+            raise ApiError(503, "every node has requests waiting and none freed up in "
+                           f"{self.config.queue_timeout_s:g} s; retry later", code="queue_timeout")
+        self.metrics.queued.inc()
+        try:
+            with self.metrics.queue_wait.labels(priority).time():
+                woken = await self.queue.wait(priority, remaining, front=requeued)
+        except QueueFull as exc:
+            raise ApiError(429, f"{exc}; retry later", code="queue_full") from None
+        finally:
+            self.metrics.queued.dec()
+        if not woken:
+            raise ApiError(503, "every node has requests waiting and none freed up in "
+                           f"{self.config.queue_timeout_s:g} s; retry later", code="queue_timeout")
+
+    def wake_queued(self) -> None:
+        """Room may have opened (a status arrived, a request ended): let as many queued requests try
+        again as there are nodes with nothing waiting."""
+        if not len(self.queue):
+            return
+        free = sum(1 for n in self.cluster.nodes
+                   if n.available(time.monotonic(), self.cluster.down_after_s) and n.waiting == 0)
+        self.queue.wake(free)
+
+    def _node(self, node_id: str | None) -> NodeView:
+        node = self.cluster.by_id(node_id) if node_id is not None else None
         assert node is not None, f"policy chose unknown node {node_id}"
         return node
 
@@ -96,20 +180,65 @@ class Dispatcher:
         key: SessionKey = (tenant, advisory.session_id)
         # A newer advisory for the same session replaces the older one, so it must not count as load.
         previous = self.advisories.take(key)
-        route = self._route(advisory.model, tenant, advisory.session_id, set(), None)
+        request = self._route_request(advisory.model, tenant, advisory.session_id, 0)
+        if not self.policy.traits.prefetch_on_advisory:
+            # A baseline without advisories: accepted (clients need not know the policy), no effect.
+            self.metrics.advisories.labels(advisory.kind, "ignored").inc()
+            return self._advisory_reply(advisory, None, self.config.advisory_ttl_s * 1000)
+        route = self._route_now(request)
         if previous is not None and previous.node_id != route.node.node_id:
             log.debug("advisory moved session", session=advisory.session_id, old=previous.node_id,
                       new=route.node.node_id)
         entry = self.advisories.put(key, advisory.kind, route.node.node_id, advisory.expected_arrival_ms)
-        self.metrics.advisories.labels(advisory.kind).inc()
-        return {
-            "object": "advisory",
-            "session_id": advisory.session_id,
-            "kind": advisory.kind,
-            "node": route.node.node_id,
-            "expected_arrival_ms": advisory.expected_arrival_ms,
-            "expires_in_ms": int((entry.expires_at - entry.created_at) * 1000),
-        }
+        self.metrics.advisories.labels(advisory.kind, "routed").inc()
+        self._prefetch(key, request, route.node.node_id, advisory.expected_arrival_ms)
+        return self._advisory_reply(advisory, route.node.node_id, (entry.expires_at - entry.created_at) * 1000)
+
+    def _route_now(self, request: RouteRequest) -> Route:
+        nodes = self._snapshot(request.model, set())
+        decision = self.policy.choose(request, nodes)
+        if decision.queue:
+            decision = _unqueued(self.policy, request, nodes)
+        if decision.node_id is None:
+            states = ", ".join(f"{k}={v}" for k, v in self.cluster.states().items())
+            raise ApiError(503, f"no engine is available to serve {request.model!r} ({states}); retry shortly",
+                           code="no_engine_available")
+        return Route(self._node(decision.node_id), decision.reason)
+
+    def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, expected_arrival_ms: int | None) -> None:
+        """Move the session's KV to `node_id` before its request: from the node's own tiers, or
+        pulled from the node holding the most of it. A session no node holds (a first turn) has
+        nothing to move: the advisory only pre-assigned its node."""
+        held_here = request.kv_tokens.get(node_id, 0)
+        holders = {n: t for n, t in request.kv_tokens.items() if t > held_here and self._reachable(n)}
+        if not held_here and not holders:
+            return
+        source = self._node(max(holders, key=holders.__getitem__)).address if holders else ""
+        deadline = expected_arrival_ms if expected_arrival_ms is not None else self.config.typing_lead_ms
+        prefetch = self.prefetcher.start(key, node_id, source, deadline, request.priority)
+        if prefetch is not None:
+            self.prefetches[key] = prefetch
+            self.prefetches.move_to_end(key)
+            while len(self.prefetches) > self.config.max_advisories:
+                self.prefetches.popitem(last=False)
+
+    def promote(self, tenant: str, session_id: str) -> bool:
+        """A session just set to high priority: its KV goes to the top tier of its node at once."""
+        entry = self.sessions.get((tenant, session_id))
+        if entry is None or entry.last_node is None or self.cluster.by_id(entry.last_node) is None:
+            return False
+        request = self._route_request("", tenant, session_id, 0)
+        self._prefetch((tenant, session_id), request, entry.last_node, 0)
+        return True
+
+    def _reachable(self, node_id: str) -> bool:
+        node = self.cluster.by_id(node_id)
+        return node is not None and time.monotonic() - node.last_status_at <= self.cluster.down_after_s
+
+    @staticmethod
+    def _advisory_reply(advisory: AdvisoryRequest, node_id: str | None, expires_in_ms: float) -> dict[str, object]:
+        return {"object": "advisory", "session_id": advisory.session_id, "kind": advisory.kind, "node": node_id,
+                "expected_arrival_ms": advisory.expected_arrival_ms, "expires_in_ms": int(expires_in_ms)}
 
     # -- inference ------------------------------------------------------------------------------
     async def dispatch(self, request: InferenceRequest, tenant: str, received_at: float
@@ -117,15 +246,22 @@ class Dispatcher:
         if self.inflight_total >= self.config.max_inflight_requests:
             raise ApiError(429, f"the scheduler has {self.inflight_total} requests in flight (limit "
                            f"{self.config.max_inflight_requests}); retry later", code="too_many_requests")
+        key = (tenant, request.session_id) if request.session_id is not None else None
         advised_node = None
-        if request.session_id is not None:
-            advisory = self.advisories.take((tenant, request.session_id))
-            advised_node = advisory.node_id if advisory is not None else None
+        if key is not None:
+            advisory = self.advisories.take(key)
+            if advisory is not None:
+                advised_node = advisory.node_id
+                self._count_kv_ready(key, advisory.kind)
+        route_request = self._route_request(request.model, tenant, request.session_id, request.history_tokens,
+                                            request.routing_text)
+        body = self._forwarded_body(request, tenant)
+        wait_until = time.monotonic() + self.config.queue_timeout_s
         tried: set[str] = set()
         last_error = ""
         for _attempt in range(2):  # the first node, then once elsewhere if it never started the request
             try:
-                route = self._route(request.model, tenant, request.session_id, tried, advised_node)
+                route = await self._route(route_request, tried, advised_node, wait_until)
             except ApiError:
                 if not last_error:
                     raise
@@ -133,17 +269,42 @@ class Dispatcher:
             advised_node = None  # an advisory binds the first attempt only
             tried.add(route.node.node_id)
             try:
-                return await self._send(route, request, received_at)
+                reply = await self._send(route, request, body, received_at, route_request.priority)
             except _NOT_STARTED as exc:
                 last_error = f"{route.node.node_id}: {type(exc).__name__}: {exc}"
                 log.warning("engine unreachable, re-routing", node=route.node.node_id,
                             error=str(exc) or type(exc).__name__)
                 self.cluster.mark_engine_unreachable(route.node, _UNREACHABLE_HOLD_S)
                 self.metrics.retries.labels(route.node.node_id).inc()
+                continue
+            self.policy.observe(route_request, route.node.node_id)
+            if key is not None:
+                self.sessions.served(key, route.node.node_id, route_request.history_tokens,
+                                     high=route_request.priority == "high")
+            self.metrics.priority_requests.labels(route_request.priority).inc()
+            return reply
         raise ApiError(503, f"the engine could not be reached ({last_error}); retry shortly",
                        code="engine_unreachable")
 
-    async def _send(self, route: Route, request: InferenceRequest, received_at: float) -> UpstreamRelay | Response:
+    def _count_kv_ready(self, key: SessionKey, kind: str) -> None:
+        """Was the KV an advisory moved for this request in the node's top tier when it arrived?"""
+        prefetch = self.prefetches.pop(key, None)
+        if prefetch is not None:
+            self.metrics.advised_requests.labels(kind, "yes" if prefetch.ready else "no").inc()
+
+    def _forwarded_body(self, request: InferenceRequest, tenant: str) -> bytes:
+        """The request as the engine gets it: with the tenant and session that key its KV in the
+        node's tiers. Whatever the client put in kv_transfer_params is replaced: a client must not
+        name another tenant's KV."""
+        params: dict[str, object] = {TENANT_PARAM: tenant}
+        if request.session_id is not None:
+            params[SESSION_PARAM] = request.session_id
+        if not self.policy.traits.uses_tiers:
+            params[TIERS_PARAM] = False
+        return json.dumps({**request.body, "kv_transfer_params": params}).encode()
+
+    async def _send(self, route: Route, request: InferenceRequest, body: bytes, received_at: float,
+                    priority: str) -> UpstreamRelay | Response:
         """Open the exchange with the engine; raises a _NOT_STARTED error if it never began."""
         assert self._session is not None, "Dispatcher.start() was not awaited"
         node = route.node
@@ -160,11 +321,12 @@ class Dispatcher:
                 released = True
                 node.inflight -= 1
                 self.inflight_total -= 1
+                self.wake_queued()
 
         reply_headers = {NODE_HEADER: node.node_id, ROUTE_HEADER: route.reason}
         try:
             upstream = await self._session.post(node.engine_url + ENGINE_PATHS[request.endpoint],
-                                                data=request.body, headers=headers)
+                                                data=body, headers=headers)
         except _NOT_STARTED:
             release()
             raise
@@ -182,7 +344,7 @@ class Dispatcher:
         self.metrics.routed.labels(node.node_id, route.reason).inc()
         log.debug("dispatched", node=node.node_id, reason=route.reason, session=request.session_id,
                   status=upstream.status)
-        exchange = Exchange(request.endpoint, node.node_id, received_at, reply_headers, release)
+        exchange = Exchange(request.endpoint, priority, node.node_id, received_at, reply_headers, release)
         if request.stream and upstream.status == 200:
             return StreamRelay(upstream, exchange, self.metrics)
         return BufferedRelay(upstream, exchange, self.metrics)

@@ -28,7 +28,7 @@ log = get_logger("scheduler.http")
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 ADVISORY_PATH = "/v1/advisories"
 SESSION_HEADER = b"x-session-id"
-DEFAULT_TENANT = "default"  # tenants from API keys arrive with the security work (issue 5)
+AUTHORIZATION_HEADER = b"authorization"
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -103,6 +103,7 @@ class HotPath:
 
     async def _inference(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
         received_at = time.perf_counter()
+        tenant = self.state.auth.tenant(header(scope, AUTHORIZATION_HEADER))
         raw = await read_body(scope, receive, self._limits.max_body_bytes)
         parsed = validate_inference(endpoint, raw, header(scope, SESSION_HEADER), self.state.cluster.served_models(),
                                     self._limits.max_session_id_len)
@@ -122,7 +123,7 @@ class HotPath:
 
         watcher = asyncio.ensure_future(cancel_on_disconnect())
         try:
-            response = await self.state.dispatcher.dispatch(parsed, DEFAULT_TENANT, received_at)
+            response = await self.state.dispatcher.dispatch(parsed, tenant, received_at)
             await response(scope, receive, send)
         except asyncio.CancelledError:
             if not client_gone:
@@ -133,7 +134,8 @@ class HotPath:
             watcher.cancel()
 
     async def _advisory(self, scope: Scope, receive: Receive, send: Send) -> None:
+        tenant = self.state.auth.tenant(header(scope, AUTHORIZATION_HEADER))
         raw = await read_body(scope, receive, self._limits.max_body_bytes)
         parsed = validate_advisory(raw, header(scope, SESSION_HEADER), self.state.cluster.served_models(),
                                    self._limits.max_session_id_len, self._limits.max_expected_arrival_ms)
-        await JSONResponse(self.state.dispatcher.advise(parsed, DEFAULT_TENANT), status_code=202)(scope, receive, send)
+        await JSONResponse(self.state.dispatcher.advise(parsed, tenant), status_code=202)(scope, receive, send)

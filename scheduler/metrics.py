@@ -15,14 +15,28 @@ class SchedulerMetrics:
         self.requests = Counter("symphony_requests", "Inference requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.ttft = Histogram("symphony_ttft_seconds", "Time to first streamed chunk, measured at the scheduler",
-                              ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+                              ["endpoint", "priority"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("symphony_e2e_seconds", "Request arrival to last byte sent to the client",
                              ["endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=r)
         self.routed = Counter("symphony_routed", "Requests dispatched per node and routing reason",
                               ["node", "reason"], registry=r)
         self.retries = Counter("symphony_dispatch_retries", "Requests re-sent to another node because the first "
                                "engine could not be reached", ["node"], registry=r)
-        self.advisories = Counter("symphony_advisories", "Advisories accepted, by kind", ["kind"], registry=r)
+        self.advisories = Counter("symphony_advisories", "Advisories accepted, by kind and what they did: routed "
+                                  "(node chosen, KV moved there) or ignored (the policy takes no advisories)",
+                                  ["kind", "outcome"], registry=r)
+        self.prefetches = Counter("symphony_prefetches", "KV moves the scheduler asked a node for, by how they "
+                                  "ended (done, partial, failed, not_found: nothing to move, skipped_busy)",
+                                  ["outcome"], registry=r)
+        self.advised_requests = Counter("symphony_advised_requests", "Requests whose advisory moved KV, by kind and "
+                                        "whether the KV was in the node's top tier when they arrived",
+                                        ["kind", "kv_ready"], registry=r)
+        self.priority_requests = Counter("symphony_priority_requests", "Requests dispatched, by priority tier",
+                                         ["priority"], registry=r)
+        self.queue_wait = Histogram("symphony_queue_wait_seconds", "Time requests waited in the scheduler for a node "
+                                    "with room (selective pushing), by priority tier", ["priority"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.queued = Gauge("symphony_queued_requests", "Requests waiting in the scheduler for a node", registry=r)
         self.advisory_followups = Counter("symphony_advisory_followups", "Requests that had a pending advisory: "
                                           "honored (went to the advised node) or rerouted (node unavailable)",
                                           ["outcome"], registry=r)

@@ -28,6 +28,7 @@ class Exchange:
     """What a relay needs to know about the request it answers."""
 
     endpoint: str  # "chat" | "completions", the metrics label
+    priority: str  # the request's priority tier, a metrics label
     node_id: str
     received_at: float  # perf_counter() when the request arrived
     headers: dict[str, str]  # added to the client response (node, route)
@@ -99,7 +100,7 @@ class StreamRelay(UpstreamRelay):
             async for chunk in self.upstream.content.iter_any():
                 if first:
                     first = False
-                    self.metrics.ttft.labels(self.exchange.endpoint).observe(
+                    self.metrics.ttft.labels(self.exchange.endpoint, self.exchange.priority).observe(
                         time.perf_counter() - self.exchange.received_at)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.upstream.release()  # keep the connection for the next request

@@ -1,17 +1,22 @@
-"""Routing policies: pure functions of (request, cluster snapshot) -> decision. No I/O, no clocks.
+"""What a routing policy sees and answers: plain values, no I/O, no clocks.
 
-The scheduler builds the snapshot from polled node status and its own in-flight counts; the cluster
-simulator planned for eval/ is to build it from its engine models and call the same policy objects.
+The scheduler builds a `RouteRequest` (from the request, its session's entry in the session table
+and the priority table) and `NodeSnapshot`s (from polled node status and its own in-flight counts),
+then asks the policy (`scheduler.policies`). The cluster simulator in eval/ builds the same values
+from its engine models and calls the same policy objects, so a policy is tested once and measured
+at any scale.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Protocol
 
-from symphony.config import ConfigError
+PRIORITIES = ("low", "normal", "high")  # in rank order
+PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
+_EMPTY: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +28,7 @@ class NodeSnapshot:
     inflight: int  # requests this scheduler sent there that have not finished
     kv_usage: float  # 0..1
     announced: int = 0  # advisories routed here whose request has not arrived yet
+    high_sessions: int = 0  # high-priority sessions whose KV or next turn is here
 
     @property
     def load(self) -> int:
@@ -32,61 +38,64 @@ class NodeSnapshot:
         # Announced requests are load about to land; counting them spreads a burst of advisories.
         return max(self.running + self.waiting, self.inflight) + self.announced
 
+    @property
+    def pending(self) -> int:
+        """Requests queued inside the engine (not running). The engine's own count: between two
+        polls a request just sent is not yet running, but a vLLM engine with room admits it at its
+        next step, so counting it as pending would hold requests back for a poll period."""
+        return self.waiting
+
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     tenant: str
     session_id: str | None
     model: str
+    priority: str = "normal"  # one of PRIORITIES
+    history_tokens: int = 0  # estimated tokens of history the request carries (its prompt)
+    kv_tokens: Mapping[str, int] = _EMPTY  # node id -> tokens of the session's history its tiers hold
+    routing_text: str = ""  # the prompt's leading text, for prefix-aware policies (bounded)
 
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
-    node_id: str | None  # None: no node can take it
+    node_id: str | None  # None: no node takes it now (see `queue`)
     reason: str
     scores: dict[str, float] = field(default_factory=dict)  # lower is better, per candidate
+    # Selective pushing: nodes are available but every one has requests waiting; the request waits
+    # in the scheduler's queue (FIFO within its priority tier) instead of in an engine's.
+    queue: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyTraits:
+    """How the rest of the scheduler treats a policy's requests."""
+
+    uses_tiers: bool = True  # requests load from and save to Symphony's KV tiers (False: vLLM alone)
+    prefetch_on_advisory: bool = False  # an advisory moves the session's KV to the chosen node ahead
+    needs_routing_text: bool = False  # fill RouteRequest.routing_text
 
 
 class RoutingPolicy(Protocol):
     name: str
+    traits: PolicyTraits
 
     def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:
         """Pick a node among `nodes` (already filtered to those serving request.model)."""
         ...
 
-
-class LeastLoadPolicy:
-    """Least (running + waiting) requests; ties broken by KV usage, then in rotation."""
-
-    name = "least_load"
-
-    def __init__(self) -> None:
-        # Rotating the tie-break spreads an idle cluster's first requests instead of piling on node 0.
-        self._tiebreak = itertools.count()
-
-    def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:
-        candidates = [n for n in nodes if n.available]
-        if not candidates:
-            return RouteDecision(None, "no_available_node")
-        scores = {n.node_id: float(n.load) for n in candidates}
-        best_load = min(n.load for n in candidates)
-        tied = [n for n in candidates if n.load == best_load]
-        best_kv = min(_kv(n) for n in tied)
-        tied = [n for n in tied if _kv(n) == best_kv]
-        chosen = tied[next(self._tiebreak) % len(tied)]
-        return RouteDecision(chosen.node_id, "least_load", scores)
+    def observe(self, request: RouteRequest, node_id: str) -> None:
+        """The request was sent to `node_id` (policies that learn from traffic update here)."""
+        ...
 
 
-def _kv(node: NodeSnapshot) -> float:
+def available(nodes: Sequence[NodeSnapshot]) -> list[NodeSnapshot]:
+    return [n for n in nodes if n.available]
+
+
+def kv_usage(node: NodeSnapshot) -> float:
     """KV usage for comparisons; an unknown (NaN) reading counts as full rather than breaking min()."""
     return node.kv_usage if node.kv_usage == node.kv_usage else 1.0
 
 
-POLICIES: dict[str, type] = {LeastLoadPolicy.name: LeastLoadPolicy}
-
-
-def make_policy(name: str) -> RoutingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ConfigError(f"scheduler.policy: unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})") from None
+NO_NODE = RouteDecision(None, "no_available_node")

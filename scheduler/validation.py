@@ -18,13 +18,53 @@ MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "
 MAX_MESSAGES = 10_000
 
 
+MAX_ROUTING_TEXT = 16_384  # characters of a prompt that prefix-aware routing looks at
+CHARS_PER_TOKEN = 4  # for estimates only (routing costs); the engine counts the real tokens
+
+
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
     endpoint: str  # "chat" | "completions"
     model: str
     stream: bool
     session_id: str | None
-    body: bytes  # what to forward to the engine
+    body: dict[str, Any]  # the parsed request, as the engine will get it (plus Symphony's parameters)
+    history_tokens: int  # estimated prompt tokens
+
+    def routing_text(self) -> str:
+        """The prompt's leading text: the conversation so far for a chat (every message, not just
+        the first: sglang #26263), the prompt for a completion."""
+        if self.endpoint == "chat":
+            parts: list[str] = []
+            size = 0
+            for message in self.body["messages"]:
+                part = f"{message.get('role')}: {_text_of(message.get('content'))}\n"
+                parts.append(part)
+                size += len(part)
+                if size >= MAX_ROUTING_TEXT:
+                    break
+            return "".join(parts)[:MAX_ROUTING_TEXT]
+        prompt = self.body["prompt"]
+        return (prompt if isinstance(prompt, str) else str(prompt))[:MAX_ROUTING_TEXT]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: their text
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
+
+
+def _estimated_tokens(body: Mapping[str, Any], endpoint: str) -> int:
+    if endpoint == "chat":
+        return sum(len(_text_of(m.get("content"))) for m in body["messages"]) // CHARS_PER_TOKEN
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return len(prompt) // CHARS_PER_TOKEN
+    if prompt and isinstance(prompt[0], int):
+        return len(prompt)  # token ids
+    return sum(len(p) if isinstance(p, list) else len(p) // CHARS_PER_TOKEN for p in prompt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,11 +198,8 @@ def validate_inference(endpoint: str, raw: bytes, session_header: str | None, se
     session_id = resolve_session_id(session_header, body, max_session_id_len)
     model = resolve_model(body, served)
     _check_max_tokens(body, served[model])
-    forwarded = raw
-    if body.get("model") is None:
-        body["model"] = model  # vLLM needs it when the client left it to us
-        forwarded = json.dumps(body).encode()
-    return InferenceRequest(endpoint, model, stream, session_id, forwarded)
+    body["model"] = model  # vLLM needs it when the client left it to us
+    return InferenceRequest(endpoint, model, stream, session_id, body, _estimated_tokens(body, endpoint))
 
 
 def validate_advisory(raw: bytes, session_header: str | None, served: Mapping[str, int], max_session_id_len: int,

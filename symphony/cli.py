@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -77,7 +78,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.policy:
         overrides.setdefault("scheduler", {})["policy"] = args.policy
     config = _load(args, overrides)
-    from scheduler.routing import make_policy
+    from scheduler.policies import make_policy
 
     make_policy(config.scheduler.policy)  # reject an unknown policy before starting anything
     try:
@@ -92,7 +93,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
-    from scheduler.routing import make_policy
+    from scheduler.policies import make_policy
     from scheduler.server import serve
 
     config = _load(args)
@@ -150,6 +151,43 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if body.get("status") == "ready" else 1
 
 
+def cmd_admin_priority(args: argparse.Namespace) -> int:
+    import openai
+
+    from client_sdk import AdminClient
+
+    config = _load(args)
+    token = args.token or os.environ.get("SYMPHONY_ADMIN_TOKEN") or config.scheduler.admin_token
+    if not token:
+        raise CliError("no admin token: pass --token, set $SYMPHONY_ADMIN_TOKEN or scheduler.admin_token")
+    admin = AdminClient(args.url or config.scheduler_url, token=token)
+    try:
+        if args.priority_command == "set":
+            reply = admin.set_priority(args.tenant, args.priority, session_id=args.session)
+            target = f"tenant {args.tenant!r}" if args.session is None else \
+                f"session {args.session!r} of tenant {args.tenant!r}"
+            moved = " (its KV is moving to the top tier)" if reply.get("promoted") else ""
+            print(f"{target}: priority {reply['priority']}{moved}")
+        else:
+            print(json.dumps(admin.priorities(), indent=2))
+    except openai.APIStatusError as exc:
+        raise CliError(f"the scheduler refused: {exc.status_code} {_error_message(exc)}") from None
+    except openai.APIConnectionError:
+        raise CliError(f"cannot reach the scheduler at {args.url or config.scheduler_url}") from None
+    finally:
+        admin.close()
+    return 0
+
+
+def _error_message(exc: Any) -> str:
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+    return str(exc)
+
+
 def cmd_bench_proxy(args: argparse.Namespace) -> int:
     from eval.bench_proxy import run_proxy_bench
 
@@ -172,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--nodes", type=_positive_int, help="node managers to start (default 2)")
     up.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     up.add_argument("--served-model-name", help="name clients use for the model (default: directory name)")
-    up.add_argument("--policy", help="routing policy (default least_load)")
+    up.add_argument("--policy", help="routing policy (default symphony)")
     up.set_defaults(func=cmd_up)
 
     sched = sub.add_parser("scheduler", help="run only the scheduler (multi-host deployments)")
@@ -205,6 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", help="scheduler URL (default from config)")
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     status.set_defaults(func=cmd_status)
+
+    admin = sub.add_parser("admin", help="the scheduler's admin API (needs the admin token)")
+    admin_sub = admin.add_subparsers(dest="admin_command", metavar="AREA", required=True)
+    priority = admin_sub.add_parser("priority", help="priority tiers of tenants and sessions")
+    priority_sub = priority.add_subparsers(dest="priority_command", metavar="ACTION", required=True)
+    priority_set = priority_sub.add_parser("set", help="set a tenant's (or one session's) tier")
+    priority_set.add_argument("priority", choices=["high", "normal", "low"], help="the tier")
+    priority_set.add_argument("--tenant", required=True, help="the tenant (as its API key names it)")
+    priority_set.add_argument("--session", help="only this session of the tenant")
+    priority_list = priority_sub.add_parser("list", help="print every tier set")
+    for action in (priority_set, priority_list):
+        _add_config_args(action)
+        action.add_argument("--url", help="scheduler URL (default from config)")
+        action.add_argument("--token", help="admin token (default $SYMPHONY_ADMIN_TOKEN or scheduler.admin_token)")
+        action.set_defaults(func=cmd_admin_priority)
 
     bench = sub.add_parser("bench", help="benchmarks (write JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)

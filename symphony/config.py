@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 import tomllib
 import typing
@@ -37,7 +38,7 @@ class SchedulerConfig:
     # gRPC addresses of the node managers ("host:port"). Empty: the local cluster's
     # node.host:node.grpc_port_base+i for i < cluster.nodes.
     node_addresses: list[str] = field(default_factory=list)
-    policy: str = "least_load"
+    policy: str = "symphony"  # symphony | recompute | sticky | round_robin | least_load | consistent_hash | prefix_trie
     poll_interval_ms: int = 100  # Status poll period per node
     node_down_after_ms: int = 1000  # no successful Status for this long -> node unroutable
     connect_timeout_s: float = 2.0  # to an engine; a dead engine must fail fast, not hang
@@ -48,6 +49,16 @@ class SchedulerConfig:
     advisory_ttl_s: float = 120.0  # an advisory not followed by a request within this is dropped
     max_advisories: int = 100_000  # pending advisories kept (LRU beyond)
     max_expected_arrival_ms: int = 3_600_000  # hints further out than this are rejected
+    typing_lead_ms: int = 10_000  # a typing advisory's prefetch deadline: when its request is likely to come
+    max_prefetches: int = 256  # KV moves followed at once; beyond, an advisory routes but moves nothing
+    max_sessions: int = 100_000  # session table entries (least recently used beyond)
+    session_ttl_s: float = 3600.0  # a session unused this long is forgotten
+    max_priority_settings: int = 100_000  # tenant and session priority tiers an admin may set
+    max_queued_requests: int = 1024  # requests held back by selective pushing; beyond: 429
+    queue_timeout_s: float = 60.0  # a held-back request that finds no room by then: 503
+    # Tenants' API keys, "tenant:key" each; empty: no authentication, every request is tenant "default".
+    api_keys: list[str] = field(default_factory=list)
+    admin_token: str = ""  # bearer token of the admin API (/admin/v1/...); empty: the admin API is off
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,10 @@ class EngineConfig:
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU builds
     enforce_eager: bool = True  # skip torch.compile: ~30 s start instead of minutes on CPU
     kv_connector: bool = True  # Symphony's KV connector: turns load from and save to the node's tiers
+    # CPU engines: the cores each computes on. "auto": the host's cores split between the local
+    # cluster's engines; "vllm": vLLM's own binding (every engine on the same first cores); or vLLM
+    # core lists per node index, "|"-separated ("0-3|4-7").
+    cpu_cores: str = "auto"
     extra_args: list[str] = field(default_factory=list)  # appended to the vLLM server command line
     startup_timeout_s: float = 300.0
     max_restarts: int = 5  # crash restarts before the node reports FAILED
@@ -321,10 +336,19 @@ def _validate(config: SymphonyConfig) -> None:
     port("scheduler.port", s.port)
     for name in ("poll_interval_ms", "node_down_after_ms", "max_inflight_requests", "max_body_bytes",
                  "max_session_id_len", "max_advisories", "max_expected_arrival_ms", "connect_timeout_s",
-                 "request_timeout_s", "advisory_ttl_s"):
+                 "request_timeout_s", "advisory_ttl_s", "typing_lead_ms", "max_prefetches", "max_sessions",
+                 "session_ttl_s", "max_priority_settings", "max_queued_requests", "queue_timeout_s"):
         check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
     check(s.node_down_after_ms >= s.poll_interval_ms, "scheduler.node_down_after_ms",
           "must be at least scheduler.poll_interval_ms")
+    tenants_by_key: dict[str, str] = {}
+    for entry in s.api_keys:
+        tenant, sep, key = entry.partition(":")
+        check(bool(sep and tenant and key), "scheduler.api_keys", "entries must be \"tenant:key\" (the tenant, a "
+              "colon, the key)")
+        check(key not in tenants_by_key, "scheduler.api_keys", f"a key is given to both {tenants_by_key.get(key)!r} "
+              f"and {tenant!r}")
+        tenants_by_key[key] = tenant
     for address in s.node_addresses:
         host, sep, port_text = address.rpartition(":")
         check(bool(sep and host and port_text.isdigit() and 1 <= int(port_text) <= 65535),
@@ -340,6 +364,8 @@ def _validate(config: SymphonyConfig) -> None:
           f"{e.block_size} is not a positive multiple of 32 (vLLM CPU attention needs it)")
     check(e.max_model_len > 0, "engine.max_model_len", "must be positive")
     check(e.kv_cache_space_gib > 0, "engine.kv_cache_space_gib", "must be positive")
+    check(e.cpu_cores in ("auto", "vllm") or bool(re.fullmatch(r"[0-9,\-]+(\|[0-9,\-]+)*", e.cpu_cores)),
+          "engine.cpu_cores", f"{e.cpu_cores!r} is not auto, vllm, or core lists like 0-3|4-7")
     check(e.dtype in ("bfloat16", "float16", "float32", "auto"), "engine.dtype",
           f"{e.dtype!r} is not one of bfloat16, float16, float32, auto")
     check(e.max_restarts >= 0, "engine.max_restarts", "must be >= 0")

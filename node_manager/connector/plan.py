@@ -56,6 +56,7 @@ class RequestKV:
     # The node manager's engine warm-up of a prefetched session: it loads the history and saves
     # nothing (the tiers have it all), and is no user's prompt in the token-source counts.
     warmup: bool = False
+    tiers: bool = True  # False: kept off Symphony's tiers (it neither loads nor saves)
 
     @property
     def held_blocks(self) -> int:
@@ -75,13 +76,13 @@ class ConnectorPlanner:
         self.max_requests = max_requests
         self.requests: dict[str, RequestKV] = {}
 
-    def track(self, request_id: str, tenant: str, session: str, warmup: bool = False) -> RequestKV:
+    def track(self, request_id: str, tenant: str, session: str, warmup: bool = False, tiers: bool = True) -> RequestKV:
         state = self.requests.get(request_id)
         if state is None:
             if len(self.requests) >= self.max_requests:
                 # Bounded: requests vLLM never finished (it always does) must not grow this forever.
                 self.requests.pop(next(iter(self.requests)))
-            state = self.requests[request_id] = RequestKV(tenant, session, warmup=warmup)
+            state = self.requests[request_id] = RequestKV(tenant, session, warmup=warmup, tiers=tiers)
         return state
 
     def matched(self, state: RequestKV, local_tokens: int, num_tokens: int) -> int:
@@ -133,7 +134,7 @@ class ConnectorPlanner:
                 state.saved_blocks = max(state.saved_blocks, first + count)
         for request_id, computed in computed_after.items():
             state = self.requests.get(request_id)
-            if state is None or state.warmup:
+            if state is None or state.warmup or not state.tiers:
                 continue
             tokens = tokens_of.get(request_id, ())
             full = min(computed, len(tokens), len(state.block_ids) * self.block_size) // self.block_size

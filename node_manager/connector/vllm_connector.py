@@ -6,8 +6,10 @@ how much of a request's history its tiers hold and plans each step's loads and s
 (`node_manager.connector.worker`). Both talk to the node manager over the node-local KV channel,
 whose socket path comes in `kv_connector_extra_config["socket"]`.
 
-A request names its session through `kv_transfer_params` ({"tenant", "session_id"}) or vLLM's own
-`session_id`; without either it still gets and leaves KV under its content-derived block keys.
+A request names its session through `kv_transfer_params` ({"tenant", "session_id"}, see
+`symphony.kv_transfer`) or vLLM's own `session_id`; without either it still gets and leaves KV under
+its content-derived block keys. `"symphony_tiers": false` there keeps the request off the tiers
+entirely (it neither loads nor saves: vLLM alone, the `recompute` baseline).
 `"symphony_warmup": true` there marks the node manager's own warm-up of a prefetched session
 (`node_manager.engine_warmup`), which must not count as the session's next turn arriving.
 Anything that goes wrong on the way (node manager away, pages lost) means recompute, never a
@@ -34,6 +36,7 @@ from node_manager.connector.warm_order import WarmedBlocks
 from node_manager.connector.worker import WorkerSide
 from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES, WARMUP_PARAM, WARMUP_PRIORITY_PARAM
 from node_manager.kv.pages import Priority
+from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
 from symphony.logs import get_logger
 
 if TYPE_CHECKING:
@@ -89,14 +92,15 @@ class SymphonyConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
-        tenant = str(params.get("tenant") or DEFAULT_TENANT)
-        session = str(params.get("session_id") or request.session_id or f"request-{request.request_id}")
+        tenant = str(params.get(TENANT_PARAM) or DEFAULT_TENANT)
+        session = str(params.get(SESSION_PARAM) or request.session_id or f"request-{request.request_id}")
         warmup = bool(params.get(WARMUP_PARAM))
+        tiers = params.get(TIERS_PARAM) is not False
         if not warmup:
             self._warmed.arrived((tenant, session))  # its warmed blocks, if any, are this request's now
-        state = self._planner.track(request.request_id, tenant, session, warmup)
+        state = self._planner.track(request.request_id, tenant, session, warmup, tiers)
         if state.held_keys is None:
-            state.held_keys = self._match(tenant, session, request.prompt_token_ids or [], warmup)
+            state.held_keys = self._match(tenant, session, request.prompt_token_ids or [], warmup) if tiers else ()
         return self._planner.matched(state, num_computed_tokens, request.num_tokens), False
 
     def _match(self, tenant: str, session: str, token_ids: list[int], warmup: bool) -> tuple[bytes, ...]:

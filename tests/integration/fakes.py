@@ -13,8 +13,30 @@ from dataclasses import dataclass, field
 import grpc
 from aiohttp import web
 
-from symphony.rpc import node_pb2, node_pb2_grpc
+from symphony.rpc import kv_pb2, kv_pb2_grpc, node_pb2, node_pb2_grpc
 from tests.helpers import free_port
+
+
+class FakeKVStore(kv_pb2_grpc.KVStoreServicer):
+    """Records the prefetches the scheduler asks for; each ends in `final_state` once `release` is set
+    (set from the start unless a test holds it)."""
+
+    def __init__(self) -> None:
+        self.prefetches: list[kv_pb2.PrefetchRequest] = []
+        self.final_state = kv_pb2.PREFETCH_STATE_DONE
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def Prefetch(self, request, context):
+        self.prefetches.append(request)
+        return kv_pb2.PrefetchStatus(prefetch_id=str(len(self.prefetches)), state=kv_pb2.PREFETCH_STATE_QUEUED)
+
+    async def GetPrefetch(self, request, context):
+        try:
+            await asyncio.wait_for(self.release.wait(), request.wait_ms / 1000)
+        except TimeoutError:
+            return kv_pb2.PrefetchStatus(prefetch_id=request.prefetch_id, state=kv_pb2.PREFETCH_STATE_RUNNING)
+        return kv_pb2.PrefetchStatus(prefetch_id=request.prefetch_id, state=self.final_state)
 
 
 class FakeNodeManager(node_pb2_grpc.NodeManagerServicer):
@@ -22,6 +44,7 @@ class FakeNodeManager(node_pb2_grpc.NodeManagerServicer):
         self.status = status
         self.port = free_port()
         self.server: grpc.aio.Server | None = None
+        self.kv = FakeKVStore()
 
     @property
     def address(self) -> str:
@@ -36,6 +59,7 @@ class FakeNodeManager(node_pb2_grpc.NodeManagerServicer):
     async def start(self) -> None:
         self.server = grpc.aio.server()
         node_pb2_grpc.add_NodeManagerServicer_to_server(self, self.server)
+        kv_pb2_grpc.add_KVStoreServicer_to_server(self.kv, self.server)
         self.server.add_insecure_port(self.address)
         await self.server.start()
 

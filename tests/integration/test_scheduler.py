@@ -5,87 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from scheduler.app import SchedulerState, create_app
-from symphony.config import load_config
 from symphony.rpc import node_pb2
 from tests.helpers import async_wait_until, free_port
-from tests.integration.fakes import FakeEngine, FakeNodeManager, ready_status
-
-StartScheduler = Callable[..., Awaitable[tuple[str, SchedulerState]]]
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngine]:
-    fake = FakeEngine()
-    await fake.start()
-    yield fake
-    await fake.stop()
-
-
-@pytest.fixture
-async def start_scheduler() -> AsyncIterator[StartScheduler]:
-    servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
-
-    async def start(nodes: list[FakeNodeManager], **scheduler: Any) -> tuple[str, SchedulerState]:
-        port = free_port()
-        settings = {
-            "port": port,
-            "node_addresses": [n.address for n in nodes],
-            "poll_interval_ms": 20,
-            "node_down_after_ms": 300,
-            "connect_timeout_s": 1.0,
-            **scheduler,
-        }
-        config = load_config(env={}, overrides={"scheduler": settings})
-        state = SchedulerState(config)
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(config, state), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-        )
-        task = asyncio.create_task(server.serve())
-        servers.append((server, task))
-        await async_wait_until(lambda: server.started, 10, "the scheduler to listen")
-        return f"http://127.0.0.1:{port}", state
-
-    yield start
-    for server, task in servers:
-        server.should_exit = True
-        await task
-
-
-MakeNode = Callable[..., Awaitable[FakeNodeManager]]
-
-
-@pytest.fixture
-async def make_node() -> AsyncIterator[MakeNode]:
-    started: list[FakeNodeManager] = []
-
-    async def make(engine_url: str, node_id: str = "node-0", **status: Any) -> FakeNodeManager:
-        node = FakeNodeManager(ready_status(node_id, engine_url, **status))
-        await node.start()
-        started.append(node)
-        return node
-
-    yield make
-    for node in started:
-        await node.stop()
-
-
-async def _ready(client: httpx.AsyncClient, count: int = 1) -> None:
-    async def ready() -> bool:
-        body = (await client.get("/readyz")).json()
-        return body["ready_nodes"] == count
-
-    await async_wait_until(ready, 10, f"{count} ready node(s)")
-
-
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
+from tests.integration.fakes import FakeEngine, FakeNodeManager
 
 
 async def test_readiness_follows_node_status(
@@ -95,7 +22,7 @@ async def test_readiness_follows_node_status(
     url, _ = await start_scheduler([node])
     async with httpx.AsyncClient(base_url=url) as client:
         assert (await client.get("/readyz")).status_code in (200, 503)
-        await _ready(client)
+        await ready(client)
         body = (await client.get("/v1/models")).json()
         assert [m["id"] for m in body["data"]] == ["m"]
 
@@ -125,7 +52,7 @@ async def test_chat_is_relayed_with_node_headers_and_session(
 ) -> None:
     url, _ = await start_scheduler([await make_node(engine.url)])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client)
+        await ready(client)
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s-1"})
         assert reply.status_code == 200
         assert reply.headers["x-symphony-node"] == "node-0"
@@ -150,7 +77,7 @@ async def test_missing_model_is_filled_in_for_the_engine(
 ) -> None:
     url, _ = await start_scheduler([await make_node(engine.url)])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client)
+        await ready(client)
         reply = await client.post("/v1/chat/completions", json={"messages": CHAT["messages"]})
         assert reply.status_code == 200
         assert engine.requests[-1]["model"] == "m"
@@ -161,7 +88,7 @@ async def test_engine_4xx_passes_through(
 ) -> None:
     url, _ = await start_scheduler([await make_node(engine.url)])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client)
+        await ready(client)
         reply = await client.post(
             "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "bad"}]}
         )
@@ -173,7 +100,7 @@ async def test_unreachable_engine_gives_503_quickly(make_node: MakeNode, start_s
     dead_engine = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     url, state = await start_scheduler([await make_node(dead_engine)])
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        await _ready(client)
+        await ready(client)
         started = time.monotonic()
         reply = await client.post("/v1/chat/completions", json=CHAT)
         assert reply.status_code == 503
@@ -203,7 +130,7 @@ async def test_unreachable_engine_is_retried_once_elsewhere(
     alive = await make_node(engine.url, "node-b", running=5)  # busier, so least-load tries node-a first
     url, state = await start_scheduler([dead, alive])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client, 2)
+        await ready(client, 2)
         reply = await client.post("/v1/chat/completions", json=CHAT)
         assert reply.status_code == 200
         assert reply.headers["x-symphony-node"] == "node-b"
@@ -219,7 +146,7 @@ async def test_broken_stream_ends_with_an_error_event(
 ) -> None:
     url, state = await start_scheduler([await make_node(engine.url)])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client)
+        await ready(client)
         body = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "break"}]}
         async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
             text = "".join([chunk async for chunk in stream.aiter_text()])
@@ -234,7 +161,7 @@ async def test_client_leaving_mid_stream_aborts_the_engine_request(
 ) -> None:
     url, state = await start_scheduler([await make_node(engine.url)])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client)
+        await ready(client)
         body = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "stall"}]}
         async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
             async for chunk in stream.aiter_text():
@@ -249,7 +176,7 @@ async def test_inflight_limit_answers_429(
 ) -> None:
     url, _ = await start_scheduler([await make_node(engine.url)], max_inflight_requests=1)
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client)
+        await ready(client)
         body = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "stall"}]}
         async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
             assert stream.status_code == 200
@@ -263,7 +190,7 @@ async def test_oversized_body_and_unknown_routes_get_openai_errors(
 ) -> None:
     url, _ = await start_scheduler([await make_node(engine.url)], max_body_bytes=1024)
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client)
+        await ready(client)
         big = {**CHAT, "messages": [{"role": "user", "content": "x" * 4096}]}
         reply = await client.post("/v1/chat/completions", json=big)
         assert reply.status_code == 413
@@ -279,7 +206,7 @@ async def test_advisory_pins_the_next_request_and_spreads_sessions(
 ) -> None:
     url, _ = await start_scheduler([await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client, 2)
+        await ready(client, 2)
         advised = {}
         for session in ("s1", "s2", "s3", "s4"):
             reply = await client.post("/v1/advisories", json={"session_id": session, "kind": "typing"})
@@ -305,11 +232,11 @@ async def test_advisory_for_a_node_that_went_down_is_rerouted(
     node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
     url, _ = await start_scheduler([node_a, node_b])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client, 2)
+        await ready(client, 2)
         advised = (await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})).json()["node"]
         down, other = (node_a, "node-b") if advised == "node-a" else (node_b, "node-a")
         down.status.engine_state = node_pb2.ENGINE_STATE_RESTARTING
-        await _ready(client, 1)
+        await ready(client, 1)
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
         assert reply.status_code == 200
         assert reply.headers["x-symphony-node"] == other
@@ -322,7 +249,7 @@ async def test_model_whose_nodes_are_all_down_is_unavailable_not_unknown(
     node = await make_node(engine.url)
     url, _ = await start_scheduler([node])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client)
+        await ready(client)
         node.status.engine_state = node_pb2.ENGINE_STATE_RESTARTING
         await _wait_status(client, 503)
         reply = await client.post("/v1/chat/completions", json=CHAT)
@@ -340,7 +267,7 @@ async def test_engine_that_never_answers_gives_504(
 ) -> None:
     url, state = await start_scheduler([await make_node(engine.url)], request_timeout_s=0.5)
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        await _ready(client)
+        await ready(client)
         reply = await client.post("/v1/chat/completions", json=SLOW)
         assert reply.status_code == 504
         assert reply.json()["error"]["code"] == "engine_timeout"
@@ -353,7 +280,7 @@ async def test_client_leaving_a_plain_request_aborts_it_at_the_engine(
 ) -> None:
     url, state = await start_scheduler([await make_node(engine.url)])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client)
+        await ready(client)
         pending = asyncio.create_task(client.post("/v1/chat/completions", json=SLOW))
         await async_wait_until(lambda: len(engine.requests) == 1, 10, "the engine to receive the request")
         pending.cancel()  # the client hangs up before the answer
@@ -369,7 +296,7 @@ async def test_two_nodes_claiming_one_name_both_get_traffic(
     first, second = await make_node(engine.url, "node-0"), await make_node(engine.url, "node-0")
     url, _ = await start_scheduler([first, second])
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client, 2)
+        await ready(client, 2)
         names = set((await client.get("/readyz")).json()["nodes"])
         assert len(names) == 2 and "node-0" in names
         served = {(await client.post("/v1/chat/completions", json=CHAT)).headers["x-symphony-node"] for _ in range(4)}
@@ -382,7 +309,7 @@ async def test_expired_advisories_stop_counting_as_load(
     url, state = await start_scheduler([await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")],
                                        advisory_ttl_s=0.2)
     async with httpx.AsyncClient(base_url=url) as client:
-        await _ready(client, 2)
+        await ready(client, 2)
         for i in range(6):
             await client.post("/v1/advisories", json={"session_id": f"gone-{i}", "kind": "typing"})
         assert sum(state.advisories.pending_by_node.values()) == 6

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from node_manager.engine import EngineLaunch, engine_launch
+from node_manager.engine import EngineLaunch, engine_cpu_cores, engine_launch
 from symphony.config import EngineConfig
 from symphony.models import ModelInfo
 
@@ -89,3 +89,21 @@ def test_no_base_env_inherits_process_env(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_url_is_http_host_port() -> None:
     assert launch().url == "http://10.0.0.7:8123"
+
+
+@pytest.mark.parametrize(("setting", "nodes", "cpus", "expected"), [
+    ("auto", 2, 2, ["0", "1"]),  # one core each, where vLLM would put both on core 0
+    ("auto", 2, 16, ["0-7", "8-15"]),
+    ("auto", 3, 2, ["0", "1", "0"]),  # more engines than cores: shared round the cores
+    ("auto", 1, 8, [""]),  # one engine: vLLM's own choice (it reserves a core for its frontend)
+    ("vllm", 2, 2, ["", ""]),
+    ("0-3|4-7", 2, 8, ["0-3", "4-7"]),
+])
+def test_cpu_engines_get_cores_of_their_own(setting: str, nodes: int, cpus: int, expected: list[str]) -> None:
+    assert [engine_cpu_cores(setting, i, nodes, cpus) for i in range(nodes)] == expected
+
+
+def test_cpu_cores_reach_vllm_only_when_chosen() -> None:
+    assert engine_launch(EngineConfig(), MODEL, "h", 1, base_env={}, cpu_cores="1").env[
+        "VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_launch(EngineConfig(), MODEL, "h", 1, base_env={}).env

@@ -1,0 +1,34 @@
+"""Routing policies behind one interface (`scheduler.routing.RoutingPolicy`), chosen per run by
+`scheduler.policy`. Pure: the scheduler and the cluster simulator call the same objects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scheduler.policies.consistent_hash import ConsistentHashPolicy
+from scheduler.policies.least_load import LeastLoadPolicy, RecomputePolicy, RoundRobinPolicy
+from scheduler.policies.prefix_trie import PrefixTriePolicy
+from scheduler.policies.sticky import StickyPolicy
+from scheduler.policies.symphony import CostModel, SymphonyPolicy
+from scheduler.routing import RoutingPolicy
+from symphony.config import ConfigError
+
+POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
+    SymphonyPolicy.name: SymphonyPolicy,
+    RecomputePolicy.name: RecomputePolicy,
+    StickyPolicy.name: StickyPolicy,
+    RoundRobinPolicy.name: RoundRobinPolicy,
+    LeastLoadPolicy.name: LeastLoadPolicy,
+    ConsistentHashPolicy.name: ConsistentHashPolicy,
+    PrefixTriePolicy.name: PrefixTriePolicy,
+}
+
+__all__ = ["POLICIES", "CostModel", "make_policy"]
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ConfigError(f"scheduler.policy: unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})") from None
+    return factory()

@@ -1,0 +1,107 @@
+"""Moving a session's KV ahead of its request: the scheduler asks the chosen node's manager for a
+top-tier prefetch (from its own tiers, or pulled from the node that holds the KV) and follows it to
+the end, so that the request can tell whether its KV was ready when it arrived.
+
+The advisory's answer never waits for any of it (an advisory is answered in milliseconds, the
+move takes as long as it takes). Bounded: at most `max_inflight` prefetches are followed at once;
+beyond that an advisory still routes, but moves nothing (counted)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from scheduler.metrics import SchedulerMetrics
+from scheduler.sessions import SessionKey
+from symphony.logs import get_logger
+from symphony.rpc import kv_pb2, kv_pb2_grpc
+
+log = get_logger("scheduler.prefetch")
+
+_PRIORITY = {"low": kv_pb2.PRIORITY_LOW, "normal": kv_pb2.PRIORITY_NORMAL, "high": kv_pb2.PRIORITY_HIGH}
+_FINAL = {kv_pb2.PREFETCH_STATE_DONE, kv_pb2.PREFETCH_STATE_PARTIAL, kv_pb2.PREFETCH_STATE_CANCELLED,
+          kv_pb2.PREFETCH_STATE_FAILED}
+FOLLOW_WAIT_MS = 30_000  # one GetPrefetch long-poll
+
+
+@dataclass(slots=True)
+class Prefetch:
+    """One session's move to one node, as the scheduler follows it."""
+
+    session: SessionKey
+    node_id: str
+    started_at: float
+    finished_at: float | None = None
+    state: str = "pending"  # pending, then done | partial | failed | cancelled
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "done"
+
+
+class Prefetcher:
+    def __init__(self, stub_for: Callable[[str], kv_pb2_grpc.KVStoreStub | None], metrics: SchedulerMetrics,
+                 max_inflight: int, on_moved: Callable[[SessionKey, str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._stub_for = stub_for
+        self._metrics = metrics
+        self._max_inflight = max_inflight
+        self._on_moved = on_moved
+        self._clock = clock
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._tasks)
+
+    def start(self, session: SessionKey, node_id: str, source_address: str, deadline_ms: int,
+              priority: str) -> Prefetch | None:
+        """Ask `node_id` to bring the session's KV into its top tier (pulling what it lacks from the
+        node manager at `source_address`, if given) by `deadline_ms` from now. Returns at once."""
+        stub = self._stub_for(node_id)
+        if stub is None:
+            return None
+        if len(self._tasks) >= self._max_inflight:
+            self._metrics.prefetches.labels("skipped_busy").inc()
+            return None
+        prefetch = Prefetch(session, node_id, self._clock())
+        request = kv_pb2.PrefetchRequest(session=kv_pb2.SessionRef(tenant=session[0], session_id=session[1]),
+                                         target_tier=kv_pb2.TIER_HBM, deadline_ms=deadline_ms,
+                                         priority=_PRIORITY[priority], source_peer=source_address)
+        task = asyncio.create_task(self._follow(stub, request, prefetch), name=f"prefetch-{session[1]}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return prefetch
+
+    async def _follow(self, stub: kv_pb2_grpc.KVStoreStub, request: kv_pb2.PrefetchRequest,
+                      prefetch: Prefetch) -> None:
+        try:
+            status = await stub.Prefetch(request, timeout=10)
+            while status.state not in _FINAL:
+                status = await stub.GetPrefetch(kv_pb2.PrefetchRef(prefetch_id=status.prefetch_id,
+                                                                   wait_ms=FOLLOW_WAIT_MS),
+                                                timeout=FOLLOW_WAIT_MS / 1000 + 10)
+            state = kv_pb2.PrefetchState.Name(status.state).removeprefix("PREFETCH_STATE_").lower()
+            if status.error:
+                log.debug("prefetch ended", session=prefetch.session[1], node=prefetch.node_id, state=state,
+                          error=status.error)
+        except grpc.aio.AioRpcError as exc:
+            # NOT_FOUND: neither the node nor the peer knows the session (a first turn): nothing to move.
+            state = "not_found" if exc.code() == grpc.StatusCode.NOT_FOUND else "failed"
+            if state == "failed":
+                log.info("prefetch failed", session=prefetch.session[1], node=prefetch.node_id,
+                         error=f"{exc.code().name}: {exc.details()}")
+        prefetch.state = state
+        prefetch.finished_at = self._clock()
+        self._metrics.prefetches.labels(state).inc()
+        if state in ("done", "partial"):
+            self._on_moved(prefetch.session, prefetch.node_id)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,96 @@
+"""The scheduler's session table: where each session's last turn ran and which nodes' tiers hold
+its KV (as far as the scheduler saw: turns it sent there, prefetches it asked for). Bounded by
+size (least recently used first) and by age (an entry unused for `ttl_s` is dropped): routers that
+keep every session forever are how index memory grows without bound (dynamo #10774).
+
+What it knows is a hint, never a promise: a node may have evicted a session since. A wrong hint
+costs a recompute of what the node lacks, never a wrong answer (the connector loads only what the
+node's tiers really hold)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SessionKey = tuple[str, str]  # (tenant, session id): sessions never collide across tenants
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    last_node: str | None = None
+    kv_tokens: dict[str, int] = field(default_factory=dict)  # node id -> history tokens its tiers hold
+    history_tokens: int = 0
+    used_at: float = 0.0
+    high: bool = False  # its last turn ran at high priority
+
+
+class SessionTable:
+    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_sessions <= 0 or ttl_s <= 0:
+            raise ValueError("max_sessions and ttl_s must be positive")
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: OrderedDict[SessionKey, SessionEntry] = OrderedDict()
+        self.high_sessions: Counter[str] = Counter()  # high-priority sessions whose last turn ran on each node
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: SessionKey) -> SessionEntry | None:
+        entry = self._entries.get(key)
+        if entry is not None and self._clock() - entry.used_at > self.ttl_s:
+            self._drop(key)
+            return None
+        return entry
+
+    def served(self, key: SessionKey, node_id: str, history_tokens: int, high: bool = False) -> None:
+        """A turn of the session (its history plus what it adds) is being computed on `node_id`; the
+        connector saves its KV there. Older copies elsewhere hold a shorter prefix of it."""
+        entry = self._touch(key)
+        self._count_high(entry, -1)
+        entry.last_node, entry.high = node_id, high
+        self._count_high(entry, +1)
+        entry.history_tokens = max(entry.history_tokens, history_tokens)
+        entry.kv_tokens[node_id] = max(entry.kv_tokens.get(node_id, 0), history_tokens)
+
+    def moved(self, key: SessionKey, node_id: str) -> None:
+        """A prefetch brought the session's whole known history to `node_id`."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.kv_tokens[node_id] = max(entry.kv_tokens.values(), default=0)
+
+    def forget_node(self, node_id: str) -> None:
+        """A node left the cluster (or lost its store): its copies no longer count."""
+        for entry in self._entries.values():
+            entry.kv_tokens.pop(node_id, None)
+
+    def purge(self) -> None:
+        """Drop entries older than the TTL (oldest first; the table is kept in use order)."""
+        now = self._clock()
+        while self._entries:
+            key, entry = next(iter(self._entries.items()))
+            if now - entry.used_at <= self.ttl_s:
+                return
+            self._drop(key)
+
+    def _touch(self, key: SessionKey) -> SessionEntry:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = SessionEntry()
+        entry.used_at = self._clock()
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.max_sessions:
+            self._drop(next(iter(self._entries)))
+        return entry
+
+    def _drop(self, key: SessionKey) -> None:
+        self._count_high(self._entries.pop(key), -1)
+
+    def _count_high(self, entry: SessionEntry, change: int) -> None:
+        if entry.high and entry.last_node is not None:
+            self.high_sessions[entry.last_node] += change
+            if self.high_sessions[entry.last_node] <= 0:
+                del self.high_sessions[entry.last_node]

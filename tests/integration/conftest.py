@@ -1,0 +1,88 @@
+"""Fixtures of the scheduler's integration tests: a real scheduler (uvicorn) polling fake node
+managers (real gRPC) in front of fake engines (real HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from scheduler.app import SchedulerState, create_app
+from symphony.config import load_config
+from tests.helpers import async_wait_until, free_port
+from tests.integration.fakes import FakeEngine, FakeNodeManager, ready_status
+
+StartScheduler = Callable[..., Awaitable[tuple[str, SchedulerState]]]
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngine]:
+    fake = FakeEngine()
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+@pytest.fixture
+async def start_scheduler() -> AsyncIterator[StartScheduler]:
+    servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+
+    async def start(nodes: list[FakeNodeManager], **scheduler: Any) -> tuple[str, SchedulerState]:
+        port = free_port()
+        settings = {
+            "port": port,
+            "node_addresses": [n.address for n in nodes],
+            "poll_interval_ms": 20,
+            "node_down_after_ms": 300,
+            "connect_timeout_s": 1.0,
+            **scheduler,
+        }
+        config = load_config(env={}, overrides={"scheduler": settings})
+        state = SchedulerState(config)
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(config, state), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+        )
+        task = asyncio.create_task(server.serve())
+        servers.append((server, task))
+        await async_wait_until(lambda: server.started, 10, "the scheduler to listen")
+        return f"http://127.0.0.1:{port}", state
+
+    yield start
+    for server, task in servers:
+        server.should_exit = True
+        await task
+
+
+MakeNode = Callable[..., Awaitable[FakeNodeManager]]
+
+
+@pytest.fixture
+async def make_node() -> AsyncIterator[MakeNode]:
+    started: list[FakeNodeManager] = []
+
+    async def make(engine_url: str, node_id: str = "node-0", **status: Any) -> FakeNodeManager:
+        node = FakeNodeManager(ready_status(node_id, engine_url, **status))
+        await node.start()
+        started.append(node)
+        return node
+
+    yield make
+    for node in started:
+        await node.stop()
+
+
+async def ready(client: httpx.AsyncClient, count: int = 1) -> None:
+    async def ready() -> bool:
+        body = (await client.get("/readyz")).json()
+        return body["ready_nodes"] == count
+
+    await async_wait_until(ready, 10, f"{count} ready node(s)")
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+

@@ -1,0 +1,259 @@
+"""Issue 5's scheduler behaviour over real HTTP and gRPC, with fake nodes: advisories that move KV,
+tenants from API keys, baselines behind the same interface, selective pushing, the admin API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from client_sdk import AsyncAdminClient, AsyncSymphonyClient
+from symphony.rpc import kv_pb2
+from tests.helpers import async_wait_until
+from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
+from tests.integration.fakes import FakeEngine
+
+KEYS = ["acme:key-acme", "rival:key-rival"]
+ACME = {"Authorization": "Bearer key-acme"}
+RIVAL = {"Authorization": "Bearer key-rival"}
+
+
+def _metric(text: str, sample: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
+    url, _ = await start_scheduler([node_a, node_b], typing_lead_ms=7000)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client, 2)
+        turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        holder, other = (node_a, node_b) if turn.headers["x-symphony-node"] == "node-a" else (node_b, node_a)
+        holder.status.num_requests_running = 6  # the session's node is busy now: its KV must move
+        await async_wait_until(lambda: _busy(client, holder.status.node_id), 10, "the load to be polled")
+        advice = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
+        assert advice.status_code == 202 and advice.json()["node"] == other.status.node_id
+        await async_wait_until(lambda: bool(other.kv.prefetches), 10, "the prefetch request")
+        prefetch = other.kv.prefetches[0]
+        assert (prefetch.session.tenant, prefetch.session.session_id) == ("default", "s")
+        assert prefetch.target_tier == kv_pb2.TIER_HBM and prefetch.deadline_ms == 7000
+        assert prefetch.source_peer == holder.address  # pulled from the node that holds it
+        assert not holder.kv.prefetches
+
+        async def moved() -> bool:
+            return 'symphony_prefetches_total{outcome="done"} 1.0' in (await client.get("/metrics")).text
+
+        await async_wait_until(moved, 10, "the prefetch to finish")
+        reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        assert reply.headers["x-symphony-node"] == other.status.node_id
+        assert reply.headers["x-symphony-route"] == "advisory"
+        metrics = (await client.get("/metrics")).text
+        assert _metric(metrics, 'symphony_advised_requests_total{kind="typing",kv_ready="yes"}') == 1
+        assert _metric(metrics, 'symphony_advisories_total{kind="typing",outcome="routed"}') == 1
+
+
+async def _busy(client: httpx.AsyncClient, node_id: str) -> bool:
+    return (await client.get("/readyz")).json()["nodes"][node_id]["running"] > 0
+
+
+async def test_a_first_turns_advisory_pre_assigns_a_node_and_moves_nothing(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node = await make_node(engine.url)
+    url, _ = await start_scheduler([node])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        advice = await client.post("/v1/advisories", json={"session_id": "new", "kind": "predecessor",
+                                                           "expected_arrival_ms": 1800})
+        assert advice.status_code == 202 and advice.json()["node"] == "node-0"
+        reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "new"})
+        assert reply.headers["x-symphony-route"] == "advisory"
+        assert node.kv.prefetches == []
+
+
+async def test_a_predecessor_hint_prefetches_by_its_expected_arrival_and_late_kv_counts_as_not_ready(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node = await make_node(engine.url)
+    node.kv.release.clear()  # the move does not finish before the request
+    url, _ = await start_scheduler([node])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "agent"})
+        await client.post("/v1/advisories", json={"session_id": "agent", "kind": "predecessor",
+                                                  "expected_arrival_ms": 1800})
+        await async_wait_until(lambda: bool(node.kv.prefetches), 10, "the prefetch request")
+        assert node.kv.prefetches[0].deadline_ms == 1800 and node.kv.prefetches[0].source_peer == ""
+        await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "agent"})
+        node.kv.release.set()
+        metrics = (await client.get("/metrics")).text
+        assert _metric(metrics, 'symphony_advised_requests_total{kind="predecessor",kv_ready="no"}') == 1
+
+
+async def test_tenants_come_from_api_keys_and_key_the_kv_the_engine_gets(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url)], api_keys=KEYS)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-acme"}):
+            refused = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["type"] == "authentication_error"
+            assert (await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"},
+                                      headers=headers)).status_code == 401
+        assert engine.requests == []
+        # A client naming another tenant's KV gets its own anyway.
+        forged = {**CHAT, "kv_transfer_params": {"tenant": "rival", "session_id": "theirs"}}
+        reply = await client.post("/v1/chat/completions", json=forged, headers={**ACME, "X-Session-ID": "mine"})
+        assert reply.status_code == 200
+        assert engine.requests[-1]["kv_transfer_params"] == {"tenant": "acme", "session_id": "mine"}
+        await client.post("/v1/chat/completions", json=CHAT, headers={**RIVAL, "X-Session-ID": "mine"})
+        assert engine.requests[-1]["kv_transfer_params"] == {"tenant": "rival", "session_id": "mine"}
+
+
+async def test_a_tenant_cannot_advise_or_move_another_tenants_session(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
+    url, state = await start_scheduler([node_a, node_b], api_keys=KEYS)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client, 2)
+        await client.post("/v1/chat/completions", json=CHAT, headers={**ACME, "X-Session-ID": "s"})
+        # The same session id from another tenant is another session: nothing of acme's moves (an
+        # advisory starts its prefetch before it answers, so none was started).
+        assert (await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"},
+                                  headers=RIVAL)).status_code == 202
+        assert state.dispatcher.prefetcher.inflight == 0 and not state.dispatcher.prefetches
+        assert [p for node in (node_a, node_b) for p in node.kv.prefetches] == []
+        # Acme's own advisory does move it.
+        await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"}, headers=ACME)
+        assert list(state.dispatcher.prefetches) == [("acme", "s")]
+
+
+async def test_recompute_baseline_keeps_requests_off_the_tiers_and_ignores_advisories(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node = await make_node(engine.url)
+    url, _ = await start_scheduler([node], policy="recompute")
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        assert engine.requests[-1]["kv_transfer_params"] == {"tenant": "default", "session_id": "s",
+                                                             "symphony_tiers": False}
+        advice = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
+        assert advice.status_code == 202 and advice.json()["node"] is None
+        reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        assert reply.headers["x-symphony-route"] == "least_load"
+        assert node.kv.prefetches == []
+        assert 'symphony_advisories_total{kind="typing",outcome="ignored"} 1.0' in (await client.get("/metrics")).text
+
+
+async def test_selective_pushing_holds_requests_until_a_node_has_room(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node_a = await make_node(engine.url, "node-a", running=4, waiting=2)
+    node_b = await make_node(engine.url, "node-b", running=4, waiting=1)
+    url, state = await start_scheduler([node_a, node_b], queue_timeout_s=30)
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        await ready(client, 2)
+        held = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        await async_wait_until(lambda: len(state.dispatcher.queue) == 1, 10, "the request to wait")
+        assert engine.requests == []
+        node_b.status.num_requests_waiting = 0  # node-b's queue drains
+        reply = await held
+        assert reply.status_code == 200 and reply.headers["x-symphony-node"] == "node-b"
+        assert len(state.dispatcher.queue) == 0
+
+
+async def test_a_held_request_that_finds_no_room_in_time_gets_503(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url, waiting=3)], queue_timeout_s=0.3)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        reply = await client.post("/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "queue_timeout"
+        assert engine.requests == []
+
+
+async def test_admin_sets_priority_tiers_and_a_high_session_is_promoted(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node = await make_node(engine.url)
+    url, _ = await start_scheduler([node], admin_token="s3cret", api_keys=KEYS)
+    admin = {"Authorization": "Bearer s3cret"}
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        body = {"tenant": "acme", "session_id": "vip", "priority": "high"}
+        assert (await client.put("/admin/v1/priorities", json=body)).status_code == 401
+        wrong = await client.put("/admin/v1/priorities", json=body, headers=ACME)  # a tenant key is no admin token
+        assert wrong.status_code == 403 and wrong.json()["error"]["type"] == "permission_error"
+        bad = await client.put("/admin/v1/priorities", json={**body, "priority": "urgent"}, headers=admin)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
+        await client.post("/v1/chat/completions", json=CHAT, headers={**ACME, "X-Session-ID": "vip"})
+        reply = await client.put("/admin/v1/priorities", json=body, headers=admin)
+        assert reply.status_code == 200 and reply.json()["promoted"] is True
+        await async_wait_until(lambda: bool(node.kv.prefetches), 10, "the promotion's prefetch")
+        assert node.kv.prefetches[0].priority == kv_pb2.PRIORITY_HIGH
+        assert (await client.put("/admin/v1/priorities", json={"tenant": "rival", "priority": "low"},
+                                 headers=admin)).status_code == 200
+        listing = (await client.get("/admin/v1/priorities", headers=admin)).json()
+        assert listing["tenants"] == {"rival": "low"}
+        assert listing["sessions"] == [{"tenant": "acme", "session_id": "vip", "priority": "high"}]
+        await client.post("/v1/chat/completions", json=CHAT, headers={**ACME, "X-Session-ID": "vip"})
+        metrics = (await client.get("/metrics")).text
+        assert _metric(metrics, 'symphony_priority_requests_total{priority="high"}') == 1
+
+
+async def test_the_admin_api_is_off_without_a_token(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url)])
+    async with httpx.AsyncClient(base_url=url) as client:
+        reply = await client.get("/admin/v1/priorities", headers={"Authorization": "Bearer anything"})
+        assert reply.status_code == 403 and reply.json()["error"]["code"] == "admin_disabled"
+
+
+async def test_the_sdk_debounces_typing_sends_agent_hints_and_sets_priorities(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, state = await start_scheduler([await make_node(engine.url)], admin_token="s3cret", api_keys=KEYS)
+    client = AsyncSymphonyClient(url, api_key="key-acme", model="m", max_retries=0)
+    try:
+        async with httpx.AsyncClient(base_url=url) as probe:
+            await ready(probe)
+        first = await client.typing("chat-1")
+        assert first is not None and first.node == "node-0"
+        assert await client.typing("chat-1") is None  # keystrokes within the window send nothing
+        await client.chat("chat-1", [{"role": "user", "content": "hi"}], max_tokens=4)
+        assert await client.typing("chat-1") is not None  # the next turn's typing is a new advisory
+
+        @client.predecessor("reviewer", expected_arrival_ms=1800)
+        async def architect_step() -> str:
+            return "design"
+
+        assert await architect_step() == "design"
+        hint = state.advisories.take(("acme", "reviewer"))
+        assert hint is not None and (hint.kind, hint.expected_arrival_ms) == ("predecessor", 1800)
+    finally:
+        await client.close()
+    admin = AsyncAdminClient(url, token="s3cret")
+    try:
+        reply = await admin.set_priority("acme", "low")
+        assert reply["priority"] == "low" and (await admin.priorities())["tenants"] == {"acme": "low"}
+    finally:
+        await admin.close()
+    intruder = AsyncAdminClient(url, token="key-acme")
+    try:
+        with pytest.raises(openai.PermissionDeniedError):
+            await intruder.set_priority("acme", "high")
+    finally:
+        await intruder.close()
