@@ -77,3 +77,28 @@ def plot_resume(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_cluster(result: dict[str, Any], path: Path) -> None:
+    """Per policy: TTFT p50 and p95 (left), computed share of prompt tokens and node imbalance (right)."""
+    plt = _pyplot()
+    policies = list(result["policies"])
+    stats = result["policies"]
+    fig, (ttft, other) = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(policies))
+    ttft.bar([i - 0.2 for i in x], [stats[p]["ttft_ms_p50"] for p in policies], width=0.4, label="p50")
+    ttft.bar([i + 0.2 for i in x], [stats[p]["ttft_ms_p95"] for p in policies], width=0.4, label="p95")
+    ttft.set_xticks(list(x), policies, rotation=20)
+    ttft.set_ylabel("TTFT (ms)")
+    ttft.legend()
+    share = [stats[p]["prefill_tokens_computed"] / max(1, stats[p]["prefill_tokens_total"]) for p in policies]
+    other.bar([i - 0.2 for i in x], share, width=0.4, label="prompt tokens computed / total")
+    other.bar([i + 0.2 for i in x], [stats[p]["max_over_mean_load"] - 1 for p in policies], width=0.4,
+              label="busiest node over mean - 1")
+    other.set_xticks(list(x), policies, rotation=20)
+    other.legend()
+    fig.suptitle(f"{result['users']} users, {result['duration_s']:.0f} s per policy")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

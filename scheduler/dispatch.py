@@ -68,8 +68,9 @@ class Dispatcher:
         self.advisories = advisories
         self.metrics = metrics
         self.config = config
-        self.sessions = sessions or SessionTable(config.max_sessions, config.session_ttl_s)
-        self.priorities = priorities or PriorityTable(config.max_priority_settings)
+        # Given or new (not `or`: an empty table is falsy).
+        self.sessions = sessions if sessions is not None else SessionTable(config.max_sessions, config.session_ttl_s)
+        self.priorities = priorities if priorities is not None else PriorityTable(config.max_priority_settings)
         self.queue = PushQueue(config.max_queued_requests)
         self.prefetcher = Prefetcher(self._kv_stub, metrics, config.max_prefetches, self.sessions.moved)
         self.prefetches: OrderedDict[SessionKey, Prefetch] = OrderedDict()  # the latest per advised session

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Protocol
 
 PRIORITIES = ("low", "normal", "high")  # in rank order
 PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
-_EMPTY: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +51,7 @@ class RouteRequest:
     model: str
     priority: str = "normal"  # one of PRIORITIES
     history_tokens: int = 0  # estimated tokens of history the request carries (its prompt)
-    kv_tokens: Mapping[str, int] = _EMPTY  # node id -> tokens of the session's history its tiers hold
+    kv_tokens: Mapping[str, int] = field(default_factory=dict)  # node id -> history tokens its tiers hold
     routing_text: str = ""  # the prompt's leading text, for prefix-aware policies (bounded)
 
 

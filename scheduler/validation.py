@@ -20,6 +20,7 @@ MAX_MESSAGES = 10_000
 
 MAX_ROUTING_TEXT = 16_384  # characters of a prompt that prefix-aware routing looks at
 CHARS_PER_TOKEN = 4  # for estimates only (routing costs); the engine counts the real tokens
+MESSAGE_TEMPLATE_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +58,15 @@ def _text_of(content: Any) -> str:
 
 
 def _estimated_tokens(body: Mapping[str, Any], endpoint: str) -> int:
-    if endpoint == "chat":
-        return sum(len(_text_of(m.get("content"))) for m in body["messages"]) // CHARS_PER_TOKEN
+    if endpoint == "chat":  # a few tokens of chat template around every message
+        return sum(-(-len(_text_of(m.get("content"))) // CHARS_PER_TOKEN) + MESSAGE_TEMPLATE_TOKENS
+                   for m in body["messages"])
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        return len(prompt) // CHARS_PER_TOKEN
+        return -(-len(prompt) // CHARS_PER_TOKEN)
     if prompt and isinstance(prompt[0], int):
         return len(prompt)  # token ids
-    return sum(len(p) if isinstance(p, list) else len(p) // CHARS_PER_TOKEN for p in prompt)
+    return sum(len(p) if isinstance(p, list) else -(-len(p) // CHARS_PER_TOKEN) for p in prompt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -297,7 +297,52 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     resume.add_argument("--served-model-name", help=argparse.SUPPRESS)
     resume.set_defaults(func=cmd_bench_resume)
+    cluster = bench_sub.add_parser("cluster", help="routing policies on a live 2-node cluster replaying ShareGPT "
+                                   "users with typing advisories")
+    _add_config_args(cluster)
+    cluster.add_argument("--out", type=Path, required=True, help="JSON results file")
+    cluster.add_argument("--plot", type=Path, metavar="PNG", help="also draw the comparison to this PNG")
+    cluster.add_argument("--records", type=Path, metavar="DIR", help="also write every request (JSON, CSV) here")
+    cluster.add_argument("--policies", default=",".join(_cluster_defaults()),
+                         help="comma-separated, run in this order (default: %(default)s)")
+    cluster.add_argument("--users", type=_positive_int, default=8, help="simulated users (8)")
+    cluster.add_argument("--duration", type=_positive_int, default=90, help="seconds of load per policy (90)")
+    cluster.add_argument("--time-scale", type=float, default=0.05,
+                         help="human reading and typing time, scaled (0.05: a minute becomes 3 s)")
+    cluster.add_argument("--max-tokens", type=_positive_int, default=64, help="answer length cap (64)")
+    cluster.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
+    cluster.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
+                         "sample, eval/data/sharegpt)")
+    cluster.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
+    cluster.add_argument("--served-model-name", help=argparse.SUPPRESS)
+    cluster.set_defaults(func=cmd_bench_cluster)
     return parser
+
+
+def _cluster_defaults() -> tuple[str, ...]:
+    return ("symphony", "recompute", "sticky", "least_load", "prefix_trie")
+
+
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from eval.bench_cluster import run_cluster_bench
+    from eval.workloads import SHAREGPT_SAMPLE
+    from scheduler.policies import POLICIES
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown:
+        raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    if not 0 < args.time_scale <= 10:
+        raise CliError(f"--time-scale {args.time_scale}: expected a number in (0, 10]")
+    if not 0 <= args.miss_rate <= 1:
+        raise CliError(f"--miss-rate {args.miss_rate}: expected a share in [0, 1]")
+    workload = args.workload or SHAREGPT_SAMPLE
+    if not workload.is_file():
+        raise CliError(f"--workload {workload}: no such file")
+    config = _load(args, _engine_overrides(args))
+    return run_cluster_bench(config, out=args.out, policies=policies, users=args.users, duration_s=args.duration,
+                             time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
+                             miss_rate=args.miss_rate, plot=args.plot, records_dir=args.records)
 
 
 def cmd_bench_resume(args: argparse.Namespace) -> int:

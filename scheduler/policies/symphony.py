@@ -6,6 +6,7 @@ busy engine's queue is stuck there even if another node frees up first."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,17 +38,26 @@ class SymphonyPolicy:
     def __init__(self, cost: CostModel | None = None, selective_push: bool = True) -> None:
         self.cost = cost or CostModel()
         self.selective_push = selective_push
+        self._rotation = itertools.count()
 
     def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:
         candidates = available(nodes)
         if not candidates:
             return NO_NODE
-        if self.selective_push and all(n.pending > 0 for n in candidates):
-            return RouteDecision(None, "queued", queue=True)
+        if self.selective_push:
+            # Only into an engine with nothing waiting: there the request starts at the engine's next
+            # step, behind a queue it would wait however the costs compare.
+            candidates = [n for n in candidates if n.pending == 0]
+            if not candidates:
+                return RouteDecision(None, "queued", queue=True)
         scores = {n.node_id: self.score(request, n) for n in candidates}
         best = min(scores.values())
-        # Equal costs: the emptier KV cache (fewer blocks for vLLM to evict), then the first listed.
-        chosen = min((n for n in candidates if scores[n.node_id] == best), key=kv_usage)
+        # Equal costs: the emptier KV cache (fewer blocks for vLLM to evict), then in rotation, which
+        # spreads an idle cluster's first requests instead of piling them on the first node.
+        tied = [n for n in candidates if scores[n.node_id] == best]
+        emptiest = min(kv_usage(n) for n in tied)
+        tied = [n for n in tied if kv_usage(n) == emptiest]
+        chosen = tied[next(self._rotation) % len(tied)]
         held = request.kv_tokens.get(chosen.node_id, 0)
         reason = "symphony_local_kv" if held and held >= max(request.kv_tokens.values()) else "symphony"
         return RouteDecision(chosen.node_id, reason, scores)

@@ -69,9 +69,11 @@ class FakeNodeManager(node_pb2_grpc.NodeManagerServicer):
             self.server = None
 
 
-def ready_status(node_id: str, engine_url: str, model: str = "m", running: int = 0) -> node_pb2.NodeStatus:
+def ready_status(node_id: str, engine_url: str, model: str = "m", running: int = 0,
+                 waiting: int = 0) -> node_pb2.NodeStatus:
     return node_pb2.NodeStatus(node_id=node_id, engine_state=node_pb2.ENGINE_STATE_READY, engine_url=engine_url,
-                               served_model=model, max_model_len=4096, block_size=32, num_requests_running=running)
+                               served_model=model, max_model_len=4096, block_size=32, num_requests_running=running,
+                               num_requests_waiting=waiting)
 
 
 def sse(content: str) -> bytes:

@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from client_sdk import AsyncAdminClient, AsyncSymphonyClient
+from symphony.cli import main
 from symphony.rpc import kv_pb2
 from tests.helpers import async_wait_until
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
@@ -151,7 +152,7 @@ async def test_recompute_baseline_keeps_requests_off_the_tiers_and_ignores_advis
         advice = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
         assert advice.status_code == 202 and advice.json()["node"] is None
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
-        assert reply.headers["x-symphony-route"] == "least_load"
+        assert reply.headers["x-symphony-route"] == "recompute"
         assert node.kv.prefetches == []
         assert 'symphony_advisories_total{kind="typing",outcome="ignored"} 1.0' in (await client.get("/metrics")).text
 
@@ -257,3 +258,18 @@ async def test_the_sdk_debounces_typing_sends_agent_hints_and_sets_priorities(
             await intruder.set_priority("acme", "high")
     finally:
         await intruder.close()
+
+
+async def test_the_cli_sets_and_lists_priorities(make_node: MakeNode, engine: FakeEngine,
+                                                 start_scheduler: StartScheduler,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    url, state = await start_scheduler([await make_node(engine.url)], admin_token="s3cret")
+    base = ["--url", url, "--token", "s3cret"]
+    assert await asyncio.to_thread(main, ["admin", "priority", "set", "low", "--tenant", "acme", *base]) == 0
+    assert "tenant 'acme': priority low" in capsys.readouterr().out
+    assert state.priorities.of("acme", "any") == "low"
+    assert await asyncio.to_thread(main, ["admin", "priority", "list", *base]) == 0
+    assert '"acme": "low"' in capsys.readouterr().out
+    wrong = ["--url", url, "--token", "nope"]
+    assert await asyncio.to_thread(main, ["admin", "priority", "set", "high", "--tenant", "acme", *wrong]) == 2
+    assert "refused: 403 wrong admin token" in capsys.readouterr().err

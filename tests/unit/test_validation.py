@@ -230,25 +230,36 @@ def test_no_session_id_anywhere_is_none() -> None:
 # -- results and forwarded body ---------------------------------------------------------------------
 def test_valid_chat_returns_its_fields() -> None:
     result = inference("chat", chat(stream=True, session_id="s-1"))
-    assert result == InferenceRequest("chat", "m", True, "s-1", result.body)
+    assert result == InferenceRequest("chat", "m", True, "s-1", result.body, result.history_tokens)
 
 
-def test_body_with_model_is_forwarded_byte_for_byte() -> None:
+def test_body_with_model_is_forwarded_as_sent() -> None:
     raw = b'{ "model" : "m",  "prompt": "hi\\u00e9", "temperature": 0.50 }'
-    assert inference("completions", raw).body == raw
+    assert inference("completions", raw).body == json.loads(raw)
 
 
 def test_body_without_model_is_forwarded_with_the_served_model_added() -> None:
     raw = encode({"messages": CHAT["messages"], "temperature": 0.5, "session_id": "s"})
     result = inference("chat", raw)
-    forwarded = json.loads(result.body)
-    assert forwarded == {**json.loads(raw), "model": "m"}
+    assert result.body == {**json.loads(raw), "model": "m"}
     assert result.model == "m"
 
 
 def test_body_with_null_model_is_forwarded_with_the_served_model() -> None:
     result = inference("completions", completion(model=None))
-    assert json.loads(result.body)["model"] == "m"
+    assert result.body["model"] == "m"
+
+
+def test_history_is_estimated_and_routing_text_covers_every_message() -> None:
+    messages = [{"role": "system", "content": "x" * 400}, {"role": "user", "content": [{"type": "text",
+                                                                                        "text": "y" * 40}]}]
+    result = inference("chat", encode({"model": "m", "messages": messages}))
+    assert result.history_tokens == 100 + 10 + 2 * 4  # text, then each message's template
+    assert result.routing_text() == "system: " + "x" * 400 + "\nuser: " + "y" * 40 + "\n"
+    tokens = inference("completions", encode({"model": "m", "prompt": list(range(70))}))
+    assert tokens.history_tokens == 70
+    long = inference("completions", encode({"model": "m", "prompt": "z" * 100_000}))
+    assert len(long.routing_text()) == 16_384
 
 
 # -- advisories -------------------------------------------------------------------------------------
