@@ -132,7 +132,7 @@ class LoadGenerator:
                     stream_options={"include_usage": True},
                     extra_headers={SESSION_HEADER: record.session}) as response:
                 record.node = response.headers.get(NODE_HEADER, "")
-                async for chunk in response.parse():
+                async for chunk in await response.parse():
                     if chunk.choices and chunk.choices[0].delta.content:
                         if not text:
                             record.ttft_s = time.monotonic() - started

@@ -269,6 +269,12 @@ class Dispatcher:
                 break
             advised_node = None  # an advisory binds the first attempt only
             tried.add(route.node.node_id)
+            # Recorded as the request goes out, not when a plain answer comes back: the session's
+            # next advisory or a concurrent turn must see where its KV is being built.
+            self.policy.observe(route_request, route.node.node_id)
+            if key is not None:
+                self.sessions.served(key, route.node.node_id, route_request.history_tokens,
+                                     high=route_request.priority == "high")
             try:
                 reply = await self._send(route, request, body, received_at, route_request.priority)
             except _NOT_STARTED as exc:
@@ -278,10 +284,6 @@ class Dispatcher:
                 self.cluster.mark_engine_unreachable(route.node, _UNREACHABLE_HOLD_S)
                 self.metrics.retries.labels(route.node.node_id).inc()
                 continue
-            self.policy.observe(route_request, route.node.node_id)
-            if key is not None:
-                self.sessions.served(key, route.node.node_id, route_request.history_tokens,
-                                     high=route_request.priority == "high")
             self.metrics.priority_requests.labels(route_request.priority).inc()
             return reply
         raise ApiError(503, f"the engine could not be reached ({last_error}); retry shortly",

@@ -135,6 +135,11 @@ class FakeEngine:
             return response
         for word in ("one", "two", "three"):
             await response.write(sse(word))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                     "prompt_tokens_details": {"cached_tokens": 4}}
+            chunk = {"object": "chat.completion.chunk", "choices": [], "usage": usage}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

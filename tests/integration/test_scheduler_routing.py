@@ -10,6 +10,8 @@ import openai
 import pytest
 
 from client_sdk import AsyncAdminClient, AsyncSymphonyClient
+from eval.loadgen import LoadGenerator, LoadSettings
+from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from symphony.cli import main
 from symphony.rpc import kv_pb2
 from tests.helpers import async_wait_until
@@ -273,3 +275,27 @@ async def test_the_cli_sets_and_lists_priorities(make_node: MakeNode, engine: Fa
     wrong = ["--url", url, "--token", "nope"]
     assert await asyncio.to_thread(main, ["admin", "priority", "set", "high", "--tenant", "acme", *wrong]) == 2
     assert "refused: 403 wrong admin token" in capsys.readouterr().err
+
+
+async def test_the_load_generator_replays_users_through_the_scheduler(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client, 2)
+    conversations = load_sharegpt(SHAREGPT_SAMPLE, limit=3)
+    generator = LoadGenerator(url, "m", conversations, HumanTiming(time_scale=0.001),
+                              LoadSettings(users=2, duration_s=1.0, max_answer_tokens=8))
+    records = await generator.run()
+    assert records and all(r.ok and r.node in ("node-a", "node-b") for r in records)
+    assert {r.session for r in records} <= {f"load-u{u}-c{c}" for u in range(2) for c in range(100)}
+    first = next(r for r in records if r.turn == 0)
+    assert (first.prompt_tokens, first.cached_tokens, first.output_tokens) == (7, 4, 3)
+    assert any(r.turn > 0 for r in records) and all(r.advised for r in records)
+    # Each turn carried the conversation so far: the user's messages and the answers ("onetwothree").
+    turns = [body for body in engine.requests if body["messages"][-1]["role"] == "user"]
+    assert any(len(body["messages"]) >= 3 and body["messages"][1] == {"role": "assistant", "content": "onetwothree"}
+               for body in turns)
+    async with httpx.AsyncClient(base_url=url) as client:
+        metrics = (await client.get("/metrics")).text
+    assert _metric(metrics, 'symphony_advisories_total{kind="typing",outcome="routed"}') == len(records)
