@@ -36,7 +36,7 @@ class Advisory:
 
     session_id: str
     kind: str
-    node: str
+    node: str | None  # None under a policy that ignores advisories
     expected_arrival_ms: int | None
     expires_in_ms: int
 
@@ -94,7 +94,7 @@ class _Debounce:
         return True
 
     def forget(self, session_id: str) -> None:
-        """The session's request went out: its next turn's typing starts a new advisory."""
+        """The session's request went out (or its advisory failed): its next keystroke advises again."""
         self._sent.pop(session_id, None)
 
 
@@ -125,6 +125,7 @@ class SymphonyClient:
     def complete(self, session_id: str, prompt: str, **kwargs: Any) -> Any:
         kwargs.setdefault("model", self.model)
         headers = _session_headers(kwargs, session_id)
+        self._typing.forget(session_id)
         return self.openai.completions.create(prompt=prompt, extra_headers=headers, **kwargs)
 
     def advise(self, session_id: str, kind: str, *, expected_arrival_ms: int | None = None) -> Advisory:
@@ -139,7 +140,13 @@ class SymphonyClient:
     def typing(self, session_id: str) -> Advisory | None:
         """A keystroke in `session_id`'s input: the first one sends a typing advisory, the ones that
         follow within `debounce_s` (or until the turn is sent with `chat`) send nothing (None)."""
-        return self.advise(session_id, "typing") if self._typing.due(session_id) else None
+        if not self._typing.due(session_id):
+            return None
+        try:
+            return self.advise(session_id, "typing")
+        except BaseException:
+            self._typing.forget(session_id)  # not sent: the next keystroke tries again
+            raise
 
     @contextlib.contextmanager
     def predecessor(self, session_id: str, expected_arrival_ms: int) -> Iterator[Advisory]:
@@ -183,6 +190,7 @@ class AsyncSymphonyClient:
     async def complete(self, session_id: str, prompt: str, **kwargs: Any) -> Any:
         kwargs.setdefault("model", await self.model())
         headers = _session_headers(kwargs, session_id)
+        self._typing.forget(session_id)
         return await self.openai.completions.create(prompt=prompt, extra_headers=headers, **kwargs)
 
     async def advise(self, session_id: str, kind: str, *, expected_arrival_ms: int | None = None) -> Advisory:
@@ -195,7 +203,13 @@ class AsyncSymphonyClient:
 
     async def typing(self, session_id: str) -> Advisory | None:
         """As `SymphonyClient.typing`."""
-        return await self.advise(session_id, "typing") if self._typing.due(session_id) else None
+        if not self._typing.due(session_id):
+            return None
+        try:
+            return await self.advise(session_id, "typing")
+        except BaseException:
+            self._typing.forget(session_id)  # not sent: the next keystroke tries again
+            raise
 
     @contextlib.asynccontextmanager
     async def predecessor(self, session_id: str, expected_arrival_ms: int) -> AsyncIterator[Advisory]:

@@ -34,7 +34,7 @@ from eval.plots import plot_cluster
 from eval.ports import free_port_run
 from eval.results import write_result
 from eval.stats import percentile
-from eval.workloads import Conversation, HumanTiming, load_sharegpt
+from eval.workloads import Conversation, HumanTiming
 from symphony.config import SymphonyConfig, dump_toml
 from symphony.launcher import Cluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
@@ -208,7 +208,8 @@ def _bench_config(config: SymphonyConfig, home: Path) -> SymphonyConfig:
 
 
 def run_cluster_bench(config: SymphonyConfig, *, out: Path, policies: list[str], users: int, duration_s: float,
-                      time_scale: float, max_answer_tokens: int, workload: Path, miss_rate: float = 0.0,
+                      time_scale: float, max_answer_tokens: int, workload: Path, conversations: list[Conversation],
+                      miss_rate: float = 0.0,
                       plot: Path | None = None, records_dir: Path | None = None) -> int:
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
@@ -222,14 +223,15 @@ def run_cluster_bench(config: SymphonyConfig, *, out: Path, policies: list[str],
     started = time.monotonic()
     try:
         by_policy = asyncio.run(_with_private_cluster(_bench_config(config, home), model, home, policies, settings,
-                                                      timing, load_sharegpt(workload), records_dir))
+                                                      timing, conversations, records_dir))
     except BaseException:
         print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
         raise
     shutil.rmtree(home, ignore_errors=True)
     result: dict[str, Any] = {"users": users, "duration_s": duration_s, "time_scale": time_scale,
                               "max_answer_tokens": max_answer_tokens, "advisory_miss_rate": miss_rate,
-                              "workload": str(workload), "run_s": time.monotonic() - started, "policies": by_policy}
+                              "workload": str(workload), "conversations": len(conversations),
+                              "run_s": time.monotonic() - started, "policies": by_policy}
     result["targets"] = targets(result)
     write_result(result, out, table=_print_table, plot=plot, plotter=plot_cluster)
     return 0

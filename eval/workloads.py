@@ -111,5 +111,6 @@ class UserTiming:
 
 
 def answer_tokens(turn: Turn, cap: int, floor: int = 16) -> int:
-    """max_tokens for a replayed answer: the original's length in tokens, within [floor, cap]."""
-    return max(floor, min(cap, round(turn.answer_words * TOKENS_PER_WORD)))
+    """max_tokens for a replayed answer: the original's length in tokens, at least `floor` (a missing
+    answer still gets one worth reading) and never above `cap`."""
+    return min(cap, max(floor, round(turn.answer_words * TOKENS_PER_WORD)))

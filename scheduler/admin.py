@@ -1,5 +1,6 @@
 """The admin API (`/admin/v1/...`, bearer `scheduler.admin_token`): priority tiers per tenant or per
-session. Setting a session to high moves its KV to the top tier of its node at once."""
+session. Setting a session or a tenant to high moves the KV of its sessions to the top tier of
+their nodes at once (`promoted`: how many moves started)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def admin_routes(state: SchedulerState) -> APIRouter:
             state.priorities.set(tenant, priority, session_id)
         except OverflowError as exc:
             raise ApiError(409, str(exc), code="priority_table_full") from None
-        promoted = priority == "high" and session_id is not None and state.dispatcher.promote(tenant, session_id)
+        promoted = state.dispatcher.promote(tenant, session_id) if priority == "high" else 0
         return JSONResponse({"object": "priority", "tenant": tenant, "session_id": session_id, "priority": priority,
                              "promoted": promoted})
 

@@ -6,6 +6,10 @@ tenant comes from the key alone: the tenant keys the session table, advisories, 
 the KV in the nodes' tiers, so one tenant can never advise, read or reuse another's sessions or KV.
 Keys are kept as sha256 digests and looked up by digest, so the lookup's timing says nothing about
 how much of a guessed key was right; the admin token is compared in constant time.
+
+The engines' own prefix caches are shared by every request they serve, so the scheduler also sets
+each request's `cache_salt` from its tenant (`engine_cache_salt`): without it, a tenant could time,
+or read in `usage.prompt_tokens_details.cached_tokens`, whether another tenant sent a given prompt.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import hmac
 from scheduler.errors import ApiError
 
 DEFAULT_TENANT = "default"
+_SALT_DOMAIN = b"symphony-engine-cache-salt\0"
 
 
 def _digest(key: str) -> bytes:
@@ -61,3 +66,14 @@ class Authenticator:
                            code="missing_admin_token")
         if not hmac.compare_digest(token.encode(), self._admin):
             raise ApiError(403, "wrong admin token", code="invalid_admin_token")
+
+
+def engine_cache_salt(tenant: str, client_salt: str | None = None) -> str:
+    """The `cache_salt` an engine gets with a tenant's request: a digest of the tenant (and of the
+    client's own salt, which may split a tenant's cache further but never joins another's). Not a
+    secret: clients cannot choose it, the scheduler overwrites whatever they send."""
+    name = tenant.encode()
+    material = len(name).to_bytes(4, "big") + name  # length-prefixed: no tenant/salt split collides
+    if client_salt is not None:
+        material += client_salt.encode()
+    return hashlib.sha256(_SALT_DOMAIN + material).hexdigest()[:32]

@@ -17,6 +17,9 @@ from symphony.rpc import kv_pb2_grpc, node_pb2, node_pb2_grpc
 log = get_logger("scheduler.cluster")
 
 READY = node_pb2.ENGINE_STATE_READY
+# How long nodes whose status replies are late (not refused) are still routed to when no node is
+# up to date: covers a saturated host's hiccups, not a hung node manager.
+LAG_LIMIT_S = 10.0
 
 
 @dataclass
@@ -36,6 +39,7 @@ class NodeView:
     last_engine_error: str = ""
     last_status_at: float = float("-inf")  # monotonic time of the last successful Status
     last_poll_error: str = ""
+    refused: bool = False  # the last Status failed for want of a listening node manager (it is gone)
     unreachable_until: float = float("-inf")  # set when dispatch could not connect to the engine
     inflight: int = 0
     kv: kv_pb2_grpc.KVStoreStub | None = None  # the node manager's KV store (same channel as Status)
@@ -49,8 +53,17 @@ class NodeView:
         return (self.engine_state == READY and now - self.last_status_at <= down_after_s
                 and now >= self.unreachable_until and bool(self.engine_url))
 
-    def snapshot(self, now: float, down_after_s: float, announced: int = 0, high_sessions: int = 0) -> NodeSnapshot:
-        return NodeSnapshot(self.node_id, self.available(now, down_after_s), self.running, self.waiting,
+    def lagging(self, now: float, lag_limit_s: float) -> bool:
+        """Late with its status but not known to be gone: its manager still listens (its calls
+        time out rather than being refused) and its engine was ready when it last answered."""
+        return (self.engine_state == READY and not self.refused and now - self.last_status_at <= lag_limit_s
+                and now >= self.unreachable_until and bool(self.engine_url))
+
+    def snapshot(self, now: float, down_after_s: float, announced: int = 0, high_sessions: int = 0,
+                 available: bool | None = None) -> NodeSnapshot:
+        if available is None:
+            available = self.available(now, down_after_s)
+        return NodeSnapshot(self.node_id, available, self.running, self.waiting,
                             self.inflight, self.kv_usage, announced, high_sessions)
 
     def state_name(self, now: float, down_after_s: float) -> str:
@@ -69,6 +82,7 @@ class Cluster:
         self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
         self.poll_interval_s = poll_interval_s
         self.down_after_s = down_after_s
+        self.lag_limit_s = max(down_after_s, LAG_LIMIT_S)
         self._clock = clock
         self.on_status = on_status  # called after each status applied: room may have opened on a node
         self._channels: list[grpc.aio.Channel] = []
@@ -82,8 +96,18 @@ class Cluster:
         now = self._clock()
         announced = announced or {}
         high_sessions = high_sessions or {}
-        return [n.snapshot(now, self.down_after_s, announced.get(n.node_id, 0), high_sessions.get(n.node_id, 0))
-                for n in self.nodes if n.served_model == model]
+        nodes = [n for n in self.nodes if n.served_model == model]
+        views = [n.snapshot(now, self.down_after_s, announced.get(n.node_id, 0), high_sessions.get(n.node_id, 0))
+                 for n in nodes]
+        if views and not any(v.available for v in views):
+            # Every node late, none gone: on a host saturated by its engines, status replies can
+            # miss the 1 s window while the engines serve fine. Refusing every request then helps
+            # no one; the nodes that still listen are tried (a dead one fails fast and is retried
+            # elsewhere), for `lag_limit_s` at most.
+            views = [n.snapshot(now, self.down_after_s, announced.get(n.node_id, 0),
+                                high_sessions.get(n.node_id, 0), available=n.lagging(now, self.lag_limit_s))
+                     for n in nodes]
+        return views
 
     def served_models(self) -> dict[str, int]:
         """model -> smallest max_model_len among nodes that reported serving it, up or not: a model
@@ -136,12 +160,17 @@ class Cluster:
         try:
             status = await stub.Status(node_pb2.StatusRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            message = f"{exc.code().name}: {exc.details()}"
-            if message != node.last_poll_error:
-                log.info("node status failed", node=node.node_id, address=node.address, error=message)
-            node.last_poll_error = message
+            self.poll_failed(node, exc.code(), exc.details() or "")
             return
         self.apply_status(node, status)
+
+    def poll_failed(self, node: NodeView, code: grpc.StatusCode, details: str) -> None:
+        message = f"{code.name}: {details}"
+        if message != node.last_poll_error:
+            log.info("node status failed", node=node.node_id, address=node.address, error=message)
+        node.last_poll_error = message
+        # UNAVAILABLE: nothing listens (connection refused or reset): the manager is gone, not slow.
+        node.refused = code == grpc.StatusCode.UNAVAILABLE
 
     def apply_status(self, node: NodeView, status: node_pb2.NodeStatus) -> None:
         was_ready = node.engine_state == READY
@@ -169,6 +198,7 @@ class Cluster:
         node.last_engine_error = status.last_engine_error
         node.last_status_at = self._clock()
         node.last_poll_error = ""
+        node.refused = False
         if was_ready != (status.engine_state == READY):
             log.info("node engine state", node=node.node_id,
                      state=node_pb2.EngineState.Name(status.engine_state), restarts=status.engine_restarts)

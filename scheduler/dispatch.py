@@ -18,6 +18,7 @@ import aiohttp
 from fastapi.responses import Response
 
 from scheduler.advisories import AdvisoryTable
+from scheduler.auth import engine_cache_salt
 from scheduler.cluster import Cluster, NodeView
 from scheduler.errors import ApiError, error_response
 from scheduler.metrics import SchedulerMetrics
@@ -124,9 +125,16 @@ class Dispatcher:
         the policy holds it back (selective pushing) and `wait_until` is given, it waits for room."""
         requeued = rerouted = False
         while True:
+            if not requeued and wait_until is not None and self.queue.ahead_of(request.priority):
+                # Held requests of this tier or above go first (FIFO within a tier): a newcomer
+                # must not take the node that frees up for them.
+                await self._wait_for_room(request.priority, wait_until, requeued)
+                requeued = True
             nodes = self._snapshot(request.model, exclude)
             if advised_node is not None:
-                if any(n.node_id == advised_node and n.available for n in nodes):
+                # The advisory's node, unless it has requests waiting now (the advisory may be
+                # seconds old): then the policy chooses afresh, knowing the KV moved there.
+                if any(n.node_id == advised_node and n.available and n.waiting == 0 for n in nodes):
                     self.metrics.advisory_followups.labels("honored").inc()
                     return Route(self._node(advised_node), "advisory")
                 self.metrics.advisory_followups.labels("rerouted").inc()
@@ -206,31 +214,45 @@ class Dispatcher:
                            code="no_engine_available")
         return Route(self._node(decision.node_id), decision.reason)
 
-    def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, expected_arrival_ms: int | None) -> None:
+    def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, expected_arrival_ms: int | None) -> bool:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
         pulled from the node holding the most of it. A session no node holds (a first turn) has
-        nothing to move: the advisory only pre-assigned its node."""
+        nothing to move: the advisory only pre-assigned its node. True when a move is under way."""
+        current = self.prefetches.get(key)
+        if current is not None and current.state == "pending":
+            if current.node_id == node_id:
+                return True  # a repeated advisory (a user still typing): the move is already under way
+            self.prefetcher.cancel(current)  # the session was re-advised elsewhere
         held_here = request.kv_tokens.get(node_id, 0)
         holders = {n: t for n, t in request.kv_tokens.items() if t > held_here and self._reachable(n)}
         if not held_here and not holders:
-            return
+            return False
         source = self._node(max(holders, key=holders.__getitem__)).address if holders else ""
         deadline = expected_arrival_ms if expected_arrival_ms is not None else self.config.typing_lead_ms
-        prefetch = self.prefetcher.start(key, node_id, source, deadline, request.priority)
-        if prefetch is not None:
-            self.prefetches[key] = prefetch
-            self.prefetches.move_to_end(key)
-            while len(self.prefetches) > self.config.max_advisories:
-                self.prefetches.popitem(last=False)
-
-    def promote(self, tenant: str, session_id: str) -> bool:
-        """A session just set to high priority: its KV goes to the top tier of its node at once."""
-        entry = self.sessions.get((tenant, session_id))
-        if entry is None or entry.last_node is None or self.cluster.by_id(entry.last_node) is None:
+        history = max([held_here, *holders.values()])
+        prefetch = self.prefetcher.start(key, node_id, source, deadline, request.priority, history)
+        if prefetch is None:
             return False
-        request = self._route_request("", tenant, session_id, 0)
-        self._prefetch((tenant, session_id), request, entry.last_node, 0)
+        self.prefetches[key] = prefetch
+        self.prefetches.move_to_end(key)
+        while len(self.prefetches) > self.config.max_advisories:
+            self.prefetches.popitem(last=False)
         return True
+
+    def promote(self, tenant: str, session_id: str | None) -> int:
+        """A session (or a whole tenant) just set to high priority: the KV of each of its sessions the
+        scheduler knows goes to the top tier of the session's node at once. Returns how many moves
+        started (at most `max_prefetches` follow at once; the rest move on their next advisory)."""
+        keys = [(tenant, session_id)] if session_id is not None else self.sessions.of_tenant(tenant)
+        started = 0
+        for key in keys:
+            entry = self.sessions.get(key)
+            if entry is None or entry.last_node is None or self.cluster.by_id(entry.last_node) is None:
+                continue
+            request = self._route_request("", tenant, key[1], 0)
+            if request.priority == "high" and self._prefetch(key, request, entry.last_node, 0):
+                started += 1
+        return started
 
     def _reachable(self, node_id: str) -> bool:
         node = self.cluster.by_id(node_id)
@@ -244,9 +266,7 @@ class Dispatcher:
     # -- inference ------------------------------------------------------------------------------
     async def dispatch(self, request: InferenceRequest, tenant: str, received_at: float
                        ) -> UpstreamRelay | Response:
-        if self.inflight_total >= self.config.max_inflight_requests:
-            raise ApiError(429, f"the scheduler has {self.inflight_total} requests in flight (limit "
-                           f"{self.config.max_inflight_requests}); retry later", code="too_many_requests")
+        self._check_inflight()
         key = (tenant, request.session_id) if request.session_id is not None else None
         advised_node = None
         if key is not None:
@@ -272,12 +292,20 @@ class Dispatcher:
             # Recorded as the request goes out, not when a plain answer comes back: the session's
             # next advisory or a concurrent turn must see where its KV is being built.
             self.policy.observe(route_request, route.node.node_id)
+            # Checked again as it goes out, not only on arrival: requests that waited in the push
+            # queue count too, and the connection pool (sized to this limit) must never make a
+            # request wait for a connection: that wait ends as a connect timeout, read as
+            # "engine unreachable".
+            self._check_inflight()
+            undo_served = None
             if key is not None:
-                self.sessions.served(key, route.node.node_id, route_request.history_tokens,
-                                     high=route_request.priority == "high")
+                undo_served = self.sessions.served(key, route.node.node_id, route_request.history_tokens,
+                                                   high=route_request.priority == "high")
             try:
                 reply = await self._send(route, request, body, received_at, route_request.priority)
             except _NOT_STARTED as exc:
+                if undo_served is not None:
+                    undo_served()  # the node never took the turn: it holds none of its KV
                 last_error = f"{route.node.node_id}: {type(exc).__name__}: {exc}"
                 log.warning("engine unreachable, re-routing", node=route.node.node_id,
                             error=str(exc) or type(exc).__name__)
@@ -289,6 +317,11 @@ class Dispatcher:
         raise ApiError(503, f"the engine could not be reached ({last_error}); retry shortly",
                        code="engine_unreachable")
 
+    def _check_inflight(self) -> None:
+        if self.inflight_total >= self.config.max_inflight_requests:
+            raise ApiError(429, f"the scheduler has {self.inflight_total} requests in flight (limit "
+                           f"{self.config.max_inflight_requests}); retry later", code="too_many_requests")
+
     def _count_kv_ready(self, key: SessionKey, kind: str) -> None:
         """Was the KV an advisory moved for this request in the node's top tier when it arrived?"""
         prefetch = self.prefetches.pop(key, None)
@@ -297,14 +330,15 @@ class Dispatcher:
 
     def _forwarded_body(self, request: InferenceRequest, tenant: str) -> bytes:
         """The request as the engine gets it: with the tenant and session that key its KV in the
-        node's tiers. Whatever the client put in kv_transfer_params is replaced: a client must not
-        name another tenant's KV."""
+        node's tiers and the tenant's cache salt for the engine's prefix cache. Whatever the client
+        put in kv_transfer_params is replaced: a client must not name another tenant's KV."""
         params: dict[str, object] = {TENANT_PARAM: tenant}
         if request.session_id is not None:
             params[SESSION_PARAM] = request.session_id
         if not self.policy.traits.uses_tiers:
             params[TIERS_PARAM] = False
-        return json.dumps({**request.body, "kv_transfer_params": params}).encode()
+        salt = engine_cache_salt(tenant, request.body.get("cache_salt"))
+        return json.dumps({**request.body, "kv_transfer_params": params, "cache_salt": salt}).encode()
 
     async def _send(self, route: Route, request: InferenceRequest, body: bytes, received_at: float,
                     priority: str) -> UpstreamRelay | Response:

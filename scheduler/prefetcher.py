@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from scheduler.auth import engine_cache_salt
 from scheduler.metrics import SchedulerMetrics
 from scheduler.sessions import SessionKey
 from symphony.logs import get_logger
@@ -26,6 +27,7 @@ _PRIORITY = {"low": kv_pb2.PRIORITY_LOW, "normal": kv_pb2.PRIORITY_NORMAL, "high
 _FINAL = {kv_pb2.PREFETCH_STATE_DONE, kv_pb2.PREFETCH_STATE_PARTIAL, kv_pb2.PREFETCH_STATE_CANCELLED,
           kv_pb2.PREFETCH_STATE_FAILED}
 FOLLOW_WAIT_MS = 30_000  # one GetPrefetch long-poll
+FOLLOW_GRACE_S = 30.0  # past a prefetch's deadline, how long it is still followed
 
 
 @dataclass(slots=True)
@@ -34,9 +36,12 @@ class Prefetch:
 
     session: SessionKey
     node_id: str
+    history_tokens: int  # of the session's history, what the move was asked for
     started_at: float
     finished_at: float | None = None
-    state: str = "pending"  # pending, then done | partial | failed | cancelled
+    state: str = "pending"  # pending, then done | partial | failed | cancelled | timed_out | not_found
+    prefetch_id: str = ""  # the node's id for the move, once it answered
+    task: asyncio.Task[None] | None = None  # what follows it
 
     @property
     def ready(self) -> bool:
@@ -45,7 +50,7 @@ class Prefetch:
 
 class Prefetcher:
     def __init__(self, stub_for: Callable[[str], kv_pb2_grpc.KVStoreStub | None], metrics: SchedulerMetrics,
-                 max_inflight: int, on_moved: Callable[[SessionKey, str], None],
+                 max_inflight: int, on_moved: Callable[[SessionKey, str, int], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._stub_for = stub_for
         self._metrics = metrics
@@ -59,7 +64,7 @@ class Prefetcher:
         return len(self._tasks)
 
     def start(self, session: SessionKey, node_id: str, source_address: str, deadline_ms: int,
-              priority: str) -> Prefetch | None:
+              priority: str, history_tokens: int) -> Prefetch | None:
         """Ask `node_id` to bring the session's KV into its top tier (pulling what it lacks from the
         node manager at `source_address`, if given) by `deadline_ms` from now. Returns at once."""
         stub = self._stub_for(node_id)
@@ -68,11 +73,15 @@ class Prefetcher:
         if len(self._tasks) >= self._max_inflight:
             self._metrics.prefetches.labels("skipped_busy").inc()
             return None
-        prefetch = Prefetch(session, node_id, self._clock())
+        prefetch = Prefetch(session, node_id, history_tokens, self._clock())
         request = kv_pb2.PrefetchRequest(session=kv_pb2.SessionRef(tenant=session[0], session_id=session[1]),
                                          target_tier=kv_pb2.TIER_HBM, deadline_ms=deadline_ms,
-                                         priority=_PRIORITY[priority], source_peer=source_address)
+                                         priority=_PRIORITY[priority], source_peer=source_address,
+                                         # The salt of the session's next request: the warm-up must
+                                         # land where that request's prefix-cache lookup will look.
+                                         engine_cache_salt=engine_cache_salt(session[0]))
         task = asyncio.create_task(self._follow(stub, request, prefetch), name=f"prefetch-{session[1]}")
+        prefetch.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return prefetch
@@ -80,28 +89,66 @@ class Prefetcher:
     async def _follow(self, stub: kv_pb2_grpc.KVStoreStub, request: kv_pb2.PrefetchRequest,
                       prefetch: Prefetch) -> None:
         try:
-            status = await stub.Prefetch(request, timeout=10)
-            while status.state not in _FINAL:
-                status = await stub.GetPrefetch(kv_pb2.PrefetchRef(prefetch_id=status.prefetch_id,
-                                                                   wait_ms=FOLLOW_WAIT_MS),
-                                                timeout=FOLLOW_WAIT_MS / 1000 + 10)
+            # Followed until its deadline and a grace period at most: a node stuck on a move must not
+            # hold one of the bounded follow slots for ever.
+            async with asyncio.timeout(request.deadline_ms / 1000 + FOLLOW_GRACE_S):
+                status = await stub.Prefetch(request, timeout=10)
+                prefetch.prefetch_id = status.prefetch_id
+                while status.state not in _FINAL:
+                    status = await stub.GetPrefetch(kv_pb2.PrefetchRef(prefetch_id=status.prefetch_id,
+                                                                       wait_ms=FOLLOW_WAIT_MS),
+                                                    timeout=FOLLOW_WAIT_MS / 1000 + 10)
             state = kv_pb2.PrefetchState.Name(status.state).removeprefix("PREFETCH_STATE_").lower()
             if status.error:
                 log.debug("prefetch ended", session=prefetch.session[1], node=prefetch.node_id, state=state,
                           error=status.error)
+        except TimeoutError:
+            state = "timed_out"
+            self._cancel_at_node(stub, prefetch)
         except grpc.aio.AioRpcError as exc:
             # NOT_FOUND: neither the node nor the peer knows the session (a first turn): nothing to move.
             state = "not_found" if exc.code() == grpc.StatusCode.NOT_FOUND else "failed"
             if state == "failed":
                 log.info("prefetch failed", session=prefetch.session[1], node=prefetch.node_id,
                          error=f"{exc.code().name}: {exc.details()}")
+        except asyncio.CancelledError:
+            self._finish(prefetch, "cancelled")
+            raise
+        except Exception as exc:  # a follower must end with a state, whatever went wrong
+            log.warning("prefetch follow failed", session=prefetch.session[1], node=prefetch.node_id,
+                        error=f"{type(exc).__name__}: {exc}")
+            state = "failed"
+        self._finish(prefetch, state)
+
+    def _finish(self, prefetch: Prefetch, state: str) -> None:
         prefetch.state = state
         prefetch.finished_at = self._clock()
         self._metrics.prefetches.labels(state).inc()
         if state in ("done", "partial"):
-            self._on_moved(prefetch.session, prefetch.node_id)
+            self._on_moved(prefetch.session, prefetch.node_id, prefetch.history_tokens)
+
+    def cancel(self, prefetch: Prefetch) -> None:
+        """Stop a move the scheduler no longer wants (its session was advised to another node):
+        stop following it and ask its node to drop it."""
+        if prefetch.task is not None and not prefetch.task.done():
+            prefetch.task.cancel()
+        stub = self._stub_for(prefetch.node_id)
+        if stub is not None:
+            self._cancel_at_node(stub, prefetch)
+
+    def _cancel_at_node(self, stub: kv_pb2_grpc.KVStoreStub, prefetch: Prefetch) -> None:
+        if not prefetch.prefetch_id:
+            return  # the node never answered: it has no job to cancel, or will finish a harmless one
+        call = stub.CancelPrefetch(kv_pb2.PrefetchRef(prefetch_id=prefetch.prefetch_id), timeout=5)
+        task = asyncio.ensure_future(call)
+        task.add_done_callback(_log_cancel_failure)
 
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _log_cancel_failure(task: asyncio.Future[kv_pb2.PrefetchStatus]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("prefetch cancel failed", error=str(task.exception()))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from scheduler.routing import PRIORITIES
+from scheduler.routing import PRIORITIES, PRIORITY_RANK
 
 
 class QueueFull(Exception):
@@ -28,10 +28,16 @@ class PushQueue:
     def waiting(self, priority: str) -> int:
         return len(self._waiters[priority])
 
+    def ahead_of(self, priority: str) -> bool:
+        """Whether a request of `priority` arriving now has others to wait behind (same or higher
+        tier): it must not take a node that frees up before them."""
+        rank = PRIORITY_RANK[priority]
+        return any(self._waiters[p] for p in PRIORITIES[rank:])
+
     async def wait(self, priority: str, timeout_s: float, *, front: bool = False) -> bool:
         """Wait for a turn to try the nodes again: True when woken, False when `timeout_s` passed.
         `front`: a request woken before that found no room again keeps its place at the head."""
-        if len(self) >= self.max_waiting:
+        if not front and len(self) >= self.max_waiting:  # a re-queued request keeps its place
             raise QueueFull(f"{self.max_waiting} requests are waiting for a node already")
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queue = self._waiters[priority]
@@ -39,12 +45,16 @@ class PushQueue:
             queue.appendleft(turn)
         else:
             queue.append(turn)
+        woken = False
         try:
             await asyncio.wait_for(asyncio.shield(turn), timeout_s)
+            woken = True
             return True
         except TimeoutError:
             return False
         finally:
+            if not woken and turn.done() and not turn.cancelled():
+                self.wake(1)  # woken just as it gave up (timeout, client gone): the next waiter goes
             if not turn.done():
                 turn.cancel()
             if turn in queue:

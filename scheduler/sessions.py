@@ -46,21 +46,41 @@ class SessionTable:
             return None
         return entry
 
-    def served(self, key: SessionKey, node_id: str, history_tokens: int, high: bool = False) -> None:
+    def served(self, key: SessionKey, node_id: str, history_tokens: int, high: bool = False) -> Callable[[], None]:
         """A turn of the session (its history plus what it adds) is being computed on `node_id`; the
-        connector saves its KV there. Older copies elsewhere hold a shorter prefix of it."""
+        connector saves its KV there. Older copies elsewhere hold a shorter prefix of it. Returns
+        what undoes it, for a turn the node then never started."""
         entry = self._touch(key)
+        before = (entry.last_node, entry.high, entry.history_tokens, entry.kv_tokens.get(node_id))
+
+        def undo() -> None:
+            if self._entries.get(key) is not entry:
+                return  # dropped or replaced since: nothing of this turn is left to undo
+            self._count_high(entry, -1)
+            entry.last_node, entry.high, entry.history_tokens, held = before
+            self._count_high(entry, +1)
+            if held is None:
+                entry.kv_tokens.pop(node_id, None)
+            else:
+                entry.kv_tokens[node_id] = held
+
         self._count_high(entry, -1)
         entry.last_node, entry.high = node_id, high
         self._count_high(entry, +1)
         entry.history_tokens = max(entry.history_tokens, history_tokens)
         entry.kv_tokens[node_id] = max(entry.kv_tokens.get(node_id, 0), history_tokens)
+        return undo
 
-    def moved(self, key: SessionKey, node_id: str) -> None:
-        """A prefetch brought the session's whole known history to `node_id`."""
+    def moved(self, key: SessionKey, node_id: str, history_tokens: int) -> None:
+        """A prefetch brought the `history_tokens` of the session it was asked to move (what was
+        known when it started; a turn served elsewhere since is not part of it) to `node_id`."""
         entry = self._entries.get(key)
         if entry is not None:
-            entry.kv_tokens[node_id] = max(entry.kv_tokens.values(), default=0)
+            entry.kv_tokens[node_id] = max(entry.kv_tokens.get(node_id, 0), history_tokens)
+
+    def of_tenant(self, tenant: str) -> list[SessionKey]:
+        """The tenant's sessions, most recently used first (a scan of the bounded table: admin use)."""
+        return [key for key in reversed(self._entries) if key[0] == tenant]
 
     def forget_node(self, node_id: str) -> None:
         """A node left the cluster (or lost its store): its copies no longer count."""

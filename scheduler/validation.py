@@ -16,6 +16,7 @@ from scheduler.errors import ApiError
 ADVISORY_KINDS = ("typing", "predecessor")
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_MESSAGES = 10_000
+MAX_CACHE_SALT_CHARS = 256
 
 
 MAX_ROUTING_TEXT = 16_384  # characters of a prompt that prefix-aware routing looks at
@@ -189,6 +190,19 @@ def _check_prompt(body: Mapping[str, Any]) -> None:
     raise ApiError(400, "prompt must be a string, an array of strings, or token ids", param="prompt")
 
 
+def _check_cache_salt(body: Mapping[str, Any]) -> None:
+    """A client's own cache_salt (further splitting its tenant's cache) must be what vLLM accepts:
+    the scheduler hashes it into the salt the engine sees, which would hide vLLM's own check."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(400, "cache_salt must be a non-empty string", param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"cache_salt is {len(salt)} characters long; the limit is {MAX_CACHE_SALT_CHARS}",
+                       param="cache_salt")
+
+
 def validate_inference(endpoint: str, raw: bytes, session_header: str | None, served: Mapping[str, int],
                        max_session_id_len: int) -> InferenceRequest:
     body = parse_json_object(raw)
@@ -197,6 +211,7 @@ def validate_inference(endpoint: str, raw: bytes, session_header: str | None, se
     else:
         _check_prompt(body)
     stream = _check_stream(body)
+    _check_cache_salt(body)
     session_id = resolve_session_id(session_header, body, max_session_id_len)
     model = resolve_model(body, served)
     _check_max_tokens(body, served[model])

@@ -166,7 +166,8 @@ def cmd_admin_priority(args: argparse.Namespace) -> int:
             reply = admin.set_priority(args.tenant, args.priority, session_id=args.session)
             target = f"tenant {args.tenant!r}" if args.session is None else \
                 f"session {args.session!r} of tenant {args.tenant!r}"
-            moved = " (its KV is moving to the top tier)" if reply.get("promoted") else ""
+            promoted = int(reply.get("promoted") or 0)
+            moved = f" ({promoted} session(s) moving to the top tier)" if promoted else ""
             print(f"{target}: priority {reply['priority']}{moved}")
         else:
             print(json.dumps(admin.priorities(), indent=2))
@@ -313,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
     cluster.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
                          "sample, eval/data/sharegpt)")
+    cluster.add_argument("--min-turns", type=_positive_int, default=2,
+                         help="replay only conversations with at least this many user turns (2)")
+    cluster.add_argument("--max-turns", type=_positive_int, default=8, help="cut conversations to this many turns (8)")
     cluster.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     cluster.add_argument("--served-model-name", help=argparse.SUPPRESS)
     cluster.set_defaults(func=cmd_bench_cluster)
@@ -325,7 +329,7 @@ def _cluster_defaults() -> tuple[str, ...]:
 
 def cmd_bench_cluster(args: argparse.Namespace) -> int:
     from eval.bench_cluster import run_cluster_bench
-    from eval.workloads import SHAREGPT_SAMPLE
+    from eval.workloads import SHAREGPT_SAMPLE, load_sharegpt
     from scheduler.policies import POLICIES
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -336,13 +340,22 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
         raise CliError(f"--time-scale {args.time_scale}: expected a number in (0, 10]")
     if not 0 <= args.miss_rate <= 1:
         raise CliError(f"--miss-rate {args.miss_rate}: expected a share in [0, 1]")
+    if args.min_turns > args.max_turns:
+        raise CliError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}")
     workload = args.workload or SHAREGPT_SAMPLE
     if not workload.is_file():
         raise CliError(f"--workload {workload}: no such file")
+    try:
+        conversations = load_sharegpt(workload, min_turns=args.min_turns, max_turns=args.max_turns)
+    except ValueError as exc:
+        raise CliError(f"--workload {exc}") from None
+    if not conversations:
+        raise CliError(f"--workload {workload}: no conversation has {args.min_turns} user turns or more")
     config = _load(args, _engine_overrides(args))
     return run_cluster_bench(config, out=args.out, policies=policies, users=args.users, duration_s=args.duration,
                              time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
-                             miss_rate=args.miss_rate, plot=args.plot, records_dir=args.records)
+                             conversations=conversations, miss_rate=args.miss_rate, plot=args.plot,
+                             records_dir=args.records)
 
 
 def cmd_bench_resume(args: argparse.Namespace) -> int:

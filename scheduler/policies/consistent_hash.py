@@ -10,6 +10,9 @@ from collections.abc import Sequence
 from scheduler.routing import NO_NODE, NodeSnapshot, PolicyTraits, RouteDecision, RouteRequest
 
 VIRTUAL_NODES = 160  # points per node: keeps shares within a few percent of even at 2..64 nodes
+# Without a session, the prompt's first characters are the key: a conversation's later turns start
+# like its first, so they meet on the node that computed it.
+KEY_PREFIX_CHARS = 256
 
 
 def _point(text: str) -> int:
@@ -18,7 +21,7 @@ def _point(text: str) -> int:
 
 class ConsistentHashPolicy:
     name = "consistent_hash"
-    traits = PolicyTraits()
+    traits = PolicyTraits(needs_routing_text=True)
 
     def __init__(self, virtual_nodes: int = VIRTUAL_NODES) -> None:
         self.virtual_nodes = virtual_nodes
@@ -40,7 +43,8 @@ class ConsistentHashPolicy:
         up = {n.node_id for n in nodes if n.available}
         if not up:
             return NO_NODE
-        key = f"{request.tenant}/{request.session_id}" if request.session_id else request.routing_text
+        key = (f"{request.tenant}/{request.session_id}" if request.session_id
+               else f"{request.tenant}/{request.routing_text[:KEY_PREFIX_CHARS]}")
         start = bisect.bisect(self._points, _point(key))
         # The first available owner clockwise: a node that is down hands its sessions to its ring
         # successors only while it is down.

@@ -15,6 +15,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+MIN_COMPACT_AT = 1024  # leaf-heap entries below which stale ones are left for later
+
 
 @dataclass(eq=False)
 class _Node:
@@ -36,6 +38,7 @@ class PrefixTree:
         self._ticks = itertools.count(1)
         self._leaves: list[tuple[int, int, _Node]] = []  # (tick, serial, leaf), stale entries skipped
         self._serial = itertools.count()
+        self._compact_at = MIN_COMPACT_AT  # heap size that triggers the next compaction
 
     def insert(self, text: str, owner: str) -> None:
         tick = next(self._ticks)
@@ -60,6 +63,8 @@ class PrefixTree:
             node = child
         if not node.children and node is not self._root:
             heapq.heappush(self._leaves, (tick, next(self._serial), node))
+            if len(self._leaves) > self._compact_at:
+                self._compact()
         if self.chars > self.max_chars:
             self._evict(int(self.max_chars * 0.9))
 
@@ -96,9 +101,14 @@ class PrefixTree:
             if leaf.children or leaf.parent is None or leaf.tick != tick:
                 continue  # no longer a leaf, already removed, or visited since (a newer entry exists)
             self._remove_leaf(leaf)
-        if len(self._leaves) > 4 * max(1, self.chars // 16):
-            self._leaves = [entry for entry in self._leaves if _live(entry)]
-            heapq.heapify(self._leaves)
+
+    def _compact(self) -> None:
+        """Drop stale leaf entries (every revisit of a leaf pushes a new one). Run when the heap has
+        doubled since the last compaction, so it costs O(1) per insert amortized and the heap stays
+        within twice the live leaves (at most one per character held) plus a constant."""
+        self._leaves = [entry for entry in self._leaves if _live(entry)]
+        heapq.heapify(self._leaves)
+        self._compact_at = 2 * len(self._leaves) + MIN_COMPACT_AT
 
     def _remove_leaf(self, leaf: _Node) -> None:
         parent = leaf.parent

@@ -48,6 +48,8 @@ async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
         assert (prefetch.session.tenant, prefetch.session.session_id) == ("default", "s")
         assert prefetch.target_tier == kv_pb2.TIER_HBM and prefetch.deadline_ms == 7000
         assert prefetch.source_peer == holder.address  # pulled from the node that holds it
+        # The warm-up in the engine's cache goes under the salt the session's requests carry.
+        assert prefetch.engine_cache_salt == engine.requests[-1]["cache_salt"]
         assert not holder.kv.prefetches
 
         async def moved() -> bool:
@@ -118,8 +120,14 @@ async def test_tenants_come_from_api_keys_and_key_the_kv_the_engine_gets(
         reply = await client.post("/v1/chat/completions", json=forged, headers={**ACME, "X-Session-ID": "mine"})
         assert reply.status_code == 200
         assert engine.requests[-1]["kv_transfer_params"] == {"tenant": "acme", "session_id": "mine"}
+        acme_salt = engine.requests[-1]["cache_salt"]
         await client.post("/v1/chat/completions", json=CHAT, headers={**RIVAL, "X-Session-ID": "mine"})
         assert engine.requests[-1]["kv_transfer_params"] == {"tenant": "rival", "session_id": "mine"}
+        # The engine's own prefix cache is split by tenant too: a client cannot pick another's salt.
+        assert engine.requests[-1]["cache_salt"] != acme_salt
+        await client.post("/v1/chat/completions", json={**CHAT, "cache_salt": acme_salt},
+                          headers={**RIVAL, "X-Session-ID": "mine"})
+        assert engine.requests[-1]["cache_salt"] not in (acme_salt, engine.requests[-2]["cache_salt"])
 
 
 async def test_a_tenant_cannot_advise_or_move_another_tenants_session(
@@ -203,9 +211,18 @@ async def test_admin_sets_priority_tiers_and_a_high_session_is_promoted(
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
         await client.post("/v1/chat/completions", json=CHAT, headers={**ACME, "X-Session-ID": "vip"})
         reply = await client.put("/admin/v1/priorities", json=body, headers=admin)
-        assert reply.status_code == 200 and reply.json()["promoted"] is True
+        assert reply.status_code == 200 and reply.json()["promoted"] == 1
         await async_wait_until(lambda: bool(node.kv.prefetches), 10, "the promotion's prefetch")
         assert node.kv.prefetches[0].priority == kv_pb2.PRIORITY_HIGH
+        # A whole tenant set to high: each of its sessions the scheduler knows moves up.
+        for session in ("t1", "t2"):
+            await client.post("/v1/chat/completions", json=CHAT, headers={**ACME, "X-Session-ID": session})
+        tenant_wide = await client.put("/admin/v1/priorities", json={"tenant": "acme", "priority": "high"},
+                                       headers=admin)
+        assert tenant_wide.json()["promoted"] >= 2  # t1, t2 (and vip, unless its move is still pending)
+        await async_wait_until(lambda: {p.session.session_id for p in node.kv.prefetches} >= {"vip", "t1", "t2"},
+                               10, "the tenant's prefetches")
+        await client.put("/admin/v1/priorities", json={"tenant": "acme", "priority": "normal"}, headers=admin)
         assert (await client.put("/admin/v1/priorities", json={"tenant": "rival", "priority": "low"},
                                  headers=admin)).status_code == 200
         listing = (await client.get("/admin/v1/priorities", headers=admin)).json()
@@ -248,6 +265,14 @@ async def test_the_sdk_debounces_typing_sends_agent_hints_and_sets_priorities(
         assert hint is not None and (hint.kind, hint.expected_arrival_ms) == ("predecessor", 1800)
     finally:
         await client.close()
+    # An advisory the scheduler refused was not sent: the next keystroke tries again, not None.
+    stranger = AsyncSymphonyClient(url, api_key="wrong", model="m", max_retries=0)
+    try:
+        for _ in range(2):
+            with pytest.raises(openai.AuthenticationError):
+                await stranger.typing("chat-2")
+    finally:
+        await stranger.close()
     admin = AsyncAdminClient(url, token="s3cret")
     try:
         reply = await admin.set_priority("acme", "low")
@@ -285,7 +310,7 @@ async def test_the_load_generator_replays_users_through_the_scheduler(
         await ready(client, 2)
     conversations = load_sharegpt(SHAREGPT_SAMPLE, limit=3)
     generator = LoadGenerator(url, "m", conversations, HumanTiming(time_scale=0.001),
-                              LoadSettings(users=2, duration_s=1.0, max_answer_tokens=8))
+                              LoadSettings(users=2, duration_s=3.0, max_answer_tokens=8))
     records = await generator.run()
     assert records and all(r.ok and r.node in ("node-a", "node-b") for r in records)
     assert {r.session for r in records} <= {f"load-u{u}-c{c}" for u in range(2) for c in range(100)}

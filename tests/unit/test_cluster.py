@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import grpc
+
 from scheduler.cluster import Cluster
 from symphony.rpc import node_pb2
 
@@ -51,3 +53,25 @@ def test_node_that_never_answered_is_unreachable_and_unreported() -> None:
     assert not cluster.nodes[0].reported
     assert cluster.states() == {"a:1": "unreachable"}
     assert cluster.served_models() == {}
+
+
+def test_late_nodes_are_routed_to_only_when_none_is_up_to_date_and_never_once_refused() -> None:
+    clock = Clock()
+    cluster = Cluster(["a:1", "b:2"], poll_interval_s=0.1, down_after_s=1.0, clock=clock)
+    a, b = cluster.nodes
+    cluster.apply_status(a, status("node-0"))
+    cluster.apply_status(b, status("node-1"))
+    clock.now += 0.5
+    cluster.apply_status(b, status("node-1"))
+    clock.now += 0.8  # a is 1.3 s late, b 0.8 s: b alone is up
+    assert [v.available for v in cluster.snapshot("m")] == [False, True]
+    clock.now += 0.5  # both late (a saturated host): both still listen, both are tried
+    cluster.poll_failed(a, grpc.StatusCode.DEADLINE_EXCEEDED, "slow")
+    assert [v.available for v in cluster.snapshot("m")] == [True, True]
+    cluster.poll_failed(b, grpc.StatusCode.UNAVAILABLE, "connection refused")  # b is gone
+    assert [v.available for v in cluster.snapshot("m")] == [True, False]
+    assert cluster.states() == {"node-0": "unreachable", "node-1": "unreachable"}
+    clock.now += 10.0  # late beyond the lag limit: down for good
+    assert [v.available for v in cluster.snapshot("m")] == [False, False]
+    cluster.apply_status(b, status("node-1"))  # b is back
+    assert [v.available for v in cluster.snapshot("m")] == [False, True]

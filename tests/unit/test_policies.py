@@ -85,6 +85,20 @@ def test_consistent_hash_moves_only_the_down_nodes_sessions() -> None:
     assert "n2" not in after.values()
 
 
+def test_consistent_hash_without_a_session_keys_on_the_prompts_start() -> None:
+    policy = ConsistentHashPolicy()
+    nodes = [node(f"n{i}") for i in range(4)]
+    conversations = [f"user: question {i} " + "x" * 300 for i in range(400)]
+    first = [policy.choose(request(None, text=c), nodes).node_id for c in conversations]
+    # A later turn (the same start, more text) meets its first turn; different prompts spread.
+    assert [policy.choose(request(None, text=c + "\nassistant: answer"), nodes).node_id
+            for c in conversations] == first
+    assert len(set(first)) == 4
+    # Tenants hash apart: the same prompt from another tenant is another key.
+    other = [policy.choose(request(None, tenant="u", text=c), nodes).node_id for c in conversations]
+    assert other != first
+
+
 # -- sticky -----------------------------------------------------------------------------------------
 def test_sticky_pins_a_session_after_its_first_turn_whatever_the_load() -> None:
     policy = StickyPolicy()
@@ -150,6 +164,15 @@ def test_prefix_tree_matches_splits_and_stays_within_its_bound() -> None:
     tree.insert(recent, "n0")
     assert tree.match(recent)[0] == 30, "the most recent path survives eviction"
     assert sum(tree.sizes.values()) >= tree.chars
+
+
+def test_prefix_tree_leaf_heap_stays_bounded_under_its_char_bound() -> None:
+    # Revisiting leaves (the same conversations again) while the tree stays under max_chars must not
+    # grow the eviction heap without bound.
+    tree = PrefixTree(max_chars=1_000_000)
+    for i in range(20_000):
+        tree.insert(f"conversation {i % 50} " + "x" * 20, "a")
+    assert tree.chars < 2_000 and len(tree._leaves) <= 2 * 50 + 1024
 
 
 def test_prefix_tree_forgets_a_node() -> None:

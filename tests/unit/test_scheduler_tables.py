@@ -29,11 +29,27 @@ def test_a_served_turn_records_where_the_sessions_kv_is() -> None:
     entry = table.get(("t", "s"))
     assert entry is not None and entry.last_node == "b"
     assert entry.kv_tokens == {"a": 100, "b": 300} and entry.history_tokens == 300
-    table.moved(("t", "s"), "c")
-    assert entry.kv_tokens["c"] == 300
+    table.moved(("t", "s"), "c", 250)  # a move asked for before the 300-token turn
+    assert entry.kv_tokens["c"] == 250
     table.forget_node("a")
     assert "a" not in entry.kv_tokens
     assert table.get(("other", "s")) is None
+
+
+def test_a_turn_the_node_never_started_is_undone() -> None:
+    table = SessionTable(10, ttl_s=60)
+    table.served(("t", "s"), "a", 100, high=True)
+    undo = table.served(("t", "s"), "b", 300)
+    undo()
+    entry = table.get(("t", "s"))
+    assert entry is not None and (entry.last_node, entry.high, entry.history_tokens) == ("a", True, 100)
+    assert entry.kv_tokens == {"a": 100} and table.high_sessions == {"a": 1}
+    # Undoing a turn of an entry evicted since changes nothing.
+    small = SessionTable(1, ttl_s=60)
+    undo = small.served(("t", "s"), "a", 5)
+    small.served(("t", "other"), "a", 7)
+    undo()
+    assert small.get(("t", "s")) is None and len(small) == 1
 
 
 def test_sessions_are_bounded_by_count_and_age() -> None:
@@ -116,6 +132,47 @@ async def test_the_queue_is_bounded_and_waits_end() -> None:
         await queue.wait("normal", 1.0)
     assert await waiting is False  # timed out
     assert len(queue) == 0
+
+
+async def test_a_requeued_request_keeps_its_place_even_when_the_queue_is_full() -> None:
+    queue = PushQueue(1)
+    newcomer = asyncio.create_task(queue.wait("normal", 5.0))
+    await _until_queued(queue, 1)
+    # A request woken before that found no room again goes back to the head, never a 429.
+    requeued = asyncio.create_task(queue.wait("normal", 5.0, front=True))
+    await _until_queued(queue, 2)
+    queue.wake(1)
+    assert await requeued is True
+    queue.wake(1)
+    assert await newcomer is True
+
+
+async def test_a_wake_that_lands_as_a_waiter_gives_up_goes_to_the_next() -> None:
+    queue = PushQueue(5)
+    leaving = asyncio.create_task(queue.wait("normal", 5.0))
+    staying = asyncio.create_task(queue.wait("normal", 5.0))
+    await _until_queued(queue, 2)
+    queue.wake(1)  # wakes `leaving`, whose client hangs up before it runs
+    leaving.cancel()
+    outcome = (await asyncio.gather(leaving, return_exceptions=True))[0]
+    if outcome is True:
+        # Python 3.11's wait_for hands a cancelled waiter the result that was already there: the
+        # wake was used, not lost. `staying` still waits for the next one.
+        assert not staying.done() and len(queue) == 1
+        queue.wake(1)
+    else:
+        assert isinstance(outcome, asyncio.CancelledError)  # 3.12+: the wake passed to `staying`
+    assert await asyncio.wait_for(staying, 2.0) is True
+
+
+async def test_newcomers_wait_behind_held_requests_of_their_tier_or_above() -> None:
+    queue = PushQueue(5)
+    held = asyncio.create_task(queue.wait("normal", 5.0))
+    await _until_queued(queue, 1)
+    assert queue.ahead_of("normal") and queue.ahead_of("low") and not queue.ahead_of("high")
+    queue.wake(1)
+    await held
+    assert not queue.ahead_of("low")
 
 
 async def test_a_requeued_waiter_keeps_its_place_at_the_head() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from scheduler.auth import engine_cache_salt
 from scheduler.errors import ApiError
 from scheduler.validation import (
     AdvisoryRequest,
@@ -121,6 +122,22 @@ def test_bad_prompts_are_400_on_prompt(prompt: Any) -> None:
 @pytest.mark.parametrize("prompt", ["", "hello", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_valid_prompts_pass(prompt: Any) -> None:
     assert inference("completions", completion(prompt=prompt)).endpoint == "completions"
+
+
+# -- cache_salt -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("salt", ["", 7, ["a"], "s" * 257], ids=str)
+def test_bad_cache_salt_is_400(salt: Any) -> None:
+    error = rejected(inference, "chat", chat(cache_salt=salt))
+    assert (error.status, error.param) == (400, "cache_salt")
+
+
+def test_engine_cache_salt_separates_tenants_and_client_salts() -> None:
+    salts = {engine_cache_salt("a"), engine_cache_salt("b"), engine_cache_salt("a", "u1"),
+             engine_cache_salt("a", "u2"), engine_cache_salt("b", "u1")}
+    assert len(salts) == 5
+    assert engine_cache_salt("a", "u1") == engine_cache_salt("a", "u1")  # stable: warm-ups must match
+    # No tenant/client split collides: "a" + salt "b\0c" is not "a\0b" + salt "c".
+    assert engine_cache_salt("a", "b\0c") != engine_cache_salt("a\0b", "c")
 
 
 # -- stream -----------------------------------------------------------------------------------------

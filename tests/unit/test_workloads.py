@@ -69,6 +69,7 @@ def test_answer_length_follows_the_original_within_bounds() -> None:
     assert answer_tokens(Turn("q", 100), cap=64) == 64
     assert answer_tokens(Turn("q", 20), cap=64) == 26
     assert answer_tokens(Turn("q", 0), cap=64) == 16
+    assert answer_tokens(Turn("q", 0), cap=8) == 8  # the cap wins over the floor
 
 
 def _record(session: str, turn: int, node: str, *, prompt: int, cached: int, out: int = 10, e2e: float = 1.0,
