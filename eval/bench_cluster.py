@@ -10,7 +10,8 @@ engines' prefix caches are emptied before each.
 Keys per policy: TTFT p50/p95, mean TPOT, mean normalized latency (end-to-end time per output token),
 requests completed and failed, `max_over_mean_load` (per node busy time: the sum of its requests'
 durations, busiest over mean), prompt tokens computed and in total, and `kv_ready_at_arrival_frac`
-(resumed turns that found at least 90% of their history cached when they arrived).
+(resumed turns that found at least 90% of their history cached when they arrived), and the typing
+advisories' round trips as the load generator saw them (`advisory_ms_p50`, `advisory_ms_p99`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
         if r.node in busy:
             busy[r.node] += r.e2e_s
     mean_busy = statistics.fmean(busy.values()) if busy else 0.0
+    advisory_ms = [r.advisory_ms for r in records if r.advisory_ms > 0]
     ready, resumed = 0, 0
     history: dict[str, int] = {}  # session -> tokens its last turn left (prompt + answer)
     for r in sorted(ok, key=lambda r: (r.session, r.turn)):
@@ -71,6 +73,9 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
         "prefill_tokens_total": sum(r.prompt_tokens for r in ok),
         "kv_ready_at_arrival_frac": ready / resumed if resumed else float("nan"),
         "resumed_turns": resumed,
+        # Client-side round trips (an upper bound on the scheduler's own time to answer).
+        "advisory_ms_p50": percentile(advisory_ms, 50) if advisory_ms else float("nan"),
+        "advisory_ms_p99": percentile(advisory_ms, 99) if advisory_ms else float("nan"),
         "requests_by_node": {node: sum(1 for r in ok if r.node == node) for node in nodes},
     }
 
@@ -104,7 +109,9 @@ class _PolicyScheduler:
         path = home / "run" / f"scheduler-{policy}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dump_toml(dataclasses.replace(config, scheduler=scheduler)))
-        self.log = (home / "logs" / f"scheduler-{policy}.log").open("wb")
+        log_path = home / "logs" / f"scheduler-{policy}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log_path.open("wb")
         self.process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "scheduler", "--effective-config",
                                          str(path)], stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://{config.scheduler.host}:{self.port}"

@@ -10,7 +10,6 @@ tokens were computed rather than found in some cache (`usage.prompt_tokens_detai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import csv
 import dataclasses
 import json
@@ -44,6 +43,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    advisory_ms: float = 0.0  # the advisory's round trip as the client saw it (0 without one)
 
     @property
     def tpot_s(self) -> float:
@@ -102,13 +102,13 @@ class LoadGenerator:
                     return
                 advised = self.settings.advisories and timing.advises()
                 typing_started = time.monotonic()
-                if advised:
-                    await self._advise(session)
+                advisory_ms = await self._advise(session) if advised else 0.0
                 await asyncio.sleep(max(0.0, timing.typing_s(len(turn.message.split()))
                                         - (time.monotonic() - typing_started)))
                 messages.append({"role": "user", "content": turn.message})
                 record = RequestRecord(user, session, number, time.monotonic() - self._started, advised,
-                                       time.monotonic() - typing_started if advised else 0.0)
+                                       time.monotonic() - typing_started if advised else 0.0,
+                                       advisory_ms=advisory_ms)
                 answer = await self._request(record, messages, answer_tokens(turn, self.settings.max_answer_tokens))
                 self.records.append(record)
                 progress.update()
@@ -118,10 +118,15 @@ class LoadGenerator:
                 previous_words = len(answer.split())
             index += self.settings.users
 
-    async def _advise(self, session: str) -> None:
-        with contextlib.suppress(openai.APIError):  # an advisory is a hint: the request goes ahead without it
+    async def _advise(self, session: str) -> float:
+        """Send the typing advisory; its round trip in ms (0 when refused: a hint, the turn goes on)."""
+        started = time.perf_counter()
+        try:
             await self.client.post("/advisories", cast_to=object,
                                    body={"session_id": session, "kind": "typing", "model": self.model})
+        except openai.APIError:
+            return 0.0
+        return (time.perf_counter() - started) * 1000
 
     async def _request(self, record: RequestRecord, messages: list[dict[str, str]], max_tokens: int) -> str | None:
         started = time.monotonic()

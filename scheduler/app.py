@@ -43,7 +43,7 @@ class SchedulerState:
         self.auth = Authenticator(sc.api_keys, sc.admin_token)
         self.sessions = SessionTable(sc.max_sessions, sc.session_ttl_s)
         self.priorities = PriorityTable(sc.max_priority_settings)
-        self.dispatcher = Dispatcher(self.cluster, make_policy(sc.policy), self.advisories, self.metrics, sc,
+        self.dispatcher = Dispatcher(self.cluster, make_policy(sc.policy, sc), self.advisories, self.metrics, sc,
                                      sessions=self.sessions, priorities=self.priorities)
 
     def export_gauges(self) -> None:

@@ -51,7 +51,8 @@ class SchedulerConfig:
     max_expected_arrival_ms: int = 3_600_000  # hints further out than this are rejected
     typing_lead_ms: int = 10_000  # a typing advisory's prefetch deadline: when its request is likely to come
     max_prefetches: int = 256  # KV moves followed at once; beyond, an advisory routes but moves nothing
-    max_sessions: int = 100_000  # session table entries (least recently used beyond)
+    max_sessions: int = 100_000  # session table entries, and sticky's pinned sessions (least recently used beyond)
+    prefix_trie_max_chars: int = 4_000_000  # prefix_trie's tree of served prompts (~1M tokens of text)
     session_ttl_s: float = 3600.0  # a session unused this long is forgotten
     max_priority_settings: int = 100_000  # tenant and session priority tiers an admin may set
     max_queued_requests: int = 1024  # requests held back by selective pushing; beyond: 429
@@ -337,7 +338,8 @@ def _validate(config: SymphonyConfig) -> None:
     for name in ("poll_interval_ms", "node_down_after_ms", "max_inflight_requests", "max_body_bytes",
                  "max_session_id_len", "max_advisories", "max_expected_arrival_ms", "connect_timeout_s",
                  "request_timeout_s", "advisory_ttl_s", "typing_lead_ms", "max_prefetches", "max_sessions",
-                 "session_ttl_s", "max_priority_settings", "max_queued_requests", "queue_timeout_s"):
+                 "prefix_trie_max_chars", "session_ttl_s", "max_priority_settings", "max_queued_requests",
+                 "queue_timeout_s"):
         check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
     check(s.node_down_after_ms >= s.poll_interval_ms, "scheduler.node_down_after_ms",
           "must be at least scheduler.poll_interval_ms")

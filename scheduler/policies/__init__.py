@@ -7,11 +7,11 @@ from collections.abc import Callable
 
 from scheduler.policies.consistent_hash import ConsistentHashPolicy
 from scheduler.policies.least_load import LeastLoadPolicy, RecomputePolicy, RoundRobinPolicy
-from scheduler.policies.prefix_trie import PrefixTriePolicy
+from scheduler.policies.prefix_trie import PrefixTriePolicy, PrefixTrieSettings
 from scheduler.policies.sticky import StickyPolicy
 from scheduler.policies.symphony import CostModel, SymphonyPolicy
 from scheduler.routing import RoutingPolicy
-from symphony.config import ConfigError
+from symphony.config import ConfigError, SchedulerConfig
 
 POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
     SymphonyPolicy.name: SymphonyPolicy,
@@ -26,9 +26,13 @@ POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
 __all__ = ["POLICIES", "CostModel", "make_policy"]
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ConfigError(f"scheduler.policy: unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})") from None
-    return factory()
+def make_policy(name: str, config: SchedulerConfig | None = None) -> RoutingPolicy:
+    """The policy `name`, with the bounds of its tables from `config` (defaults without one)."""
+    if name not in POLICIES:
+        raise ConfigError(f"scheduler.policy: unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})")
+    config = config or SchedulerConfig()
+    if name == StickyPolicy.name:
+        return StickyPolicy(max_sessions=config.max_sessions)
+    if name == PrefixTriePolicy.name:
+        return PrefixTriePolicy(PrefixTrieSettings(max_chars=config.prefix_trie_max_chars))
+    return POLICIES[name]()

@@ -316,7 +316,7 @@ async def test_the_load_generator_replays_users_through_the_scheduler(
     assert {r.session for r in records} <= {f"load-u{u}-c{c}" for u in range(2) for c in range(100)}
     first = next(r for r in records if r.turn == 0)
     assert (first.prompt_tokens, first.cached_tokens, first.output_tokens) == (7, 4, 3)
-    assert any(r.turn > 0 for r in records) and all(r.advised for r in records)
+    assert any(r.turn > 0 for r in records) and all(r.advised and r.advisory_ms > 0 for r in records)
     # Each turn carried the conversation so far: the user's messages and the answers ("onetwothree").
     turns = [body for body in engine.requests if body["messages"][-1]["role"] == "user"]
     assert any(len(body["messages"]) >= 3 and body["messages"][1] == {"role": "assistant", "content": "onetwothree"}

@@ -15,7 +15,7 @@ from scheduler.policies.prefix_trie import PrefixTriePolicy, PrefixTrieSettings
 from scheduler.policies.sticky import StickyPolicy
 from scheduler.policies.symphony import CostModel, SymphonyPolicy
 from scheduler.routing import NodeSnapshot, RouteRequest
-from symphony.config import ConfigError
+from symphony.config import ConfigError, SchedulerConfig
 
 
 def node(node_id: str, *, available: bool = True, running: int = 0, waiting: int = 0, inflight: int = 0,
@@ -62,6 +62,14 @@ def test_round_robin_cycles_through_available_nodes() -> None:
 
 def test_recompute_balances_by_load_like_least_load() -> None:
     assert RecomputePolicy().choose(request(), [node("a", running=2), node("b", running=1)]).node_id == "b"
+
+
+def test_policy_tables_take_their_bounds_from_the_config() -> None:
+    config = SchedulerConfig(max_sessions=3, prefix_trie_max_chars=500)
+    sticky = make_policy("sticky", config)
+    assert isinstance(sticky, StickyPolicy) and sticky.max_sessions == 3
+    trie = make_policy("prefix_trie", config)
+    assert isinstance(trie, PrefixTriePolicy) and trie.tree.max_chars == 500
 
 
 # -- consistent hashing ------------------------------------------------------------------------------
