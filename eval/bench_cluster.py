@@ -11,7 +11,9 @@ Keys per policy: TTFT p50/p95, mean TPOT, mean normalized latency (end-to-end ti
 requests completed and failed, `max_over_mean_load` (per node busy time: the sum of its requests'
 durations, busiest over mean), prompt tokens computed and in total, and `kv_ready_at_arrival_frac`
 (resumed turns that found at least 90% of their history cached when they arrived), and the typing
-advisories' round trips as the load generator saw them (`advisory_ms_p50`, `advisory_ms_p99`).
+advisories' round trips as the load generator saw them (`advisory_ms_p50`, `advisory_ms_p99`) and
+the scheduler's own time to answer them (`advisory_server_ms_p99_bound`: the histogram bucket bound
+under which 99% fell).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from eval.child_process import stop_child
 from eval.loadgen import LoadGenerator, LoadSettings, RequestRecord, write_records
 from eval.plots import plot_cluster
 from eval.ports import free_port_run
@@ -136,12 +139,7 @@ class _PolicyScheduler:
             return (await client.get(self.url + "/metrics")).text
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
+        stop_child(self.process, self.log)
 
 
 async def _reset_prefix_caches(config: SymphonyConfig) -> None:
@@ -163,6 +161,20 @@ def _advised_ready(metrics: str) -> dict[str, float]:
     return counts
 
 
+def advisory_p99_bound_ms(metrics: str) -> float:
+    """From the scheduler's `symphony_advisory_seconds` histogram: the bucket bound (ms) under which
+    99% of advisories were answered (inf past the last bucket, nan without advisories)."""
+    buckets: list[tuple[float, float]] = []
+    for line in metrics.splitlines():
+        if line.startswith('symphony_advisory_seconds_bucket{le="'):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
+        return float("nan")
+    return next(bound * 1000 for bound, count in buckets if count >= 0.99 * total)
+
+
 async def measure_policies(config: SymphonyConfig, model: str, home: Path, policies: list[str],
                            settings: LoadSettings, timing: HumanTiming, conversations: list[Conversation],
                            records_dir: Path | None = None) -> dict[str, Any]:
@@ -181,7 +193,9 @@ async def measure_policies(config: SymphonyConfig, model: str, home: Path, polic
                                       session_prefix=f"{policy}-{key[:6]}")
             records = await generator.run()
             summary = summarize(records, nodes)
-            summary["advised_requests_kv_ready"] = _advised_ready(await scheduler.metrics())
+            metrics = await scheduler.metrics()
+            summary["advised_requests_kv_ready"] = _advised_ready(metrics)
+            summary["advisory_server_ms_p99_bound"] = advisory_p99_bound_ms(metrics)
             results[policy] = summary
             if records_dir is not None:
                 write_records(records, records_dir / f"{policy}.json", records_dir / f"{policy}.csv")

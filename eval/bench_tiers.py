@@ -27,6 +27,7 @@ import grpc
 import torch
 from tqdm import tqdm
 
+from eval.child_process import stop_child
 from eval.plots import plot_tiers
 from eval.results import write_result
 from node_manager.kv.loader import RowTarget
@@ -243,12 +244,7 @@ class _PeerNode:
                 await asyncio.sleep(0.2)  # polling a child process that is starting up
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
+        stop_child(self.process, self.log)
 
 
 async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], token_ids: list[int], work: Path,

@@ -134,8 +134,13 @@ class HotPath:
             watcher.cancel()
 
     async def _advisory(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
         tenant = self.state.auth.tenant(header(scope, AUTHORIZATION_HEADER))
         raw = await read_body(scope, receive, self._limits.max_body_bytes)
         parsed = validate_advisory(raw, header(scope, SESSION_HEADER), self.state.cluster.served_models(),
                                    self._limits.max_session_id_len, self._limits.max_expected_arrival_ms)
-        await JSONResponse(self.state.dispatcher.advise(parsed, tenant), status_code=202)(scope, receive, send)
+        reply = JSONResponse(self.state.dispatcher.advise(parsed, tenant), status_code=202)
+        await reply(scope, receive, send)
+        # From the request's headers to the answer handed to the server: the scheduler's own part of
+        # an advisory's round trip (the client also sees the network and its event loop's delays).
+        self.state.metrics.advisory_latency.observe(time.perf_counter() - started)

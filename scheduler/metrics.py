@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Seconds; spans a local prefix-cache hit on a GPU (~10 ms) to a long CPU prefill (~1 min).
+# An advisory is answered in well under the 5 ms it is allowed.
+ADVISORY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
@@ -43,6 +45,9 @@ class SchedulerMetrics:
         self.advisories_dropped = Counter("symphony_advisories_dropped", "Advisories never followed by their "
                                           "request: expired, or evicted by the table's size bound", ["reason"],
                                           registry=r)
+        self.advisory_latency = Histogram("symphony_advisory_seconds", "Time the scheduler took to answer an "
+                                          "accepted advisory (headers in to reply out)",
+                                          buckets=ADVISORY_BUCKETS, registry=r)
         self.advisories_pending = Gauge("symphony_advisories_pending", "Advisories waiting for their request",
                                         registry=r)
         self.node_up = Gauge("symphony_node_up", "1 when the node is routable", ["node"], registry=r)

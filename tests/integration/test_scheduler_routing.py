@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from client_sdk import AsyncAdminClient, AsyncSymphonyClient
+from eval.bench_cluster import advisory_p99_bound_ms
 from eval.loadgen import LoadGenerator, LoadSettings
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from symphony.cli import main
@@ -324,3 +325,5 @@ async def test_the_load_generator_replays_users_through_the_scheduler(
     async with httpx.AsyncClient(base_url=url) as client:
         metrics = (await client.get("/metrics")).text
     assert _metric(metrics, 'symphony_advisories_total{kind="typing",outcome="routed"}') == len(records)
+    assert _metric(metrics, "symphony_advisory_seconds_count") == len(records)
+    assert advisory_p99_bound_ms(metrics) > 0
