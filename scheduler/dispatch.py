@@ -120,12 +120,12 @@ class Dispatcher:
                 if n.node_id not in exclude]
 
     async def _route(self, request: RouteRequest, exclude: set[str], advised_node: str | None,
-                     wait_until: float | None) -> Route:
+                     wait_until: float) -> Route:
         """The node for `request`: its advised node if that can serve, else the policy's choice. When
-        the policy holds it back (selective pushing) and `wait_until` is given, it waits for room."""
+        the policy holds it back (selective pushing), it waits for room until `wait_until`."""
         requeued = rerouted = False
         while True:
-            if not requeued and wait_until is not None and self.queue.ahead_of(request.priority):
+            if not requeued and self.queue.ahead_of(request.priority):
                 # Held requests of this tier or above go first (FIFO within a tier): a newcomer
                 # must not take the node that frees up for them.
                 await self._wait_for_room(request.priority, wait_until, requeued)
@@ -144,20 +144,14 @@ class Dispatcher:
                 reason = f"{decision.reason}_after_advisory" if rerouted else decision.reason
                 return Route(self._node(decision.node_id), reason)
             if not decision.queue:
-                states = ", ".join(f"{k}={v}" for k, v in self.cluster.states().items())
-                raise ApiError(503, f"no engine is available to serve {request.model!r} ({states}); retry shortly",
-                               code="no_engine_available")
-            if wait_until is None:  # an advisory: it reserves no slot, so it takes the best node as is
-                decision = _unqueued(self.policy, request, nodes)
-                return Route(self._node(decision.node_id), decision.reason)
+                raise self._no_engine(request.model)
             await self._wait_for_room(request.priority, wait_until, requeued)
             requeued = True
 
     async def _wait_for_room(self, priority: str, wait_until: float, requeued: bool) -> None:
         remaining = wait_until - time.monotonic()
         if remaining <= 0:
-            raise ApiError(503, "every node has requests waiting and none freed up in "
-                           f"{self.config.queue_timeout_s:g} s; retry later", code="queue_timeout")
+            raise self._queue_timeout()
         self.metrics.queued.inc()
         try:
             with self.metrics.queue_wait.labels(priority).time():
@@ -167,8 +161,16 @@ class Dispatcher:
         finally:
             self.metrics.queued.dec()
         if not woken:
-            raise ApiError(503, "every node has requests waiting and none freed up in "
-                           f"{self.config.queue_timeout_s:g} s; retry later", code="queue_timeout")
+            raise self._queue_timeout()
+
+    def _queue_timeout(self) -> ApiError:
+        return ApiError(503, "every node has requests waiting and none freed up in "
+                        f"{self.config.queue_timeout_s:g} s; retry later", code="queue_timeout")
+
+    def _no_engine(self, model: str) -> ApiError:
+        states = ", ".join(f"{k}={v}" for k, v in self.cluster.states().items())
+        return ApiError(503, f"no engine is available to serve {model!r} ({states}); retry shortly",
+                        code="no_engine_available")
 
     def wake_queued(self) -> None:
         """Room may have opened (a status arrived, a request ended): let as many queued requests try
@@ -204,14 +206,13 @@ class Dispatcher:
         return self._advisory_reply(advisory, route.node.node_id, (entry.expires_at - entry.created_at) * 1000)
 
     def _route_now(self, request: RouteRequest) -> Route:
+        """An advisory's node: it reserves no slot, so selective pushing does not hold it back."""
         nodes = self._snapshot(request.model, set())
         decision = self.policy.choose(request, nodes)
         if decision.queue:
             decision = _unqueued(self.policy, request, nodes)
         if decision.node_id is None:
-            states = ", ".join(f"{k}={v}" for k, v in self.cluster.states().items())
-            raise ApiError(503, f"no engine is available to serve {request.model!r} ({states}); retry shortly",
-                           code="no_engine_available")
+            raise self._no_engine(request.model)
         return Route(self._node(decision.node_id), decision.reason)
 
     def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, expected_arrival_ms: int | None) -> bool:
