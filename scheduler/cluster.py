@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -49,21 +49,20 @@ class NodeView:
         """The node manager answered Status at least once (so node_id is its own name)."""
         return self.last_status_at != float("-inf")
 
+    def _serving(self, now: float) -> bool:
+        """Its engine was ready when the node last answered, and dispatch can reach it."""
+        return self.engine_state == READY and now >= self.unreachable_until and bool(self.engine_url)
+
     def available(self, now: float, down_after_s: float) -> bool:
-        return (self.engine_state == READY and now - self.last_status_at <= down_after_s
-                and now >= self.unreachable_until and bool(self.engine_url))
+        return self._serving(now) and now - self.last_status_at <= down_after_s
 
     def lagging(self, now: float, lag_limit_s: float) -> bool:
         """Late with its status but not known to be gone: its manager still listens (its calls
-        time out rather than being refused) and its engine was ready when it last answered."""
-        return (self.engine_state == READY and not self.refused and now - self.last_status_at <= lag_limit_s
-                and now >= self.unreachable_until and bool(self.engine_url))
+        time out rather than being refused)."""
+        return self._serving(now) and not self.refused and now - self.last_status_at <= lag_limit_s
 
-    def snapshot(self, now: float, down_after_s: float, announced: int = 0, high_sessions: int = 0,
-                 available: bool | None = None) -> NodeSnapshot:
-        if available is None:
-            available = self.available(now, down_after_s)
-        return NodeSnapshot(self.node_id, available, self.running, self.waiting,
+    def snapshot(self, now: float, down_after_s: float, announced: int = 0, high_sessions: int = 0) -> NodeSnapshot:
+        return NodeSnapshot(self.node_id, self.available(now, down_after_s), self.running, self.waiting,
                             self.inflight, self.kv_usage, announced, high_sessions)
 
     def state_name(self, now: float, down_after_s: float) -> str:
@@ -104,9 +103,7 @@ class Cluster:
             # miss the 1 s window while the engines serve fine. Refusing every request then helps
             # no one; the nodes that still listen are tried (a dead one fails fast and is retried
             # elsewhere), for `lag_limit_s` at most.
-            views = [n.snapshot(now, self.down_after_s, announced.get(n.node_id, 0),
-                                high_sessions.get(n.node_id, 0), available=n.lagging(now, self.lag_limit_s))
-                     for n in nodes]
+            views = [replace(v, available=n.lagging(now, self.lag_limit_s)) for n, v in zip(nodes, views, strict=True)]
         return views
 
     def served_models(self) -> dict[str, int]:
