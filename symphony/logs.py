@@ -22,9 +22,9 @@ class StructLogger:
     def __init__(self, name: str) -> None:
         self._logger = logging.getLogger(name)
 
-    def _log(self, level: int, event: str, fields: dict[str, Any]) -> None:
+    def _log(self, level: int, event: str, fields: dict[str, Any], exc_info: bool = False) -> None:
         if self._logger.isEnabledFor(level):
-            self._logger.log(level, event, extra={_FIELDS_ATTR: fields}, stacklevel=3)
+            self._logger.log(level, event, extra={_FIELDS_ATTR: fields}, stacklevel=3, exc_info=exc_info)
 
     def debug(self, event: str, **fields: Any) -> None:
         self._log(logging.DEBUG, event, fields)
@@ -37,6 +37,10 @@ class StructLogger:
 
     def error(self, event: str, **fields: Any) -> None:
         self._log(logging.ERROR, event, fields)
+
+    def exception(self, event: str, **fields: Any) -> None:
+        """An error with the traceback of the exception being handled (call from an `except` block)."""
+        self._log(logging.ERROR, event, fields, exc_info=True)
 
 
 def get_logger(name: str) -> StructLogger:

@@ -134,9 +134,6 @@ class LayerPlan:
     checksums: np.ndarray = field(default_factory=_no_reads)
     segments: list[Any] = field(default_factory=list)  # SSD segments pinned for this layer's reads
     only: Tier | None = None  # set when every read comes from this one slot tier (HBM or DRAM)
-    # (first destination row, first source slot) when both run consecutively: read j is a plain
-    # slice copy, with none of copy_rows' run finding (~17 us a call, twice per layer)
-    span: tuple[int, int] | None = None
     failed: list[int] = field(default_factory=list)  # blocks no tier holds (or no room in a tier target)
     already: int = 0  # blocks a tier target held before the load
     started: float = 0.0
@@ -152,44 +149,6 @@ class LayerPlan:
         """Drop every read after the first `count` (a tier target had no room for them)."""
         for name in ("index", "source", "where", "ssd_page", "rows", "block_rows", "checksums"):
             setattr(self, name, getattr(self, name)[:count])
-
-
-@dataclass(slots=True)
-class PreparedDramLoad:
-    """A load whose every page sits in DRAM, planned and pinned for all its layers at once (see
-    `TieredStore._plan_load_from_dram`). Holds the whole load as `[blocks, layers]` arrays, column
-    `c` being layer `order[c]`; a lane builds its layer's `LayerPlan` when it reaches it, so the
-    caller of `load` pays for the arrays only, not for one plan object per layer."""
-
-    keys: Sequence[BlockKey]
-    tensors: Sequence[torch.Tensor]
-    order: list[int]
-    block_rows: np.ndarray  # directory row of each block: holds its pins
-    slots: np.ndarray  # [blocks, columns] DRAM slot of each page
-    checksums: np.ndarray  # [blocks, columns]
-    rows: np.ndarray  # destination row of each block
-    first_slots: list[int]  # per column: the slot of the first block, when the column's slots run on
-    consecutive: list[bool]  # per column: one slice copy (rows and slots both consecutive)
-    columns: dict[int, int] = field(default_factory=dict)  # layer -> column
-    # The same for every layer, so built once and shared (read-only) by the layers' plans.
-    index: np.ndarray = field(default_factory=_no_reads)
-    source: np.ndarray = field(default_factory=_no_reads)
-    ssd_page: np.ndarray = field(default_factory=_no_reads)
-
-    def __post_init__(self) -> None:
-        self.columns = {layer: column for column, layer in enumerate(self.order)}
-        blocks = len(self.block_rows)
-        self.index = np.arange(blocks)
-        self.source = np.full(blocks, Tier.DRAM, np.int64)
-        self.ssd_page = np.zeros(blocks, np.int64)
-
-    def layer_plan(self, layer: int) -> LayerPlan:
-        column = self.columns[layer]
-        return LayerPlan(layer, self.tensors[layer], self.keys, index=self.index, source=self.source,
-                         where=self.slots[:, column], ssd_page=self.ssd_page, rows=self.rows,
-                         block_rows=self.block_rows,
-                         checksums=self.checksums[:, column], only=Tier.DRAM,
-                         span=(int(self.rows[0]), self.first_slots[column]) if self.consecutive[column] else None)
 
 
 def single_threaded_torch() -> None:
@@ -234,30 +193,19 @@ def copy_lanes(count: int) -> concurrent.futures.ThreadPoolExecutor:
 class StripedLoad:
     """Runs one load over `stripes` lanes and delivers each layer once every lane has passed it.
 
-    With `first_alone` (loads that may read SSD), the first layer runs alone: only once it is
-    delivered do the lanes start on the others (and SSD read-ahead begins), so the disk serves the
-    layer a consumer waits on first instead of queueing it behind the rest of the session. Lanes
-    never wait on each other, so a busy pool cannot deadlock.
+    The first layer runs alone: only once it is delivered do the lanes start on the others (and
+    SSD read-ahead begins), so the disk serves the layer a consumer waits on first instead of
+    queueing it behind the rest of the session. Lanes never wait on each other, so a busy pool
+    cannot deadlock. (A load whose every page sits in DRAM takes `memory_load.MemoryLoad` instead.)
     The first lane to reach a layer plans it (`plan(layer)`: the store's bookkeeping, pins taken),
     so planning layer l+1 overlaps the other lane's copy of layer l. `finalize(plan)` is the store's
     bookkeeping for a finished layer (unpin, install, metrics) and returns its result;
-    `after_first(plan)` runs once the load's first layer is delivered; `before_last()` once every
-    layer is finalized, before the last of them is delivered (a load planned as a whole releases
-    its pins there).
-
-    With `whole_layers`, each lane copies whole layers, taking every `stripes`-th one, instead of a
-    stripe of every layer: half the Python per layer (one copy call, no meeting of lanes), which is
-    what a load of slice copies from memory is bound by on two cores (measured 0.4 -> 0.8 of a
-    plain copy's speed). A layer then waits on one lane's copy of all of it, which suits memory
-    copies, not disk reads, whose latency stripes hide."""
+    `after_first(plan)` runs once the load's first layer is delivered."""
 
     def __init__(self, handle: LayerwiseLoad, order: list[int], lanes: concurrent.futures.Executor, stripes: int,
                  pools: dict[Tier, torch.Tensor], ssd: SsdTier, page_words: int, plan: Callable[[int], LayerPlan],
-                 finalize: Callable[[LayerPlan], LayerResult], after_first: Callable[[LayerPlan], None],
-                 before_last: Callable[[], None] | None = None, first_alone: bool = True,
-                 whole_layers: bool = False) -> None:
+                 finalize: Callable[[LayerPlan], LayerResult], after_first: Callable[[LayerPlan], None]) -> None:
         self.handle = handle
-        self._first_alone = first_alone
         self._lanes = lanes
         self.order = order
         self.stripes = stripes
@@ -267,23 +215,18 @@ class StripedLoad:
         self._plan = plan
         self._finalize = finalize
         self._after_first = after_first
-        self._before_last = before_last
         self._plans: list[LayerPlan | None] = [None] * len(order)
         # A first layer run alone is one stripe: it then waits on one lane's wake-up and one read,
         # not on the slower of two (thread wake-ups here take up to milliseconds).
-        self._stripes = [1 if whole_layers or (first_alone and position == 0) else stripes
-                         for position in range(len(order))]
-        self._lane_step = stripes if whole_layers else 1  # whole layers: lane k takes layers k, k + lanes, ...
+        self._stripes = [1 if position == 0 else stripes for position in range(len(order))]
         self._remaining = list(self._stripes)
-        self._undelivered = len(order)
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self._submit(0, 1 if self._first_alone else len(self.order))
+        self._submit(0, 1)
 
     def _submit(self, start: int, stop: int) -> None:
-        lanes = min(self._lane_step, stop - start) if self._lane_step > 1 else self._stripes[start]
-        for lane in range(lanes):
+        for lane in range(self._stripes[start]):
             try:
                 self._lanes.submit(self._run_lane, lane, start, stop)
             except RuntimeError:
@@ -292,11 +235,9 @@ class StripedLoad:
                 self._run_lane(lane, start, stop, skip=True)
 
     def _run_lane(self, lane: int, start: int, stop: int, skip: bool = False) -> None:
-        step = self._lane_step
-        stripe = 0 if step > 1 else lane
-        for position in range(start + lane if step > 1 else start, stop, step):
+        for position in range(start, stop):
             try:
-                self._lane_layer(stripe, position, skip)
+                self._lane_layer(lane, position, skip)
             except Exception:  # never abandon the remaining layers: their pins would leak
                 log.exception("KV load lane failed on a layer", layer=self.order[position])
 
@@ -338,15 +279,6 @@ class StripedLoad:
             outcome = exc
         if plan.error is not None:
             outcome = plan.error
-        with self._lock:
-            self._undelivered -= 1
-            last = self._undelivered == 0
-        if last and self._before_last is not None:
-            try:
-                self._before_last()
-            except Exception as exc:
-                log.exception("KV load could not release its pages")
-                outcome = exc
         try:
             self.handle._finish(plan.layer, outcome)
         finally:
@@ -354,17 +286,13 @@ class StripedLoad:
                 try:
                     self._after_first(plan)
                 finally:
-                    if self._first_alone and len(self.order) > 1:
+                    if len(self.order) > 1:
                         self._submit(1, len(self.order))
 
     def _copy_stripe(self, plan: LayerPlan, low: int, high: int) -> dict[int, str]:
         if plan.only is not None:  # every read from one slot tier: no sorting by source
             pool = self._pools[plan.only]
-            if plan.span is not None:
-                row, slot = plan.span
-                plan.dest[row + low:row + high].copy_(pool[slot + low:slot + high], non_blocking=True)
-            else:
-                copy_rows(plan.dest, plan.rows[low:high], pool, plan.where[low:high])
+            copy_rows(plan.dest, plan.rows[low:high], pool, plan.where[low:high])
             self._synchronize(plan.dest, pool)
             return {}
         source, copied = plan.source[low:high], []

@@ -30,11 +30,11 @@ from node_manager.kv.loader import (
     LayerPlan,
     LayerResult,
     LayerwiseLoad,
-    PreparedDramLoad,
     RowTarget,
     StripedLoad,
     copy_lanes,
 )
+from node_manager.kv.memory_load import MemoryLoad, PreparedDramLoad
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import PageId, Priority, Tier, page_checksum
 from node_manager.kv.segments import SegmentEntry
@@ -690,9 +690,11 @@ class TieredStore:
         record = self.session(tenant, session_id)
         count = record.blocks.num_blocks - first_block if num_blocks is None else num_blocks
         self._check_range(record, 0, first_block, count)
+        rows = None
         if isinstance(target, RowTarget):
             if len(target.rows) != count or len(target.tensors) != self.geometry.num_layers:
                 raise InvalidRequest("row target needs one tensor per layer and one row per block")
+            rows = self._target_rows(target)
         elif target not in (Tier.HBM, Tier.DRAM):
             raise InvalidRequest(f"cannot load into {target.name}")
         order = list(range(self.geometry.num_layers)) if layers is None else list(layers)
@@ -707,30 +709,37 @@ class TieredStore:
                 handle._finish(layer, LayerResult(layer, 0, ()))
         if not order:
             return handle
-        rows = np.asarray(target.rows, dtype=np.int64) if isinstance(target, RowTarget) else None
         with self._lock:
             prepared = self._plan_load_from_dram(keys, order, target, rows) if rows is not None else None
+        if prepared is not None:
+            MemoryLoad(handle, prepared, self.dram.pages, self._io, self.config.io_threads,
+                       on_copied=lambda copied: self._release_prepared(prepared, copied)).start()
+            return handle
         run = StripedLoad(
             handle, order, self._io, self.config.io_threads, {Tier.HBM: self.hbm.pages, Tier.DRAM: self.dram.pages},
             self.ssd, self.geometry.page_words,
-            plan=lambda layer: self._plan_layer(handle, record, layer, keys, target, rows, prepared),
-            finalize=(lambda plan: self._dram_layer_result(plan, handle)) if prepared else
-            (lambda plan: self._finalize_layer(plan, handle, record, target)),
-            after_first=lambda plan: self._after_first_layer(plan, keys, order[1:]),
-            before_last=(lambda: self._release_prepared(prepared)) if prepared else None,  # type: ignore[arg-type]
-            # DRAM copies need no head start (the disk is not involved) and are bound by Python per copy
-            first_alone=prepared is None, whole_layers=prepared is not None)
+            plan=lambda layer: self._plan_layer(handle, record, layer, keys, target, rows),
+            finalize=lambda plan: self._finalize_layer(plan, handle, record, target),
+            after_first=lambda plan: self._after_first_layer(plan, keys, order[1:]))
         run.start()
         return handle
 
+    def _target_rows(self, target: RowTarget) -> np.ndarray:
+        """The destination rows, checked against every destination tensor: loads copy into them by
+        address, so a row outside a tensor would write over memory that is not the caller's."""
+        rows = np.asarray(target.rows, dtype=np.int64)
+        words = self.geometry.page_words
+        if any(t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != words for t in target.tensors):
+            raise InvalidRequest(f"row target tensors must be [rows, {words}] int64")
+        height = min(t.shape[0] for t in target.tensors)
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= height):
+            raise InvalidRequest(f"row target rows must lie within 0..{height - 1}")
+        return rows
+
     def _plan_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence[BlockKey],
-                    target: RowTarget | Tier, rows: np.ndarray | None,
-                    prepared: PreparedDramLoad | None = None) -> LayerPlan:
+                    target: RowTarget | Tier, rows: np.ndarray | None) -> LayerPlan:
         """Decide where each page of `layer` comes from and pin it (bookkeeping only, under the lock),
-        with whole-array operations over the load's blocks: this runs once per layer of every load.
-        A load planned as a whole up front (`prepared`) only hands out its plan."""
-        if prepared is not None:
-            return prepared.layer_plan(layer)
+        with whole-array operations over the load's blocks: this runs once per layer of every load."""
         tier_target = target if isinstance(target, Tier) else None
         if tier_target is None:
             dest = target.tensors[layer]  # type: ignore[union-attr]
@@ -769,23 +778,19 @@ class TieredStore:
             d.pins[ids] += 1
         else:
             d.pins[np.ix_(ids, columns)] += 1
-        # Saves take consecutive slots for a layer's blocks, so most layers are one slice copy.
+        # Saves take consecutive slots for a layer's blocks, so most layers are one run.
         rows_consecutive = bool((np.diff(rows) == 1).all())
         consecutive = ((np.diff(slots, axis=0) == 1).all(axis=0) & rows_consecutive).tolist()
         self._defer_touches(Tier.DRAM, tuple(keys), tuple(order))
-        return PreparedDramLoad(keys, target.tensors, order, ids, slots, d.checksum[ids][:, columns], rows,
-                                slots[0].tolist(), consecutive)
+        return PreparedDramLoad(keys, target.tensors, order, ids, slots, rows, consecutive)
 
-    def _dram_layer_result(self, plan: LayerPlan, handle: LayerwiseLoad) -> LayerResult:
-        """A layer of a load planned by `_plan_load_from_dram` is done: nothing to unpin yet."""
-        if plan.skipped or plan.error is not None:
-            return LayerResult(plan.layer, 0, tuple(range(handle.first_block, handle.first_block + handle.num_blocks)))
-        self._hits[Tier.DRAM].inc(plan.reads)
-        self._observe_io(Tier.DRAM, "read", plan.reads, plan.started)
-        return LayerResult(plan.layer, handle.num_blocks, (), {Tier.DRAM: plan.reads})
-
-    def _release_prepared(self, prepared: PreparedDramLoad) -> None:
-        """Every layer of a load planned as a whole is copied: release its pins and in-flight slots."""
+    def _release_prepared(self, prepared: PreparedDramLoad, copied_layers: int) -> None:
+        """Every layer of a load planned as a whole is copied (or skipped): metrics for the load as
+        one I/O batch, then its pins and in-flight slots released."""
+        pages = copied_layers * len(prepared.block_rows)
+        if pages:
+            self._hits[Tier.DRAM].inc(pages)
+            self._observe_io(Tier.DRAM, "read", pages, prepared.started)
         with self._lock:
             pins = self._directory.pins
             if len(prepared.order) == self.geometry.num_layers:  # every layer (any order): whole rows

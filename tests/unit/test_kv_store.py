@@ -10,6 +10,7 @@ from uuid import uuid4
 import pytest
 import torch
 
+from node_manager.kv.memory_load import MemoryLoad
 from node_manager.kv.pages import Priority, Tier
 from node_manager.kv.segments import SUFFIX, TMP_SUFFIX, parse_header
 from node_manager.kv.store import (
@@ -683,6 +684,24 @@ def test_bad_load_targets(make_store: MakeStore) -> None:
         store.load("acme", "s1", target=Tier.SSD)
 
 
+@pytest.mark.parametrize(("rows", "height", "dtype", "words"), [
+    ([0, 2], 2, torch.int64, WORDS),  # row 2 is past a 2-row tensor
+    ([-1, 0], 2, torch.int64, WORDS),
+    ([0, 1], 2, torch.int32, WORDS),
+    ([0, 1], 2, torch.int64, WORDS - 1),
+], ids=["row-past-end", "negative-row", "int32", "narrow"])
+def test_row_target_outside_its_tensors_is_refused(make_store: MakeStore, rows: list[int], height: int,
+                                                   dtype: torch.dtype, words: int) -> None:
+    """Loads copy into destination rows by address: a row outside a tensor must never be written."""
+    store = make_store()
+    save_session(store, "s1", 2, seed=53)
+    tensors = [torch.zeros(height, words, dtype=dtype) for _ in range(LAYERS)]
+    with pytest.raises(InvalidRequest, match="row target"):
+        store.load("acme", "s1", target=RowTarget(tensors, rows))
+    assert store.flush(TIMEOUT), "a refused load kept an in-flight slot"
+    assert store.pinned_pages() == 0
+
+
 @pytest.mark.parametrize("history", [[-1, 2, 3, 4], [2**32, 1, 2, 3]])
 def test_bad_token_ids(make_store: MakeStore, history: list[int]) -> None:
     store = make_store()
@@ -742,8 +761,10 @@ def test_one_layer_served_from_hbm_and_dram_across_lanes(make_store: MakeStore) 
 
 def test_a_layer_whose_planning_fails_is_reported_and_the_rest_still_load(
         make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = make_store()
+    store = make_store(hbm_pages=LAYERS)
     data = save_session(store, "s1", 2, seed=43)
+    # Block 0 also in HBM: a load of mixed sources, planned layer by layer (not the DRAM-only path).
+    assert all(r.failed == () for r in store.load("acme", "s1", 0, 1, target=Tier.HBM).wait_all(TIMEOUT))
     plan_layer = store._plan_layer
 
     def failing(handle: LayerwiseLoad, record: object, layer: int, *rest: object) -> object:
@@ -762,6 +783,49 @@ def test_a_layer_whose_planning_fails_is_reported_and_the_rest_still_load(
     assert store.flush(TIMEOUT), "the failed layer's in-flight slot was never returned"
     assert store.pinned_pages() == 0
 
+
+
+def test_a_dram_load_layer_whose_copy_fails_is_reported_and_the_rest_still_load(
+        make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DRAM-only path (`MemoryLoad`): a failed copy fails its layer only, and the load still
+    releases every pin and in-flight slot."""
+    store = make_store()
+    data = save_session(store, "s1", 2, seed=59)
+    copy = MemoryLoad._copy
+
+    def failing(self: MemoryLoad, position: int) -> None:
+        if self.prepared.order[position] == 1:
+            raise RuntimeError("injected copy fault")
+        copy(self, position)
+
+    monkeypatch.setattr(MemoryLoad, "_copy", failing)
+    tensors, results = load_rows(store, "s1", 2)
+    assert results[1].failed == (0, 1) and results[1].loaded == 0
+    for layer in (0, *range(2, LAYERS)):
+        assert results[layer].failed == () and results[layer].by_tier == {Tier.DRAM: 2}
+        assert torch.equal(tensors[layer], data[layer])
+    assert store.flush(TIMEOUT), "the load's in-flight slots were never returned"
+    assert store.pinned_pages() == 0
+
+
+@pytest.mark.parametrize("layout", ["scattered-rows", "strided-tensors"])
+def test_a_dram_load_into_scattered_rows_or_strided_tensors(make_store: MakeStore, layout: str) -> None:
+    """Rows out of order take one copy per run; tensors that are views with a wider row stride (a
+    slice of a bigger buffer) cannot be copied into by plain address arithmetic and must still be right."""
+    store = make_store()
+    data = save_session(store, "s1", 4, seed=61)
+    if layout == "scattered-rows":
+        rows = [5, 0, 1, 3]
+        tensors = [torch.full((6, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
+    else:
+        rows = [0, 1, 2, 3]
+        tensors = [torch.full((4, 2 * WORDS), SENTINEL, dtype=torch.int64)[:, WORDS:] for _ in range(LAYERS)]
+    results = store.load("acme", "s1", target=RowTarget(tensors, rows)).wait_all(TIMEOUT)
+    assert all(r.failed == () and r.by_tier == {Tier.DRAM: 4} for r in results)
+    for layer in range(LAYERS):
+        assert torch.equal(tensors[layer][rows], data[layer])
+        untouched = [row for row in range(tensors[layer].shape[0]) if row not in rows]
+        assert bool((tensors[layer][untouched] == SENTINEL).all())
 
 
 def test_a_consumer_cancelling_its_wait_does_not_stall_the_load(make_store: MakeStore) -> None:
