@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--out", type=Path, required=True, help="JSON results file")
     tiers.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
     tiers.add_argument("--tokens", type=_positive_int, default=2048, help="session length in tokens (2048)")
-    tiers.add_argument("--trials", type=_positive_int, default=5, help="interleaved trials; keys are medians (5)")
+    tiers.add_argument("--trials", type=_positive_int, default=9, help="interleaved trials; keys are medians (9)")
     tiers.add_argument("--device", default="cpu", help="HBM tier device: cpu or cuda (cpu)")
     tiers.add_argument("--work-dir", type=Path, help="where the SSD tier's files go (default: the temp dir)")
     tiers.set_defaults(func=cmd_bench_tiers)
