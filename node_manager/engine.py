@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
     if kv_socket is not None:
         argv += ["--kv-transfer-config", json.dumps(connector_config(kv_socket))]
     argv += engine.extra_args
+    nice = shutil.which("nice") if engine.nice else None
+    if nice is not None:  # `nice` execs the server: same pid, and every thread and child inherits it
+        argv = [nice, "-n", str(engine.nice), *argv]
     env = dict(os.environ if base_env is None else base_env)
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib),

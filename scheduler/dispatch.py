@@ -46,6 +46,10 @@ ROUTE_HEADER = "X-Symphony-Route"
 _NOT_STARTED = (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError)
 # After a failed connect, keep a node out of rotation this long.
 _UNREACHABLE_HOLD_S = 1.0
+# How long a finished move of a session to a node counts as still in place: a repeated advisory
+# for the same history within it moves nothing. Short, because the node may evict the KV later
+# (the request then loads it from a lower tier, as without an advisory).
+MOVE_FRESH_S = 10.0
 
 
 def _unqueued(policy: RoutingPolicy, request: RouteRequest, nodes: list[NodeSnapshot]) -> RouteDecision:
@@ -219,18 +223,26 @@ class Dispatcher:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
         pulled from the node holding the most of it. A session no node holds (a first turn) has
         nothing to move: the advisory only pre-assigned its node. True when a move is under way."""
-        current = self.prefetches.get(key)
-        if current is not None and current.state == "pending":
-            if current.node_id == node_id:
-                return True  # a repeated advisory (a user still typing): the move is already under way
-            self.prefetcher.cancel(current)  # the session was re-advised elsewhere
         held_here = request.kv_tokens.get(node_id, 0)
         holders = {n: t for n, t in request.kv_tokens.items() if t > held_here and self._reachable(n)}
+        history = max([held_here, *holders.values()])
+        current = self.prefetches.get(key)
+        if current is not None and current.node_id == node_id:
+            if current.state == "pending":
+                return True  # a repeated advisory (a user still typing): the move is already under way
+            if (current.ready and current.history_tokens >= history and current.finished_at is not None
+                    and time.monotonic() - current.finished_at <= MOVE_FRESH_S):
+                # The same history reached this node's top tier moments ago. Moving it again would
+                # cost the node a warm-up forward pass on its engine for nothing (a typing user
+                # re-advises every few seconds), and on a busy host that work delays everyone.
+                self.metrics.prefetches.labels("unchanged").inc()
+                return True
+        if current is not None and current.state == "pending":
+            self.prefetcher.cancel(current)  # the session was re-advised elsewhere
         if not held_here and not holders:
             return False
         source = self._node(max(holders, key=holders.__getitem__)).address if holders else ""
         deadline = expected_arrival_ms if expected_arrival_ms is not None else self.config.typing_lead_ms
-        history = max([held_here, *holders.values()])
         prefetch = self.prefetcher.start(key, node_id, source, deadline, request.priority, history)
         if prefetch is None:
             return False

@@ -28,7 +28,8 @@ class SchedulerMetrics:
                                   "(node chosen, KV moved there) or ignored (the policy takes no advisories)",
                                   ["kind", "outcome"], registry=r)
         self.prefetches = Counter("symphony_prefetches", "KV moves the scheduler asked a node for, by how they "
-                                  "ended (done, partial, failed, not_found: nothing to move, skipped_busy)",
+                                  "ended (done, partial, failed, not_found: nothing to move, skipped_busy; "
+                                  "unchanged: not asked, the same KV reached that node moments ago)",
                                   ["outcome"], registry=r)
         self.advised_requests = Counter("symphony_advised_requests", "Requests whose advisory moved KV, by kind and "
                                         "whether the KV was in the node's top tier when they arrived",

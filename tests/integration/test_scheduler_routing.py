@@ -13,6 +13,7 @@ from client_sdk import AsyncAdminClient, AsyncSymphonyClient
 from eval.bench_cluster import advisory_p99_bound_ms
 from eval.loadgen import LoadGenerator, LoadSettings
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
+from scheduler import dispatch
 from symphony.cli import main
 from symphony.rpc import kv_pb2
 from tests.helpers import async_wait_until
@@ -32,10 +33,10 @@ def _metric(text: str, sample: str) -> float:
 
 
 async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
-    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
-    url, _ = await start_scheduler([node_a, node_b], typing_lead_ms=7000)
+    url, state = await start_scheduler([node_a, node_b], typing_lead_ms=7000)
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client, 2)
         turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
@@ -57,12 +58,23 @@ async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
             return 'symphony_prefetches_total{outcome="done"} 1.0' in (await client.get("/metrics")).text
 
         await async_wait_until(moved, 10, "the prefetch to finish")
+        # The user still typing: the same history already sits in that node's top tier, so a repeated
+        # advisory routes there but asks the node for nothing (a move would cost an engine warm-up).
+        again = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
+        assert again.status_code == 202 and again.json()["node"] == other.status.node_id
+        assert len(other.kv.prefetches) == 1
+        assert _metric((await client.get("/metrics")).text, 'symphony_prefetches_total{outcome="unchanged"}') == 1
+        monkeypatch.setattr(dispatch, "MOVE_FRESH_S", 0.0)  # ... but only for a while: then it moves again
+        await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
+        await async_wait_until(lambda: len(other.kv.prefetches) == 2, 10, "the second prefetch request")
+        await async_wait_until(lambda: all(p.state == "done" for p in state.dispatcher.prefetches.values()), 10,
+                               "the second prefetch to finish")
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
         assert reply.headers["x-symphony-node"] == other.status.node_id
         assert reply.headers["x-symphony-route"] == "advisory"
         metrics = (await client.get("/metrics")).text
         assert _metric(metrics, 'symphony_advised_requests_total{kind="typing",kv_ready="yes"}') == 1
-        assert _metric(metrics, 'symphony_advisories_total{kind="typing",outcome="routed"}') == 1
+        assert _metric(metrics, 'symphony_advisories_total{kind="typing",outcome="routed"}') == 3
 
 
 async def _busy(client: httpx.AsyncClient, node_id: str) -> bool:
