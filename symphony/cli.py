@@ -320,6 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     cluster.add_argument("--served-model-name", help=argparse.SUPPRESS)
     cluster.set_defaults(func=cmd_bench_cluster)
+    route = bench_sub.add_parser("route", help="cost of one routing decision per policy at fleet scale (no cluster)")
+    route.add_argument("--out", type=Path, required=True, help="JSON results file")
+    route.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
+    route.add_argument("--nodes", type=_positive_int, default=64, help="nodes in the fleet (64)")
+    route.add_argument("--sessions", type=_positive_int, default=100_000, help="sessions routed first (100000)")
+    route.add_argument("--tenants", type=_positive_int, default=100, help="tenants the sessions belong to (100)")
+    route.add_argument("--requests", type=_positive_int, default=20_000, help="timed decisions per policy (20000)")
+    route.add_argument("--policies", default="symphony,least_load,round_robin,consistent_hash,sticky,prefix_trie",
+                       help="comma-separated (default: %(default)s)")
+    route.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    route.set_defaults(func=cmd_bench_route)
     return parser
 
 
@@ -356,6 +367,19 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
                              time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
                              conversations=conversations, miss_rate=args.miss_rate, plot=args.plot,
                              records_dir=args.records)
+
+
+def cmd_bench_route(args: argparse.Namespace) -> int:
+    from eval.bench_route import run_route_bench
+    from scheduler.policies import POLICIES
+
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown:
+        raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    run_route_bench(out=args.out, nodes=args.nodes, sessions=args.sessions, tenants=args.tenants,
+                    requests=args.requests, policies=policies, seed=args.seed, plot=args.plot)
+    return 0
 
 
 def cmd_bench_resume(args: argparse.Namespace) -> int:
