@@ -1,0 +1,223 @@
+"""A discrete-event simulation of a cluster of engines, routed by the real scheduler policies.
+
+The loop keeps one heap of timed events: a request arriving (it is routed at once, by the policy
+object `scheduler.policies` builds, through the same `RouteRequest`/`NodeSnapshot` values the
+scheduler gives it), an advisory (the policy picks the node ahead of the request and, for policies
+that move KV on advisories, the session's KV starts moving there), a KV move ending, an engine step
+ending. What a request finds in the engine's KV when it is admitted is what its session's KV holds
+on that node: history a move brought, or its last turn left there.
+
+Selective pushing: a decision that says "queue" parks the request in the scheduler's queue (FIFO
+within a priority tier, as the scheduler's `PushQueue`); parked requests are routed again whenever
+an engine step ends.
+
+Kept simple on purpose, and said so: a node's tiers keep every session's KV that reached it (assumed
+large enough), a move's time is the history's bytes over the link's bandwidth plus its RTT, and KV
+loaded from a node's own tiers is as good as cached (the connector loads it layer by layer under the
+forward pass; bench resume measures that within 1.15x of a prefix-cache hit). Policies without the
+tiers (`recompute`) find only the engine's own prefix cache: finished requests' KV, least recently
+used first out, within the engine's KV capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
+from scheduler.routing import PRIORITIES, NodeSnapshot, RouteRequest, RoutingPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    """Moving one session's KV between two nodes."""
+
+    kv_bytes_per_token: int  # all layers, K and V
+    bandwidth_gbps: float  # GB/s
+    rtt_ms: float
+
+    def move_ms(self, tokens: int) -> float:
+        return self.rtt_ms + tokens * self.kv_bytes_per_token / (self.bandwidth_gbps * 1e6)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request of the workload: its arrival, and an advisory ahead of it (None: no advisory)."""
+
+    session: str
+    arrival_ms: float
+    prompt_tokens: int  # the whole prompt: the session's history plus the new message
+    output_tokens: int
+    advisory_ms: float | None = None
+    tenant: str = "default"
+    priority: str = "normal"
+
+
+@dataclass(slots=True)
+class SimResult:
+    requests: list[SimRequest]
+    busy_ms: dict[str, float]
+    preemptions: int
+    refused: list[SimRequest] = field(default_factory=list)
+
+
+class ClusterSim:
+    def __init__(self, policy: RoutingPolicy, engines: dict[str, EngineModel], link: LinkModel) -> None:
+        self.policy = policy
+        self.engines = {node_id: SimEngine(node_id, model) for node_id, model in engines.items()}
+        self.link = link
+        self.now_ms = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()  # ties run in the order they were scheduled
+        self._kv: dict[str, dict[str, int]] = {}  # session -> node -> history tokens its tiers hold
+        # node -> session -> tokens in the engine's prefix cache (LRU first), bounded by its KV capacity
+        self._engine_cache: dict[str, OrderedDict[str, int]] = {node_id: OrderedDict() for node_id in engines}
+        self._engine_cache_tokens: dict[str, int] = dict.fromkeys(engines, 0)
+        self._advised: dict[str, str] = {}  # session -> node its advisory picked
+        self._queue: deque[tuple[SimRequest, Turn]] = deque()
+        self._inflight: dict[str, int] = dict.fromkeys(self.engines, 0)
+        self._announced: dict[str, int] = dict.fromkeys(self.engines, 0)
+        self._stepping: set[str] = set()
+        self.requests: list[SimRequest] = []
+        self.refused: list[SimRequest] = []
+
+    def seed_kv(self, session: str, node_id: str, tokens: int) -> None:
+        """History the session's KV already holds on `node_id`'s tiers when the simulation starts."""
+        kv = self._kv.setdefault(session, {})
+        kv[node_id] = max(kv.get(node_id, 0), tokens)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def at(self, time_ms: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (time_ms, next(self._order), action))
+
+    def run(self, turns: Iterable[Turn]) -> SimResult:
+        for request_id, turn in enumerate(sorted(turns, key=lambda t: t.arrival_ms)):
+            if turn.advisory_ms is not None and turn.advisory_ms < turn.arrival_ms:
+                self.at(turn.advisory_ms, lambda turn=turn: self._advise(turn))
+            self.at(turn.arrival_ms, lambda turn=turn, request_id=request_id: self._arrive(request_id, turn))
+        while self._events:
+            self.now_ms, _, action = heapq.heappop(self._events)
+            action()
+        return SimResult(self.requests, {n: e.busy_ms for n, e in self.engines.items()},
+                         sum(e.preemptions for e in self.engines.values()), self.refused)
+
+    # -- routing ---------------------------------------------------------------------------------
+    def _snapshots(self) -> list[NodeSnapshot]:
+        return [NodeSnapshot(node_id, True, len(engine.running), len(engine.waiting), self._inflight[node_id],
+                             engine.kv_usage, announced=self._announced[node_id])
+                for node_id, engine in self.engines.items()]
+
+    def _route_request(self, turn: Turn) -> RouteRequest:
+        return RouteRequest(turn.tenant, turn.session, "model", turn.priority, turn.prompt_tokens,
+                            dict(self._kv.get(turn.session, {})))
+
+    def _advise(self, turn: Turn) -> None:
+        request = self._route_request(turn)
+        decision = self.policy.choose(request, self._snapshots())
+        node_id = decision.node_id
+        if node_id is None:  # queued: an advisory reserves no slot, so the least loaded takes it
+            node_id = min(self._snapshots(), key=lambda n: (n.load, n.node_id)).node_id
+        self._advised[turn.session] = node_id
+        self._announced[node_id] += 1
+        if not self.policy.traits.prefetch_on_advisory:
+            return
+        held = self._kv.get(turn.session, {})
+        best = max(held.values(), default=0)
+        if best > held.get(node_id, 0):
+            tokens = best
+
+            def moved() -> None:
+                kv = self._kv.setdefault(turn.session, {})
+                kv[node_id] = max(kv.get(node_id, 0), tokens)
+
+            self.at(self.now_ms + self.link.move_ms(best - held.get(node_id, 0)), moved)
+
+    def _arrive(self, request_id: int, turn: Turn) -> None:
+        request = SimRequest(request_id, turn.session, turn.arrival_ms, turn.prompt_tokens, turn.output_tokens)
+        self.requests.append(request)
+        advised = self._advised.pop(turn.session, None)
+        if advised is not None:
+            self._announced[advised] -= 1
+            engine = self.engines[advised]
+            if not engine.waiting:  # the scheduler honours an advisory unless that node has a queue
+                self._dispatch(request, turn, advised)
+                return
+        self._route(request, turn)
+
+    def _route(self, request: SimRequest, turn: Turn) -> None:
+        rank = PRIORITIES.index(turn.priority)
+        if any(PRIORITIES.index(queued.priority) >= rank for _, queued in self._queue):
+            self._park(request, turn)  # no jumping the queue of its own tier or a higher one
+            return
+        decision = self.policy.choose(self._route_request(turn), self._snapshots())
+        if decision.node_id is None:
+            self._park(request, turn)
+        else:
+            self._dispatch(request, turn, decision.node_id)
+
+    def _cache(self, node_id: str, session: str, tokens: int) -> None:
+        cache = self._engine_cache[node_id]
+        before = cache.pop(session, 0)
+        cache[session] = max(before, tokens)
+        total = self._engine_cache_tokens[node_id] + cache[session] - before
+        model = self.engines[node_id].model
+        while total > model.kv_blocks * model.block_size and len(cache) > 1:
+            total -= cache.popitem(last=False)[1]
+        self._engine_cache_tokens[node_id] = total
+
+    def _park(self, request: SimRequest, turn: Turn) -> None:
+        """The scheduler's queue: higher priority tiers first, FIFO within a tier."""
+        rank = PRIORITIES.index(turn.priority)
+        at = len(self._queue)
+        for index, (_, queued) in enumerate(self._queue):
+            if PRIORITIES.index(queued.priority) < rank:
+                at = index
+                break
+        self._queue.insert(at, (request, turn))
+
+    def _dispatch(self, request: SimRequest, turn: Turn, node_id: str) -> None:
+        self.policy.observe(self._route_request(turn), node_id)
+        held = self._engine_cache[node_id].get(turn.session, 0)
+        if self.policy.traits.uses_tiers:
+            held = max(held, self._kv.get(turn.session, {}).get(node_id, 0))
+        request.cached_tokens = min(held, request.prompt_tokens)
+        self._inflight[node_id] += 1
+        self.engines[node_id].add(request)
+        self._kick(node_id)
+
+    # -- engines ---------------------------------------------------------------------------------
+    def _kick(self, node_id: str) -> None:
+        engine = self.engines[node_id]
+        if node_id in self._stepping or not engine.has_work():
+            return
+        plan = engine.step()
+        for refused in plan.refused:
+            self._inflight[node_id] -= 1
+            self.refused.append(refused)
+        if not plan.first_tokens and not plan.decoded:
+            return  # nothing could run: what waits needs blocks that only a finishing request frees
+        self._stepping.add(node_id)
+        self.at(self.now_ms + plan.duration_ms, lambda: self._step_done(node_id, plan))
+
+    def _step_done(self, node_id: str, plan: StepPlan) -> None:
+        self._stepping.discard(node_id)
+        for request in self.engines[node_id].finish_step(plan, self.now_ms):
+            self._inflight[node_id] -= 1
+            # The turn's KV (its prompt and answer) stays on the node that computed it: in the
+            # engine's prefix cache, and saved to the node's tiers.
+            tokens = request.prompt_tokens + request.generated
+            kv = self._kv.setdefault(request.session, {})
+            kv[node_id] = max(kv.get(node_id, 0), tokens)
+            self._cache(node_id, request.session, tokens)
+        while self._queue:  # the scheduler's queue, head first, until its head finds no room
+            request, turn = self._queue[0]
+            decision = self.policy.choose(self._route_request(turn), self._snapshots())
+            if decision.node_id is None:
+                break
+            self._queue.popleft()
+            self._dispatch(request, turn, decision.node_id)
+        for other in self.engines:
+            self._kick(other)

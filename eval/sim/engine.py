@@ -1,0 +1,180 @@
+"""One simulated engine: continuous batching over a paged KV cache, in steps (vLLM v1's shape).
+
+Pure state and arithmetic, no clock of its own: the cluster loop (`eval.sim.cluster`) calls `step`
+when the engine is idle and work is waiting, and schedules the step's end. Each step
+
+- admits waiting requests in arrival order while the batch has room and the KV cache has the blocks
+  for their whole prompt plus one (a request that never fits is refused, as vLLM refuses it);
+- prefills every newly admitted request's uncached tokens and decodes one token for every request
+  already running; a prefilled request's first token comes out at the end of the step that
+  prefilled it;
+- grows each running request by a block when its context crosses a block boundary, preempting the
+  most recently admitted request when no block is free: vLLM's recompute preemption (its blocks
+  freed, back to the queue's front; readmitted, it prefills its prompt and its output so far again,
+  and keeps generating). As in vLLM, a step that preempted admits nothing.
+
+Step time is linear in what the step does: `step_ms + prefill_ms_per_token x prefilled tokens +
+decode_ms_per_seq x decoding requests + decode_ms_per_kilotoken x their context / 1000`. The
+constants are an `EngineModel`; presets and their calibration live apart from this mechanism.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class EngineModel:
+    step_ms: float  # fixed cost of one engine step (scheduling, launch)
+    prefill_ms_per_token: float
+    decode_ms_per_seq: float
+    decode_ms_per_kilotoken: float  # attention over the running requests' context
+    kv_blocks: int
+    block_size: int = 32
+    max_batch: int = 256
+
+
+@dataclass(slots=True)
+class SimRequest:
+    request_id: int
+    session: str
+    arrival_ms: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0  # of the prompt, found in this engine's KV when admitted (not prefilled)
+    node_id: str = ""
+    first_token_ms: float | None = None
+    finished_ms: float | None = None
+    generated: int = 0
+    preemptions: int = 0
+    prefilled_tokens: int = 0  # prompt tokens this request had computed (over all its admissions)
+    blocks: int = 0  # KV blocks it holds now
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.generated
+
+    @property
+    def ttft_ms(self) -> float:
+        assert self.first_token_ms is not None
+        return self.first_token_ms - self.arrival_ms
+
+    @property
+    def tpot_ms(self) -> float:
+        """Mean time per output token after the first (0 for a one-token answer)."""
+        assert self.first_token_ms is not None and self.finished_ms is not None
+        return (self.finished_ms - self.first_token_ms) / max(self.generated - 1, 1)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step does and what comes out of it at its end."""
+
+    duration_ms: float
+    first_tokens: list[SimRequest] = field(default_factory=list)  # prefilled now: first token at the end
+    decoded: list[SimRequest] = field(default_factory=list)  # one more token each at the end
+    refused: list[SimRequest] = field(default_factory=list)  # prompt larger than the whole cache
+
+
+class SimEngine:
+    def __init__(self, node_id: str, model: EngineModel) -> None:
+        self.node_id = node_id
+        self.model = model
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []  # in admission order
+        self.free_blocks = model.kv_blocks
+        self.busy_until_ms = 0.0
+        self.busy_ms = 0.0  # time spent in steps (load balance)
+        self.preemptions = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return 1 - self.free_blocks / self.model.kv_blocks
+
+    def add(self, request: SimRequest) -> None:
+        request.node_id = self.node_id
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.model.block_size)
+
+    def step(self) -> StepPlan:
+        """Plan the next step; `finish_step` applies its outcome when it ends."""
+        m = self.model
+        plan = StepPlan(0.0)
+        decoding = list(self.running)
+        preempted = self._grow(decoding)
+        decoding = [r for r in decoding if r in self.running]  # preempted ones left the batch
+        prefilled = 0
+        while self.waiting and len(self.running) < m.max_batch and not preempted:
+            request = self.waiting[0]
+            need = self._blocks_for(request.context + 1)
+            if need > m.kv_blocks:
+                plan.refused.append(self.waiting.popleft())
+                continue
+            if need > self.free_blocks:
+                break  # FIFO: nothing behind it jumps ahead
+            self.waiting.popleft()
+            self.free_blocks -= need
+            request.blocks = need
+            # At least the last token is computed (vLLM always runs it to get the next token's logits).
+            computed = request.context - min(request.cached_tokens, request.context - 1)
+            request.prefilled_tokens += computed
+            prefilled += computed
+            self.running.append(request)
+            plan.first_tokens.append(request)
+        plan.decoded = decoding
+        context = sum(r.context for r in decoding)
+        plan.duration_ms = (m.step_ms + m.prefill_ms_per_token * prefilled + m.decode_ms_per_seq * len(decoding)
+                            + m.decode_ms_per_kilotoken * context / 1000)
+        return plan
+
+    def _grow(self, decoding: list[SimRequest]) -> bool:
+        """Each decoding request that needs another block for its next token gets one, preempting
+        the newest running request while none is free. True if it preempted any."""
+        preempted = False
+        for request in decoding:
+            if request not in self.running:
+                continue
+            while self._blocks_for(request.context + 1) > request.blocks:
+                if self.free_blocks:
+                    self.free_blocks -= 1
+                    request.blocks += 1
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+        return preempted
+
+    def _preempt(self, request: SimRequest) -> None:
+        self.running.remove(request)
+        self.free_blocks += request.blocks
+        request.blocks = 0
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish_step(self, plan: StepPlan, now_ms: float) -> list[SimRequest]:
+        """Apply a step that ended at `now_ms`; returns the requests that finished in it."""
+        self.busy_ms += plan.duration_ms
+        finished = []
+        for request in [*plan.decoded, *plan.first_tokens]:
+            if request not in self.running:
+                continue
+            if request.first_token_ms is None:
+                request.first_token_ms = now_ms
+            request.generated += 1
+            if request.generated >= request.output_tokens:
+                request.finished_ms = now_ms
+                self.running.remove(request)
+                self.free_blocks += request.blocks
+                request.blocks = 0
+                finished.append(request)
+        return finished

@@ -1,0 +1,86 @@
+"""The cluster simulator: hand-computed cases reproduced exactly, and the real policies driving it."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval.sim.cluster import ClusterSim, LinkModel, Turn
+from eval.sim.engine import EngineModel
+from scheduler.policies import make_policy
+
+# Step = 10 ms + 1 ms per prefilled token + 2 ms per decoding request; blocks of 32 tokens.
+ENGINE = EngineModel(step_ms=10, prefill_ms_per_token=1, decode_ms_per_seq=2, decode_ms_per_kilotoken=0,
+                     kv_blocks=100, block_size=32)
+LINK = LinkModel(kv_bytes_per_token=1_000_000, bandwidth_gbps=1.0, rtt_ms=5.0)  # 1 ms per token moved, + 5 ms
+
+
+def by_session(result: object) -> dict[str, object]:
+    return {r.session: r for r in result.requests}  # type: ignore[attr-defined]
+
+
+def test_one_engine_batches_a_prefill_with_a_decode_as_computed_by_hand() -> None:
+    """t=0: A (100 tokens) prefills alone: 10 + 100 = 110 ms, first token at 110. B arrived at 5
+    and waits. t=110: B's prefill (50) with A's decode: 10 + 50 + 2 = 62 -> 172, B's first token.
+    t=172: both decode: 10 + 4 = 14 -> 186, A's third token and B's second: both done."""
+    sim = ClusterSim(make_policy("least_load"), {"n0": ENGINE}, LINK)
+    result = sim.run([Turn("a", 0, 100, 3), Turn("b", 5, 50, 2)])
+    a, b = by_session(result)["a"], by_session(result)["b"]
+    assert (a.ttft_ms, a.finished_ms, a.tpot_ms) == (110, 186, 38)
+    assert (b.ttft_ms, b.finished_ms, b.tpot_ms) == (167, 186, 14)
+    assert result.busy_ms == {"n0": 186} and result.preemptions == 0
+
+
+def test_a_next_turn_on_the_same_node_prefills_only_what_is_new() -> None:
+    """Turn 2 (prompt 150 = turn 1's 100 + 2 answer tokens + 48 new) finds 102 tokens of KV there."""
+    sim = ClusterSim(make_policy("sticky"), {"n0": ENGINE, "n1": ENGINE}, LINK)
+    result = sim.run([Turn("s", 0, 100, 2), Turn("s", 1000, 150, 1)])
+    second = next(r for r in result.requests if r.arrival_ms == 1000)
+    assert second.cached_tokens == 102 and second.prefilled_tokens == 48
+    assert second.ttft_ms == 10 + 48  # one step: the new tokens only
+
+
+@pytest.mark.parametrize(("advisory_ms", "cached"), [(500, 102), (990, 0)])
+def test_an_advisory_moves_the_history_to_the_node_it_picks_if_there_is_time(advisory_ms: int, cached: int) -> None:
+    """Session s holds 102 tokens on n0, which is busy with a long prefill (3,010 ms from t=0), so the
+    advisory picks n1 (a request's wait outweighs moving the KV) and moves them: 5 + 102 = 107 ms.
+    Sent 500 ms ahead, the KV lands before the turn; sent 10 ms ahead it does not, and the turn
+    recomputes its history."""
+    sim = ClusterSim(make_policy("symphony"), {"n0": ENGINE, "n1": ENGINE}, LINK)
+    sim.seed_kv("s", "n0", 102)
+    result = sim.run([Turn("long", 0, 3000, 2), Turn("s", 1000, 150, 1, advisory_ms=advisory_ms)])
+    turn, long = by_session(result)["s"], by_session(result)["long"]
+    assert long.node_id == "n0" and turn.node_id == "n1"
+    assert turn.cached_tokens == cached
+    assert turn.ttft_ms == 10 + 150 - cached  # one step, prefilling what was not moved in time
+
+
+def test_without_free_blocks_the_newest_request_is_preempted_and_still_finishes() -> None:
+    """4 blocks of 32: A (60 tokens) and B (60) take 2 each; A's 5th token needs a 3rd block, none
+    is free, so B (the newest) is preempted, recomputed later, and both still finish."""
+    small = EngineModel(step_ms=1, prefill_ms_per_token=0.1, decode_ms_per_seq=0.1, decode_ms_per_kilotoken=0,
+                        kv_blocks=4, block_size=32)
+    sim = ClusterSim(make_policy("least_load"), {"n0": small}, LINK)
+    result = sim.run([Turn("a", 0, 60, 10), Turn("b", 0, 60, 10)])
+    a, b = by_session(result)["a"], by_session(result)["b"]
+    assert result.preemptions >= 1 and b.preemptions >= 1 and a.preemptions == 0
+    assert a.generated == 10 and b.generated == 10 and b.finished_ms > a.finished_ms
+    assert b.prefilled_tokens > 60  # its prompt and its output so far were computed again
+
+
+def test_a_prompt_larger_than_the_whole_cache_is_refused() -> None:
+    tiny = EngineModel(step_ms=1, prefill_ms_per_token=1, decode_ms_per_seq=1, decode_ms_per_kilotoken=0,
+                       kv_blocks=2, block_size=32)
+    result = ClusterSim(make_policy("least_load"), {"n0": tiny}, LINK).run([Turn("a", 0, 100, 1)])
+    assert [r.session for r in result.refused] == ["a"] and result.requests[0].first_token_ms is None
+
+
+@pytest.mark.parametrize("policy", ["symphony", "recompute", "sticky", "least_load", "consistent_hash",
+                                    "prefix_trie", "round_robin"])
+def test_every_real_policy_drives_the_simulator_to_completion(policy: str) -> None:
+    turns = [Turn(f"s{s}", t * 2000 + s * 37, 200 + 150 * t, 20, advisory_ms=t * 2000 + s * 37 - 300)
+             for s in range(12) for t in range(3)]
+    engines = {f"n{i}": ENGINE for i in range(3)}
+    result = ClusterSim(make_policy(policy), engines, LINK).run(turns)
+    assert len(result.requests) == 36 and not result.refused
+    assert all(r.finished_ms is not None and r.generated == 20 for r in result.requests)
+    assert sum(result.busy_ms.values()) > 0
