@@ -331,6 +331,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated (default: %(default)s)")
     route.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     route.set_defaults(func=cmd_bench_route)
+    sim = bench_sub.add_parser("sim", help="paper-scale scenarios on the cluster simulator (no cluster)")
+    sim.add_argument("--scenario", required=True, help="users")
+    sim.add_argument("--out", type=Path, required=True, help="JSON results file")
+    sim.add_argument("--plot", type=Path, metavar="PNG", help="also draw the scenario to this PNG")
+    sim.add_argument("--preset", default="a100-llama3.1-8b", help="engine and link constants (a100-llama3.1-8b)")
+    sim.add_argument("--nodes", type=_positive_int, default=8, help="engines (8)")
+    sim.add_argument("--users", default="64,128,256,512,1024", help="user counts, comma-separated (%(default)s)")
+    sim.add_argument("--policies", default="symphony,recompute,sticky", help="comma-separated (%(default)s)")
+    sim.add_argument("--duration", type=_positive_int, default=600, help="simulated seconds per point (600)")
+    sim.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
+    sim.add_argument("--time-scale", type=float, default=1.0,
+                     help="human reading and typing time, scaled (1: real human speeds)")
+    sim.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored sample)")
+    sim.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    sim.set_defaults(func=cmd_bench_sim)
     return parser
 
 
@@ -379,6 +394,42 @@ def cmd_bench_route(args: argparse.Namespace) -> int:
         raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
     run_route_bench(out=args.out, nodes=args.nodes, sessions=args.sessions, tenants=args.tenants,
                     requests=args.requests, policies=policies, seed=args.seed, plot=args.plot)
+    return 0
+
+
+def cmd_bench_sim(args: argparse.Namespace) -> int:
+    from eval.bench_sim import SCENARIOS, run_sim_bench
+    from eval.sim.presets import PRESETS
+    from eval.workloads import SHAREGPT_SAMPLE
+    from scheduler.policies import POLICIES
+
+    if args.scenario not in SCENARIOS:
+        raise CliError(f"--scenario {args.scenario!r}: known scenarios are {', '.join(SCENARIOS)}")
+    if args.preset not in PRESETS:
+        raise CliError(f"--preset {args.preset!r}: known presets are {', '.join(PRESETS)}")
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown:
+        raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    try:
+        users = tuple(int(u) for u in args.users.split(",") if u.strip())
+    except ValueError:
+        raise CliError(f"--users {args.users!r}: expected comma-separated whole numbers") from None
+    if not users or min(users) < 1:
+        raise CliError(f"--users {args.users!r}: expected positive user counts")
+    if not 0 <= args.miss_rate <= 1:
+        raise CliError(f"--miss-rate {args.miss_rate}: expected a share in [0, 1]")
+    if not 0 < args.time_scale <= 10:
+        raise CliError(f"--time-scale {args.time_scale}: expected a number in (0, 10]")
+    workload = args.workload or SHAREGPT_SAMPLE
+    if not workload.is_file():
+        raise CliError(f"--workload {workload}: no such file")
+    try:
+        run_sim_bench(out=args.out, scenario=args.scenario, workload=workload, preset=args.preset, nodes=args.nodes,
+                      users=users, policies=policies, duration_s=args.duration, miss_rate=args.miss_rate,
+                      time_scale=args.time_scale, seed=args.seed, plot=args.plot)
+    except ValueError as exc:
+        raise CliError(f"--workload {exc}") from None
     return 0
 
 

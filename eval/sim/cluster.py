@@ -56,6 +56,30 @@ class Turn:
     priority: str = "normal"
 
 
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One turn of a scripted (closed-loop) session: the user's think time starts when the previous
+    answer is complete, so the turn's arrival depends on how fast the cluster answered."""
+
+    new_tokens: int  # the message the user adds to the history
+    output_tokens: int
+    think_ms: float  # after the previous answer: reading it, then typing this message
+    typing_ms: float  # the last part of think_ms: the advisory fires when typing starts
+    advised: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    session: str
+    start_ms: float  # the first turn's arrival
+    steps: tuple[Step, ...]
+    tenant: str = "default"
+    priority: str = "normal"
+    # The same user's next conversation (a new session): its first turn arrives its first step's
+    # think time after this one's last answer.
+    after: Script | None = None
+
+
 @dataclass(slots=True)
 class SimResult:
     requests: list[SimRequest]
@@ -83,6 +107,9 @@ class ClusterSim:
         self._stepping: set[str] = set()
         self.requests: list[SimRequest] = []
         self.refused: list[SimRequest] = []
+        self._ids = itertools.count()
+        self._scripts: dict[str, tuple[Script, int]] = {}  # session -> (its script, the turn in flight)
+        self._until_ms: float | None = None
 
     def seed_kv(self, session: str, node_id: str, tokens: int) -> None:
         """History the session's KV already holds on `node_id`'s tiers when the simulation starts."""
@@ -93,11 +120,21 @@ class ClusterSim:
     def at(self, time_ms: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (time_ms, next(self._order), action))
 
-    def run(self, turns: Iterable[Turn]) -> SimResult:
-        for request_id, turn in enumerate(sorted(turns, key=lambda t: t.arrival_ms)):
-            if turn.advisory_ms is not None and turn.advisory_ms < turn.arrival_ms:
-                self.at(turn.advisory_ms, lambda turn=turn: self._advise(turn))
-            self.at(turn.arrival_ms, lambda turn=turn, request_id=request_id: self._arrive(request_id, turn))
+    def run(self, turns: Iterable[Turn] = (), scripts: Iterable[Script] = (), until_ms: float | None = None
+            ) -> SimResult:
+        """Open-loop `turns` at their times, and closed-loop `scripts` (each turn once the last one
+        is answered and the user has thought); with `until_ms`, no turn arrives after it (those in
+        flight still finish)."""
+        self._until_ms = until_ms
+        for turn in sorted(turns, key=lambda t: t.arrival_ms):
+            self._schedule(turn)
+        for script in scripts:
+            if script.steps:
+                first = script.steps[0]
+                self._schedule(Turn(script.session, script.start_ms, first.new_tokens, first.output_tokens,
+                                    script.start_ms - first.typing_ms if first.advised else None,
+                                    script.tenant, script.priority))
+                self._scripts[script.session] = (script, 0)
         while self._events:
             self.now_ms, _, action = heapq.heappop(self._events)
             action()
@@ -113,6 +150,38 @@ class ClusterSim:
     def _route_request(self, turn: Turn) -> RouteRequest:
         return RouteRequest(turn.tenant, turn.session, "model", turn.priority, turn.prompt_tokens,
                             dict(self._kv.get(turn.session, {})))
+
+    def _schedule(self, turn: Turn) -> None:
+        if self._until_ms is not None and turn.arrival_ms > self._until_ms:
+            return
+        if turn.advisory_ms is not None and turn.advisory_ms < turn.arrival_ms:
+            self.at(max(turn.advisory_ms, self.now_ms), lambda: self._advise(turn))
+        request_id = next(self._ids)
+        self.at(turn.arrival_ms, lambda: self._arrive(request_id, turn))
+
+    def _next_turn(self, request: SimRequest) -> None:
+        """A scripted session's answer is complete: its user reads, types, and sends the next turn."""
+        entry = self._scripts.get(request.session)
+        if entry is None:
+            return
+        script, index = entry
+        if index + 1 >= len(script.steps):
+            del self._scripts[request.session]
+            following = script.after
+            if following is not None and following.steps:
+                first = following.steps[0]
+                arrival = self.now_ms + first.think_ms
+                self._scripts[following.session] = (following, 0)
+                self._schedule(Turn(following.session, arrival, first.new_tokens, first.output_tokens,
+                                    arrival - first.typing_ms if first.advised else None, following.tenant,
+                                    following.priority))
+            return
+        step = script.steps[index + 1]
+        self._scripts[request.session] = (script, index + 1)
+        arrival = self.now_ms + step.think_ms
+        prompt = request.prompt_tokens + request.generated + step.new_tokens
+        self._schedule(Turn(script.session, arrival, prompt, step.output_tokens,
+                            arrival - step.typing_ms if step.advised else None, script.tenant, script.priority))
 
     def _advise(self, turn: Turn) -> None:
         request = self._route_request(turn)
@@ -197,6 +266,7 @@ class ClusterSim:
         for refused in plan.refused:
             self._inflight[node_id] -= 1
             self.refused.append(refused)
+            self._scripts.pop(refused.session, None)  # its user gets an error and leaves
         if not plan.first_tokens and not plan.decoded:
             return  # nothing could run: what waits needs blocks that only a finishing request frees
         self._stepping.add(node_id)
@@ -212,6 +282,7 @@ class ClusterSim:
             kv = self._kv.setdefault(request.session, {})
             kv[node_id] = max(kv.get(node_id, 0), tokens)
             self._cache(node_id, request.session, tokens)
+            self._next_turn(request)
         while self._queue:  # the scheduler's queue, head first, until its head finds no room
             request, turn = self._queue[0]
             decision = self.policy.choose(self._route_request(turn), self._snapshots())

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from eval.sim.cluster import ClusterSim, LinkModel, Turn
+from eval.sim.cluster import ClusterSim, LinkModel, Script, Step, Turn
 from eval.sim.engine import EngineModel
+from eval.sim.workload import sharegpt_users
+from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from scheduler.policies import make_policy
+from symphony.cli import main
 
 # Step = 10 ms + 1 ms per prefilled token + 2 ms per decoding request; blocks of 32 tokens.
 ENGINE = EngineModel(step_ms=10, prefill_ms_per_token=1, decode_ms_per_seq=2, decode_ms_per_kilotoken=0,
@@ -84,3 +90,57 @@ def test_every_real_policy_drives_the_simulator_to_completion(policy: str) -> No
     assert len(result.requests) == 36 and not result.refused
     assert all(r.finished_ms is not None and r.generated == 20 for r in result.requests)
     assert sum(result.busy_ms.values()) > 0
+
+
+def test_a_scripted_user_sends_the_next_turn_after_reading_and_typing() -> None:
+    """Turn 1 (100 tokens, 2 out): 110 ms prefill, then a 12 ms decode: answered at 122. The user
+    thinks 1,000 ms (typing the last 400), so the advisory fires at 722 and turn 2 arrives at 1,122
+    with 100 + 2 + 48 tokens, 102 of them cached: one 58 ms step."""
+    script = Script("u", 0, (Step(100, 2, 0, 0, advised=False), Step(48, 1, 1000, 400)))
+    sim = ClusterSim(make_policy("symphony"), {"n0": ENGINE}, LINK)
+    first, second = sim.run(scripts=[script]).requests
+    assert first.finished_ms == 122
+    assert (second.arrival_ms, second.prompt_tokens, second.cached_tokens) == (1122, 150, 102)
+    assert second.ttft_ms == 58 and second.finished_ms == 1180
+
+
+def test_no_turn_arrives_after_the_end_of_the_run() -> None:
+    script = Script("u", 0, tuple(Step(50, 1, 500, 100) for _ in range(10)))
+    result = ClusterSim(make_policy("least_load"), {"n0": ENGINE}, LINK).run(scripts=[script], until_ms=2000)
+    assert 1 < len(result.requests) < 10 and all(r.arrival_ms <= 2000 for r in result.requests)
+
+
+def test_users_replay_sharegpt_with_human_timing_deterministically() -> None:
+    conversations = load_sharegpt(SHAREGPT_SAMPLE, min_turns=2, max_turns=4)
+    timing = HumanTiming(time_scale=1.0, advisory_miss_rate=0.5)
+    one = sharegpt_users(conversations, 3, timing, conversations_per_user=2, seed=5)
+    assert one == sharegpt_users(conversations, 3, timing, conversations_per_user=2, seed=5)
+    chain = one[0]
+    assert chain.after is not None and chain.after.session != chain.session and chain.after.after is None
+    steps = [*chain.steps, *chain.after.steps]
+    assert all(0 < s.typing_ms <= s.think_ms for s in steps)  # the advisory fires while the user thinks
+    assert any(s.advised for s in steps) and any(not s.advised for s in steps)  # half are missed
+
+
+def test_the_users_scenario_runs_every_policy_and_reports_the_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["bench", "sim", "--scenario", "users", "--out", str(out), "--nodes", "2", "--users", "2,4",
+                 "--duration", "60", "--time-scale", "0.05", "--plot", str(tmp_path / "sim.png")]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["points"]) == {"symphony", "recompute", "sticky"}
+    for rows in result["points"].values():
+        assert set(rows) == {"2", "4"} and all(row["completed"] > 0 and row["tpot_ms_mean"] > 0
+                                               for row in rows.values())
+    assert result["users_ratio_at_equal_tpot"] is not None and "users_ratio_ge_8" in result["targets"]
+    assert (tmp_path / "sim.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--scenario", "nope"], "--scenario 'nope'"),
+    (["--scenario", "users", "--users", "8,x"], "--users '8,x'"),
+    (["--scenario", "users", "--preset", "h100"], "--preset 'h100'"),
+])
+def test_bad_bench_sim_flags_are_named(args: list[str], message: str, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "sim", "--out", str(tmp_path / "x.json"), *args]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,89 @@
+"""`symphony bench sim --scenario NAME`: the cluster simulator at paper scale (see eval/sim/)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from eval.results import write_result
+from eval.sim.presets import PRESETS
+from eval.sim.scenarios import TPOT_BOUND, run_point, users_ratio
+from eval.workloads import HumanTiming, load_sharegpt
+
+SCENARIOS = ("users",)
+USERS_TARGET = 8.0  # Symphony's paper: 8x the users of vLLM at equal TPOT
+
+
+def run_sim_bench(*, out: Path, scenario: str, workload: Path, preset: str = "a100-llama3.1-8b", nodes: int = 8,
+                  users: tuple[int, ...] = (64, 128, 256, 512, 1024),
+                  policies: tuple[str, ...] = ("symphony", "recompute", "sticky"), duration_s: float = 600.0,
+                  miss_rate: float = 0.0, time_scale: float = 1.0, seed: int = 0,
+                  plot: Path | None = None) -> dict[str, Any]:
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r} (known: {', '.join(SCENARIOS)})")
+    conversations = load_sharegpt(workload, min_turns=2, max_turns=8)
+    timing = HumanTiming(time_scale=time_scale, advisory_miss_rate=miss_rate)
+    points: dict[str, dict[int, dict[str, Any]]] = {policy: {} for policy in policies}
+    with tqdm(total=len(policies) * len(users), desc=f"bench sim {scenario}", unit="run", file=sys.stderr) as bar:
+        for count in users:
+            for policy in policies:
+                points[policy][count] = run_point(PRESETS[preset], nodes, policy, conversations, count,
+                                                  duration_s * 1000, timing, seed)
+                bar.update(1)
+    result: dict[str, Any] = {"scenario": scenario, "preset": preset, "preset_source": PRESETS[preset].source,
+                              "nodes": nodes, "users": list(users), "duration_s": duration_s,
+                              "miss_rate": miss_rate, "time_scale": time_scale, "workload": str(workload),
+                              "conversations": len(conversations),
+                              "seed": seed, "points": {p: {str(u): row for u, row in rows.items()}
+                                                       for p, rows in points.items()}}
+    if "recompute" in points and "symphony" in points:
+        ratio = users_ratio(points, "symphony")
+        result["users_ratio_at_equal_tpot"] = ratio
+        result["tpot_bound"] = TPOT_BOUND
+        result["targets"] = {f"users_ratio_ge_{USERS_TARGET:g}": ratio is not None and ratio >= USERS_TARGET}
+    write_result(result, out, table=_print_table, plot=plot, plotter=_plot)
+    return result
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    print(f"scenario {result['scenario']}: {result['nodes']} x {result['preset']}, "
+          f"{result['duration_s']:g} s simulated per point")
+    print(f"  {'policy':<12}{'users':>7}{'TPOT ms':>10}{'norm ms/tok':>13}{'TTFT p50':>10}{'TTFT p95':>10}{'done':>7}")
+    for policy, rows in result["points"].items():
+        for users, row in rows.items():
+            norm = _fmt(row["norm_latency_ms_per_token_mean"])
+            print(f"  {policy:<12}{users:>7}{_fmt(row['tpot_ms_mean']):>10}{norm:>13}"
+                  f"{_fmt(row['ttft_ms_p50']):>10}{_fmt(row['ttft_ms_p95']):>10}{row['completed']:>7}")
+    if "users_ratio_at_equal_tpot" in result:
+        print(f"  users_ratio_at_equal_tpot: {_fmt(result['users_ratio_at_equal_tpot'])}")
+        for name, ok in result["targets"].items():
+            print(f"  target {name}: {'met' if ok else 'NOT met'}")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for policy, rows in result["points"].items():
+        users = [int(u) for u in rows]
+        axes[0].plot(users, [rows[str(u)]["tpot_ms_mean"] or 0 for u in users], marker="o", label=policy)
+        axes[1].plot(users, [rows[str(u)]["ttft_ms_p95"] or 0 for u in users], marker="o", label=policy)
+    for ax, label in zip(axes, ("mean TPOT (ms)", "TTFT p95 (ms)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("users")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"{result['nodes']} x {result['preset']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,73 @@
+"""Engine and link constants for the simulator, from published figures, with the arithmetic shown.
+
+Model: Llama-3.1-8B (meta-llama/Llama-3.1-8B config.json): 8.03e9 parameters, 32 layers, 8 KV heads
+of dimension 128; bf16 weights are 16.06 GB and each token's KV is 2 (K, V) x 32 x 8 x 128 x 2 bytes =
+131,072 bytes.
+
+Each step costs a fixed 2 ms (vLLM's scheduling and kernel launches, CUDA graphs on) plus:
+- prefill: 2 FLOPs per parameter per token at 50% of the GPU's dense bf16 peak (model FLOPs
+  utilisation typical of large prefill batches);
+- decode: one read of the weights per step plus, per request, one read of its KV, at 80% of the
+  memory bandwidth; `decode_ms_per_seq` (sampling, per-request bookkeeping) is a small constant.
+KV capacity: vLLM's default gpu_memory_utilization of 0.9 of the card, less the weights and an
+activation reserve, in blocks of 16 tokens (vLLM's GPU default).
+
+GPU figures are NVIDIA's datasheets: A100 80GB SXM, 2,039 GB/s HBM2e and 312 TFLOPS dense bf16; L4,
+300 GB/s GDDR6 and 121 TFLOPS dense bf16. Links are assumptions, stated per preset. These presets are
+first-principles estimates, not measurements; `bench validate` compares the simulator with a live
+cluster only for the locally calibrated preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eval.sim.cluster import LinkModel
+from eval.sim.engine import EngineModel
+
+LLAMA_8B_PARAMS = 8.03e9
+LLAMA_8B_WEIGHT_BYTES = LLAMA_8B_PARAMS * 2
+LLAMA_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+STEP_OVERHEAD_MS = 2.0
+PREFILL_MFU = 0.5
+BANDWIDTH_EFFICIENCY = 0.8
+GPU_MEMORY_UTILIZATION = 0.9
+GPU_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    name: str
+    engine: EngineModel
+    link: LinkModel
+    source: str
+
+
+def _gpu_engine(memory_gb: float, bandwidth_gbps: float, tflops: float, activation_gb: float) -> EngineModel:
+    bandwidth = bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY  # bytes/s actually achieved
+    kv_bytes = memory_gb * 1e9 * GPU_MEMORY_UTILIZATION - LLAMA_8B_WEIGHT_BYTES - activation_gb * 1e9
+    return EngineModel(
+        step_ms=STEP_OVERHEAD_MS + LLAMA_8B_WEIGHT_BYTES / bandwidth * 1000,
+        prefill_ms_per_token=2 * LLAMA_8B_PARAMS / (tflops * 1e12 * PREFILL_MFU) * 1000,
+        decode_ms_per_seq=0.05,
+        decode_ms_per_kilotoken=LLAMA_8B_KV_BYTES_PER_TOKEN * 1000 / bandwidth * 1000,
+        kv_blocks=int(kv_bytes // (LLAMA_8B_KV_BYTES_PER_TOKEN * GPU_BLOCK_SIZE)),
+        block_size=GPU_BLOCK_SIZE,
+        max_batch=256,  # vLLM's max_num_seqs default
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    "a100-llama3.1-8b": Preset(
+        "a100-llama3.1-8b",
+        _gpu_engine(memory_gb=80, bandwidth_gbps=2039, tflops=312, activation_gb=4),
+        # Assumed: nodes on 100 Gb/s RDMA in one region, 80% of line rate, 50 us round trip.
+        LinkModel(LLAMA_8B_KV_BYTES_PER_TOKEN, bandwidth_gbps=10.0, rtt_ms=0.05),
+        "NVIDIA A100 80GB SXM datasheet; Llama-3.1-8B config.json; see eval/sim/presets.py"),
+    "l4-llama3.1-8b": Preset(
+        "l4-llama3.1-8b",
+        _gpu_engine(memory_gb=24, bandwidth_gbps=300, tflops=121, activation_gb=1.5),
+        # Assumed: cloud VMs on 25 Gb/s Ethernet, 80% of line rate, 200 us round trip.
+        LinkModel(LLAMA_8B_KV_BYTES_PER_TOKEN, bandwidth_gbps=2.5, rtt_ms=0.2),
+        "NVIDIA L4 datasheet; Llama-3.1-8B config.json; see eval/sim/presets.py"),
+}

@@ -1,0 +1,74 @@
+"""Paper-scale scenarios on the simulator (`symphony bench sim --scenario NAME`).
+
+`users`: N nodes of a preset serve a growing number of ShareGPT users under each policy (Symphony's
+figure 12): mean TPOT, normalized latency and TTFT per point, and `users_ratio_at_equal_tpot`: the
+most users Symphony serves with mean TPOT within 1.15x of recompute's at the smallest point, over the
+most recompute serves within the same bound (only the points run count, so the ratio is a lower
+bound when Symphony holds the bound at the largest point).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from eval.sim.cluster import ClusterSim, SimResult
+from eval.sim.presets import Preset
+from eval.sim.workload import sharegpt_users
+from eval.stats import percentile
+from eval.workloads import Conversation, HumanTiming
+from scheduler.policies import make_policy
+
+TPOT_BOUND = 1.15
+
+
+def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
+    done = [r for r in result.requests if r.finished_ms is not None]
+    ttft = [r.ttft_ms for r in done]
+    tpot = [r.tpot_ms for r in done if r.generated > 1]
+    busy = list(result.busy_ms.values())
+    mean_busy = statistics.fmean(busy) if busy else 0.0
+    computed = sum(r.prefilled_tokens for r in done)
+    total = sum(r.prompt_tokens for r in done)
+    return {
+        "completed": len(done),
+        "refused": len(result.refused),
+        "ttft_ms_p50": percentile(ttft, 50) if ttft else None,
+        "ttft_ms_p95": percentile(ttft, 95) if ttft else None,
+        "ttft_ms_mean": statistics.fmean(ttft) if ttft else None,
+        "tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
+        "norm_latency_ms_per_token_mean": statistics.fmean(
+            [(r.finished_ms - r.arrival_ms) / r.generated for r in done]) if done else None,  # type: ignore[operator]
+        "output_tokens_per_s": sum(r.generated for r in done) / (duration_ms / 1000),
+        "prefill_tokens_computed": computed,
+        "prefill_tokens_total": total,
+        "preemptions": result.preemptions,
+        "max_over_mean_load": max(busy) / mean_busy if mean_busy else None,
+    }
+
+
+def run_point(preset: Preset, nodes: int, policy: str, conversations: Sequence[Conversation], users: int,
+              duration_ms: float, timing: HumanTiming, seed: int) -> dict[str, Any]:
+    engines = {f"node-{i}": preset.engine for i in range(nodes)}
+    sim = ClusterSim(make_policy(policy), engines, preset.link)
+    scripts = sharegpt_users(conversations, users, timing, seed=seed)
+    return summarize(sim.run(scripts=scripts, until_ms=duration_ms), duration_ms)
+
+
+def users_ratio(points: dict[str, dict[int, dict[str, Any]]], policy: str, baseline: str = "recompute") -> float | None:
+    """Most users `policy` serves with mean TPOT <= 1.15 x the baseline's at the fewest users, over
+    the most the baseline serves so."""
+    base_points = points[baseline]
+    fewest = min(base_points)
+    reference = base_points[fewest]["tpot_ms_mean"]
+    if reference is None:
+        return None
+
+    def served(rows: dict[int, dict[str, Any]]) -> int:
+        within = [u for u, row in rows.items() if row["tpot_ms_mean"] is not None
+                  and row["tpot_ms_mean"] <= TPOT_BOUND * reference]
+        return max(within, default=0)
+
+    base = served(base_points)
+    return served(points[policy]) / base if base else None

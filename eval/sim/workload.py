@@ -1,0 +1,50 @@
+"""Simulated users from ShareGPT conversations and human timing (`eval.workloads`, the same model the
+live load generator uses): each user replays conversations back to back, reading every answer and
+typing every message, with a typing-start advisory unless it is missed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from eval.sim.cluster import Script, Step
+from eval.workloads import TOKENS_PER_WORD, Conversation, HumanTiming, UserTiming, answer_tokens
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def _script(conversation: Conversation, session: str, user: UserTiming, start_ms: float, max_answer_tokens: int,
+            after: Script | None) -> Script:
+    steps = []
+    previous_answer_words = 0
+    for turn in conversation.turns:
+        words = _words(turn.message)
+        typing_ms = user.typing_s(words) * 1000
+        think_ms = user.reading_s(previous_answer_words) * 1000 + typing_ms
+        output = answer_tokens(turn, max_answer_tokens)
+        steps.append(Step(max(1, round(words * TOKENS_PER_WORD)), output, think_ms, typing_ms, user.advises()))
+        previous_answer_words = round(output / TOKENS_PER_WORD)
+    return Script(session, start_ms, tuple(steps), after=after)
+
+
+def sharegpt_users(conversations: Sequence[Conversation], users: int, timing: HumanTiming, *,
+                   conversations_per_user: int = 4, max_answer_tokens: int = 512, stagger_ms: float = 60_000,
+                   seed: int = 0) -> list[Script]:
+    """One script chain per user: `conversations_per_user` conversations (taken in turn from
+    `conversations`), the first starting at a random time within `stagger_ms`."""
+    if not conversations:
+        raise ValueError("no conversations to replay")
+    rng = random.Random(seed)
+    scripts = []
+    for u in range(users):
+        user = timing.user(seed * 1_000_003 + u)
+        start_ms = rng.uniform(0, stagger_ms)
+        chain: Script | None = None
+        for k in reversed(range(conversations_per_user)):
+            conversation = conversations[(u * conversations_per_user + k) % len(conversations)]
+            chain = _script(conversation, f"u{u}-c{k}", user, start_ms, max_answer_tokens, chain)
+        assert chain is not None
+        scripts.append(chain)
+    return scripts
