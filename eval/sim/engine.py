@@ -11,7 +11,7 @@ when the engine is idle and work is waiting, and schedules the step's end. Each 
 - grows each running request by a block when its context crosses a block boundary, preempting the
   most recently admitted request when no block is free: vLLM's recompute preemption (its blocks
   freed, back to the queue's front; readmitted, it prefills its prompt and its output so far again,
-  and keeps generating). As in vLLM, a step that preempted admits nothing.
+  and keeps generating). As in vLLM, a step that preempted admits nothing while others still run.
 
 Step time is linear in what the step does: `step_ms + prefill_ms_per_token x prefilled tokens +
 decode_ms_per_seq x decoding requests + decode_ms_per_kilotoken x their context / 1000`. The
@@ -111,7 +111,9 @@ class SimEngine:
         preempted = self._grow(decoding)
         decoding = [r for r in decoding if r in self.running]  # preempted ones left the batch
         prefilled = 0
-        while self.waiting and len(self.running) < m.max_batch and not preempted:
+        # A step that preempted admits nothing (vLLM), unless nothing is left running: then the
+        # preempted request itself must be readmitted, or the engine would stall.
+        while self.waiting and len(self.running) < m.max_batch and (not preempted or not self.running):
             request = self.waiting[0]
             need = self._blocks_for(request.context + 1)
             if need > m.kv_blocks:

@@ -144,3 +144,13 @@ def test_bad_bench_sim_flags_are_named(args: list[str], message: str, tmp_path: 
                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "sim", "--out", str(tmp_path / "x.json"), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_request_that_outgrows_the_whole_cache_alone_is_refused_not_stalled() -> None:
+    """2 blocks of 32: the answer's 35th token needs a 3rd block; the request preempts itself, and
+    readmitted it no longer fits the cache at all, so it is refused (the loop ends)."""
+    tiny = EngineModel(step_ms=1, prefill_ms_per_token=0.1, decode_ms_per_seq=0.1, decode_ms_per_kilotoken=0,
+                       kv_blocks=2, block_size=32)
+    result = ClusterSim(make_policy("least_load"), {"n0": tiny}, LINK).run([Turn("a", 0, 30, 100)])
+    (request,) = result.refused
+    assert request.preemptions == 1 and request.finished_ms is None and request.first_token_ms is not None
