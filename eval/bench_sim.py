@@ -10,11 +10,12 @@ from tqdm import tqdm
 
 from eval.results import write_result
 from eval.sim.presets import PRESETS
-from eval.sim.scenarios import TPOT_BOUND, run_point, users_ratio
+from eval.sim.scenarios import TPOT_BOUND, imbalance, missed_advisories, run_point, users_ratio
 from eval.workloads import HumanTiming, load_sharegpt
 
-SCENARIOS = ("users",)
+SCENARIOS = ("users", "missed_advisories", "imbalance")
 USERS_TARGET = 8.0  # Symphony's paper: 8x the users of vLLM at equal TPOT
+MISSED_TARGET = 0.06  # latency increase at 10% of advisories missed
 
 
 def run_sim_bench(*, out: Path, scenario: str, workload: Path, preset: str = "a100-llama3.1-8b", nodes: int = 8,
@@ -25,6 +26,20 @@ def run_sim_bench(*, out: Path, scenario: str, workload: Path, preset: str = "a1
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r} (known: {', '.join(SCENARIOS)})")
     conversations = load_sharegpt(workload, min_turns=2, max_turns=8)
+    header: dict[str, Any] = {"scenario": scenario, "preset": preset, "preset_source": PRESETS[preset].source,
+                              "nodes": nodes, "duration_s": duration_s, "time_scale": time_scale,
+                              "workload": str(workload), "conversations": len(conversations), "seed": seed}
+    if scenario != "users":
+        # One user count: the first given.
+        run = missed_advisories if scenario == "missed_advisories" else imbalance
+        result = {**header, "users": users[0],
+                  **run(PRESETS[preset], nodes, conversations, users[0], duration_s * 1000, time_scale, seed)}
+        if scenario == "missed_advisories":
+            increase = result["latency_increase_at_10pct"]
+            result["targets"] = {f"latency_increase_at_10pct_le_{MISSED_TARGET:g}":
+                                 increase is not None and increase <= MISSED_TARGET}
+        write_result(result, out, table=_print_single)
+        return result
     timing = HumanTiming(time_scale=time_scale, advisory_miss_rate=miss_rate)
     points: dict[str, dict[int, dict[str, Any]]] = {policy: {} for policy in policies}
     with tqdm(total=len(policies) * len(users), desc=f"bench sim {scenario}", unit="run", file=sys.stderr) as bar:
@@ -33,12 +48,8 @@ def run_sim_bench(*, out: Path, scenario: str, workload: Path, preset: str = "a1
                 points[policy][count] = run_point(PRESETS[preset], nodes, policy, conversations, count,
                                                   duration_s * 1000, timing, seed)
                 bar.update(1)
-    result: dict[str, Any] = {"scenario": scenario, "preset": preset, "preset_source": PRESETS[preset].source,
-                              "nodes": nodes, "users": list(users), "duration_s": duration_s,
-                              "miss_rate": miss_rate, "time_scale": time_scale, "workload": str(workload),
-                              "conversations": len(conversations),
-                              "seed": seed, "points": {p: {str(u): row for u, row in rows.items()}
-                                                       for p, rows in points.items()}}
+    result = {**header, "users": list(users), "miss_rate": miss_rate,
+              "points": {p: {str(u): row for u, row in rows.items()} for p, rows in points.items()}}
     if "recompute" in points and "symphony" in points:
         ratio = users_ratio(points, "symphony")
         result["users_ratio_at_equal_tpot"] = ratio
@@ -61,6 +72,20 @@ def _print_table(result: dict[str, Any]) -> None:
         print(f"  users_ratio_at_equal_tpot: {_fmt(result['users_ratio_at_equal_tpot'])}")
         for name, ok in result["targets"].items():
             print(f"  target {name}: {'met' if ok else 'NOT met'}")
+
+
+def _print_single(result: dict[str, Any]) -> None:
+    print(f"scenario {result['scenario']}: {result['users']} users on {result['nodes']} x {result['preset']}, "
+          f"{result['duration_s']:g} s simulated per point")
+    print(f"  {'point':<12}{'TPOT ms':>10}{'norm ms/tok':>13}{'TTFT p95':>10}{'max/median':>12}")
+    for name, row in result["points"].items():
+        print(f"  {name:<12}{_fmt(row['tpot_ms_mean']):>10}{_fmt(row['norm_latency_ms_per_token_mean']):>13}"
+              f"{_fmt(row['ttft_ms_p95']):>10}{_fmt(row['max_over_median_load']):>12}")
+    for key in ("latency_increase_at_10pct", "sticky_max_over_median", "symphony_max_over_median"):
+        if key in result:
+            print(f"  {key}: {'-' if result[key] is None else format(result[key], '.3f')}")
+    for name, ok in result.get("targets", {}).items():
+        print(f"  target {name}: {'met' if ok else 'NOT met'}")
 
 
 def _fmt(value: float | None) -> str:

@@ -1,5 +1,11 @@
 """Paper-scale scenarios on the simulator (`symphony bench sim --scenario NAME`).
 
+`missed_advisories`: Symphony at one user count with 0, 10, 25 and 50% of typing advisories missed
+(figure 17): `latency_increase_at_10pct`, the relative rise of mean normalized latency at 10%.
+
+`imbalance`: sticky (InferCept-like) and Symphony at one user count: per-node busy time, busiest
+over median (`sticky_max_over_median`, `symphony_max_over_median`).
+
 `users`: N nodes of a preset serve a growing number of ShareGPT users under each policy (Symphony's
 figure 12): mean TPOT, normalized latency and TTFT per point, and `users_ratio_at_equal_tpot`: the
 most users Symphony serves with mean TPOT within 1.15x of recompute's at the smallest point, over the
@@ -29,6 +35,7 @@ def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
     tpot = [r.tpot_ms for r in done if r.generated > 1]
     busy = list(result.busy_ms.values())
     mean_busy = statistics.fmean(busy) if busy else 0.0
+    median_busy = statistics.median(busy) if busy else 0.0
     computed = sum(r.prefilled_tokens for r in done)
     total = sum(r.prompt_tokens for r in done)
     return {
@@ -45,6 +52,7 @@ def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
         "prefill_tokens_total": total,
         "preemptions": result.preemptions,
         "max_over_mean_load": max(busy) / mean_busy if mean_busy else None,
+        "max_over_median_load": max(busy) / median_busy if median_busy else None,
     }
 
 
@@ -72,3 +80,25 @@ def users_ratio(points: dict[str, dict[int, dict[str, Any]]], policy: str, basel
 
     base = served(base_points)
     return served(points[policy]) / base if base else None
+
+
+MISS_RATES = (0.0, 0.1, 0.25, 0.5)
+
+
+def missed_advisories(preset: Preset, nodes: int, conversations: Sequence[Conversation], users: int,
+                      duration_ms: float, time_scale: float, seed: int) -> dict[str, Any]:
+    rows = {rate: run_point(preset, nodes, "symphony", conversations, users, duration_ms,
+                            HumanTiming(time_scale=time_scale, advisory_miss_rate=rate), seed) for rate in MISS_RATES}
+    base = rows[0.0]["norm_latency_ms_per_token_mean"]
+    at_10 = rows[0.1]["norm_latency_ms_per_token_mean"]
+    return {"points": {f"{rate:g}": row for rate, row in rows.items()},
+            "latency_increase_at_10pct": at_10 / base - 1 if base and at_10 is not None else None}
+
+
+def imbalance(preset: Preset, nodes: int, conversations: Sequence[Conversation], users: int, duration_ms: float,
+              time_scale: float, seed: int) -> dict[str, Any]:
+    timing = HumanTiming(time_scale=time_scale)
+    rows = {policy: run_point(preset, nodes, policy, conversations, users, duration_ms, timing, seed)
+            for policy in ("sticky", "symphony")}
+    return {"points": rows, "sticky_max_over_median": rows["sticky"]["max_over_median_load"],
+            "symphony_max_over_median": rows["symphony"]["max_over_median_load"]}

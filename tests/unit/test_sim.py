@@ -154,3 +154,16 @@ def test_a_request_that_outgrows_the_whole_cache_alone_is_refused_not_stalled() 
     result = ClusterSim(make_policy("least_load"), {"n0": tiny}, LINK).run([Turn("a", 0, 30, 100)])
     (request,) = result.refused
     assert request.preemptions == 1 and request.finished_ms is None and request.first_token_ms is not None
+
+
+@pytest.mark.parametrize(("scenario", "keys"), [
+    ("missed_advisories", {"latency_increase_at_10pct"}),
+    ("imbalance", {"sticky_max_over_median", "symphony_max_over_median"}),
+])
+def test_the_one_point_scenarios_report_their_keys(scenario: str, keys: set[str], tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["bench", "sim", "--scenario", scenario, "--out", str(out), "--nodes", "2", "--users", "6",
+                 "--duration", "60", "--time-scale", "0.05"]) == 0
+    result = json.loads(out.read_text())
+    assert result["users"] == 6 and keys <= set(result) and all(result[k] is not None for k in keys)
+    assert all(row["completed"] > 0 for row in result["points"].values())
