@@ -24,15 +24,17 @@ from dataclasses import dataclass
 
 from eval.sim.cluster import LinkModel
 from eval.sim.engine import EngineModel
+from symphony.kv_geometry import KVGeometry
 
 LLAMA_8B_PARAMS = 8.03e9
 LLAMA_8B_WEIGHT_BYTES = LLAMA_8B_PARAMS * 2
-LLAMA_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+GPU_BLOCK_SIZE = 16
+LLAMA_8B_KV = KVGeometry(num_layers=32, kv_heads=8, head_size=128, block_size=GPU_BLOCK_SIZE, dtype="bfloat16")
+LLAMA_8B_KV_BYTES_PER_TOKEN = int(LLAMA_8B_KV.bytes_per_token())  # 131,072
 STEP_OVERHEAD_MS = 2.0
 PREFILL_MFU = 0.5
 BANDWIDTH_EFFICIENCY = 0.8
 GPU_MEMORY_UTILIZATION = 0.9
-GPU_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,7 @@ def _gpu_engine(memory_gb: float, bandwidth_gbps: float, tflops: float, activati
         prefill_ms_per_token=2 * LLAMA_8B_PARAMS / (tflops * 1e12 * PREFILL_MFU) * 1000,
         decode_ms_per_seq=0.05,
         decode_ms_per_kilotoken=LLAMA_8B_KV_BYTES_PER_TOKEN * 1000 / bandwidth * 1000,
-        kv_blocks=int(kv_bytes // (LLAMA_8B_KV_BYTES_PER_TOKEN * GPU_BLOCK_SIZE)),
+        kv_blocks=int(kv_bytes // LLAMA_8B_KV.block_bytes),
         block_size=GPU_BLOCK_SIZE,
         max_batch=256,  # vLLM's max_num_seqs default
     )
