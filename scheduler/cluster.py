@@ -210,5 +210,5 @@ class Cluster:
             except Exception:
                 # A malformed status must not end this node's polling for good (the node would
                 # silently age into "unreachable"); log it and keep polling.
-                log.error("node status could not be applied", node=node.node_id, exc_info=True)
+                log.exception("node status could not be applied", node=node.node_id)
             await asyncio.sleep(max(0.0, self.poll_interval_s - (self._clock() - started)))

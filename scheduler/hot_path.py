@@ -95,7 +95,7 @@ class HotPath:
                 await error_response(exc.status, exc.message, param=exc.param, code=exc.code)(scope, receive, send)
         except Exception:
             # Never a bare traceback to the client; the log keeps it for us.
-            log.error("unhandled error", endpoint=endpoint, exc_info=True)
+            log.exception("unhandled error", endpoint=endpoint)
             if endpoint != "advisories":
                 self.state.metrics.count_request(endpoint, 500)
             if not started:

@@ -354,24 +354,43 @@ def _cluster_defaults() -> tuple[str, ...]:
     return ("symphony", "recompute", "sticky", "least_load", "prefix_trie")
 
 
-def cmd_bench_cluster(args: argparse.Namespace) -> int:
-    from eval.bench_cluster import run_cluster_bench
-    from eval.workloads import SHAREGPT_SAMPLE, load_sharegpt
+def _policy_names(text: str) -> tuple[str, ...]:
+    """--policies: comma-separated names of routing policies, all known."""
     from scheduler.policies import POLICIES
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = tuple(p.strip() for p in text.split(",") if p.strip())
     unknown = [p for p in policies if p not in POLICIES]
     if not policies or unknown:
         raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    return policies
+
+
+def _check_human_timing(args: argparse.Namespace) -> None:
     if not 0 < args.time_scale <= 10:
         raise CliError(f"--time-scale {args.time_scale}: expected a number in (0, 10]")
     if not 0 <= args.miss_rate <= 1:
         raise CliError(f"--miss-rate {args.miss_rate}: expected a share in [0, 1]")
-    if args.min_turns > args.max_turns:
-        raise CliError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}")
-    workload = args.workload or SHAREGPT_SAMPLE
+
+
+def _workload_file(args: argparse.Namespace) -> Path:
+    """--workload, or the vendored ShareGPT sample; it must exist."""
+    from eval.workloads import SHAREGPT_SAMPLE
+
+    workload: Path = args.workload or SHAREGPT_SAMPLE
     if not workload.is_file():
         raise CliError(f"--workload {workload}: no such file")
+    return workload
+
+
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from eval.bench_cluster import run_cluster_bench
+    from eval.workloads import load_sharegpt
+
+    policies = list(_policy_names(args.policies))
+    _check_human_timing(args)
+    if args.min_turns > args.max_turns:
+        raise CliError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}")
+    workload = _workload_file(args)
     try:
         conversations = load_sharegpt(workload, min_turns=args.min_turns, max_turns=args.max_turns)
     except ValueError as exc:
@@ -387,12 +406,8 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
 
 def cmd_bench_route(args: argparse.Namespace) -> int:
     from eval.bench_route import run_route_bench
-    from scheduler.policies import POLICIES
 
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    unknown = [p for p in policies if p not in POLICIES]
-    if not policies or unknown:
-        raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    policies = _policy_names(args.policies)
     run_route_bench(out=args.out, nodes=args.nodes, sessions=args.sessions, tenants=args.tenants,
                     requests=args.requests, policies=policies, seed=args.seed, plot=args.plot)
     return 0
@@ -401,30 +416,20 @@ def cmd_bench_route(args: argparse.Namespace) -> int:
 def cmd_bench_sim(args: argparse.Namespace) -> int:
     from eval.bench_sim import SCENARIOS, run_sim_bench
     from eval.sim.presets import PRESETS
-    from eval.workloads import SHAREGPT_SAMPLE
-    from scheduler.policies import POLICIES
 
     if args.scenario not in SCENARIOS:
         raise CliError(f"--scenario {args.scenario!r}: known scenarios are {', '.join(SCENARIOS)}")
     if args.preset not in PRESETS:
         raise CliError(f"--preset {args.preset!r}: known presets are {', '.join(PRESETS)}")
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    unknown = [p for p in policies if p not in POLICIES]
-    if not policies or unknown:
-        raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    policies = _policy_names(args.policies)
     try:
         users = tuple(int(u) for u in args.users.split(",") if u.strip())
     except ValueError:
         raise CliError(f"--users {args.users!r}: expected comma-separated whole numbers") from None
     if not users or min(users) < 1:
         raise CliError(f"--users {args.users!r}: expected positive user counts")
-    if not 0 <= args.miss_rate <= 1:
-        raise CliError(f"--miss-rate {args.miss_rate}: expected a share in [0, 1]")
-    if not 0 < args.time_scale <= 10:
-        raise CliError(f"--time-scale {args.time_scale}: expected a number in (0, 10]")
-    workload = args.workload or SHAREGPT_SAMPLE
-    if not workload.is_file():
-        raise CliError(f"--workload {workload}: no such file")
+    _check_human_timing(args)
+    workload = _workload_file(args)
     try:
         run_sim_bench(out=args.out, scenario=args.scenario, workload=workload, preset=args.preset, nodes=args.nodes,
                       users=users, policies=policies, duration_s=args.duration, miss_rate=args.miss_rate,

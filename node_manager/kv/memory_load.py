@@ -27,7 +27,7 @@ import torch
 
 from node_manager.kv.loader import LayerResult, LayerwiseLoad
 from node_manager.kv.pages import Tier
-from node_manager.kv.slots import copy_rows
+from node_manager.kv.slots import copy_rows, paired_runs
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 
@@ -47,14 +47,6 @@ class PreparedDramLoad:
     rows: np.ndarray  # destination row of each block
     consecutive: list[bool]  # per column: rows and slots both consecutive (one run)
     started: float = field(default_factory=time.perf_counter)
-
-
-def _runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first destination row, first source row, rows) of each stretch where both run on by one."""
-    breaks = (np.flatnonzero((np.diff(dst_rows) != 1) | (np.diff(src_rows) != 1)) + 1).tolist()
-    starts = [0, *breaks]
-    ends = [*breaks, len(dst_rows)]
-    return [(int(dst_rows[s]), int(src_rows[s]), e - s) for s, e in zip(starts, ends, strict=True)]
 
 
 class MemoryLoad:
@@ -134,7 +126,7 @@ class MemoryLoad:
         if prepared.consecutive[position]:
             runs = [(int(prepared.rows[0]), int(slots[0]), len(slots))]
         else:
-            runs = _runs(prepared.rows, slots)
+            runs = paired_runs(prepared.rows, slots)
         if self._raw:
             dst_base, src_base, page = dest.data_ptr(), self._pool.data_ptr(), self._page_bytes
             for dst_row, src_row, count in runs:

@@ -32,6 +32,19 @@ def consecutive_runs(slots: Sequence[int] | np.ndarray) -> list[tuple[int, int]]
     return list(itertools.pairwise([0, *breaks, len(slots)])) if len(slots) else []
 
 
+def paired_runs(dst_rows: Sequence[int] | np.ndarray, src_rows: Sequence[int] | np.ndarray
+                ) -> list[tuple[int, int, int]]:
+    """(first destination row, first source row, rows) of each stretch where both sides run on by
+    one; found with array operations (once per layer of every load)."""
+    dst_at = np.asarray(dst_rows, dtype=np.int64)
+    src_at = np.asarray(src_rows, dtype=np.int64)
+    if not len(dst_at):
+        return []
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(dst_at) != 1) | (np.diff(src_at) != 1)) + 1))
+    counts = np.diff(np.append(starts, len(dst_at)))
+    return list(zip(dst_at[starts].tolist(), src_at[starts].tolist(), counts.tolist(), strict=True))
+
+
 def copy_rows(dst: torch.Tensor, dst_rows: Sequence[int] | np.ndarray, src: torch.Tensor,
               src_rows: Sequence[int] | np.ndarray) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] for all i.
@@ -46,13 +59,10 @@ def copy_rows(dst: torch.Tensor, dst_rows: Sequence[int] | np.ndarray, src: torc
         raise ValueError(f"{len(dst_at)} destination rows for {len(src_at)} source rows")
     if not len(dst_at):
         return
-    breaks = np.flatnonzero((np.diff(dst_at) != 1) | (np.diff(src_at) != 1)) + 1
-    runs = len(breaks) + 1
-    if runs * 4 <= len(dst_at) or runs <= 2:
-        starts = [0, *breaks.tolist()]
-        ends = [*starts[1:], len(dst_at)]
-        for start, end, d, s in zip(starts, ends, dst_at[starts].tolist(), src_at[starts].tolist(), strict=True):
-            dst[d:d + end - start].copy_(src[s:s + end - start], non_blocking=True)
+    runs = paired_runs(dst_at, src_at)
+    if len(runs) * 4 <= len(dst_at) or len(runs) <= 2:
+        for d, s, count in runs:
+            dst[d:d + count].copy_(src[s:s + count], non_blocking=True)
         return
     src_index = torch.from_numpy(src_at).to(src.device)
     dst_index = torch.from_numpy(dst_at).to(dst.device)
