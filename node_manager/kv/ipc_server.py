@@ -190,7 +190,7 @@ class LocalKVServer:
             reservations = conn.reservations.pop(_int(message, "id"), None)
             if reservations is None:
                 raise InvalidRequest(f"no reservation {message['id']}")
-            kept = sum(self.store.commit_pages(r) for r in reservations if r is not None)
+            kept = self.store.commit_many([(r, None) for r in reservations if r is not None])
             ipc_wire.send(conn.sock, {"op": "commit", "id": message["id"], "kept": kept})
         elif op == "abort":
             self._release(conn.reservations.pop(_int(message, "id"), []))

@@ -38,7 +38,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from node_manager.kv.slots import consecutive_runs
-from node_manager.kv.store import KVStoreError, SessionRecord, TieredStore
+from node_manager.kv.store import KVStoreError, SessionRecord, TieredStore, VerifiedPages
 from node_manager.kv.transfer import (
     loaded_runs,
     pages_per_message,
@@ -67,6 +67,9 @@ _CONNECT_TIMEOUT_S = 2.0
 # sender stalls during that, with a few frames' room it keeps sending (measured on loopback: a 47 MB
 # pull's stream 32 -> 26 ms). Set before connecting, since TCP fixes its window scale at the handshake.
 RECEIVE_BUFFER_BYTES = 16 << 20
+# Pages received before they are installed together: about eight SmolLM2 layers of a 2,048-token
+# session. Larger batches install no faster; smaller ones pay the per-install cost more often.
+INSTALL_BATCH_BYTES = 12 << 20
 
 
 class ProtocolError(Exception):
@@ -353,11 +356,33 @@ def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
 
 def _receive(sock: socket.socket, store: TieredStore, request: kv_pb2.FetchPagesRequest, outcome: StreamOutcome,
              stop: threading.Event) -> str:
+    """Read frames into reserved DRAM slots until the sender's END. Each frame's pages are
+    checksummed as soon as they are in (still in the CPU cache: measured ~15% faster than later)
+    and installed a few layers at a time (one install for the layers of a block range costs about
+    what one layer alone did). Whatever arrived whole is installed even when the stream breaks, so
+    a cut transfer leaves a partial result and never a half-written page."""
+    verified: list[VerifiedPages] = []
+    try:
+        return _receive_frames(sock, store, request, outcome, stop, verified)
+    finally:
+        _install(store, verified, outcome)
+
+
+def _install(store: TieredStore, verified: list[VerifiedPages], outcome: StreamOutcome) -> None:
+    batch = verified[:]
+    verified.clear()
+    outcome.stored += store.install_verified(batch)
+
+
+def _receive_frames(sock: socket.socket, store: TieredStore, request: kv_pb2.FetchPagesRequest,
+                    outcome: StreamOutcome, stop: threading.Event, verified: list[VerifiedPages]) -> str:
     page_bytes = store.geometry.page_bytes
     max_pages = pages_per_message(page_bytes)
     header = bytearray(_FRAME.size)
     tenant, session_id = request.session.tenant, request.session.session_id
     end = request.first_block + request.num_blocks if request.num_blocks else 0
+    install_pages = max(1, INSTALL_BATCH_BYTES // page_bytes)
+    pending_pages = 0
     while not stop.is_set():
         _recv_exactly(sock, memoryview(header))
         kind, layer, first_block, count, extra = _FRAME.unpack(header)
@@ -371,7 +396,7 @@ def _receive(sock: socket.socket, store: TieredStore, request: kv_pb2.FetchPages
         if first_block < request.first_block or (end and first_block + count > end):
             raise ProtocolError(f"bad frame: blocks {first_block}..{first_block + count - 1} were not asked for")
         checksums = np.frombuffer(_recv_bytes(sock, count * 8), "<u8").tolist()
-        # The pages go straight into reserved DRAM slots; verified and installed once all are in.
+        # The pages go straight into reserved DRAM slots.
         reservation = store.reserve_pages(tenant, session_id, layer, first_block, count)
         if reservation is None:  # no room in DRAM: read past the pages
             _discard(sock, count * page_bytes)
@@ -380,17 +405,17 @@ def _receive(sock: socket.socket, store: TieredStore, request: kv_pb2.FetchPages
         try:
             for view in store.reserved_views(reservation):
                 _recv_exactly(sock, view)
+            verified.append(store.verify_reserved(reservation, checksums))
         except BaseException:
             store.release_pages(reservation)
             raise
         outcome.received += count
-        # Committed here, not on another thread: measured no faster on 2 cores (the GIL and the
+        pending_pages += count
+        # Installed here, not on another thread: measured no faster on 2 cores (the GIL and the
         # sender want the same CPUs), and while it runs the socket buffer keeps the sender going.
-        try:
-            outcome.stored += store.commit_pages(reservation, checksums)
-        except KVStoreError:
-            store.release_pages(reservation)  # commit_pages raises before installing anything
-            raise
+        if pending_pages >= install_pages:
+            _install(store, verified, outcome)
+            pending_pages = 0
     return "pull cancelled"
 
 

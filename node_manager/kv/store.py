@@ -122,6 +122,19 @@ class PageReservation:
 
 
 @dataclass(slots=True)
+class VerifiedPages:
+    """A reservation's pages after their checksums were taken: the ones to install, and the slots
+    of those that failed the check (to give back)."""
+
+    record: SessionRecord
+    layer: int
+    keys: list[BlockKey]
+    slots: list[int]
+    checksums: list[int]
+    rejected_slots: list[int]
+
+
+@dataclass(slots=True)
 class DramPin:
     """Pages pinned in DRAM for a reader outside the store: `slots[i, j]` is the arena slot of block
     i in the j-th layer asked for, -1 where DRAM held no copy. `rows`/`layers` are the directory
@@ -473,59 +486,104 @@ class TieredStore:
     def commit_pages(self, reservation: PageReservation, expected: Sequence[int] | None = None) -> int:
         """Checksum the reserved pages as they sit in DRAM and install them; with `expected`, a page
         whose checksum differs is dropped instead (counted). Returns the pages kept."""
+        return self.commit_many([(reservation, expected)])
+
+    def commit_many(self, batch: Sequence[tuple[PageReservation, Sequence[int] | None]]) -> int:
+        """`commit_pages` for several reservations at once, under one lock: the layers of one block
+        range go into the directory together, a few whole-array operations instead of a few per
+        layer (a peer stream and the connector's saves commit a session's 30 layers this way).
+        Raises before installing anything (every reservation still held) if a list of expected
+        checksums has the wrong length."""
+        for reservation, expected in batch:
+            if expected is not None and len(expected) != len(reservation.keys):
+                raise InvalidRequest(f"{len(expected)} checksums for {len(reservation.keys)} pages")
+        return self.install_verified([self.verify_reserved(reservation, expected) for reservation, expected in batch])
+
+    def install_verified(self, verified: Sequence[VerifiedPages]) -> int:
+        """Install pages `verify_reserved` checked (and give back the slots of those that failed):
+        one lock, and the layers of one block range go into the directory together. Returns the
+        pages kept."""
+        with self._lock:
+            for pages in verified:
+                if pages.rejected_slots:
+                    self._dram_slots.release(pages.rejected_slots)
+            for group in _same_blocks(verified):
+                first = group[0]
+                self._install_saved(first.keys, [pages.layer for pages in group],
+                                    np.array([pages.slots for pages in group], np.int64),
+                                    np.array([pages.checksums for pages in group], np.uint64), first.record)
+            self._writer_wake.notify_all()  # the writer, not only a waiting flush
+        return sum(len(pages.keys) for pages in verified)
+
+    def verify_reserved(self, reservation: PageReservation, expected: Sequence[int] | None) -> VerifiedPages:
+        """Checksum a reservation's pages as they sit in DRAM, the first step of a commit (then
+        `install_verified`); with `expected`, the pages whose checksum differs are set apart
+        (counted). Takes no lock: the slots are the caller's until installed or released."""
+        if expected is not None and len(expected) != len(reservation.keys):
+            raise InvalidRequest(f"{len(expected)} checksums for {len(reservation.keys)} pages")
         keys, slots, layer = reservation.keys, reservation.slots, reservation.layer
-        if expected is not None and len(expected) != len(keys):
-            raise InvalidRequest(f"{len(expected)} checksums for {len(keys)} pages")  # still reserved
         checksums = [page_checksum(key, layer, self.dram.page_view(slot))
                      for key, slot in zip(keys, slots, strict=True)]
-        if expected is not None and checksums != list(expected):
-            bad = [i for i, (got, want) in enumerate(zip(checksums, expected, strict=True)) if got != want]
-            self.metrics.save_degraded.labels("checksum_mismatch").inc(len(bad))
-            with self._lock:
-                self._dram_slots.release([slots[i] for i in bad])
-            keep = sorted(set(range(len(keys))) - set(bad))
-            keys, slots, checksums = [keys[i] for i in keep], [slots[i] for i in keep], [checksums[i] for i in keep]
-        with self._lock:
-            self._install_saved(keys, layer, slots, checksums, reservation.record)
-            self._writer_wake.notify_all()  # the writer, not only a waiting flush
-        return len(keys)
+        if expected is None or checksums == list(expected):
+            return VerifiedPages(reservation.record, layer, keys, slots, checksums, [])
+        bad = {i for i, (got, want) in enumerate(zip(checksums, expected, strict=True)) if got != want}
+        self.metrics.save_degraded.labels("checksum_mismatch").inc(len(bad))
+        keep = [i for i in range(len(keys)) if i not in bad]
+        return VerifiedPages(reservation.record, layer, [keys[i] for i in keep], [slots[i] for i in keep],
+                              [checksums[i] for i in keep], [slots[i] for i in sorted(bad)])
 
     def release_pages(self, reservation: PageReservation) -> None:
         """Give back the slots of a reservation that will not be committed."""
         with self._lock:
             self._dram_slots.release(reservation.slots)
 
-    def _install_saved(self, keys: list[BlockKey], layer: int, slots: list[int], checksums: list[int],
+    def _install_saved(self, keys: list[BlockKey], layers: list[int], slots: np.ndarray, checksums: np.ndarray,
                        record: SessionRecord) -> None:
-        """Give saved pages their DRAM copies (slot i holds page (keys[i], layer)). A page some tier
-        already holds is settled one by one (`_keep_saved_copy`); then every page kept, a new
-        turn's blocks being the common save, is installed with whole-array operations. Caller holds
-        the lock."""
+        """Give saved pages their DRAM copies: slot `slots[j, i]` holds page (keys[i], layers[j]).
+        Pages no tier holds yet, a new turn's blocks being the common save, are installed with
+        whole-array operations over all the layers; if some tier holds any of them, each layer's
+        pages are settled one by one first (`_keep_saved_copy`). Caller holds the lock."""
+        d = self._directory
+        ids = d.rows(keys)
+        known = ids[ids >= 0]
+        if len(known) and any(d.held_rows(known, layer).any() for layer in layers):
+            for j, layer in enumerate(layers):
+                self._install_layer_over_copies(keys, layer, slots[j].tolist(), checksums[j].tolist(), record)
+            return
+        self._install_new(keys, layers, slots, checksums, record)
+
+    def _install_layer_over_copies(self, keys: list[BlockKey], layer: int, slots: list[int], checksums: list[int],
+                                   record: SessionRecord) -> None:
         d = self._directory
         ids = d.rows(keys)
         known = np.flatnonzero(ids >= 0)
         held = known[d.held_rows(ids[known], layer)].tolist() if len(known) else []
-        kept: list[int] | slice = slice(None)  # every page, the common case: no per-page lists built
-        if held:  # some tier holds these pages already
-            dropped = {i for i in held if not self._keep_saved_copy(keys[i], layer, slots[i], checksums[i])}
-            kept = [i for i in range(len(keys)) if i not in dropped]
-            ids = d.rows(keys)  # looked up again: dropping a superseded copy above may have released a row
-        rows = ids[kept]
-        kept_keys = keys if isinstance(kept, slice) else [keys[i] for i in kept]
+        dropped = {i for i in held if not self._keep_saved_copy(keys[i], layer, slots[i], checksums[i])}
+        kept = [i for i in range(len(keys)) if i not in dropped]
+        self._install_new([keys[i] for i in kept], [layer], np.array([[slots[i] for i in kept]], np.int64),
+                          np.array([[checksums[i] for i in kept]], np.uint64), record)
+
+    def _install_new(self, keys: list[BlockKey], layers: list[int], slots: np.ndarray, checksums: np.ndarray,
+                     record: SessionRecord) -> None:
+        """Install pages that no tier holds (see `_install_saved`). Caller holds the lock."""
+        d = self._directory
+        rows = d.rows(keys)  # looked up now: settling copies may have released a row
         for at in np.flatnonzero(rows < 0).tolist():  # blocks new to the directory
-            rows[at] = d.ensure_row(kept_keys[at], record.key, record.priority)
-        d.checksum[rows, layer] = np.asarray(checksums, np.uint64)[kept]
-        d.dram[rows, layer] = np.asarray(slots, np.int64)[kept]
+            rows[at] = d.ensure_row(keys[at], record.key, record.priority)
+        cells = np.ix_(rows, layers)
+        d.checksum[cells] = checksums.T
+        d.dram[cells] = slots.T
         d.priority[rows] = record.priority
-        owed = (d.ssd_seq[rows, layer] < 0) & ~d.persisting[rows, layer]
-        d.persisting[rows[owed], layer] = True
-        d.pins[rows[owed], layer] += 1  # held in DRAM until the write-behind has it on SSD
+        owed = (d.ssd_seq[cells] < 0) & ~d.persisting[cells]  # [block, layer]
+        d.persisting[cells] |= owed
+        d.pins[cells] += owed  # held in DRAM until the write-behind has it on SSD
         owners = d.owners
         for row in rows.tolist():
             owners[row] = record.key
-        pages = list(zip(kept_keys, itertools.repeat(layer)))
-        self._dram_policy.insert_many(pages, PageMeta(layer, record.key, record.priority))
-        self._write_queue.extend(itertools.compress(pages, owed.tolist()))
+        for j, layer in enumerate(layers):  # layer order: the write-behind persists early layers first
+            pages = list(zip(keys, itertools.repeat(layer)))
+            self._dram_policy.insert_many(pages, PageMeta(layer, record.key, record.priority))
+            self._write_queue.extend(itertools.compress(pages, owed[:, j].tolist()))
         self._publish_complete(rows)
 
     def _keep_saved_copy(self, key: BlockKey, layer: int, slot: int, checksum: int) -> bool:
@@ -1143,3 +1201,18 @@ def _addressed_keys(record: SessionRecord, first_block: int, count: int,
     if last_key is not None and keys and keys[-1] != last_key:
         raise HistoryChanged(f"session {record.key[1]!r} holds another history at block {first_block + count - 1}")
     return keys
+
+
+
+def _same_blocks(verified: Sequence[VerifiedPages]) -> Iterator[list[VerifiedPages]]:
+    """Runs of verified pages for the same blocks of one session in distinct layers: each run is
+    installed as one [block, layer] array."""
+    group: list[VerifiedPages] = []
+    for pages in verified:
+        if group and (pages.record is not group[0].record or pages.keys != group[0].keys
+                      or any(pages.layer == other.layer for other in group)):
+            yield group
+            group = []
+        group.append(pages)
+    if group:
+        yield group

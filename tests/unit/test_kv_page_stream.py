@@ -14,7 +14,7 @@ import torch
 
 from node_manager.kv import page_stream
 from node_manager.kv.page_stream import PageStreamServer, fetch_pages
-from node_manager.kv.store import InvalidRequest, TieredStore
+from node_manager.kv.store import InvalidRequest, PageReservation, TieredStore
 from symphony.rpc import kv_pb2
 from tests.helpers import wait_until
 from tests.unit.kv_store_support import GEOMETRY, LAYERS, TIMEOUT, MakeStore, save_session, tokens
@@ -45,7 +45,12 @@ def _dram_pages(store: TieredStore, session: str) -> list[torch.Tensor]:
     return [store.dram.pages[layer_slots] for layer_slots in slots]
 
 
-def test_a_session_in_dram_arrives_whole_and_verified(server: PageStreamServer, make_store: MakeStore) -> None:
+@pytest.mark.parametrize("install_batch_bytes", [1, page_stream.INSTALL_BATCH_BYTES])
+def test_a_session_in_dram_arrives_whole_and_verified(server: PageStreamServer, make_store: MakeStore,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      install_batch_bytes: int) -> None:
+    # 1 byte: every frame is installed on its own, mid-stream; the default: all at the END frame.
+    monkeypatch.setattr(page_stream, "INSTALL_BATCH_BYTES", install_batch_bytes)
     data = save_session(server._store, "s", BLOCKS, seed=1)
     receiver = _receiver(make_store, "s", seed=1)
     outcome = fetch_pages(receiver, "127.0.0.1", server.port, _request("s"), TIMEOUT)
@@ -241,6 +246,45 @@ def test_reserved_pages_are_invisible_until_committed(make_store: MakeStore) -> 
         store.commit_pages(reservation, [1])  # one checksum for two pages
     assert store.commit_pages(reservation, None) == 2
     assert torch.equal(store.dram.pages[store.dram_slots("acme", "s")[0]], data[0])
+
+
+def _fill(store: TieredStore, layer: int, pages: torch.Tensor, first_block: int = 0) -> PageReservation:
+    reservation = store.reserve_pages("acme", "s", layer, first_block, pages.shape[0])
+    assert reservation is not None
+    offset = 0
+    raw = memoryview(pages.numpy()).cast("B")
+    for view in store.reserved_views(reservation):
+        view[:] = raw[offset:offset + len(view)]
+        offset += len(view)
+    return reservation
+
+
+def test_committing_layers_together_equals_committing_them_one_by_one(make_store: MakeStore,
+                                                                      tmp_path: Path) -> None:
+    reference = make_store(directory=tmp_path / "reference")  # the checksums a sender would send
+    data = save_session(reference, "s", BLOCKS, seed=11)
+    want = reference.page_checksums("acme", "s", 0, BLOCKS)
+    together, one_by_one = make_store(directory=tmp_path / "together"), make_store(directory=tmp_path / "one")
+    for store in (together, one_by_one):
+        store.put_session("acme", "s", tokens(BLOCKS, 110_000))
+        store.save_layer("acme", "s", 2, 0, data[2][:2]).result(TIMEOUT)  # layer 2 already holds blocks 0-1
+    bad = want[:, 1].tolist()
+    bad[3] ^= 1  # one page of layer 1 fails its check
+    expected = [want[:, 0].tolist(), bad, want[:, 2].tolist(), want[:, 3].tolist()]
+    batch = [(_fill(together, layer, data[layer]), expected[layer]) for layer in range(LAYERS)]
+    assert together.commit_many(batch) == BLOCKS * LAYERS - 1
+    assert sum(one_by_one.commit_pages(_fill(one_by_one, layer, data[layer]), expected[layer])
+               for layer in range(LAYERS)) == BLOCKS * LAYERS - 1
+    for store in (together, one_by_one):
+        slots = store.dram_slots("acme", "s")
+        assert slots[1][3] == -1 and sum(slot == -1 for layer in slots for slot in layer) == 1
+        for layer in range(LAYERS):
+            kept = [b for b in range(BLOCKS) if slots[layer][b] >= 0]
+            assert torch.equal(store.dram.pages[[slots[layer][b] for b in kept]], data[layer][kept])
+        assert store.stats()["dram_pages"] == BLOCKS * LAYERS - 1  # the duplicates' and bad page's slots went back
+        assert store.loadable_prefix_blocks("acme", "s") == 3  # block 3 lacks layer 1
+        assert store.flush(TIMEOUT) and store.pinned_pages() == 0
+    assert together.residency("acme", "s") == one_by_one.residency("acme", "s")
 
 
 def test_released_reservations_give_their_slots_back(make_store: MakeStore) -> None:
