@@ -25,6 +25,15 @@ class KVChannelError(Exception):
         self.code = code
 
 
+def registration_frame(tenant: str, session: str, token_ids: Sequence[int] | np.ndarray,
+                       warmup: bool = False) -> bytes:
+    """The `register` operation as bytes to send (see `NodeKVClient.register`)."""
+    header: dict[str, Any] = {"op": "register", "tenant": tenant, "session": session}
+    if warmup:
+        header["warmup"] = True
+    return ipc_wire.encode(header, ipc_wire.token_payload(token_ids))
+
+
 class NodeKVClient:
     def __init__(self, path: str | Path, timeout_s: float = 10.0) -> None:
         self.path = str(path)
@@ -74,10 +83,16 @@ class NodeKVClient:
         session's blocks. `warmup`: the request is the node manager's engine warm-up, not the
         session's next turn. How much of the history the tiers hold is read from the block index
         (`node_manager.connector.lookup`), not asked."""
-        header: dict[str, Any] = {"op": "register", "tenant": tenant, "session": session}
-        if warmup:
-            header["warmup"] = True
-        self._call(header, ipc_wire.token_payload(token_ids), reply=False)
+        self.send_frames(registration_frame(tenant, session, token_ids, warmup))
+
+    def send_frames(self, frames: bytes) -> None:
+        """Send frames encoded beforehand (operations with no reply), in one write."""
+        sock = self._connection()
+        try:
+            sock.sendall(frames)
+        except OSError:
+            self.close()
+            raise
 
     def load(self, items: Sequence[dict[str, Any]],
              timeout_s: float = 30.0) -> tuple[int, Iterator[tuple[int, np.ndarray]]]:

@@ -4,9 +4,13 @@ vLLM asks once per new request, inside its scheduling step, so the answer must n
 process: the request's block keys are computed here (the chained hash every process shares,
 `symphony.kv_addressing`) and looked up in the node manager's shared-memory block index
 (`node_manager.kv.block_index`), one block at a time, stopping at the first the tiers lack, so a new
-turn hashes only what it could load, and a session's keys from its last turn are reused. The history
-itself goes to the node manager without waiting for a reply, so that its loads, saves and prefetch
-warm-ups know the session's blocks.
+turn hashes only what it could load, and a session's keys from its last turn are reused.
+
+The history itself must reach the node manager before the request's loads and saves, which address
+the session's blocks. Sent during the match, it cost the match a wake-up of a node manager thread
+that often ran on the sender's CPU first (p90 1 ms, p99 2-5 ms for a 2,048-token history); so the
+matches of a scheduler step queue their registrations and `send_registrations` sends them in one
+write when the step's plan is built, before any worker loads or saves.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from node_manager.connector.kv_client import NodeKVClient
+from node_manager.connector.kv_client import NodeKVClient, registration_frame
 from node_manager.kv.block_index import BlockIndexReader
 from symphony.kv_addressing import BlockKey, keys_after, token_array
 
@@ -25,6 +29,9 @@ from symphony.kv_addressing import BlockKey, keys_after, token_array
 # bounded in tokens (4 bytes each, plus 32 bytes of key per block) as well as in sessions.
 MAX_SESSIONS = 4096
 MAX_KEPT_TOKENS = 4 << 20
+# Registrations queued between two sends; one step schedules at most max_num_seqs new requests, so
+# this is reached only if nobody calls `send_registrations` (then the match sends them itself).
+MAX_UNSENT_REGISTRATIONS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +57,17 @@ class HistoryLookup:
         self._index: BlockIndexReader | None = None
         self._block_size = 0
         self._attached_connection = -1  # the client connection whose hello named the index
+        self._unsent: list[bytes] = []  # registration frames not sent yet (`send_registrations`)
 
     def match(self, tenant: str, session: str, token_ids: Sequence[int] | np.ndarray,
               warmup: bool = False) -> HeldHistory:
         """Register the history with the node manager and look up how much of it the tiers hold.
         Raises OSError (or KVChannelError) when the node manager cannot be reached."""
         tokens = token_array(token_ids)
-        self._client.register(tenant, session, tokens, warmup)
         index = self.attach()
+        self._unsent.append(registration_frame(tenant, session, tokens, warmup))
+        if len(self._unsent) >= MAX_UNSENT_REGISTRATIONS:
+            self.send_registrations()
         known = self._known_keys(tenant, session, tokens)
         held = list(known[:index.leading(known)])
         if len(held) == len(known):
@@ -68,10 +78,27 @@ class HistoryLookup:
         self._remember(tenant, session, tokens[:len(held) * self._block_size], tuple(held))
         return HeldHistory(len(held), tuple(held))
 
+    def send_registrations(self) -> None:
+        """Send the registrations queued by `match` since the last call, in one write. Raises
+        OSError if the node manager cannot be reached: those registrations are dropped (their
+        requests' loads will fail and recompute), and the next match asks the node manager again
+        before it trusts the index."""
+        if not self._unsent:
+            return
+        frames = b"".join(self._unsent)
+        self._unsent.clear()
+        try:
+            self._client.send_frames(frames)
+        except OSError:
+            self._attached_connection = -1
+            raise
+
     def attach(self) -> BlockIndexReader:
         """The index of the node manager the client is connected to, mapped now if it is not yet:
-        after a reconnect (the node manager may have restarted, with a new index file) again."""
-        if self._index is None or self._attached_connection != self._client.connections:
+        again after a reconnect, a failed send, or when the index file was replaced (the node
+        manager closed or restarted)."""
+        if (self._index is None or self._attached_connection != self._client.connections
+                or self._index.replaced()):
             hello = self._client.hello()
             self.close()
             self._index = BlockIndexReader(hello["block_index"])

@@ -115,6 +115,15 @@ class SymphonyConnector(KVConnectorBase_V1):
         self._channel_down_logged = False
         return held.keys
 
+    def _send_registrations(self) -> None:
+        assert self._lookup is not None
+        try:
+            self._lookup.send_registrations()
+        except OSError as exc:
+            if not self._channel_down_logged:
+                log.warning("node manager KV channel unavailable; requests recompute", error=str(exc))
+                self._channel_down_logged = True
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         sources = self._planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens,
                                           request.num_prompt_tokens)
@@ -122,6 +131,7 @@ class SymphonyConnector(KVConnectorBase_V1):
             self._prompt_tokens[source] += tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._send_registrations()  # before the workers load or save anything of these requests
         new = [(r.req_id, r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs]
         cached_reqs = scheduler_output.scheduled_cached_reqs
         cached = [(req_id, ids[0] if ids is not None else None, req_id in cached_reqs.resumed_req_ids)

@@ -53,6 +53,7 @@ class _Table:
 
     def __init__(self, path: Path, *, create_slots: int | None) -> None:
         self.path = path
+        self.reader_fd = -1
         if create_slots is not None:
             size = _HEADER_BYTES + 8 * create_slots
             with contextlib.suppress(FileNotFoundError):
@@ -65,14 +66,17 @@ class _Table:
                 os.close(fd)
             self._mmap[:_HEADER.size] = _HEADER.pack(_MAGIC, create_slots)
         else:
-            fd = os.open(path, os.O_RDONLY)
+            # A reader keeps its descriptor: fstat on it tells whether the file it maps was unlinked.
+            self.reader_fd = os.open(path, os.O_RDONLY)
             try:
-                self._mmap = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            finally:
-                os.close(fd)
+                self._mmap = mmap.mmap(self.reader_fd, 0, access=mmap.ACCESS_READ)
+            except BaseException:
+                os.close(self.reader_fd)
+                raise
             magic, slots = _HEADER.unpack_from(self._mmap)
             if magic != _MAGIC or len(self._mmap) != _HEADER_BYTES + 8 * slots or slots & (slots - 1):
                 self._mmap.close()
+                os.close(self.reader_fd)
                 raise ValueError(f"{path} is not a Symphony block index")
         self.capacity = _HEADER.unpack_from(self._mmap)[1]
         self.mask = self.capacity - 1
@@ -96,6 +100,9 @@ class _Table:
         self.slots.release()
         self._view.release()
         self._mmap.close()
+        if self.reader_fd >= 0:
+            os.close(self.reader_fd)
+            self.reader_fd = -1
 
 
 class BlockIndex:
@@ -174,6 +181,12 @@ class BlockIndexReader:
     def __init__(self, name: str) -> None:
         self.name = name
         self._table = _Table(_SHM_DIR / name, create_slots=None)
+
+    def replaced(self) -> bool:
+        """Whether the node manager that published this index closed it or was replaced (its
+        answers are stale): a closing node manager unlinks the file, and so does one that claims
+        the name after a kill -9. One fstat, about a microsecond."""
+        return os.fstat(self._table.reader_fd).st_nlink == 0
 
     def holds(self, key: BlockKey) -> bool:
         return self._table.find(fingerprint(key)) >= 0

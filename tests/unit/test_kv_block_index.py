@@ -56,6 +56,25 @@ def test_a_reader_sees_adds_and_discards(index: BlockIndex) -> None:
         reader.close()
 
 
+def test_a_reader_tells_when_its_index_was_closed_or_replaced() -> None:
+    name = f"symphony-test-index-{uuid4().hex[:8]}"
+    first = BlockIndex(name, max_blocks=10)
+    reader = BlockIndexReader(name)
+    second: BlockIndex | None = None
+    try:
+        assert not reader.replaced()
+        second = BlockIndex(name, max_blocks=10)  # a restarted node manager claims the name (after a kill -9)
+        assert reader.replaced()
+        fresh = BlockIndexReader(name)
+        assert not fresh.replaced()
+        second.close()
+        assert fresh.replaced()  # closed by its node manager
+        fresh.close()
+    finally:
+        reader.close()
+        first._table.close()  # its file is already gone: the second index unlinked it
+
+
 def test_deleting_inside_a_collision_cluster_keeps_every_other_key_reachable(index: BlockIndex) -> None:
     # Keys homed on the last slots wrap around the table's end into the first ones; deleting any
     # of them must shift the rest back so that none sits behind an empty slot.

@@ -21,7 +21,7 @@ from node_manager.kv.ipc_server import LocalKVServer
 from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Tier
 from node_manager.kv.slots import DramArena
-from node_manager.kv.store import TieredStore
+from node_manager.kv.store import SessionNotFound, TieredStore
 from tests.helpers import wait_until
 from tests.unit.kv_store_support import (
     BLOCK,
@@ -85,11 +85,23 @@ def _read_load(client: NodeKVClient, items: list[dict]) -> tuple[int, list[tuple
     return load_id, list(layers)
 
 
+def _sent(lookup: HistoryLookup, client: NodeKVClient) -> None:
+    """Send the lookup's queued registrations (as the connector does once per scheduler step) and
+    return once the server has handled them."""
+    lookup.send_registrations()
+    _handled(client)
+
+
 def test_match_registers_tokens_and_counts_held_blocks(store: TieredStore, client: NodeKVClient,
                                                        lookup: HistoryLookup) -> None:
     assert lookup.match("acme", "fresh", tokens(3)).blocks == 0
+    assert lookup.match("acme", "fresh2", tokens(2)).blocks == 0
     _handled(client)
+    with pytest.raises(SessionNotFound):  # queued, not sent: the match waited on no one
+        store.session("acme", "fresh")
+    _sent(lookup, client)  # both in one write
     assert store.session("acme", "fresh").blocks.num_blocks == 3
+    assert store.session("acme", "fresh2").blocks.num_blocks == 2
     save_session(store, "s", BLOCKS, seed=1)
     history = tokens(BLOCKS, base=10_000)
     # The next turn: the stored history plus a new message; only the stored blocks are loadable.
@@ -148,12 +160,43 @@ def test_match_follows_evictions_and_a_restarted_node_manager(make_store: MakeSt
         with pytest.raises(OSError):
             lookup.match("acme", "s", history)  # the old connection is gone: the connector recomputes
         held = lookup.match("acme", "s", history)  # reconnected: the new index is mapped
-        _handled(client)
+        _sent(lookup, client)
         assert held.blocks == store.loadable_prefix_blocks("acme", "s") > 0
     finally:
         lookup.close()
         client.close()
         server.close()
+
+
+def test_a_node_manager_gone_between_match_and_send_makes_the_next_match_ask_again(make_store: MakeStore,
+                                                                                   tmp_path: Path) -> None:
+    store = make_store(hbm_pages=0)
+    save_session(store, "s", BLOCKS, seed=12)
+    path = tmp_path / "gone.sock"
+    server = LocalKVServer(store, path)
+    client = NodeKVClient(path, timeout_s=TIMEOUT)
+    lookup = HistoryLookup(client)
+    history = tokens(BLOCKS, base=120_000)
+    try:
+        assert lookup.match("acme", "s", history).blocks == BLOCKS
+        server.close()  # down, and nothing takes its place: its index file stays mapped here
+        wait_until(lambda: _send_fails(lookup, history), TIMEOUT, "a send to the closed server to fail")
+        with pytest.raises(OSError):
+            lookup.match("acme", "s", history)  # not answered from the dead node manager's index
+    finally:
+        lookup.close()
+        client.close()
+
+
+def _send_fails(lookup: HistoryLookup, history: list[int]) -> bool:
+    """A match and the send of its registration: False while the kernel still takes the bytes of
+    a connection whose other end closed (the first write after a close can succeed)."""
+    lookup.match("acme", "s", history)
+    try:
+        lookup.send_registrations()
+    except OSError:
+        return True
+    return False
 
 
 def test_load_from_dram_pins_until_release(store: TieredStore, client: NodeKVClient) -> None:
@@ -224,6 +267,7 @@ def test_a_load_waits_for_its_registration_and_never_serves_another_history(stor
         load_id, layers = worker.load([item], timeout_s=TIMEOUT)
         wait_until(lambda: server.loads_awaiting_registration == 1, TIMEOUT, "the load to wait")
         lookup.match("acme", "s", history)
+        lookup.send_registrations()
         for layer, slots in layers:
             assert torch.equal(arena.pages[torch.from_numpy(slots.copy())], data[layer])
         worker.release(load_id)
@@ -344,12 +388,12 @@ def test_a_request_for_a_prefetched_session_counts_whether_its_kv_was_ready(stor
     server.prefetches = _OnePrefetch(("acme", "ready"), Tier.DRAM)  # type: ignore[assignment]
     assert lookup.match("acme", "ready", tokens(2, base=50_000, tail=3)).blocks == 2
     assert lookup.match("acme", "ready", tokens(2, base=50_000, tail=3)).blocks == 2  # counted once per prefetch
-    _handled(client)
+    _sent(lookup, client)
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="yes") == 1
     save_session(store, "late", 2, seed=6)
     server.prefetches = _OnePrefetch(("acme", "late"), Tier.HBM)  # type: ignore[assignment]
     lookup.match("acme", "late", tokens(2, base=60_000))
-    _handled(client)
+    _sent(lookup, client)
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 1
 
 
@@ -358,8 +402,8 @@ def test_an_engine_warm_up_is_not_the_prefetched_sessions_arrival(store: TieredS
     save_session(store, "warm", 2, seed=7)
     server.prefetches = _OnePrefetch(("acme", "warm"), Tier.HBM)  # type: ignore[assignment]
     assert lookup.match("acme", "warm", tokens(2, base=70_000), warmup=True).blocks == 2
-    _handled(client)
+    _sent(lookup, client)
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 0
     lookup.match("acme", "warm", tokens(2, base=70_000, tail=5))  # the turn itself: counted now
-    _handled(client)
+    _sent(lookup, client)
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 1
