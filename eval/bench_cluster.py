@@ -27,8 +27,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -43,6 +44,7 @@ from symphony.config import SymphonyConfig, dump_toml
 from symphony.launcher import Cluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 
+T = TypeVar("T")
 READY_FRACTION = 0.9  # of a resumed turn's history, cached at arrival, to count as "ready"
 BLOCK_SLACK_TOKENS = 32  # the history's last block may not be reusable (the answer's end re-templated)
 
@@ -177,9 +179,11 @@ def advisory_p99_bound_ms(metrics: str) -> float:
 
 async def measure_policies(config: SymphonyConfig, model: str, home: Path, policies: list[str],
                            settings: LoadSettings, timing: HumanTiming, conversations: list[Conversation],
-                           records_dir: Path | None = None) -> dict[str, Any]:
+                           records_dir: Path | None = None,
+                           records_by_policy: dict[str, list[RequestRecord]] | None = None) -> dict[str, Any]:
     """Each policy in turn, on the running cluster `config` describes (its engines must serve
-    /reset_prefix_cache: VLLM_SERVER_DEV_MODE=1): {policy: summary}."""
+    /reset_prefix_cache: VLLM_SERVER_DEV_MODE=1): {policy: summary}. Each policy's per-request
+    records go to `records_dir` (files) and `records_by_policy`, when given."""
     nodes = [config.node_id(i) for i in range(config.cluster.nodes)]
     results: dict[str, Any] = {}
     for policy in policies:
@@ -197,6 +201,8 @@ async def measure_policies(config: SymphonyConfig, model: str, home: Path, polic
             summary["advised_requests_kv_ready"] = _advised_ready(metrics)
             summary["advisory_server_ms_p99_bound"] = advisory_p99_bound_ms(metrics)
             results[policy] = summary
+            if records_by_policy is not None:
+                records_by_policy[policy] = records
             if records_dir is not None:
                 write_records(records, records_dir / f"{policy}.json", records_dir / f"{policy}.csv")
         finally:
@@ -204,21 +210,19 @@ async def measure_policies(config: SymphonyConfig, model: str, home: Path, polic
     return results
 
 
-async def _with_private_cluster(config: SymphonyConfig, model: ModelInfo, home: Path, policies: list[str],
-                                settings: LoadSettings, timing: HumanTiming, conversations: list[Conversation],
-                                records_dir: Path | None) -> dict[str, Any]:
+async def on_private_cluster(config: SymphonyConfig, model: ModelInfo, work: Callable[[], Awaitable[T]]) -> T:
+    """Start the cluster `config` describes, run `work` once it is ready, shut the cluster down."""
     cluster = Cluster(config, model, sys.stderr)
     cluster.spawn()
     try:
         if not await cluster.wait_ready(asyncio.Event()):
             raise RuntimeError("the benchmark cluster did not become ready")
-        return await measure_policies(config, model.served_name, home, policies, settings, timing, conversations,
-                                      records_dir)
+        return await work()
     finally:
         await cluster.shutdown()
 
 
-def _bench_config(config: SymphonyConfig, home: Path) -> SymphonyConfig:
+def bench_cluster_config(config: SymphonyConfig, home: Path) -> SymphonyConfig:
     return dataclasses.replace(
         config, home=str(home),
         cluster=dataclasses.replace(config.cluster, nodes=2),
@@ -243,8 +247,13 @@ def run_cluster_bench(config: SymphonyConfig, *, out: Path, policies: list[str],
         records_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        by_policy = asyncio.run(_with_private_cluster(_bench_config(config, home), model, home, policies, settings,
-                                                      timing, conversations, records_dir))
+        private = bench_cluster_config(config, home)
+
+        async def work() -> dict[str, Any]:
+            return await measure_policies(private, model.served_name, home, policies, settings, timing,
+                                          conversations, records_dir)
+
+        by_policy = asyncio.run(on_private_cluster(private, model, work))
     except BaseException:
         print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
         raise

@@ -29,6 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from eval.plots import plot_route
 from eval.results import write_result
 from eval.stats import percentile
 from scheduler.policies import make_policy
@@ -163,7 +164,7 @@ def run_route_bench(*, out: Path, nodes: int = 64, sessions: int = 100_000, tena
     result = {"nodes": nodes, "sessions": sessions, "tenants": tenants, "requests": requests, "seed": seed,
               "prefix_trie_max_chars": SchedulerConfig().prefix_trie_max_chars,
               "policies": results, "targets": targets}
-    write_result(result, out, table=_print_table, plot=plot, plotter=_plot)
+    write_result(result, out, table=_print_table, plot=plot, plotter=plot_route)
     return result
 
 
@@ -175,25 +176,3 @@ def _print_table(result: dict[str, Any]) -> None:
               f"{row['decision_us_mean']:>9.1f}{row['peak_memory_mb']:>9.1f}")
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")
-
-
-def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(result["policies"])
-    p50 = [result["policies"][n]["decision_us_p50"] for n in names]
-    p99 = [result["policies"][n]["decision_us_p99"] for n in names]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    positions = range(len(names))
-    ax.bar([p - 0.2 for p in positions], p50, width=0.4, label="p50")
-    ax.bar([p + 0.2 for p in positions], p99, width=0.4, label="p99")
-    ax.set_xticks(list(positions), names, rotation=20)
-    ax.set_ylabel("µs per routing decision")
-    ax.set_title(f"{result['nodes']} nodes, {result['sessions']:,} sessions")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

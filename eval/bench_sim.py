@@ -8,44 +8,45 @@ from typing import Any
 
 from tqdm import tqdm
 
+from eval.plots import plot_sim_imbalance, plot_sim_missed, plot_sim_users
 from eval.results import write_result
-from eval.sim.presets import PRESETS
+from eval.sim.presets import Preset
 from eval.sim.scenarios import TPOT_BOUND, imbalance, missed_advisories, run_point, users_ratio
-from eval.workloads import HumanTiming, load_sharegpt
+from eval.workloads import Conversation, HumanTiming
 
 SCENARIOS = ("users", "missed_advisories", "imbalance")
 USERS_TARGET = 8.0  # Symphony's paper: 8x the users of vLLM at equal TPOT
 MISSED_TARGET = 0.06  # latency increase at 10% of advisories missed
 
 
-def run_sim_bench(*, out: Path, scenario: str, workload: Path, preset: str = "a100-llama3.1-8b", nodes: int = 8,
-                  users: tuple[int, ...] = (64, 128, 256, 512, 1024),
+def run_sim_bench(*, out: Path, scenario: str, workload: Path, conversations: list[Conversation], preset: Preset,
+                  nodes: int = 8, users: tuple[int, ...] = (64, 128, 256, 512, 1024),
                   policies: tuple[str, ...] = ("symphony", "recompute", "sticky"), duration_s: float = 600.0,
                   miss_rate: float = 0.0, time_scale: float = 1.0, seed: int = 0,
                   plot: Path | None = None) -> dict[str, Any]:
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r} (known: {', '.join(SCENARIOS)})")
-    conversations = load_sharegpt(workload, min_turns=2, max_turns=8)
-    header: dict[str, Any] = {"scenario": scenario, "preset": preset, "preset_source": PRESETS[preset].source,
+    header: dict[str, Any] = {"scenario": scenario, "preset": preset.name, "preset_source": preset.source,
                               "nodes": nodes, "duration_s": duration_s, "time_scale": time_scale,
                               "workload": str(workload), "conversations": len(conversations), "seed": seed}
     if scenario != "users":
         # One user count: the first given.
         run = missed_advisories if scenario == "missed_advisories" else imbalance
         result = {**header, "users": users[0],
-                  **run(PRESETS[preset], nodes, conversations, users[0], duration_s * 1000, time_scale, seed)}
+                  **run(preset, nodes, conversations, users[0], duration_s * 1000, time_scale, seed)}
         if scenario == "missed_advisories":
             increase = result["latency_increase_at_10pct"]
             result["targets"] = {f"latency_increase_at_10pct_le_{MISSED_TARGET:g}":
                                  increase is not None and increase <= MISSED_TARGET}
-        write_result(result, out, table=_print_single)
+        write_result(result, out, table=_print_single, plot=plot,
+                     plotter=plot_sim_missed if scenario == "missed_advisories" else plot_sim_imbalance)
         return result
     timing = HumanTiming(time_scale=time_scale, advisory_miss_rate=miss_rate)
     points: dict[str, dict[int, dict[str, Any]]] = {policy: {} for policy in policies}
     with tqdm(total=len(policies) * len(users), desc=f"bench sim {scenario}", unit="run", file=sys.stderr) as bar:
         for count in users:
             for policy in policies:
-                points[policy][count] = run_point(PRESETS[preset], nodes, policy, conversations, count,
+                points[policy][count] = run_point(preset, nodes, policy, conversations, count,
                                                   duration_s * 1000, timing, seed)
                 bar.update(1)
     result = {**header, "users": list(users), "miss_rate": miss_rate,
@@ -55,7 +56,7 @@ def run_sim_bench(*, out: Path, scenario: str, workload: Path, preset: str = "a1
         result["users_ratio_at_equal_tpot"] = ratio
         result["tpot_bound"] = TPOT_BOUND
         result["targets"] = {f"users_ratio_ge_{USERS_TARGET:g}": ratio is not None and ratio >= USERS_TARGET}
-    write_result(result, out, table=_print_table, plot=plot, plotter=_plot)
+    write_result(result, out, table=_print_table, plot=plot, plotter=plot_sim_users)
     return result
 
 
@@ -90,25 +91,3 @@ def _print_single(result: dict[str, Any]) -> None:
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
-
-
-def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for policy, rows in result["points"].items():
-        users = [int(u) for u in rows]
-        axes[0].plot(users, [rows[str(u)]["tpot_ms_mean"] or 0 for u in users], marker="o", label=policy)
-        axes[1].plot(users, [rows[str(u)]["ttft_ms_p95"] or 0 for u in users], marker="o", label=policy)
-    for ax, label in zip(axes, ("mean TPOT (ms)", "TTFT p95 (ms)"), strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("users")
-        ax.set_ylabel(label)
-        ax.legend()
-    fig.suptitle(f"{result['nodes']} x {result['preset']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -102,3 +102,73 @@ def plot_cluster(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_sim_users(result: dict[str, Any], path: Path) -> None:
+    """Symphony's figure 12: mean TPOT and TTFT p95 per policy as the users grow."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for policy, rows in result["points"].items():
+        users = [int(u) for u in rows]
+        axes[0].plot(users, [rows[str(u)]["tpot_ms_mean"] or 0 for u in users], marker="o", label=policy)
+        axes[1].plot(users, [rows[str(u)]["ttft_ms_p95"] or 0 for u in users], marker="o", label=policy)
+    for ax, label in zip(axes, ("mean TPOT (ms)", "TTFT p95 (ms)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("users")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"{result['nodes']} x {result['preset']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sim_missed(result: dict[str, Any], path: Path) -> None:
+    """Symphony's figure 17: normalized latency as more typing advisories are missed."""
+    plt = _pyplot()
+    rates = list(result["points"])
+    latency = [result["points"][r]["norm_latency_ms_per_token_mean"] or 0 for r in rates]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([float(r) * 100 for r in rates], latency, marker="o")
+    ax.set_xlabel("advisories missed (%)")
+    ax.set_ylabel("mean normalized latency (ms/token)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Symphony, {result['users']} users on {result['nodes']} x {result['preset']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sim_imbalance(result: dict[str, Any], path: Path) -> None:
+    """Symphony's figure 18: each node's busy time under sticky routing and under Symphony."""
+    plt = _pyplot()
+    policies = list(result["points"])
+    fig, axes = plt.subplots(1, len(policies), figsize=(5 * len(policies), 4), sharey=True)
+    for ax, policy in zip(axes if len(policies) > 1 else [axes], policies, strict=True):
+        busy = result["points"][policy].get("busy_ms_by_node", {})
+        ax.bar(range(len(busy)), [ms / 1000 for ms in busy.values()])
+        ax.set_xticks(range(len(busy)), list(busy), rotation=45)
+        ax.set_ylabel("busy time (s)")
+        ax.set_title(f"{policy}: max/median {result['points'][policy]['max_over_median_load'] or 0:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_route(result: dict[str, Any], path: Path) -> None:
+    """Cost of one routing decision per policy, p50 and p99."""
+    plt = _pyplot()
+    names = list(result["policies"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    positions = range(len(names))
+    ax.bar([p - 0.2 for p in positions], [result["policies"][n]["decision_us_p50"] for n in names], width=0.4,
+           label="p50")
+    ax.bar([p + 0.2 for p in positions], [result["policies"][n]["decision_us_p99"] for n in names], width=0.4,
+           label="p99")
+    ax.set_xticks(list(positions), names, rotation=20)
+    ax.set_ylabel("µs per routing decision")
+    ax.set_title(f"{result['nodes']} nodes, {result['sessions']:,} sessions")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

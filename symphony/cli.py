@@ -331,11 +331,47 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated (default: %(default)s)")
     route.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     route.set_defaults(func=cmd_bench_route)
+    calibrate = bench_sub.add_parser("calibrate", help="fit the simulator's engine model to this host's live engine "
+                                     "(starts a private 2-node cluster)")
+    _add_config_args(calibrate)
+    calibrate.add_argument("--out", type=Path, required=True, help="JSON results file (samples and fit)")
+    calibrate.add_argument("--preset-out", type=Path, default=Path("local-preset.json"), metavar="JSON",
+                           help="where the fitted preset goes, for bench sim/validate --preset-file "
+                                "(%(default)s)")
+    calibrate.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
+    calibrate.add_argument("--served-model-name", help=argparse.SUPPRESS)
+    calibrate.set_defaults(func=cmd_bench_calibrate)
+    validate = bench_sub.add_parser("validate", help="the simulator against the live 2-node cluster on the same "
+                                    "requests: sim_vs_live_error")
+    _add_config_args(validate)
+    validate.add_argument("--out", type=Path, required=True, help="JSON results file")
+    validate.add_argument("--preset-file", type=Path, metavar="JSON",
+                          help="a preset from bench calibrate (default: calibrate first, on the same cluster)")
+    validate.add_argument("--preset-out", type=Path, default=Path("local-preset.json"), metavar="JSON",
+                          help="where a calibration made here goes (%(default)s)")
+    validate.add_argument("--policy", default="recompute", help="the routing policy both runs use (recompute)")
+    validate.add_argument("--users", type=_positive_int, default=4, help="simulated users (4)")
+    validate.add_argument("--duration", type=_positive_int, default=120, help="seconds of live load (120)")
+    validate.add_argument("--time-scale", type=float, default=0.05,
+                          help="human reading and typing time, scaled (0.05: a minute becomes 3 s)")
+    validate.add_argument("--miss-rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    validate.add_argument("--max-tokens", type=_positive_int, default=32, help="answer length cap (32)")
+    validate.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
+                          "sample)")
+    validate.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
+    validate.add_argument("--served-model-name", help=argparse.SUPPRESS)
+    validate.set_defaults(func=cmd_bench_validate)
+    report = bench_sub.add_parser("report", help="a Markdown summary with PNG plots of every result file in DIR")
+    report.add_argument("directory", type=Path, metavar="DIR", help="where the bench ... --out JSON files are")
+    report.set_defaults(func=cmd_bench_report)
     sim = bench_sub.add_parser("sim", help="paper-scale scenarios on the cluster simulator (no cluster)")
     sim.add_argument("--scenario", required=True, help="users, missed_advisories or imbalance")
     sim.add_argument("--out", type=Path, required=True, help="JSON results file")
     sim.add_argument("--plot", type=Path, metavar="PNG", help="also draw the scenario to this PNG")
-    sim.add_argument("--preset", default="a100-llama3.1-8b", help="engine and link constants (a100-llama3.1-8b)")
+    sim.add_argument("--preset", default="a100-llama3.1-8b",
+                     help="engine and link constants: a100-llama3.1-8b (default) or l4-llama3.1-8b")
+    sim.add_argument("--preset-file", type=Path, metavar="JSON",
+                     help="engine and link constants from `symphony bench calibrate` (instead of --preset)")
     sim.add_argument("--nodes", type=_positive_int, default=8, help="engines (8)")
     sim.add_argument("--users", default="64,128,256,512,1024",
                      help="user counts, comma-separated (%(default)s); one-point scenarios take the first")
@@ -382,26 +418,69 @@ def _workload_file(args: argparse.Namespace) -> Path:
     return workload
 
 
+def _conversations(args: argparse.Namespace, *, min_turns: int, max_turns: int) -> tuple[Path, list[Any]]:
+    """The --workload file and its conversations of min_turns..max_turns user turns (cut to max_turns)."""
+    from eval.workloads import load_sharegpt
+
+    workload = _workload_file(args)
+    try:
+        conversations = load_sharegpt(workload, min_turns=min_turns, max_turns=max_turns)
+    except ValueError as exc:
+        raise CliError(f"--workload {exc}") from None
+    if not conversations:
+        raise CliError(f"--workload {workload}: no conversation has {min_turns} user turns or more")
+    return workload, conversations
+
+
 def cmd_bench_cluster(args: argparse.Namespace) -> int:
     from eval.bench_cluster import run_cluster_bench
-    from eval.workloads import load_sharegpt
 
     policies = list(_policy_names(args.policies))
     _check_human_timing(args)
     if args.min_turns > args.max_turns:
         raise CliError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}")
-    workload = _workload_file(args)
-    try:
-        conversations = load_sharegpt(workload, min_turns=args.min_turns, max_turns=args.max_turns)
-    except ValueError as exc:
-        raise CliError(f"--workload {exc}") from None
-    if not conversations:
-        raise CliError(f"--workload {workload}: no conversation has {args.min_turns} user turns or more")
+    workload, conversations = _conversations(args, min_turns=args.min_turns, max_turns=args.max_turns)
     config = _load(args, _engine_overrides(args))
     return run_cluster_bench(config, out=args.out, policies=policies, users=args.users, duration_s=args.duration,
                              time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
                              conversations=conversations, miss_rate=args.miss_rate, plot=args.plot,
                              records_dir=args.records)
+
+
+def cmd_bench_calibrate(args: argparse.Namespace) -> int:
+    from eval.bench_calibrate import run_calibrate_bench
+
+    config = _load(args, _engine_overrides(args))
+    return run_calibrate_bench(config, out=args.out, preset_out=args.preset_out)
+
+
+def cmd_bench_validate(args: argparse.Namespace) -> int:
+    from eval.bench_calibrate import run_validate_bench
+    from eval.sim.calibration import load_preset
+    from scheduler.policies import POLICIES
+
+    if args.policy not in POLICIES:
+        raise CliError(f"--policy {args.policy!r}: known policies are {', '.join(POLICIES)}")
+    _check_human_timing(args)
+    if args.preset_file is not None:
+        try:
+            load_preset(args.preset_file)
+        except ValueError as exc:
+            raise CliError(f"--preset-file {exc}") from None
+    workload, conversations = _conversations(args, min_turns=2, max_turns=8)
+    config = _load(args, _engine_overrides(args))
+    return run_validate_bench(config, out=args.out, policy=args.policy, users=args.users, duration_s=args.duration,
+                              time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
+                              conversations=conversations, preset_file=args.preset_file, preset_out=args.preset_out)
+
+
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from eval.report import build_report
+
+    if not args.directory.is_dir():
+        raise CliError(f"DIR {args.directory}: not a directory")
+    print(f"wrote {build_report(args.directory)}")
+    return 0
 
 
 def cmd_bench_route(args: argparse.Namespace) -> int:
@@ -415,11 +494,19 @@ def cmd_bench_route(args: argparse.Namespace) -> int:
 
 def cmd_bench_sim(args: argparse.Namespace) -> int:
     from eval.bench_sim import SCENARIOS, run_sim_bench
+    from eval.sim.calibration import load_preset
     from eval.sim.presets import PRESETS
 
     if args.scenario not in SCENARIOS:
         raise CliError(f"--scenario {args.scenario!r}: known scenarios are {', '.join(SCENARIOS)}")
-    if args.preset not in PRESETS:
+    if args.preset_file is not None:
+        try:
+            preset = load_preset(args.preset_file)
+        except ValueError as exc:
+            raise CliError(f"--preset-file {exc}") from None
+    elif args.preset in PRESETS:
+        preset = PRESETS[args.preset]
+    else:
         raise CliError(f"--preset {args.preset!r}: known presets are {', '.join(PRESETS)}")
     policies = _policy_names(args.policies)
     try:
@@ -429,13 +516,10 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
     if not users or min(users) < 1:
         raise CliError(f"--users {args.users!r}: expected positive user counts")
     _check_human_timing(args)
-    workload = _workload_file(args)
-    try:
-        run_sim_bench(out=args.out, scenario=args.scenario, workload=workload, preset=args.preset, nodes=args.nodes,
-                      users=users, policies=policies, duration_s=args.duration, miss_rate=args.miss_rate,
-                      time_scale=args.time_scale, seed=args.seed, plot=args.plot)
-    except ValueError as exc:
-        raise CliError(f"--workload {exc}") from None
+    workload, conversations = _conversations(args, min_turns=2, max_turns=8)
+    run_sim_bench(out=args.out, scenario=args.scenario, workload=workload, conversations=conversations, preset=preset,
+                  nodes=args.nodes, users=users, policies=policies, duration_s=args.duration,
+                  miss_rate=args.miss_rate, time_scale=args.time_scale, seed=args.seed, plot=args.plot)
     return 0
 
 

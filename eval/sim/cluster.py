@@ -254,6 +254,13 @@ class ClusterSim:
             held = max(held, self._kv.get(turn.session, {}).get(node_id, 0))
         request.cached_tokens = min(held, request.prompt_tokens)
         self._inflight[node_id] += 1
+        overhead = self.engines[node_id].model.request_overhead_ms
+        if overhead:
+            self.at(self.now_ms + overhead, lambda: self._enqueue(request, node_id))
+        else:
+            self._enqueue(request, node_id)
+
+    def _enqueue(self, request: SimRequest, node_id: str) -> None:
         self.engines[node_id].add(request)
         self._kick(node_id)
 

@@ -34,6 +34,10 @@ class EngineModel:
     kv_blocks: int
     block_size: int = 32
     max_batch: int = 256
+    # Per request, outside the engine's steps (HTTP, tokenizing, streaming the answer back): the
+    # request reaches the engine this long after it arrives. Measured by `bench calibrate` for the
+    # local CPU engine; 0 in the GPU presets, whose figures cover only the engine.
+    request_overhead_ms: float = 0.0
 
 
 @dataclass(slots=True)

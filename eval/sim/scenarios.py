@@ -53,6 +53,7 @@ def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
         "preemptions": result.preemptions,
         "max_over_mean_load": max(busy) / mean_busy if mean_busy else None,
         "max_over_median_load": max(busy) / median_busy if median_busy else None,
+        "busy_ms_by_node": dict(result.busy_ms),
     }
 
 

@@ -1,0 +1,266 @@
+"""`symphony bench calibrate` and `symphony bench validate`: the simulator against the live engine.
+
+calibrate: on a private local 2-node cluster (the engines as `symphony up` runs them, one core each
+here), node 0's engine is probed directly through its OpenAI-compatible completions endpoint, with
+prompts of random token ids (no cache holds them) and `ignore_eos` (answers of exact length):
+
+- prefill: one request at a time, prompts of several lengths, `max_tokens=1`: time to first token;
+- decode: 1 to 8 requests started together, short and long prompts, 48 output tokens: their time
+  per output token once decoding.
+
+`eval.sim.calibration` fits the engine model to those samples; with the engine's KV capacity (from its
+`vllm:cache_config_info` metric) and SmolLM2's KV geometry over the measured peer link, that is the
+`local` preset, written as a JSON file the simulator reads (`bench sim --preset-file`).
+
+validate: the same cluster then serves a ShareGPT replay through one policy (`bench cluster`'s load
+generator: human timing, advisories); the simulator replays the very requests the live run sent
+(open loop: each at the time it was sent, with its measured prompt and answer lengths) on two
+engines of the calibrated preset, routed by the same policy object. Mean TTFT, mean TPOT and output
+throughput are compared; `sim_vs_live_error` is the largest relative error of the three.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from eval.bench_cluster import bench_cluster_config, measure_policies, on_private_cluster
+from eval.loadgen import LoadSettings, RequestRecord
+from eval.results import write_result
+from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, load_preset, save_preset
+from eval.sim.cluster import ClusterSim, LinkModel, SimResult, Turn
+from eval.sim.presets import Preset
+from eval.workloads import Conversation, HumanTiming
+from scheduler.policies import make_policy
+from symphony.config import SymphonyConfig
+from symphony.kv_geometry import smollm2_geometry
+from symphony.models import ModelInfo, fetch_default_model, resolve_model
+
+PREFILL_TOKENS = (64, 256, 512, 1024)
+PREFILL_REPEATS = 2
+DECODE_POINTS = ((1, 32), (2, 32), (4, 32), (8, 32), (1, 512), (1, 1024), (4, 256))  # (requests, prompt tokens)
+DECODE_REPEATS = 2
+DECODE_OUTPUT_TOKENS = 48
+TOKEN_ID_RANGE = (1_000, 40_000)  # ordinary vocabulary entries of SmolLM2 (49,152), no special tokens
+# Node-to-node KV moves in the local preset: what `bench tiers` measures for a peer pull here.
+LOCAL_LINK_GBPS = 1.0
+LOCAL_LINK_RTT_MS = 0.2
+VALIDATION_BOUND = 0.2  # the issue's bar: within 20% of the live cluster
+MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs, which `symphony up` keeps
+
+
+async def _stream_times(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Send one completion and return the arrival time of every streamed token, from the send."""
+    started = time.perf_counter()
+    times: list[float] = []
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text is not None:
+            times.append((time.perf_counter() - started) * 1000)
+    if len(times) < max_tokens:
+        raise RuntimeError(f"the engine streamed {len(times)} tokens where {max_tokens} were asked for")
+    return times
+
+
+async def probe_engine(base_url: str, model: str, seed: int = 0) -> tuple[list[PrefillSample], list[DecodeSample]]:
+    rng = random.Random(seed)
+
+    def prompt(tokens: int) -> list[int]:
+        return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(tokens)]
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="calibration", timeout=600.0, max_retries=0)
+    try:
+        await _stream_times(client, model, prompt(16), 4)  # warm: the first request pays one-time costs
+        prefill = []
+        for _ in range(PREFILL_REPEATS):
+            for tokens in PREFILL_TOKENS:
+                times = await _stream_times(client, model, prompt(tokens), 1)
+                prefill.append(PrefillSample(tokens, times[0]))
+                print(f"calibrate: prefill {tokens} tokens: {times[0]:.0f} ms", file=sys.stderr)
+        decode = []
+        for _ in range(DECODE_REPEATS):
+            for batch, tokens in DECODE_POINTS:
+                runs = await asyncio.gather(*[_stream_times(client, model, prompt(tokens), DECODE_OUTPUT_TOKENS)
+                                              for _ in range(batch)])
+                # From the last first token (every request decoding) to the first last token (none done).
+                start, end = max(t[0] for t in runs), min(t[-1] for t in runs)
+                steps = min(len([x for x in t if start <= x <= end]) for t in runs) - 1
+                if steps < DECODE_OUTPUT_TOKENS // 2:
+                    raise RuntimeError(f"{batch} requests of {tokens} tokens did not decode together")
+                tpot = (end - start) / steps
+                decode.append(DecodeSample(batch, batch * (tokens + DECODE_OUTPUT_TOKENS // 2), tpot))
+                print(f"calibrate: decode {batch} x {tokens} tokens: {tpot:.1f} ms per token", file=sys.stderr)
+        return prefill, decode
+    finally:
+        await client.close()
+
+
+async def engine_capacity(base_url: str) -> tuple[int, int]:
+    """(KV blocks, block size) from the engine's `vllm:cache_config_info` metric."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        text = (await http.get(base_url + "/metrics")).text
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+            values = {key: value.strip('"') for key, value in labels.items()}
+            return int(values["num_gpu_blocks"]), int(values["block_size"])
+    raise RuntimeError(f"{base_url}/metrics has no vllm:cache_config_info")
+
+
+async def calibrate(config: SymphonyConfig, model: ModelInfo) -> tuple[Preset, dict[str, Any]]:
+    """Probe node 0's engine of the running cluster `config` describes."""
+    base_url = f"http://{config.node.host}:{config.engine_port(0)}"
+    prefill, decode = await probe_engine(base_url, model.served_name)
+    kv_blocks, block_size = await engine_capacity(base_url)
+    fit = fit_engine(prefill, decode, kv_blocks=kv_blocks, block_size=block_size, max_batch=MAX_NUM_SEQS)
+    geometry = smollm2_geometry()
+    link = LinkModel(int(geometry.bytes_per_token()), LOCAL_LINK_GBPS, LOCAL_LINK_RTT_MS)
+    preset = Preset("local", fit.model, link,
+                    f"symphony bench calibrate, {time.strftime('%Y-%m-%d')}: {model.served_name} on this host's "
+                    f"vLLM CPU engine ({len(prefill)} prefill and {len(decode)} decode samples)")
+    samples = {"prefill_samples": [dataclasses.asdict(s) for s in prefill],
+               "decode_samples": [dataclasses.asdict(s) for s in decode],
+               "fit_r2": {"prefill": fit.prefill_r2, "decode": fit.decode_r2}}
+    return preset, samples
+
+
+def _private_config(config: SymphonyConfig) -> tuple[SymphonyConfig, ModelInfo, Path]:
+    if not config.engine.model:
+        fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
+    model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+    home = config.home_path / "bench" / f"calibrate-{uuid.uuid4().hex[:8]}"
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the engines' /reset_prefix_cache, before a policy's run
+    return bench_cluster_config(config, home), model, home
+
+
+def run_calibrate_bench(config: SymphonyConfig, *, out: Path, preset_out: Path) -> int:
+    private, model, home = _private_config(config)
+
+    async def work() -> tuple[Preset, dict[str, Any]]:
+        return await calibrate(private, model)
+
+    try:
+        preset, samples = asyncio.run(on_private_cluster(private, model, work))
+    except BaseException:
+        print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
+        raise
+    shutil.rmtree(home, ignore_errors=True)
+    save_preset(preset_out, preset, samples)
+    result = {"preset_file": str(preset_out), "engine": dataclasses.asdict(preset.engine), **samples}
+    write_result(result, out, table=_print_calibration)
+    return 0
+
+
+def _print_calibration(result: dict[str, Any]) -> None:
+    engine = result["engine"]
+    print(f"step {engine['step_ms']:.2f} ms + prefill {engine['prefill_ms_per_token']:.3f} ms/token + decode "
+          f"{engine['decode_ms_per_seq']:.3f} ms/request + {engine['decode_ms_per_kilotoken']:.3f} ms/1k context; "
+          f"request overhead {engine['request_overhead_ms']:.1f} ms; {engine['kv_blocks']} KV blocks of "
+          f"{engine['block_size']}; fit R2 prefill {result['fit_r2']['prefill']:.3f}, "
+          f"decode {result['fit_r2']['decode']:.3f}")
+    print(f"preset written to {result['preset_file']}")
+
+
+# ---- validate -------------------------------------------------------------------------------------
+
+def replay_turns(records: list[RequestRecord]) -> list[Turn]:
+    """The live run's completed requests as open-loop turns: sent when they were sent, advised as
+    they were, with the prompt and answer lengths the engine reported."""
+    turns = []
+    for r in records:
+        if not r.ok:
+            continue
+        advisory = (r.sent_at_s - r.advisory_lead_s) * 1000 if r.advised else None
+        turns.append(Turn(r.session, r.sent_at_s * 1000, r.prompt_tokens, max(1, r.output_tokens), advisory))
+    return turns
+
+
+def live_figures(records: list[RequestRecord]) -> dict[str, float]:
+    ok = [r for r in records if r.ok]
+    span = max(r.sent_at_s + r.e2e_s for r in ok) - min(r.sent_at_s for r in ok)
+    return {"ttft_ms_mean": statistics.fmean(r.ttft_s * 1000 for r in ok),
+            "tpot_ms_mean": statistics.fmean(r.tpot_s * 1000 for r in ok if r.output_tokens > 1),
+            "output_tokens_per_s": sum(r.output_tokens for r in ok) / span, "requests": len(ok)}
+
+
+def sim_figures(result: SimResult) -> dict[str, float]:
+    done = [r for r in result.requests if r.finished_ms is not None]
+    span = max(r.finished_ms for r in done) - min(r.arrival_ms for r in done)  # type: ignore[type-var]
+    return {"ttft_ms_mean": statistics.fmean(r.ttft_ms for r in done),
+            "tpot_ms_mean": statistics.fmean(r.tpot_ms for r in done if r.generated > 1),
+            "output_tokens_per_s": sum(r.generated for r in done) / (span / 1000), "requests": len(done)}
+
+
+def compare(live: dict[str, float], simulated: dict[str, float]) -> dict[str, float]:
+    """Relative error of each figure, simulated against live."""
+    return {key: abs(simulated[key] - live[key]) / live[key]
+            for key in ("ttft_ms_mean", "tpot_ms_mean", "output_tokens_per_s")}
+
+
+def simulate_replay(preset: Preset, policy: str, node_ids: list[str], turns: list[Turn]) -> SimResult:
+    return ClusterSim(make_policy(policy), dict.fromkeys(node_ids, preset.engine), preset.link).run(turns=turns)
+
+
+def run_validate_bench(config: SymphonyConfig, *, out: Path, policy: str, users: int, duration_s: float,
+                       time_scale: float, max_answer_tokens: int, workload: Path, conversations: list[Conversation],
+                       preset_file: Path | None, preset_out: Path) -> int:
+    private, model, home = _private_config(config)
+    settings = LoadSettings(users=users, duration_s=duration_s, max_answer_tokens=max_answer_tokens)
+    timing = HumanTiming(time_scale=time_scale)
+    records: dict[str, list[RequestRecord]] = {}
+    calibration: dict[str, Any] = {}
+
+    async def work() -> dict[str, Any]:
+        if preset_file is None:
+            preset, samples = await calibrate(private, model)
+            save_preset(preset_out, preset, samples)
+            calibration.update(samples, preset_file=str(preset_out))
+        return await measure_policies(private, model.served_name, home, [policy], settings, timing, conversations,
+                                      records_by_policy=records)
+
+    try:
+        summaries = asyncio.run(on_private_cluster(private, model, work))
+    except BaseException:
+        print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
+        raise
+    shutil.rmtree(home, ignore_errors=True)
+    preset = load_preset(preset_file or preset_out)
+    live_records = records[policy]
+    if not any(r.ok for r in live_records):
+        raise RuntimeError("the live run completed no request; nothing to validate against")
+    node_ids = [private.node_id(i) for i in range(private.cluster.nodes)]
+    simulated = sim_figures(simulate_replay(preset, policy, node_ids, replay_turns(live_records)))
+    live = live_figures(live_records)
+    errors = compare(live, simulated)
+    result: dict[str, Any] = {
+        "policy": policy, "users": users, "duration_s": duration_s, "time_scale": time_scale,
+        "max_answer_tokens": max_answer_tokens, "workload": str(workload), "preset": dataclasses.asdict(preset.engine),
+        "live": live, "simulated": simulated, "relative_error": errors,
+        "sim_vs_live_error": max(errors.values()), "live_summary": summaries[policy], "calibration": calibration,
+    }
+    result["targets"] = {f"sim_vs_live_error_le_{VALIDATION_BOUND:g}": result["sim_vs_live_error"] <= VALIDATION_BOUND}
+    write_result(result, out, table=_print_validation)
+    return 0
+
+
+def _print_validation(result: dict[str, Any]) -> None:
+    print(f"policy {result['policy']}, {result['users']} users, {result['duration_s']:.0f} s, "
+          f"{result['live']['requests']} requests")
+    print(f"{'':<22}{'live':>12}{'simulated':>12}{'error':>9}")
+    for key, error in result["relative_error"].items():
+        print(f"{key:<22}{result['live'][key]:>12.1f}{result['simulated'][key]:>12.1f}{error:>9.1%}")
+    for name, ok in result["targets"].items():
+        print(f"  target {name}: {'met' if ok else 'NOT met'}")

@@ -1,0 +1,105 @@
+"""Fitting the simulator's engine model to measurements of a live engine, and preset files.
+
+Pure arithmetic, no I/O but the preset file: `eval.bench_calibrate` takes the measurements.
+
+The engine model (`eval.sim.engine`) prices a step as `step_ms + prefill_ms_per_token x prefilled
+tokens + decode_ms_per_seq x decoding requests + decode_ms_per_kilotoken x their context / 1000`,
+and every request pays `request_overhead_ms` outside the steps. The measurements that pin these down:
+
+- decode samples: B requests decoding together over a known context, their time per output token
+  = one step = `step_ms + decode_ms_per_seq x B + decode_ms_per_kilotoken x context / 1000`, a
+  linear least-squares fit over samples of several batch sizes and context lengths;
+- prefill samples: one request alone, `max_tokens=1`, with an N-token prompt no cache holds: its
+  time to first token = `request_overhead_ms + step_ms + prefill_ms_per_token x N`; the slope over
+  several N is the prefill cost, and the intercept less the decode fit's `step_ms` is the overhead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eval.sim.cluster import LinkModel
+from eval.sim.engine import EngineModel
+from eval.sim.presets import Preset
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    prompt_tokens: int
+    ttft_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSample:
+    batch: int  # requests decoding together
+    context_tokens: int  # their context summed, at the middle of the measured stretch
+    tpot_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFit:
+    model: EngineModel
+    prefill_r2: float
+    decode_r2: float
+
+
+def _r2(observed: np.ndarray, predicted: np.ndarray) -> float:
+    spread = float(((observed - observed.mean()) ** 2).sum())
+    return 1.0 - float(((observed - predicted) ** 2).sum()) / spread if spread else 1.0
+
+
+def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], *, kv_blocks: int,
+               block_size: int, max_batch: int) -> EngineFit:
+    """The engine model that best explains the samples (least squares; a coefficient that comes
+    out negative, which only noise can make it, is taken as 0 and the others refitted)."""
+    if len({s.prompt_tokens for s in prefill}) < 2:
+        raise ValueError("prefill samples need at least two prompt lengths")
+    if len({(s.batch, s.context_tokens) for s in decode}) < 3:
+        raise ValueError("decode samples need at least three (batch, context) points")
+    columns = np.array([[1.0, s.batch, s.context_tokens / 1000] for s in decode])
+    tpot = np.array([s.tpot_ms for s in decode])
+    keep = [0, 1, 2]
+    while True:
+        solution = np.linalg.lstsq(columns[:, keep], tpot, rcond=None)[0]
+        negative = [k for k, value in zip(keep, solution, strict=True) if value < 0 and k != 0]
+        if not negative:
+            break
+        keep.remove(negative[0])
+    coefficients = dict.fromkeys((0, 1, 2), 0.0)
+    coefficients.update(zip(keep, (float(v) for v in solution), strict=True))
+    step_ms, per_seq, per_kilotoken = (max(coefficients[k], 0.0) for k in (0, 1, 2))
+    decode_predicted = columns @ np.array([step_ms, per_seq, per_kilotoken])
+
+    tokens = np.array([s.prompt_tokens for s in prefill], dtype=float)
+    ttft = np.array([s.ttft_ms for s in prefill])
+    slope, intercept = np.polyfit(tokens, ttft, 1)
+    per_token = max(float(slope), 0.0)
+    overhead = max(float(intercept) - step_ms, 0.0)
+    model = EngineModel(step_ms=step_ms, prefill_ms_per_token=per_token, decode_ms_per_seq=per_seq,
+                        decode_ms_per_kilotoken=per_kilotoken, kv_blocks=kv_blocks, block_size=block_size,
+                        max_batch=max_batch, request_overhead_ms=overhead)
+    prefill_predicted = overhead + step_ms + per_token * tokens
+    return EngineFit(model, _r2(ttft, prefill_predicted), _r2(tpot, decode_predicted))
+
+
+def save_preset(path: Path, preset: Preset, details: dict[str, Any] | None = None) -> None:
+    body = {"name": preset.name, "source": preset.source, "engine": dataclasses.asdict(preset.engine),
+            "link": dataclasses.asdict(preset.link), **(details or {})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body, indent=1))
+
+
+def load_preset(path: Path) -> Preset:
+    """A preset `save_preset` wrote (`bench calibrate`); ValueError naming the file if it is not one."""
+    try:
+        body = json.loads(path.read_text())
+        return Preset(str(body["name"]), EngineModel(**body["engine"]), LinkModel(**body["link"]), str(body["source"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is not a simulator preset written by `symphony bench calibrate`: {exc}") from None
