@@ -8,13 +8,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from eval.plots import plot_sim_imbalance, plot_sim_missed, plot_sim_users
+from eval.plots import plot_sim_imbalance, plot_sim_missed, plot_sim_priority, plot_sim_users
 from eval.results import write_result
 from eval.sim.presets import Preset
-from eval.sim.scenarios import TPOT_BOUND, imbalance, missed_advisories, run_point, users_ratio
+from eval.sim.scenarios import TPOT_BOUND, imbalance, missed_advisories, priority, run_point, users_ratio
 from eval.workloads import Conversation, HumanTiming
 
-SCENARIOS = ("users", "missed_advisories", "imbalance")
+SCENARIOS = ("users", "missed_advisories", "imbalance", "priority")
 USERS_TARGET = 8.0  # Symphony's paper: 8x the users of vLLM at equal TPOT
 MISSED_TARGET = 0.06  # latency increase at 10% of advisories missed
 
@@ -31,15 +31,16 @@ def run_sim_bench(*, out: Path, scenario: str, workload: Path, conversations: li
                               "workload": str(workload), "conversations": len(conversations), "seed": seed}
     if scenario != "users":
         # One user count: the first given.
-        run = missed_advisories if scenario == "missed_advisories" else imbalance
+        run = {"missed_advisories": missed_advisories, "imbalance": imbalance, "priority": priority}[scenario]
         result = {**header, "users": users[0],
                   **run(preset, nodes, conversations, users[0], duration_s * 1000, time_scale, seed)}
         if scenario == "missed_advisories":
             increase = result["latency_increase_at_10pct"]
             result["targets"] = {f"latency_increase_at_10pct_le_{MISSED_TARGET:g}":
                                  increase is not None and increase <= MISSED_TARGET}
-        write_result(result, out, table=_print_single, plot=plot,
-                     plotter=plot_sim_missed if scenario == "missed_advisories" else plot_sim_imbalance)
+        plotter = {"missed_advisories": plot_sim_missed, "imbalance": plot_sim_imbalance,
+                   "priority": plot_sim_priority}[scenario]
+        write_result(result, out, table=_print_single, plot=plot, plotter=plotter)
         return result
     timing = HumanTiming(time_scale=time_scale, advisory_miss_rate=miss_rate)
     points: dict[str, dict[int, dict[str, Any]]] = {policy: {} for policy in policies}
@@ -85,6 +86,10 @@ def _print_single(result: dict[str, Any]) -> None:
     for key in ("latency_increase_at_10pct", "sticky_max_over_median", "symphony_max_over_median"):
         if key in result:
             print(f"  {key}: {'-' if result[key] is None else format(result[key], '.3f')}")
+    for share, ratio in result.get("high_tpot_ratio_vs_recompute", {}).items():
+        row = result["points"][f"symphony@{share}"]
+        print(f"  {float(share):.0%} high: Symphony's high-priority TPOT / recompute's {_fmt(ratio and ratio * 100)}%, "
+              f"high-priority TPOT {_fmt(row['high_tpot_ms_mean'])} ms, {_fmt(row['high_output_tokens_per_s'])} tok/s")
     for name, ok in result.get("targets", {}).items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")
 

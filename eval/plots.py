@@ -172,3 +172,23 @@ def plot_route(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_sim_priority(result: dict[str, Any], path: Path) -> None:
+    """High-priority users' mean TPOT and output throughput per share of them, Symphony against recompute."""
+    plt = _pyplot()
+    shares = list(result["high_tpot_ratio_vs_recompute"])
+    fig, (tpot, rate) = plt.subplots(1, 2, figsize=(10, 4))
+    for offset, policy in ((-0.2, "symphony"), (0.2, "recompute")):
+        rows = [result["points"][f"{policy}@{share}"] for share in shares]
+        positions = [i + offset for i in range(len(shares))]
+        tpot.bar(positions, [row["high_tpot_ms_mean"] or 0 for row in rows], width=0.4, label=policy)
+        rate.bar(positions, [row["high_output_tokens_per_s"] for row in rows], width=0.4, label=policy)
+    for ax, label in ((tpot, "high-priority mean TPOT (ms)"), (rate, "high-priority output tokens/s")):
+        ax.set_xticks(range(len(shares)), [f"{float(s):.0%} high" for s in shares])
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"{result['users']} users on {result['nodes']} x {result['preset']}, vLLM priority scheduling")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -18,6 +18,7 @@ from eval.plots import (
     plot_route,
     plot_sim_imbalance,
     plot_sim_missed,
+    plot_sim_priority,
     plot_sim_users,
     plot_tiers,
 )
@@ -116,6 +117,8 @@ def _section(result: Result) -> Section | None:
         return "simulator: missed advisories (figure 17)", _sim_single, plot_sim_missed
     if scenario == "imbalance":
         return "simulator: load imbalance (figure 18)", _sim_single, plot_sim_imbalance
+    if scenario == "priority":
+        return "simulator: priority tiers", _sim_single, plot_sim_priority
     if scenario is not None:
         return f"simulator: {scenario}", _sim_single, None
     if "peer_fetch_gbps" in result:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
-from scheduler.routing import PRIORITIES, NodeSnapshot, RouteRequest, RoutingPolicy
+from scheduler.routing import PRIORITIES, PRIORITY_RANK, NodeSnapshot, RouteRequest, RoutingPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +89,11 @@ class SimResult:
 
 
 class ClusterSim:
-    def __init__(self, policy: RoutingPolicy, engines: dict[str, EngineModel], link: LinkModel) -> None:
+    def __init__(self, policy: RoutingPolicy, engines: dict[str, EngineModel], link: LinkModel,
+                 engine_priority_scheduling: bool = False) -> None:
         self.policy = policy
-        self.engines = {node_id: SimEngine(node_id, model) for node_id, model in engines.items()}
+        self.engines = {node_id: SimEngine(node_id, model, engine_priority_scheduling)
+                        for node_id, model in engines.items()}
         self.link = link
         self.now_ms = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -205,7 +207,8 @@ class ClusterSim:
             self.at(self.now_ms + self.link.move_ms(best - held.get(node_id, 0)), moved)
 
     def _arrive(self, request_id: int, turn: Turn) -> None:
-        request = SimRequest(request_id, turn.session, turn.arrival_ms, turn.prompt_tokens, turn.output_tokens)
+        request = SimRequest(request_id, turn.session, turn.arrival_ms, turn.prompt_tokens, turn.output_tokens,
+                             priority_rank=PRIORITY_RANK[turn.priority])
         self.requests.append(request)
         advised = self._advised.pop(turn.session, None)
         if advised is not None:

@@ -55,6 +55,7 @@ class SimRequest:
     preemptions: int = 0
     prefilled_tokens: int = 0  # prompt tokens this request had computed (over all its admissions)
     blocks: int = 0  # KV blocks it holds now
+    priority_rank: int = 1  # scheduler.routing.PRIORITY_RANK: low 0, normal 1, high 2
 
     @property
     def context(self) -> int:
@@ -83,9 +84,12 @@ class StepPlan:
 
 
 class SimEngine:
-    def __init__(self, node_id: str, model: EngineModel) -> None:
+    def __init__(self, node_id: str, model: EngineModel, priority_scheduling: bool = False) -> None:
         self.node_id = node_id
         self.model = model
+        # vLLM's `--scheduling-policy priority`: the waiting queue by priority (FIFO within one), and
+        # the lowest-priority, latest-admitted request preempted first. Otherwise FCFS.
+        self.priority_scheduling = priority_scheduling
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []  # in admission order
         self.free_blocks = model.kv_blocks
@@ -99,6 +103,13 @@ class SimEngine:
 
     def add(self, request: SimRequest) -> None:
         request.node_id = self.node_id
+        if not self.priority_scheduling:
+            self.waiting.append(request)
+            return
+        for index, queued in enumerate(self.waiting):
+            if queued.priority_rank < request.priority_rank:
+                self.waiting.insert(index, request)
+                return
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -152,12 +163,18 @@ class SimEngine:
                     self.free_blocks -= 1
                     request.blocks += 1
                     continue
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
         return preempted
+
+    def _victim(self) -> SimRequest:
+        if not self.priority_scheduling:
+            return self.running[-1]  # the most recently admitted
+        lowest = min(r.priority_rank for r in self.running)
+        return next(r for r in reversed(self.running) if r.priority_rank == lowest)
 
     def _preempt(self, request: SimRequest) -> None:
         self.running.remove(request)
@@ -165,7 +182,12 @@ class SimEngine:
         request.blocks = 0
         request.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(request)
+        # Back to the front of the queue (of its priority's part of it, under priority scheduling).
+        at = 0
+        if self.priority_scheduling:
+            at = next((i for i, queued in enumerate(self.waiting) if queued.priority_rank <= request.priority_rank),
+                      len(self.waiting))
+        self.waiting.insert(at, request)
 
     def finish_step(self, plan: StepPlan, now_ms: float) -> list[SimRequest]:
         """Apply a step that ended at `now_ms`; returns the requests that finished in it."""

@@ -6,6 +6,9 @@
 `imbalance`: sticky (InferCept-like) and Symphony at one user count: per-node busy time, busiest
 over median (`sticky_max_over_median`, `symphony_max_over_median`).
 
+`priority`: 10, 30 and 50% of the users high priority, Symphony against recompute with vLLM's
+priority scheduling in every engine: the high-priority users' TPOT and throughput.
+
 `users`: N nodes of a preset serve a growing number of ShareGPT users under each policy (Symphony's
 figure 12): mean TPOT, normalized latency and TTFT per point, and `users_ratio_at_equal_tpot`: the
 most users Symphony serves with mean TPOT within 1.15x of recompute's at the smallest point, over the
@@ -20,13 +23,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from eval.sim.cluster import ClusterSim, SimResult
+from eval.sim.engine import SimRequest
 from eval.sim.presets import Preset
 from eval.sim.workload import sharegpt_users
 from eval.stats import percentile
 from eval.workloads import Conversation, HumanTiming
 from scheduler.policies import make_policy
+from scheduler.routing import PRIORITY_RANK
 
 TPOT_BOUND = 1.15
+HIGH_SHARES = (0.1, 0.3, 0.5)
 
 
 def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
@@ -63,6 +69,41 @@ def run_point(preset: Preset, nodes: int, policy: str, conversations: Sequence[C
     sim = ClusterSim(make_policy(policy), engines, preset.link)
     scripts = sharegpt_users(conversations, users, timing, seed=seed)
     return summarize(sim.run(scripts=scripts, until_ms=duration_ms), duration_ms)
+
+
+def priority(preset: Preset, nodes: int, conversations: Sequence[Conversation], users: int, duration_ms: float,
+             time_scale: float, seed: int) -> dict[str, Any]:
+    """10, 30 and 50% of the users high priority; Symphony (priority tiers in its queue and routing)
+    against recompute, every engine with vLLM's priority scheduling. Per share and policy: the
+    high-priority users' mean TPOT and output throughput, and everyone's; and Symphony's high-priority
+    TPOT over recompute's (`high_tpot_ratio_vs_recompute`, lower is better) per share."""
+    timing = HumanTiming(time_scale=time_scale)
+    engines = {f"node-{i}": preset.engine for i in range(nodes)}
+    points: dict[str, dict[str, Any]] = {}
+    for share in HIGH_SHARES:
+        for policy in ("symphony", "recompute"):
+            sim = ClusterSim(make_policy(policy), engines, preset.link, engine_priority_scheduling=True)
+            scripts = sharegpt_users(conversations, users, timing, seed=seed, high_share=share)
+            result = sim.run(scripts=scripts, until_ms=duration_ms)
+            row = summarize(result, duration_ms)
+            high = [r for r in result.requests if r.priority_rank == PRIORITY_RANK["high"]]
+            row.update(_class_figures(high, duration_ms, "high_"))
+            points[f"{policy}@{share:g}"] = row
+    ratios = {}
+    for share in HIGH_SHARES:
+        base = points[f"recompute@{share:g}"]["high_tpot_ms_mean"]
+        ours = points[f"symphony@{share:g}"]["high_tpot_ms_mean"]
+        ratios[f"{share:g}"] = ours / base if base and ours is not None else None
+    return {"points": points, "high_tpot_ratio_vs_recompute": ratios}
+
+
+def _class_figures(requests: Sequence[SimRequest], duration_ms: float, prefix: str) -> dict[str, Any]:
+    done = [r for r in requests if r.finished_ms is not None]
+    tpot = [r.tpot_ms for r in done if r.generated > 1]
+    return {f"{prefix}completed": len(done),
+            f"{prefix}tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
+            f"{prefix}ttft_ms_p95": percentile([r.ttft_ms for r in done], 95) if done else None,
+            f"{prefix}output_tokens_per_s": sum(r.generated for r in done) / (duration_ms / 1000)}
 
 
 def users_ratio(points: dict[str, dict[int, dict[str, Any]]], policy: str, baseline: str = "recompute") -> float | None:

@@ -16,7 +16,7 @@ def _words(text: str) -> int:
 
 
 def _script(conversation: Conversation, session: str, user: UserTiming, start_ms: float, max_answer_tokens: int,
-            after: Script | None) -> Script:
+            after: Script | None, priority: str) -> Script:
     steps = []
     previous_answer_words = 0
     for turn in conversation.turns:
@@ -26,17 +26,21 @@ def _script(conversation: Conversation, session: str, user: UserTiming, start_ms
         output = answer_tokens(turn, max_answer_tokens)
         steps.append(Step(max(1, round(words * TOKENS_PER_WORD)), output, think_ms, typing_ms, user.advises()))
         previous_answer_words = round(output / TOKENS_PER_WORD)
-    return Script(session, start_ms, tuple(steps), after=after)
+    return Script(session, start_ms, tuple(steps), priority=priority, after=after)
 
 
 def sharegpt_users(conversations: Sequence[Conversation], users: int, timing: HumanTiming, *,
                    conversations_per_user: int = 4, max_answer_tokens: int = 512, stagger_ms: float = 60_000,
-                   seed: int = 0) -> list[Script]:
+                   seed: int = 0, high_share: float = 0.0) -> list[Script]:
     """One script chain per user: `conversations_per_user` conversations (taken in turn from
-    `conversations`), the first starting at a random time within `stagger_ms`."""
+    `conversations`), the first starting at a random time within `stagger_ms`; `high_share` of the
+    users (chosen at random) are high priority, the rest normal."""
     if not conversations:
         raise ValueError("no conversations to replay")
+    if not 0 <= high_share <= 1:
+        raise ValueError(f"high_share {high_share} is not a share in [0, 1]")
     rng = random.Random(seed)
+    high = set(random.Random(seed + 1).sample(range(users), round(high_share * users)))
     scripts = []
     for u in range(users):
         user = timing.user(seed * 1_000_003 + u)
@@ -44,7 +48,8 @@ def sharegpt_users(conversations: Sequence[Conversation], users: int, timing: Hu
         chain: Script | None = None
         for k in reversed(range(conversations_per_user)):
             conversation = conversations[(u * conversations_per_user + k) % len(conversations)]
-            chain = _script(conversation, f"u{u}-c{k}", user, start_ms, max_answer_tokens, chain)
+            chain = _script(conversation, f"u{u}-c{k}", user, start_ms, max_answer_tokens, chain,
+                            "high" if u in high else "normal")
         assert chain is not None
         scripts.append(chain)
     return scripts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -160,6 +161,7 @@ def test_a_request_that_outgrows_the_whole_cache_alone_is_refused_not_stalled() 
 @pytest.mark.parametrize(("scenario", "keys"), [
     ("missed_advisories", {"latency_increase_at_10pct"}),
     ("imbalance", {"sticky_max_over_median", "symphony_max_over_median"}),
+    ("priority", {"high_tpot_ratio_vs_recompute"}),
 ])
 def test_the_one_point_scenarios_report_their_keys(scenario: str, keys: set[str], tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
@@ -180,3 +182,27 @@ def test_gpu_presets_follow_from_the_datasheets_and_the_model_config() -> None:
     assert a100.engine.kv_blocks == 24_766 and a100.engine.block_size == 16
     assert a100.link.kv_bytes_per_token == 131_072
     assert 5.5 < l4.engine.step_ms / a100.engine.step_ms < 6 and l4.engine.kv_blocks < a100.engine.kv_blocks / 10
+
+
+def test_priority_scheduling_admits_the_high_turn_first_and_preempts_the_lowest_as_computed_by_hand() -> None:
+    """5 blocks of 32. t=0: L (low, 64 tokens, 3 blocks) prefills: 10 + 64 = 74 ms. N (normal, 60)
+    arrives at 1 and H (high, 60) at 2; at 74 the 2 free blocks take one of them, prefilled beside
+    L's decode: 10 + 60 + 2 = 72 -> first token at 146. Priority scheduling takes H; FCFS takes N."""
+    five = dataclasses.replace(ENGINE, kv_blocks=5)
+    turns = [Turn("l", 0, 64, 20, priority="low"), Turn("n", 1, 60, 2), Turn("h", 2, 60, 2, priority="high")]
+    for priority_scheduling, first in ((True, "h"), (False, "n")):
+        sim = ClusterSim(make_policy("least_load"), {"n0": five}, LINK,
+                         engine_priority_scheduling=priority_scheduling)
+        sessions = by_session(sim.run(turns))
+        assert sessions[first].first_token_ms == 146  # type: ignore[attr-defined]
+        other = sessions["n" if first == "h" else "h"]
+        assert other.first_token_ms > 146  # type: ignore[attr-defined]
+    # 4 blocks: L (admitted first) and H (next step) hold 2 each; L's context reaches 64 first and needs
+    # a 3rd block. Priority scheduling preempts the lowest priority (L itself); FCFS the latest admitted (H).
+    tight = dataclasses.replace(ENGINE, kv_blocks=4)
+    for priority_scheduling, victim in ((True, "l"), (False, "h")):
+        sim = ClusterSim(make_policy("least_load"), {"n0": tight}, LINK,
+                         engine_priority_scheduling=priority_scheduling)
+        result = by_session(sim.run([Turn("l", 0, 60, 10, priority="low"), Turn("h", 1, 60, 10, priority="high")]))
+        spared = "h" if victim == "l" else "l"
+        assert result[victim].preemptions >= 1 and result[spared].preemptions == 0  # type: ignore[attr-defined]
