@@ -8,13 +8,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from eval.plots import plot_sim_imbalance, plot_sim_missed, plot_sim_priority, plot_sim_users
+from eval.plots import plot_sim_agents, plot_sim_imbalance, plot_sim_missed, plot_sim_priority, plot_sim_users
 from eval.results import write_result
 from eval.sim.presets import Preset
-from eval.sim.scenarios import TPOT_BOUND, imbalance, missed_advisories, priority, run_point, users_ratio
+from eval.sim.scenarios import TPOT_BOUND, agents, imbalance, missed_advisories, priority, run_point, users_ratio
 from eval.workloads import Conversation, HumanTiming
 
-SCENARIOS = ("users", "missed_advisories", "imbalance", "priority")
+SCENARIOS = ("users", "missed_advisories", "imbalance", "priority", "agents")
 USERS_TARGET = 8.0  # Symphony's paper: 8x the users of vLLM at equal TPOT
 MISSED_TARGET = 0.06  # latency increase at 10% of advisories missed
 
@@ -31,15 +31,18 @@ def run_sim_bench(*, out: Path, scenario: str, workload: Path, conversations: li
                               "workload": str(workload), "conversations": len(conversations), "seed": seed}
     if scenario != "users":
         # One user count: the first given.
-        run = {"missed_advisories": missed_advisories, "imbalance": imbalance, "priority": priority}[scenario]
-        result = {**header, "users": users[0],
-                  **run(preset, nodes, conversations, users[0], duration_s * 1000, time_scale, seed)}
+        if scenario == "agents":  # --users counts projects; their timing is the DAG's, not human
+            body = agents(preset, nodes, users[0], duration_s * 1000, seed)
+        else:
+            run = {"missed_advisories": missed_advisories, "imbalance": imbalance, "priority": priority}[scenario]
+            body = run(preset, nodes, conversations, users[0], duration_s * 1000, time_scale, seed)
+        result = {**header, "users": users[0], **body}
         if scenario == "missed_advisories":
             increase = result["latency_increase_at_10pct"]
             result["targets"] = {f"latency_increase_at_10pct_le_{MISSED_TARGET:g}":
                                  increase is not None and increase <= MISSED_TARGET}
         plotter = {"missed_advisories": plot_sim_missed, "imbalance": plot_sim_imbalance,
-                   "priority": plot_sim_priority}[scenario]
+                   "priority": plot_sim_priority, "agents": plot_sim_agents}[scenario]
         write_result(result, out, table=_print_single, plot=plot, plotter=plotter)
         return result
     timing = HumanTiming(time_scale=time_scale, advisory_miss_rate=miss_rate)
@@ -83,7 +86,8 @@ def _print_single(result: dict[str, Any]) -> None:
     for name, row in result["points"].items():
         print(f"  {name:<12}{_fmt(row['tpot_ms_mean']):>10}{_fmt(row['norm_latency_ms_per_token_mean']):>13}"
               f"{_fmt(row['ttft_ms_p95']):>10}{_fmt(row['max_over_median_load']):>12}")
-    for key in ("latency_increase_at_10pct", "sticky_max_over_median", "symphony_max_over_median"):
+    for key in ("latency_increase_at_10pct", "sticky_max_over_median", "symphony_max_over_median",
+                "makespan_ratio_vs_recompute"):
         if key in result:
             print(f"  {key}: {'-' if result[key] is None else format(result[key], '.3f')}")
     for share, ratio in result.get("high_tpot_ratio_vs_recompute", {}).items():

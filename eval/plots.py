@@ -192,3 +192,22 @@ def plot_sim_priority(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_sim_agents(result: dict[str, Any], path: Path) -> None:
+    """Agent projects' makespan (mean and p95) per run."""
+    plt = _pyplot()
+    names = list(result["points"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    positions = range(len(names))
+    ax.bar([p - 0.2 for p in positions], [(result["points"][n]["makespan_ms_mean"] or 0) / 1000 for n in names],
+           width=0.4, label="mean")
+    ax.bar([p + 0.2 for p in positions], [(result["points"][n]["makespan_ms_p95"] or 0) / 1000 for n in names],
+           width=0.4, label="p95")
+    ax.set_xticks(list(positions), names)
+    ax.set_ylabel("project makespan (s)")
+    ax.set_title(f"{result['users']} agent projects on {result['nodes']} x {result['preset']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

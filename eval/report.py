@@ -16,6 +16,7 @@ from eval.plots import (
     plot_cluster,
     plot_resume,
     plot_route,
+    plot_sim_agents,
     plot_sim_imbalance,
     plot_sim_missed,
     plot_sim_priority,
@@ -117,6 +118,8 @@ def _section(result: Result) -> Section | None:
         return "simulator: missed advisories (figure 17)", _sim_single, plot_sim_missed
     if scenario == "imbalance":
         return "simulator: load imbalance (figure 18)", _sim_single, plot_sim_imbalance
+    if scenario == "agents":
+        return "simulator: agent projects", _sim_single, plot_sim_agents
     if scenario == "priority":
         return "simulator: priority tiers", _sim_single, plot_sim_priority
     if scenario is not None:

@@ -365,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("directory", type=Path, metavar="DIR", help="where the bench ... --out JSON files are")
     report.set_defaults(func=cmd_bench_report)
     sim = bench_sub.add_parser("sim", help="paper-scale scenarios on the cluster simulator (no cluster)")
-    sim.add_argument("--scenario", required=True, help="users, missed_advisories, imbalance or priority")
+    sim.add_argument("--scenario", required=True,
+                     help="users, missed_advisories, imbalance, priority or agents (--users: projects)")
     sim.add_argument("--out", type=Path, required=True, help="JSON results file")
     sim.add_argument("--plot", type=Path, metavar="PNG", help="also draw the scenario to this PNG")
     sim.add_argument("--preset", default="a100-llama3.1-8b",

@@ -111,6 +111,7 @@ class ClusterSim:
         self.refused: list[SimRequest] = []
         self._ids = itertools.count()
         self._scripts: dict[str, tuple[Script, int]] = {}  # session -> (its script, the turn in flight)
+        self._on_done: dict[int, Callable[[SimRequest], None]] = {}  # request id -> its submitter's callback
         self._until_ms: float | None = None
 
     def seed_kv(self, session: str, node_id: str, tokens: int) -> None:
@@ -153,13 +154,25 @@ class ClusterSim:
         return RouteRequest(turn.tenant, turn.session, "model", turn.priority, turn.prompt_tokens,
                             dict(self._kv.get(turn.session, {})))
 
-    def _schedule(self, turn: Turn) -> None:
+    def submit(self, turn: Turn, on_done: Callable[[SimRequest], None]) -> None:
+        """A turn that another part of the workload schedules (an agent's step, once its predecessors
+        are done): handled like any turn, and `on_done` runs when its answer is complete."""
+        request_id = self._schedule(turn)
+        if request_id is not None:
+            self._on_done[request_id] = on_done
+
+    def advise(self, turn: Turn) -> None:
+        """An advisory for `turn` now (an agent framework's predecessor hint)."""
+        self._advise(turn)
+
+    def _schedule(self, turn: Turn) -> int | None:
         if self._until_ms is not None and turn.arrival_ms > self._until_ms:
-            return
+            return None
         if turn.advisory_ms is not None and turn.advisory_ms < turn.arrival_ms:
             self.at(max(turn.advisory_ms, self.now_ms), lambda: self._advise(turn))
         request_id = next(self._ids)
         self.at(turn.arrival_ms, lambda: self._arrive(request_id, turn))
+        return request_id
 
     def _next_turn(self, request: SimRequest) -> None:
         """A scripted session's answer is complete: its user reads, types, and sends the next turn."""
@@ -293,6 +306,9 @@ class ClusterSim:
             kv[node_id] = max(kv.get(node_id, 0), tokens)
             self._cache(node_id, request.session, tokens)
             self._next_turn(request)
+            callback = self._on_done.pop(request.request_id, None)
+            if callback is not None:
+                callback(request)
         while self._queue:  # the scheduler's queue, head first, until its head finds no room
             request, turn = self._queue[0]
             decision = self.policy.choose(self._route_request(turn), self._snapshots())

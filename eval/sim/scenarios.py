@@ -9,6 +9,9 @@ over median (`sticky_max_over_median`, `symphony_max_over_median`).
 `priority`: 10, 30 and 50% of the users high priority, Symphony against recompute with vLLM's
 priority scheduling in every engine: the high-priority users' TPOT and throughput.
 
+`agents`: MetaGPT-like projects (architect, engineers, QA review rounds), Symphony with predecessor
+hints against recompute: `makespan_ratio_vs_recompute`.
+
 `users`: N nodes of a preset serve a growing number of ShareGPT users under each policy (Symphony's
 figure 12): mean TPOT, normalized latency and TTFT per point, and `users_ratio_at_equal_tpot`: the
 most users Symphony serves with mean TPOT within 1.15x of recompute's at the smallest point, over the
@@ -22,6 +25,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from eval.sim.agents import ProjectRun, agent_projects
 from eval.sim.cluster import ClusterSim, SimResult
 from eval.sim.engine import SimRequest
 from eval.sim.presets import Preset
@@ -144,3 +148,33 @@ def imbalance(preset: Preset, nodes: int, conversations: Sequence[Conversation],
             for policy in ("sticky", "symphony")}
     return {"points": rows, "sticky_max_over_median": rows["sticky"]["max_over_median_load"],
             "symphony_max_over_median": rows["symphony"]["max_over_median_load"]}
+
+
+# (name, policy, predecessor hints)
+AGENT_RUNS = (("symphony", "symphony", True), ("symphony_no_hints", "symphony", False),
+              ("recompute", "recompute", False))
+
+
+def agents(preset: Preset, nodes: int, projects: int, duration_ms: float, seed: int) -> dict[str, Any]:
+    """`projects` MetaGPT-like projects (`eval.sim.agents`) started within `duration_ms`: Symphony with
+    predecessor hints, Symphony without them, and recompute. Per run: the projects' makespans;
+    `makespan_ratio_vs_recompute`: Symphony's mean makespan (with hints) over recompute's."""
+    engines = {f"node-{i}": preset.engine for i in range(nodes)}
+    points: dict[str, dict[str, Any]] = {}
+    for name, policy, hints in AGENT_RUNS:
+        sim = ClusterSim(make_policy(policy), engines, preset.link)
+        runs = [ProjectRun(sim, project, hints)
+                for project in agent_projects(projects, stagger_ms=duration_ms, seed=seed)]
+        for run in runs:
+            run.start()
+        result = sim.run()
+        makespans = [run.makespan_ms for run in runs if run.makespan_ms is not None]
+        end_ms = max((r.finished_ms or 0.0 for r in result.requests), default=duration_ms)
+        row = summarize(result, end_ms)
+        row.update({"projects_finished": len(makespans),
+                    "makespan_ms_mean": statistics.fmean(makespans) if makespans else None,
+                    "makespan_ms_p95": percentile(makespans, 95) if makespans else None})
+        points[name] = row
+    ours, base = points["symphony"]["makespan_ms_mean"], points["recompute"]["makespan_ms_mean"]
+    return {"points": points, "projects": projects,
+            "makespan_ratio_vs_recompute": ours / base if ours is not None and base else None}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from eval.sim.agents import AgentProject, ProjectRun, agent_projects
 from eval.sim.cluster import ClusterSim, LinkModel, Script, Step, Turn
 from eval.sim.engine import EngineModel
 from eval.sim.presets import PRESETS
@@ -162,6 +163,7 @@ def test_a_request_that_outgrows_the_whole_cache_alone_is_refused_not_stalled() 
     ("missed_advisories", {"latency_increase_at_10pct"}),
     ("imbalance", {"sticky_max_over_median", "symphony_max_over_median"}),
     ("priority", {"high_tpot_ratio_vs_recompute"}),
+    ("agents", {"makespan_ratio_vs_recompute"}),
 ])
 def test_the_one_point_scenarios_report_their_keys(scenario: str, keys: set[str], tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
@@ -206,3 +208,33 @@ def test_priority_scheduling_admits_the_high_turn_first_and_preempts_the_lowest_
         result = by_session(sim.run([Turn("l", 0, 60, 10, priority="low"), Turn("h", 1, 60, 10, priority="high")]))
         spared = "h" if victim == "l" else "l"
         assert result[victim].preemptions >= 1 and result[spared].preemptions == 0  # type: ignore[attr-defined]
+
+
+def test_an_agent_project_runs_its_steps_in_dependency_order_as_computed_by_hand() -> None:
+    """One engineer, one review. Architect: prompt 20, 5 tokens: 10 + 20 = 30, then 4 decodes of 12 -> 78.
+    Engineer from 78: prompt 20 + 5 = 25, 4 tokens: 35 + 3 x 12 -> 149. QA from 149: prompt 20 + 4 = 24,
+    3 tokens: 34 + 2 x 12 -> 207, the makespan."""
+    project = AgentProject("p", 0.0, engineers=1, rounds=1, system_tokens=10, task_tokens=10, design_tokens=5,
+                           code_tokens=4, review_tokens=3)
+    sim = ClusterSim(make_policy("recompute"), {"n0": ENGINE}, LINK)
+    run = ProjectRun(sim, project, hints=False)
+    run.start()
+    result = by_session(sim.run())
+    assert [result[s].finished_ms for s in ("p-architect", "p-engineer0", "p-qa")] == [78, 149, 207]  # type: ignore[attr-defined]
+    assert run.makespan_ms == 207
+
+
+def test_agent_projects_are_seeded_and_review_in_rounds() -> None:
+    projects = agent_projects(4, stagger_ms=1000, seed=3)
+    assert projects == agent_projects(4, stagger_ms=1000, seed=3) and projects != agent_projects(4, stagger_ms=1000)
+    roomy = dataclasses.replace(ENGINE, kv_blocks=1000)  # QA's last prompt carries every round's code
+    sim = ClusterSim(make_policy("symphony"), {"n0": roomy, "n1": roomy}, LINK)
+    runs = [ProjectRun(sim, p, hints=True) for p in projects]
+    for run in runs:
+        run.start()
+    result = sim.run()
+    assert all(run.makespan_ms is not None for run in runs)
+    per_session = {}
+    for request in result.requests:
+        per_session[request.session] = per_session.get(request.session, 0) + 1
+    assert per_session["p0-qa"] == 3 and per_session["p0-engineer2"] == 3 and per_session["p0-architect"] == 1
