@@ -11,15 +11,26 @@ from tqdm import tqdm
 from eval.plots import plot_sim_agents, plot_sim_imbalance, plot_sim_missed, plot_sim_priority, plot_sim_users
 from eval.results import write_result
 from eval.sim.presets import Preset
-from eval.sim.scenarios import TPOT_BOUND, agents, imbalance, missed_advisories, priority, run_point, users_ratio
+from eval.sim.scenarios import (
+    TPOT_BOUND,
+    agents,
+    imbalance,
+    missed_advisories,
+    priority,
+    run_point,
+    trace_replay,
+    users_ratio,
+)
+from eval.traces import TraceRequest
 from eval.workloads import Conversation, HumanTiming
 
-SCENARIOS = ("users", "missed_advisories", "imbalance", "priority", "agents")
+SCENARIOS = ("users", "missed_advisories", "imbalance", "priority", "agents", "trace")
 USERS_TARGET = 8.0  # Symphony's paper: 8x the users of vLLM at equal TPOT
 MISSED_TARGET = 0.06  # latency increase at 10% of advisories missed
 
 
 def run_sim_bench(*, out: Path, scenario: str, workload: Path, conversations: list[Conversation], preset: Preset,
+                  trace: list[TraceRequest] | None = None,
                   nodes: int = 8, users: tuple[int, ...] = (64, 128, 256, 512, 1024),
                   policies: tuple[str, ...] = ("symphony", "recompute", "sticky"), duration_s: float = 600.0,
                   miss_rate: float = 0.0, time_scale: float = 1.0, seed: int = 0,
@@ -29,6 +40,12 @@ def run_sim_bench(*, out: Path, scenario: str, workload: Path, conversations: li
     header: dict[str, Any] = {"scenario": scenario, "preset": preset.name, "preset_source": preset.source,
                               "nodes": nodes, "duration_s": duration_s, "time_scale": time_scale,
                               "workload": str(workload), "conversations": len(conversations), "seed": seed}
+    if scenario == "trace":
+        if not trace:
+            raise ValueError("the trace scenario needs a trace's requests")
+        result = {**header, "users": 0, **trace_replay(preset, nodes, trace, policies)}
+        write_result(result, out, table=_print_single)
+        return result
     if scenario != "users":
         # One user count: the first given.
         if scenario == "agents":  # --users counts projects; their timing is the DAG's, not human

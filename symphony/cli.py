@@ -366,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=cmd_bench_report)
     sim = bench_sub.add_parser("sim", help="paper-scale scenarios on the cluster simulator (no cluster)")
     sim.add_argument("--scenario", required=True,
-                     help="users, missed_advisories, imbalance, priority or agents (--users: projects)")
+                     help="users, missed_advisories, imbalance, priority, agents (--users: projects) or trace "
+                          "(--workload: a Mooncake .jsonl or Azure .csv trace, --time-scale its clock)")
     sim.add_argument("--out", type=Path, required=True, help="JSON results file")
     sim.add_argument("--plot", type=Path, metavar="PNG", help="also draw the scenario to this PNG")
     sim.add_argument("--preset", default="a100-llama3.1-8b",
@@ -517,11 +518,31 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
     if not users or min(users) < 1:
         raise CliError(f"--users {args.users!r}: expected positive user counts")
     _check_human_timing(args)
-    workload, conversations = _conversations(args, min_turns=2, max_turns=8)
+    trace = None
+    if args.scenario == "trace":
+        if args.workload is None:
+            raise CliError("--scenario trace needs --workload: a Mooncake trace (.jsonl) or Azure's (.csv)")
+        workload, conversations = _workload_file(args), []
+        trace = _trace(workload, args.time_scale)
+    else:
+        workload, conversations = _conversations(args, min_turns=2, max_turns=8)
     run_sim_bench(out=args.out, scenario=args.scenario, workload=workload, conversations=conversations, preset=preset,
-                  nodes=args.nodes, users=users, policies=policies, duration_s=args.duration,
+                  trace=trace, nodes=args.nodes, users=users, policies=policies, duration_s=args.duration,
                   miss_rate=args.miss_rate, time_scale=args.time_scale, seed=args.seed, plot=args.plot)
     return 0
+
+
+def _trace(path: Path, time_scale: float) -> list[Any]:
+    from eval.traces import load_azure, load_mooncake
+
+    loader = load_azure if path.suffix == ".csv" else load_mooncake
+    try:
+        requests = loader(path, time_scale=time_scale)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CliError(f"--workload {exc}") from None
+    if not requests:
+        raise CliError(f"--workload {path}: no request in the trace")
+    return requests
 
 
 def cmd_bench_resume(args: argparse.Namespace) -> int:

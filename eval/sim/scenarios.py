@@ -12,6 +12,8 @@ priority scheduling in every engine: the high-priority users' TPOT and throughpu
 `agents`: MetaGPT-like projects (architect, engineers, QA review rounds), Symphony with predecessor
 hints against recompute: `makespan_ratio_vs_recompute`.
 
+`trace`: a Mooncake or Azure trace replayed at its recorded times under each policy.
+
 `users`: N nodes of a preset serve a growing number of ShareGPT users under each policy (Symphony's
 figure 12): mean TPOT, normalized latency and TTFT per point, and `users_ratio_at_equal_tpot`: the
 most users Symphony serves with mean TPOT within 1.15x of recompute's at the smallest point, over the
@@ -26,11 +28,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from eval.sim.agents import ProjectRun, agent_projects
-from eval.sim.cluster import ClusterSim, SimResult
+from eval.sim.cluster import ClusterSim, SimResult, Turn
 from eval.sim.engine import SimRequest
 from eval.sim.presets import Preset
 from eval.sim.workload import sharegpt_users
 from eval.stats import percentile
+from eval.traces import TraceRequest, sessions_of
 from eval.workloads import Conversation, HumanTiming
 from scheduler.policies import make_policy
 from scheduler.routing import PRIORITY_RANK
@@ -178,3 +181,17 @@ def agents(preset: Preset, nodes: int, projects: int, duration_ms: float, seed: 
     ours, base = points["symphony"]["makespan_ms_mean"], points["recompute"]["makespan_ms_mean"]
     return {"points": points, "projects": projects,
             "makespan_ratio_vs_recompute": ours / base if ours is not None and base else None}
+
+
+def trace_replay(preset: Preset, nodes: int, requests: Sequence[TraceRequest], policies: Sequence[str],
+                 ) -> dict[str, Any]:
+    """A recorded trace (`eval.traces`) replayed open loop at its arrival times under each policy:
+    the usual figures per policy. Sessions are prefix groups (`eval.traces.sessions_of`); the
+    traces carry no advisories."""
+    turns = [Turn(session, r.arrival_ms, r.input_tokens, r.output_tokens)
+             for session, r in zip(sessions_of(list(requests)), requests, strict=True)]
+    end_ms = max((t.arrival_ms for t in turns), default=0.0) or 1.0
+    engines = {f"node-{i}": preset.engine for i in range(nodes)}
+    points = {policy: summarize(ClusterSim(make_policy(policy), engines, preset.link).run(turns=turns), end_ms)
+              for policy in policies}
+    return {"points": points, "requests": len(turns)}
