@@ -1,13 +1,13 @@
 """`symphony bench calibrate` and `symphony bench validate`: the simulator against the live engine.
 
 calibrate: on a private local 2-node cluster (the engines as `symphony up` runs them, one core each
-here), both engines are probed at once, directly through their OpenAI-compatible completions
-endpoints, with prompts of random token ids (no cache holds them) and `ignore_eos` (answers of
-exact length):
+here), the engines are probed directly through their OpenAI-compatible completions endpoints,
+with prompts of random token ids (no cache holds them) and `ignore_eos` (answers of exact length):
 
-- prefill: one request at a time, prompts of several lengths, `max_tokens=1`: time to first token;
+- prefill: one request at a time, prompts of several lengths, `max_tokens=1`: time to first token,
+  one engine at a time while the others decode two requests each;
 - decode: 1 to 8 requests started together, short and long prompts, 48 output tokens: their time
-  per output token once decoding.
+  per output token once decoding, on every engine at once.
 
 `eval.sim.calibration` fits the engine model to those samples; with the engine's KV capacity (from its
 `vllm:cache_config_info` metric) and SmolLM2's KV geometry over the measured peer link, that is the
@@ -67,6 +67,8 @@ LOCAL_LINK_GBPS = 1.0
 LOCAL_LINK_RTT_MS = 0.2
 VALIDATION_BOUND = 0.2  # the issue's bar: within 20% of the live cluster
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs, which `symphony up` keeps
+BACKGROUND_REQUESTS = 2  # a neighbour's decoding while an engine's prefill is probed
+BACKGROUND_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,35 +100,50 @@ async def _stream(client: openai.AsyncOpenAI, model: str, prompt: list[int], max
     return _Streamed(first, last, tokens)
 
 
-async def probe_engine(base_url: str, model: str, seed: int = 0,
-                       plan: ProbePlan = FULL_PLAN) -> tuple[list[PrefillSample], list[DecodeSample]]:
-    rng = random.Random(seed)
+class _EngineProbe:
+    """One engine's OpenAI client and its own stream of random prompts."""
 
-    def prompt(tokens: int) -> list[int]:
-        return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(tokens)]
+    def __init__(self, base_url: str, model: str, seed: int) -> None:
+        self.base_url = base_url
+        self.model = model
+        self._rng = random.Random(seed)
+        self.client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="calibration", timeout=600.0,
+                                         max_retries=0)
 
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="calibration", timeout=600.0, max_retries=0)
-    try:
-        await _stream(client, model, prompt(16), 4)  # warm: the first request pays one-time costs
-        prefill = []
+    def prompt(self, tokens: int) -> list[int]:
+        return [self._rng.randrange(*TOKEN_ID_RANGE) for _ in range(tokens)]
+
+    async def stream(self, tokens: int, max_tokens: int) -> _Streamed:
+        return await _stream(self.client, self.model, self.prompt(tokens), max_tokens)
+
+    async def prefill(self, plan: ProbePlan) -> list[PrefillSample]:
+        samples = []
         for _ in range(plan.repeats):
             for tokens in plan.prefill_tokens:
-                first = (await _stream(client, model, prompt(tokens), 1)).first_ms
-                prefill.append(PrefillSample(tokens, first))
-                print(f"calibrate {base_url}: prefill {tokens} tokens: {first:.0f} ms", file=sys.stderr)
-        decode = []
+                first = (await self.stream(tokens, 1)).first_ms
+                samples.append(PrefillSample(tokens, first))
+                print(f"calibrate {self.base_url}: prefill {tokens} tokens: {first:.0f} ms", file=sys.stderr)
+        return samples
+
+    async def decode(self, plan: ProbePlan) -> list[DecodeSample]:
+        samples = []
         for _ in range(plan.repeats):
             for batch, tokens in plan.decode_points:
-                runs = await asyncio.gather(*[_stream(client, model, prompt(tokens), plan.output_tokens)
-                                              for _ in range(batch)])
+                runs = await asyncio.gather(*[self.stream(tokens, plan.output_tokens) for _ in range(batch)])
                 # Started together, prefilled in the first step or two, then decoding side by side.
                 tpot = statistics.fmean((r.last_ms - r.first_ms) / (r.tokens - 1) for r in runs)
-                decode.append(DecodeSample(batch, batch * (tokens + plan.output_tokens // 2), tpot))
-                print(f"calibrate {base_url}: decode {batch} x {tokens} tokens: {tpot:.1f} ms per token",
+                samples.append(DecodeSample(batch, batch * (tokens + plan.output_tokens // 2), tpot))
+                print(f"calibrate {self.base_url}: decode {batch} x {tokens} tokens: {tpot:.1f} ms per token",
                       file=sys.stderr)
-        return prefill, decode
-    finally:
-        await client.close()
+        return samples
+
+    async def background_decode(self) -> None:
+        """Keep BACKGROUND_REQUESTS requests decoding until cancelled (closing a stream aborts it)."""
+        while True:
+            await asyncio.gather(*[self.stream(32, BACKGROUND_TOKENS) for _ in range(BACKGROUND_REQUESTS)])
+
+    async def close(self) -> None:
+        await self.client.close()
 
 
 async def engine_capacity(base_url: str) -> tuple[int, int]:
@@ -143,15 +160,29 @@ async def engine_capacity(base_url: str) -> tuple[int, int]:
 
 async def calibrate(config: SymphonyConfig, served_model: str,
                     plan: ProbePlan = FULL_PLAN) -> tuple[Preset, dict[str, Any]]:
-    """Probe every engine of the running cluster `config` describes, all at once: on a host whose
-    engines share cores and memory bandwidth (this one), an engine is measured as it runs beside
-    busy neighbours, which is how a loaded cluster runs it (measured alone, a SmolLM2 decode step
-    here took ~25% less than in the 2-node validation run)."""
+    """Probe every engine of the running cluster `config` describes as a loaded cluster runs it:
+    on a host whose engines share cores and memory bandwidth (this one), beside busy neighbours.
+    Decode probes run on every engine at once; each engine's prefill probes run while the others
+    decode (a prefill, short and bursty, mostly overlaps its neighbours' decoding, not their
+    prefills). Measured here: a SmolLM2 decode step alone took ~25% less than in the 2-node
+    validation run, and prefills beside prefills ~20% more than beside decodes."""
     urls = [f"http://{config.node.host}:{config.engine_port(i)}" for i in range(config.cluster.nodes)]
-    probes = await asyncio.gather(*[probe_engine(url, served_model, seed=i, plan=plan)
-                                    for i, url in enumerate(urls)])
-    prefill = [sample for engine_prefill, _ in probes for sample in engine_prefill]
-    decode = [sample for _, engine_decode in probes for sample in engine_decode]
+    engines = [_EngineProbe(url, served_model, seed=i) for i, url in enumerate(urls)]
+    try:
+        await asyncio.gather(*[engine.stream(16, 4) for engine in engines])  # warm: one-time costs
+        prefill = []
+        for engine in engines:
+            neighbours = [asyncio.create_task(other.background_decode()) for other in engines if other is not engine]
+            try:
+                prefill += await engine.prefill(plan)
+            finally:
+                for task in neighbours:
+                    task.cancel()
+                await asyncio.gather(*neighbours, return_exceptions=True)
+        decode = [s for samples in await asyncio.gather(*[e.decode(plan) for e in engines]) for s in samples]
+    finally:
+        for engine in engines:
+            await engine.close()
     kv_blocks, block_size = await engine_capacity(urls[0])
     fit = fit_engine(prefill, decode, kv_blocks=kv_blocks, block_size=block_size, max_batch=MAX_NUM_SEQS)
     geometry = smollm2_geometry()
