@@ -18,6 +18,23 @@ def _pyplot() -> Any:
     return plt
 
 
+def _paired_bars(ax: Any, names: list[str], left: list[float], right: list[float], labels: tuple[str, str],
+                 rotation: int = 20) -> None:
+    """Two bars per name, side by side (a bound and its measurement, p50 and p99, ...)."""
+    positions = range(len(names))
+    ax.bar([p - 0.2 for p in positions], left, width=0.4, label=labels[0])
+    ax.bar([p + 0.2 for p in positions], right, width=0.4, label=labels[1])
+    ax.set_xticks(list(positions), names, rotation=rotation)
+    ax.legend()
+
+
+def _save(plt: Any, fig: Any, path: Path, dpi: int = 120) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def plot_proxy(result: dict[str, Any], path: Path) -> None:
     """Left: TTFT distribution per path. Right: per-round-pair overhead, with its median."""
     plt = _pyplot()
@@ -37,10 +54,7 @@ def plot_proxy(result: dict[str, Any], path: Path) -> None:
     pairs.set_ylabel("round pairs")
     pairs.set_title("scheduler overhead per round pair")
     pairs.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=110)
 
 
 def plot_tiers(result: dict[str, Any], path: Path) -> None:
@@ -57,9 +71,7 @@ def plot_tiers(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("GB/s")
     ax.set_title(f"KV tiers, {result['session_tokens']}-token session ({result['session_bytes'] / 1e6:.0f} MB)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_resume(result: dict[str, Any], path: Path) -> None:
@@ -73,10 +85,7 @@ def plot_resume(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("TTFT, median (ms)")
     ax.set_title(f"Resumed turn after {result['context_tokens']} tokens of history")
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=110)
 
 
 def plot_cluster(result: dict[str, Any], path: Path) -> None:
@@ -98,10 +107,7 @@ def plot_cluster(result: dict[str, Any], path: Path) -> None:
     other.set_xticks(list(x), policies, rotation=20)
     other.legend()
     fig.suptitle(f"{result['users']} users, {result['duration_s']:.0f} s per policy")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, dpi=110)
 
 
 def plot_sim_users(result: dict[str, Any], path: Path) -> None:
@@ -118,9 +124,7 @@ def plot_sim_users(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle(f"{result['nodes']} x {result['preset']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_sim_missed(result: dict[str, Any], path: Path) -> None:
@@ -134,9 +138,7 @@ def plot_sim_missed(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("mean normalized latency (ms/token)")
     ax.set_ylim(bottom=0)
     ax.set_title(f"Symphony, {result['users']} users on {result['nodes']} x {result['preset']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_sim_imbalance(result: dict[str, Any], path: Path) -> None:
@@ -150,9 +152,7 @@ def plot_sim_imbalance(result: dict[str, Any], path: Path) -> None:
         ax.set_xticks(range(len(busy)), list(busy), rotation=45)
         ax.set_ylabel("busy time (s)")
         ax.set_title(f"{policy}: max/median {result['points'][policy]['max_over_median_load'] or 0:.2f}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_route(result: dict[str, Any], path: Path) -> None:
@@ -160,18 +160,11 @@ def plot_route(result: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     names = list(result["policies"])
     fig, ax = plt.subplots(figsize=(8, 4))
-    positions = range(len(names))
-    ax.bar([p - 0.2 for p in positions], [result["policies"][n]["decision_us_p50"] for n in names], width=0.4,
-           label="p50")
-    ax.bar([p + 0.2 for p in positions], [result["policies"][n]["decision_us_p99"] for n in names], width=0.4,
-           label="p99")
-    ax.set_xticks(list(positions), names, rotation=20)
+    _paired_bars(ax, names, [result["policies"][n]["decision_us_p50"] for n in names],
+                 [result["policies"][n]["decision_us_p99"] for n in names], ("p50", "p99"))
     ax.set_ylabel("µs per routing decision")
     ax.set_title(f"{result['nodes']} nodes, {result['sessions']:,} sessions")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_sim_priority(result: dict[str, Any], path: Path) -> None:
@@ -189,9 +182,7 @@ def plot_sim_priority(result: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle(f"{result['users']} users on {result['nodes']} x {result['preset']}, vLLM priority scheduling")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_sim_agents(result: dict[str, Any], path: Path) -> None:
@@ -199,15 +190,8 @@ def plot_sim_agents(result: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     names = list(result["points"])
     fig, ax = plt.subplots(figsize=(7, 4))
-    positions = range(len(names))
-    ax.bar([p - 0.2 for p in positions], [(result["points"][n]["makespan_ms_mean"] or 0) / 1000 for n in names],
-           width=0.4, label="mean")
-    ax.bar([p + 0.2 for p in positions], [(result["points"][n]["makespan_ms_p95"] or 0) / 1000 for n in names],
-           width=0.4, label="p95")
-    ax.set_xticks(list(positions), names)
+    _paired_bars(ax, names, [(result["points"][n]["makespan_ms_mean"] or 0) / 1000 for n in names],
+                 [(result["points"][n]["makespan_ms_p95"] or 0) / 1000 for n in names], ("mean", "p95"), rotation=0)
     ax.set_ylabel("project makespan (s)")
     ax.set_title(f"{result['users']} agent projects on {result['nodes']} x {result['preset']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)

@@ -49,6 +49,13 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--effective-config", type=Path, help=argparse.SUPPRESS)
 
 
+def _add_bench_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """What every benchmark that starts a private cluster takes: its configuration and model."""
+    _add_config_args(parser)
+    parser.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
+    parser.add_argument("--served-model-name", help=argparse.SUPPRESS)
+
+
 def _load(args: argparse.Namespace, overrides: dict[str, dict[str, Any]] | None = None) -> SymphonyConfig:
     if getattr(args, "effective_config", None) is not None:
         config = load_config(args.effective_config, env={}, overrides=overrides)
@@ -263,14 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (write JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     proxy = bench_sub.add_parser("proxy", help="TTFT through the scheduler vs straight to the engine")
-    _add_config_args(proxy)
+    _add_bench_cluster_args(proxy)
     proxy.add_argument("--out", type=Path, required=True, help="JSON results file")
     proxy.add_argument("--plot", type=Path, metavar="PNG", help="also draw TTFT distributions to this PNG")
     proxy.add_argument("--concurrency", type=_positive_int, default=16, help="concurrent streaming chats (16)")
     proxy.add_argument("--rounds", type=_positive_int, default=100, help="rounds per path (100)")
     proxy.add_argument("--max-tokens", type=_positive_int, default=4, help="tokens per answer (4)")
-    proxy.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
-    proxy.add_argument("--served-model-name", help=argparse.SUPPRESS)
     proxy.add_argument("--scheduler-url", help="use a running scheduler instead of starting a 1-node cluster")
     proxy.add_argument("--engine-url", help="the engine behind --scheduler-url (required with it)")
     proxy.set_defaults(func=cmd_bench_proxy)
@@ -284,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.set_defaults(func=cmd_bench_tiers)
     resume = bench_sub.add_parser("resume", help="TTFT of a resumed turn by where its history's KV is "
                                   "(starts a private 2-node cluster)")
-    _add_config_args(resume)
+    _add_bench_cluster_args(resume)
     resume.add_argument("--out", type=Path, required=True, help="JSON results file")
     resume.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
     resume.add_argument("--context-tokens", type=_positive_int, default=2048,
@@ -295,12 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--conversations", type=_int_between(0, 80), default=0,
                         help="also check correctness on this many MT-bench two-turn conversations (of 80): "
                              "every path must give the same greedy tokens, logprobs within 1e-2 (0: skip)")
-    resume.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
-    resume.add_argument("--served-model-name", help=argparse.SUPPRESS)
     resume.set_defaults(func=cmd_bench_resume)
     cluster = bench_sub.add_parser("cluster", help="routing policies on a live 2-node cluster replaying ShareGPT "
                                    "users with typing advisories")
-    _add_config_args(cluster)
+    _add_bench_cluster_args(cluster)
     cluster.add_argument("--out", type=Path, required=True, help="JSON results file")
     cluster.add_argument("--plot", type=Path, metavar="PNG", help="also draw the comparison to this PNG")
     cluster.add_argument("--records", type=Path, metavar="DIR", help="also write every request (JSON, CSV) here")
@@ -317,8 +320,6 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--min-turns", type=_positive_int, default=2,
                          help="replay only conversations with at least this many user turns (2)")
     cluster.add_argument("--max-turns", type=_positive_int, default=8, help="cut conversations to this many turns (8)")
-    cluster.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
-    cluster.add_argument("--served-model-name", help=argparse.SUPPRESS)
     cluster.set_defaults(func=cmd_bench_cluster)
     route = bench_sub.add_parser("route", help="cost of one routing decision per policy at fleet scale (no cluster)")
     route.add_argument("--out", type=Path, required=True, help="JSON results file")
@@ -333,17 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
     route.set_defaults(func=cmd_bench_route)
     calibrate = bench_sub.add_parser("calibrate", help="fit the simulator's engine model to this host's live engine "
                                      "(starts a private 2-node cluster)")
-    _add_config_args(calibrate)
+    _add_bench_cluster_args(calibrate)
     calibrate.add_argument("--out", type=Path, required=True, help="JSON results file (samples and fit)")
     calibrate.add_argument("--preset-out", type=Path, default=Path("local-preset.json"), metavar="JSON",
                            help="where the fitted preset goes, for bench sim/validate --preset-file "
                                 "(%(default)s)")
-    calibrate.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
-    calibrate.add_argument("--served-model-name", help=argparse.SUPPRESS)
     calibrate.set_defaults(func=cmd_bench_calibrate)
     validate = bench_sub.add_parser("validate", help="the simulator against the live 2-node cluster on the same "
                                     "requests: sim_vs_live_error")
-    _add_config_args(validate)
+    _add_bench_cluster_args(validate)
     validate.add_argument("--out", type=Path, required=True, help="JSON results file")
     validate.add_argument("--preset-file", type=Path, metavar="JSON",
                           help="a preset from bench calibrate (default: calibrate first, on the same cluster)")
@@ -358,8 +357,6 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--max-tokens", type=_positive_int, default=32, help="answer length cap (32)")
     validate.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
                           "sample)")
-    validate.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
-    validate.add_argument("--served-model-name", help=argparse.SUPPRESS)
     validate.set_defaults(func=cmd_bench_validate)
     report = bench_sub.add_parser("report", help="a Markdown summary with PNG plots of every result file in DIR")
     report.add_argument("directory", type=Path, metavar="DIR", help="where the bench ... --out JSON files are")
