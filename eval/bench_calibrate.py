@@ -44,6 +44,7 @@ from eval.results import write_result
 from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, load_preset, save_preset
 from eval.sim.cluster import ClusterSim, LinkModel, SimResult, Turn
 from eval.sim.presets import Preset
+from eval.sim.scenarios import summarize
 from eval.workloads import Conversation, HumanTiming
 from scheduler.policies import make_policy
 from symphony.config import SymphonyConfig
@@ -256,11 +257,13 @@ def live_figures(records: list[RequestRecord]) -> dict[str, float]:
 
 
 def sim_figures(result: SimResult) -> dict[str, float]:
+    """The simulator's summary of the replay, its throughput over the same span `live_figures`
+    takes: from the first request to the last answer."""
     done = [r for r in result.requests if r.finished_ms is not None]
     span = max(r.finished_ms for r in done) - min(r.arrival_ms for r in done)  # type: ignore[type-var]
-    return {"ttft_ms_mean": statistics.fmean(r.ttft_ms for r in done),
-            "tpot_ms_mean": statistics.fmean(r.tpot_ms for r in done if r.generated > 1),
-            "output_tokens_per_s": sum(r.generated for r in done) / (span / 1000), "requests": len(done)}
+    summary = summarize(result, span)
+    return {"ttft_ms_mean": summary["ttft_ms_mean"], "tpot_ms_mean": summary["tpot_ms_mean"],
+            "output_tokens_per_s": summary["output_tokens_per_s"], "requests": summary["completed"]}
 
 
 def compare(live: dict[str, float], simulated: dict[str, float]) -> dict[str, float]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from eval.sim.agents import ProjectRun, agent_projects
 from eval.sim.cluster import ClusterSim, SimResult, Turn
-from eval.sim.engine import SimRequest
+from eval.sim.engine import EngineModel, SimRequest
 from eval.sim.presets import Preset
 from eval.sim.workload import sharegpt_users
 from eval.stats import percentile
@@ -40,6 +40,10 @@ from scheduler.routing import PRIORITY_RANK
 
 TPOT_BOUND = 1.15
 HIGH_SHARES = (0.1, 0.3, 0.5)
+
+
+def _engines(preset: Preset, nodes: int) -> dict[str, EngineModel]:
+    return {f"node-{i}": preset.engine for i in range(nodes)}
 
 
 def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
@@ -72,7 +76,7 @@ def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
 
 def run_point(preset: Preset, nodes: int, policy: str, conversations: Sequence[Conversation], users: int,
               duration_ms: float, timing: HumanTiming, seed: int) -> dict[str, Any]:
-    engines = {f"node-{i}": preset.engine for i in range(nodes)}
+    engines = _engines(preset, nodes)
     sim = ClusterSim(make_policy(policy), engines, preset.link)
     scripts = sharegpt_users(conversations, users, timing, seed=seed)
     return summarize(sim.run(scripts=scripts, until_ms=duration_ms), duration_ms)
@@ -85,7 +89,7 @@ def priority(preset: Preset, nodes: int, conversations: Sequence[Conversation], 
     high-priority users' mean TPOT and output throughput, and everyone's; and Symphony's high-priority
     TPOT over recompute's (`high_tpot_ratio_vs_recompute`, lower is better) per share."""
     timing = HumanTiming(time_scale=time_scale)
-    engines = {f"node-{i}": preset.engine for i in range(nodes)}
+    engines = _engines(preset, nodes)
     points: dict[str, dict[str, Any]] = {}
     for share in HIGH_SHARES:
         for policy in ("symphony", "recompute"):
@@ -162,7 +166,7 @@ def agents(preset: Preset, nodes: int, projects: int, duration_ms: float, seed: 
     """`projects` MetaGPT-like projects (`eval.sim.agents`) started within `duration_ms`: Symphony with
     predecessor hints, Symphony without them, and recompute. Per run: the projects' makespans;
     `makespan_ratio_vs_recompute`: Symphony's mean makespan (with hints) over recompute's."""
-    engines = {f"node-{i}": preset.engine for i in range(nodes)}
+    engines = _engines(preset, nodes)
     points: dict[str, dict[str, Any]] = {}
     for name, policy, hints in AGENT_RUNS:
         sim = ClusterSim(make_policy(policy), engines, preset.link)
@@ -191,7 +195,7 @@ def trace_replay(preset: Preset, nodes: int, requests: Sequence[TraceRequest], p
     turns = [Turn(session, r.arrival_ms, r.input_tokens, r.output_tokens)
              for session, r in zip(sessions_of(list(requests)), requests, strict=True)]
     end_ms = max((t.arrival_ms for t in turns), default=0.0) or 1.0
-    engines = {f"node-{i}": preset.engine for i in range(nodes)}
+    engines = _engines(preset, nodes)
     points = {policy: summarize(ClusterSim(make_policy(policy), engines, preset.link).run(turns=turns), end_ms)
               for policy in policies}
     return {"points": points, "requests": len(turns)}

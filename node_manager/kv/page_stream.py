@@ -19,9 +19,10 @@ Wire format (little-endian):
   learns the session and gets its pages over one connection, without a gRPC round trip first.
 
 The receiver reads each frame's pages straight into reserved DRAM slots, checks every page against
-its checksum there (`TieredStore.commit_pages`), and derives the block keys from its own copy of the
-token ids, so a page is kept only if it matches its own key and layer. A stream that breaks midway
-leaves the verified pages stored and the rest missing: a partial result, never a bad page.
+its checksum there (`TieredStore.verify_reserved`, then `install_verified`), and derives the block
+keys from its own copy of the token ids, so a page is kept only if it matches its own key and layer.
+A stream that breaks midway leaves the verified pages stored and the rest missing: a partial
+result, never a bad page.
 """
 
 from __future__ import annotations

@@ -493,10 +493,7 @@ class TieredStore:
         range go into the directory together, a few whole-array operations instead of a few per
         layer (a peer stream and the connector's saves commit a session's 30 layers this way).
         Raises before installing anything (every reservation still held) if a list of expected
-        checksums has the wrong length."""
-        for reservation, expected in batch:
-            if expected is not None and len(expected) != len(reservation.keys):
-                raise InvalidRequest(f"{len(expected)} checksums for {len(reservation.keys)} pages")
+        checksums has the wrong length: `verify_reserved` checks each before any is installed."""
         return self.install_verified([self.verify_reserved(reservation, expected) for reservation, expected in batch])
 
     def install_verified(self, verified: Sequence[VerifiedPages]) -> int:
@@ -1201,7 +1198,6 @@ def _addressed_keys(record: SessionRecord, first_block: int, count: int,
     if last_key is not None and keys and keys[-1] != last_key:
         raise HistoryChanged(f"session {record.key[1]!r} holds another history at block {first_block + count - 1}")
     return keys
-
 
 
 def _same_blocks(verified: Sequence[VerifiedPages]) -> Iterator[list[VerifiedPages]]:
