@@ -8,6 +8,7 @@ of one local HTTP hop.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import OrderedDict
@@ -300,6 +301,8 @@ class Dispatcher:
                 if not last_error:
                     raise
                 break
+            if key is not None and route.reason != "advisory":
+                await self._pull_for_request(key, route_request, route.node.node_id)
             advised_node = None  # an advisory binds the first attempt only
             tried.add(route.node.node_id)
             # Recorded as the request goes out, not when a plain answer comes back: the session's
@@ -329,6 +332,32 @@ class Dispatcher:
             return reply
         raise ApiError(503, f"the engine could not be reached ({last_error}); retry shortly",
                        code="engine_unreachable")
+
+    async def _pull_for_request(self, key: SessionKey, request: RouteRequest, node_id: str) -> None:
+        """The request goes to a node holding less of its session's KV than another node does, and
+        no advisory moved it there (none came, or the advised node got a queue): pull the KV over
+        first, waiting at most `route_pull_wait_ms`. Recomputing the history would cost the engine
+        far more (~10 ms per token on a CPU engine, against ~0.05 ms to pull it). A pull that fails
+        or runs late costs only the wait: the engine recomputes whatever did not arrive."""
+        wait_ms = self.config.route_pull_wait_ms
+        if not self.policy.traits.prefetch_on_advisory or wait_ms <= 0:
+            return
+        held_here = request.kv_tokens.get(node_id, 0)
+        holders = {n: t for n, t in request.kv_tokens.items()
+                   if t - held_here >= max(1, self.config.route_pull_min_tokens) and self._reachable(n)}
+        if not holders:
+            return
+        source = max(holders, key=holders.__getitem__)
+        prefetch = self.prefetcher.start(key, node_id, self._node(source).address, wait_ms, request.priority,
+                                         holders[source], target="dram")
+        if prefetch is None or prefetch.task is None:
+            self.metrics.route_pulls.labels("not_started").inc()
+            return
+        # Shielded: a pull still running when the wait ends carries on (the pages may land before
+        # the engine's prefill reaches those blocks); its follower ends it by its deadline.
+        done, _ = await asyncio.wait({asyncio.shield(prefetch.task)}, timeout=wait_ms / 1000)
+        outcome = "late" if not done else "ready" if prefetch.state in ("done", "partial") else "failed"
+        self.metrics.route_pulls.labels(outcome).inc()
 
     def _check_inflight(self) -> None:
         if self.inflight_total >= self.config.max_inflight_requests:

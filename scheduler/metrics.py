@@ -34,6 +34,10 @@ class SchedulerMetrics:
         self.advised_requests = Counter("symphony_advised_requests", "Requests whose advisory moved KV, by kind and "
                                         "whether the KV was in the node's top tier when they arrived",
                                         ["kind", "kv_ready"], registry=r)
+        self.route_pulls = Counter("symphony_route_pulls", "Requests routed away from the node holding their "
+                                   "session's KV with no advisory moving it, whose KV was pulled over first: "
+                                   "ready (arrived within scheduler.route_pull_wait_ms), late (sent before it "
+                                   "finished), failed, not_started (no follow slot)", ["outcome"], registry=r)
         self.priority_requests = Counter("symphony_priority_requests", "Requests dispatched, by priority tier",
                                          ["priority"], registry=r)
         self.queue_wait = Histogram("symphony_queue_wait_seconds", "Time requests waited in the scheduler for a node "

@@ -24,6 +24,7 @@ from symphony.rpc import kv_pb2, kv_pb2_grpc
 log = get_logger("scheduler.prefetch")
 
 _PRIORITY = {"low": kv_pb2.PRIORITY_LOW, "normal": kv_pb2.PRIORITY_NORMAL, "high": kv_pb2.PRIORITY_HIGH}
+_TARGETS = {"hbm": kv_pb2.TIER_HBM, "dram": kv_pb2.TIER_DRAM}
 _FINAL = {kv_pb2.PREFETCH_STATE_DONE, kv_pb2.PREFETCH_STATE_PARTIAL, kv_pb2.PREFETCH_STATE_CANCELLED,
           kv_pb2.PREFETCH_STATE_FAILED}
 FOLLOW_WAIT_MS = 30_000  # one GetPrefetch long-poll
@@ -64,9 +65,12 @@ class Prefetcher:
         return len(self._tasks)
 
     def start(self, session: SessionKey, node_id: str, source_address: str, deadline_ms: int,
-              priority: str, history_tokens: int) -> Prefetch | None:
-        """Ask `node_id` to bring the session's KV into its top tier (pulling what it lacks from the
-        node manager at `source_address`, if given) by `deadline_ms` from now. Returns at once."""
+              priority: str, history_tokens: int, target: str = "hbm") -> Prefetch | None:
+        """Ask `node_id` to bring the session's KV into its `target` tier (pulling what it lacks from
+        the node manager at `source_address`, if given) by `deadline_ms` from now. Returns at once.
+        "hbm" ends in the engine's own prefix cache (a warm-up pass), for a request still to come;
+        "dram" only brings the pages to the node, for a request about to be sent there, whose own
+        prefill loads them."""
         stub = self._stub_for(node_id)
         if stub is None:
             return None
@@ -75,7 +79,7 @@ class Prefetcher:
             return None
         prefetch = Prefetch(session, node_id, history_tokens, self._clock())
         request = kv_pb2.PrefetchRequest(session=kv_pb2.SessionRef(tenant=session[0], session_id=session[1]),
-                                         target_tier=kv_pb2.TIER_HBM, deadline_ms=deadline_ms,
+                                         target_tier=_TARGETS[target], deadline_ms=deadline_ms,
                                          priority=_PRIORITY[priority], source_peer=source_address,
                                          # The salt of the session's next request: the warm-up must
                                          # land where that request's prefix-cache lookup will look.

@@ -51,6 +51,12 @@ class SchedulerConfig:
     max_expected_arrival_ms: int = 3_600_000  # hints further out than this are rejected
     typing_lead_ms: int = 10_000  # a typing advisory's prefetch deadline: when its request is likely to come
     max_prefetches: int = 256  # KV moves followed at once; beyond, an advisory routes but moves nothing
+    # A request routed away from the node holding its session's KV with no advisory moving it there
+    # (none came, or its node got a queue) waits at most this long for the KV to be pulled over;
+    # 0: never pulls, the engine recomputes the history. On this kind of engine a pull costs tens of
+    # ms where recomputing a long history costs seconds.
+    route_pull_wait_ms: int = 3000
+    route_pull_min_tokens: int = 64  # less history than this elsewhere is recomputed rather than pulled
     max_sessions: int = 100_000  # session table entries, and sticky's pinned sessions (least recently used beyond)
     prefix_trie_max_chars: int = 4_000_000  # prefix_trie's tree of served prompts (~1M tokens of text)
     session_ttl_s: float = 3600.0  # a session unused this long is forgotten
@@ -346,6 +352,8 @@ def _validate(config: SymphonyConfig) -> None:
                  "prefix_trie_max_chars", "session_ttl_s", "max_priority_settings", "max_queued_requests",
                  "queue_timeout_s"):
         check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
+    for name in ("route_pull_wait_ms", "route_pull_min_tokens"):
+        check(getattr(s, name) >= 0, f"scheduler.{name}", "must not be negative")
     check(s.node_down_after_ms >= s.poll_interval_ms, "scheduler.node_down_after_ms",
           "must be at least scheduler.poll_interval_ms")
     tenants_by_key: dict[str, str] = {}

@@ -5,7 +5,8 @@ object `scheduler.policies` builds, through the same `RouteRequest`/`NodeSnapsho
 scheduler gives it), an advisory (the policy picks the node ahead of the request and, for policies
 that move KV on advisories, the session's KV starts moving there), a KV move ending, an engine step
 ending. What a request finds in the engine's KV when it is admitted is what its session's KV holds
-on that node: history a move brought, or its last turn left there.
+on that node: history a move brought, or its last turn left there. As in the scheduler, a request
+that the policy sends away from its KV with no advisory moving it first waits for a pull (bounded).
 
 Selective pushing: a decision that says "queue" parks the request in the scheduler's queue (FIFO
 within a priority tier, as the scheduler's `PushQueue`); parked requests are routed again whenever
@@ -29,6 +30,9 @@ from dataclasses import dataclass, field
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
 from scheduler.routing import PRIORITIES, PRIORITY_RANK, NodeSnapshot, RouteRequest, RoutingPolicy
+from symphony.config import SchedulerConfig
+
+_SCHEDULER = SchedulerConfig()  # the scheduler's defaults, which the simulated one follows
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +94,11 @@ class SimResult:
 
 class ClusterSim:
     def __init__(self, policy: RoutingPolicy, engines: dict[str, EngineModel], link: LinkModel,
-                 engine_priority_scheduling: bool = False) -> None:
+                 engine_priority_scheduling: bool = False, route_pull_wait_ms: float = _SCHEDULER.route_pull_wait_ms,
+                 route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens) -> None:
         self.policy = policy
+        self.route_pull_wait_ms = route_pull_wait_ms
+        self.route_pull_min_tokens = route_pull_min_tokens
         self.engines = {node_id: SimEngine(node_id, model, engine_priority_scheduling)
                         for node_id, model in engines.items()}
         self.link = link
@@ -228,7 +235,7 @@ class ClusterSim:
             self._announced[advised] -= 1
             engine = self.engines[advised]
             if not engine.waiting:  # the scheduler honours an advisory unless that node has a queue
-                self._dispatch(request, turn, advised)
+                self._dispatch(request, turn, advised, by_advisory=True)
                 return
         self._route(request, turn)
 
@@ -263,18 +270,36 @@ class ClusterSim:
                 break
         self._queue.insert(at, (request, turn))
 
-    def _dispatch(self, request: SimRequest, turn: Turn, node_id: str) -> None:
+    def _dispatch(self, request: SimRequest, turn: Turn, node_id: str, by_advisory: bool = False) -> None:
         self.policy.observe(self._route_request(turn), node_id)
+        delay_ms = self.engines[node_id].model.request_overhead_ms
+        if not by_advisory:
+            delay_ms += self._pull_for_request(turn.session, node_id)
         held = self._engine_cache[node_id].get(turn.session, 0)
         if self.policy.traits.uses_tiers:
             held = max(held, self._kv.get(turn.session, {}).get(node_id, 0))
         request.cached_tokens = min(held, request.prompt_tokens)
         self._inflight[node_id] += 1
-        overhead = self.engines[node_id].model.request_overhead_ms
-        if overhead:
-            self.at(self.now_ms + overhead, lambda: self._enqueue(request, node_id))
+        if delay_ms:
+            self.at(self.now_ms + delay_ms, lambda: self._enqueue(request, node_id))
         else:
             self._enqueue(request, node_id)
+
+    def _pull_for_request(self, session: str, node_id: str) -> float:
+        """As the scheduler's dispatcher: a request sent, without an advisory's move, to a node holding
+        less of its session's KV than another one waits for the KV to be pulled over, at most
+        route_pull_wait_ms (a pull later than that brings nothing in time). Returns the wait."""
+        if not self.policy.traits.prefetch_on_advisory or self.route_pull_wait_ms <= 0:
+            return 0.0
+        kv = self._kv.get(session, {})
+        best, held = max(kv.values(), default=0), kv.get(node_id, 0)
+        if best - held < max(1, self.route_pull_min_tokens):
+            return 0.0
+        pull_ms = self.link.move_ms(best - held)
+        if pull_ms > self.route_pull_wait_ms:
+            return self.route_pull_wait_ms
+        kv[node_id] = best
+        return pull_ms
 
     def _enqueue(self, request: SimRequest, node_id: str) -> None:
         self.engines[node_id].add(request)

@@ -77,6 +77,50 @@ async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
         assert _metric(metrics, 'symphony_advisories_total{kind="typing",outcome="routed"}') == 3
 
 
+async def test_a_request_routed_away_from_its_kv_without_an_advisory_pulls_it_over_first(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
+    url, _ = await start_scheduler([node_a, node_b], route_pull_min_tokens=1, route_pull_wait_ms=20_000)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client, 2)
+        turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        holder, other = (node_a, node_b) if turn.headers["x-symphony-node"] == "node-a" else (node_b, node_a)
+        holder.status.num_requests_running = 6
+        await async_wait_until(lambda: _busy(client, holder.status.node_id), 10, "the load to be polled")
+        other.kv.release.clear()  # the pull is under way until the test lets it end
+        sent = len(engine.requests)
+        second = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"}))
+        await async_wait_until(lambda: bool(other.kv.prefetches), 10, "the pull request")
+        pull = other.kv.prefetches[0]
+        # Only to the node's DRAM (the request's own prefill loads it), from the node holding it.
+        assert pull.target_tier == kv_pb2.TIER_DRAM and pull.source_peer == holder.address
+        assert len(engine.requests) == sent and not second.done()  # the request waits for its KV
+        other.kv.release.set()
+        reply = await second
+        assert reply.status_code == 200 and reply.headers["x-symphony-node"] == other.status.node_id
+        assert _metric((await client.get("/metrics")).text, 'symphony_route_pulls_total{outcome="ready"}') == 1
+
+
+async def test_a_pull_that_runs_late_delays_the_request_only_by_the_bounded_wait(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
+    url, _ = await start_scheduler([node_a, node_b], route_pull_min_tokens=1, route_pull_wait_ms=300)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client, 2)
+        turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        holder, other = (node_a, node_b) if turn.headers["x-symphony-node"] == "node-a" else (node_b, node_a)
+        holder.status.num_requests_running = 6
+        await async_wait_until(lambda: _busy(client, holder.status.node_id), 10, "the load to be polled")
+        other.kv.release.clear()  # a pull that never finishes
+        reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        assert reply.status_code == 200 and reply.headers["x-symphony-node"] == other.status.node_id
+        assert len(other.kv.prefetches) == 1
+        assert _metric((await client.get("/metrics")).text, 'symphony_route_pulls_total{outcome="late"}') == 1
+        other.kv.release.set()
+
+
 async def _busy(client: httpx.AsyncClient, node_id: str) -> bool:
     return (await client.get("/readyz")).json()["nodes"][node_id]["running"] > 0
 

@@ -63,6 +63,20 @@ def test_an_advisory_moves_the_history_to_the_node_it_picks_if_there_is_time(adv
     assert turn.ttft_ms == 10 + 150 - cached  # one step, prefilling what was not moved in time
 
 
+@pytest.mark.parametrize(("wait_ms", "cached", "ttft_ms"), [(3000, 102, 107 + 10 + 48), (50, 0, 50 + 10 + 150)])
+def test_a_turn_routed_away_from_its_kv_without_an_advisory_waits_for_the_pull(wait_ms: int, cached: int,
+                                                                             ttft_ms: int) -> None:
+    """As above, with no advisory: the turn goes to n1 and waits for its 102 tokens to be pulled
+    (107 ms) before its engine sees it. When the scheduler waits at most 50 ms, the turn goes after
+    50 ms with nothing and recomputes its whole prompt."""
+    sim = ClusterSim(make_policy("symphony"), {"n0": ENGINE, "n1": ENGINE}, LINK, route_pull_wait_ms=wait_ms,
+                     route_pull_min_tokens=32)
+    sim.seed_kv("s", "n0", 102)
+    result = sim.run([Turn("long", 0, 3000, 2), Turn("s", 1000, 150, 1)])
+    turn = by_session(result)["s"]
+    assert turn.node_id == "n1" and turn.cached_tokens == cached and turn.ttft_ms == ttft_ms
+
+
 def test_without_free_blocks_the_newest_request_is_preempted_and_still_finishes() -> None:
     """4 blocks of 32: A (60 tokens) and B (60) take 2 each; A's 5th token needs a 3rd block, none
     is free, so B (the newest) is preempted, recomputed later, and both still finish."""
