@@ -4,10 +4,12 @@ calibrate: on a private local 2-node cluster (the engines as `symphony up` runs 
 here), the engines are probed directly through their OpenAI-compatible completions endpoints,
 with prompts of random token ids (no cache holds them) and `ignore_eos` (answers of exact length):
 
-- prefill: one request at a time, prompts of several lengths, `max_tokens=1`: time to first token,
-  one engine at a time while the others decode two requests each;
+- prefill: one request at a time, prompts of several lengths, `max_tokens=1`: time to first token;
 - decode: 1 to 8 requests started together, short and long prompts, 48 output tokens: their time
-  per output token once decoding, on every engine at once.
+  per output token once decoding;
+
+first on one engine alone (the engine model's costs), then beside busy neighbours (each engine's
+prefills while the others decode, decodes on every engine at once: the model's neighbour slowdown).
 
 `eval.sim.calibration` fits the engine model to those samples; with the engine's KV capacity (from its
 `vllm:cache_config_info` metric) and SmolLM2's KV geometry over the measured peer link, that is the
@@ -41,7 +43,7 @@ import openai
 from eval.bench_cluster import bench_cluster_config, measure_policies, on_private_cluster
 from eval.loadgen import LoadSettings, RequestRecord
 from eval.results import write_result
-from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, load_preset, save_preset
+from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, fit_slowdown, load_preset, save_preset
 from eval.sim.cluster import ClusterSim, LinkModel, SimResult, Turn
 from eval.sim.presets import Preset
 from eval.sim.scenarios import summarize
@@ -161,38 +163,52 @@ async def engine_capacity(base_url: str) -> tuple[int, int]:
 
 async def calibrate(config: SymphonyConfig, served_model: str,
                     plan: ProbePlan = FULL_PLAN) -> tuple[Preset, dict[str, Any]]:
-    """Probe every engine of the running cluster `config` describes as a loaded cluster runs it:
-    on a host whose engines share cores and memory bandwidth (this one), beside busy neighbours.
-    Decode probes run on every engine at once; each engine's prefill probes run while the others
-    decode (a prefill, short and bursty, mostly overlaps its neighbours' decoding, not their
-    prefills). Measured here: a SmolLM2 decode step alone took ~25% less than in the 2-node
-    validation run, and prefills beside prefills ~20% more than beside decodes."""
+    """Probe the engines of the running cluster `config` describes, on a host whose engines share
+    cores and memory bandwidth (this one), in two conditions:
+
+    - alone: the first engine while the others idle. Its costs are the engine model's.
+    - beside busy neighbours, as a loaded cluster runs them: each engine's prefill probes while the
+      others decode, then decode probes on every engine at once. How much slower these ran than
+      the model predicts is its `neighbour_slowdown`, which the simulator applies to a step in
+      proportion to the other engines busy when it starts.
+
+    A model fitted on either condition alone missed the 2-node validation run by 20-60%, one way
+    or the other: a live cluster's engines are busy together only part of the time."""
     urls = [f"http://{config.node.host}:{config.engine_port(i)}" for i in range(config.cluster.nodes)]
     engines = [_EngineProbe(url, served_model, seed=i) for i, url in enumerate(urls)]
     try:
         await asyncio.gather(*[engine.stream(16, 4) for engine in engines])  # warm: one-time costs
-        prefill = []
-        for engine in engines:
-            neighbours = [asyncio.create_task(other.background_decode()) for other in engines if other is not engine]
-            try:
-                prefill += await engine.prefill(plan)
-            finally:
-                for task in neighbours:
-                    task.cancel()
-                await asyncio.gather(*neighbours, return_exceptions=True)
-        decode = [s for samples in await asyncio.gather(*[e.decode(plan) for e in engines]) for s in samples]
+        prefill_alone = await engines[0].prefill(plan)
+        decode_alone = await engines[0].decode(plan)
+        prefill_busy: list[PrefillSample] = []
+        decode_busy: list[DecodeSample] = []
+        if len(engines) > 1:
+            for engine in engines:
+                neighbours = [asyncio.create_task(other.background_decode()) for other in engines
+                              if other is not engine]
+                try:
+                    prefill_busy += await engine.prefill(plan)
+                finally:
+                    for task in neighbours:
+                        task.cancel()
+                    await asyncio.gather(*neighbours, return_exceptions=True)
+            decode_busy = [s for samples in await asyncio.gather(*[e.decode(plan) for e in engines]) for s in samples]
     finally:
         for engine in engines:
             await engine.close()
     kv_blocks, block_size = await engine_capacity(urls[0])
-    fit = fit_engine(prefill, decode, kv_blocks=kv_blocks, block_size=block_size, max_batch=MAX_NUM_SEQS)
+    fit = fit_engine(prefill_alone, decode_alone, kv_blocks=kv_blocks, block_size=block_size, max_batch=MAX_NUM_SEQS)
+    model = dataclasses.replace(fit.model, neighbour_slowdown=fit_slowdown(fit.model, prefill_busy, decode_busy))
     geometry = smollm2_geometry()
     link = LinkModel(int(geometry.bytes_per_token()), LOCAL_LINK_GBPS, LOCAL_LINK_RTT_MS)
-    preset = Preset("local", fit.model, link,
+    samples_taken = len(prefill_alone) + len(decode_alone) + len(prefill_busy) + len(decode_busy)
+    preset = Preset("local", model, link,
                     f"symphony bench calibrate, {time.strftime('%Y-%m-%d')}: {served_model} on this host's "
-                    f"vLLM CPU engine ({len(prefill)} prefill and {len(decode)} decode samples)")
-    samples = {"prefill_samples": [dataclasses.asdict(s) for s in prefill],
-               "decode_samples": [dataclasses.asdict(s) for s in decode],
+                    f"vLLM CPU engine ({samples_taken} samples, alone and beside busy neighbours)")
+    samples = {"prefill_samples": [dataclasses.asdict(s) for s in prefill_alone],
+               "decode_samples": [dataclasses.asdict(s) for s in decode_alone],
+               "prefill_samples_beside_busy": [dataclasses.asdict(s) for s in prefill_busy],
+               "decode_samples_beside_busy": [dataclasses.asdict(s) for s in decode_busy],
                "fit_r2": {"prefill": fit.prefill_r2, "decode": fit.decode_r2}}
     return preset, samples
 
@@ -228,7 +244,8 @@ def _print_calibration(result: dict[str, Any]) -> None:
     engine = result["engine"]
     print(f"step {engine['step_ms']:.2f} ms + prefill {engine['prefill_ms_per_token']:.3f} ms/token + decode "
           f"{engine['decode_ms_per_seq']:.3f} ms/request + {engine['decode_ms_per_kilotoken']:.3f} ms/1k context; "
-          f"request overhead {engine['request_overhead_ms']:.1f} ms; {engine['kv_blocks']} KV blocks of "
+          f"request overhead {engine['request_overhead_ms']:.1f} ms; beside busy neighbours "
+          f"+{engine['neighbour_slowdown']:.0%}; {engine['kv_blocks']} KV blocks of "
           f"{engine['block_size']}; fit R2 prefill {result['fit_r2']['prefill']:.3f}, "
           f"decode {result['fit_r2']['decode']:.3f}")
     print(f"preset written to {result['preset_file']}")

@@ -11,7 +11,9 @@ and every request pays `request_overhead_ms` outside the steps. The measurements
   linear least-squares fit over samples of several batch sizes and context lengths;
 - prefill samples: one request alone, `max_tokens=1`, with an N-token prompt no cache holds: its
   time to first token = `request_overhead_ms + step_ms + prefill_ms_per_token x N`; the slope over
-  several N is the prefill cost, and the intercept less the decode fit's `step_ms` is the overhead.
+  several N is the prefill cost, and the intercept less the decode fit's `step_ms` is the overhead;
+- the same kinds of samples taken beside busy neighbour engines on the same host: how much slower
+  they ran than the model fitted alone predicts is the model's `neighbour_slowdown`.
 """
 
 from __future__ import annotations
@@ -87,6 +89,18 @@ def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample],
                         max_batch=max_batch, request_overhead_ms=overhead)
     prefill_predicted = overhead + step_ms + per_token * tokens
     return EngineFit(model, _r2(ttft, prefill_predicted), _r2(tpot, decode_predicted))
+
+
+def fit_slowdown(model: EngineModel, prefill_busy: Sequence[PrefillSample],
+                 decode_busy: Sequence[DecodeSample]) -> float:
+    """The engine's `neighbour_slowdown`: how much longer its steps took beside busy neighbours than
+    `model`, fitted on samples taken alone, predicts. The median over the samples of observed /
+    predicted step time, less 1 (a prefill's request overhead lies outside the steps); never below 0."""
+    ratios = [(s.ttft_ms - model.request_overhead_ms) / (model.step_ms + model.prefill_ms_per_token * s.prompt_tokens)
+              for s in prefill_busy]
+    ratios += [s.tpot_ms / (model.step_ms + model.decode_ms_per_seq * s.batch
+                            + model.decode_ms_per_kilotoken * s.context_tokens / 1000) for s in decode_busy]
+    return max(0.0, float(np.median(ratios)) - 1.0) if ratios else 0.0
 
 
 def save_preset(path: Path, preset: Preset, details: dict[str, Any] | None = None) -> None:

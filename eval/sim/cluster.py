@@ -114,6 +114,7 @@ class ClusterSim:
         self._inflight: dict[str, int] = dict.fromkeys(self.engines, 0)
         self._announced: dict[str, int] = dict.fromkeys(self.engines, 0)
         self._stepping: set[str] = set()
+        self._step_ends: dict[str, float] = {}  # node -> when its current step ends
         self.requests: list[SimRequest] = []
         self.refused: list[SimRequest] = []
         self._ids = itertools.count()
@@ -317,7 +318,13 @@ class ClusterSim:
             self._scripts.pop(refused.session, None)  # its user gets an error and leaves
         if not plan.first_tokens and not plan.decoded:
             return  # nothing could run: what waits needs blocks that only a finishing request frees
+        slowdown = engine.model.neighbour_slowdown
+        if slowdown and len(self.engines) > 1:
+            # Neighbours whose step ends later (one ending at this very moment is done).
+            busy = sum(1 for other in self._stepping if self._step_ends[other] > self.now_ms)
+            plan.duration_ms *= 1 + slowdown * busy / (len(self.engines) - 1)
         self._stepping.add(node_id)
+        self._step_ends[node_id] = self.now_ms + plan.duration_ms
         self.at(self.now_ms + plan.duration_ms, lambda: self._step_done(node_id, plan))
 
     def _step_done(self, node_id: str, plan: StepPlan) -> None:

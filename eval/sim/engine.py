@@ -15,7 +15,9 @@ when the engine is idle and work is waiting, and schedules the step's end. Each 
 
 Step time is linear in what the step does: `step_ms + prefill_ms_per_token x prefilled tokens +
 decode_ms_per_seq x decoding requests + decode_ms_per_kilotoken x their context / 1000`. The
-constants are an `EngineModel`; presets and their calibration live apart from this mechanism.
+constants are an `EngineModel`; presets and their calibration live apart from this mechanism. On a
+shared host the cluster loop stretches a step by `neighbour_slowdown` times the share of the other
+engines busy when it starts.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class EngineModel:
     # request reaches the engine this long after it arrives. Measured by `bench calibrate` for the
     # local CPU engine; 0 in the GPU presets, whose figures cover only the engine.
     request_overhead_ms: float = 0.0
+    # Engines that share one host's cores and memory bandwidth (the local CPU cluster) slow each
+    # other down: a step that starts while the host's other engines are stepping takes this much
+    # longer per busy neighbour share (0.3: 30% longer beside fully busy neighbours). Measured by
+    # `bench calibrate`; 0 for engines on GPUs of their own.
+    neighbour_slowdown: float = 0.0
 
 
 @dataclass(slots=True)

@@ -30,7 +30,9 @@ def test_the_simulator_is_fitted_to_the_engines_and_replays_a_live_run(live_clus
     assert engine.prefill_ms_per_token > 0 and engine.step_ms + engine.decode_ms_per_seq > 0
     assert engine.kv_blocks > 0 and engine.block_size == config.engine.block_size
     assert details["fit_r2"]["prefill"] > 0.8
-    assert len(details["prefill_samples"]) == 2 * config.cluster.nodes  # every engine probed
+    assert len(details["prefill_samples"]) == 2  # the first engine alone
+    assert len(details["prefill_samples_beside_busy"]) == 2 * config.cluster.nodes  # every engine, neighbours busy
+    assert engine.neighbour_slowdown >= 0
     records: dict[str, list[RequestRecord]] = {}
     asyncio.run(measure_policies(config, live_cluster.model, tmp_path, ["recompute"],
                                  LoadSettings(users=2, duration_s=20, max_answer_tokens=16),

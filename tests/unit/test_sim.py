@@ -77,6 +77,20 @@ def test_a_turn_routed_away_from_its_kv_without_an_advisory_waits_for_the_pull(w
     assert turn.node_id == "n1" and turn.cached_tokens == cached and turn.ttft_ms == ttft_ms
 
 
+def test_a_step_that_starts_beside_a_busy_neighbour_on_a_shared_host_takes_longer() -> None:
+    """Slowdown 0.5. A (100 tokens) reaches n0 at 0: nobody else steps, 10 + 100 = 110 ms. B (50)
+    reaches n1 at 20 while n0 steps: (10 + 50) x 1.5 = 90 ms, first token at 110. A's and B's
+    decode steps (12 ms each) then start together at 110; n0 starts first, beside an idle n1
+    (12 ms), n1 beside a busy n0 (18 ms)."""
+    shared = dataclasses.replace(ENGINE, neighbour_slowdown=0.5)
+    sim = ClusterSim(make_policy("round_robin"), {"n0": shared, "n1": shared}, LINK)
+    result = sim.run([Turn("a", 0, 100, 2), Turn("b", 20, 50, 2)])
+    a, b = by_session(result)["a"], by_session(result)["b"]
+    assert (a.node_id, b.node_id) == ("n0", "n1")
+    assert (a.first_token_ms, b.first_token_ms) == (110, 110)
+    assert (a.finished_ms, b.finished_ms) == (122, 128)
+
+
 def test_without_free_blocks_the_newest_request_is_preempted_and_still_finishes() -> None:
     """4 blocks of 32: A (60 tokens) and B (60) take 2 each; A's 5th token needs a 3rd block, none
     is free, so B (the newest) is preempted, recomputed later, and both still finish."""

@@ -11,7 +11,7 @@ import pytest
 
 from eval.bench_calibrate import compare, live_figures, replay_turns, sim_figures, simulate_replay
 from eval.loadgen import RequestRecord
-from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, load_preset, save_preset
+from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, fit_slowdown, load_preset, save_preset
 from eval.sim.cluster import ClusterSim, LinkModel, Turn
 from eval.sim.engine import EngineModel
 from eval.sim.presets import Preset
@@ -65,6 +65,17 @@ def test_too_few_samples_are_refused() -> None:
         fit_engine(prefill[:1], decode, kv_blocks=1, block_size=32, max_batch=8)
     with pytest.raises(ValueError, match="three"):
         fit_engine(prefill, decode[:2], kv_blocks=1, block_size=32, max_batch=8)
+
+
+def test_samples_beside_busy_neighbours_give_the_slowdown_of_their_steps() -> None:
+    """Steps 30% longer beside busy neighbours; a prefill's request overhead is not stretched."""
+    prefill, decode = _samples()
+    busy_prefill = [PrefillSample(s.prompt_tokens, TRUE.request_overhead_ms
+                                  + 1.3 * (s.ttft_ms - TRUE.request_overhead_ms)) for s in prefill]
+    busy_decode = [dataclasses.replace(s, tpot_ms=1.3 * s.tpot_ms) for s in decode]
+    assert fit_slowdown(TRUE, busy_prefill, busy_decode) == pytest.approx(0.3)
+    assert fit_slowdown(TRUE, prefill, decode) == pytest.approx(0.0, abs=1e-9)
+    assert fit_slowdown(TRUE, [], []) == 0.0  # a one-engine cluster has no neighbours
 
 
 def test_a_preset_file_round_trips_and_a_bad_one_is_named(tmp_path: Path) -> None:
