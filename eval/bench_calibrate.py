@@ -69,7 +69,7 @@ TOKEN_ID_RANGE = (1_000, 40_000)  # ordinary vocabulary entries of SmolLM2 (49,1
 LOCAL_LINK_GBPS = 1.0
 LOCAL_LINK_RTT_MS = 0.2
 VALIDATION_BOUND = 0.2  # the bar: within 20% of the live cluster
-MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs, which `symphony up` keeps
+MAX_NUM_SEQS = 128  # vLLM CPU's default max_num_seqs for its OpenAI server (GPUs: 256), which `symphony up` keeps
 BACKGROUND_REQUESTS = 2  # a neighbour's decoding while an engine's prefill is probed
 BACKGROUND_TOKENS = 256
 
@@ -295,12 +295,14 @@ def simulate_replay(preset: Preset, policy: str, node_ids: list[str], turns: lis
 
 def run_validate_bench(config: SymphonyConfig, *, out: Path, policy: str, users: int, duration_s: float,
                        time_scale: float, max_answer_tokens: int, workload: Path, conversations: list[Conversation],
-                       preset_file: Path | None, preset_out: Path) -> int:
+                       preset_file: Path | None, preset_out: Path, records_dir: Path | None = None) -> int:
     private, model, home = _private_config(config)
     settings = LoadSettings(users=users, duration_s=duration_s, max_answer_tokens=max_answer_tokens)
     timing = HumanTiming(time_scale=time_scale)
     records: dict[str, list[RequestRecord]] = {}
     calibration: dict[str, Any] = {}
+    if records_dir is not None:
+        records_dir.mkdir(parents=True, exist_ok=True)
 
     async def work() -> dict[str, Any]:
         if preset_file is None:
@@ -308,7 +310,7 @@ def run_validate_bench(config: SymphonyConfig, *, out: Path, policy: str, users:
             save_preset(preset_out, preset, samples)
             calibration.update(samples, preset_file=str(preset_out))
         return await measure_policies(private, model.served_name, home, [policy], settings, timing, conversations,
-                                      records_by_policy=records)
+                                      records_dir, records_by_policy=records)
 
     try:
         summaries = asyncio.run(on_private_cluster(private, model, work))

@@ -57,12 +57,13 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
             busy[r.node] += r.e2e_s
     mean_busy = statistics.fmean(busy.values()) if busy else 0.0
     advisory_ms = [r.advisory_ms for r in records if r.advisory_ms > 0]
-    ready, resumed = 0, 0
+    ready, resumed, new_tokens = 0, 0, 0
     history: dict[str, int] = {}  # session -> tokens its last turn left (prompt + answer)
     for r in sorted(ok, key=lambda r: (r.session, r.turn)):
         if r.session in history:
             resumed += 1
             ready += r.cached_tokens >= READY_FRACTION * history[r.session] - BLOCK_SLACK_TOKENS
+        new_tokens += max(0, r.prompt_tokens - history.get(r.session, 0))
         history[r.session] = r.prompt_tokens + r.output_tokens
     return {
         "ttft_ms_p50": percentile([r.ttft_s * 1000 for r in ok], 50),
@@ -76,6 +77,9 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
         "max_over_mean_load": max(busy.values()) / mean_busy if mean_busy else float("nan"),
         "prefill_tokens_computed": sum(r.computed_tokens for r in ok),
         "prefill_tokens_total": sum(r.prompt_tokens for r in ok),
+        # What no cache can hold: first turns' prompts, later turns' new messages. Its share of the
+        # total is the floor of computed/total for the workload as this policy's run replayed it.
+        "prefill_tokens_new": new_tokens,
         "kv_ready_at_arrival_frac": ready / resumed if resumed else float("nan"),
         "resumed_turns": resumed,
         # Client-side round trips (an upper bound on the scheduler's own time to answer).
@@ -271,10 +275,12 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"{result['users']} users, {result['duration_s']:.0f} s per policy, time scale {result['time_scale']:g}")
     columns = ("ttft_ms_p50", "ttft_ms_p95", "tpot_ms_mean", "norm_latency_ms_per_token_mean", "completed", "errors",
                "max_over_mean_load", "kv_ready_at_arrival_frac")
-    print(f"{'policy':<14}" + "".join(f"{c[:16]:>18}" for c in columns) + f"{'computed/total':>16}")
+    print(f"{'policy':<14}" + "".join(f"{c[:16]:>18}" for c in columns) + f"{'computed/total':>16}"
+          + f"{'new/total':>11}")
     for policy, s in result["policies"].items():
-        share = s["prefill_tokens_computed"] / s["prefill_tokens_total"] if s["prefill_tokens_total"] else float("nan")
+        total = s["prefill_tokens_total"] or float("nan")
         print(f"{policy:<14}" + "".join(f"{s[c]:>18.2f}" if isinstance(s[c], float) else f"{s[c]:>18}"
-                                         for c in columns) + f"{share:>16.3f}")
+                                         for c in columns)
+              + f"{s['prefill_tokens_computed'] / total:>16.3f}{s['prefill_tokens_new'] / total:>11.3f}")
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")

@@ -348,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a preset from bench calibrate (default: calibrate first, on the same cluster)")
     validate.add_argument("--preset-out", type=Path, default=Path("local-preset.json"), metavar="JSON",
                           help="where a calibration made here goes (%(default)s)")
+    validate.add_argument("--records", type=Path, metavar="DIR", help="also write the live run's requests (JSON, "
+                          "CSV) here")
     validate.add_argument("--policy", default="recompute", help="the routing policy both runs use (recompute)")
     validate.add_argument("--users", type=_positive_int, default=4, help="simulated users (4)")
     validate.add_argument("--duration", type=_positive_int, default=120, help="seconds of live load (120)")
@@ -470,7 +472,8 @@ def cmd_bench_validate(args: argparse.Namespace) -> int:
     config = _load(args, _engine_overrides(args))
     return run_validate_bench(config, out=args.out, policy=args.policy, users=args.users, duration_s=args.duration,
                               time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
-                              conversations=conversations, preset_file=args.preset_file, preset_out=args.preset_out)
+                              conversations=conversations, preset_file=args.preset_file, preset_out=args.preset_out,
+                              records_dir=args.records)
 
 
 def cmd_bench_report(args: argparse.Namespace) -> int:

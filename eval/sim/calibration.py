@@ -10,8 +10,9 @@ and every request pays `request_overhead_ms` outside the steps. The measurements
   = one step = `step_ms + decode_ms_per_seq x B + decode_ms_per_kilotoken x context / 1000`, a
   linear least-squares fit over samples of several batch sizes and context lengths;
 - prefill samples: one request alone, `max_tokens=1`, with an N-token prompt no cache holds: its
-  time to first token = `request_overhead_ms + step_ms + prefill_ms_per_token x N`; the slope over
-  several N is the prefill cost, and the intercept less the decode fit's `step_ms` is the overhead;
+  time to first token = `request_overhead_ms + step_ms + prefill_ms_per_token x N +
+  prefill_ms_per_token_kilotoken x N^2 / 2000`, fitted over several N; the intercept less the
+  decode fit's `step_ms` is the overhead;
 - the same kinds of samples taken beside busy neighbour engines on the same host: how much slower
   they ran than the model fitted alone predicts is the model's `neighbour_slowdown`.
 """
@@ -57,37 +58,48 @@ def _r2(observed: np.ndarray, predicted: np.ndarray) -> float:
     return 1.0 - float(((observed - predicted) ** 2).sum()) / spread if spread else 1.0
 
 
+def _fit_non_negative(columns: np.ndarray, observed: np.ndarray) -> np.ndarray:
+    """Least squares; a coefficient other than the intercept (column 0) that comes out negative,
+    which only noise can make it, is taken as 0 and the others refitted."""
+    keep = list(range(columns.shape[1]))
+    while True:
+        solution = np.linalg.lstsq(columns[:, keep], observed, rcond=None)[0]
+        negative = [k for k, value in zip(keep, solution, strict=True) if value < 0 and k != 0]
+        if not negative:
+            break
+        keep.remove(negative[0])
+    coefficients = np.zeros(columns.shape[1])
+    coefficients[keep] = solution
+    return coefficients
+
+
 def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], *, kv_blocks: int,
                block_size: int, max_batch: int) -> EngineFit:
-    """The engine model that best explains the samples (least squares; a coefficient that comes
-    out negative, which only noise can make it, is taken as 0 and the others refitted)."""
+    """The engine model that best explains the samples (least squares, no negative costs)."""
     if len({s.prompt_tokens for s in prefill}) < 2:
         raise ValueError("prefill samples need at least two prompt lengths")
     if len({(s.batch, s.context_tokens) for s in decode}) < 3:
         raise ValueError("decode samples need at least three (batch, context) points")
     columns = np.array([[1.0, s.batch, s.context_tokens / 1000] for s in decode])
     tpot = np.array([s.tpot_ms for s in decode])
-    keep = [0, 1, 2]
-    while True:
-        solution = np.linalg.lstsq(columns[:, keep], tpot, rcond=None)[0]
-        negative = [k for k, value in zip(keep, solution, strict=True) if value < 0 and k != 0]
-        if not negative:
-            break
-        keep.remove(negative[0])
-    coefficients = dict.fromkeys((0, 1, 2), 0.0)
-    coefficients.update(zip(keep, (float(v) for v in solution), strict=True))
-    step_ms, per_seq, per_kilotoken = (max(coefficients[k], 0.0) for k in (0, 1, 2))
+    step_ms, per_seq, per_kilotoken = (max(float(v), 0.0) for v in _fit_non_negative(columns, tpot))
     decode_predicted = columns @ np.array([step_ms, per_seq, per_kilotoken])
 
+    # An N-token prompt: intercept + N tokens + their attention, N^2 / 2000 (see EngineModel).
     tokens = np.array([s.prompt_tokens for s in prefill], dtype=float)
     ttft = np.array([s.ttft_ms for s in prefill])
-    slope, intercept = np.polyfit(tokens, ttft, 1)
-    per_token = max(float(slope), 0.0)
-    overhead = max(float(intercept) - step_ms, 0.0)
+    terms = [np.ones_like(tokens), tokens]
+    if len(set(tokens)) > 2:  # the quadratic term needs three prompt lengths to be told from the linear one
+        terms.append(tokens ** 2 / 2000)
+    coefficients = _fit_non_negative(np.column_stack(terms), ttft)
+    intercept, per_token = float(coefficients[0]), float(coefficients[1])
+    per_token_kilotoken = float(coefficients[2]) if len(coefficients) > 2 else 0.0
+    overhead = max(intercept - step_ms, 0.0)
     model = EngineModel(step_ms=step_ms, prefill_ms_per_token=per_token, decode_ms_per_seq=per_seq,
                         decode_ms_per_kilotoken=per_kilotoken, kv_blocks=kv_blocks, block_size=block_size,
-                        max_batch=max_batch, request_overhead_ms=overhead)
-    prefill_predicted = overhead + step_ms + per_token * tokens
+                        max_batch=max_batch, request_overhead_ms=overhead,
+                        prefill_ms_per_token_kilotoken=per_token_kilotoken)
+    prefill_predicted = overhead + step_ms + per_token * tokens + per_token_kilotoken * tokens ** 2 / 2000
     return EngineFit(model, _r2(ttft, prefill_predicted), _r2(tpot, decode_predicted))
 
 
@@ -96,8 +108,9 @@ def fit_slowdown(model: EngineModel, prefill_busy: Sequence[PrefillSample],
     """The engine's `neighbour_slowdown`: how much longer its steps took beside busy neighbours than
     `model`, fitted on samples taken alone, predicts. The median over the samples of observed /
     predicted step time, less 1 (a prefill's request overhead lies outside the steps); never below 0."""
-    ratios = [(s.ttft_ms - model.request_overhead_ms) / (model.step_ms + model.prefill_ms_per_token * s.prompt_tokens)
-              for s in prefill_busy]
+    ratios = [(s.ttft_ms - model.request_overhead_ms)
+              / (model.step_ms + model.prefill_ms_per_token * s.prompt_tokens
+                 + model.prefill_ms_per_token_kilotoken * s.prompt_tokens ** 2 / 2000) for s in prefill_busy]
     ratios += [s.tpot_ms / (model.step_ms + model.decode_ms_per_seq * s.batch
                             + model.decode_ms_per_kilotoken * s.context_tokens / 1000) for s in decode_busy]
     return max(0.0, float(np.median(ratios)) - 1.0) if ratios else 0.0

@@ -14,7 +14,8 @@ when the engine is idle and work is waiting, and schedules the step's end. Each 
   and keeps generating). As in vLLM, a step that preempted admits nothing while others still run.
 
 Step time is linear in what the step does: `step_ms + prefill_ms_per_token x prefilled tokens +
-decode_ms_per_seq x decoding requests + decode_ms_per_kilotoken x their context / 1000`. The
+decode_ms_per_seq x decoding requests + decode_ms_per_kilotoken x their context / 1000`, plus
+`prefill_ms_per_token_kilotoken` x the prefilled tokens' positions / 1000 (prefill attention). The
 constants are an `EngineModel`; presets and their calibration live apart from this mechanism. On a
 shared host the cluster loop stretches a step by `neighbour_slowdown` times the share of the other
 engines busy when it starts.
@@ -40,6 +41,10 @@ class EngineModel:
     # request reaches the engine this long after it arrives. Measured by `bench calibrate` for the
     # local CPU engine; 0 in the GPU presets, whose figures cover only the engine.
     request_overhead_ms: float = 0.0
+    # Prefill attention, which grows with context: a prefilled token at position j costs this much
+    # more per 1,000 tokens of j (so an N-token prompt adds N^2 / 2000 of it). Seen on the CPU
+    # engine, where a 1,024-token prefill took ~40% longer than the linear fit of shorter ones.
+    prefill_ms_per_token_kilotoken: float = 0.0
     # Engines that share one host's cores and memory bandwidth (the local CPU cluster) slow each
     # other down: a step that starts while the host's other engines are stepping takes this much
     # longer per busy neighbour share (0.3: 30% longer beside fully busy neighbours). Measured by
@@ -133,6 +138,7 @@ class SimEngine:
         preempted = self._grow(decoding)
         decoding = [r for r in decoding if r in self.running]  # preempted ones left the batch
         prefilled = 0
+        attention = 0.0  # sum over prefilled tokens of their positions, in thousands
         # A step that preempted admits nothing (vLLM), unless nothing is left running: then the
         # preempted request itself must be readmitted, or the engine would stall.
         while self.waiting and len(self.running) < m.max_batch and (not preempted or not self.running):
@@ -150,12 +156,14 @@ class SimEngine:
             computed = request.context - min(request.cached_tokens, request.context - 1)
             request.prefilled_tokens += computed
             prefilled += computed
+            attention += computed * (request.context - computed + computed / 2) / 1000
             self.running.append(request)
             plan.first_tokens.append(request)
         plan.decoded = decoding
         context = sum(r.context for r in decoding)
         plan.duration_ms = (m.step_ms + m.prefill_ms_per_token * prefilled + m.decode_ms_per_seq * len(decoding)
-                            + m.decode_ms_per_kilotoken * context / 1000)
+                            + m.decode_ms_per_kilotoken * context / 1000
+                            + m.prefill_ms_per_token_kilotoken * attention)
         return plan
 
     def _grow(self, decoding: list[SimRequest]) -> bool:

@@ -91,6 +91,18 @@ def test_a_step_that_starts_beside_a_busy_neighbour_on_a_shared_host_takes_longe
     assert (a.finished_ms, b.finished_ms) == (122, 128)
 
 
+def test_prefill_attention_grows_with_the_positions_of_the_prefilled_tokens() -> None:
+    """0.5 ms per prefilled token per 1,000 of its position. A: 200 new tokens, positions 0..200:
+    200 x 100 / 1000 x 0.5 = 10 ms more, first token at 10 + 200 + 10 = 220. Its next turn (400
+    tokens, 202 cached) prefills 198 tokens at positions 202..400: 198 x 301 / 1000 x 0.5 = 29.799."""
+    engine = dataclasses.replace(ENGINE, prefill_ms_per_token_kilotoken=0.5)
+    result = ClusterSim(make_policy("sticky"), {"n0": engine}, LINK).run([Turn("s", 0, 200, 2),
+                                                                          Turn("s", 1000, 400, 1)])
+    first, second = sorted(result.requests, key=lambda r: r.arrival_ms)
+    assert first.ttft_ms == 220
+    assert second.cached_tokens == 202 and second.ttft_ms == pytest.approx(10 + 198 + 29.799)
+
+
 def test_without_free_blocks_the_newest_request_is_preempted_and_still_finishes() -> None:
     """4 blocks of 32: A (60 tokens) and B (60) take 2 each; A's 5th token needs a 3rd block, none
     is free, so B (the newest) is preempted, recomputed later, and both still finish."""

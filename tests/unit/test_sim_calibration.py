@@ -18,7 +18,8 @@ from eval.sim.presets import Preset
 from scheduler.policies import make_policy
 
 TRUE = EngineModel(step_ms=20, prefill_ms_per_token=0.5, decode_ms_per_seq=1.5, decode_ms_per_kilotoken=4,
-                   kv_blocks=500, block_size=32, max_batch=256, request_overhead_ms=12)
+                   kv_blocks=500, block_size=32, max_batch=256, request_overhead_ms=12,
+                   prefill_ms_per_token_kilotoken=0.2)
 LINK = LinkModel(kv_bytes_per_token=1000, bandwidth_gbps=1.0, rtt_ms=0.5)
 
 
@@ -28,7 +29,8 @@ def _samples(noise: float = 0.0, seed: int = 0) -> tuple[list[PrefillSample], li
     def jitter(value: float) -> float:
         return value * (1 + rng.uniform(-noise, noise))
 
-    prefill = [PrefillSample(n, jitter(TRUE.request_overhead_ms + TRUE.step_ms + TRUE.prefill_ms_per_token * n))
+    prefill = [PrefillSample(n, jitter(TRUE.request_overhead_ms + TRUE.step_ms + TRUE.prefill_ms_per_token * n
+                                       + TRUE.prefill_ms_per_token_kilotoken * n * n / 2000))
                for n in (64, 256, 512, 1024) for _ in range(2)]
     decode = [DecodeSample(b, b * c, jitter(TRUE.step_ms + TRUE.decode_ms_per_seq * b
                                             + TRUE.decode_ms_per_kilotoken * b * c / 1000))
@@ -88,9 +90,9 @@ def test_a_preset_file_round_trips_and_a_bad_one_is_named(tmp_path: Path) -> Non
 
 
 def test_a_request_reaches_the_engine_after_its_overhead() -> None:
-    """Overhead 12 ms, then one step: 20 + 0.5 x 100 = 70 ms; first token at 82 ms."""
+    """Overhead 12 ms, then one step: 20 + 0.5 x 100 + 0.2 x 100^2 / 2000 = 71 ms; first token at 83 ms."""
     result = ClusterSim(make_policy("least_load"), {"n0": TRUE}, LINK).run([Turn("a", 0, 100, 1)])
-    assert result.requests[0].ttft_ms == pytest.approx(82)
+    assert result.requests[0].ttft_ms == pytest.approx(83)
 
 
 def _record(session: str, turn: int, sent: float, ttft: float, e2e: float, prompt: int, output: int,

@@ -88,6 +88,7 @@ def test_summaries_count_work_balance_and_kv_readiness() -> None:
     assert summary["busy_s_by_node"] == {"a": 5.0, "b": 2.0, "c": 0.0}
     assert summary["max_over_mean_load"] == pytest.approx(5.0 / (7.0 / 3))
     assert (summary["prefill_tokens_computed"], summary["prefill_tokens_total"]) == (100 + 40 + 268, 600)
+    assert summary["prefill_tokens_new"] == 100 + (200 - 150) + (300 - 210)  # first prompt, then new messages
     assert (summary["resumed_turns"], summary["kv_ready_at_arrival_frac"]) == (2, 0.5)
     assert summary["requests_by_node"] == {"a": 1, "b": 2, "c": 0}
 
