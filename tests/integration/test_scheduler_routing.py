@@ -18,7 +18,7 @@ from symphony.cli import main
 from symphony.rpc import kv_pb2
 from tests.helpers import async_wait_until
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
-from tests.integration.fakes import FakeEngine
+from tests.integration.fakes import FakeEngine, FakeNodeManager
 
 KEYS = ["acme:key-acme", "rival:key-rival"]
 ACME = {"Authorization": "Bearer key-acme"}
@@ -38,11 +38,7 @@ async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
     node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
     url, state = await start_scheduler([node_a, node_b], typing_lead_ms=7000)
     async with httpx.AsyncClient(base_url=url) as client:
-        await ready(client, 2)
-        turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
-        holder, other = (node_a, node_b) if turn.headers["x-symphony-node"] == "node-a" else (node_b, node_a)
-        holder.status.num_requests_running = 6  # the session's node is busy now: its KV must move
-        await async_wait_until(lambda: _busy(client, holder.status.node_id), 10, "the load to be polled")
+        holder, other = await _first_turn_then_busy(client, node_a, node_b)  # the KV must move
         advice = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
         assert advice.status_code == 202 and advice.json()["node"] == other.status.node_id
         await async_wait_until(lambda: bool(other.kv.prefetches), 10, "the prefetch request")
@@ -83,11 +79,7 @@ async def test_a_request_routed_away_from_its_kv_without_an_advisory_pulls_it_ov
     node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
     url, _ = await start_scheduler([node_a, node_b], route_pull_min_tokens=1, route_pull_wait_ms=20_000)
     async with httpx.AsyncClient(base_url=url) as client:
-        await ready(client, 2)
-        turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
-        holder, other = (node_a, node_b) if turn.headers["x-symphony-node"] == "node-a" else (node_b, node_a)
-        holder.status.num_requests_running = 6
-        await async_wait_until(lambda: _busy(client, holder.status.node_id), 10, "the load to be polled")
+        holder, other = await _first_turn_then_busy(client, node_a, node_b)
         other.kv.release.clear()  # the pull is under way until the test lets it end
         sent = len(engine.requests)
         second = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"}))
@@ -108,17 +100,24 @@ async def test_a_pull_that_runs_late_delays_the_request_only_by_the_bounded_wait
     node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
     url, _ = await start_scheduler([node_a, node_b], route_pull_min_tokens=1, route_pull_wait_ms=300)
     async with httpx.AsyncClient(base_url=url) as client:
-        await ready(client, 2)
-        turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
-        holder, other = (node_a, node_b) if turn.headers["x-symphony-node"] == "node-a" else (node_b, node_a)
-        holder.status.num_requests_running = 6
-        await async_wait_until(lambda: _busy(client, holder.status.node_id), 10, "the load to be polled")
+        _, other = await _first_turn_then_busy(client, node_a, node_b)
         other.kv.release.clear()  # a pull that never finishes
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
         assert reply.status_code == 200 and reply.headers["x-symphony-node"] == other.status.node_id
         assert len(other.kv.prefetches) == 1
         assert _metric((await client.get("/metrics")).text, 'symphony_route_pulls_total{outcome="late"}') == 1
         other.kv.release.set()
+
+
+async def _first_turn_then_busy(client: httpx.AsyncClient, node_a: FakeNodeManager, node_b: FakeNodeManager
+                                ) -> tuple[FakeNodeManager, FakeNodeManager]:
+    """Session "s" takes a turn on one node, which then gets busy: (that node, the other)."""
+    await ready(client, 2)
+    turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+    holder, other = (node_a, node_b) if turn.headers["x-symphony-node"] == "node-a" else (node_b, node_a)
+    holder.status.num_requests_running = 6
+    await async_wait_until(lambda: _busy(client, holder.status.node_id), 10, "the load to be polled")
+    return holder, other
 
 
 async def _busy(client: httpx.AsyncClient, node_id: str) -> bool:
