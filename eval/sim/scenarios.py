@@ -135,6 +135,14 @@ def users_ratio(points: dict[str, dict[int, dict[str, Any]]], policy: str, basel
     return served(points[policy]) / base if base else None
 
 
+def users_ratio_baseline_limited(points: dict[str, dict[int, dict[str, Any]]], baseline: str = "recompute") -> bool:
+    """Whether the baseline's mean TPOT left `users_ratio`'s bound at some point run."""
+    rows = points[baseline]
+    reference = rows[min(rows)]["tpot_ms_mean"]
+    return reference is not None and any(row["tpot_ms_mean"] is None or row["tpot_ms_mean"] > TPOT_BOUND * reference
+                                         for row in rows.values())
+
+
 MISS_RATES = (0.0, 0.1, 0.25, 0.5)
 
 

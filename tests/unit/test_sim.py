@@ -12,6 +12,7 @@ from eval.sim.agents import AgentProject, ProjectRun, agent_projects
 from eval.sim.cluster import ClusterSim, LinkModel, Script, Step, Turn
 from eval.sim.engine import EngineModel
 from eval.sim.presets import PRESETS
+from eval.sim.scenarios import users_ratio, users_ratio_baseline_limited
 from eval.sim.workload import sharegpt_users
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from scheduler.policies import make_policy
@@ -163,6 +164,16 @@ def test_users_replay_sharegpt_with_human_timing_deterministically() -> None:
     steps = [*chain.steps, *chain.after.steps]
     assert all(0 < s.typing_ms <= s.think_ms for s in steps)  # the advisory fires while the user thinks
     assert any(s.advised for s in steps) and any(not s.advised for s in steps)  # half are missed
+
+
+def test_the_users_ratio_says_when_recompute_never_left_the_bound() -> None:
+    def rows(*tpots: float) -> dict[int, dict[str, float]]:
+        return {users: {"tpot_ms_mean": tpot} for users, tpot in zip((64, 128, 256), tpots, strict=True)}
+
+    saturating = {"symphony": rows(10, 10.5, 11), "recompute": rows(10, 11, 20)}
+    assert users_ratio(saturating, "symphony") == 2.0 and users_ratio_baseline_limited(saturating)
+    light = {"symphony": rows(10, 10, 10), "recompute": rows(10, 10.5, 11)}
+    assert users_ratio(light, "symphony") == 1.0 and not users_ratio_baseline_limited(light)
 
 
 def test_the_users_scenario_runs_every_policy_and_reports_the_ratio(tmp_path: Path) -> None:
