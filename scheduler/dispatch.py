@@ -27,7 +27,7 @@ from scheduler.prefetcher import Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
 from scheduler.push_queue import PushQueue, QueueFull
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
-from scheduler.routing import NodeSnapshot, RouteDecision, RouteRequest, RoutingPolicy
+from scheduler.routing import NodeSnapshot, RouteDecision, RouteRequest, RoutingPolicy, kv_source
 from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
@@ -224,9 +224,8 @@ class Dispatcher:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
         pulled from the node holding the most of it. A session no node holds (a first turn) has
         nothing to move: the advisory only pre-assigned its node. True when a move is under way."""
-        held_here = request.kv_tokens.get(node_id, 0)
-        holders = {n: t for n, t in request.kv_tokens.items() if t > held_here and self._reachable(n)}
-        history = max([held_here, *holders.values()])
+        source = kv_source(request.kv_tokens, node_id, reachable=self._reachable)
+        history = source[1] if source is not None else request.kv_tokens.get(node_id, 0)
         current = self.prefetches.get(key)
         if current is not None and current.node_id == node_id:
             if current.state == "pending":
@@ -240,11 +239,11 @@ class Dispatcher:
                 return True
         if current is not None and current.state == "pending":
             self.prefetcher.cancel(current)  # the session was re-advised elsewhere
-        if not held_here and not holders:
+        if not history:
             return False
-        source = self._node(max(holders, key=holders.__getitem__)).address if holders else ""
+        address = self._node(source[0]).address if source is not None else ""
         deadline = expected_arrival_ms if expected_arrival_ms is not None else self.config.typing_lead_ms
-        prefetch = self.prefetcher.start(key, node_id, source, deadline, request.priority, history)
+        prefetch = self.prefetcher.start(key, node_id, address, deadline, request.priority, history)
         if prefetch is None:
             return False
         self.prefetches[key] = prefetch
@@ -342,14 +341,11 @@ class Dispatcher:
         wait_ms = self.config.route_pull_wait_ms
         if not self.policy.traits.prefetch_on_advisory or wait_ms <= 0:
             return
-        held_here = request.kv_tokens.get(node_id, 0)
-        holders = {n: t for n, t in request.kv_tokens.items()
-                   if t - held_here >= max(1, self.config.route_pull_min_tokens) and self._reachable(n)}
-        if not holders:
+        source = kv_source(request.kv_tokens, node_id, self.config.route_pull_min_tokens, self._reachable)
+        if source is None:
             return
-        source = max(holders, key=holders.__getitem__)
-        prefetch = self.prefetcher.start(key, node_id, self._node(source).address, wait_ms, request.priority,
-                                         holders[source], target="dram")
+        prefetch = self.prefetcher.start(key, node_id, self._node(source[0]).address, wait_ms, request.priority,
+                                         source[1], target="dram")
         if prefetch is None or prefetch.task is None:
             self.metrics.route_pulls.labels("not_started").inc()
             return

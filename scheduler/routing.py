@@ -9,7 +9,7 @@ at any scale.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -97,3 +97,15 @@ def kv_usage(node: NodeSnapshot) -> float:
 
 
 NO_NODE = RouteDecision(None, "no_available_node")
+
+
+def kv_source(kv_tokens: Mapping[str, int], node_id: str, at_least: int = 1,
+              reachable: Callable[[str], bool] = lambda _node: True) -> tuple[str, int] | None:
+    """Where `node_id` would pull a session's KV from: the reachable node holding the most history
+    tokens, if that is at least `at_least` more than `node_id` holds; else None. (node, its tokens)."""
+    held_here = kv_tokens.get(node_id, 0)
+    holders = {n: t for n, t in kv_tokens.items() if t - held_here >= max(1, at_least) and reachable(n)}
+    if not holders:
+        return None
+    source = max(holders, key=holders.__getitem__)
+    return source, holders[source]

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
-from scheduler.routing import PRIORITIES, PRIORITY_RANK, NodeSnapshot, RouteRequest, RoutingPolicy
+from scheduler.routing import PRIORITIES, PRIORITY_RANK, NodeSnapshot, RouteRequest, RoutingPolicy, kv_source
 from symphony.config import SchedulerConfig
 
 _SCHEDULER = SchedulerConfig()  # the scheduler's defaults, which the simulated one follows
@@ -217,15 +217,15 @@ class ClusterSim:
         if not self.policy.traits.prefetch_on_advisory:
             return
         held = self._kv.get(turn.session, {})
-        best = max(held.values(), default=0)
-        if best > held.get(node_id, 0):
-            tokens = best
+        source = kv_source(held, node_id)
+        if source is not None:
+            tokens = source[1]
 
             def moved() -> None:
                 kv = self._kv.setdefault(turn.session, {})
                 kv[node_id] = max(kv.get(node_id, 0), tokens)
 
-            self.at(self.now_ms + self.link.move_ms(best - held.get(node_id, 0)), moved)
+            self.at(self.now_ms + self.link.move_ms(tokens - held.get(node_id, 0)), moved)
 
     def _arrive(self, request_id: int, turn: Turn) -> None:
         request = SimRequest(request_id, turn.session, turn.arrival_ms, turn.prompt_tokens, turn.output_tokens,
@@ -293,13 +293,13 @@ class ClusterSim:
         if not self.policy.traits.prefetch_on_advisory or self.route_pull_wait_ms <= 0:
             return 0.0
         kv = self._kv.get(session, {})
-        best, held = max(kv.values(), default=0), kv.get(node_id, 0)
-        if best - held < max(1, self.route_pull_min_tokens):
+        source = kv_source(kv, node_id, self.route_pull_min_tokens)
+        if source is None:
             return 0.0
-        pull_ms = self.link.move_ms(best - held)
+        pull_ms = self.link.move_ms(source[1] - kv.get(node_id, 0))
         if pull_ms > self.route_pull_wait_ms:
             return self.route_pull_wait_ms
-        kv[node_id] = best
+        kv[node_id] = source[1]
         return pull_ms
 
     def _enqueue(self, request: SimRequest, node_id: str) -> None:

@@ -1,4 +1,4 @@
-"""scheduler.routing's NodeSnapshot.load and the least-load policy."""
+"""scheduler.routing's NodeSnapshot.load, the least-load policy and where KV is pulled from."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 from scheduler.policies import make_policy
 from scheduler.policies.least_load import LeastLoadPolicy
-from scheduler.routing import NodeSnapshot, RouteRequest
+from scheduler.routing import NodeSnapshot, RouteRequest, kv_source
 
 REQUEST = RouteRequest(tenant="t", session_id=None, model="m")
 
@@ -132,3 +132,14 @@ def test_make_policy_returns_independent_instances() -> None:
     first, second = make_policy("least_load"), make_policy("least_load")
     nodes = [node("a"), node("b")]
     assert first.choose(REQUEST, nodes).node_id == second.choose(REQUEST, nodes).node_id
+
+
+# -- kv_source ----------------------------------------------------------------------------------------
+def test_kv_is_pulled_from_the_reachable_node_holding_the_most_beyond_a_margin() -> None:
+    held = {"a": 100, "b": 900, "c": 500}
+    assert kv_source(held, "a") == ("b", 900)
+    assert kv_source(held, "a", reachable=lambda n: n != "b") == ("c", 500)
+    assert kv_source(held, "b") is None  # nobody holds more than b
+    assert kv_source(held, "c", at_least=401) is None and kv_source(held, "c", at_least=400) == ("b", 900)
+    assert kv_source({}, "a") is None
+
