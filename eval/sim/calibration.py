@@ -73,6 +73,17 @@ def _fit_non_negative(columns: np.ndarray, observed: np.ndarray) -> np.ndarray:
     return coefficients
 
 
+def prefill_step_ms(model: EngineModel, prompt_tokens: Any) -> Any:
+    """The step that prefills one N-token prompt alone, nothing cached (N a number or an array)."""
+    return (model.step_ms + model.prefill_ms_per_token * prompt_tokens
+            + model.prefill_ms_per_token_kilotoken * prompt_tokens ** 2 / 2000)
+
+
+def decode_step_ms(model: EngineModel, batch: Any, context_tokens: Any) -> Any:
+    """One decode step of `batch` requests over `context_tokens` in all (numbers or arrays)."""
+    return model.step_ms + model.decode_ms_per_seq * batch + model.decode_ms_per_kilotoken * context_tokens / 1000
+
+
 def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], *, kv_blocks: int,
                block_size: int, max_batch: int) -> EngineFit:
     """The engine model that best explains the samples (least squares, no negative costs)."""
@@ -80,10 +91,11 @@ def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample],
         raise ValueError("prefill samples need at least two prompt lengths")
     if len({(s.batch, s.context_tokens) for s in decode}) < 3:
         raise ValueError("decode samples need at least three (batch, context) points")
-    columns = np.array([[1.0, s.batch, s.context_tokens / 1000] for s in decode])
+    batch = np.array([s.batch for s in decode], dtype=float)
+    context = np.array([s.context_tokens for s in decode], dtype=float)
+    columns = np.column_stack([np.ones_like(batch), batch, context / 1000])
     tpot = np.array([s.tpot_ms for s in decode])
     step_ms, per_seq, per_kilotoken = (max(float(v), 0.0) for v in _fit_non_negative(columns, tpot))
-    decode_predicted = columns @ np.array([step_ms, per_seq, per_kilotoken])
 
     # An N-token prompt: intercept + N tokens + their attention, N^2 / 2000 (see EngineModel).
     tokens = np.array([s.prompt_tokens for s in prefill], dtype=float)
@@ -99,7 +111,8 @@ def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample],
                         decode_ms_per_kilotoken=per_kilotoken, kv_blocks=kv_blocks, block_size=block_size,
                         max_batch=max_batch, request_overhead_ms=overhead,
                         prefill_ms_per_token_kilotoken=per_token_kilotoken)
-    prefill_predicted = overhead + step_ms + per_token * tokens + per_token_kilotoken * tokens ** 2 / 2000
+    prefill_predicted = overhead + prefill_step_ms(model, tokens)
+    decode_predicted = decode_step_ms(model, batch, context)
     return EngineFit(model, _r2(ttft, prefill_predicted), _r2(tpot, decode_predicted))
 
 
@@ -108,11 +121,8 @@ def fit_slowdown(model: EngineModel, prefill_busy: Sequence[PrefillSample],
     """The engine's `neighbour_slowdown`: how much longer its steps took beside busy neighbours than
     `model`, fitted on samples taken alone, predicts. The median over the samples of observed /
     predicted step time, less 1 (a prefill's request overhead lies outside the steps); never below 0."""
-    ratios = [(s.ttft_ms - model.request_overhead_ms)
-              / (model.step_ms + model.prefill_ms_per_token * s.prompt_tokens
-                 + model.prefill_ms_per_token_kilotoken * s.prompt_tokens ** 2 / 2000) for s in prefill_busy]
-    ratios += [s.tpot_ms / (model.step_ms + model.decode_ms_per_seq * s.batch
-                            + model.decode_ms_per_kilotoken * s.context_tokens / 1000) for s in decode_busy]
+    ratios = [(s.ttft_ms - model.request_overhead_ms) / prefill_step_ms(model, s.prompt_tokens) for s in prefill_busy]
+    ratios += [s.tpot_ms / decode_step_ms(model, s.batch, s.context_tokens) for s in decode_busy]
     return max(0.0, float(np.median(ratios)) - 1.0) if ratios else 0.0
 
 
