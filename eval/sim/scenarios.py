@@ -117,30 +117,34 @@ def _class_figures(requests: Sequence[SimRequest], duration_ms: float, prefix: s
             f"{prefix}output_tokens_per_s": sum(r.generated for r in done) / (duration_ms / 1000)}
 
 
-def users_ratio(points: dict[str, dict[int, dict[str, Any]]], policy: str, baseline: str = "recompute") -> float | None:
-    """Most users `policy` serves with mean TPOT <= 1.15 x the baseline's at the fewest users, over
-    the most the baseline serves so."""
-    base_points = points[baseline]
-    fewest = min(base_points)
-    reference = base_points[fewest]["tpot_ms_mean"]
-    if reference is None:
-        return None
-
-    def served(rows: dict[int, dict[str, Any]]) -> int:
-        within = [u for u, row in rows.items() if row["tpot_ms_mean"] is not None
-                  and row["tpot_ms_mean"] <= TPOT_BOUND * reference]
-        return max(within, default=0)
-
-    base = served(base_points)
-    return served(points[policy]) / base if base else None
+Points = dict[str, dict[int, dict[str, Any]]]  # policy -> users -> that run's summary
 
 
-def users_ratio_baseline_limited(points: dict[str, dict[int, dict[str, Any]]], baseline: str = "recompute") -> bool:
-    """Whether the baseline's mean TPOT left `users_ratio`'s bound at some point run."""
+def _within_bound(points: Points, baseline: str) -> dict[str, list[int]] | None:
+    """Per policy, the user counts whose mean TPOT is within TPOT_BOUND x the baseline's at the
+    fewest users (None when that reference has no TPOT)."""
     rows = points[baseline]
     reference = rows[min(rows)]["tpot_ms_mean"]
-    return reference is not None and any(row["tpot_ms_mean"] is None or row["tpot_ms_mean"] > TPOT_BOUND * reference
-                                         for row in rows.values())
+    if reference is None:
+        return None
+    return {policy: [u for u, row in by_users.items() if row["tpot_ms_mean"] is not None
+                     and row["tpot_ms_mean"] <= TPOT_BOUND * reference] for policy, by_users in points.items()}
+
+
+def users_ratio(points: Points, policy: str, baseline: str = "recompute") -> float | None:
+    """Most users `policy` serves with mean TPOT <= 1.15 x the baseline's at the fewest users, over
+    the most the baseline serves so."""
+    within = _within_bound(points, baseline)
+    if within is None:
+        return None
+    base = max(within[baseline], default=0)
+    return max(within[policy], default=0) / base if base else None
+
+
+def users_ratio_baseline_limited(points: Points, baseline: str = "recompute") -> bool:
+    """Whether the baseline's mean TPOT left `users_ratio`'s bound at some point run."""
+    within = _within_bound(points, baseline)
+    return within is not None and len(within[baseline]) < len(points[baseline])
 
 
 MISS_RATES = (0.0, 0.1, 0.25, 0.5)
