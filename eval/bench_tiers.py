@@ -99,6 +99,7 @@ def measure_disk_bounds(directory: Path, nbytes: int) -> tuple[float, float]:
     """Plain sequential write + fsync, then an uncached sequential read, of the same bytes."""
     data = os.urandom(nbytes)
     path = directory / "bound.bin"
+    os.sync()  # see measure_store_paths: no earlier writeback lands inside this measurement
     started = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, data)
@@ -160,6 +161,10 @@ def measure_store_paths(geometry: KVGeometry, pages: list[torch.Tensor], token_i
     store = _store(geometry, ssd_dir, f"a{trial}", nbytes, device)
     try:
         store.put_session(TENANT, "s", token_ids)
+        # The write bound just before left an unlinked file and journal work behind; without a sync
+        # the device is still busy with them when the save starts (measured: the ratio of the two
+        # swung between 0.3 and 2 from one trial to the next, and settled with it).
+        os.sync()
         started = time.perf_counter()
         futures = [store.save_layer(TENANT, "s", layer, 0, pages[layer]) for layer in range(geometry.num_layers)]
         kept = sum(f.result(60) for f in futures)

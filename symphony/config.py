@@ -118,6 +118,7 @@ class KVConfig:
     io_threads: int = 2  # copy and file I/O threads per node
     max_inflight_jobs: int = 256  # queued layer loads and save copies; beyond, loads get RESOURCE_EXHAUSTED
     segment_max_bytes: int = 8 * 1024**2  # write-behind batches up to this many bytes per SSD file
+    ssd_writers: int = 2  # write-behind threads: segments written at once (the SSD's queue depth)
     max_sessions: int = 100_000  # session records kept (LRU beyond; their pages age out by tier policy)
     max_session_tokens: int = 1_048_576
     max_pending_prefetches: int = 4096
@@ -391,8 +392,8 @@ def _validate(config: SymphonyConfig) -> None:
     kv = config.kv
     check(0 <= kv.hbm_bytes <= kv.dram_bytes <= kv.ssd_bytes, "kv.hbm_bytes/dram_bytes/ssd_bytes",
           f"need 0 <= hbm_bytes <= dram_bytes <= ssd_bytes, got {kv.hbm_bytes}, {kv.dram_bytes}, {kv.ssd_bytes}")
-    for name in ("io_threads", "max_inflight_jobs", "segment_max_bytes", "max_sessions", "max_session_tokens",
-                 "max_pending_prefetches", "prefetch_concurrency", "peer_timeout_s"):
+    for name in ("io_threads", "max_inflight_jobs", "segment_max_bytes", "ssd_writers", "max_sessions",
+                 "max_session_tokens", "max_pending_prefetches", "prefetch_concurrency", "peer_timeout_s"):
         check(getattr(kv, name) > 0, f"kv.{name}", "must be positive")
     check(kv.device == "cpu" or kv.device.startswith("cuda"), "kv.device", f"{kv.device!r} is not cpu or cuda[:N]")
     check(0 <= kv.engine_warmup_max_kv_usage <= 1, "kv.engine_warmup_max_kv_usage",

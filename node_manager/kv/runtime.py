@@ -57,8 +57,8 @@ def store_config(config: SymphonyConfig, index: int) -> StoreConfig:
     return StoreConfig(hbm_bytes=kv.hbm_bytes, dram_bytes=kv.dram_bytes, ssd_bytes=kv.ssd_bytes,
                        ssd_dir=config.kv_ssd_dir(index), arena_name=arena, device=kv.device,
                        io_threads=kv.io_threads, max_inflight_jobs=kv.max_inflight_jobs,
-                       segment_max_bytes=kv.segment_max_bytes, max_sessions=kv.max_sessions,
-                       max_session_tokens=kv.max_session_tokens)
+                       segment_max_bytes=kv.segment_max_bytes, ssd_writers=kv.ssd_writers,
+                       max_sessions=kv.max_sessions, max_session_tokens=kv.max_session_tokens)
 
 
 async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, server: grpc.aio.Server,

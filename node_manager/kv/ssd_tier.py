@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from node_manager.kv.eviction import LRUPolicy
 from node_manager.kv.pages import PageId
 from node_manager.kv.segments import (
+    ALIGN,
     SUFFIX,
     TMP_SUFFIX,
     SegmentEntry,
@@ -31,6 +33,13 @@ from node_manager.kv.segments import (
 from symphony.logs import get_logger
 
 log = get_logger("node_manager.kv.ssd")
+
+
+def _aligned_copy(data: bytes) -> mmap.mmap:
+    """`data` in page-aligned memory, as O_DIRECT requires of every buffer it writes."""
+    buffer = mmap.mmap(-1, len(data))
+    buffer[:] = data
+    return buffer
 
 
 class SsdFullError(OSError):
@@ -63,7 +72,9 @@ class SsdLocation:
 
 
 class SsdTier:
-    def __init__(self, directory: Path, page_bytes: int, capacity_bytes: int) -> None:
+    def __init__(self, directory: Path, page_bytes: int, capacity_bytes: int, *, direct_io: bool = False) -> None:
+        """`direct_io`: the caller's page buffers are page-aligned (the DRAM arena's are when a page
+        is a whole number of 4 KiB), so segments may bypass the page cache (see `write`)."""
         self.directory = Path(directory)
         self.page_bytes = page_bytes
         self.capacity_bytes = capacity_bytes
@@ -71,6 +82,7 @@ class SsdTier:
         self.used_bytes = 0  # bytes of committed segments plus reservations
         self._lru = LRUPolicy()
         self._next_seq = 1
+        self._direct = direct_io and page_bytes % ALIGN == 0 and hasattr(os, "O_DIRECT")
         self.directory.mkdir(parents=True, exist_ok=True)
 
     # ---- restart ----------------------------------------------------------------------------------
@@ -187,12 +199,40 @@ class SsdTier:
     # ---- I/O (no lock held) -----------------------------------------------------------------------
 
     def write(self, seq: int, entries: list[SegmentEntry], pages: list[memoryview]) -> None:
-        """Write a whole segment durably: temp file, fsync, rename, fsync the directory."""
+        """Write a whole segment durably: temp file, fsync, rename, fsync the directory.
+
+        Pages go to the device with O_DIRECT where the file system takes it: a buffered write first
+        copies every byte into the page cache and then waits for writeback at fsync, which costs a
+        core on this 2-core host while the DRAM saves it trails need both (measured: 7 buffered
+        segments of a 47 MB session took 76 ms against 50 ms for one plain write + fsync, the same
+        segments with O_DIRECT 50 ms). A file system that refuses it (tmpfs) gets buffered writes."""
         final = self.directory / segment_name(seq)
         tmp = final.with_suffix(TMP_SUFFIX)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        header = encode_header(seq, self.page_bytes, entries)
+        if self._direct:
+            try:
+                self._write_file(tmp, _aligned_copy(header), pages, os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct = False
+                log.info("the SSD tier writes through the page cache: O_DIRECT was refused",
+                         directory=str(self.directory), error=str(exc))
+                self._write_file(tmp, header, pages, 0)
+        else:
+            self._write_file(tmp, header, pages, 0)
+        os.rename(tmp, final)
+        dir_fd = os.open(self.directory, os.O_RDONLY)
         try:
-            buffers: list[bytes | memoryview] = [encode_header(seq, self.page_bytes, entries), *pages]
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    @staticmethod
+    def _write_file(path: Path, header: bytes | mmap.mmap, pages: list[memoryview], flags: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o600)
+        try:
+            buffers: list[bytes | mmap.mmap | memoryview] = [header, *pages]
             expected = sum(len(b) for b in buffers)
             written = 0
             while buffers:
@@ -214,15 +254,9 @@ class SsdTier:
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+                path.unlink()
             raise
         os.close(fd)
-        os.rename(tmp, final)
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
     def read_into(self, segment: Segment, reads: list[tuple[int, memoryview]]) -> None:
         """Read entries (index, destination) of one segment; runs of adjacent entries become one

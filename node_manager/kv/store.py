@@ -85,6 +85,7 @@ class StoreConfig:
     io_threads: int = 2
     max_inflight_jobs: int = 256  # queued + running layer jobs and save copies
     segment_max_bytes: int = 8 * 1024 * 1024
+    ssd_writers: int = 2
     max_sessions: int = 100_000
     max_session_tokens: int = 1_048_576
     # How long the write-behind may hold off while a foreground transfer (a peer pull) runs.
@@ -94,7 +95,8 @@ class StoreConfig:
         if not 0 <= self.hbm_bytes <= self.dram_bytes <= self.ssd_bytes:
             raise ValueError("KV tier capacities must satisfy 0 <= hbm_bytes <= dram_bytes <= ssd_bytes "
                              f"(got {self.hbm_bytes}, {self.dram_bytes}, {self.ssd_bytes})")
-        for name in ("io_threads", "max_inflight_jobs", "segment_max_bytes", "max_sessions", "max_session_tokens"):
+        for name in ("io_threads", "max_inflight_jobs", "segment_max_bytes", "ssd_writers", "max_sessions",
+                     "max_session_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KV store: {name} must be positive")
         if self.write_behind_max_delay_s < 0:
@@ -158,7 +160,8 @@ class TieredStore:
         self._directory = PageDirectory(geometry.num_layers)
         self.hbm = DevicePool(geometry, config.hbm_bytes, config.device)
         self.dram = DramArena(config.arena_name, geometry, config.dram_bytes, pin_for_cuda=config.device != "cpu")
-        self.ssd = SsdTier(config.ssd_dir, geometry.page_bytes, config.ssd_bytes)
+        # The arena's pages are page-aligned, so the write-behind may use O_DIRECT straight from them.
+        self.ssd = SsdTier(config.ssd_dir, geometry.page_bytes, config.ssd_bytes, direct_io=True)
         # Blocks complete in some tier, for the connector to look up without asking (block_index). A
         # complete block has a page per layer, so the tiers' pages bound how many there can be.
         total_pages = (config.hbm_bytes + config.dram_bytes + config.ssd_bytes) // geometry.page_bytes
@@ -189,8 +192,13 @@ class TieredStore:
         for tier, capacity in capacities.items():
             self.metrics.tier_capacity.labels(tier.name).set(capacity)
         self._rebuild_index()
-        self._writer = threading.Thread(target=self._write_behind_loop, name="kv-write-behind", daemon=True)
-        self._writer.start()
+        # More than one writer keeps the device busy while another segment waits on its fsync: one
+        # writer left it idle between segments and persisted a 47 MB save at about half the speed of
+        # one plain write + fsync of the same bytes.
+        self._writers = [threading.Thread(target=self._write_behind_loop, name=f"kv-write-behind-{i}", daemon=True)
+                         for i in range(config.ssd_writers)]
+        for writer in self._writers:
+            writer.start()
 
     # ---- sessions ---------------------------------------------------------------------------------
 
@@ -666,11 +674,19 @@ class TieredStore:
 
     def _persist(self, batch: list[WritePending]) -> None:
         # The persisting pin keeps each page's row, checksum and DRAM copy in place until the end.
+        # The batch's pages are distinct, so its bookkeeping runs as whole-array operations: the
+        # lock is shared with the saves this write trails.
         d = self._directory
         nbytes = self.ssd.segment_bytes(len(batch))
+        rows = np.fromiter((row for _, _, row in batch), np.int64, len(batch))
+        layers = np.fromiter((layer for _, layer, _ in batch), np.int64, len(batch))
         with self._lock:
-            entries = [SegmentEntry(key, layer, int(d.checksum[row, layer])) for key, layer, row in batch]
-            views = [self.dram.page_view(int(d.dram[row, layer])) for _, layer, row in batch]
+            checksums = d.checksum[rows, layers]
+            slots = d.dram[rows, layers]
+        entries = [SegmentEntry(key, layer, checksum)
+                   for (key, layer, _), checksum in zip(batch, checksums.tolist(), strict=True)]
+        # One buffer per run of consecutive slots (a save's slots mostly are): fewer, longer writes.
+        views = [self.dram.run_view(int(slots[start]), stop - start) for start, stop in consecutive_runs(slots)]
         try:
             with self._lock:
                 seq, evicted = self.ssd.reserve(nbytes)
@@ -689,13 +705,17 @@ class TieredStore:
         self._observe_io(Tier.SSD, "write", len(batch), started)
         with self._lock:
             segment = self.ssd.commit(seq, entries)
-            for index, (key, layer, row) in enumerate(batch):
-                d.persisting[row, layer] = False
-                d.pins[row, layer] -= 1
-                if d.keys[row] == key and int(d.checksum[row, layer]) == entries[index].checksum:
-                    d.set_ssd(row, layer, SsdLocation(seq, index))
-                else:
-                    self.ssd.drop_page(SsdLocation(seq, index))
+            d.persisting[rows, layers] = False
+            d.pins[rows, layers] -= 1
+            keys = d.keys
+            # A page replaced while it was written (another key on its row, other bytes) keeps no SSD copy.
+            current = d.checksum[rows, layers] == checksums
+            current &= np.fromiter((keys[row] == key for key, _, row in batch), np.bool_, len(batch))
+            written = np.flatnonzero(current)
+            d.ssd_seq[rows[written], layers[written]] = seq
+            d.ssd_page[rows[written], layers[written]] = written
+            for index in np.flatnonzero(~current).tolist():
+                self.ssd.drop_page(SsdLocation(seq, index))
             if self._ssd_degraded:
                 self._ssd_degraded = False
                 log.info("KV saves reach SSD again", segment=segment.path.name)
@@ -1180,7 +1200,8 @@ class TieredStore:
         with self._lock:
             self._closed = True
             self._writer_wake.notify_all()
-        self._writer.join(timeout=flush_timeout)
+        for writer in self._writers:
+            writer.join(timeout=flush_timeout)
         self._io.shutdown(wait=True)
         self._readahead_pool.shutdown(wait=True)
         self.dram.close()

@@ -245,6 +245,7 @@ def test_malformed_json_list_from_env_is_a_config_error_naming_the_var() -> None
         ({"engine": {"max_restarts": -1}}, "engine.max_restarts"),
         ({"engine": {"nice": 20}}, "engine.nice"),
         ({"engine": {"nice": -1}}, "engine.nice"),
+        ({"kv": {"ssd_writers": 0}}, "kv.ssd_writers"),
         ({"kv": {"data_plane": "rdma"}}, "kv.data_plane"),
         ({"kv": {"data_port_base": 70000}}, "kv.data_port_base"),
         ({"kv": {"data_port_base": 50051}}, "ports"),  # on top of node 0's gRPC port

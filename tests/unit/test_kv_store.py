@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from pathlib import Path
 from uuid import uuid4
@@ -607,6 +608,63 @@ def test_other_ssd_errors_are_counted_separately(make_store: MakeStore, monkeypa
     assert metric(store, "symphony_kv_save_degraded_total", reason="ssd_full") == 0
 
 
+ALIGNED = KVGeometry(num_layers=3, kv_heads=1, head_size=64, block_size=16)  # 4 KiB pages: O_DIRECT-able
+
+
+def _save_aligned(store: TieredStore, blocks: int, seed: int, session: str = "s1") -> list[torch.Tensor]:
+    store.put_session("acme", session, list(range(seed, seed + blocks * ALIGNED.block_size)))
+    data = page_data(blocks, seed, ALIGNED)
+    assert all(store.save_layer("acme", session, layer, 0, data[layer]).result(TIMEOUT) == blocks
+               for layer in range(ALIGNED.num_layers))
+    assert store.flush(TIMEOUT)
+    return data
+
+
+def _reload_from_ssd(make_store: MakeStore, blocks: int, seed: int) -> tuple[list[torch.Tensor], list[LayerResult]]:
+    store = make_store(geometry=ALIGNED)
+    store.put_session("acme", "s1", list(range(seed, seed + blocks * ALIGNED.block_size)))
+    return load_rows(store, "s1", blocks)
+
+
+def test_page_aligned_segments_survive_a_restart_byte_for_byte(make_store: MakeStore, ssd_dir: Path) -> None:
+    """4 KiB pages take the O_DIRECT path (where the file system allows it) with two writers."""
+    assert ALIGNED.page_bytes == 4096
+    first = make_store(geometry=ALIGNED, ssd_writers=2, segment_max_bytes=4 * 4096)
+    data = _save_aligned(first, 6, seed=41)
+    first.close()
+    assert len(segment_files(ssd_dir)) >= 5  # 18 pages in segments of at most 4
+    tensors, results = _reload_from_ssd(make_store, 6, seed=41)
+    assert all(r.failed == () and r.by_tier == {Tier.SSD: 6} for r in results)
+    assert all(torch.equal(tensors[layer], data[layer]) for layer in range(ALIGNED.num_layers))
+
+
+def test_refused_o_direct_falls_back_to_buffered_writes(make_store: MakeStore, ssd_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import node_manager.kv.ssd_tier as ssd_tier
+
+    real_open = os.open
+    direct_opens = []
+
+    def no_direct_open(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT:
+            direct_opens.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")  # what tmpfs and some FUSE mounts answer
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ssd_tier.os, "open", no_direct_open)
+    first = make_store(geometry=ALIGNED, ssd_writers=1)
+    data = _save_aligned(first, 2, seed=42)
+    _save_aligned(first, 3, seed=43, session="s2")  # later segments go straight to buffered writes
+    assert len(direct_opens) == 1
+    assert not first.ssd_degraded
+    assert metric(first, "symphony_kv_save_degraded_total", reason="ssd_error") == 0
+    first.close()
+    monkeypatch.undo()
+    tensors, results = _reload_from_ssd(make_store, 2, seed=42)
+    assert all(r.failed == () for r in results)
+    assert all(torch.equal(tensors[layer], data[layer]) for layer in range(ALIGNED.num_layers))
+
+
 def test_close_flushes_pending_writes(make_store: MakeStore, ssd_dir: Path) -> None:
     store = make_store()
     save_session(store, "s1", 2, seed=40)
@@ -732,8 +790,8 @@ def test_config_capacities_must_be_ordered(tmp_path: Path, hbm: int, dram: int, 
     assert not (Path("/dev/shm") / config.arena_name).exists()
 
 
-@pytest.mark.parametrize("field", ["io_threads", "max_inflight_jobs", "segment_max_bytes", "max_sessions",
-                                   "max_session_tokens"])
+@pytest.mark.parametrize("field", ["io_threads", "max_inflight_jobs", "segment_max_bytes", "ssd_writers",
+                                   "max_sessions", "max_session_tokens"])
 def test_config_counts_must_be_positive(tmp_path: Path, field: str) -> None:
     config = StoreConfig(hbm_bytes=0, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused",
                          **{field: 0})  # type: ignore[arg-type]
