@@ -179,7 +179,7 @@ class TieredStore:
         self._writer_wake = threading.Condition(self._lock)
         self._writes_in_progress = 0
         self._foreground_transfers = 0
-        self._write_behind_held = False  # holding off for a foreground transfer (stats, tests)
+        self._writers_held = 0  # write-behind threads in `_yield_to_foreground` (stats, tests)
         self._flush_waiters = 0
         self._ssd_degraded = False
         self._closed = False
@@ -649,16 +649,16 @@ class TieredStore:
         waits, never once a quarter of DRAM waits to be persisted. Caller holds the lock."""
         deadline = time.monotonic() + self.config.write_behind_max_delay_s
         high_water = max(1, self.dram.num_slots // 4)
+        self._writers_held += 1  # a count: each write-behind thread holds off on its own
         try:
             while (self._foreground_transfers and not self._flush_waiters and not self._closed
                    and len(self._write_queue) < high_water):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                self._write_behind_held = True
                 self._writer_wake.wait(remaining)
         finally:
-            self._write_behind_held = False
+            self._writers_held -= 1
 
     @contextlib.contextmanager
     def foreground_transfer(self) -> Iterator[None]:
@@ -1191,7 +1191,7 @@ class TieredStore:
                 "ssd_pages": pages[Tier.SSD],
                 "ssd_bytes": self.ssd.used_bytes,
                 "write_queue": len(self._write_queue),
-                "write_behind_held": int(self._write_behind_held),
+                "write_behind_held": int(self._writers_held > 0),
             }
 
     def close(self, flush_timeout: float = 30.0) -> None:
