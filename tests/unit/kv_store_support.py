@@ -23,8 +23,8 @@ assert PAGE == 64 and WORDS == 8
 MakeStore = Callable[..., TieredStore]
 
 
-def tokens(num_blocks: int, base: int = 1000, tail: int = 0) -> list[int]:
-    return list(range(base, base + num_blocks * BLOCK + tail))
+def tokens(num_blocks: int, base: int = 1000, tail: int = 0, block_size: int = BLOCK) -> list[int]:
+    return list(range(base, base + num_blocks * block_size + tail))
 
 
 def page_data(num_blocks: int, seed: int, geometry: KVGeometry = GEOMETRY) -> list[torch.Tensor]:
@@ -37,7 +37,8 @@ def page_data(num_blocks: int, seed: int, geometry: KVGeometry = GEOMETRY) -> li
 def save_session(store: TieredStore, session: str, num_blocks: int, seed: int, *, tenant: str = "acme",
                  base: int | None = None, priority: Priority | None = None,
                  layers: list[int] | None = None, flush_each: bool = False) -> list[torch.Tensor]:
-    store.put_session(tenant, session, tokens(num_blocks, base if base is not None else seed * 10_000), priority)
+    store.put_session(tenant, session, tokens(num_blocks, base if base is not None else seed * 10_000,
+                                              block_size=store.geometry.block_size), priority)
     data = page_data(num_blocks, seed, store.geometry)
     for layer in range(store.geometry.num_layers) if layers is None else layers:
         kept = store.save_layer(tenant, session, layer, 0, data[layer]).result(TIMEOUT)

@@ -611,18 +611,10 @@ def test_other_ssd_errors_are_counted_separately(make_store: MakeStore, monkeypa
 ALIGNED = KVGeometry(num_layers=3, kv_heads=1, head_size=64, block_size=16)  # 4 KiB pages: O_DIRECT-able
 
 
-def _save_aligned(store: TieredStore, blocks: int, seed: int, session: str = "s1") -> list[torch.Tensor]:
-    store.put_session("acme", session, list(range(seed, seed + blocks * ALIGNED.block_size)))
-    data = page_data(blocks, seed, ALIGNED)
-    assert all(store.save_layer("acme", session, layer, 0, data[layer]).result(TIMEOUT) == blocks
-               for layer in range(ALIGNED.num_layers))
-    assert store.flush(TIMEOUT)
-    return data
-
-
 def _reload_from_ssd(make_store: MakeStore, blocks: int, seed: int) -> tuple[list[torch.Tensor], list[LayerResult]]:
+    """A fresh store on the same directory, loading `save_session`'s session "s1" (saved with `seed`)."""
     store = make_store(geometry=ALIGNED)
-    store.put_session("acme", "s1", list(range(seed, seed + blocks * ALIGNED.block_size)))
+    store.put_session("acme", "s1", tokens(blocks, base=seed * 10_000, block_size=ALIGNED.block_size))
     return load_rows(store, "s1", blocks)
 
 
@@ -630,7 +622,7 @@ def test_page_aligned_segments_survive_a_restart_byte_for_byte(make_store: MakeS
     """4 KiB pages take the O_DIRECT path (where the file system allows it) with two writers."""
     assert ALIGNED.page_bytes == 4096
     first = make_store(geometry=ALIGNED, ssd_writers=2, segment_max_bytes=4 * 4096)
-    data = _save_aligned(first, 6, seed=41)
+    data = save_session(first, "s1", 6, seed=41)
     first.close()
     assert len(segment_files(ssd_dir)) >= 5  # 18 pages in segments of at most 4
     tensors, results = _reload_from_ssd(make_store, 6, seed=41)
@@ -653,8 +645,10 @@ def test_refused_o_direct_falls_back_to_buffered_writes(make_store: MakeStore, s
 
     monkeypatch.setattr(ssd_tier.os, "open", no_direct_open)
     first = make_store(geometry=ALIGNED, ssd_writers=1)
-    data = _save_aligned(first, 2, seed=42)
-    _save_aligned(first, 3, seed=43, session="s2")  # later segments go straight to buffered writes
+    data = save_session(first, "s1", 2, seed=42)
+    assert first.flush(TIMEOUT)
+    save_session(first, "s2", 3, seed=43)  # later segments go straight to buffered writes
+    assert first.flush(TIMEOUT)
     assert len(direct_opens) == 1
     assert not first.ssd_degraded
     assert metric(first, "symphony_kv_save_degraded_total", reason="ssd_error") == 0
