@@ -491,6 +491,12 @@ class TieredStore:
         slots = reservation.slots
         return [self.dram.run_view(slots[start], stop - start) for start, stop in consecutive_runs(slots)]
 
+    @staticmethod
+    def reserved_checksum(reservation: PageReservation, index: int, data: memoryview) -> int:
+        """The checksum of the reservation's page `index` given its bytes: for a receiver that
+        checksums each page the moment it lands, while it is still in the CPU cache."""
+        return page_checksum(reservation.keys[index], reservation.layer, data)
+
     def commit_pages(self, reservation: PageReservation, expected: Sequence[int] | None = None) -> int:
         """Checksum the reserved pages as they sit in DRAM and install them; with `expected`, a page
         whose checksum differs is dropped instead (counted). Returns the pages kept."""
@@ -520,15 +526,19 @@ class TieredStore:
             self._writer_wake.notify_all()  # the writer, not only a waiting flush
         return sum(len(pages.keys) for pages in verified)
 
-    def verify_reserved(self, reservation: PageReservation, expected: Sequence[int] | None) -> VerifiedPages:
+    def verify_reserved(self, reservation: PageReservation, expected: Sequence[int] | None,
+                        actual: list[int] | None = None) -> VerifiedPages:
         """Checksum a reservation's pages as they sit in DRAM, the first step of a commit (then
         `install_verified`); with `expected`, the pages whose checksum differs are set apart
-        (counted). Takes no lock: the slots are the caller's until installed or released."""
-        if expected is not None and len(expected) != len(reservation.keys):
-            raise InvalidRequest(f"{len(expected)} checksums for {len(reservation.keys)} pages")
+        (counted). `actual`: the pages' checksums, if the caller took them as the bytes arrived
+        (`reserved_checksum`). Takes no lock: the slots are the caller's until installed or released."""
         keys, slots, layer = reservation.keys, reservation.slots, reservation.layer
-        checksums = [page_checksum(key, layer, self.dram.page_view(slot))
-                     for key, slot in zip(keys, slots, strict=True)]
+        if expected is not None and len(expected) != len(keys):
+            raise InvalidRequest(f"{len(expected)} checksums for {len(keys)} pages")
+        if actual is not None and len(actual) != len(keys):
+            raise InvalidRequest(f"{len(actual)} computed checksums for {len(keys)} pages")
+        checksums = actual if actual is not None else [page_checksum(key, layer, self.dram.page_view(slot))
+                                                       for key, slot in zip(keys, slots, strict=True)]
         if expected is None or checksums == list(expected):
             return VerifiedPages(reservation.record, layer, keys, slots, checksums, [])
         bad = {i for i, (got, want) in enumerate(zip(checksums, expected, strict=True)) if got != want}

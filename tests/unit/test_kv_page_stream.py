@@ -244,6 +244,8 @@ def test_reserved_pages_are_invisible_until_committed(make_store: MakeStore) -> 
         view[:] = memoryview(data[0].numpy()).cast("B")[:len(view)]
     with pytest.raises(InvalidRequest):
         store.commit_pages(reservation, [1])  # one checksum for two pages
+    with pytest.raises(InvalidRequest):
+        store.verify_reserved(reservation, None, actual=[1])  # one computed checksum for two pages
     assert store.commit_pages(reservation, None) == 2
     assert torch.equal(store.dram.pages[store.dram_slots("acme", "s")[0]], data[0])
 
