@@ -27,6 +27,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from symphony.kv_addressing import BlockKey
 
 _SHM_DIR = Path("/dev/shm")
@@ -35,11 +37,19 @@ _HEADER = struct.Struct("<8sQ")  # magic, capacity in slots
 _HEADER_BYTES = 64  # the table starts cache-line aligned
 _EMPTY = 0
 MIN_SLOTS = 1024
+_BATCH_LOOKUP_MIN = 32  # keys from which `leading` looks them up together (see there)
 
 
 def fingerprint(key: BlockKey) -> int:
     value = int.from_bytes(key[:8], "little")
     return value or 1  # 0 marks an empty slot
+
+
+def fingerprints(keys: Sequence[BlockKey]) -> np.ndarray:
+    """`fingerprint` of every key, as a uint64 array."""
+    raw = np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), -1)[:, 0].astype(np.uint64)
+    raw[raw == _EMPTY] = 1
+    return raw
 
 
 def slots_for(max_blocks: int) -> int:
@@ -82,6 +92,8 @@ class _Table:
         self.mask = self.capacity - 1
         self._view = memoryview(self._mmap)
         self.slots = self._view[_HEADER_BYTES:].cast("Q")
+        # The same slots as an array, for lookups of many keys at once (`leading`).
+        self.array = np.frombuffer(self._mmap, dtype=np.uint64, offset=_HEADER_BYTES)
 
     def find(self, fp: int) -> int:
         """The slot holding `fp`, or -1."""
@@ -96,7 +108,18 @@ class _Table:
             at = (at + 1) & mask
         return -1
 
+    def found(self, fps: np.ndarray) -> np.ndarray:
+        """Whether each fingerprint is in the table: `find` for all of them at once. Every key's home
+        slot is read in one gather (at most half full, the table has most keys at home); the keys
+        whose home holds another key go on probing one by one."""
+        values = self.array[fps & np.uint64(self.mask)]
+        found = values == fps
+        for i in np.flatnonzero(~found & (values != _EMPTY)).tolist():
+            found[i] = self.find(int(fps[i])) >= 0
+        return found
+
     def close(self) -> None:
+        del self.array  # an exported buffer would keep the mapping from closing
         self.slots.release()
         self._view.release()
         self._mmap.close()
@@ -192,12 +215,16 @@ class BlockIndexReader:
         return self._table.find(fingerprint(key)) >= 0
 
     def leading(self, keys: Sequence[BlockKey]) -> int:
-        """How many of `keys`, from the first, the index holds."""
-        find = self._table.find
-        for count, key in enumerate(keys):
-            if find(fingerprint(key)) < 0:
-                return count
-        return len(keys)
+        """How many of `keys`, from the first, the index holds. Many keys are looked up together:
+        measured ~1.1 us per key one by one, and ~20 us plus ~0.3 us per key together."""
+        if len(keys) < _BATCH_LOOKUP_MIN:
+            find = self._table.find
+            for count, key in enumerate(keys):
+                if find(fingerprint(key)) < 0:
+                    return count
+            return len(keys)
+        found = self._table.found(fingerprints(keys))
+        return int(np.argmin(found)) if not found.all() else len(keys)
 
     def close(self) -> None:
         self._table.close()

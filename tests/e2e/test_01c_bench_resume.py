@@ -27,3 +27,5 @@ def test_every_resume_path_gets_its_history_from_the_intended_place(live_cluster
     assert result["layer_wait_ms_p50"] >= 0 and result["layer_wait_ms_p99"] >= result["layer_wait_ms_p50"]
     assert isinstance(result["outputs_identical"], bool)
     assert 0 < result["match_ms_p50"] <= result["match_ms_p99"]
+    assert 0 < result["match_cpu_ms_p50"] <= result["match_cpu_ms_p99"]
+    assert 0 <= result["match_probe_steal_frac"] <= 1

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
 
 from eval.bench_proxy import _bootstrap_median_ci
+from eval.match_latency import _cpu_ticks
 from eval.stats import histogram_quantile, percentile
 
 
@@ -46,3 +48,15 @@ def test_histogram_quantile_edges() -> None:
     assert math.isnan(histogram_quantile({}, {0.1: 0.0, INF: 0.0}, 0.5))
     assert histogram_quantile({}, {0.1: 0.0, INF: 3.0}, 0.5) == 0.1  # all above the last finite bound
     assert histogram_quantile({}, {0.1: 4.0, INF: 4.0}, 0.0) == 0.0
+
+
+def test_cpu_ticks_read_the_machine_line_of_proc_stat() -> None:
+    first = _cpu_ticks()
+    assert first is not None  # Linux: every test machine has /proc/stat
+    total, steal = first
+    assert 0 <= steal <= total
+    burn = time.perf_counter() + 0.05
+    while time.perf_counter() < burn:  # 50 ms: every CPU's counters (idle included) advance a few jiffies
+        pass
+    later = _cpu_ticks()
+    assert later is not None and later[0] > total and later[1] >= steal

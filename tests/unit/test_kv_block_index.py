@@ -91,6 +91,28 @@ def test_deleting_inside_a_collision_cluster_keeps_every_other_key_reachable(ind
         assert len(index) == 0
 
 
+def test_looking_many_keys_up_at_once_agrees_with_one_by_one(index: BlockIndex) -> None:
+    # Collision clusters that wrap around the table's end, keys absent behind present ones, and a
+    # fingerprint of 0 (stored as 1): the batched probe must answer exactly as `find` does.
+    rng = random.Random(7)
+    homes = [MIN_SLOTS - 2, MIN_SLOTS - 2, MIN_SLOTS - 1, 0, 0, 1, MIN_SLOTS - 2, 2, 1, 500, 500, 501]
+    homes += [rng.randrange(600, 640) for _ in range(40)]  # enough keys for the batched lookup
+    keys = [_key(home, tag) for tag, home in enumerate(homes)] + [BlockKey(bytes(32))]
+    reader = BlockIndexReader(index.name)
+    try:
+        for _ in range(30):
+            index.add(rng.sample(keys, rng.randint(0, len(keys))))
+            order = rng.sample(keys, len(keys))
+            one_by_one = next((i for i, key in enumerate(order) if key not in index), len(order))
+            assert reader.leading(order) == one_by_one
+            assert reader.leading(order[:5]) == min(one_by_one, 5)  # a few keys: looked up one by one
+            for key in keys:
+                index.discard(key)
+        assert reader.leading([]) == 0
+    finally:
+        reader.close()
+
+
 def test_adds_beyond_the_bound_are_refused_not_overfilled(index: BlockIndex) -> None:
     keys = chain_block_keys("acme", list(range(4 * 150)), 4).block_keys
     index.add(keys)
