@@ -36,7 +36,7 @@ from node_manager.kv.loader import (
 )
 from node_manager.kv.memory_load import MemoryLoad, PreparedDramLoad
 from node_manager.kv.metrics import KVMetrics
-from node_manager.kv.pages import PageId, Priority, Tier, page_checksum
+from node_manager.kv.pages import PageId, Priority, Tier, page_checksum, run_checksums
 from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, consecutive_runs, copy_rows
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
@@ -491,11 +491,12 @@ class TieredStore:
         slots = reservation.slots
         return [self.dram.run_view(slots[start], stop - start) for start, stop in consecutive_runs(slots)]
 
-    @staticmethod
-    def reserved_checksum(reservation: PageReservation, index: int, data: memoryview) -> int:
-        """The checksum of the reservation's page `index` given its bytes: for a receiver that
-        checksums each page the moment it lands, while it is still in the CPU cache."""
-        return page_checksum(reservation.keys[index], reservation.layer, data)
+    def reserved_checksums(self, reservation: PageReservation, first: int, data: memoryview) -> list[int]:
+        """The checksums of the reservation's pages first, first + 1, ... given their bytes back to
+        back: for a receiver that checksums pages the moment they land, still in the CPU cache."""
+        page_bytes = self.geometry.page_bytes
+        return run_checksums(reservation.keys[first:first + len(data) // page_bytes], reservation.layer, data,
+                             page_bytes)
 
     def commit_pages(self, reservation: PageReservation, expected: Sequence[int] | None = None) -> int:
         """Checksum the reserved pages as they sit in DRAM and install them; with `expected`, a page

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import torch
 
 from node_manager.kv.loader import LayerResult, LayerwiseLoad, RowTarget
-from node_manager.kv.pages import Priority, page_checksum
+from node_manager.kv.pages import Priority, run_checksums
 from node_manager.kv.store import InvalidRequest, SessionRecord, TieredStore
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
@@ -115,8 +115,7 @@ def page_batch(ref: kv_pb2.SessionRef, keys: Sequence[BlockKey], layer: int, fir
                data: bytes) -> kv_pb2.PageBatch:
     """A batch of `len(keys)` pages of one layer (bytes back to back), each with its checksum."""
     page_bytes = len(data) // len(keys) if keys else 0
-    view = memoryview(data)
-    checksums = [page_checksum(key, layer, view[i * page_bytes:(i + 1) * page_bytes]) for i, key in enumerate(keys)]
+    checksums = run_checksums(keys, layer, memoryview(data), page_bytes)
     return kv_pb2.PageBatch(session=ref, layer=layer, first_block=first_block, checksums=checksums, data=data)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from node_manager.kv.pages import Priority, Tier, page_checksum
+from node_manager.kv.pages import Priority, Tier, page_checksum, run_checksums
 from symphony.kv_addressing import tenant_root
 from symphony.kv_geometry import KVGeometry, geometry_from_model_dir, smollm2_geometry
 
@@ -89,6 +89,14 @@ def test_page_checksum_covers_key_layer_and_bytes() -> None:
     flipped = bytearray(data)
     flipped[17] ^= 0x04
     assert page_checksum(key_a, 0, bytes(flipped)) != base
+
+
+def test_run_checksums_equal_page_checksums_one_by_one() -> None:
+    keys = [tenant_root(f"t{i}") for i in range(5)]
+    data = memoryview(bytes(range(256)) * 5)  # five 256-byte pages back to back
+    assert run_checksums(keys, 3, data, 256) == [page_checksum(key, 3, data[i * 256:(i + 1) * 256])
+                                                 for i, key in enumerate(keys)]
+    assert run_checksums([], 0, memoryview(b""), 256) == []
 
 
 def test_tier_and_priority_values() -> None:

@@ -6,6 +6,7 @@ import os
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,3 +82,4 @@ def test_copy_rows_refuses_mismatched_row_lists() -> None:
 ])
 def test_consecutive_runs_split_where_slots_stop_counting_up(slots: list[int], runs: list[tuple[int, int]]) -> None:
     assert consecutive_runs(slots) == runs
+    assert consecutive_runs(np.array(slots, dtype=np.int64)) == runs  # arrays take the general path
