@@ -40,13 +40,16 @@ class NodeUnderTest:
         return await self.stub.Status(node_pb2.StatusRequest(), timeout=2)
 
 
-@pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[NodeUnderTest]:
+@pytest.fixture(params=["filtering engine", "whole metrics only"])
+async def node(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[NodeUnderTest]:
     metrics_file = tmp_path / "metrics.txt"
     metrics_file.write_text(vllm_metrics(3, 2, 0.25))
     port = free_port()
-    launch = EngineLaunch([sys.executable, str(FAKE_CHILD), "--port", str(port), "--metrics", str(metrics_file)],
-                          dict(os.environ), f"http://127.0.0.1:{port}")
+    argv = [sys.executable, str(FAKE_CHILD), "--port", str(port), "--metrics", str(metrics_file),
+            "--request-log", str(tmp_path / "requests.log")]
+    if request.param == "filtering engine":
+        argv.append("--filter-metrics")
+    launch = EngineLaunch(argv, dict(os.environ), f"http://127.0.0.1:{port}")
     config = EngineConfig(max_model_len=4096, restart_backoff_s=0.05, restart_backoff_max_s=0.1)
     engine = Engine("node-7-engine", launch, config, tmp_path / "engine.log", scrape_interval_s=0.02)
     server = grpc.aio.server()
@@ -86,6 +89,14 @@ async def test_status_reports_the_engine_and_its_load(node: NodeUnderTest) -> No
         return (await node.status()).num_requests_waiting == 7
 
     await async_wait_until(updated, 10, "new load figures")
+    # A filtering engine is asked for the three gauges alone; one that cannot filter, after one
+    # try, for the whole page.
+    scrapes = [path for path in node.metrics_file.with_name("requests.log").read_text().split() if "metrics" in path]
+    filtered = [path for path in scrapes if path.startswith("/metrics/?")]
+    if "--filter-metrics" in node.engine.process.argv:
+        assert scrapes == filtered and all(path.count("name%5B%5D=vllm") == 3 for path in filtered)
+    else:
+        assert len(filtered) == 1 and scrapes[0] == filtered[0] and len(scrapes) > 2
 
 
 async def test_engine_crash_is_restarted_and_reported(node: NodeUnderTest) -> None:
