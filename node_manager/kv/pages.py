@@ -52,6 +52,8 @@ def page_checksum(block_key: BlockKey, layer: int, data: bytes | memoryview) -> 
 def run_checksums(block_keys: Sequence[BlockKey], layer: int, data: memoryview, page_bytes: int) -> list[int]:
     """`page_checksum` of `len(block_keys)` pages of one layer lying back to back in `data`, with
     the per-page work cut to the hashing itself (the peer stream checksums every page it receives)."""
+    if not block_keys:
+        return []
     layer_bytes = _LAYER.pack(layer)
     new_digest = xxhash.xxh3_64
     checksums = []

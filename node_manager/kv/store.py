@@ -532,7 +532,7 @@ class TieredStore:
         """Checksum a reservation's pages as they sit in DRAM, the first step of a commit (then
         `install_verified`); with `expected`, the pages whose checksum differs are set apart
         (counted). `actual`: the pages' checksums, if the caller took them as the bytes arrived
-        (`reserved_checksum`). Takes no lock: the slots are the caller's until installed or released."""
+        (`reserved_checksums`). Takes no lock: the slots are the caller's until installed or released."""
         keys, slots, layer = reservation.keys, reservation.slots, reservation.layer
         if expected is not None and len(expected) != len(keys):
             raise InvalidRequest(f"{len(expected)} checksums for {len(keys)} pages")

@@ -97,6 +97,7 @@ def test_run_checksums_equal_page_checksums_one_by_one() -> None:
     assert run_checksums(keys, 3, data, 256) == [page_checksum(key, 3, data[i * 256:(i + 1) * 256])
                                                  for i, key in enumerate(keys)]
     assert run_checksums([], 0, memoryview(b""), 256) == []
+    assert run_checksums([], 0, memoryview(b""), 0) == []  # an empty batch: page size unknown
 
 
 def test_tier_and_priority_values() -> None:
