@@ -211,9 +211,6 @@ class BlockIndexReader:
         the name after a kill -9. One fstat, about a microsecond."""
         return os.fstat(self._table.reader_fd).st_nlink == 0
 
-    def holds(self, key: BlockKey) -> bool:
-        return self._table.find(fingerprint(key)) >= 0
-
     def leading(self, keys: Sequence[BlockKey]) -> int:
         """How many of `keys`, from the first, the index holds. Many keys are looked up together:
         measured ~1.1 us per key one by one, and ~20 us plus ~0.3 us per key together."""

@@ -41,7 +41,8 @@ _LAYER = struct.Struct("<I")
 
 def page_checksum(block_key: BlockKey, layer: int, data: bytes | memoryview) -> int:
     """xxh3-64 over (key, layer, bytes): a page copied to the wrong key or layer fails the check as surely
-    as a flipped bit does. xxh3 runs at memory speed (~20 GB/s here), so every read can afford it."""
+    as a flipped bit does. xxh3 runs at memory speed (~20 GB/s here), so every read can afford it.
+    `run_checksums` hashes runs of pages the same way (a test holds the two equal)."""
     digest = xxhash.xxh3_64()
     digest.update(block_key)
     digest.update(_LAYER.pack(layer))
