@@ -8,6 +8,7 @@ near memcpy speed where a Python loop over 24 KB pages would not.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import mmap
 import os
@@ -24,6 +25,9 @@ from symphony.logs import get_logger
 log = get_logger("node_manager.kv.slots")
 
 _SHM_DIR = Path("/dev/shm")
+# Linux's madvise advices (5.14+); Python 3.11's mmap module does not name them.
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def consecutive_runs(slots: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
@@ -96,6 +100,30 @@ class SlotAllocator:
         self._free.extend(slots)
 
 
+def _populate(mapping: mmap.mmap, *, write: bool, required: bool) -> None:
+    """Map every page of `mapping` into this process now, writable if `write`.
+
+    Writable matters: pages populated for reading (what MAP_POPULATE does to a shared mapping) still
+    cost the first write to each of them (measured on a 64 MiB copy into /dev/shm: 13.8 ms against
+    7.2 ms once MADV_POPULATE_WRITE had mapped them). Kernels before 5.14 lack those advices; an
+    arena we create then gets one write per page instead (`required`), an attached one nothing.
+    """
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    try:
+        mapping.madvise(advice)
+        return
+    except OSError as exc:
+        if not required:
+            return
+        if exc.errno != errno.EINVAL:  # the advice is known but failed (no memory): say so now
+            raise OSError(exc.errno, f"could not allocate the DRAM arena: {exc.strerror}") from None
+    view = memoryview(mapping)
+    try:
+        view[::mmap.PAGESIZE] = bytes(len(range(0, len(view), mmap.PAGESIZE)))  # fresh file: zeros stay zeros
+    finally:
+        view.release()
+
+
 class DramArena:
     """The DRAM tier's storage: a named POSIX shared-memory file of page slots.
 
@@ -127,16 +155,17 @@ class DramArena:
         try:
             if create:
                 os.ftruncate(fd, size)
-            if create:
-                # Populate now: first-touch faults on shared memory would otherwise land on the
-                # first saves (measured: 4x slower than a warm copy), and a tier must not
-                # discover at run time that /dev/shm cannot back it.
-                self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            else:
-                self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+            self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if create or writable else mmap.ACCESS_READ)
         finally:
             os.close(fd)
+        if create:
+            # Allocate every page now: a tier must not discover at run time that /dev/shm cannot
+            # back it, and first-touch faults would otherwise land on the first saves.
+            _populate(self._mmap, write=True, required=True)
+        else:
+            # This process's own page tables: without them its first pass over each page faults
+            # (measured: a 64 MiB copy took 51 ms instead of 7).
+            _populate(self._mmap, write=writable, required=False)
         self._owner = create
         buffer = self._mmap if create or writable else memoryview(self._mmap)
         # torch.frombuffer over a read-only mapping warns once; such consumers only read it.

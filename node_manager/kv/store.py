@@ -36,7 +36,7 @@ from node_manager.kv.loader import (
 )
 from node_manager.kv.memory_load import MemoryLoad, PreparedDramLoad
 from node_manager.kv.metrics import KVMetrics
-from node_manager.kv.pages import PageId, Priority, Tier, page_checksum, run_checksums
+from node_manager.kv.pages import PageId, Priority, Tier, run_checksums
 from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, consecutive_runs, copy_rows
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
@@ -538,8 +538,7 @@ class TieredStore:
             raise InvalidRequest(f"{len(expected)} checksums for {len(keys)} pages")
         if actual is not None and len(actual) != len(keys):
             raise InvalidRequest(f"{len(actual)} computed checksums for {len(keys)} pages")
-        checksums = actual if actual is not None else [page_checksum(key, layer, self.dram.page_view(slot))
-                                                       for key, slot in zip(keys, slots, strict=True)]
+        checksums = actual if actual is not None else self._slot_checksums(keys, layer, slots)
         if expected is None or checksums == list(expected):
             return VerifiedPages(reservation.record, layer, keys, slots, checksums, [])
         bad = {i for i, (got, want) in enumerate(zip(checksums, expected, strict=True)) if got != want}
@@ -547,6 +546,16 @@ class TieredStore:
         keep = [i for i in range(len(keys)) if i not in bad]
         return VerifiedPages(reservation.record, layer, [keys[i] for i in keep], [slots[i] for i in keep],
                               [checksums[i] for i in keep], [slots[i] for i in sorted(bad)])
+
+    def _slot_checksums(self, keys: list[BlockKey], layer: int, slots: list[int]) -> list[int]:
+        """The checksums of pages (keys[i], layer) as they sit in DRAM slots[i], a run of
+        consecutive slots at a time."""
+        page_bytes = self.geometry.page_bytes
+        checksums: list[int] = []
+        for start, stop in consecutive_runs(slots):
+            checksums += run_checksums(keys[start:stop], layer, self.dram.run_view(slots[start], stop - start),
+                                       page_bytes)
+        return checksums
 
     def release_pages(self, reservation: PageReservation) -> None:
         """Give back the slots of a reservation that will not be committed."""

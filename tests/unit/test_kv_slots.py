@@ -67,6 +67,53 @@ def test_attached_arena_sees_the_owners_writes() -> None:
     assert not Path("/dev/shm", name).exists()
 
 
+def _mapping_kib(address: int, field: str) -> int:
+    """`field` (kB) of this process's mapping that holds `address`, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, stop = (int(bound, 16) for bound in head.split("-"))
+                inside = start <= address < stop
+            elif inside and head == f"{field}:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _dirty_kib(arena: DramArena) -> int:
+    address = arena.pages.data_ptr()
+    return _mapping_kib(address, "Shared_Dirty") + _mapping_kib(address, "Private_Dirty")
+
+
+@pytest.mark.parametrize("advice_known", [True, False])
+def test_arena_pages_are_mapped_for_writing_when_created(monkeypatch: pytest.MonkeyPatch, advice_known: bool) -> None:
+    """Pages mapped for reading only (MAP_POPULATE on a shared mapping) still cost each page's first
+    write; the owner's mapping must hold every page dirty, i.e. writable, before any save. Without
+    MADV_POPULATE_WRITE (an older kernel answers EINVAL) the arena touches each page itself."""
+    if not advice_known:
+        monkeypatch.setattr(slots, "_MADV_POPULATE_WRITE", 0x7FFF)  # no such advice: EINVAL
+    name = f"symphony-test-{uuid.uuid4().hex[:8]}"
+    arena = DramArena(name, GEOMETRY, 256 * GEOMETRY.page_bytes)
+    try:
+        size_kib = arena.pages.numel() * 8 // 1024
+        assert _dirty_kib(arena) >= size_kib
+    finally:
+        arena.close()
+
+
+def test_attached_arena_is_mapped_before_its_first_read() -> None:
+    name = f"symphony-test-{uuid.uuid4().hex[:8]}"
+    owner = DramArena(name, GEOMETRY, 256 * GEOMETRY.page_bytes)
+    try:
+        reader = DramArena.attach(name, GEOMETRY, 256 * GEOMETRY.page_bytes)
+        size_kib = reader.pages.numel() * 8 // 1024
+        assert _mapping_kib(reader.pages.data_ptr(), "Rss") >= size_kib
+        reader.close()
+    finally:
+        owner.close()
+
+
 def test_copy_rows_refuses_mismatched_row_lists() -> None:
     src = torch.zeros(4, 3, dtype=torch.int64)
     with pytest.raises(ValueError, match="3 destination rows for 2 source rows"):
