@@ -115,8 +115,8 @@ def _populate(mapping: mmap.mmap, *, write: bool, required: bool) -> None:
     except OSError as exc:
         if not required:
             return
-        if exc.errno != errno.EINVAL:  # the advice is known but failed (no memory): say so now
-            raise OSError(exc.errno, f"could not allocate the DRAM arena: {exc.strerror}") from None
+        if exc.errno != errno.EINVAL:  # the advice is known but failed: no memory behind the file
+            raise
     view = memoryview(mapping)
     try:
         view[::mmap.PAGESIZE] = bytes(len(range(0, len(view), mmap.PAGESIZE)))  # fresh file: zeros stay zeros
@@ -161,7 +161,13 @@ class DramArena:
         if create:
             # Allocate every page now: a tier must not discover at run time that /dev/shm cannot
             # back it, and first-touch faults would otherwise land on the first saves.
-            _populate(self._mmap, write=True, required=True)
+            try:
+                _populate(self._mmap, write=True, required=True)
+            except OSError as exc:
+                self._mmap.close()
+                self.path.unlink(missing_ok=True)
+                raise OSError(exc.errno, f"could not allocate the {size >> 20} MiB DRAM arena in {_SHM_DIR} "
+                                         f"({exc.strerror}); lower kv.dram_bytes or enlarge /dev/shm") from None
         else:
             # This process's own page tables: without them its first pass over each page faults
             # (measured: a 64 MiB copy took 51 ms instead of 7).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from pathlib import Path
@@ -100,6 +101,18 @@ def test_arena_pages_are_mapped_for_writing_when_created(monkeypatch: pytest.Mon
         assert _dirty_kib(arena) >= size_kib
     finally:
         arena.close()
+
+
+def test_arena_that_cannot_be_allocated_says_so_and_leaves_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm filling up between the free-space check and the allocation (another process)."""
+    def no_memory(mapping: object, *, write: bool, required: bool) -> None:
+        raise OSError(errno.EFAULT, "Bad address")
+
+    monkeypatch.setattr(slots, "_populate", no_memory)
+    name = f"symphony-test-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(OSError, match=r"DRAM arena in /dev/shm \(Bad address\); lower kv\.dram_bytes"):
+        DramArena(name, GEOMETRY, 16 * GEOMETRY.page_bytes)
+    assert not Path("/dev/shm", name).exists()
 
 
 def test_attached_arena_is_mapped_before_its_first_read() -> None:
