@@ -179,7 +179,7 @@ class DramArena:
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(buffer, dtype=torch.int64, count=size // 8)
         self.pages = flat.view(max(self.num_slots, 1), geometry.page_words)
-        # page_view runs once per page saved or persisted: no per-call geometry arithmetic or mapping view.
+        # run_view runs once per run of slots saved, received or persisted: no per-call mapping view.
         self._page_bytes = geometry.page_bytes
         self._bytes = memoryview(self._mmap)
         self.pinned = False
@@ -196,10 +196,6 @@ class DramArena:
         """Map an existing arena (the consumer side, e.g. the vLLM worker). Writable for a process
         that fills slots the store reserved for it (`reserve_pages`); read-only otherwise."""
         return cls(name, geometry, capacity_bytes, create=False, writable=writable, pin_for_cuda=pin_for_cuda)
-
-    def page_view(self, slot: int) -> memoryview:
-        start = slot * self._page_bytes
-        return self._bytes[start:start + self._page_bytes]
 
     def run_view(self, first_slot: int, count: int) -> memoryview:
         """The bytes of `count` consecutive slots from `first_slot`."""

@@ -538,7 +538,7 @@ class TieredStore:
             raise InvalidRequest(f"{len(expected)} checksums for {len(keys)} pages")
         if actual is not None and len(actual) != len(keys):
             raise InvalidRequest(f"{len(actual)} computed checksums for {len(keys)} pages")
-        checksums = actual if actual is not None else self._slot_checksums(keys, layer, slots)
+        checksums = actual if actual is not None else self._reserved_checksums_in_dram(reservation)
         if expected is None or checksums == list(expected):
             return VerifiedPages(reservation.record, layer, keys, slots, checksums, [])
         bad = {i for i, (got, want) in enumerate(zip(checksums, expected, strict=True)) if got != want}
@@ -547,14 +547,11 @@ class TieredStore:
         return VerifiedPages(reservation.record, layer, [keys[i] for i in keep], [slots[i] for i in keep],
                               [checksums[i] for i in keep], [slots[i] for i in sorted(bad)])
 
-    def _slot_checksums(self, keys: list[BlockKey], layer: int, slots: list[int]) -> list[int]:
-        """The checksums of pages (keys[i], layer) as they sit in DRAM slots[i], a run of
-        consecutive slots at a time."""
-        page_bytes = self.geometry.page_bytes
+    def _reserved_checksums_in_dram(self, reservation: PageReservation) -> list[int]:
+        """The reservation's page checksums as its pages sit in DRAM, a run of consecutive slots at a time."""
         checksums: list[int] = []
-        for start, stop in consecutive_runs(slots):
-            checksums += run_checksums(keys[start:stop], layer, self.dram.run_view(slots[start], stop - start),
-                                       page_bytes)
+        for view in self.reserved_views(reservation):
+            checksums += self.reserved_checksums(reservation, len(checksums), view)
         return checksums
 
     def release_pages(self, reservation: PageReservation) -> None:
