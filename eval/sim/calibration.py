@@ -92,9 +92,10 @@ def least_per_point(prefill: Sequence[PrefillSample],
                     decode: Sequence[DecodeSample]) -> tuple[list[PrefillSample], list[DecodeSample]]:
     """The least time measured at each prompt length and at each (batch, context), in first-seen order.
 
-    Why (two `bench validate` runs here, each fit replayed on both runs' records): fitted on every
-    repeat, one run's 64-token prefill taking 90 ms longer once doubled the fitted request overhead
-    (55 -> 118 ms) and the worst of the four errors was 0.26; fitted on the least repeat, 0.18."""
+    Why (three `bench validate` runs here, each run's fit replayed on all three runs' records): fitted
+    on every repeat, one run's 64-token prefill taking 90 ms longer once doubled the fitted request
+    overhead (55 -> 118 ms), and the worst of the nine errors was 0.26; fitted on the least repeat,
+    0.18 (mean 0.13 -> 0.12)."""
     least_prefill: dict[int, PrefillSample] = {}
     for s in prefill:
         if s.prompt_tokens not in least_prefill or s.ttft_ms < least_prefill[s.prompt_tokens].ttft_ms:
