@@ -15,10 +15,6 @@ and every request pays `request_overhead_ms` outside the steps. The measurements
   decode fit's `step_ms` is the overhead;
 - the same kinds of samples taken beside busy neighbour engines on the same host: how much slower
   they ran than the model fitted alone predicts is the model's `neighbour_slowdown`.
-
-A point measured more than once (the probes repeat each) enters the engine fit by its least time:
-on a shared host whatever else runs only ever adds time, so the least repeat is the closest to the
-engine's own cost, and what a loaded host adds is the slowdown's part, fitted on the busy samples.
 """
 
 from __future__ import annotations
@@ -88,31 +84,9 @@ def decode_step_ms(model: EngineModel, batch: Any, context_tokens: Any) -> Any:
     return model.step_ms + model.decode_ms_per_seq * batch + model.decode_ms_per_kilotoken * context_tokens / 1000
 
 
-def least_per_point(prefill: Sequence[PrefillSample],
-                    decode: Sequence[DecodeSample]) -> tuple[list[PrefillSample], list[DecodeSample]]:
-    """The least time measured at each prompt length and at each (batch, context), in first-seen order.
-
-    Why (three `bench validate` runs here, each run's fit replayed on all three runs' records): fitted
-    on every repeat, one run's 64-token prefill taking 90 ms longer once doubled the fitted request
-    overhead (55 -> 118 ms), and the worst of the nine errors was 0.26; fitted on the least repeat,
-    0.18 (mean 0.13 -> 0.12)."""
-    least_prefill: dict[int, PrefillSample] = {}
-    for s in prefill:
-        if s.prompt_tokens not in least_prefill or s.ttft_ms < least_prefill[s.prompt_tokens].ttft_ms:
-            least_prefill[s.prompt_tokens] = s
-    least_decode: dict[tuple[int, int], DecodeSample] = {}
-    for s in decode:
-        point = (s.batch, s.context_tokens)
-        if point not in least_decode or s.tpot_ms < least_decode[point].tpot_ms:
-            least_decode[point] = s
-    return list(least_prefill.values()), list(least_decode.values())
-
-
 def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], *, kv_blocks: int,
                block_size: int, max_batch: int) -> EngineFit:
-    """The engine model that best explains the samples (least squares, no negative costs), each
-    point by its least repeat (`least_per_point`)."""
-    prefill, decode = least_per_point(prefill, decode)
+    """The engine model that best explains the samples (least squares, no negative costs)."""
     if len({s.prompt_tokens for s in prefill}) < 2:
         raise ValueError("prefill samples need at least two prompt lengths")
     if len({(s.batch, s.context_tokens) for s in decode}) < 3:

@@ -11,15 +11,7 @@ import pytest
 
 from eval.bench_calibrate import compare, live_figures, replay_turns, sim_figures, simulate_replay
 from eval.loadgen import RequestRecord
-from eval.sim.calibration import (
-    DecodeSample,
-    PrefillSample,
-    fit_engine,
-    fit_slowdown,
-    least_per_point,
-    load_preset,
-    save_preset,
-)
+from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, fit_slowdown, load_preset, save_preset
 from eval.sim.cluster import ClusterSim, LinkModel, Turn
 from eval.sim.engine import EngineModel
 from eval.sim.presets import Preset
@@ -60,20 +52,6 @@ def test_noisy_measurements_fit_within_the_noise() -> None:
     assert fit.model.step_ms == pytest.approx(TRUE.step_ms, rel=0.15)
     assert fit.model.prefill_ms_per_token == pytest.approx(TRUE.prefill_ms_per_token, rel=0.1)
     assert fit.decode_r2 > 0.9 and fit.prefill_r2 > 0.95
-
-
-def test_a_repeat_that_the_host_slowed_down_does_not_move_the_fit() -> None:
-    """Each point measured twice, one repeat of some points taken while something else ran: the fit
-    keeps the least repeat of each point, so it is the engine's own cost exactly."""
-    prefill, decode = _samples()  # every point twice, both exact
-    slowed_prefill = [dataclasses.replace(s, ttft_ms=s.ttft_ms + 90) if i in (0, 5) else s
-                      for i, s in enumerate(prefill)]
-    slowed_decode = [dataclasses.replace(s, tpot_ms=s.tpot_ms * 1.5) if i % 3 == 0 else s
-                     for i, s in enumerate([*decode, *decode])]
-    fit = fit_engine(slowed_prefill, slowed_decode, kv_blocks=500, block_size=32, max_batch=256)
-    for field in dataclasses.fields(EngineModel):
-        assert getattr(fit.model, field.name) == pytest.approx(getattr(TRUE, field.name), abs=1e-6), field.name
-    assert least_per_point(slowed_prefill, slowed_decode) == (prefill[::2], decode)
 
 
 def test_a_cost_that_noise_makes_negative_is_zero_and_the_rest_refitted() -> None:
