@@ -114,3 +114,20 @@ def test_config_show_reads_the_config_file(capsys: pytest.CaptureFixture[str], t
     path.write_text("[cluster]\nnodes = 5\n")
     assert main(["config", "show", "--config", str(path)]) == 0
     assert tomllib.loads(capsys.readouterr().out)["cluster"]["nodes"] == 5
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_bench_tiers_runs_openmp_passive_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               preset: str | None, expected: str) -> None:
+    """The bench's memcpy bound must not leave OpenMP threads spinning on the cores the store's copy
+    lanes are timed on next; a policy the user set wins."""
+    import eval.bench_tiers
+
+    if preset is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", preset)
+    seen: list[str | None] = []
+    monkeypatch.setattr(eval.bench_tiers, "run_tiers_bench", lambda **_: seen.append(os.environ.get("OMP_WAIT_POLICY")))
+    assert main(["bench", "tiers", "--out", str(tmp_path / "f.json")]) == 0
+    assert seen == [expected]
