@@ -19,7 +19,9 @@ import xxhash
 from symphony.kv_addressing import BLOCK_KEY_BYTES, BlockKey
 
 MAGIC = b"SYMKVSG1"
-VERSION = 1
+# 2: page checksums are one-shot xxh3 seeded by (key, layer) (`pages.page_checksum`); a version 1
+# segment's checksums would fail every read, so the index rebuild drops such segments.
+VERSION = 2
 ALIGN = 4096
 SUFFIX = ".kvseg"
 TMP_SUFFIX = ".tmp"
@@ -29,6 +31,10 @@ _ENTRY = struct.Struct(f"<{BLOCK_KEY_BYTES}sIQ")  # block key, layer, page check
 
 class SegmentFormatError(ValueError):
     """A segment file is not one we wrote, or its header is damaged."""
+
+
+class OutdatedSegment(SegmentFormatError):
+    """A whole segment in an older format than this code reads (its pages cannot be verified)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +86,8 @@ def decode_header(prefix: bytes) -> tuple[int, int]:
     magic, version, _, _, count, _, header_len, _, _ = _FIXED.unpack_from(prefix)
     if magic != MAGIC:
         raise SegmentFormatError("not a Symphony KV segment (bad magic)")
+    if version < VERSION:
+        raise OutdatedSegment(f"segment format version {version} predates {VERSION}")
     if version != VERSION:
         raise SegmentFormatError(f"segment format version {version} is not {VERSION}")
     if header_len != header_length(count):

@@ -20,6 +20,7 @@ from node_manager.kv.segments import (
     ALIGN,
     SUFFIX,
     TMP_SUFFIX,
+    OutdatedSegment,
     SegmentEntry,
     SegmentFormatError,
     SegmentHeader,
@@ -90,7 +91,7 @@ class SsdTier:
     def rebuild(self) -> tuple[list[tuple[PageId, SsdLocation, int]], int]:
         """Index every whole segment on disk (oldest first, so newer copies of a page win) and delete
         leftovers of interrupted writes. Returns ((page, location, checksum) list, damaged count)."""
-        damaged = 0
+        damaged = outdated = 0
         for tmp in self.directory.glob(f"*{TMP_SUFFIX}"):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
@@ -102,6 +103,12 @@ class SsdTier:
                     raise SegmentFormatError(f"page size {header.page_bytes} is not {self.page_bytes}")
                 if path.stat().st_size < header.file_bytes:
                     raise SegmentFormatError("file shorter than its header says")
+            except OutdatedSegment:
+                # Not damage: an upgrade. One line for all of them, below, not one per file.
+                outdated += 1
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                continue
             except (OSError, SegmentFormatError) as exc:
                 damaged += 1
                 log.warning("dropping a damaged KV segment", path=str(path), error=str(exc))
@@ -109,6 +116,9 @@ class SsdTier:
                     path.unlink()
                 continue
             headers.append((header, path))
+        if outdated:
+            log.warning("dropped KV segments written in an older format; their sessions recompute",
+                        segments=outdated, directory=str(self.directory))
         pages: list[tuple[PageId, SsdLocation, int]] = []
         for header, path in sorted(headers, key=lambda hp: hp[0].seq):
             segment = Segment(header, path, live=set(range(len(header.entries))))

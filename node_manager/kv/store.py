@@ -39,6 +39,7 @@ from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import PageId, Priority, Tier, run_checksums
 from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, consecutive_runs, copy_rows
+from node_manager.kv.ssd_load import BadPage, PreparedSsdLoad, SsdLoad
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
 from symphony.kv_addressing import BlockKey, SessionBlocks, chain_after, token_array
 from symphony.kv_geometry import KVGeometry
@@ -801,11 +802,19 @@ class TieredStore:
                 handle._finish(layer, LayerResult(layer, 0, ()))
         if not order:
             return handle
+        prepared_ssd = None
         with self._lock:
             prepared = self._plan_load_from_dram(keys, order, target, rows) if rows is not None else None
+            if prepared is None and rows is not None:
+                prepared_ssd = self._plan_load_from_ssd(keys, order, target, rows)  # type: ignore[arg-type]
         if prepared is not None:
             MemoryLoad(handle, prepared, self.dram.pages, self._io, self.config.io_threads,
                        on_copied=lambda copied: self._release_prepared(prepared, copied)).start()
+            return handle
+        if prepared_ssd is not None:
+            SsdLoad(handle, prepared_ssd, self.ssd, self._io, self.config.io_threads, self.geometry.page_bytes,
+                    after_first=lambda: self._readahead_pool.submit(self._readahead, keys, order[1:]),
+                    on_read=lambda read, bad: self._release_ssd_load(prepared_ssd, read, bad)).start()
             return handle
         run = StripedLoad(
             handle, order, self._io, self.config.io_threads, {Tier.HBM: self.hbm.pages, Tier.DRAM: self.dram.pages},
@@ -889,6 +898,63 @@ class TieredStore:
                 pins[prepared.block_rows] -= 1
             else:
                 pins[np.ix_(prepared.block_rows, prepared.order)] -= 1
+            self._inflight -= len(prepared.order)
+
+    def _plan_load_from_ssd(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
+                            rows: np.ndarray) -> PreparedSsdLoad | None:
+        """The cold resume: every page the load wants sits on SSD and in no faster tier, and every
+        destination is plain CPU memory. Planned and pinned for all layers at once, as
+        `_plan_load_from_dram` is; None, with nothing changed, when some page needs the general
+        path (a copy in a faster tier, a page missing, a device destination). Caller holds the lock."""
+        if not all(t.device.type == "cpu" and t.is_contiguous() for t in target.tensors):
+            return None
+        d = self._directory
+        ids = d.rows(keys)
+        if not len(ids) or ids.min() < 0:
+            return None
+        columns = slice(None) if order == list(range(self.geometry.num_layers)) else np.asarray(order)
+        seqs = d.ssd_seq[ids][:, columns]
+        if seqs.min() < 0 or d.dram[ids][:, columns].max() >= 0 or d.hbm[ids][:, columns].max() >= 0:
+            return None
+        segments: dict[int, Segment] = {}
+        for seq in sorted(set(seqs.ravel().tolist())):
+            segment = self.ssd.pin(seq)
+            if segment is None:  # not on disk any more: let the general path report those pages
+                for pinned in segments.values():
+                    self.ssd.unpin(pinned)
+                return None
+            segments[seq] = segment
+            self.ssd.touch(seq)
+        if isinstance(columns, slice):
+            d.pins[ids] += 1
+        else:
+            d.pins[np.ix_(ids, columns)] += 1
+        return PreparedSsdLoad(keys, target.tensors, order, ids, seqs, d.ssd_page[ids][:, columns],
+                               d.checksum[ids][:, columns], rows, segments)
+
+    def _release_ssd_load(self, prepared: PreparedSsdLoad, pages_read: int, bad: list[BadPage]) -> None:
+        """Every layer of a load planned as a whole is read (or skipped): metrics for the load as one
+        I/O batch, bad copies dropped (never served again), then its pins released."""
+        if pages_read:
+            self._hits[Tier.SSD].inc(pages_read)
+            self._observe_io(Tier.SSD, "read", pages_read, prepared.started)
+        d = self._directory
+        with self._lock:
+            if len(prepared.order) == self.geometry.num_layers:  # every layer (any order): whole rows
+                d.pins[prepared.block_rows] -= 1
+            else:
+                d.pins[np.ix_(prepared.block_rows, prepared.order)] -= 1
+            for segment in prepared.segments.values():
+                self.ssd.unpin(segment)
+            for page in bad:  # as `_finalize_layer` does: unpinned first, then dropped
+                self.metrics.load_errors.labels(page.reason).inc()
+                layer = prepared.order[page.position]
+                row, key = int(prepared.block_rows[page.block]), prepared.keys[page.block]
+                seq, index = prepared.seqs[page.block, page.position], prepared.pages[page.block, page.position]
+                if page.reason == "checksum":
+                    log.warning("KV page failed its checksum on SSD; dropped", layer=layer, segment=int(seq))
+                if d.keys[row] == key and d.ssd_seq[row, layer] == seq and d.ssd_page[row, layer] == index:
+                    self._drop_copy(key, layer, Tier.SSD, "corrupt")
             self._inflight -= len(prepared.order)
 
     def _plan_general(self, plan: LayerPlan, ids: np.ndarray, tier_target: Tier | None, rows: np.ndarray | None,

@@ -11,6 +11,8 @@ from node_manager.kv.segments import (
     ALIGN,
     MAGIC,
     SUFFIX,
+    VERSION,
+    OutdatedSegment,
     SegmentEntry,
     SegmentFormatError,
     SegmentHeader,
@@ -85,8 +87,16 @@ def test_bad_magic() -> None:
 def test_bad_version() -> None:
     data = bytearray(encode_header(1, 64, entries(2)))
     assert data[:8] == MAGIC
-    struct.pack_into("<H", data, 8, 2)
-    with pytest.raises(SegmentFormatError, match="version"):
+    struct.pack_into("<H", data, 8, VERSION + 1)
+    with pytest.raises(SegmentFormatError, match="version") as raised:
+        parse_header(bytes(data))
+    assert not isinstance(raised.value, OutdatedSegment)
+
+
+def test_older_version_is_outdated_not_damaged() -> None:
+    data = bytearray(encode_header(1, 64, entries(2)))
+    struct.pack_into("<H", data, 8, VERSION - 1)
+    with pytest.raises(OutdatedSegment, match="predates"):
         parse_header(bytes(data))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 import threading
 from pathlib import Path
 from uuid import uuid4
@@ -13,7 +14,8 @@ import torch
 
 from node_manager.kv.memory_load import MemoryLoad
 from node_manager.kv.pages import Priority, Tier
-from node_manager.kv.segments import SUFFIX, TMP_SUFFIX, parse_header
+from node_manager.kv.segments import SUFFIX, TMP_SUFFIX, VERSION, parse_header
+from node_manager.kv.ssd_load import SsdLoad
 from node_manager.kv.store import (
     InvalidRequest,
     LayerResult,
@@ -354,6 +356,25 @@ def test_damaged_segment_is_dropped_at_rebuild(make_store: MakeStore, ssd_dir: P
     _, results = load_rows(second, "s1", 1)
     assert results[0].failed == (0,)
 
+
+
+def test_segment_of_an_older_format_is_dropped_at_rebuild_not_counted_damaged(
+        make_store: MakeStore, ssd_dir: Path) -> None:
+    first = make_store()
+    save_session(first, "s1", 1, seed=13, base=0)
+    key = first.session("acme", "s1").blocks.block_keys[0]
+    first.close()
+    path, _ = locate_page(ssd_dir, key, layer=0)
+    with path.open("r+b") as fh:  # the version field follows the 8-byte magic
+        fh.seek(8)
+        fh.write(struct.pack("<H", VERSION - 1))
+
+    second = make_store()
+    assert metric(second, "symphony_kv_ssd_segments_damaged_total") == 0
+    assert not path.exists()
+    second.put_session("acme", "s1", tokens(1, base=0))
+    _, results = load_rows(second, "s1", 1)
+    assert results[0].failed == (0,)
 
 # ---- capacity -----------------------------------------------------------------------------------
 
@@ -954,3 +975,119 @@ def test_load_rejects_repeated_or_unknown_layers(make_store: MakeStore, layers: 
     with pytest.raises(InvalidRequest, match="layers"):
         store.load("acme", "s1", target=RowTarget(tensors, [0]), layers=layers)
     assert store.flush(TIMEOUT), "a rejected load must not hold an in-flight slot"
+
+
+# ---- loads wholly from SSD (`SsdLoad`) ---------------------------------------------------------------
+
+def _restarted_with(make_store: MakeStore, num_blocks: int, seed: int) -> tuple[TieredStore, list[torch.Tensor]]:
+    """A store whose only copy of session "s1" is on SSD: saved by a first store, rebuilt by a second."""
+    first = make_store()
+    data = save_session(first, "s1", num_blocks, seed=seed, base=0)
+    first.close()
+    second = make_store()
+    second.put_session("acme", "s1", tokens(num_blocks, base=0))
+    return second, data
+
+
+def _no_layer_planning(store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the load falls back to the general path, which plans layer by layer."""
+    def planned(*_: object) -> None:
+        raise AssertionError("an SSD-only load was planned layer by layer")
+    monkeypatch.setattr(store, "_plan_layer", planned)
+
+
+def test_ssd_only_load_is_planned_once_lands_in_scattered_rows_and_releases_every_pin(
+        make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, data = _restarted_with(make_store, 4, seed=71)
+    _no_layer_planning(store, monkeypatch)
+    rows = [5, 0, 3, 1]
+    tensors, results = load_rows(store, "s1", 4, rows=rows)
+    assert all(r.failed == () and r.loaded == 4 and r.by_tier == {Tier.SSD: 4} for r in results)
+    for layer in range(LAYERS):
+        for block, row in enumerate(rows):
+            assert torch.equal(tensors[layer][row], data[layer][block])
+        assert bool((tensors[layer][[2, 4]] == SENTINEL).all())
+    assert store.pinned_pages() == 0
+    assert store.flush(TIMEOUT), "the load's in-flight slots were never returned"
+    assert metric(store, "symphony_kv_load_hits_total", tier="SSD") == 4 * LAYERS
+
+
+@pytest.mark.parametrize("order", [[2], [3, 1], [2, 0, 3, 1]], ids=["one", "subset", "permuted"])
+def test_ssd_only_load_of_chosen_layers_in_any_order(make_store: MakeStore, monkeypatch: pytest.MonkeyPatch,
+                                                      order: list[int]) -> None:
+    store, data = _restarted_with(make_store, 3, seed=73)
+    _no_layer_planning(store, monkeypatch)
+    tensors = [torch.full((3, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
+    results = store.load("acme", "s1", target=RowTarget(tensors, [0, 1, 2]), layers=order).wait_all(TIMEOUT)
+    for layer in range(LAYERS):
+        if layer in order:
+            assert results[layer].by_tier == {Tier.SSD: 3} and torch.equal(tensors[layer], data[layer])
+        else:
+            assert results[layer].loaded == 0 and bool((tensors[layer] == SENTINEL).all())
+    assert store.pinned_pages() == 0 and store.flush(TIMEOUT)
+
+
+def test_ssd_only_load_with_a_short_segment_fails_those_pages_and_loads_the_rest(
+        make_store: MakeStore, ssd_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment cut short (a read error): the pages it can no longer supply fail as io errors, rows
+    of failed blocks never keep partial bytes, the copies are dropped and no pin is left."""
+    first = make_store()
+    data = save_session(first, "s1", 2, seed=75, base=0, flush_each=True)  # a segment per layer
+    key = first.session("acme", "s1").blocks.block_keys[0]
+    first.close()
+    store = make_store()
+    store.put_session("acme", "s1", tokens(2, base=0))
+    _no_layer_planning(store, monkeypatch)
+    path, offset = locate_page(ssd_dir, key, layer=2)
+    os.truncate(path, offset + 100)
+    tensors, results = load_rows(store, "s1", 2)
+    assert results[2].failed == (0, 1) and results[2].loaded == 0
+    assert bool((tensors[2] == 0).all())
+    for layer in (0, 1, 3):
+        assert results[layer].failed == () and torch.equal(tensors[layer], data[layer])
+    assert metric(store, "symphony_kv_load_errors_total", reason="io_error") == 2
+    assert not any(store.residency("acme", "s1")[Tier.SSD][2])
+    assert store.pinned_pages() == 0 and store.flush(TIMEOUT)
+
+
+def test_ssd_only_load_layer_that_raises_is_reported_and_the_rest_still_load(
+        make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    store, data = _restarted_with(make_store, 2, seed=77)
+    read_layer = SsdLoad._read_layer
+
+    def failing(self: SsdLoad, position: int) -> list[object]:
+        if self.prepared.order[position] == 1:
+            raise RuntimeError("injected read fault")
+        return read_layer(self, position)  # type: ignore[return-value]
+
+    monkeypatch.setattr(SsdLoad, "_read_layer", failing)
+    tensors, results = load_rows(store, "s1", 2)
+    assert results[1].failed == (0, 1) and results[1].loaded == 0 and bool((tensors[1] == 0).all())
+    for layer in (0, 2, 3):
+        assert results[layer].failed == () and torch.equal(tensors[layer], data[layer])
+    assert store.pinned_pages() == 0 and store.flush(TIMEOUT)
+
+
+def test_cancelled_ssd_only_load_skips_the_layers_not_started(make_store: MakeStore,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    store, data = _restarted_with(make_store, 2, seed=79)
+    reading, release = threading.Event(), threading.Event()
+    read_layer = SsdLoad._read_layer
+
+    def held_first(self: SsdLoad, position: int) -> list[object]:
+        if position == 0:
+            reading.set()
+            assert release.wait(TIMEOUT)
+        return read_layer(self, position)  # type: ignore[return-value]
+
+    monkeypatch.setattr(SsdLoad, "_read_layer", held_first)
+    tensors = [torch.full((2, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
+    handle = store.load("acme", "s1", target=RowTarget(tensors, [0, 1]))
+    assert reading.wait(TIMEOUT)
+    handle.cancel()
+    release.set()
+    results = handle.wait_all(TIMEOUT)
+    assert results[0].failed == () and torch.equal(tensors[0], data[0])  # started before the cancel
+    for layer in range(1, LAYERS):
+        assert results[layer].loaded == 0 and bool((tensors[layer] == SENTINEL).all())
+    assert store.pinned_pages() == 0 and store.flush(TIMEOUT)
