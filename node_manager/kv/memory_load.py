@@ -46,6 +46,7 @@ class PreparedDramLoad:
     slots: np.ndarray  # [blocks, columns] DRAM slot of each page
     rows: np.ndarray  # destination row of each block
     consecutive: list[bool]  # per column: rows and slots both consecutive (one run)
+    plain_rows: bool  # every tensor plain CPU memory laid out row by row (`TieredStore._target_rows`)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -67,16 +68,13 @@ class MemoryLoad:
         self._page_bytes = pool.shape[1] * pool.element_size()
         # memmove on raw addresses only where every tensor is plain CPU memory laid out row by row;
         # the store checked that every row is inside its tensor.
-        self._raw = pool.device.type == "cpu" and pool.is_contiguous() and all(
-            t.device.type == "cpu" and t.stride() == (pool.shape[1], 1) for t in prepared.tensors)
-        blocks = len(prepared.rows)
-        self._loaded = {layer: LayerResult(layer, blocks, (), {Tier.DRAM: blocks}) for layer in prepared.order}
+        self._raw = pool.is_cpu and pool.is_contiguous() and prepared.plain_rows
         first, count = handle.first_block, handle.num_blocks
         self._failed = tuple(range(first, first + count))
         self._lock = threading.Lock()
         self._copied = 0
         self._lanes_left = self._lanes
-        self._held: tuple[int, LayerResult] = (prepared.order[-1], self._loaded[prepared.order[-1]])
+        self._held: tuple[int, LayerResult] | None = None
 
     def start(self) -> None:
         for lane in range(self._lanes):
@@ -89,15 +87,17 @@ class MemoryLoad:
         order = self.prepared.order
         held: tuple[int, LayerResult] | None = None
         copied = 0
+        blocks = len(self.prepared.rows)
         for position in range(lane, len(order), self._lanes):
             layer = order[position]
-            result = self._loaded[layer]
             if skip or self.handle.cancelled:
                 result = LayerResult(layer, 0, self._failed)
             else:
                 try:
                     self._copy(position)
                     copied += 1
+                    # Built here, not up front: on a lane it overlaps the other lane's copy.
+                    result = LayerResult(layer, blocks, (), {Tier.DRAM: blocks})
                 except Exception:  # a lane must finish every layer, or the load never completes
                     log.exception("KV load lane failed on a layer", layer=layer)
                     result = LayerResult(layer, 0, self._failed)
@@ -117,6 +117,7 @@ class MemoryLoad:
             self._on_copied(self._copied)
         except Exception:
             log.exception("KV load could not release its pages")
+        assert self._held is not None  # some lane ran the last position
         self.handle._finish(*self._held)
 
     def _copy(self, position: int) -> None:

@@ -783,30 +783,32 @@ class TieredStore:
         record = self.session(tenant, session_id)
         count = record.blocks.num_blocks - first_block if num_blocks is None else num_blocks
         self._check_range(record, 0, first_block, count)
-        rows = None
+        rows, plain_rows = None, False
         if isinstance(target, RowTarget):
             if len(target.rows) != count or len(target.tensors) != self.geometry.num_layers:
                 raise InvalidRequest("row target needs one tensor per layer and one row per block")
-            rows = self._target_rows(target)
+            rows, plain_rows = self._target_rows(target)
         elif target not in (Tier.HBM, Tier.DRAM):
             raise InvalidRequest(f"cannot load into {target.name}")
         order = list(range(self.geometry.num_layers)) if layers is None else list(layers)
-        if len(set(order)) != len(order) or not all(0 <= layer < self.geometry.num_layers for layer in order):
+        if layers is not None and (len(set(order)) != len(order)
+                                   or not all(0 <= layer < self.geometry.num_layers for layer in order)):
             raise InvalidRequest(f"layers must be distinct and within 0..{self.geometry.num_layers - 1}")
         keys = _addressed_keys(record, first_block, count, last_key)
         handle = LayerwiseLoad(self.geometry.num_layers, first_block, count)
         if not self._admit_jobs(len(order)):
             raise StoreBusy("too many KV transfers in flight; retry or recompute")
-        for layer in range(self.geometry.num_layers):
-            if layer not in order:
+        if len(order) < self.geometry.num_layers:
+            for layer in set(range(self.geometry.num_layers)).difference(order):
                 handle._finish(layer, LayerResult(layer, 0, ()))
         if not order:
             return handle
-        prepared_ssd = None
-        with self._lock:
-            prepared = self._plan_load_from_dram(keys, order, target, rows) if rows is not None else None
-            if prepared is None and rows is not None:
-                prepared_ssd = self._plan_load_from_ssd(keys, order, target, rows)  # type: ignore[arg-type]
+        prepared, prepared_ssd = None, None
+        if rows is not None:
+            with self._lock:
+                prepared = self._plan_load_from_dram(keys, order, target, rows, plain_rows)  # type: ignore[arg-type]
+                if prepared is None and plain_rows:
+                    prepared_ssd = self._plan_load_from_ssd(keys, order, target, rows)  # type: ignore[arg-type]
         if prepared is not None:
             MemoryLoad(handle, prepared, self.dram.pages, self._io, self.config.io_threads,
                        on_copied=lambda copied: self._release_prepared(prepared, copied)).start()
@@ -825,17 +827,23 @@ class TieredStore:
         run.start()
         return handle
 
-    def _target_rows(self, target: RowTarget) -> np.ndarray:
+    def _target_rows(self, target: RowTarget) -> tuple[np.ndarray, bool]:
         """The destination rows, checked against every destination tensor: loads copy into them by
-        address, so a row outside a tensor would write over memory that is not the caller's."""
+        address, so a row outside a tensor would write over memory that is not the caller's. Also
+        whether every tensor is plain CPU memory laid out row by row (copied into by raw address).
+        One pass, reading each attribute once: this runs on every load, ~30 tensors."""
         rows = np.asarray(target.rows, dtype=np.int64)
         words = self.geometry.page_words
-        if any(t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != words for t in target.tensors):
-            raise InvalidRequest(f"row target tensors must be [rows, {words}] int64")
-        height = min(t.shape[0] for t in target.tensors)
-        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= height):
-            raise InvalidRequest(f"row target rows must lie within 0..{height - 1}")
-        return rows
+        height, plain = None, True
+        for tensor in target.tensors:
+            shape = tensor.shape
+            if tensor.dtype is not torch.int64 or len(shape) != 2 or shape[1] != words:
+                raise InvalidRequest(f"row target tensors must be [rows, {words}] int64")
+            height = shape[0] if height is None else min(height, shape[0])
+            plain = plain and tensor.is_cpu and tensor.stride() == (words, 1)
+        if len(rows) and (height is None or int(rows.min()) < 0 or int(rows.max()) >= height):
+            raise InvalidRequest(f"row target rows must lie within 0..{(height or 0) - 1}")
+        return rows, plain
 
     def _plan_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence[BlockKey],
                     target: RowTarget | Tier, rows: np.ndarray | None) -> LayerPlan:
@@ -861,7 +869,7 @@ class TieredStore:
         return plan
 
     def _plan_load_from_dram(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
-                             rows: np.ndarray) -> PreparedDramLoad | None:
+                             rows: np.ndarray, plain_rows: bool) -> PreparedDramLoad | None:
         """The common resume: every page the load wants sits in DRAM and none in HBM. Planned and
         pinned for all layers at once, so the lanes spend their time copying, not in Python holding
         the GIL the other lane needs (per-layer planning and finishing cost more than the copies).
@@ -883,7 +891,7 @@ class TieredStore:
         rows_consecutive = bool((np.diff(rows) == 1).all())
         consecutive = ((np.diff(slots, axis=0) == 1).all(axis=0) & rows_consecutive).tolist()
         self._defer_touches(Tier.DRAM, tuple(keys), tuple(order))
-        return PreparedDramLoad(keys, target.tensors, order, ids, slots, rows, consecutive)
+        return PreparedDramLoad(keys, target.tensors, order, ids, slots, rows, consecutive, plain_rows)
 
     def _release_prepared(self, prepared: PreparedDramLoad, copied_layers: int) -> None:
         """Every layer of a load planned as a whole is copied (or skipped): metrics for the load as
@@ -902,12 +910,10 @@ class TieredStore:
 
     def _plan_load_from_ssd(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
                             rows: np.ndarray) -> PreparedSsdLoad | None:
-        """The cold resume: every page the load wants sits on SSD and in no faster tier, and every
-        destination is plain CPU memory. Planned and pinned for all layers at once, as
-        `_plan_load_from_dram` is; None, with nothing changed, when some page needs the general
-        path (a copy in a faster tier, a page missing, a device destination). Caller holds the lock."""
-        if not all(t.device.type == "cpu" and t.is_contiguous() for t in target.tensors):
-            return None
+        """The cold resume: every page the load wants sits on SSD and in no faster tier; only for
+        destinations of plain CPU rows (`_target_rows`). Planned and pinned for all layers at once,
+        as `_plan_load_from_dram` is; None, with nothing changed, when some page needs the general
+        path (a copy in a faster tier, a page missing). Caller holds the lock."""
         d = self._directory
         ids = d.rows(keys)
         if not len(ids) or ids.min() < 0:
