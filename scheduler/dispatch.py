@@ -300,7 +300,7 @@ class Dispatcher:
                 if not last_error:
                     raise
                 break
-            if key is not None and route.reason != "advisory":
+            if key is not None:
                 await self._pull_for_request(key, route_request, route.node.node_id)
             advised_node = None  # an advisory binds the first attempt only
             tried.add(route.node.node_id)
@@ -333,11 +333,14 @@ class Dispatcher:
                        code="engine_unreachable")
 
     async def _pull_for_request(self, key: SessionKey, request: RouteRequest, node_id: str) -> None:
-        """The request goes to a node holding less of its session's KV than another node does, and
-        no advisory moved it there (none came, or the advised node got a queue): pull the KV over
-        first, waiting at most `route_pull_wait_ms`. Recomputing the history would cost the engine
-        far more (~10 ms per token on a CPU engine, against ~0.05 ms to pull it). A pull that fails
-        or runs late costs only the wait: the engine recomputes whatever did not arrive."""
+        """The request goes to a node holding less of its session's KV than another node does: no
+        advisory moved it there (none came, or the advised node got a queue), or the advisory's move
+        is still under way (an advisory that came moments before its request; measured: a turn sent
+        0.4 s after its advisory recomputed its whole 949-token history while the move ran). Pull the
+        KV over first, waiting at most `route_pull_wait_ms`; the node joins a pull of the session that
+        is already running (`PeerPuller.pull`). Recomputing the history would cost the engine far
+        more (~10 ms per token on a CPU engine, against ~0.05 ms to pull it). A pull that fails or
+        runs late costs only the wait: the engine recomputes whatever did not arrive."""
         wait_ms = self.config.route_pull_wait_ms
         if not self.policy.traits.prefetch_on_advisory or wait_ms <= 0:
             return

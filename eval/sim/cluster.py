@@ -6,7 +6,8 @@ scheduler gives it), an advisory (the policy picks the node ahead of the request
 that move KV on advisories, the session's KV starts moving there), a KV move ending, an engine step
 ending. What a request finds in the engine's KV when it is admitted is what its session's KV holds
 on that node: history a move brought, or its last turn left there. As in the scheduler, a request
-that the policy sends away from its KV with no advisory moving it first waits for a pull (bounded).
+sent to a node that lacks its KV (no advisory moved it there, or the advisory's move is still under
+way) first waits for a pull (bounded), which joins the move if one runs.
 
 Selective pushing: a decision that says "queue" parks the request in the scheduler's queue (FIFO
 within a priority tier, as the scheduler's `PushQueue`); parked requests are routed again whenever
@@ -110,6 +111,8 @@ class ClusterSim:
         self._engine_cache: dict[str, OrderedDict[str, int]] = {node_id: OrderedDict() for node_id in engines}
         self._engine_cache_tokens: dict[str, int] = dict.fromkeys(engines, 0)
         self._advised: dict[str, str] = {}  # session -> node its advisory picked
+        # (session, node) -> when an advisory's move there ends; bounded by the moves under way
+        self._moves_due: dict[tuple[str, str], float] = {}
         self._queue: deque[tuple[SimRequest, Turn]] = deque()
         self._inflight: dict[str, int] = dict.fromkeys(self.engines, 0)
         self._announced: dict[str, int] = dict.fromkeys(self.engines, 0)
@@ -225,7 +228,15 @@ class ClusterSim:
                 kv = self._kv.setdefault(turn.session, {})
                 kv[node_id] = max(kv.get(node_id, 0), tokens)
 
-            self.at(self.now_ms + self.link.move_ms(tokens - held.get(node_id, 0)), moved)
+            due = self.now_ms + self.link.move_ms(tokens - held.get(node_id, 0))
+            self._moves_due[(turn.session, node_id)] = due
+
+            def moved_and_due() -> None:
+                moved()
+                if self._moves_due.get((turn.session, node_id)) == due:
+                    del self._moves_due[(turn.session, node_id)]
+
+            self.at(due, moved_and_due)
 
     def _arrive(self, request_id: int, turn: Turn) -> None:
         request = SimRequest(request_id, turn.session, turn.arrival_ms, turn.prompt_tokens, turn.output_tokens,
@@ -236,7 +247,7 @@ class ClusterSim:
             self._announced[advised] -= 1
             engine = self.engines[advised]
             if not engine.waiting:  # the scheduler honours an advisory unless that node has a queue
-                self._dispatch(request, turn, advised, by_advisory=True)
+                self._dispatch(request, turn, advised)
                 return
         self._route(request, turn)
 
@@ -271,11 +282,9 @@ class ClusterSim:
                 break
         self._queue.insert(at, (request, turn))
 
-    def _dispatch(self, request: SimRequest, turn: Turn, node_id: str, by_advisory: bool = False) -> None:
+    def _dispatch(self, request: SimRequest, turn: Turn, node_id: str) -> None:
         self.policy.observe(self._route_request(turn), node_id)
-        delay_ms = self.engines[node_id].model.request_overhead_ms
-        if not by_advisory:
-            delay_ms += self._pull_for_request(turn.session, node_id)
+        delay_ms = self.engines[node_id].model.request_overhead_ms + self._pull_for_request(turn.session, node_id)
         held = self._engine_cache[node_id].get(turn.session, 0)
         if self.policy.traits.uses_tiers:
             held = max(held, self._kv.get(turn.session, {}).get(node_id, 0))
@@ -287,9 +296,10 @@ class ClusterSim:
             self._enqueue(request, node_id)
 
     def _pull_for_request(self, session: str, node_id: str) -> float:
-        """As the scheduler's dispatcher: a request sent, without an advisory's move, to a node holding
-        less of its session's KV than another one waits for the KV to be pulled over, at most
-        route_pull_wait_ms (a pull later than that brings nothing in time). Returns the wait."""
+        """As the scheduler's dispatcher: a request sent to a node holding less of its session's KV than
+        another one (no advisory moved it there, or the move is still under way) waits for the KV to be
+        pulled over, at most route_pull_wait_ms (a pull later than that brings nothing in time). A
+        move under way ends when it was due, as the node's pull joins it. Returns the wait."""
         if not self.policy.traits.prefetch_on_advisory or self.route_pull_wait_ms <= 0:
             return 0.0
         kv = self._kv.get(session, {})
@@ -297,6 +307,9 @@ class ClusterSim:
         if source is None:
             return 0.0
         pull_ms = self.link.move_ms(source[1] - kv.get(node_id, 0))
+        due = self._moves_due.get((session, node_id))
+        if due is not None:  # an advisory's move there is under way: the node's pull joins it
+            pull_ms = min(pull_ms, due - self.now_ms)
         if pull_ms > self.route_pull_wait_ms:
             return self.route_pull_wait_ms
         kv[node_id] = source[1]

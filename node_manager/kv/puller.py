@@ -40,6 +40,9 @@ class PeerPuller:
         # stream itself for the session's status instead of a gRPC round trip first. Bounded with the
         # channels (an entry leaves with its peer's channel).
         self._data_ports: dict[str, int] = {}
+        # Pulls under way, by (tenant, session, peer): a second pull of the same session from the same
+        # peer joins the first. Bounded by the pulls running at once (an entry leaves when it ends).
+        self._running: dict[tuple[str, str, str], asyncio.Task[kv_pb2.PullReply]] = {}
 
     def _stub(self, peer: str) -> kv_pb2_grpc.KVStoreStub:
         channel = self._channels.get(peer)
@@ -62,7 +65,26 @@ class PeerPuller:
         self._data_ports[peer] = info.data_port
 
     async def pull(self, tenant: str, session_id: str, peer: str) -> kv_pb2.PullReply:
-        """Fetch every page of the session that no local tier holds, from the first missing block."""
+        """Fetch every page of the session that no local tier holds, from the first missing block.
+
+        A pull of the same session from the same peer that is already running is joined, not
+        repeated: a request that reaches a node while its advisory's move is still pulling the
+        history asks for the same pages (the scheduler waits for them, `Dispatcher._pull_for_request`),
+        and two pulls would fetch and store every page twice. The joiner gets the running pull's reply."""
+        key = (tenant, session_id, peer)
+        running = self._running.get(key)
+        if running is None or running.done():
+            running = asyncio.create_task(self._pull(tenant, session_id, peer), name=f"kv-pull-{session_id}")
+            self._running[key] = running
+            running.add_done_callback(lambda done: self._forget(key, done))
+        # Shielded: one caller going away (a cancelled prefetch) must not stop the pull the other awaits.
+        return await asyncio.shield(running)
+
+    def _forget(self, key: tuple[str, str, str], done: asyncio.Task[kv_pb2.PullReply]) -> None:
+        if self._running.get(key) is done:
+            del self._running[key]
+
+    async def _pull(self, tenant: str, session_id: str, peer: str) -> kv_pb2.PullReply:
         ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
         reply = kv_pb2.PullReply()
         with self._store.foreground_transfer():  # the write-behind waits: a request may be waiting on this
@@ -183,6 +205,9 @@ class PeerPuller:
         return PullOutcome(reply.pages_received, reply.complete, reply.error)
 
     async def close(self) -> None:
+        for running in list(self._running.values()):
+            running.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -94,6 +94,33 @@ async def test_a_request_routed_away_from_its_kv_without_an_advisory_pulls_it_ov
         assert _metric((await client.get("/metrics")).text, 'symphony_route_pulls_total{outcome="ready"}') == 1
 
 
+async def test_a_request_arriving_while_its_advisorys_move_is_under_way_waits_for_the_kv(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """An advisory moments before its request: the move to the advised node is still pulling the
+    history when the request comes. The request waits for the KV (a pull the node joins to the
+    move's) instead of reaching the engine without it and recomputing the whole history."""
+    node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
+    url, _ = await start_scheduler([node_a, node_b], route_pull_min_tokens=1, route_pull_wait_ms=20_000)
+    async with httpx.AsyncClient(base_url=url) as client:
+        holder, other = await _first_turn_then_busy(client, node_a, node_b)
+        other.kv.release.clear()  # the advisory's move is under way until the test lets it end
+        advice = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
+        assert advice.status_code == 202 and advice.json()["node"] == other.status.node_id
+        await async_wait_until(lambda: bool(other.kv.prefetches), 10, "the advisory's move")
+        sent = len(engine.requests)
+        second = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"}))
+        await async_wait_until(lambda: len(other.kv.prefetches) == 2, 10, "the request's pull")
+        pull = other.kv.prefetches[1]
+        assert pull.target_tier == kv_pb2.TIER_DRAM and pull.source_peer == holder.address
+        assert len(engine.requests) == sent and not second.done()  # the request waits for its KV
+        other.kv.release.set()
+        reply = await second
+        assert reply.status_code == 200 and reply.headers["x-symphony-node"] == other.status.node_id
+        assert reply.headers["x-symphony-route"] == "advisory"
+        assert _metric((await client.get("/metrics")).text, 'symphony_route_pulls_total{outcome="ready"}') == 1
+
+
 async def test_a_pull_that_runs_late_delays_the_request_only_by_the_bounded_wait(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:

@@ -4,6 +4,7 @@ tests/integration/test_kv_nodes.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,26 @@ async def test_a_pull_only_fetches_the_blocks_it_lacks(peer: _Peer, make_store: 
     finally:
         await puller.close()
     assert (reply.complete, reply.pages_expected, reply.pages_received) == (True, 3 * LAYERS, 3 * LAYERS)
+    assert all(torch.equal(got, want) for got, want in zip(_pages(receiver, "s"), data, strict=True))
+
+
+async def test_a_second_pull_of_a_session_under_way_joins_it(peer: _Peer, make_store: MakeStore) -> None:
+    """An advisory's move and its request's own pull ask for the same session at once: one pull runs,
+    both get its reply, and each page is stored once. A later pull runs anew (it finds all held)."""
+    data = save_session(peer.store, "s", BLOCKS, seed=6)
+    receiver = make_store()
+    puller = PeerPuller(receiver, timeout_s=TIMEOUT)
+    try:
+        await puller.connect(peer.address)
+        first, second = await asyncio.gather(puller.pull("acme", "s", peer.address),
+                                             puller.pull("acme", "s", peer.address))
+        later = await puller.pull("acme", "s", peer.address)
+    finally:
+        await puller.close()
+    assert first is second and first.complete and first.pages_received == BLOCKS * LAYERS
+    stored = receiver.metrics.registry.get_sample_value("symphony_kv_peer_pages_total", {"outcome": "stored"})
+    assert stored == BLOCKS * LAYERS
+    assert (later.complete, later.pages_expected, later.pages_received) == (True, 0, 0)
     assert all(torch.equal(got, want) for got, want in zip(_pages(receiver, "s"), data, strict=True))
 
 

@@ -49,19 +49,23 @@ def test_a_next_turn_on_the_same_node_prefills_only_what_is_new() -> None:
     assert second.ttft_ms == 10 + 48  # one step: the new tokens only
 
 
-@pytest.mark.parametrize(("advisory_ms", "cached"), [(500, 102), (990, 0)])
-def test_an_advisory_moves_the_history_to_the_node_it_picks_if_there_is_time(advisory_ms: int, cached: int) -> None:
+@pytest.mark.parametrize(("advisory_ms", "wait_ms", "cached", "ttft_ms"),
+                         [(500, 3000, 102, 10 + 48), (990, 3000, 102, 97 + 10 + 48), (990, 50, 0, 50 + 10 + 150)])
+def test_an_advisory_moves_the_history_to_the_node_it_picks_and_a_turn_waits_for_a_move_under_way(
+        advisory_ms: int, wait_ms: int, cached: int, ttft_ms: int) -> None:
     """Session s holds 102 tokens on n0, which is busy with a long prefill (3,010 ms from t=0), so the
     advisory picks n1 (a request's wait outweighs moving the KV) and moves them: 5 + 102 = 107 ms.
-    Sent 500 ms ahead, the KV lands before the turn; sent 10 ms ahead it does not, and the turn
-    recomputes its history."""
-    sim = ClusterSim(make_policy("symphony"), {"n0": ENGINE, "n1": ENGINE}, LINK)
+    Sent 500 ms ahead, the KV lands before the turn. Sent 10 ms ahead, the move ends at 1,097: the
+    turn waits the 97 ms left (its pull joins the move) and prefills only its new tokens; when the
+    scheduler waits at most 50 ms, it goes after 50 ms with nothing and recomputes its history."""
+    sim = ClusterSim(make_policy("symphony"), {"n0": ENGINE, "n1": ENGINE}, LINK, route_pull_wait_ms=wait_ms,
+                     route_pull_min_tokens=32)
     sim.seed_kv("s", "n0", 102)
     result = sim.run([Turn("long", 0, 3000, 2), Turn("s", 1000, 150, 1, advisory_ms=advisory_ms)])
     turn, long = by_session(result)["s"], by_session(result)["long"]
     assert long.node_id == "n0" and turn.node_id == "n1"
     assert turn.cached_tokens == cached
-    assert turn.ttft_ms == 10 + 150 - cached  # one step, prefilling what was not moved in time
+    assert turn.ttft_ms == ttft_ms
 
 
 @pytest.mark.parametrize(("wait_ms", "cached", "ttft_ms"), [(3000, 102, 107 + 10 + 48), (50, 0, 50 + 10 + 150)])
