@@ -80,10 +80,12 @@ class Prefetcher:
         prefetch = Prefetch(session, node_id, history_tokens, self._clock())
         request = kv_pb2.PrefetchRequest(session=kv_pb2.SessionRef(tenant=session[0], session_id=session[1]),
                                          target_tier=_TARGETS[target], deadline_ms=deadline_ms,
-                                         priority=_PRIORITY[priority], source_peer=source_address,
-                                         # The salt of the session's next request: the warm-up must
-                                         # land where that request's prefix-cache lookup will look.
-                                         engine_cache_salt=engine_cache_salt(session[0]))
+                                         priority=_PRIORITY[priority], source_peer=source_address)
+        if target == "hbm":
+            # The salt of the session's next request: the warm-up must land where that request's
+            # prefix-cache lookup will look. Only there: a node refuses a salt with any other target
+            # (INVALID_ARGUMENT), which failed every pull a request waited for until this was split.
+            request.engine_cache_salt = engine_cache_salt(session[0])
         task = asyncio.create_task(self._follow(stub, request, prefetch), name=f"prefetch-{session[1]}")
         prefetch.task = task
         self._tasks.add(task)

@@ -29,6 +29,10 @@ class FakeKVStore(kv_pb2_grpc.KVStoreServicer):
 
     async def Prefetch(self, request, context):
         self.prefetches.append(request)
+        if request.engine_cache_salt and request.target_tier != kv_pb2.TIER_HBM:
+            # As the real node refuses it (KVStoreService.Prefetch): a fake that took it let every
+            # DRAM pull the scheduler sent with a salt pass here and fail on live nodes.
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "engine_cache_salt goes with target_tier TIER_HBM")
         return kv_pb2.PrefetchStatus(prefetch_id=str(len(self.prefetches)), state=kv_pb2.PREFETCH_STATE_QUEUED)
 
     async def GetPrefetch(self, request, context):

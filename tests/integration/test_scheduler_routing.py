@@ -87,6 +87,7 @@ async def test_a_request_routed_away_from_its_kv_without_an_advisory_pulls_it_ov
         pull = other.kv.prefetches[0]
         # Only to the node's DRAM (the request's own prefill loads it), from the node holding it.
         assert pull.target_tier == kv_pb2.TIER_DRAM and pull.source_peer == holder.address
+        assert not pull.engine_cache_salt  # a node refuses a salt for any target but its engine's cache
         assert len(engine.requests) == sent and not second.done()  # the request waits for its KV
         other.kv.release.set()
         reply = await second
@@ -113,6 +114,7 @@ async def test_a_request_arriving_while_its_advisorys_move_is_under_way_waits_fo
         await async_wait_until(lambda: len(other.kv.prefetches) == 2, 10, "the request's pull")
         pull = other.kv.prefetches[1]
         assert pull.target_tier == kv_pb2.TIER_DRAM and pull.source_peer == holder.address
+        assert not pull.engine_cache_salt
         assert len(engine.requests) == sent and not second.done()  # the request waits for its KV
         other.kv.release.set()
         reply = await second
