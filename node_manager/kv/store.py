@@ -868,6 +868,24 @@ class TieredStore:
                 raise
         return plan
 
+    def _whole_load_rows(self, keys: Sequence[BlockKey], order: list[int]
+                         ) -> tuple[np.ndarray, slice | np.ndarray] | None:
+        """For a load planned as a whole: the directory row of each key and the columns of its
+        layers, or None if some key has no row. Every layer in order (the usual load) selects whole
+        rows, with no column gather."""
+        ids = self._directory.rows(keys)
+        if not len(ids) or ids.min() < 0:
+            return None
+        return ids, slice(None) if order == list(range(self.geometry.num_layers)) else np.asarray(order)
+
+    def _pin_whole_load(self, ids: np.ndarray, order: list[int], delta: int) -> None:
+        """Take (+1) or release (-1) the pins of a load planned as a whole: whole rows when every
+        layer comes, in any order. Caller holds the lock."""
+        if len(order) == self.geometry.num_layers:
+            self._directory.pins[ids] += delta
+        else:
+            self._directory.pins[np.ix_(ids, order)] += delta
+
     def _plan_load_from_dram(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
                              rows: np.ndarray, plain_rows: bool) -> PreparedDramLoad | None:
         """The common resume: every page the load wants sits in DRAM and none in HBM. Planned and
@@ -875,18 +893,14 @@ class TieredStore:
         the GIL the other lane needs (per-layer planning and finishing cost more than the copies).
         None, with nothing changed, when some page needs the general path. Caller holds the lock."""
         d = self._directory
-        ids = d.rows(keys)
-        if not len(ids) or ids.min() < 0:
+        found = self._whole_load_rows(keys, order)
+        if found is None:
             return None
-        # Every layer in order (the usual load) selects whole directory rows: no column gather.
-        columns = slice(None) if order == list(range(self.geometry.num_layers)) else np.asarray(order)
+        ids, columns = found
         slots = d.dram[ids][:, columns]
         if slots.min() < 0 or d.hbm[ids][:, columns].max() >= 0:
             return None
-        if isinstance(columns, slice):
-            d.pins[ids] += 1
-        else:
-            d.pins[np.ix_(ids, columns)] += 1
+        self._pin_whole_load(ids, order, 1)
         # Saves take consecutive slots for a layer's blocks, so most layers are one run.
         rows_consecutive = bool((np.diff(rows) == 1).all())
         consecutive = ((np.diff(slots, axis=0) == 1).all(axis=0) & rows_consecutive).tolist()
@@ -901,11 +915,7 @@ class TieredStore:
             self._hits[Tier.DRAM].inc(pages)
             self._observe_io(Tier.DRAM, "read", pages, prepared.started)
         with self._lock:
-            pins = self._directory.pins
-            if len(prepared.order) == self.geometry.num_layers:  # every layer (any order): whole rows
-                pins[prepared.block_rows] -= 1
-            else:
-                pins[np.ix_(prepared.block_rows, prepared.order)] -= 1
+            self._pin_whole_load(prepared.block_rows, prepared.order, -1)
             self._inflight -= len(prepared.order)
 
     def _plan_load_from_ssd(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
@@ -915,10 +925,10 @@ class TieredStore:
         as `_plan_load_from_dram` is; None, with nothing changed, when some page needs the general
         path (a copy in a faster tier, a page missing). Caller holds the lock."""
         d = self._directory
-        ids = d.rows(keys)
-        if not len(ids) or ids.min() < 0:
+        found = self._whole_load_rows(keys, order)
+        if found is None:
             return None
-        columns = slice(None) if order == list(range(self.geometry.num_layers)) else np.asarray(order)
+        ids, columns = found
         seqs = d.ssd_seq[ids][:, columns]
         if seqs.min() < 0 or d.dram[ids][:, columns].max() >= 0 or d.hbm[ids][:, columns].max() >= 0:
             return None
@@ -931,10 +941,7 @@ class TieredStore:
                 return None
             segments[seq] = segment
             self.ssd.touch(seq)
-        if isinstance(columns, slice):
-            d.pins[ids] += 1
-        else:
-            d.pins[np.ix_(ids, columns)] += 1
+        self._pin_whole_load(ids, order, 1)
         return PreparedSsdLoad(keys, target.tensors, order, ids, seqs, d.ssd_page[ids][:, columns],
                                d.checksum[ids][:, columns], rows, segments)
 
@@ -946,10 +953,7 @@ class TieredStore:
             self._observe_io(Tier.SSD, "read", pages_read, prepared.started)
         d = self._directory
         with self._lock:
-            if len(prepared.order) == self.geometry.num_layers:  # every layer (any order): whole rows
-                d.pins[prepared.block_rows] -= 1
-            else:
-                d.pins[np.ix_(prepared.block_rows, prepared.order)] -= 1
+            self._pin_whole_load(prepared.block_rows, prepared.order, -1)
             for segment in prepared.segments.values():
                 self.ssd.unpin(segment)
             for page in bad:  # as `_finalize_layer` does: unpinned first, then dropped

@@ -341,40 +341,30 @@ def test_leftover_tmp_segment_is_deleted_at_rebuild(make_store: MakeStore, ssd_d
     assert all(torch.equal(tensors[layer], kept[layer]) for layer in range(LAYERS))
 
 
-def test_damaged_segment_is_dropped_at_rebuild(make_store: MakeStore, ssd_dir: Path) -> None:
+@pytest.mark.parametrize("change", ["flipped-entry-table", "older-format"])
+def test_a_segment_that_cannot_be_read_is_dropped_at_rebuild(make_store: MakeStore, ssd_dir: Path,
+                                                             change: str) -> None:
+    """A damaged header and a segment of an older format both leave at the rebuild, and their pages
+    are reported missing; only damage counts as damaged (an older format is an upgrade)."""
     first = make_store()
     save_session(first, "s1", 1, seed=13, base=0)
     key = first.session("acme", "s1").blocks.block_keys[0]
     first.close()
     path, _ = locate_page(ssd_dir, key, layer=0)
-    flip_bits(path, 60, 0x01)  # inside the entry table
+    if change == "flipped-entry-table":
+        flip_bits(path, 60, 0x01)  # inside the entry table
+    else:
+        with path.open("r+b") as fh:  # the version field follows the 8-byte magic
+            fh.seek(8)
+            fh.write(struct.pack("<H", VERSION - 1))
 
     second = make_store()
-    assert metric(second, "symphony_kv_ssd_segments_damaged_total") == 1
+    assert metric(second, "symphony_kv_ssd_segments_damaged_total") == (change == "flipped-entry-table")
     assert not path.exists()
     second.put_session("acme", "s1", tokens(1, base=0))
     _, results = load_rows(second, "s1", 1)
     assert results[0].failed == (0,)
 
-
-
-def test_segment_of_an_older_format_is_dropped_at_rebuild_not_counted_damaged(
-        make_store: MakeStore, ssd_dir: Path) -> None:
-    first = make_store()
-    save_session(first, "s1", 1, seed=13, base=0)
-    key = first.session("acme", "s1").blocks.block_keys[0]
-    first.close()
-    path, _ = locate_page(ssd_dir, key, layer=0)
-    with path.open("r+b") as fh:  # the version field follows the 8-byte magic
-        fh.seek(8)
-        fh.write(struct.pack("<H", VERSION - 1))
-
-    second = make_store()
-    assert metric(second, "symphony_kv_ssd_segments_damaged_total") == 0
-    assert not path.exists()
-    second.put_session("acme", "s1", tokens(1, base=0))
-    _, results = load_rows(second, "s1", 1)
-    assert results[0].failed == (0,)
 
 # ---- capacity -----------------------------------------------------------------------------------
 
@@ -940,11 +930,18 @@ def test_dram_load_of_chosen_layers_in_any_order(make_store: MakeStore, order: l
     each chosen layer lands, the others stay untouched, every layer resolves and no pin is left."""
     store = make_store(hbm_pages=0, dram_pages=4 * LAYERS)
     data = save_session(store, "s1", 3, seed=54)
+    _load_chosen_layers_and_check(store, data, order, Tier.DRAM)
+
+
+def _load_chosen_layers_and_check(store: TieredStore, data: list[torch.Tensor], order: list[int],
+                                  source: Tier) -> None:
+    """Load layers `order` of session "s1" (3 blocks, all held in `source`): each chosen layer lands,
+    the others stay untouched, every layer resolves and no pin is left."""
     tensors = [torch.full((3, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
     results = store.load("acme", "s1", target=RowTarget(tensors, [0, 1, 2]), layers=order).wait_all(TIMEOUT)
     for layer in range(LAYERS):
         if layer in order:
-            assert results[layer].by_tier == {Tier.DRAM: 3} and torch.equal(tensors[layer], data[layer])
+            assert results[layer].by_tier == {source: 3} and torch.equal(tensors[layer], data[layer])
         else:
             assert results[layer].loaded == 0 and bool((tensors[layer] == SENTINEL).all())
     assert store.flush(TIMEOUT) and store.pinned_pages() == 0
@@ -1017,14 +1014,7 @@ def test_ssd_only_load_of_chosen_layers_in_any_order(make_store: MakeStore, monk
                                                       order: list[int]) -> None:
     store, data = _restarted_with(make_store, 3, seed=73)
     _no_layer_planning(store, monkeypatch)
-    tensors = [torch.full((3, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
-    results = store.load("acme", "s1", target=RowTarget(tensors, [0, 1, 2]), layers=order).wait_all(TIMEOUT)
-    for layer in range(LAYERS):
-        if layer in order:
-            assert results[layer].by_tier == {Tier.SSD: 3} and torch.equal(tensors[layer], data[layer])
-        else:
-            assert results[layer].loaded == 0 and bool((tensors[layer] == SENTINEL).all())
-    assert store.pinned_pages() == 0 and store.flush(TIMEOUT)
+    _load_chosen_layers_and_check(store, data, order, Tier.SSD)
 
 
 def test_ssd_only_load_with_a_short_segment_fails_those_pages_and_loads_the_rest(
