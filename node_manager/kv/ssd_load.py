@@ -1,4 +1,5 @@
-"""The cold resume, moved: a load whose every page sits only on SSD, read straight into the caller's rows.
+"""A load whose every page sits only on SSD, read straight into the caller's rows: a node sending a
+session it holds only on disk to a peer (`transfer`), or any caller loading rows from a cold store.
 
 `TieredStore` plans and pins such a load for all its layers at once (`PreparedSsdLoad`); this module
 reads it. Why a path of its own, as `memory_load` is for DRAM: the general path (`StripedLoad`)

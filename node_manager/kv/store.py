@@ -920,7 +920,7 @@ class TieredStore:
 
     def _plan_load_from_ssd(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
                             rows: np.ndarray) -> PreparedSsdLoad | None:
-        """The cold resume: every page the load wants sits on SSD and in no faster tier; only for
+        """A cold load: every page the load wants sits on SSD and in no faster tier; only for
         destinations of plain CPU rows (`_target_rows`). Planned and pinned for all layers at once,
         as `_plan_load_from_dram` is; None, with nothing changed, when some page needs the general
         path (a copy in a faster tier, a page missing). Caller holds the lock."""
