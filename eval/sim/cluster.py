@@ -223,20 +223,17 @@ class ClusterSim:
         source = kv_source(held, node_id)
         if source is not None:
             tokens = source[1]
+            move = (turn.session, node_id)
+            due = self.now_ms + self.link.move_ms(tokens - held.get(node_id, 0))
+            self._moves_due[move] = due
 
             def moved() -> None:
                 kv = self._kv.setdefault(turn.session, {})
                 kv[node_id] = max(kv.get(node_id, 0), tokens)
+                if self._moves_due.get(move) == due:  # not superseded by a later move there
+                    del self._moves_due[move]
 
-            due = self.now_ms + self.link.move_ms(tokens - held.get(node_id, 0))
-            self._moves_due[(turn.session, node_id)] = due
-
-            def moved_and_due() -> None:
-                moved()
-                if self._moves_due.get((turn.session, node_id)) == due:
-                    del self._moves_due[(turn.session, node_id)]
-
-            self.at(due, moved_and_due)
+            self.at(due, moved)
 
     def _arrive(self, request_id: int, turn: Turn) -> None:
         request = SimRequest(request_id, turn.session, turn.arrival_ms, turn.prompt_tokens, turn.output_tokens,

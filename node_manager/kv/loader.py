@@ -20,7 +20,7 @@ import ctypes
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch
 
 from node_manager.kv.pages import Tier, page_checksum
 from node_manager.kv.slots import copy_rows
-from node_manager.kv.ssd_tier import SsdTier
+from node_manager.kv.ssd_tier import Segment, SsdTier
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 
@@ -149,6 +149,41 @@ class LayerPlan:
         """Drop every read after the first `count` (a tier target had no room for them)."""
         for name in ("index", "source", "where", "ssd_page", "rows", "block_rows", "checksums"):
             setattr(self, name, getattr(self, name)[:count])
+
+
+def row_views(tensor: torch.Tensor, rows: Sequence[int], row_bytes: int) -> list[memoryview]:
+    """Byte views of rows of a contiguous CPU tensor, as slices of one view of the whole tensor: a
+    view per row through `tensor[row].numpy()` costs ~5 us, a third of a page's read from a warm disk."""
+    flat = memoryview(tensor.numpy()).cast("B")
+    return [flat[row * row_bytes:(row + 1) * row_bytes] for row in rows]
+
+
+def read_verified_pages(ssd: SsdTier, segments: Mapping[int, Segment], layer: int, keys: Sequence[BlockKey],
+                        seqs: Sequence[int], pages: Sequence[int], checksums: Sequence[int],
+                        views: Sequence[memoryview]) -> dict[int, str]:
+    """Read page i of `layer` (entry `pages[i]` of segment `seqs[i]`) into `views[i]` and check it
+    against `checksums[i]` (keyed by `keys[i]`). Returns {i: "io_error" | "checksum"} for the pages
+    that failed; their views hold unverified bytes, which the caller must not deliver. A segment's
+    adjacent entries are read with one scattered `preadv`."""
+    by_segment: dict[int, list[tuple[int, memoryview]]] = {}
+    members: dict[int, list[int]] = {}
+    for i, (seq, page, view) in enumerate(zip(seqs, pages, views, strict=True)):
+        by_segment.setdefault(seq, []).append((page, view))
+        members.setdefault(seq, []).append(i)
+    bad: dict[int, str] = {}
+    for seq, reads in by_segment.items():
+        segment = segments.get(seq)
+        try:
+            if segment is None:
+                raise FileNotFoundError(f"segment {seq:x} vanished")
+            ssd.read_into(segment, reads)
+        except OSError as exc:
+            log.warning("KV segment read failed", segment=seq, error=str(exc))
+            bad.update(dict.fromkeys(members[seq], "io_error"))
+    for i, (key, view, expected) in enumerate(zip(keys, views, checksums, strict=True)):
+        if i not in bad and page_checksum(key, layer, view) != expected:
+            bad[i] = "checksum"
+    return bad
 
 
 def single_threaded_torch() -> None:
@@ -323,37 +358,17 @@ class StripedLoad:
         staging = dest if direct else torch.empty(len(positions), self._page_words, dtype=torch.int64,
                                                   pin_memory=dest.device.type == "cuda")
         staging_rows = plan.rows[positions].tolist() if direct else list(range(len(positions)))
-        seqs, pages = plan.where[positions].tolist(), plan.ssd_page[positions].tolist()
-        by_segment: dict[int, list[tuple[int, memoryview]]] = {}
-        views: list[memoryview] = []
-        # Rows as slices of one byte view of the whole tensor: a view per row through
-        # `staging[row].numpy()` costs ~5 us, a third of a layer's read time from a warm disk.
-        flat, page_bytes = memoryview(staging.numpy()).cast("B"), self._page_words * 8
-        for row, seq, page in zip(staging_rows, seqs, pages, strict=True):
-            view = flat[row * page_bytes:(row + 1) * page_bytes]
-            views.append(view)
-            by_segment.setdefault(seq, []).append((page, view))
-        failed_segments: set[int] = set()
-        for seq, segment_reads in by_segment.items():
-            segment = self._ssd.segments.get(seq)
-            try:
-                if segment is None:
-                    raise FileNotFoundError(f"segment {seq:x} vanished")
-                self._ssd.read_into(segment, segment_reads)
-            except OSError as exc:
-                log.warning("KV segment read failed", segment=seq, error=str(exc))
-                failed_segments.add(seq)
-        bad: dict[int, str] = {}
-        for k, (j, seq, view) in enumerate(zip(positions, seqs, views, strict=True)):
-            key = plan.keys[plan.index[j]]
-            if seq in failed_segments:
-                bad[j] = "io_error"
-            elif page_checksum(key, plan.layer, view) != int(plan.checksums[j]):  # stable: the page is pinned
-                bad[j] = "checksum"
-            if j in bad and direct:
+        failed = read_verified_pages(
+            self._ssd, self._ssd.segments, plan.layer, [plan.keys[plan.index[j]] for j in positions],
+            plan.where[positions].tolist(), plan.ssd_page[positions].tolist(),
+            plan.checksums[positions].tolist(),  # stable: the pages are pinned
+            row_views(staging, staging_rows, self._page_words * 8))
+        bad = {positions[k]: reason for k, reason in failed.items()}
+        if direct:
+            for k in failed:
                 staging[staging_rows[k]].zero_()  # a failed row must not keep unverified bytes
-        if not direct:
-            good = [k for k, j in enumerate(positions) if j not in bad]
+        else:
+            good = [k for k in range(len(positions)) if k not in failed]
             if good:
                 copy_rows(dest, plan.rows[[positions[k] for k in good]], staging, np.asarray(good))
         return bad

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from node_manager.kv.loader import LayerResult, LayerwiseLoad
-from node_manager.kv.pages import Tier, page_checksum
+from node_manager.kv.loader import LayerResult, LayerwiseLoad, read_verified_pages, row_views
+from node_manager.kv.pages import Tier
 from node_manager.kv.ssd_tier import Segment, SsdTier
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
@@ -156,30 +156,13 @@ class SsdLoad:
         return layer, LayerResult(layer, failed[0] - first, failed, {Tier.SSD: blocks - len(bad)})
 
     def _read_layer(self, position: int) -> list[BadPage]:
-        prepared, page_bytes = self.prepared, self._page_bytes
+        prepared = self.prepared
         layer = prepared.order[position]
-        # Rows as slices of one byte view of the whole tensor (a view per row through
-        # `tensor[row].numpy()` costs ~5 us, a third of a page's read time from a warm disk).
-        flat = memoryview(prepared.tensors[layer].numpy()).cast("B")
-        views = [flat[row * page_bytes:(row + 1) * page_bytes] for row in prepared.rows.tolist()]
-        seqs, pages = prepared.seqs[:, position].tolist(), prepared.pages[:, position].tolist()
-        by_segment: dict[int, list[tuple[int, memoryview]]] = {}
-        blocks_of: dict[int, list[int]] = {}
-        for block, (seq, page) in enumerate(zip(seqs, pages, strict=True)):
-            by_segment.setdefault(seq, []).append((page, views[block]))
-            blocks_of.setdefault(seq, []).append(block)
-        bad: list[BadPage] = []
-        for seq, reads in by_segment.items():
-            try:
-                self._ssd.read_into(prepared.segments[seq], reads)
-            except OSError as exc:
-                log.warning("KV segment read failed", segment=seq, error=str(exc))
-                bad.extend(BadPage(position, block, "io_error") for block in blocks_of[seq])
-        failed = {page.block for page in bad}
-        expected = prepared.checksums[:, position].tolist()
-        for block, (key, view) in enumerate(zip(prepared.keys, views, strict=True)):
-            if block not in failed and page_checksum(key, layer, view) != expected[block]:
-                bad.append(BadPage(position, block, "checksum"))
+        failed = read_verified_pages(
+            self._ssd, prepared.segments, layer, prepared.keys, prepared.seqs[:, position].tolist(),
+            prepared.pages[:, position].tolist(), prepared.checksums[:, position].tolist(),
+            row_views(prepared.tensors[layer], prepared.rows.tolist(), self._page_bytes))
+        bad = [BadPage(position, block, reason) for block, reason in failed.items()]
         if bad:
             self._zero_rows(position, [page.block for page in bad])  # never leave unverified bytes
         return bad

@@ -951,21 +951,26 @@ class TieredStore:
         if pages_read:
             self._hits[Tier.SSD].inc(pages_read)
             self._observe_io(Tier.SSD, "read", pages_read, prepared.started)
-        d = self._directory
         with self._lock:
             self._pin_whole_load(prepared.block_rows, prepared.order, -1)
             for segment in prepared.segments.values():
                 self.ssd.unpin(segment)
             for page in bad:  # as `_finalize_layer` does: unpinned first, then dropped
-                self.metrics.load_errors.labels(page.reason).inc()
-                layer = prepared.order[page.position]
-                row, key = int(prepared.block_rows[page.block]), prepared.keys[page.block]
-                seq, index = prepared.seqs[page.block, page.position], prepared.pages[page.block, page.position]
-                if page.reason == "checksum":
-                    log.warning("KV page failed its checksum on SSD; dropped", layer=layer, segment=int(seq))
-                if d.keys[row] == key and d.ssd_seq[row, layer] == seq and d.ssd_page[row, layer] == index:
-                    self._drop_copy(key, layer, Tier.SSD, "corrupt")
+                self._drop_bad_ssd_copy(prepared.keys[page.block], int(prepared.block_rows[page.block]),
+                                        prepared.order[page.position], int(prepared.seqs[page.block, page.position]),
+                                        int(prepared.pages[page.block, page.position]), page.reason)
             self._inflight -= len(prepared.order)
+
+    def _drop_bad_ssd_copy(self, key: BlockKey, row: int, layer: int, seq: int, index: int, reason: str) -> None:
+        """A page read from segment `seq`, entry `index`, failed ("checksum" or "io_error"): counted, and
+        that copy is never served again: dropped (and the page, if it was the last copy), unless the
+        page has moved to another copy since. Caller holds the lock, the page unpinned."""
+        self.metrics.load_errors.labels(reason).inc()
+        if reason == "checksum":
+            log.warning("KV page failed its checksum on SSD; dropped", layer=layer, segment=seq)
+        d = self._directory
+        if d.keys[row] == key and d.ssd_seq[row, layer] == seq and d.ssd_page[row, layer] == index:
+            self._drop_copy(key, layer, Tier.SSD, "corrupt")
 
     def _plan_general(self, plan: LayerPlan, ids: np.ndarray, tier_target: Tier | None, rows: np.ndarray | None,
                       record: SessionRecord) -> None:
@@ -1062,22 +1067,14 @@ class TieredStore:
         """A layer's copies are done (or failed): unpin, drop bad SSD copies, install promoted pages."""
         delivered = not plan.skipped and plan.error is None
         failed = list(plan.failed)
-        d = self._directory
         with self._lock:
             self._inflight -= 1
             if isinstance(target, Tier):
                 self._install_promoted(plan, target, record, delivered)  # before unpinning: rows stay put
             self._unpin(plan)
             for position, reason in plan.bad.items():
-                self.metrics.load_errors.labels(reason).inc()
-                row, key = int(plan.block_rows[position]), plan.keys[plan.index[position]]
-                if reason == "checksum":
-                    log.warning("KV page failed its checksum on SSD; dropped", layer=plan.layer,
-                                segment=int(plan.where[position]))
-                if (d.keys[row] == key and d.ssd_seq[row, plan.layer] == plan.where[position]
-                        and d.ssd_page[row, plan.layer] == plan.ssd_page[position]):
-                    # A bad copy is never served again: drop it (and the page if it was the last copy).
-                    self._drop_copy(key, plan.layer, Tier.SSD, "corrupt")
+                self._drop_bad_ssd_copy(plan.keys[plan.index[position]], int(plan.block_rows[position]), plan.layer,
+                                        int(plan.where[position]), int(plan.ssd_page[position]), reason)
             if isinstance(target, Tier):
                 self._refresh_gauges()
         by_tier: dict[Tier, int] = {}
