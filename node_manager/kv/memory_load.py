@@ -1,8 +1,9 @@
 """The common resume, moved: a load whose every page sits in one memory pool (the DRAM arena).
 
 `TieredStore` plans and pins such a load for all its layers at once (`PreparedDramLoad`); this
-module copies it. Each lane takes whole layers (lane k: layers k, k + lanes, ...) and a layer is
-delivered as soon as its copy is done, in layer order (`LayerwiseLoad`).
+module copies it. Each lane claims the next layer no lane has claimed yet, so a lane whose thread
+wakes late (0.1-0.3 ms here, against ~0.2 ms for one layer's copy) copies fewer layers instead of
+finishing last; a layer is delivered as soon as its copy is done, in layer order (`LayerwiseLoad`).
 
 Why a path of its own: a resume from DRAM is bound by Python per layer, not by bytes. The general
 path (`StripedLoad`) builds a plan object, takes a lock twice and updates metrics for every layer,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -74,21 +76,24 @@ class MemoryLoad:
         self._lock = threading.Lock()
         self._copied = 0
         self._lanes_left = self._lanes
+        self._positions = itertools.count()  # next() is atomic under the GIL: each position claimed once
         self._held: tuple[int, LayerResult] | None = None
 
     def start(self) -> None:
-        for lane in range(self._lanes):
+        for _ in range(self._lanes):
             try:
-                self._executor.submit(self._run_lane, lane)
-            except RuntimeError:  # the store is closing: finish this lane's layers as not loaded
-                self._run_lane(lane, skip=True)
+                self._executor.submit(self._run_lane)
+            except RuntimeError:  # the store is closing: finish the unclaimed layers as not loaded
+                self._run_lane(skip=True)
 
-    def _run_lane(self, lane: int, skip: bool = False) -> None:
+    def _run_lane(self, skip: bool = False) -> None:
         order = self.prepared.order
         held: tuple[int, LayerResult] | None = None
         copied = 0
         blocks = len(self.prepared.rows)
-        for position in range(lane, len(order), self._lanes):
+        for position in self._positions:
+            if position >= len(order):
+                break
             layer = order[position]
             if skip or self.handle.cancelled:
                 result = LayerResult(layer, 0, self._failed)
