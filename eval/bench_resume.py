@@ -5,7 +5,8 @@ builds a conversation history of `context_tokens` tokens and sends its next turn
 in an order shuffled per trial, so the drift of this shared machine falls on all paths alike:
 
 - recompute: nothing holds the history; the engine prefills all of it.
-- engine_cache: vLLM's own prefix cache holds it (the turn that built it just ran there).
+- engine_cache: vLLM's own prefix cache holds it (the turn that built it just ran there), whole
+  blocks only; the partial last block comes from Symphony's DRAM, as on every Symphony path.
 - dram: only Symphony's DRAM tier holds it; the connector loads it layer by layer.
 - ssd_on_demand: only SSD holds it (DRAM copies demoted, page cache dropped); no advisory, so it
   is read layer by layer when the request arrives.
@@ -145,11 +146,15 @@ def _ref(tenant: str) -> kv_pb2.SessionRef:
     return kv_pb2.SessionRef(tenant=tenant, session_id="conversation")
 
 
-def _wait_saved(node: Node, tenant: str, blocks: int) -> None:
+def _wait_saved(node: Node, tenant: str, tokens: int, block_size: int) -> None:
+    """Until the node's tiers hold the first `tokens` of the session: its full blocks, and the
+    partial last block the connector saves in the step after the turn finished."""
+    blocks, tail = divmod(tokens, block_size)
     deadline = time.monotonic() + SAVE_WAIT_S
     while time.monotonic() < deadline:
         status = node.kv.GetSessionStatus(kv_pb2.SessionStatusRequest(session=_ref(tenant)), timeout=10)
-        if status.loadable_prefix_blocks >= blocks:
+        if status.loadable_prefix_blocks > blocks or (status.loadable_prefix_blocks == blocks
+                                                       and status.loadable_tail_tokens >= tail):
             return
         time.sleep(0.02)
     raise RuntimeError(f"the history of {tenant} was not saved within {SAVE_WAIT_S:.0f} s")
@@ -244,10 +249,13 @@ class ResumeRunner:
         built_on = other if path == "remote_prefetched" else home
         _turn(built_on, self.model, history, tenant, salt, 1)  # the turn that leaves the history behind
         gap_ends = time.monotonic() + self.gap_s
+        # Every path but recompute waits for the history's partial last block too: vLLM's own cache
+        # holds whole blocks only, so its hit is completed by that block from the node's tiers, as
+        # every Symphony path's is, and all of them hand vLLM the same bytes.
+        _wait_saved(built_on, tenant, len(history), self.block_size)
         if path == "engine_cache":
             _sleep_until(gap_ends)
             return self._resumed(home, prompt, tenant, salt)
-        _wait_saved(built_on, tenant, len(history) // self.block_size)
         if path in ("ssd_on_demand", "ssd_prefetched"):
             home.kv.DemoteSession(kv_pb2.DemoteRequest(session=_ref(tenant), tier=kv_pb2.TIER_DRAM), timeout=60)
             _drop_page_cache(home.ssd_dir)

@@ -8,6 +8,11 @@ own prefix-cache hit, with each token's logprob within `LOGPROB_TOLERANCE` of it
 hands vLLM the same bytes. Whether that hit also matches a recompute is reported beside it
 (`identical_to_recompute`): that is vLLM's own numerics, which depend on the CPU's kernels.
 
+vLLM's own cache holds whole blocks only; the history's partial last block reaches every path but
+recompute from the node's tiers (the connector saved it when the first turn finished), so every
+path gets the same bytes for every history token. The reference is still vLLM's own hit for all
+the whole blocks.
+
 The history's KV is built the way every path can build it alike: a prefill of the first turn
 (question and answer). A history whose answer tokens were decoded one by one holds the decode
 kernels' KV, which differs from a prefill's in the last bf16 bits; recompute would then differ from

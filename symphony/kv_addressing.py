@@ -21,6 +21,7 @@ BlockKey = NewType("BlockKey", bytes)  # 32-byte sha256 digest
 BLOCK_KEY_BYTES = 32
 _SEED = b"symphony-kv-block-key-v1"
 _MAX_TOKEN_ID = 2**32 - 1
+_TAIL_MARK = b"\x00partial-tail\x00"
 
 
 def tenant_root(tenant: str) -> BlockKey:
@@ -63,6 +64,27 @@ def _packed(token_ids: Sequence[int]) -> bytes:
 def block_key(parent: BlockKey, token_ids: Sequence[int] | np.ndarray) -> BlockKey:
     data = token_ids.astype("<u4", copy=False).tobytes() if isinstance(token_ids, np.ndarray) else _packed(token_ids)
     return BlockKey(hashlib.sha256(parent + data).digest())
+
+
+def tail_key(parent: BlockKey, token_ids: Sequence[int] | np.ndarray) -> BlockKey:
+    """The key of a partial last block (1..block_size - 1 tokens after the full block `parent`).
+    Its page holds the KV of those tokens only, so it is keyed apart from any full block: a turn that
+    ends mid-block leaves its tail under this key, and the next turn, whose prompt continues the same
+    tokens, loads it instead of recomputing up to a block of tokens."""
+    data = token_ids.astype("<u4", copy=False).tobytes() if isinstance(token_ids, np.ndarray) else _packed(token_ids)
+    return BlockKey(hashlib.sha256(parent + _TAIL_MARK + data).digest())
+
+
+def tail_keys(parent: BlockKey, tokens: np.ndarray, longest: int) -> list[BlockKey]:
+    """`tail_key(parent, tokens[:n])` for n = 1..longest (a token array), hashing each token once:
+    the connector's lookup of a turn's partial tail tries every length."""
+    digest = hashlib.sha256(parent + _TAIL_MARK)
+    data = memoryview(tokens[:longest].astype("<u4", copy=False).tobytes())
+    keys = []
+    for n in range(longest):
+        digest.update(data[4 * n:4 * n + 4])
+        keys.append(BlockKey(digest.copy().digest()))
+    return keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ import numpy as np
 
 from node_manager.connector.kv_client import NodeKVClient, registration_frame
 from node_manager.kv.block_index import BlockIndexReader
-from symphony.kv_addressing import BlockKey, keys_after, token_array
+from symphony.kv_addressing import BlockKey, keys_after, tail_keys, tenant_root, token_array
 
 # Recent sessions whose held blocks' keys are kept, so a resumed turn hashes only its new blocks;
 # bounded in tokens (4 bytes each, plus 32 bytes of key per block) as well as in sessions.
@@ -41,10 +41,13 @@ FIRST_BATCH_BLOCKS = 16
 @dataclass(frozen=True, slots=True)
 class HeldHistory:
     """The leading blocks of a request's history that the tiers hold in every layer, with their keys
-    (a load names its last block's key, so it cannot be served another history's pages)."""
+    (a load names its last block's key, so it cannot be served another history's pages). With
+    `tail_tokens` > 0 the last of them is a partial block of that many tokens (an earlier turn that
+    ended mid-block, `tail_key`): `blocks` counts it."""
 
     blocks: int
     keys: tuple[BlockKey, ...]
+    tail_tokens: int = 0
 
 
 class HistoryLookup:
@@ -86,7 +89,23 @@ class HistoryLookup:
                     break
                 batch *= 2
         self._remember(tenant, session, tokens[:len(held) * self._block_size], tuple(held))
+        tail, key = self._held_tail(index, tenant, tokens, held)
+        if key is not None:
+            return HeldHistory(len(held) + 1, (*held, key), tail)
         return HeldHistory(len(held), tuple(held))
+
+    def _held_tail(self, index: BlockIndexReader, tenant: str, tokens: np.ndarray,
+                   held: list[BlockKey]) -> tuple[int, BlockKey | None]:
+        """The longest partial block right after the held full blocks that the tiers hold, as
+        (tokens, key), (0, None) if none: every length is tried (~1 us of hashing each), since the
+        earlier turn's tail length is not known here."""
+        start = len(held) * self._block_size
+        longest = min(self._block_size - 1, len(tokens) - start)
+        if longest <= 0:
+            return 0, None
+        keys = tail_keys(held[-1] if held else tenant_root(tenant), tokens[start:], longest)
+        tail = index.longest_held(keys)
+        return (tail, keys[tail - 1]) if tail else (0, None)
 
     def send_registrations(self) -> None:
         """Send the registrations queued by `match` since the last call, in one write. Raises

@@ -30,8 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
-from node_manager.connector.lookup import HistoryLookup
-from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec
+from node_manager.connector.lookup import HeldHistory, HistoryLookup
+from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec, TailSave
 from node_manager.connector.warm_order import WarmedBlocks
 from node_manager.connector.worker import WorkerSide
 from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES, WARMUP_PARAM, WARMUP_PRIORITY_PARAM
@@ -58,6 +58,7 @@ DEFAULT_TENANT = "default"
 class SymphonyConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    tail_saves: list[TailSave] = field(default_factory=list)
 
 
 class SymphonyConnector(KVConnectorBase_V1):
@@ -100,10 +101,11 @@ class SymphonyConnector(KVConnectorBase_V1):
             self._warmed.arrived((tenant, session))  # its warmed blocks, if any, are this request's now
         state = self._planner.track(request.request_id, tenant, session, warmup, tiers)
         if state.held_keys is None:
-            state.held_keys = self._match(tenant, session, request.prompt_token_ids or [], warmup) if tiers else ()
+            held = self._match(tenant, session, request.prompt_token_ids or [], warmup) if tiers else None
+            state.held_keys, state.held_tail = (held.keys, held.tail_tokens) if held is not None else ((), 0)
         return self._planner.matched(state, num_computed_tokens, request.num_tokens), False
 
-    def _match(self, tenant: str, session: str, token_ids: list[int], warmup: bool) -> tuple[bytes, ...]:
+    def _match(self, tenant: str, session: str, token_ids: list[int], warmup: bool) -> HeldHistory | None:
         assert self._lookup is not None
         try:
             held = self._lookup.match(tenant, session, token_ids, warmup)
@@ -111,9 +113,9 @@ class SymphonyConnector(KVConnectorBase_V1):
             if not self._channel_down_logged:  # one line per outage, not one per request
                 log.warning("node manager KV channel unavailable; requests recompute", error=str(exc))
                 self._channel_down_logged = True
-            return ()
+            return None
         self._channel_down_logged = False
-        return held.keys
+        return held
 
     def _send_registrations(self) -> None:
         assert self._lookup is not None
@@ -145,7 +147,7 @@ class SymphonyConnector(KVConnectorBase_V1):
         if self._block_pool is not None:  # warm-ups that ended last step: their blocks are free now
             self._warmed.refile(self._block_pool.free_block_queue)
         self._report_prompt_tokens()
-        return SymphonyConnectorMetadata(plan.loads, plan.saves)
+        return SymphonyConnectorMetadata(plan.loads, plan.saves, plan.tail_saves)
 
     def _report_prompt_tokens(self) -> None:
         if not any(self._prompt_tokens.values()):
@@ -172,9 +174,12 @@ class SymphonyConnector(KVConnectorBase_V1):
         if state is not None and state.warmup and self._block_pool is not None:
             self._warmed.finished((state.tenant, state.session), _priority(request.kv_transfer_params),
                                   [self._block_pool.blocks[i] for i in block_ids])
-        self._planner.finished(request.request_id)
+        # Full blocks were copied out within their step; a partial last block is copied in the next
+        # step, so vLLM keeps the blocks until the worker reports that copy (`get_finished`).
+        saving_tail = self._planner.finished(request.request_id, request.num_computed_tokens,
+                                             request.all_token_ids, block_ids)
         self._requests_by_id.pop(request.request_id, None)
-        return False, None  # saves copy pages out within their step: nothing holds the blocks
+        return saving_tail, None
 
     # ---- worker side ------------------------------------------------------------------------------
 
@@ -201,7 +206,14 @@ class SymphonyConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, SymphonyConnectorMetadata)
+        self._worker.save_tails(metadata.tail_saves)  # after the forward: off the loads' way
         self._worker.finish_saves()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.saved_tails(finished_req_ids), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

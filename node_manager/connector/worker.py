@@ -9,6 +9,8 @@ Saves: the step's new full blocks get DRAM slots reserved for every layer (one r
 layer's pages are copied into them right after vLLM computed that layer, and the reservation is
 committed after the forward by a background thread (checksums and write-behind happen in the node
 manager). Pages are out of vLLM's blocks by the end of the step, so block frees never wait on us.
+A finished request's partial last block is copied, all layers at once, after the next step's
+forward; vLLM frees that request's blocks once `saved_tails` reports it.
 Metrics: each step's per-layer waits and failed blocks go to the node manager by the same thread.
 """
 
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
-from node_manager.connector.plan import LoadSpec, SaveSpec
+from node_manager.connector.plan import LoadSpec, SaveSpec, TailSave
 from node_manager.kv.loader import single_threaded_torch
 from node_manager.kv.slots import DramArena, copy_rows
 from symphony.kv_geometry import KVGeometry
@@ -37,6 +39,10 @@ log = get_logger("node_manager.connector")
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 MAX_PENDING_COMMITS = 64
+# Finished request ids vLLM told this worker of, kept until their tail save is reported: vLLM
+# accepts a finished save only for an id it has named (`get_finished`). One step names at most
+# max_num_seqs of them; older ones are long reported.
+MAX_KEPT_FINISHED_IDS = 4096
 
 
 def layer_index(layer_name: str) -> int:
@@ -69,6 +75,8 @@ class WorkerSide:
         self._errors_lock = threading.Lock()
         self._reservations: dict[int, tuple[int, np.ndarray, SaveSpec]] | None = None
         self._layer_waits: list[float] = []  # this step's waits (forward thread only)
+        self._tails_done: set[str] = set()  # requests whose tail save was tried, not yet reported
+        self._finished_ids: dict[str, None] = {}  # insertion-ordered, bounded (MAX_KEPT_FINISHED_IDS)
         # Commits (reservation ids) and metric reports, in order, for the control thread.
         self._commits: queue.Queue[int | dict[str, Any] | None] = queue.Queue(MAX_PENDING_COMMITS)
         self._loads: queue.Queue[tuple[list[LoadSpec], _StepLoad] | None] = queue.Queue()
@@ -103,6 +111,9 @@ class WorkerSide:
     # ---- loads ------------------------------------------------------------------------------------
 
     def start_loads(self, loads: Sequence[LoadSpec]) -> None:
+        if self._arena is not None:
+            self._load_tails([spec for spec in loads if spec.tail_tokens], self._arena)
+        loads = [spec for spec in loads if not spec.tail_tokens]
         if not loads or self._arena is None:
             self._load = None
             return
@@ -133,7 +144,8 @@ class WorkerSide:
         while (job := self._loads.get()) is not None:
             loads, step = job
             items = [{"tenant": s.tenant, "session": s.session, "first_block": s.first_block,
-                      "count": len(s.block_ids), "key": s.last_key.hex()} for s in loads]
+                      "count": len(s.block_ids), "key": s.last_key.hex(), "tail_tokens": s.tail_tokens}
+                     for s in loads]
             load_id = None
             delivered = 0
             try:
@@ -158,6 +170,36 @@ class WorkerSide:
                     # A broken connection needs no release: the node manager dropped its pins with it.
                     with contextlib.suppress(OSError):
                         client.release(load_id)
+
+    def _load_tails(self, tails: Sequence[LoadSpec], arena: DramArena) -> None:
+        """Copy partial blocks (every layer) before the forward starts. vLLM writes a step's new KV
+        into the cache before the forward waits for that layer's load, and a partial block's new
+        tokens go into the block being loaded: a page copied layer by layer beside the forward
+        would overwrite them. One page per request, so waiting costs little."""
+        if not tails:
+            return
+        items = [{"tenant": s.tenant, "session": s.session, "first_block": s.first_block, "count": 1,
+                  "key": s.last_key.hex(), "tail_tokens": s.tail_tokens} for s in tails]
+        blocks = np.array([spec.block_ids[0] for spec in tails], np.int64)
+        delivered = 0
+        try:
+            with self._control_lock:
+                load_id, layers = self._control.load(items, timeout_s=self._layer_wait_s)
+                try:
+                    for layer, slots in layers:
+                        ok = slots >= 0
+                        if not ok.all():
+                            self._fail(blocks[~ok])
+                        if ok.any():
+                            copy_rows(self._layers[layer], blocks[ok], arena.pages, slots[ok])
+                        delivered += 1
+                finally:
+                    with contextlib.suppress(OSError):
+                        self._control.release(load_id)
+        except (OSError, KVChannelError) as exc:
+            log.warning("KV tail load failed; those blocks are recomputed", error=str(exc))
+        if delivered < len(self._layers):
+            self._fail(blocks)
 
     def _fail(self, block_ids: np.ndarray) -> None:
         with self._errors_lock:
@@ -201,6 +243,35 @@ class WorkerSide:
                 continue
             reserved[index] = (reservation, slots, spec)
         return reserved
+
+    def save_tails(self, tails: Sequence[TailSave]) -> None:
+        """Copy finished requests' partial last blocks (every layer) into reserved DRAM slots and
+        queue their commits. A tail that cannot be saved is given up (the next turn recomputes it)
+        but reported all the same, so vLLM frees its blocks."""
+        for tail in tails:
+            if self._arena is not None:
+                spec = tail.save
+                reserved = self._reserve([spec])
+                for reservation, slots, _ in reserved.values():
+                    block = np.array(spec.block_ids, np.int64)
+                    for layer, pages in enumerate(self._layers):
+                        ok = slots[layer] >= 0
+                        if ok.any():
+                            copy_rows(self._arena.pages, slots[layer][ok], pages, block[ok])
+                    self._commits.put(reservation)
+            self._tails_done.add(tail.request_id)
+
+    def saved_tails(self, finished_req_ids: set[str]) -> set[str] | None:
+        """The finished requests whose tail saves are done, among those vLLM has named finished."""
+        for request_id in finished_req_ids:
+            self._finished_ids[request_id] = None
+        while len(self._finished_ids) > MAX_KEPT_FINISHED_IDS:
+            del self._finished_ids[next(iter(self._finished_ids))]
+        done = {request_id for request_id in self._tails_done if request_id in self._finished_ids}
+        for request_id in done:
+            self._tails_done.discard(request_id)
+            del self._finished_ids[request_id]
+        return done or None
 
     def finish_saves(self) -> None:
         """After the forward: every reserved page has been copied; commit them off this thread."""

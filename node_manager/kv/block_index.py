@@ -223,5 +223,14 @@ class BlockIndexReader:
         found = self._table.found(fingerprints(keys))
         return int(np.argmin(found)) if not found.all() else len(keys)
 
+    def longest_held(self, keys: Sequence[BlockKey]) -> int:
+        """1 + the position of the last of `keys` the index holds, 0 if it holds none: of a partial
+        tail's candidate keys (one per length, shortest first), the length that was saved."""
+        if not keys:
+            return 0
+        found = self._table.found(fingerprints(keys))
+        held = np.flatnonzero(found)
+        return int(held[-1]) + 1 if len(held) else 0
+
     def close(self) -> None:
         self._table.close()

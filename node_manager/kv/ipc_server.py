@@ -62,6 +62,7 @@ class _Connection:
     sock: socket.socket
     loads: dict[int, list[DramPin]] = field(default_factory=dict)
     reservations: dict[int, list[PageReservation | None]] = field(default_factory=dict)
+    tails: dict[int, int] = field(default_factory=dict)  # reservation id -> its partial tail's tokens
 
 
 NO_REPLY_OPS = frozenset({"register", "release", "abort", "report"})
@@ -149,6 +150,7 @@ class LocalKVServer:
             self._release(reservations)
         conn.loads.clear()
         conn.reservations.clear()
+        conn.tails.clear()
         with contextlib.suppress(OSError):
             conn.sock.close()
         with self._lock:
@@ -191,9 +193,13 @@ class LocalKVServer:
             if reservations is None:
                 raise InvalidRequest(f"no reservation {message['id']}")
             kept = self.store.commit_many([(r, None) for r in reservations if r is not None])
+            tail = conn.tails.pop(message["id"], 0)
+            if tail and kept == len(reservations):  # every layer of the one partial block kept
+                self.store.metrics.connector_tail_tokens_saved.inc(tail)
             ipc_wire.send(conn.sock, {"op": "commit", "id": message["id"], "kept": kept})
         elif op == "abort":
             self._release(conn.reservations.pop(_int(message, "id"), []))
+            conn.tails.pop(message["id"], None)
         elif op == "report":
             self._report(message)
         else:
@@ -242,19 +248,20 @@ class LocalKVServer:
         if not isinstance(items, list) or len(items) > MAX_LOAD_ITEMS:
             raise InvalidRequest(f"'items' must be a list of at most {MAX_LOAD_ITEMS} loads")
         parsed = [(_str(item, "tenant"), _str(item, "session"), _int(item, "first_block"), _int(item, "count"),
-                   _block_key(item)) for item in items]
+                   _block_key(item), _optional_int(item, "tail_tokens")) for item in items]
         deadline = time.monotonic() + float(message.get("timeout_s", DEFAULT_LOAD_TIMEOUT_S))
         layers = list(range(self.store.geometry.num_layers))
         pins: list[DramPin] = []
         conn.loads[request_id] = pins
         whole: dict[int, np.ndarray] = {}  # item -> [count, layers] slots, pinned up front
         promoting: dict[int, Any] = {}  # item -> LayerwiseLoad into DRAM
-        for index, (tenant, session, first, count, key) in enumerate(parsed):
-            self._await_registration(tenant, session, first + count, key,
+        for index, (tenant, session, first, count, key, tail) in enumerate(parsed):
+            self._await_registration(tenant, session, first, count, key, tail,
                                      min(deadline, time.monotonic() + self.registration_wait_s))
             try:
                 # All or nothing: a partly held item is counted (hits, misses) by its load below, once.
-                pin = self.store.pin_dram(tenant, session, first, count, layers, whole=True, last_key=key)
+                pin = self.store.pin_dram(tenant, session, first, count, layers, whole=True, last_key=key,
+                                          tail_tokens=tail)
             except KVStoreError as exc:
                 log.info("KV load item not served; the engine recomputes it", session=session, error=str(exc))
                 whole[index] = np.full((count, len(layers)), -1, np.int64)
@@ -264,13 +271,14 @@ class LocalKVServer:
                 whole[index] = pin.slots
                 continue
             try:
-                promoting[index] = self.store.load(tenant, session, first, count, target=Tier.DRAM, last_key=key)
+                promoting[index] = self.store.load(tenant, session, first, count, target=Tier.DRAM, last_key=key,
+                                                   tail_tokens=tail)
             except KVStoreError:
                 whole[index] = np.full((count, len(layers)), -1, np.int64)
         delivered = [np.ones(item[3], bool) for item in parsed]  # blocks with every layer so far
         for layer in layers:
             parts = []
-            for index, (tenant, session, first, count, key) in enumerate(parsed):
+            for index, (tenant, session, first, count, key, tail) in enumerate(parsed):
                 if index in whole:
                     parts.append(whole[index][:, layer])
                     delivered[index] &= whole[index][:, layer] >= 0
@@ -279,7 +287,7 @@ class LocalKVServer:
                     promoting[index].layer_ready(layer).result(max(0.0, deadline - time.monotonic()))
                 try:
                     pin = self.store.pin_dram(tenant, session, first, count, [layer], record_reads=False,
-                                              last_key=key)
+                                              last_key=key, tail_tokens=tail)
                 except KVStoreError:
                     parts.append(np.full(count, -1, np.int64))
                     continue
@@ -289,22 +297,18 @@ class LocalKVServer:
             slots = np.concatenate(parts) if parts else np.empty(0, np.int64)
             last = layer == layers[-1]
             if last:  # counted before the worker can finish the step: a client sees it with its answer
-                self._count_loaded(delivered, promoting)
+                self._count_loaded(delivered, promoting, [item[5] for item in parsed])
             ipc_wire.send(conn.sock, {"op": "layer", "id": request_id, "layer": layer, "last": last},
                           np.ascontiguousarray(slots, dtype=np.int64).tobytes())
 
-    def _await_registration(self, tenant: str, session: str, blocks: int, last_key: bytes | None,
-                            deadline: float) -> None:
-        """Wait until the session is registered with at least `blocks` full blocks, the last of them
-        `last_key` if given, or until `deadline`. The scheduler side registers a request's history
-        on its own connection without waiting for an answer, so the worker's load of it can come
-        first. Past the deadline the load goes ahead: what the store cannot match is recomputed."""
+    def _await_registration(self, tenant: str, session: str, first: int, count: int, last_key: bytes | None,
+                            tail_tokens: int, deadline: float) -> None:
+        """Wait until the session is registered with blocks first.. (`TieredStore.addresses`), or
+        until `deadline`. The scheduler side registers a request's history on its own connection
+        without waiting for an answer, so the worker's load of it can come first. Past the deadline
+        the load goes ahead: what the store cannot match is recomputed."""
         def registered() -> bool:
-            try:
-                keys = self.store.session(tenant, session).blocks.block_keys
-            except SessionNotFound:
-                return False
-            return len(keys) >= blocks and (last_key is None or blocks == 0 or keys[blocks - 1] == last_key)
+            return self.store.addresses(tenant, session, first, count, last_key, tail_tokens)
 
         with self._registered:
             if registered():
@@ -315,12 +319,16 @@ class LocalKVServer:
             finally:
                 self.loads_awaiting_registration -= 1
 
-    def _count_loaded(self, delivered: list[np.ndarray], promoting: dict[int, Any]) -> None:
-        """Tokens of the blocks delivered in every layer, by the tier their item was served from."""
+    def _count_loaded(self, delivered: list[np.ndarray], promoting: dict[int, Any], tails: list[int]) -> None:
+        """Tokens of the blocks delivered in every layer, by the tier their item was served from (an
+        item's partial last block counts its tokens only)."""
         block_size = self.store.geometry.block_size
         for index, blocks in enumerate(delivered):
             tier = Tier.SSD if index in promoting else Tier.DRAM
-            self.store.metrics.connector_tokens_loaded.labels(tier.name).inc(int(blocks.sum()) * block_size)
+            tokens = int(blocks.sum()) * block_size
+            if tails[index] and len(blocks) and blocks[-1]:
+                tokens -= block_size - tails[index]
+            self.store.metrics.connector_tokens_loaded.labels(tier.name).inc(tokens)
 
     def _reserve(self, conn: _Connection, message: dict[str, Any], payload: bytes) -> None:
         request_id = _int(message, "id")
@@ -331,14 +339,20 @@ class LocalKVServer:
         # Pinned to this history: a registration of another one in the meantime must not get these pages.
         keys = record.blocks.block_keys
         last_key = keys[first + count - 1] if count and first + count <= len(keys) else None
+        # The tokens end mid-block and the reservation reaches past the full blocks: its last block
+        # is the history's partial tail (a finished turn's), keyed by its tokens (`tail_key`).
+        tail = len(record.token_ids) % self.store.geometry.block_size if first + count > len(keys) else 0
         reservations: list[PageReservation | None] = []
         try:
             for layer in range(self.store.geometry.num_layers):
-                reservations.append(self.store.reserve_pages(tenant, session, layer, first, count, last_key))
+                reservations.append(self.store.reserve_pages(tenant, session, layer, first, count, last_key,
+                                                             tail_tokens=tail))
         except BaseException:
             self._release(reservations)
             raise
         conn.reservations[request_id] = reservations
+        if tail:
+            conn.tails[request_id] = tail
         slots = np.array([r.slots if r is not None else [-1] * count for r in reservations], np.int64)
         ipc_wire.send(conn.sock, {"op": "reserve", "id": request_id}, slots.tobytes())
 
@@ -378,6 +392,11 @@ def _block_key(item: dict[str, Any]) -> bytes | None:
         return bytes.fromhex(value)
     except ValueError:
         raise InvalidRequest("'key' is not hexadecimal") from None
+
+
+def _optional_int(message: dict[str, Any], name: str) -> int:
+    """A non-negative integer field that may be left out (0)."""
+    return _int(message, name) if name in message else 0
 
 
 def _int(message: dict[str, Any], name: str) -> int:

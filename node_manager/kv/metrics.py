@@ -53,6 +53,9 @@ class KVMetrics:
             "symphony_connector_prompt_tokens_total",
             "Prompt tokens of requests vLLM admitted, by where their KV came from: engine_cache (vLLM's own "
             "prefix cache), symphony (loaded from the node's tiers), computed (prefilled)", ["source"], registry=r)
+        self.connector_tail_tokens_saved = Counter(
+            "symphony_connector_tail_tokens_saved_total",
+            "Tokens of finished turns' partial last blocks saved for the next turn to load", registry=r)
         self.connector_load_errors = Counter(
             "symphony_connector_load_error_blocks_total",
             "vLLM blocks whose planned load failed and were recomputed instead", registry=r)

@@ -87,9 +87,12 @@ class PeerPuller:
     async def _pull(self, tenant: str, session_id: str, peer: str) -> kv_pb2.PullReply:
         ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
         reply = kv_pb2.PullReply()
+        tail: list[kv_pb2.FetchPagesRequest] = []  # the peer's partial last block, if `_plan` wants it
         with self._store.foreground_transfer():  # the write-behind waits: a request may be waiting on this
-            if not await self._pull_with_session(peer, ref, reply):
-                await self._pull_after_status(peer, ref, reply)
+            if not await self._pull_with_session(peer, ref, reply, tail):
+                await self._pull_after_status(peer, ref, reply, tail)
+            if tail and not reply.error:
+                await self._pull_grpc(peer, tail[0], reply)
         if reply.pages_expected:
             reply.complete = not reply.error and reply.pages_received == reply.pages_expected
             self._store.metrics.peer_pages.labels("stored").inc(reply.pages_received)
@@ -99,23 +102,32 @@ class PeerPuller:
                         received=reply.pages_received, expected=reply.pages_expected, error=reply.error)
         return reply
 
-    def _plan(self, ref: kv_pb2.SessionRef, remote: kv_pb2.SessionStatus,
-              reply: kv_pb2.PullReply) -> kv_pb2.FetchPagesRequest | None:
+    def _plan(self, ref: kv_pb2.SessionRef, remote: kv_pb2.SessionStatus, reply: kv_pb2.PullReply,
+              tail: list[kv_pb2.FetchPagesRequest]) -> kv_pb2.FetchPagesRequest | None:
         """Register the session as the peer describes it and choose the blocks to fetch: from the
-        first one no local tier holds to the end of what the peer can deliver (None: nothing)."""
+        first one no local tier holds to the end of what the peer can deliver (None: nothing). The
+        peer's partial last block, when it has one and this node not, goes into `tail` (fetched
+        after the full blocks, over gRPC: the page stream carries whole blocks)."""
         tenant, session_id = ref.tenant, ref.session_id
         priority = PRIORITY_FROM_PROTO.get(remote.priority)
         record = self._store.put_session(tenant, session_id, list(remote.token_ids), priority)
         start = self._store.loadable_prefix_blocks(tenant, session_id)
         first = min(start, remote.loadable_prefix_blocks)
         wanted = remote.loadable_prefix_blocks - first
-        reply.pages_expected = wanted * self._store.geometry.num_layers
+        layers = self._store.geometry.num_layers
+        reply.pages_expected = wanted * layers
+        if (remote.loadable_tail_tokens and remote.loadable_prefix_blocks == record.blocks.num_blocks
+                and self._store.loadable_tail_tokens(tenant, session_id) < remote.loadable_tail_tokens):
+            tail.append(kv_pb2.FetchPagesRequest(session=ref, first_block=record.blocks.num_blocks, num_blocks=1,
+                                                 tail_tokens=remote.loadable_tail_tokens))
+            reply.pages_expected += layers
         if wanted <= 0:
-            reply.complete = record.blocks.num_blocks <= start
+            reply.complete = record.blocks.num_blocks <= start and not tail
             return None
         return kv_pb2.FetchPagesRequest(session=ref, first_block=first, num_blocks=wanted)
 
-    async def _pull_with_session(self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply) -> bool:
+    async def _pull_with_session(self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply,
+                                 tail: list[kv_pb2.FetchPagesRequest]) -> bool:
         """The pull over one page stream connection that first describes the session; False (nothing
         done) if the peer's stream port is unknown or the stream gave no session status."""
         port = self._data_ports.get(peer, 0) if self._use_page_stream else 0
@@ -124,7 +136,7 @@ class PeerPuller:
         planned: list[kv_pb2.FetchPagesRequest] = []
 
         def plan(remote: kv_pb2.SessionStatus) -> kv_pb2.FetchPagesRequest | None:
-            request = self._plan(ref, remote, reply)
+            request = self._plan(ref, remote, reply, tail)
             planned.extend([request] if request is not None else [])
             return request
 
@@ -139,7 +151,8 @@ class PeerPuller:
             reply.error = f"peer {peer}: {outcome.error}"
         return True
 
-    async def _pull_after_status(self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply) -> None:
+    async def _pull_after_status(self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply,
+                                 tail: list[kv_pb2.FetchPagesRequest]) -> None:
         try:
             remote = await self._stub(peer).GetSessionStatus(
                 kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True), timeout=self._timeout_s)
@@ -147,7 +160,7 @@ class PeerPuller:
             reply.error = f"peer {peer}: {exc.code().name}: {exc.details()}"
             return
         self._data_ports[peer] = remote.data_port
-        request = self._plan(ref, remote, reply)
+        request = self._plan(ref, remote, reply, tail)
         if request is None:
             return
         outcome = None
@@ -176,8 +189,8 @@ class PeerPuller:
         if outcome.error and not outcome.received:
             log.info("peer page stream gave nothing; pulling over gRPC", peer=peer, error=outcome.error)
             return False
-        reply.pages_received = outcome.stored
-        reply.pages_rejected = outcome.received - outcome.stored  # bad checksum, or no room
+        reply.pages_received += outcome.stored
+        reply.pages_rejected += outcome.received - outcome.stored  # bad checksum, or no room
         if outcome.error:
             reply.error = f"peer {peer}: {outcome.error}"
         return True
@@ -185,7 +198,7 @@ class PeerPuller:
     async def _pull_grpc(self, peer: str, request: kv_pb2.FetchPagesRequest, reply: kv_pb2.PullReply) -> None:
         # Saves run on the store's I/O threads while the next batch arrives; they are awaited at the end.
         pending: list[concurrent.futures.Future[int]] = []
-        submitted = 0
+        submitted = received = 0
         try:
             async for batch in self._stub(peer).FetchPages(request, timeout=self._timeout_s):
                 future, count = submit_batch(self._store, batch)
@@ -197,8 +210,9 @@ class PeerPuller:
         except (ValueError, KVStoreError) as exc:
             reply.error = f"peer {peer} sent a malformed batch: {exc}"
         for future in pending:
-            reply.pages_received += await asyncio.wrap_future(future)
-        reply.pages_rejected = submitted - reply.pages_received  # bad checksum, or no room
+            received += await asyncio.wrap_future(future)
+        reply.pages_received += received
+        reply.pages_rejected += submitted - received  # bad checksum, or no room
 
     async def pull_outcome(self, tenant: str, session_id: str, peer: str) -> PullOutcome:
         reply = await self.pull(tenant, session_id, peer)

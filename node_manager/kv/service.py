@@ -169,7 +169,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
         try:
             tenant, session_id = _session(request.session)
             async for batch in stream_pages(self.store, tenant, session_id, request.first_block,
-                                            request.num_blocks or None):
+                                            request.num_blocks or None, request.tail_tokens):
                 yield batch
         except _CLIENT_ERRORS as exc:
             await _abort_for(context, exc)

@@ -41,7 +41,7 @@ from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, consecutive_runs, copy_rows
 from node_manager.kv.ssd_load import BadPage, PreparedSsdLoad, SsdLoad
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
-from symphony.kv_addressing import BlockKey, SessionBlocks, chain_after, token_array
+from symphony.kv_addressing import BlockKey, SessionBlocks, chain_after, tail_key, tenant_root, token_array
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
 
@@ -242,6 +242,22 @@ class TieredStore:
             self._sessions.move_to_end(record.key)
             return record
 
+    def addresses(self, tenant: str, session_id: str, first_block: int, count: int, last_key: BlockKey | None,
+                  tail_tokens: int = 0) -> bool:
+        """Whether the registered history has blocks first_block.. (the last a partial one of
+        `tail_tokens` tokens, if given), the last of them keyed `last_key` if given: a load can be
+        served. False for an unknown session or another history."""
+        with self._lock:
+            record = self._sessions.get((tenant, session_id))
+        if record is None:
+            return False
+        try:
+            self._check_range(record, 0, first_block, count, tail_tokens)
+            _addressed_keys(record, first_block, count, last_key, tail_tokens)
+        except (InvalidRequest, HistoryChanged):
+            return False
+        return True
+
     def set_priority(self, tenant: str, session_id: str, priority: Priority) -> None:
         with self._lock:
             record = self.session(tenant, session_id)
@@ -285,6 +301,19 @@ class TieredStore:
             known = ids[:unknown[0]] if len(unknown) else ids  # the prefix ends at the first unknown block
             complete = d.complete_rows(known)
             return int(np.argmin(complete)) if not complete.all() else len(known)
+
+    def loadable_tail_tokens(self, tenant: str, session_id: str) -> int:
+        """Tokens of the session's partial last block (a finished turn's tail, `tail_key`) that some
+        tier holds in every layer, when every full block before it is loadable too; 0 otherwise."""
+        with self._lock:
+            record = self.session(tenant, session_id)
+            blocks = record.blocks
+            if not blocks.tail_tokens or self.loadable_prefix_blocks(tenant, session_id) < blocks.num_blocks:
+                return 0
+            parent = blocks.block_keys[-1] if blocks.block_keys else tenant_root(blocks.tenant)
+            row = self._directory.row(tail_key(parent, blocks.tail_tokens))
+            held = row is not None and bool(self._directory.complete_rows(np.array([row]))[0])
+            return len(blocks.tail_tokens) if held else 0
 
     def demote(self, tenant: str, session_id: str, tier: Tier) -> int:
         """Drop the session's copies in `tier` (HBM or DRAM) that the SSD tier also holds, and return
@@ -363,20 +392,21 @@ class TieredStore:
                     d.pins[ids] -= 1
 
     def pin_dram(self, tenant: str, session_id: str, first_block: int, count: int, layers: Sequence[int], *,
-                 whole: bool = False, record_reads: bool = True, last_key: BlockKey | None = None) -> DramPin:
+                 whole: bool = False, record_reads: bool = True, last_key: BlockKey | None = None,
+                 tail_tokens: int = 0) -> DramPin:
         """Pin the DRAM copies of blocks first_block.. for `layers` so that another process (the vLLM
         worker, which maps the arena) can copy them out; pages DRAM does not hold get slot -1 and
         are not pinned. The pins hold until `unpin_dram`: neither eviction nor a replacing save can
         touch a pinned slot. With `whole`, nothing is pinned unless every page is (`complete`).
         `record_reads`: count the pages as DRAM hits and misses; off where a load into DRAM
-        already counted them. `last_key`: see `_addressed_keys`."""
+        already counted them. `last_key`, `tail_tokens`: see `_addressed_keys`."""
         d = self._directory
         with self._lock:
             record = self.session(tenant, session_id)
-            self._check_range(record, 0, first_block, count)
+            self._check_range(record, 0, first_block, count, tail_tokens)
             if not all(0 <= layer < self.geometry.num_layers for layer in layers):
                 raise InvalidRequest(f"layers must be within 0..{self.geometry.num_layers - 1}")
-            keys = _addressed_keys(record, first_block, count, last_key)
+            keys = _addressed_keys(record, first_block, count, last_key, tail_tokens)
             ids = d.rows(keys)
             columns = np.asarray(layers, dtype=np.int64)
             slots = np.full((len(ids), len(columns)), -1, np.int64)
@@ -410,7 +440,8 @@ class TieredStore:
     # ---- saves ------------------------------------------------------------------------------------
 
     def save_layer(self, tenant: str, session_id: str, layer: int, first_block: int, pages: torch.Tensor,
-                   expected_checksums: Sequence[int] | None = None) -> concurrent.futures.Future[int]:
+                   expected_checksums: Sequence[int] | None = None,
+                   tail_tokens: int = 0) -> concurrent.futures.Future[int]:
         """Save `pages` ([n, page_words] int64, any device) as blocks first_block.. of `layer`.
 
         Never blocks: the copy into DRAM runs on an I/O thread and the write to SSD behind it. The
@@ -418,15 +449,16 @@ class TieredStore:
         the store is saturated the save degrades (counted in symphony_kv_save_degraded_total)
         rather than making the caller wait. With `expected_checksums` (pages from a peer), a page
         whose copy in DRAM does not match is not kept: the check runs on the bytes the store keeps,
-        and costs no extra pass because every save checksums its pages anyway."""
+        and costs no extra pass because every save checksums its pages anyway. `tail_tokens`: the
+        last page is a partial block (`_addressed_keys`)."""
         record = self.session(tenant, session_id)
-        self._check_range(record, layer, first_block, pages.shape[0] if pages.dim() else -1)
+        self._check_range(record, layer, first_block, pages.shape[0] if pages.dim() else -1, tail_tokens)
         if pages.dim() != 2 or pages.shape[1] != self.geometry.page_words or pages.dtype != torch.int64:
             raise InvalidRequest(f"pages must be int64 [n, {self.geometry.page_words}], got "
                                  f"{pages.dtype} {list(pages.shape)}")
         if expected_checksums is not None and len(expected_checksums) != pages.shape[0]:
             raise InvalidRequest(f"{len(expected_checksums)} checksums for {pages.shape[0]} pages")
-        keys = record.blocks.block_keys[first_block:first_block + pages.shape[0]]
+        keys = _addressed_keys(record, first_block, pages.shape[0], None, tail_tokens)
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
         if not self._admit_jobs(1):
             self.metrics.save_degraded.labels("io_backpressure").inc(len(keys))
@@ -452,10 +484,12 @@ class TieredStore:
             self._inflight += count
             return True
 
-    def _check_range(self, record: SessionRecord, layer: int, first_block: int, count: int) -> None:
+    def _check_range(self, record: SessionRecord, layer: int, first_block: int, count: int,
+                     tail_tokens: int = 0) -> None:
         if not 0 <= layer < self.geometry.num_layers:
             raise InvalidRequest(f"layer {layer} outside 0..{self.geometry.num_layers - 1}")
-        if first_block < 0 or count < 0 or first_block + count > record.blocks.num_blocks:
+        partial = 1 if tail_tokens else 0  # a partial last block may follow the full ones
+        if first_block < 0 or count < 0 or first_block + count > record.blocks.num_blocks + partial:
             raise InvalidRequest(f"blocks {first_block}..{first_block + count - 1} outside the session's "
                                  f"{record.blocks.num_blocks} full blocks")
 
@@ -470,13 +504,13 @@ class TieredStore:
         return self.commit_pages(reservation, expected)
 
     def reserve_pages(self, tenant: str, session_id: str, layer: int, first_block: int,
-                      count: int, last_key: BlockKey | None = None) -> PageReservation | None:
+                      count: int, last_key: BlockKey | None = None, tail_tokens: int = 0) -> PageReservation | None:
         """DRAM slots for blocks first_block.. of `layer`, to be filled through `reserved_views` and
-        then committed; None if DRAM has no room (counted as a degraded save). `last_key`: see
-        `_addressed_keys`."""
+        then committed; None if DRAM has no room (counted as a degraded save). `last_key`,
+        `tail_tokens`: see `_addressed_keys`."""
         record = self.session(tenant, session_id)
-        self._check_range(record, layer, first_block, count)
-        return self._reserve(record, layer, list(_addressed_keys(record, first_block, count, last_key)))
+        self._check_range(record, layer, first_block, count, tail_tokens)
+        return self._reserve(record, layer, list(_addressed_keys(record, first_block, count, last_key, tail_tokens)))
 
     def _reserve(self, record: SessionRecord, layer: int, keys: list[BlockKey]) -> PageReservation | None:
         with self._lock:
@@ -775,14 +809,14 @@ class TieredStore:
 
     def load(self, tenant: str, session_id: str, first_block: int = 0, num_blocks: int | None = None,
              target: RowTarget | Tier = Tier.HBM, layers: Sequence[int] | None = None,
-             last_key: BlockKey | None = None) -> LayerwiseLoad:
+             last_key: BlockKey | None = None, tail_tokens: int = 0) -> LayerwiseLoad:
         """Bring blocks [first_block, first_block + num_blocks) of every layer into `target`, layer by
         layer from whichever tier holds each page (fastest first). Returns at once; per-layer futures
         report what arrived. With a tier target this is a promotion (prefetch); pages already there
-        count as loaded. `last_key`: see `_addressed_keys`."""
+        count as loaded. `last_key`, `tail_tokens`: see `_addressed_keys`."""
         record = self.session(tenant, session_id)
         count = record.blocks.num_blocks - first_block if num_blocks is None else num_blocks
-        self._check_range(record, 0, first_block, count)
+        self._check_range(record, 0, first_block, count, tail_tokens)
         rows, plain_rows = None, False
         if isinstance(target, RowTarget):
             if len(target.rows) != count or len(target.tensors) != self.geometry.num_layers:
@@ -794,7 +828,7 @@ class TieredStore:
         if layers is not None and (len(set(order)) != len(order)
                                    or not all(0 <= layer < self.geometry.num_layers for layer in order)):
             raise InvalidRequest(f"layers must be distinct and within 0..{self.geometry.num_layers - 1}")
-        keys = _addressed_keys(record, first_block, count, last_key)
+        keys = _addressed_keys(record, first_block, count, last_key, tail_tokens)
         handle = LayerwiseLoad(self.geometry.num_layers, first_block, count)
         if not self._admit_jobs(len(order)):
             raise StoreBusy("too many KV transfers in flight; retry or recompute")
@@ -1300,12 +1334,28 @@ class TieredStore:
 
 
 def _addressed_keys(record: SessionRecord, first_block: int, count: int,
-                    last_key: BlockKey | None) -> tuple[BlockKey, ...]:
+                    last_key: BlockKey | None, tail_tokens: int = 0) -> tuple[BlockKey, ...]:
     """The keys of blocks first_block.. of the session's history. With `last_key`, the caller's key
     for the last of them: keys are chained, so one equal key means every block before it is the
     same content too, and a history re-registered with other tokens in the meantime raises
-    HistoryChanged instead of serving or storing another history's pages under this one."""
-    keys = record.blocks.block_keys[first_block:first_block + count]
+    HistoryChanged instead of serving or storing another history's pages under this one.
+
+    `tail_tokens` > 0: the last block is a partial one, its first `tail_tokens` tokens only (a
+    turn that ended mid-block, `tail_key`). Its key comes from the registered tokens, so a caller
+    can address the partial tail of an earlier turn whose history this one continues, never a
+    tail of tokens the session does not hold."""
+    if tail_tokens:
+        block_size = record.blocks.block_size
+        last = first_block + count - 1
+        start = last * block_size
+        if not 0 < tail_tokens < block_size or count < 1 or last > record.blocks.num_blocks \
+                or start + tail_tokens > len(record.token_ids):
+            raise InvalidRequest(f"no partial block of {tail_tokens} tokens at block {last} of the session")
+        parent = record.blocks.block_keys[last - 1] if last else tenant_root(record.blocks.tenant)
+        keys = (*record.blocks.block_keys[first_block:last],
+                tail_key(parent, record.token_ids[start:start + tail_tokens]))
+    else:
+        keys = record.blocks.block_keys[first_block:first_block + count]
     if last_key is not None and keys and keys[-1] != last_key:
         raise HistoryChanged(f"session {record.key[1]!r} holds another history at block {first_block + count - 1}")
     return keys

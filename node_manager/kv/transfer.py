@@ -19,7 +19,7 @@ import torch
 from node_manager.kv.loader import LayerResult, LayerwiseLoad, RowTarget
 from node_manager.kv.pages import Priority, run_checksums
 from node_manager.kv.store import InvalidRequest, SessionRecord, TieredStore
-from symphony.kv_addressing import BlockKey
+from symphony.kv_addressing import BlockKey, tail_key, tenant_root
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2
 
@@ -79,6 +79,7 @@ def session_status(store: TieredStore, tenant: str, session_id: str, *, token_id
                                   num_tokens=len(record.token_ids), num_blocks=record.blocks.num_blocks,
                                   priority=PRIORITY_TO_PROTO[record.priority],
                                   loadable_prefix_blocks=store.loadable_prefix_blocks(tenant, session_id),
+                                  loadable_tail_tokens=store.loadable_tail_tokens(tenant, session_id),
                                   data_port=data_port)
     if token_ids:
         status.token_ids.extend(record.token_ids.tolist())
@@ -97,8 +98,13 @@ def stream_end(store: TieredStore, tenant: str, session_id: str, first_block: in
 
 
 async def stream_pages(store: TieredStore, tenant: str, session_id: str, first_block: int,
-                       num_blocks: int | None) -> AsyncIterator[kv_pb2.PageBatch]:
-    """The pages of blocks [first_block, first_block + num_blocks) in layer order, from any tier."""
+                       num_blocks: int | None, tail_tokens: int = 0) -> AsyncIterator[kv_pb2.PageBatch]:
+    """The pages of blocks [first_block, first_block + num_blocks) in layer order, from any tier.
+    With `tail_tokens`, the one block right after the full ones, the session's partial tail."""
+    if tail_tokens:
+        async for batch in _stream_tail(store, tenant, session_id, first_block, num_blocks, tail_tokens):
+            yield batch
+        return
     record, end = stream_end(store, tenant, session_id, first_block, num_blocks)
     per_message = pages_per_message(store.geometry.page_bytes)
     ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
@@ -111,12 +117,31 @@ async def stream_pages(store: TieredStore, tenant: str, session_id: str, first_b
                                  chunk_start + start, staging[layer][start:stop].numpy().tobytes())
 
 
+async def _stream_tail(store: TieredStore, tenant: str, session_id: str, first_block: int, num_blocks: int | None,
+                       tail_tokens: int) -> AsyncIterator[kv_pb2.PageBatch]:
+    record = store.session(tenant, session_id)
+    if first_block != record.blocks.num_blocks or num_blocks not in (None, 1):
+        raise InvalidRequest(f"a partial tail is the one block after the session's {record.blocks.num_blocks}")
+    staging = [torch.empty(1, store.geometry.page_words, dtype=torch.int64) for _ in range(store.geometry.num_layers)]
+    handle = store.load(tenant, session_id, first_block, 1, RowTarget(staging, [0]), tail_tokens=tail_tokens)
+    start = first_block * store.geometry.block_size
+    parent = record.blocks.block_keys[-1] if record.blocks.block_keys else tenant_root(tenant)
+    key = tail_key(parent, record.token_ids[start:start + tail_tokens])  # the load above checked the range
+    ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
+    for layer in range(store.geometry.num_layers):
+        result = await handle.wait_layer(layer)
+        if not result.failed:
+            yield page_batch(ref, [key], layer, first_block, staging[layer].numpy().tobytes(), tail_tokens)
+
+
 def page_batch(ref: kv_pb2.SessionRef, keys: Sequence[BlockKey], layer: int, first_block: int,
-               data: bytes) -> kv_pb2.PageBatch:
-    """A batch of `len(keys)` pages of one layer (bytes back to back), each with its checksum."""
+               data: bytes, tail_tokens: int = 0) -> kv_pb2.PageBatch:
+    """A batch of `len(keys)` pages of one layer (bytes back to back), each with its checksum; the
+    last a partial block of `tail_tokens` tokens if that is > 0."""
     page_bytes = len(data) // len(keys) if keys else 0
     checksums = run_checksums(keys, layer, memoryview(data), page_bytes)
-    return kv_pb2.PageBatch(session=ref, layer=layer, first_block=first_block, checksums=checksums, data=data)
+    return kv_pb2.PageBatch(session=ref, layer=layer, first_block=first_block, checksums=checksums, data=data,
+                            tail_tokens=tail_tokens)
 
 
 def submit_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[concurrent.futures.Future[int] | None, int]:
@@ -133,7 +158,7 @@ def submit_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[concurren
         warnings.simplefilter("ignore", UserWarning)  # read-only bytes: the save only reads them
         pages = torch.frombuffer(batch.data, dtype=torch.int64).view(count, -1)
     future = store.save_layer(batch.session.tenant, batch.session.session_id, batch.layer, batch.first_block,
-                              pages, list(batch.checksums))
+                              pages, list(batch.checksums), tail_tokens=batch.tail_tokens)
     return future, count
 
 

@@ -1,6 +1,7 @@
 """Symphony's KV connector inside the cluster's real vLLM engines: a resumed MT-bench turn whose
-history only Symphony's tiers hold (vLLM's own prefix cache emptied) loads it and produces the
-same greedy tokens and logprobs as vLLM's own prefix-cache hit of that history."""
+history only Symphony's tiers hold (vLLM's own prefix cache emptied) loads all of it, the partial
+last block included, and produces the same greedy tokens and logprobs as vLLM's own prefix-cache
+hit of that history."""
 
 from __future__ import annotations
 
@@ -55,21 +56,28 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(live_clus
     engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[0]}"
     client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     tenant, session = f"conn-{uuid.uuid4().hex[:8]}", f"mt-{conversation}"
+    tails_before = live_cluster.node_metric(0, "symphony_connector_tail_tokens_saved_total")
     turn_one = _complete(client, live_cluster.model, first, tenant, session, ANSWER_TOKENS).choices[0]
     # The next turn in token ids, as a chat frontend keeps them: text re-tokenized at the question /
     # answer seam may differ, and different tokens rightly have different KV.
     history = [*turn_one.prompt_token_ids, *turn_one.token_ids]
-    history_blocks = (len(history) - 1) // BLOCK
+    # The answer's last token has no KV yet (it was sampled, never fed back): the rest is held.
+    history_blocks, tail = divmod(len(history) - 1, BLOCK)
     assert history_blocks >= 2, "the history must span blocks for the load to mean anything"
-    # Saves are committed right after the step that computed them; wait for them, not a guess.
+    # Saves are committed right after the step that computed them, the partial last block in the
+    # step after the request finished; wait for them, not a guess.
     wait_until(lambda: _loadable_blocks(live_cluster.grpc_ports[0], tenant, session) >= history_blocks, 30,
                "turn 1's KV saved to the node's tiers")
+    wait_until(lambda: live_cluster.node_metric(0, "symphony_connector_tail_tokens_saved_total") - tails_before
+               >= tail, 30, "turn 1's partial last block saved")
 
     follow_up = client.completions.create(model=live_cluster.model, prompt="\n" + second, max_tokens=1,
                                           extra_body={"return_token_ids": True}).choices[0].prompt_token_ids
     prompt = [*history, *follow_up]
-    # vLLM's own prefix cache still holds turn 1: the reference for KV computed in turn 1.
-    engine_cache = _complete(client, live_cluster.model, prompt, f"cache-{uuid.uuid4().hex[:8]}", session, 24)
+    # vLLM's own prefix cache still holds turn 1's whole blocks: the reference for KV computed in
+    # turn 1. It holds no partial block, so the connector completes this hit with turn 1's partial
+    # last block from the node's tiers (same tenant, so the same keys), as it does for the load below.
+    engine_cache = _complete(client, live_cluster.model, prompt, tenant, f"{session}-reference", 24)
     _reset_engine_cache(engine_url)
     loaded_before = live_cluster.node_metric(0, "symphony_connector_tokens_loaded_total", tier="DRAM")
     waits_before = live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count")
@@ -80,8 +88,10 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(live_clus
     wait_until(lambda: live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count") - waits_before
                >= LAYERS, 10, "the worker to report its layer waits")
 
-    assert engine_cache.usage.prompt_tokens_details.cached_tokens >= history_blocks * BLOCK
-    assert loaded.usage.prompt_tokens_details.cached_tokens >= history_blocks * BLOCK, "history was not loaded"
+    assert engine_cache.usage.prompt_tokens_details.cached_tokens >= len(history) - 1
+    # All of turn 1 from the tiers, partial block included (and whatever whole blocks of this
+    # prompt the reference request saved since: the same tenant shares blocks by content).
+    assert loaded.usage.prompt_tokens_details.cached_tokens >= len(history) - 1, "history was not all loaded"
     # Loaded pages are turn 1's bytes: the same tokens and logprobs as vLLM's own cache hit. (A
     # recompute builds the answer's KV in one prefill where turn 1 decoded it token by token; how
     # far that parts from both is vLLM's numerics, which test_01d reports.)

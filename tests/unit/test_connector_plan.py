@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec, external_tokens
+from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec, TailSave, external_tokens
 
 BS = 4
 KEYS = (b"k0", b"k1", b"k2")  # stand-ins for the held blocks' keys: loads name their last block's
@@ -12,14 +12,16 @@ KEYS = (b"k0", b"k1", b"k2")  # stand-ins for the held blocks' keys: loads name 
 
 @pytest.mark.parametrize(("held", "local", "num_tokens", "expected"), [
     (0, 0, 20, 0),  # nothing held
-    (3, 0, 20, 12),  # three whole blocks
-    (3, 8, 20, 4),  # vLLM already has two of them
-    (5, 0, 20, 16),  # all 20 tokens held: the last one is still computed, so 4 blocks, not 5
-    (5, 0, 21, 20),
-    (2, 12, 20, 0),  # vLLM's own hit is longer than ours
+    (12, 0, 20, 12),  # three whole blocks
+    (12, 8, 20, 4),  # vLLM already has two of them
+    (20, 0, 20, 19),  # all 20 tokens held: the last one is still computed
+    (20, 0, 21, 20),
+    (8, 12, 20, 0),  # vLLM's own hit is longer than ours
+    (14, 0, 20, 14),  # three whole blocks and a partial one of two tokens
+    (14, 8, 14, 5),  # the prompt is the held history: all but its last token
 ])
 def test_external_tokens(held: int, local: int, num_tokens: int, expected: int) -> None:
-    assert external_tokens(held, local, num_tokens, BS) == expected
+    assert external_tokens(held, local, num_tokens) == expected
 
 
 def test_a_resumed_turn_loads_then_saves_its_new_blocks() -> None:
@@ -81,3 +83,67 @@ def test_requests_are_bounded_and_forgotten_when_finished() -> None:
     assert list(planner.requests) == ["b", "c"]
     planner.finished("b")
     assert list(planner.requests) == ["c"]
+
+
+def test_a_turn_that_ends_mid_block_saves_its_tail_in_the_next_step() -> None:
+    planner = ConnectorPlanner(BS)
+    state = planner.track("r1", "acme", "s")
+    state.held_keys = ()
+    planner.matched(state, 0, 6)
+    planner.allocated("r1", [1, 2], external=0, prompt_tokens=6)
+    tokens = list(range(6))
+    plan = planner.step(new=[("r1", [1, 2])], cached=[], computed_after={"r1": 6}, tokens_of={"r1": tokens})
+    assert plan.saves == [SaveSpec("acme", "s", 0, (1,), tuple(tokens[:4]))]
+    # Two tokens generated; the last one has no KV yet, so 7 of the 8 tokens are computed.
+    tokens += [50, 51]
+    plan = planner.step(new=[], cached=[("r1", None, False)], computed_after={"r1": 7}, tokens_of={"r1": tokens})
+    assert plan.saves == [] and plan.tail_saves == []
+    assert planner.finished("r1", computed_tokens=7, token_ids=tokens, block_ids=[1, 2]) is True
+    assert "r1" not in planner.requests
+    plan = planner.step(new=[], cached=[], computed_after={}, tokens_of={})
+    assert plan.tail_saves == [TailSave("r1", SaveSpec("acme", "s", 1, (2,), tuple(tokens[:7])))]
+    assert planner.step(new=[], cached=[], computed_after={}, tokens_of={}).tail_saves == []  # once
+
+
+@pytest.mark.parametrize("case", ["aligned", "warmup", "tiers_off", "unsaved_blocks", "no_block", "tail_held"])
+def test_no_tail_save_where_there_is_nothing_to_keep(case: str) -> None:
+    planner = ConnectorPlanner(BS)
+    state = planner.track("r1", "acme", "s", warmup=case == "warmup", tiers=case != "tiers_off")
+    state.held_keys = (b"k0", b"t1") if case == "tail_held" else ()
+    state.held_tail = 3 if case == "tail_held" else 0
+    planner.matched(state, 0, 7)
+    tokens = list(range(9))
+    if case != "unsaved_blocks":
+        planner.step(new=[("r1", [1, 2, 3])], cached=[], computed_after={"r1": 7}, tokens_of={"r1": tokens})
+    computed = 8 if case == "aligned" else 7
+    block_ids = [1] if case == "no_block" else [1, 2, 3]
+    assert planner.finished("r1", computed_tokens=computed, token_ids=tokens, block_ids=block_ids) is False
+    assert planner.step(new=[], cached=[], computed_after={}, tokens_of={}).tail_saves == []
+
+
+def test_a_held_tail_is_loaded_by_its_key_and_its_block_saved_once_full() -> None:
+    planner = ConnectorPlanner(BS)
+    state = planner.track("r2", "acme", "s")
+    state.held_keys = (*KEYS, b"t3")  # three full blocks and a partial fourth of 2 tokens
+    state.held_tail = 2
+    tokens = list(range(100, 118))  # 18 tokens: the fourth block's last 2 are new
+    assert planner.matched(state, local_tokens=4, num_tokens=len(tokens)) == 10
+    assert planner.allocated("r2", [10, 11, 12, 13, 14], external=10, prompt_tokens=18) == {
+        "engine_cache": 4, "symphony": 10, "computed": 4}
+    plan = planner.step(new=[("r2", [10, 11, 12, 13, 14])], cached=[], computed_after={"r2": 18},
+                        tokens_of={"r2": tokens})
+    assert plan.loads == [LoadSpec("acme", "s", 1, (11, 12), b"k2"), LoadSpec("acme", "s", 3, (13,), b"t3", 2)]
+    # The partial page filled the fourth block's first half; now it is full and saved as a full block.
+    assert plan.saves == [SaveSpec("acme", "s", 3, (13,), tuple(tokens[:16]))]
+
+
+def test_a_prompt_that_ends_inside_the_held_tail_loads_all_but_its_last_token() -> None:
+    planner = ConnectorPlanner(BS)
+    state = planner.track("r3", "acme", "s")
+    state.held_keys = (*KEYS, b"t3")
+    state.held_tail = 3
+    assert planner.matched(state, local_tokens=0, num_tokens=14) == 13
+    planner.allocated("r3", [1, 2, 3, 4], external=13, prompt_tokens=14)
+    plan = planner.step(new=[("r3", [1, 2, 3, 4])], cached=[], computed_after={"r3": 14},
+                        tokens_of={"r3": list(range(14))})
+    assert plan.loads == [LoadSpec("acme", "s", 0, (1, 2, 3), b"k2"), LoadSpec("acme", "s", 3, (4,), b"t3", 3)]

@@ -22,6 +22,7 @@ from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Tier
 from node_manager.kv.slots import DramArena
 from node_manager.kv.store import SessionNotFound, TieredStore
+from symphony.kv_addressing import tail_key
 from tests.helpers import wait_until
 from tests.unit.kv_store_support import (
     BLOCK,
@@ -303,6 +304,51 @@ def test_reserve_fill_commit_saves_pages(store: TieredStore, client: NodeKVClien
     results = store.load("acme", "s", 1, 2, target=RowTarget(dest, [0, 1])).wait_all(TIMEOUT)
     assert all(r.failed == () for r in results)
     assert all(torch.equal(dest[layer], data[layer]) for layer in range(LAYERS))
+
+
+def test_a_turns_partial_tail_is_saved_found_by_the_next_turn_and_loaded(store: TieredStore, server: LocalKVServer,
+                                                                         client: NodeKVClient,
+                                                                         lookup: HistoryLookup) -> None:
+    history = tokens(2, base=60_000, tail=BLOCK - 1)  # a turn that ended one token short of a block
+    data = page_data(3, seed=12)
+    arena = _arena_rw(client)
+    worker = NodeKVClient(server.path, timeout_s=TIMEOUT)
+    try:
+        full, full_slots = client.reserve("acme", "s", 0, 2, history[:2 * BLOCK])
+        tail, tail_slots = client.reserve("acme", "s", 2, 1, history)  # past the full blocks: the tail
+        for layer in range(LAYERS):
+            arena.pages[torch.from_numpy(full_slots[layer].copy())] = data[layer][:2]
+            arena.pages[torch.from_numpy(tail_slots[layer].copy())] = data[layer][2:]
+        assert client.commit(full) == 2 * LAYERS and client.commit(tail) == LAYERS
+        assert _sample(store, "symphony_connector_tail_tokens_saved_total") == BLOCK - 1
+        # The next turn continues the history: two full blocks and the tail's tokens are held.
+        held = lookup.match("acme", "s", [*history, *range(5, 5 + BLOCK + 2)])
+        assert (held.blocks, held.tail_tokens) == (3, BLOCK - 1)
+        _sent(lookup, client)
+        keys = store.session("acme", "s").blocks.block_keys  # the new turn's history
+        assert held.keys == (*keys[:2], tail_key(keys[1], history[2 * BLOCK:]))
+        assert held.keys[-1] != keys[2]  # not the full block the new turn's tokens fill
+        item = {"tenant": "acme", "session": "s", "first_block": 0, "count": 3, "key": held.keys[-1].hex(),
+                "tail_tokens": BLOCK - 1}
+        load_id, layers = worker.load([item], timeout_s=TIMEOUT)
+        for layer, slots in layers:
+            assert torch.equal(arena.pages[torch.from_numpy(slots.copy())], data[layer])
+        worker.release(load_id)
+        assert _sample(store, "symphony_connector_tokens_loaded_total", tier="DRAM") == 3 * BLOCK - 1
+        # A turn that changed the tail's last token finds the full blocks only; another tenant nothing.
+        changed = [*history[:-1], 7, *range(5, 9)]
+        assert lookup.match("other", "s", [*history, 5]).blocks == 0
+        held = lookup.match("acme", "s", changed)
+        assert (held.blocks, held.tail_tokens) == (2, 0)
+        _sent(lookup, client)
+        # The tail addressed with a length the history does not have: never served.
+        server.registration_wait_s = 0.05
+        load_id, layers = worker.load([{**item, "tail_tokens": BLOCK - 2}], timeout_s=TIMEOUT)
+        assert all((slots == -1).all() for _, slots in layers)
+        worker.release(load_id)
+    finally:
+        worker.close()
+        arena.close()
 
 
 def _arena_rw(client: NodeKVClient) -> DramArena:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from node_manager.kv.loader import RowTarget
 from node_manager.kv.page_stream import PageStreamServer
 from node_manager.kv.prefetch import PrefetchQueue
 from node_manager.kv.puller import PeerPuller
@@ -20,7 +21,7 @@ from node_manager.kv.service import KVStoreService
 from node_manager.kv.store import TieredStore
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.helpers import free_port
-from tests.unit.kv_store_support import LAYERS, TIMEOUT, MakeStore, save_session, tokens
+from tests.unit.kv_store_support import BLOCK, LAYERS, TIMEOUT, WORDS, MakeStore, page_data, save_session, tokens
 
 BLOCKS = 5
 
@@ -124,6 +125,36 @@ async def test_a_pull_only_fetches_the_blocks_it_lacks(peer: _Peer, make_store: 
         await puller.close()
     assert (reply.complete, reply.pages_expected, reply.pages_received) == (True, 3 * LAYERS, 3 * LAYERS)
     assert all(torch.equal(got, want) for got, want in zip(_pages(receiver, "s"), data, strict=True))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_pull_brings_the_peers_partial_tail_after_the_full_blocks(peer: _Peer, make_store: MakeStore,
+                                                                           stream: bool) -> None:
+    data = save_session(peer.store, "s", BLOCKS, seed=7)
+    history = peer.store.session("acme", "s").token_ids.tolist()
+    tail_tokens = BLOCK - 1
+    peer.store.put_session("acme", "s", [*history, *range(5, 5 + tail_tokens)])  # the turn ended mid-block
+    tail = page_data(1, seed=8)
+    for layer in range(LAYERS):
+        assert peer.store.save_layer("acme", "s", layer, BLOCKS, tail[layer], tail_tokens=tail_tokens).result(
+            TIMEOUT) == 1
+    assert peer.store.loadable_tail_tokens("acme", "s") == tail_tokens
+    receiver = make_store()
+    puller = PeerPuller(receiver, timeout_s=TIMEOUT, use_page_stream=stream)
+    try:
+        reply = await puller.pull("acme", "s", peer.address)
+        again = await puller.pull("acme", "s", peer.address)  # all held here now: nothing to fetch
+    finally:
+        await puller.close()
+    assert (reply.complete, reply.pages_expected, reply.pages_received, reply.error) == \
+        (True, (BLOCKS + 1) * LAYERS, (BLOCKS + 1) * LAYERS, "")
+    assert (again.complete, again.pages_expected) == (True, 0)
+    assert receiver.loadable_tail_tokens("acme", "s") == tail_tokens
+    dest = [torch.zeros(BLOCKS + 1, WORDS, dtype=torch.int64) for _ in range(LAYERS)]
+    results = receiver.load("acme", "s", 0, BLOCKS + 1, RowTarget(dest, list(range(BLOCKS + 1))),
+                            tail_tokens=tail_tokens).wait_all(TIMEOUT)
+    assert all(not r.failed for r in results)
+    assert all(torch.equal(dest[layer], torch.cat([data[layer], tail[layer]])) for layer in range(LAYERS))
 
 
 async def test_a_second_pull_of_a_session_under_way_joins_it(peer: _Peer, make_store: MakeStore) -> None:
