@@ -90,8 +90,8 @@ class RequestKV:
 
 def external_tokens(held_tokens: int, local_tokens: int, num_tokens: int) -> int:
     """Tokens to load beyond vLLM's own hit, never the last token, which vLLM must compute to
-    produce the next one. The count may end mid-block: the rest of that block is computed over
-    the loaded page's stale slots, which attention never reads past the sequence's length."""
+    produce the next one. The count may end mid-block: vLLM computes the rest of that block into
+    the loaded page's unused slots (which attention never reads past the sequence's length)."""
     return max(0, min(held_tokens, num_tokens - 1) - local_tokens)
 
 

@@ -144,8 +144,7 @@ class WorkerSide:
         while (job := self._loads.get()) is not None:
             loads, step = job
             items = [{"tenant": s.tenant, "session": s.session, "first_block": s.first_block,
-                      "count": len(s.block_ids), "key": s.last_key.hex(), "tail_tokens": s.tail_tokens}
-                     for s in loads]
+                      "count": len(s.block_ids), "key": s.last_key.hex()} for s in loads]
             load_id = None
             delivered = 0
             try:
