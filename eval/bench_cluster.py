@@ -148,13 +148,23 @@ class _PolicyScheduler:
         stop_child(self.process, self.log)
 
 
-async def _reset_prefix_caches(config: SymphonyConfig) -> None:
+async def _reset_prefix_caches(config: SymphonyConfig, timeout_s: float = 30.0) -> None:
+    """Empty every engine's prefix cache. vLLM refuses while a request holds blocks, and a finished
+    request holds them one engine step longer while its partial last block is copied out: asked
+    again until every engine agrees."""
+    deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=60.0) as client:
         for i in range(config.cluster.nodes):
             url = f"http://{config.node.host}:{config.engine_port(i)}/reset_prefix_cache"
-            reply = await client.post(url)
-            if reply.status_code != 200:
-                raise RuntimeError(f"{url} answered {reply.status_code}")
+            while True:
+                reply = await client.post(url)
+                if reply.status_code != 200:
+                    raise RuntimeError(f"{url} answered {reply.status_code}")
+                if reply.json().get("success", True):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} kept refusing: some request still holds KV blocks")
+                await asyncio.sleep(0.05)
 
 
 def _advised_ready(metrics: str) -> dict[str, float]:

@@ -58,6 +58,14 @@ class LiveCluster:
         return "\n".join(self.output.read_text(errors="replace").splitlines()[-lines:])
 
 
+def reset_engine_cache(engine_url: str) -> None:
+    """Empty vLLM's own prefix cache. vLLM refuses while a request holds blocks, and a finished
+    request holds its blocks one engine step longer while its partial last block is copied out:
+    retried until vLLM agrees, not guessed with a sleep."""
+    wait_until(lambda: httpx.post(engine_url + "/reset_prefix_cache", timeout=30).json()["success"], 30,
+               "vLLM's prefix cache to be reset")
+
+
 def _write_config(home: Path, model_dir: Path, scheduler_port: int, grpc_base: int, engine_base: int,
                   metrics_base: int) -> Path:
     config = home / "symphony.toml"

@@ -10,12 +10,11 @@ import uuid
 from pathlib import Path
 
 import grpc
-import httpx
 import openai
 import pytest
 
 from symphony.rpc import kv_pb2, kv_pb2_grpc
-from tests.e2e.conftest import LiveCluster
+from tests.e2e.conftest import LiveCluster, reset_engine_cache
 from tests.helpers import wait_until
 
 MTBENCH = Path(__file__).resolve().parents[2] / "eval" / "data" / "mtbench" / "mt_bench_question.jsonl"
@@ -35,11 +34,6 @@ def _complete(client: openai.OpenAI, model: str, prompt: str | list[int], tenant
     return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
                                      extra_body={"kv_transfer_params": {"tenant": tenant, "session_id": session},
                                                  "return_token_ids": True, "ignore_eos": True})
-
-
-def _reset_engine_cache(engine_url: str) -> None:
-    # Fails while a request holds blocks; the test's requests are sequential, so it succeeds.
-    assert httpx.post(engine_url + "/reset_prefix_cache", timeout=30).json()["success"]
 
 
 def _loadable_blocks(grpc_port: int, tenant: str, session: str) -> int:
@@ -78,7 +72,7 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(live_clus
     # turn 1. It holds no partial block, so the connector completes this hit with turn 1's partial
     # last block from the node's tiers (same tenant, so the same keys), as it does for the load below.
     engine_cache = _complete(client, live_cluster.model, prompt, tenant, f"{session}-reference", 24)
-    _reset_engine_cache(engine_url)
+    reset_engine_cache(engine_url)
     loaded_before = live_cluster.node_metric(0, "symphony_connector_tokens_loaded_total", tier="DRAM")
     waits_before = live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count")
     loaded = _complete(client, live_cluster.model, prompt, tenant, session, 24)

@@ -18,7 +18,7 @@ from node_manager.kv.transfer import page_batch
 from symphony.kv_addressing import chain_block_keys
 from symphony.kv_geometry import smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
-from tests.e2e.conftest import LiveCluster
+from tests.e2e.conftest import LiveCluster, reset_engine_cache
 from tests.e2e.test_01b_connector import _questions
 
 NODE = 1
@@ -85,7 +85,7 @@ def _burst(client: openai.OpenAI, model: str, run: str) -> list[int]:
 def test_prefetched_kv_yields_before_any_request_is_preempted_or_refused(live_cluster: LiveCluster) -> None:
     engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[NODE]}"
     client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    assert httpx.post(engine_url + "/reset_prefix_cache", timeout=30).json()["success"]
+    reset_engine_cache(engine_url)
     before = _preemptions(engine_url)
     assert _burst(client, live_cluster.model, f"plain-{uuid.uuid4().hex[:8]}") == [OUTPUT_TOKENS] * BURST
     without_prefetch = _preemptions(engine_url) - before
@@ -115,7 +115,7 @@ def _vllm_hit_tokens(client: openai.OpenAI, model: str, token_ids: list[int]) ->
 def test_warmed_sessions_yield_in_symphonys_order_not_lru(live_cluster: LiveCluster) -> None:
     engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[NODE]}"
     client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    assert httpx.post(engine_url + "/reset_prefix_cache", timeout=30).json()["success"]
+    reset_engine_cache(engine_url)
     usable = _num_gpu_blocks(engine_url) - 1  # block 0 is vLLM's null block
     # Warmed in this order, so plain LRU would evict the high-priority session first.
     sessions = {"high": (64, kv_pb2.PRIORITY_HIGH), "big": (128, kv_pb2.PRIORITY_NORMAL),
