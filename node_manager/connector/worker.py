@@ -143,19 +143,13 @@ class WorkerSide:
         client = NodeKVClient(self._socket_path)
         while (job := self._loads.get()) is not None:
             loads, step = job
-            items = [{"tenant": s.tenant, "session": s.session, "first_block": s.first_block,
-                      "count": len(s.block_ids), "key": s.last_key.hex()} for s in loads]
             load_id = None
             delivered = 0
             try:
-                load_id, layers = client.load(items, timeout_s=self._layer_wait_s)
+                load_id, layers = client.load([_load_item(spec) for spec in loads], timeout_s=self._layer_wait_s)
                 for layer, slots in layers:
-                    ok = slots >= 0
-                    if not ok.all():
-                        self._fail(step.block_ids[~ok])  # before the layer is ready: this step reports it
-                    if ok.any():
-                        assert self._arena is not None
-                        copy_rows(self._layers[layer], step.block_ids[ok], self._arena.pages, slots[ok])
+                    assert self._arena is not None
+                    self._copy_in(layer, step.block_ids, slots, self._arena)  # failures reported before it is ready
                     step.ready[layer].set()
                     delivered += 1
             except (OSError, KVChannelError) as exc:
@@ -177,20 +171,15 @@ class WorkerSide:
         would overwrite them. One page per request, so waiting costs little."""
         if not tails:
             return
-        items = [{"tenant": s.tenant, "session": s.session, "first_block": s.first_block, "count": 1,
-                  "key": s.last_key.hex(), "tail_tokens": s.tail_tokens} for s in tails]
         blocks = np.array([spec.block_ids[0] for spec in tails], np.int64)
         delivered = 0
         try:
             with self._control_lock:
-                load_id, layers = self._control.load(items, timeout_s=self._layer_wait_s)
+                load_id, layers = self._control.load([_load_item(spec) for spec in tails],
+                                                     timeout_s=self._layer_wait_s)
                 try:
                     for layer, slots in layers:
-                        ok = slots >= 0
-                        if not ok.all():
-                            self._fail(blocks[~ok])
-                        if ok.any():
-                            copy_rows(self._layers[layer], blocks[ok], arena.pages, slots[ok])
+                        self._copy_in(layer, blocks, slots, arena)
                         delivered += 1
                 finally:
                     with contextlib.suppress(OSError):
@@ -199,6 +188,15 @@ class WorkerSide:
             log.warning("KV tail load failed; those blocks are recomputed", error=str(exc))
         if delivered < len(self._layers):
             self._fail(blocks)
+
+    def _copy_in(self, layer: int, block_ids: np.ndarray, slots: np.ndarray, arena: DramArena) -> None:
+        """One layer of a load into vLLM's blocks; the blocks whose page the node manager could not
+        give (slot -1) are reported as load errors."""
+        ok = slots >= 0
+        if not ok.all():
+            self._fail(block_ids[~ok])
+        if ok.any():
+            copy_rows(self._layers[layer], block_ids[ok], arena.pages, slots[ok])
 
     def _fail(self, block_ids: np.ndarray) -> None:
         with self._errors_lock:
@@ -300,6 +298,15 @@ class WorkerSide:
         self._control.close()
         if self._arena is not None:
             self._arena.close()
+
+
+def _load_item(spec: LoadSpec) -> dict[str, Any]:
+    """A load as the node-local channel's `load` operation names it."""
+    item: dict[str, Any] = {"tenant": spec.tenant, "session": spec.session, "first_block": spec.first_block,
+                            "count": len(spec.block_ids), "key": spec.last_key.hex()}
+    if spec.tail_tokens:
+        item["tail_tokens"] = spec.tail_tokens
+    return item
 
 
 def _off_the_forwards_cores() -> None:

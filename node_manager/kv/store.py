@@ -253,7 +253,7 @@ class TieredStore:
             return False
         try:
             self._check_range(record, 0, first_block, count, tail_tokens)
-            _addressed_keys(record, first_block, count, last_key, tail_tokens)
+            addressed_keys(record, first_block, count, last_key, tail_tokens)
         except (InvalidRequest, HistoryChanged):
             return False
         return True
@@ -310,8 +310,8 @@ class TieredStore:
             blocks = record.blocks
             if not blocks.tail_tokens or self.loadable_prefix_blocks(tenant, session_id) < blocks.num_blocks:
                 return 0
-            parent = blocks.block_keys[-1] if blocks.block_keys else tenant_root(blocks.tenant)
-            row = self._directory.row(tail_key(parent, blocks.tail_tokens))
+            key = addressed_keys(record, blocks.num_blocks, 1, None, len(blocks.tail_tokens))[0]
+            row = self._directory.row(key)
             held = row is not None and bool(self._directory.complete_rows(np.array([row]))[0])
             return len(blocks.tail_tokens) if held else 0
 
@@ -399,14 +399,14 @@ class TieredStore:
         are not pinned. The pins hold until `unpin_dram`: neither eviction nor a replacing save can
         touch a pinned slot. With `whole`, nothing is pinned unless every page is (`complete`).
         `record_reads`: count the pages as DRAM hits and misses; off where a load into DRAM
-        already counted them. `last_key`, `tail_tokens`: see `_addressed_keys`."""
+        already counted them. `last_key`, `tail_tokens`: see `addressed_keys`."""
         d = self._directory
         with self._lock:
             record = self.session(tenant, session_id)
             self._check_range(record, 0, first_block, count, tail_tokens)
             if not all(0 <= layer < self.geometry.num_layers for layer in layers):
                 raise InvalidRequest(f"layers must be within 0..{self.geometry.num_layers - 1}")
-            keys = _addressed_keys(record, first_block, count, last_key, tail_tokens)
+            keys = addressed_keys(record, first_block, count, last_key, tail_tokens)
             ids = d.rows(keys)
             columns = np.asarray(layers, dtype=np.int64)
             slots = np.full((len(ids), len(columns)), -1, np.int64)
@@ -450,7 +450,7 @@ class TieredStore:
         rather than making the caller wait. With `expected_checksums` (pages from a peer), a page
         whose copy in DRAM does not match is not kept: the check runs on the bytes the store keeps,
         and costs no extra pass because every save checksums its pages anyway. `tail_tokens`: the
-        last page is a partial block (`_addressed_keys`)."""
+        last page is a partial block (`addressed_keys`)."""
         record = self.session(tenant, session_id)
         self._check_range(record, layer, first_block, pages.shape[0] if pages.dim() else -1, tail_tokens)
         if pages.dim() != 2 or pages.shape[1] != self.geometry.page_words or pages.dtype != torch.int64:
@@ -458,7 +458,7 @@ class TieredStore:
                                  f"{pages.dtype} {list(pages.shape)}")
         if expected_checksums is not None and len(expected_checksums) != pages.shape[0]:
             raise InvalidRequest(f"{len(expected_checksums)} checksums for {pages.shape[0]} pages")
-        keys = _addressed_keys(record, first_block, pages.shape[0], None, tail_tokens)
+        keys = addressed_keys(record, first_block, pages.shape[0], None, tail_tokens)
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
         if not self._admit_jobs(1):
             self.metrics.save_degraded.labels("io_backpressure").inc(len(keys))
@@ -507,10 +507,10 @@ class TieredStore:
                       count: int, last_key: BlockKey | None = None, tail_tokens: int = 0) -> PageReservation | None:
         """DRAM slots for blocks first_block.. of `layer`, to be filled through `reserved_views` and
         then committed; None if DRAM has no room (counted as a degraded save). `last_key`,
-        `tail_tokens`: see `_addressed_keys`."""
+        `tail_tokens`: see `addressed_keys`."""
         record = self.session(tenant, session_id)
         self._check_range(record, layer, first_block, count, tail_tokens)
-        return self._reserve(record, layer, list(_addressed_keys(record, first_block, count, last_key, tail_tokens)))
+        return self._reserve(record, layer, list(addressed_keys(record, first_block, count, last_key, tail_tokens)))
 
     def _reserve(self, record: SessionRecord, layer: int, keys: list[BlockKey]) -> PageReservation | None:
         with self._lock:
@@ -813,7 +813,7 @@ class TieredStore:
         """Bring blocks [first_block, first_block + num_blocks) of every layer into `target`, layer by
         layer from whichever tier holds each page (fastest first). Returns at once; per-layer futures
         report what arrived. With a tier target this is a promotion (prefetch); pages already there
-        count as loaded. `last_key`, `tail_tokens`: see `_addressed_keys`."""
+        count as loaded. `last_key`, `tail_tokens`: see `addressed_keys`."""
         record = self.session(tenant, session_id)
         count = record.blocks.num_blocks - first_block if num_blocks is None else num_blocks
         self._check_range(record, 0, first_block, count, tail_tokens)
@@ -828,7 +828,7 @@ class TieredStore:
         if layers is not None and (len(set(order)) != len(order)
                                    or not all(0 <= layer < self.geometry.num_layers for layer in order)):
             raise InvalidRequest(f"layers must be distinct and within 0..{self.geometry.num_layers - 1}")
-        keys = _addressed_keys(record, first_block, count, last_key, tail_tokens)
+        keys = addressed_keys(record, first_block, count, last_key, tail_tokens)
         handle = LayerwiseLoad(self.geometry.num_layers, first_block, count)
         if not self._admit_jobs(len(order)):
             raise StoreBusy("too many KV transfers in flight; retry or recompute")
@@ -1333,7 +1333,7 @@ class TieredStore:
         self.block_index.close()
 
 
-def _addressed_keys(record: SessionRecord, first_block: int, count: int,
+def addressed_keys(record: SessionRecord, first_block: int, count: int,
                     last_key: BlockKey | None, tail_tokens: int = 0) -> tuple[BlockKey, ...]:
     """The keys of blocks first_block.. of the session's history. With `last_key`, the caller's key
     for the last of them: keys are chained, so one equal key means every block before it is the

@@ -18,8 +18,8 @@ import torch
 
 from node_manager.kv.loader import LayerResult, LayerwiseLoad, RowTarget
 from node_manager.kv.pages import Priority, run_checksums
-from node_manager.kv.store import InvalidRequest, SessionRecord, TieredStore
-from symphony.kv_addressing import BlockKey, tail_key, tenant_root
+from node_manager.kv.store import InvalidRequest, SessionRecord, TieredStore, addressed_keys
+from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2
 
@@ -124,9 +124,7 @@ async def _stream_tail(store: TieredStore, tenant: str, session_id: str, first_b
         raise InvalidRequest(f"a partial tail is the one block after the session's {record.blocks.num_blocks}")
     staging = [torch.empty(1, store.geometry.page_words, dtype=torch.int64) for _ in range(store.geometry.num_layers)]
     handle = store.load(tenant, session_id, first_block, 1, RowTarget(staging, [0]), tail_tokens=tail_tokens)
-    start = first_block * store.geometry.block_size
-    parent = record.blocks.block_keys[-1] if record.blocks.block_keys else tenant_root(tenant)
-    key = tail_key(parent, record.token_ids[start:start + tail_tokens])  # the load above checked the range
+    key = addressed_keys(record, first_block, 1, None, tail_tokens)[0]  # the load above checked the range
     ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
     for layer in range(store.geometry.num_layers):
         result = await handle.wait_layer(layer)
