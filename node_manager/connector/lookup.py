@@ -15,7 +15,6 @@ write when the step's plan is built, before any worker loads or saves.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +23,16 @@ import numpy as np
 
 from node_manager.connector.kv_client import NodeKVClient, registration_frame
 from node_manager.kv.block_index import BlockIndexReader
-from symphony.kv_addressing import BlockKey, keys_after, tail_keys, tenant_root, token_array
+from symphony.kv_addressing import (
+    BlockKey,
+    keys_after,
+    tail_key,
+    tail_length,
+    tail_mark,
+    tail_mark_of,
+    tenant_root,
+    token_array,
+)
 
 # Recent sessions whose held blocks' keys are kept, so a resumed turn hashes only its new blocks;
 # bounded in tokens (4 bytes each, plus 32 bytes of key per block) as well as in sessions.
@@ -33,9 +41,6 @@ MAX_KEPT_TOKENS = 4 << 20
 # Registrations queued between two sends; one step schedules at most max_num_seqs new requests, so
 # this is reached only if nobody calls `send_registrations` (then the match sends them itself).
 MAX_UNSENT_REGISTRATIONS = 1024
-# Blocks hashed before the first lookup of a request's new blocks: hashing one costs ~1 us, and
-# a batch looked up at once saves more than that per block past ~32 (`BlockIndexReader.leading`).
-FIRST_BATCH_BLOCKS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,16 +83,13 @@ class HistoryLookup:
         known = self._known_keys(tenant, session, tokens)
         held = list(known[:index.leading(known)])
         if len(held) == len(known):
-            # New blocks are hashed a few at a time and each batch looked up at once, the batches
-            # doubling: a history the tiers lack costs a few hashes, one they hold few lookups.
-            new_keys = keys_after(tenant, tokens, self._block_size, held)
-            batch = FIRST_BATCH_BLOCKS
-            while keys := list(itertools.islice(new_keys, batch)):
-                count = index.leading(keys)
-                held += keys[:count]
-                if count < len(keys):
+            # Each new block is looked up as soon as it is hashed, up to the first the index lacks:
+            # no block past what the tiers could load is hashed, and a held one costs a slot read.
+            holds = index.holds
+            for key in keys_after(tenant, tokens, self._block_size, held):
+                if not holds(key):
                     break
-                batch *= 2
+                held.append(key)
         self._remember(tenant, session, tokens[:len(held) * self._block_size], tuple(held))
         tail, key = self._held_tail(index, tenant, tokens, held)
         if key is not None:
@@ -97,15 +99,21 @@ class HistoryLookup:
     def _held_tail(self, index: BlockIndexReader, tenant: str, tokens: np.ndarray,
                    held: list[BlockKey]) -> tuple[int, BlockKey | None]:
         """The longest partial block right after the held full blocks that the tiers hold, as
-        (tokens, key), (0, None) if none: every length is tried (~1 us of hashing each), since the
-        earlier turn's tail length is not known here."""
+        (tokens, key), (0, None) if none. The earlier turn's tail length is not known here; the
+        index lists the lengths held after the last full block in one probe (`tail_key`'s layout),
+        and each, longest first, is confirmed by hashing that many tokens (one, almost always)."""
         start = len(held) * self._block_size
         longest = min(self._block_size - 1, len(tokens) - start)
         if longest <= 0:
             return 0, None
-        keys = tail_keys(held[-1] if held else tenant_root(tenant), tokens[start:], longest)
-        tail = index.longest_held(keys)
-        return (tail, keys[tail - 1]) if tail else (0, None)
+        parent = held[-1] if held else tenant_root(tenant)
+        mark = tail_mark(parent)
+        lengths = {tail_length(fp) for fp in index.run_at_home_of(mark) if tail_mark_of(fp) == mark}
+        for length in sorted((n for n in lengths if 0 < n <= longest), reverse=True):
+            key = tail_key(parent, tokens[start:start + length])
+            if index.holds(key):
+                return length, key
+        return 0, None
 
     def send_registrations(self) -> None:
         """Send the registrations queued by `match` since the last call, in one write. Raises

@@ -10,6 +10,7 @@ import sys
 from array import array
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +20,10 @@ from symphony.kv_addressing import (
     SessionBlocks,
     block_key,
     chain_block_keys,
+    tail_key,
+    tail_length,
+    tail_mark,
+    tail_mark_of,
     tenant_root,
     token_array,
 )
@@ -122,6 +127,27 @@ def test_tail_does_not_affect_full_block_keys() -> None:
     assert chain_block_keys("acme", TOKENS[:12], 4).block_keys == chain_block_keys("acme", TOKENS, 4).block_keys
 
 
+def test_a_tail_key_names_its_parent_length_and_tokens_in_its_first_eight_bytes() -> None:
+    # The block index keeps a key's first 8 bytes (little-endian): for a tail, its parent's mark in
+    # the low 32 bits, 16 bits of the tokens' hash and the length on top (see `tail_key`).
+    parent = chain_block_keys("acme", TOKENS, 4).block_keys[1]
+    keys = {n: tail_key(parent, TOKENS[8:8 + n]) for n in (1, 2, 3)}
+    for n, key in keys.items():
+        head = int.from_bytes(key[:8], "little")
+        assert len(key) == 32 and tail_length(head) == n and tail_mark_of(head) == tail_mark(parent)
+    assert len(set(keys.values())) == 3
+    other_parent = chain_block_keys("acme", TOKENS, 4).block_keys[0]
+    assert tail_mark(other_parent) != tail_mark(parent)
+    # Other tokens of the same length: another key, and other fingerprint bits beside the mark.
+    changed = tail_key(parent, [*TOKENS[8:10], 77])
+    assert changed != keys[3] and changed[:8] != keys[3][:8] and changed[:4] == keys[3][:4]
+    # Never a full block's key, though the tokens are those of a block.
+    assert tail_key(parent, TOKENS[8:12]) != chain_block_keys("acme", TOKENS, 4).block_keys[2]
+    assert tail_key(parent, np.array(TOKENS[8:11], dtype=np.int64)) == keys[3]
+    with pytest.raises(ValueError, match="partial block"):
+        tail_key(parent, [])
+
+
 @pytest.mark.parametrize("split", [0, 3, 4, 5, 8, 12, 13])
 def test_incremental_start_equals_from_scratch(split: int) -> None:
     longer = [*TOKENS, 1, 2, 3, 4, 5, 6, 7]
@@ -135,19 +161,12 @@ def test_incremental_start_hashes_only_new_blocks(monkeypatch: pytest.MonkeyPatc
     prefix = chain_block_keys("acme", TOKENS[:8], 4)
     hashed: list[bytes] = []
 
-    class CountingSha256:
-        def __init__(self, parent: bytes) -> None:
-            self._digest = hashlib.sha256(parent)
-
-        def update(self, data: memoryview) -> None:
-            hashed.append(bytes(data))
-            self._digest.update(data)
-
-        def digest(self) -> bytes:
-            return self._digest.digest()
+    def counting_sha256(data: bytes) -> Any:
+        hashed.append(bytes(data[32:]))  # what follows the parent key: the block's tokens
+        return hashlib.sha256(data)
 
     expected = chain_block_keys("acme", TOKENS, 4)
-    monkeypatch.setattr(addressing, "hashlib", SimpleNamespace(sha256=CountingSha256))
+    monkeypatch.setattr(addressing, "hashlib", SimpleNamespace(sha256=counting_sha256))
     assert chain_block_keys("acme", TOKENS, 4, start=prefix) == expected
     assert hashed == [array("I", TOKENS[8:12]).tobytes()]
 

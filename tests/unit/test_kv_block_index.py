@@ -113,6 +113,32 @@ def test_looking_many_keys_up_at_once_agrees_with_one_by_one(index: BlockIndex) 
         reader.close()
 
 
+def test_holds_and_the_run_at_a_home_slot_agree_with_find(index: BlockIndex) -> None:
+    # A cluster that wraps around the table's end, keys whose home is elsewhere inside it, and one
+    # deleted from its middle (the entries after it shift back).
+    rng = random.Random(11)
+    homes = [MIN_SLOTS - 1, MIN_SLOTS - 1, 0, MIN_SLOTS - 1, 1, 0, 300]
+    keys = [_key(home, tag) for tag, home in enumerate(homes)]
+    reader = BlockIndexReader(index.name)
+    try:
+        for _ in range(30):
+            index.add(rng.sample(keys, rng.randint(0, len(keys))))
+            for key in rng.sample(keys, 2):
+                index.discard(key)
+            for key in keys:
+                assert reader.holds(key) == (key in index)
+                # Every held key sharing this key's home is in the run read from that home.
+                run = reader.run_at_home_of(fingerprint(key))
+                assert {fingerprint(k) for k in keys if k in index and fingerprint(k) % MIN_SLOTS
+                        == fingerprint(key) % MIN_SLOTS} <= set(run)
+                assert 0 not in run
+            for key in keys:
+                index.discard(key)
+        assert reader.run_at_home_of(fingerprint(keys[0])) == []
+    finally:
+        reader.close()
+
+
 def test_adds_beyond_the_bound_are_refused_not_overfilled(index: BlockIndex) -> None:
     keys = chain_block_keys("acme", list(range(4 * 150)), 4).block_keys
     index.add(keys)

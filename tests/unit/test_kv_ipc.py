@@ -111,7 +111,7 @@ def test_match_registers_tokens_and_counts_held_blocks(store: TieredStore, clien
     assert held.keys == store.session("acme", "s").blocks.block_keys[:BLOCKS]
     # Same tokens under another tenant: keys are namespaced, nothing is shared.
     assert lookup.match("other", "s", history).blocks == 0
-    # A long held history is looked up in doubling batches (16, 32, ...), ending inside one.
+    # A long held history, partly on SSD, is found whole.
     save_session(store, "long", 40, seed=2, flush_each=True)  # on SSD: more than DRAM holds
     held = lookup.match("acme", "long", [*tokens(40, base=20_000), *range(3, 3 + 5 * BLOCK)])
     assert held.keys == store.session("acme", "long").blocks.block_keys[:40]
@@ -130,16 +130,15 @@ def test_match_hashes_only_what_the_tiers_could_load(store: TieredStore, lookup:
             yield key
 
     monkeypatch.setattr(lookup_module, "keys_after", counting)
-    batch = lookup_module.FIRST_BATCH_BLOCKS
     prompt = [*history, *range(5, 5 + 20 * BLOCK + 1)]  # 3 held blocks, then 20 new full blocks
     assert lookup.match("acme", "s", prompt).blocks == 3
-    assert len(hashed) == max(batch, 4)  # the held blocks and the first batch's rest; none of the later ones
+    assert len(hashed) == 4  # the held blocks and the first one the tiers lack; none of the later ones
     hashed.clear()
     assert lookup.match("acme", "s", [*prompt, *range(BLOCK)]).blocks == 3  # the session's next turn
-    assert len(hashed) == batch  # the held keys are kept from the last turn: one batch of new ones
+    assert len(hashed) == 1  # the held keys are kept from the last turn: only the first new block
     hashed.clear()
     assert lookup.match("acme", "s", [7, *prompt[1:]]).blocks == 0  # an edited history: nothing kept
-    assert len(hashed) == batch
+    assert len(hashed) == 1
 
 
 def test_match_follows_evictions_and_a_restarted_node_manager(make_store: MakeStore, tmp_path: Path) -> None:
