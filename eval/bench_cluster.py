@@ -13,7 +13,8 @@ durations, busiest over mean), prompt tokens computed and in total, and `kv_read
 (resumed turns that found at least 90% of their history cached when they arrived), and the typing
 advisories' round trips as the load generator saw them (`advisory_ms_p50`, `advisory_ms_p99`) and
 the scheduler's own time to answer them (`advisory_server_ms_p99_bound`: the histogram bucket bound
-under which 99% fell).
+under which 99% fell), and the CPU seconds the cluster's engines, node managers and the policy's
+scheduler spent meanwhile (`cpu_s_by_role`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from eval.child_process import stop_child
 from eval.loadgen import LoadGenerator, LoadSettings, RequestRecord, write_records
 from eval.plots import plot_cluster
 from eval.ports import free_port_run
+from eval.process_cpu import cpu_seconds_between, cpu_seconds_by_role
 from eval.results import write_result
 from eval.stats import percentile
 from eval.workloads import Conversation, HumanTiming
@@ -209,8 +211,10 @@ async def measure_policies(config: SymphonyConfig, model: str, home: Path, polic
             print(f"policy {policy}: {settings.users} users for {settings.duration_s:.0f} s", file=sys.stderr)
             generator = LoadGenerator(scheduler.url, model, conversations, timing, settings, api_key=key,
                                       session_prefix=f"{policy}-{key[:6]}")
+            cpu_before = cpu_seconds_by_role()
             records = await generator.run()
             summary = summarize(records, nodes)
+            summary["cpu_s_by_role"] = cpu_seconds_between(cpu_before, cpu_seconds_by_role())
             metrics = await scheduler.metrics()
             summary["advised_requests_kv_ready"] = _advised_ready(metrics)
             summary["advisory_server_ms_p99_bound"] = advisory_p99_bound_ms(metrics)

@@ -28,4 +28,6 @@ def test_every_resume_path_gets_its_history_from_the_intended_place(live_cluster
     assert isinstance(result["outputs_identical"], bool)
     assert 0 < result["match_ms_p50"] <= result["match_ms_p99"]
     assert 0 < result["match_cpu_ms_p50"] <= result["match_cpu_ms_p99"]
+    assert 0 < result["match_after_trials_ms_p50"] <= result["match_after_trials_ms_p99"]
+    assert result["match_quiet_wait_s"] >= 0
     assert 0 <= result["match_probe_steal_frac"] <= 1
