@@ -88,6 +88,10 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
         "advisory_ms_p50": percentile(advisory_ms, 50) if advisory_ms else float("nan"),
         "advisory_ms_p99": percentile(advisory_ms, 99) if advisory_ms else float("nan"),
         "requests_by_node": {node: sum(1 for r in ok if r.node == node) for node in nodes},
+        # The scheduler's share of TTFT: routing, the push queue, waiting for a pull of the KV.
+        "routed_ms_p50": percentile([r.routed_ms for r in ok], 50) if ok else float("nan"),
+        "routed_ms_p95": percentile([r.routed_ms for r in ok], 95) if ok else float("nan"),
+        "routes": {reason: sum(1 for r in ok if r.route == reason) for reason in sorted({r.route for r in ok})},
     }
 
 

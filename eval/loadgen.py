@@ -25,6 +25,22 @@ from eval.workloads import Conversation, HumanTiming, answer_tokens
 
 SESSION_HEADER = "X-Session-ID"
 NODE_HEADER = "x-symphony-node"
+ROUTE_HEADER = "x-symphony-route"
+
+
+def server_timing_ms(header: str, metric: str) -> float:
+    """The `dur` of `metric` in a Server-Timing header ("route;dur=12.5, ..."); 0 when absent."""
+    for entry in header.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        if name == metric:
+            for param in params:
+                key, _, value = param.partition("=")
+                if key.strip() == "dur":
+                    try:
+                        return float(value)
+                    except ValueError:
+                        return 0.0
+    return 0.0
 
 
 @dataclass(slots=True)
@@ -44,6 +60,8 @@ class RequestRecord:
     cached_tokens: int = 0
     output_tokens: int = 0
     advisory_ms: float = 0.0  # the advisory's round trip as the client saw it (0 without one)
+    route: str = ""  # why the scheduler chose the node (its X-Symphony-Route header)
+    routed_ms: float = 0.0  # time in the scheduler before the request went out (Server-Timing "route")
 
     @property
     def tpot_s(self) -> float:
@@ -137,6 +155,8 @@ class LoadGenerator:
                     stream_options={"include_usage": True},
                     extra_headers={SESSION_HEADER: record.session}) as response:
                 record.node = response.headers.get(NODE_HEADER, "")
+                record.route = response.headers.get(ROUTE_HEADER, "")
+                record.routed_ms = server_timing_ms(response.headers.get("server-timing", ""), "route")
                 async for chunk in await response.parse():
                     if chunk.choices and chunk.choices[0].delta.content:
                         if not text:

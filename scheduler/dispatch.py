@@ -40,6 +40,7 @@ log = get_logger("scheduler.dispatch")
 ENGINE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 NODE_HEADER = "X-Symphony-Node"
 ROUTE_HEADER = "X-Symphony-Route"
+SERVER_TIMING_HEADER = "Server-Timing"
 # Errors raised before the engine sent a status line: the request did not start, so another node
 # may take it. A read timeout is not among them: the engine may still be working on it.
 # (ClientOSError covers refused connections; ServerDisconnectedError a connection the engine dropped
@@ -401,7 +402,11 @@ class Dispatcher:
                 self.inflight_total -= 1
                 self.wake_queued()
 
-        reply_headers = {NODE_HEADER: node.node_id, ROUTE_HEADER: route.reason}
+        # Server-Timing (W3C): the time this request spent here before going out (routing, the push
+        # queue, a pull of its KV), so a client can tell it apart from the engine's.
+        routed_ms = (time.perf_counter() - received_at) * 1000
+        reply_headers = {NODE_HEADER: node.node_id, ROUTE_HEADER: route.reason,
+                         SERVER_TIMING_HEADER: f"route;dur={routed_ms:.1f}"}
         try:
             upstream = await self._session.post(node.engine_url + ENGINE_PATHS[request.endpoint],
                                                 data=body, headers=headers)

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from eval.loadgen import server_timing_ms
 from symphony.rpc import node_pb2
 from tests.helpers import async_wait_until, free_port
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
@@ -56,6 +57,7 @@ async def test_chat_is_relayed_with_node_headers_and_session(
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s-1"})
         assert reply.status_code == 200
         assert reply.headers["x-symphony-node"] == "node-0"
+        assert server_timing_ms(reply.headers["server-timing"], "route") > 0  # its time before going out
         assert reply.json()["choices"][0]["message"]["content"] == "hello"
         assert engine.headers[-1]["x-session-id"] == "s-1"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from eval.bench_cluster import summarize, targets
-from eval.loadgen import RequestRecord
+from eval.loadgen import RequestRecord, server_timing_ms
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, Turn, answer_tokens, load_sharegpt
 
 
@@ -93,6 +93,16 @@ def test_summaries_count_work_balance_and_kv_readiness() -> None:
     assert summary["requests_by_node"] == {"a": 1, "b": 2, "c": 0}
 
 
+def test_summaries_tell_the_schedulers_share_of_the_wait() -> None:
+    records = [_record("s", turn, "a", prompt=10, cached=0) for turn in range(3)]
+    for record, (reason, routed_ms) in zip(records, [("least_load", 1.0), ("advised", 2.0), ("advised", 900.0)],
+                                           strict=True):
+        record.route, record.routed_ms = reason, routed_ms
+    summary = summarize(records, ["a"])
+    assert summary["routes"] == {"advised": 2, "least_load": 1}
+    assert summary["routed_ms_p50"] == 2.0 and summary["routed_ms_p95"] > 800.0
+
+
 def test_targets_compare_symphony_with_the_baselines() -> None:
     symphony = {"errors": 0, "prefill_tokens_computed": 5, "prefill_tokens_total": 100, "ttft_ms_p95": 100.0,
                 "max_over_mean_load": 1.1}
@@ -101,3 +111,15 @@ def test_targets_compare_symphony_with_the_baselines() -> None:
     assert targets(result) == {"symphony_errors_zero": True, "symphony_prefill_computed_le_0.1": True,
                                "symphony_ttft_p95_le_half_recompute": False, "symphony_ttft_p95_le_sticky": True,
                                "symphony_load_balance_le_sticky": True}
+
+
+@pytest.mark.parametrize(("header", "expected"), [
+    ("route;dur=12.5", 12.5),
+    ("db;dur=3, route;desc=\"routing\";dur=0.4", 0.4),
+    ("route", 0.0),
+    ("route;dur=fast", 0.0),
+    ("", 0.0),
+    ("other;dur=9", 0.0),
+])
+def test_server_timing_durations_are_read_by_name(header: str, expected: float) -> None:
+    assert server_timing_ms(header, "route") == expected
