@@ -70,7 +70,11 @@ def block_key(parent: BlockKey, token_ids: Sequence[int] | np.ndarray) -> BlockK
 def tail_mark(parent: BlockKey) -> int:
     """What every partial block after the full block `parent` has in the low 32 bits of its key's
     first 8 bytes (`tail_key`): one hash names all of them."""
-    return int.from_bytes(hashlib.sha256(parent + _TAIL_MARK).digest()[:4], "little")
+    return int.from_bytes(_tail_mark_bytes(parent), "little")
+
+
+def _tail_mark_bytes(parent: BlockKey) -> bytes:
+    return hashlib.sha256(parent + _TAIL_MARK).digest()[:4]
 
 
 def tail_key(parent: BlockKey, token_ids: Sequence[int] | np.ndarray) -> BlockKey:
@@ -82,9 +86,9 @@ def tail_key(parent: BlockKey, token_ids: Sequence[int] | np.ndarray) -> BlockKe
     The next turn's lookup does not know the earlier turn's tail length, and hashing every candidate
     length cost it ~30 us of vLLM's scheduling step. So the key's first 8 bytes, which the block
     index keeps (its fingerprint, little-endian), are laid out for that lookup: `tail_mark(parent)`
-    in the low 32 bits (every tail after `parent` has the same home slot in the index), 16 bits of
-    the hash over the tokens, and the token count in the top 16 bits. One probe of that home slot
-    lists the lengths held, and one hash of the likeliest confirms it (see
+    in the low 32 bits (every tail after `parent` has the same home slot in an index of fewer than
+    2**32 slots), 16 bits of the hash over the tokens, and the token count in the top 16 bits. One
+    probe of that home slot lists the lengths held, and one hash of the likeliest confirms it (see
     `BlockIndexReader.run_at_home_of`). The remaining 24 bytes are the hash's. Two tails of one
     parent and length whose tokens differ share that fingerprint with odds 2**-16; a lookup misled
     so names a key the store lacks, its load fails, and vLLM recomputes the block."""
@@ -92,10 +96,8 @@ def tail_key(parent: BlockKey, token_ids: Sequence[int] | np.ndarray) -> BlockKe
     count = len(data) // 4
     if not 0 < count <= _MAX_TAIL_TOKENS:
         raise ValueError(f"a partial block has 1..{_MAX_TAIL_TOKENS} tokens, got {count}")
-    prefix = parent + _TAIL_MARK
-    mark = hashlib.sha256(prefix).digest()
-    tokens_hash = hashlib.sha256(prefix + data).digest()
-    return BlockKey(mark[:4] + tokens_hash[4:6] + count.to_bytes(2, "little") + tokens_hash[8:])
+    tokens_hash = hashlib.sha256(parent + _TAIL_MARK + data).digest()
+    return BlockKey(_tail_mark_bytes(parent) + tokens_hash[4:6] + count.to_bytes(2, "little") + tokens_hash[8:])
 
 
 def tail_length(fingerprint: int) -> int:
