@@ -12,16 +12,10 @@ import os
 import time
 from pathlib import Path
 
+from symphony.process import proc_stat_fields
+
 _PROC = Path("/proc")
 ROLES = ("engine", "node_manager", "scheduler")
-
-
-def _stat_fields(pid: str) -> list[str] | None:
-    try:
-        text = (_PROC / pid / "stat").read_text()
-    except OSError:
-        return None  # gone meanwhile
-    return text[text.rindex(")") + 2:].split()  # after "pid (comm) ": the command may hold spaces
 
 
 def _role(pid: str) -> str | None:
@@ -48,7 +42,7 @@ def cpu_seconds_by_role(root: int | None = None) -> dict[str, float]:
     times: dict[str, float] = {}
     ticks = os.sysconf("SC_CLK_TCK")
     for entry in _PROC.iterdir():
-        if entry.name.isdigit() and (fields := _stat_fields(entry.name)) is not None:
+        if entry.name.isdigit() and (fields := proc_stat_fields(entry.name)) is not None:
             parents[entry.name] = fields[1]
             times[entry.name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     children: dict[str, list[str]] = {}

@@ -318,20 +318,25 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def proc_stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the parenthesised command name (which may hold spaces):
+    state ppid pgrp ..., utime and stime at 11 and 12. None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is pgid."""
     members = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as fh:
-                stat = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) >= 3 and fields[0] != "Z" and int(fields[2]) == pgid:
+        fields = proc_stat_fields(entry.name)
+        if fields is not None and len(fields) >= 3 and fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(int(entry.name))
     return members
 
