@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ class EngineLaunch:
     argv: list[str]
     env: dict[str, str]
     url: str
+    nice: int = 0  # the engine's niceness, its whole session's (symphony.pdeathsig_exec)
 
 
 def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
@@ -63,9 +63,6 @@ def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
     if kv_socket is not None:
         argv += ["--kv-transfer-config", json.dumps(connector_config(kv_socket))]
     argv += engine.extra_args
-    nice = shutil.which("nice") if engine.nice else None
-    if nice is not None:  # `nice` execs the server: same pid, and every thread and child inherits it
-        argv = [nice, "-n", str(engine.nice), *argv]
     env = dict(os.environ if base_env is None else base_env)
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib),
@@ -77,7 +74,7 @@ def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
     })
     if cpu_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
-    return EngineLaunch(argv, env, f"http://{host}:{port}")
+    return EngineLaunch(argv, env, f"http://{host}:{port}", engine.nice)
 
 
 def engine_cpu_cores(setting: str, index: int, local_nodes: int, host_cpus: int) -> str:
@@ -118,7 +115,7 @@ class Engine:
             policy=RestartPolicy(config.max_restarts, config.restart_backoff_s, config.restart_backoff_max_s,
                                  config.stable_after_s),
             startup_timeout_s=config.startup_timeout_s, stop_timeout_s=config.stop_timeout_s,
-            liveness_timeout_s=config.liveness_timeout_s,
+            liveness_timeout_s=config.liveness_timeout_s, nice=launch.nice,
         )
         self.load: EngineLoad | None = None
         self.load_at = float("-inf")

@@ -20,6 +20,7 @@ room (`max_kv_usage`): it never delays a real one.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import httpx
@@ -88,6 +89,7 @@ class EngineWarmer:
         }
         if salt:
             body["cache_salt"] = salt
+        started = time.monotonic()
         try:
             response = await self._client.post(self._engine.url + "/v1/completions", json=body)
             response.raise_for_status()
@@ -99,6 +101,8 @@ class EngineWarmer:
             return WarmOutcome(0, f"the warm-up request failed: {str(exc)[:300]}")
         self._metrics.engine_warmups.labels("cached").inc()
         self._metrics.engine_warmup_tokens.inc(cached)
+        log.debug("engine warm-up", session=session_id, tokens=len(token_ids), cached=cached,
+                  ms=round((time.monotonic() - started) * 1000, 1))
         return WarmOutcome(cached)
 
     async def aclose(self) -> None:

@@ -14,6 +14,7 @@ from node_manager.service import NodeManagerService
 from symphony.config import SymphonyConfig
 from symphony.kv_geometry import geometry_from_model_dir
 from symphony.logs import get_logger
+from symphony.loop_watchdog import LoopWatchdog
 from symphony.models import ModelInfo
 from symphony.rpc import node_pb2_grpc
 
@@ -43,6 +44,8 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
+    watchdog = LoopWatchdog()  # a stalled loop answers no status poll: the node would look down
+    watchdog.start()
     # The engine starts after the gRPC port is up, so the scheduler sees STARTING rather than nothing.
     if config.engine.enabled:
         engine.start()
@@ -53,7 +56,9 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     try:
         await stop.wait()
     finally:
-        log.info("node manager stopping", node=node_id)
+        log.info("node manager stopping", node=node_id, loop_stalls=watchdog.stalls,
+                 longest_stall_ms=round(watchdog.longest_s * 1000))
+        await watchdog.stop()
         await engine.stop()
         await server.stop(grace=1.0)
         await kv.close()

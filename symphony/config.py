@@ -91,10 +91,12 @@ class EngineConfig:
     # cluster's engines; "vllm": vLLM's own binding (every engine on the same first cores); or vLLM
     # core lists per node index, "|"-separated ("0-3|4-7").
     cpu_cores: str = "auto"
-    # Scheduling niceness of the engine process (0-19; 0: as the node manager). On a CPU host the
-    # engine's forward passes would otherwise take every core from the scheduler and the node
-    # managers, whose work is short but on every request's path (measured on 2 cores: advisory
-    # answers' p99 80-240 ms behind engine warm-ups at 0). On a GPU host the engine needs little CPU.
+    # Scheduling niceness of the engine process (0-19; 0: as the node manager), set for its whole
+    # session's autogroup too (symphony.pdeathsig_exec). On a CPU host the engine's forward passes
+    # would otherwise take every core from the scheduler and the node managers, whose work is short
+    # but on every request's path (measured on 2 cores: advisory answers' p99 80-240 ms behind
+    # engine warm-ups at 0; node managers' event loops stalled 0.4-2.5 s while the niceness did not
+    # reach across sessions). On a GPU host the engine needs little CPU.
     nice: int = 5
     extra_args: list[str] = field(default_factory=list)  # appended to the vLLM server command line
     startup_timeout_s: float = 300.0

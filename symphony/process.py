@@ -73,8 +73,10 @@ class ManagedProcess:
         liveness_interval_s: float = 2.0,
         liveness_timeout_s: float = 30.0,
         on_state_change: StateListener | None = None,
+        nice: int = 0,
     ) -> None:
         self.name = name
+        self.nice = nice  # 0..19; the child's whole session runs at it (see symphony.pdeathsig_exec)
         self.argv = argv
         self.env = env
         self.log_path = log_path
@@ -187,8 +189,9 @@ class ManagedProcess:
             log_file.flush()
             # Through symphony.pdeathsig_exec (not a preexec_fn): the child dies with us, and no
             # Python code runs between fork and exec (see that module for why that matters).
+            niceness = ["--nice", str(self.nice)] if self.nice else []
             return await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "symphony.pdeathsig_exec", str(os.getpid()), *self.argv,
+                sys.executable, "-m", "symphony.pdeathsig_exec", str(os.getpid()), *niceness, *self.argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,

@@ -71,6 +71,7 @@ class PrefetchJob:
     error: str = ""
     engine_cached_tokens: int = 0
     engine_note: str = ""
+    started_at: float = 0.0  # time.monotonic() when a worker took it
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     def order_key(self) -> tuple[float, int]:
@@ -162,6 +163,7 @@ class PrefetchQueue:
             if job.state != QUEUED or key != job.order_key():
                 continue  # cancelled, already taken, or re-queued with a new key
             job.state = RUNNING
+            job.started_at = time.monotonic()
             try:
                 await self._run(job)
             except KVStoreError as exc:
@@ -217,8 +219,14 @@ class PrefetchQueue:
 
     def _finish(self, job: PrefetchJob, state: str) -> None:
         job.state = state
-        job.lead_time_s = job.deadline - time.monotonic()
+        now = time.monotonic()
+        job.lead_time_s = job.deadline - now
         self._active.pop((job.session, job.target), None)
+        # Debug: lines up a prefetch's work on the node with the requests it overlapped.
+        log.debug("prefetch finished", session=job.session[1], target=job.target.name, state=state,
+                  pages=job.pages_in_target, from_peer=job.pages_from_peer, engine_cached=job.engine_cached_tokens,
+                  ran_ms=round((now - job.started_at) * 1000, 1) if job.started_at else None,
+                  lead_s=round(job.lead_time_s, 2))
         self._metrics.prefetches.labels(state).inc()
         if state in (DONE, PARTIAL):
             self._metrics.prefetch_lead.observe(job.lead_time_s)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from symphony.process import ManagedProcess, ProcessState, RestartPolicy, group_members
+from symphony.process import ManagedProcess, ProcessState, RestartPolicy, group_members, proc_stat_fields
 from tests.helpers import async_wait_until, free_port, wait_until
 
 FAKE_CHILD = Path(__file__).with_name("fake_child.py")
@@ -48,6 +48,14 @@ def _shm_files(prefix: str) -> list[Path]:
     return [p for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
 
 
+def _autogroup(pid: int) -> str | None:
+    """`/proc/PID/autogroup`: "/autogroup-ID nice N", or None without autogroup scheduling."""
+    try:
+        return Path(f"/proc/{pid}/autogroup").read_text().strip()
+    except FileNotFoundError:
+        return None
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -68,6 +76,26 @@ async def test_becomes_ready_and_stop_kills_the_whole_group(tmp_path: Path) -> N
     assert proc.state is ProcessState.STOPPED
     assert not _alive(leader) and not _alive(grandchild)
     assert group_members(leader) == []
+
+
+async def test_a_niced_child_lowers_its_whole_sessions_priority(tmp_path: Path) -> None:
+    """Niceness alone does not weigh across sessions under autogroup scheduling, and a supervised
+    child leads a session of its own: its autogroup must carry the niceness too."""
+    proc = _process(tmp_path, nice=7)
+    proc.start()
+    try:
+        assert await proc.wait_ready(timeout_s=20)
+        pid = proc.pid
+        assert pid is not None
+        assert os.getsid(pid) == pid, "the child leads its own session"
+        fields = proc_stat_fields(pid)
+        assert fields is not None and int(fields[16]) == 7, "niceness (the 19th field of /proc/PID/stat)"
+        child_group, our_group = _autogroup(pid), _autogroup(os.getpid())
+        if child_group is not None:  # kernels without autogroup scheduling have no such file
+            assert child_group.endswith("nice 7"), child_group
+            assert our_group is not None and our_group != child_group, "ours is untouched"
+    finally:
+        await proc.stop()
 
 
 async def test_crash_is_restarted_with_backoff_and_reported(tmp_path: Path) -> None:
