@@ -42,6 +42,7 @@ class NodeView:
     refused: bool = False  # the last Status failed for want of a listening node manager (it is gone)
     unreachable_until: float = float("-inf")  # set when dispatch could not connect to the engine
     inflight: int = 0
+    prefilling: int = 0  # of `inflight`, streamed requests whose first token has not come back
     kv: kv_pb2_grpc.KVStoreStub | None = None  # the node manager's KV store (same channel as Status)
 
     @property
@@ -63,7 +64,7 @@ class NodeView:
 
     def snapshot(self, now: float, down_after_s: float, announced: int = 0, high_sessions: int = 0) -> NodeSnapshot:
         return NodeSnapshot(self.node_id, self.available(now, down_after_s), self.running, self.waiting,
-                            self.inflight, self.kv_usage, announced, high_sessions)
+                            self.inflight, self.kv_usage, announced, high_sessions, self.prefilling)
 
     def state_name(self, now: float, down_after_s: float) -> str:
         if now - self.last_status_at > down_after_s:
@@ -124,7 +125,8 @@ class Cluster:
         now = self._clock()
         return {n.node_id: {"state": n.state_name(now, self.down_after_s), "address": n.address,
                             "engine_url": n.engine_url, "model": n.served_model, "running": n.running,
-                            "waiting": n.waiting, "inflight": n.inflight, "kv_cache_usage": round(n.kv_usage, 4),
+                            "waiting": n.waiting, "inflight": n.inflight, "prefilling": n.prefilling,
+                            "kv_cache_usage": round(n.kv_usage, 4),
                             "engine_restarts": n.engine_restarts, "last_engine_error": n.last_engine_error}
                 for n in self.nodes}
 

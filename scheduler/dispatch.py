@@ -138,9 +138,12 @@ class Dispatcher:
                 requeued = True
             nodes = self._snapshot(request.model, exclude)
             if advised_node is not None:
-                # The advisory's node, unless it has requests waiting now (the advisory may be
-                # seconds old): then the policy chooses afresh, knowing the KV moved there.
-                if any(n.node_id == advised_node and n.available and n.waiting == 0 for n in nodes):
+                # The advisory's node, unless it has requests waiting or in prefill now (the
+                # advisory may be seconds old): this request's prefill would start behind theirs.
+                # Then the policy chooses afresh, knowing the KV moved there; another node wins
+                # only if it starts the request sooner once the KV's move is counted.
+                if any(n.node_id == advised_node and n.available and n.waiting == 0 and n.prefilling == 0
+                       for n in nodes):
                     self.metrics.advisory_followups.labels("honored").inc()
                     return Route(self._node(advised_node), "advisory")
                 self.metrics.advisory_followups.labels("rerouted").inc()
@@ -393,11 +396,23 @@ class Dispatcher:
         node.inflight += 1
         self.inflight_total += 1
         released = False
+        # Only a stream tells when its first token came; a plain answer arrives whole, so it never
+        # counts as prefilling (it would for its whole generation).
+        prefilling = request.stream
+        if prefilling:
+            node.prefilling += 1
+
+        def first_token() -> None:
+            nonlocal prefilling
+            if prefilling:
+                prefilling = False
+                node.prefilling -= 1
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
+                first_token()  # ended (or failed) before its first token: no longer prefilling
                 node.inflight -= 1
                 self.inflight_total -= 1
                 self.wake_queued()
@@ -427,7 +442,7 @@ class Dispatcher:
         self.metrics.routed.labels(node.node_id, route.reason).inc()
         log.debug("dispatched", node=node.node_id, reason=route.reason, session=request.session_id,
                   status=upstream.status)
-        exchange = Exchange(request.endpoint, priority, node.node_id, received_at, reply_headers, release)
+        exchange = Exchange(request.endpoint, priority, node.node_id, received_at, reply_headers, release, first_token)
         if request.stream and upstream.status == 200:
             return StreamRelay(upstream, exchange, self.metrics)
         return BufferedRelay(upstream, exchange, self.metrics)

@@ -33,6 +33,7 @@ class Exchange:
     received_at: float  # perf_counter() when the request arrived
     headers: dict[str, str]  # added to the client response (node, route)
     release: Callable[[], None]  # frees the in-flight slot; idempotent
+    first_token: Callable[[], None] = lambda: None  # the first chunk of a stream went out; idempotent
 
 
 class UpstreamRelay:
@@ -100,6 +101,7 @@ class StreamRelay(UpstreamRelay):
             async for chunk in self.upstream.content.iter_any():
                 if first:
                     first = False
+                    self.exchange.first_token()
                     self.metrics.ttft.labels(self.exchange.endpoint, self.exchange.priority).observe(
                         time.perf_counter() - self.exchange.received_at)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

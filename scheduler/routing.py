@@ -27,6 +27,10 @@ class NodeSnapshot:
     kv_usage: float  # 0..1
     announced: int = 0  # advisories routed here whose request has not arrived yet
     high_sessions: int = 0  # high-priority sessions whose KV or next turn is here
+    # Requests this scheduler streams from there that have not sent their first token: still in
+    # (or queued for) their prefill, which a new request's own prefill would wait behind. Exact and
+    # current, unlike the engine's gauges (a request's first token ends its count).
+    prefilling: int = 0
 
     @property
     def load(self) -> int:

@@ -158,7 +158,7 @@ class ClusterSim:
     # -- routing ---------------------------------------------------------------------------------
     def _snapshots(self) -> list[NodeSnapshot]:
         return [NodeSnapshot(node_id, True, len(engine.running), len(engine.waiting), self._inflight[node_id],
-                             engine.kv_usage, announced=self._announced[node_id])
+                             engine.kv_usage, announced=self._announced[node_id], prefilling=engine.prefilling)
                 for node_id, engine in self.engines.items()]
 
     def _route_request(self, turn: Turn) -> RouteRequest:
@@ -243,7 +243,8 @@ class ClusterSim:
         if advised is not None:
             self._announced[advised] -= 1
             engine = self.engines[advised]
-            if not engine.waiting:  # the scheduler honours an advisory unless that node has a queue
+            # The scheduler honours an advisory unless that node has a queue or a prefill under way.
+            if not engine.waiting and not engine.prefilling:
                 self._dispatch(request, turn, advised)
                 return
         self._route(request, turn)

@@ -113,6 +113,12 @@ class SimEngine:
     def kv_usage(self) -> float:
         return 1 - self.free_blocks / self.model.kv_blocks
 
+    @property
+    def prefilling(self) -> int:
+        """Requests here without their first token (queued or in prefill): what the scheduler counts
+        of its streams (`NodeSnapshot.prefilling`)."""
+        return sum(1 for r in (*self.waiting, *self.running) if r.first_token_ms is None)
+
     def add(self, request: SimRequest) -> None:
         request.node_id = self.node_id
         if not self.priority_scheduling:

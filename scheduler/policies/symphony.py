@@ -27,6 +27,9 @@ class CostModel:
     the same recompute everywhere, so they do not appear."""
 
     request_ms: float = 400.0  # what each request already on a node adds to a new one's start
+    # What a request still in its prefill adds on top: the new one's prefill runs after (or
+    # batched with) its remaining prompt, ~5 ms a token on a CPU engine for a few hundred tokens.
+    prefill_ms: float = 800.0
     move_ms_per_token: float = 0.05  # pulling a token's KV from the node holding it (~23 KB/token at ~0.5 GB/s)
     high_spread: float = 0.5  # high-priority sessions already on a node, in requests: spreads them out
 
@@ -64,7 +67,7 @@ class SymphonyPolicy:
 
     def score(self, request: RouteRequest, node: NodeSnapshot) -> float:
         c = self.cost
-        queue = node.load * c.request_ms
+        queue = node.load * c.request_ms + node.prefilling * c.prefill_ms
         held_best = max(request.kv_tokens.values(), default=0)
         move = max(0, held_best - request.kv_tokens.get(node.node_id, 0)) * c.move_ms_per_token
         spread = node.high_sessions * c.high_spread * c.request_ms if request.priority == "high" else 0.0

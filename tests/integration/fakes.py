@@ -90,12 +90,14 @@ class FakeEngine:
     """Behaviour per request is picked by the prompt's first message content:
     "stall": stream one chunk then wait (to test disconnects), "break": stream two chunks then drop the
     connection, "bad": answer 400 like vLLM's validation, "slow": a plain answer only after 10 s (or
-    until the caller hangs up), anything else: a normal answer."""
+    until the caller hangs up), "prefill": a stream whose first chunk waits for `prefill_done`,
+    anything else: a normal answer."""
 
     port: int = field(default_factory=free_port)
     requests: list[dict[str, object]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    prefill_done: asyncio.Event = field(default_factory=asyncio.Event)
     _runner: web.AppRunner | None = None
 
     @property
@@ -127,6 +129,8 @@ class FakeEngine:
             assert request.transport is not None
             request.transport.abort()
             return response
+        if behaviour == "prefill":
+            await asyncio.wait_for(self.prefill_done.wait(), 30)
         if behaviour == "stall":
             await response.write(sse("first"))
             try:

@@ -245,6 +245,66 @@ async def test_advisory_for_a_node_that_went_down_is_rerouted(
         assert reply.headers["x-symphony-route"] == "symphony_after_advisory"
 
 
+async def test_an_advised_request_leaves_its_node_while_a_prefill_runs_there(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """The advisory's node is honoured unless a request is still in its prefill there (a stream
+    whose first token has not come back): the new request's prefill would start behind it."""
+    node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
+    url, _ = await start_scheduler([node_a, node_b])
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        await ready(client, 2)
+        nodes = {"node-a": node_a, "node-b": node_b}
+        advised = {}
+        for session in ("s", "p"):
+            reply = await client.post("/v1/advisories", json={"session_id": session, "kind": "typing"})
+            advised[session] = reply.json()["node"]
+        # Two announced sessions split over the two nodes; move p's advisory onto s's node by
+        # advising it again while the other node looks busy.
+        other = "node-b" if advised["s"] == "node-a" else "node-a"
+        nodes[other].status.num_requests_running = 9
+
+        async def other_looks_busy() -> bool:
+            return (await client.get("/readyz")).json()["nodes"][other]["running"] == 9
+
+        await async_wait_until(other_looks_busy, 5, f"{other} to report 9 running")
+        reply = await client.post("/v1/advisories", json={"session_id": "p", "kind": "typing"})
+        assert reply.json()["node"] == advised["s"]
+        nodes[other].status.num_requests_running = 0
+
+        async def other_looks_idle() -> bool:
+            return (await client.get("/readyz")).json()["nodes"][other]["running"] == 0
+
+        await async_wait_until(other_looks_idle, 5, f"{other} to report 0 running")
+        held = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "prefill"}]}
+
+        async def stream_p() -> httpx.Response:
+            async with client.stream("POST", "/v1/chat/completions", json=held,
+                                     headers={"X-Session-ID": "p"}) as reply:
+                await reply.aread()
+                return reply
+
+        prefill = asyncio.create_task(stream_p())
+
+        async def prefilling_on_advised_node() -> bool:
+            return (await client.get("/readyz")).json()["nodes"][advised["s"]]["prefilling"] == 1
+
+        await async_wait_until(prefilling_on_advised_node, 5, "p's stream to be in its prefill")
+        reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        assert reply.status_code == 200
+        assert reply.headers["x-symphony-node"] == other
+        assert reply.headers["x-symphony-route"] == "symphony_after_advisory"
+        engine.prefill_done.set()
+        streamed = await prefill
+        assert streamed.headers["x-symphony-node"] == advised["s"]
+        assert streamed.headers["x-symphony-route"] == "advisory"
+
+        async def no_prefill_left() -> bool:
+            return all(n["prefilling"] == 0 for n in (await client.get("/readyz")).json()["nodes"].values())
+
+        await async_wait_until(no_prefill_left, 5, "the stream's first token to end its prefill count")
+
+
 async def test_model_whose_nodes_are_all_down_is_unavailable_not_unknown(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:

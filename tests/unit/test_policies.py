@@ -19,8 +19,8 @@ from symphony.config import ConfigError, SchedulerConfig
 
 
 def node(node_id: str, *, available: bool = True, running: int = 0, waiting: int = 0, inflight: int = 0,
-         kv_usage: float = 0.0, high: int = 0) -> NodeSnapshot:
-    return NodeSnapshot(node_id, available, running, waiting, inflight, kv_usage, 0, high)
+         kv_usage: float = 0.0, high: int = 0, prefilling: int = 0) -> NodeSnapshot:
+    return NodeSnapshot(node_id, available, running, waiting, inflight, kv_usage, 0, high, prefilling)
 
 
 def request(session: str | None = "s", *, tenant: str = "t", priority: str = "normal", history: int = 0,
@@ -203,6 +203,22 @@ def test_symphony_balances_per_request_not_per_session() -> None:
 def test_symphony_keeps_a_session_where_its_kv_is_when_load_is_even() -> None:
     decision = SymphonyPolicy().choose(request(history=2048, kv={"b": 2048}), [node("a"), node("b")])
     assert (decision.node_id, decision.reason) == ("b", "symphony_local_kv")
+
+
+def test_symphony_moves_a_request_off_a_node_busy_with_a_prefill_when_its_kv_moves_cheaply() -> None:
+    policy = SymphonyPolicy()
+    # Same number of requests on each node, but one on a is still in its prefill: a new request's
+    # prefill would start behind it, and moving 1,000 tokens of KV to b costs less.
+    busy = [node("a", running=2, prefilling=1), node("b", running=2)]
+    decision = policy.choose(request(history=1000, kv={"a": 1000}), busy)
+    assert decision.node_id == "b"
+    assert decision.scores["a"] - decision.scores["b"] == pytest.approx(
+        CostModel().prefill_ms - 1000 * CostModel().move_ms_per_token)
+    # A history that costs more to move than the prefill's wait stays.
+    assert policy.choose(request(history=40_000, kv={"a": 40_000}), busy).node_id == "a"
+    # Both nodes prefilling: the KV's node.
+    both = [node("a", running=2, prefilling=1), node("b", running=2, prefilling=1)]
+    assert policy.choose(request(history=1000, kv={"a": 1000}), both).node_id == "a"
 
 
 def test_symphony_queues_when_every_node_has_requests_waiting() -> None:

@@ -10,12 +10,13 @@ import pytest
 
 from eval.sim.agents import AgentProject, ProjectRun, agent_projects
 from eval.sim.cluster import ClusterSim, LinkModel, Script, Step, Turn
-from eval.sim.engine import EngineModel
+from eval.sim.engine import EngineModel, SimEngine, SimRequest
 from eval.sim.presets import PRESETS
 from eval.sim.scenarios import users_ratio, users_ratio_baseline_limited
 from eval.sim.workload import sharegpt_users
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from scheduler.policies import make_policy
+from scheduler.policies.symphony import CostModel, SymphonyPolicy
 from symphony.cli import main
 
 # Step = 10 ms + 1 ms per prefilled token + 2 ms per decoding request; blocks of 32 tokens.
@@ -38,6 +39,39 @@ def test_one_engine_batches_a_prefill_with_a_decode_as_computed_by_hand() -> Non
     assert (a.ttft_ms, a.finished_ms, a.tpot_ms) == (110, 186, 38)
     assert (b.ttft_ms, b.finished_ms, b.tpot_ms) == (167, 186, 14)
     assert result.busy_ms == {"n0": 186} and result.preemptions == 0
+
+
+def test_a_request_counts_as_prefilling_until_its_first_token() -> None:
+    """What the scheduler counts of its streams (NodeSnapshot.prefilling), on the engine model:
+    queued and mid-prefill requests count; one that has its first token does not."""
+    engine = SimEngine("n0", ENGINE)
+    a, b = SimRequest(1, "a", 0, 100, 3), SimRequest(2, "b", 5, 50, 2)
+    engine.add(a)
+    assert engine.prefilling == 1
+    plan = engine.step()  # a prefills; b arrives during that step and waits for the next
+    engine.add(b)
+    assert engine.prefilling == 2
+    engine.finish_step(plan, 110)
+    assert a.first_token_ms == 110 and engine.prefilling == 1
+    plan = engine.step()
+    engine.finish_step(plan, 172)
+    assert b.first_token_ms == 172 and engine.prefilling == 0
+
+
+def test_an_advised_turn_leaves_its_node_when_a_prefill_started_there_after_the_advisory() -> None:
+    """s (102 tokens on n0) is advised at t=0 to n0, where its KV is. At t=10 "long" (3,000 tokens,
+    2,000 of them held on n0, which a policy pricing a moved token at 1 ms keeps there) starts a
+    1,000-token prefill on n0 that ends at 1,020 ms. When s arrives at t=500, its advised node is
+    mid-prefill: s goes to n1 and pulls its 102 tokens (5 + 102 ms) instead of starting behind."""
+    policy = SymphonyPolicy(CostModel(move_ms_per_token=1.0))
+    sim = ClusterSim(policy, {"n0": ENGINE, "n1": ENGINE}, LINK, route_pull_wait_ms=3000, route_pull_min_tokens=32)
+    sim.seed_kv("s", "n0", 102)
+    sim.seed_kv("long", "n0", 2000)
+    result = sim.run([Turn("long", 10, 3000, 2), Turn("s", 500, 150, 1, advisory_ms=0)])
+    turn, long = by_session(result)["s"], by_session(result)["long"]
+    assert long.node_id == "n0" and long.first_token_ms == 10 + 10 + 1000
+    assert turn.node_id == "n1" and turn.cached_tokens == 102
+    assert turn.ttft_ms == 107 + 10 + 48
 
 
 def test_a_next_turn_on_the_same_node_prefills_only_what_is_new() -> None:
