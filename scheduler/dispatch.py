@@ -27,7 +27,7 @@ from scheduler.prefetcher import Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
 from scheduler.push_queue import PushQueue, QueueFull
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
-from scheduler.routing import NodeSnapshot, RouteDecision, RouteRequest, RoutingPolicy, kv_source
+from scheduler.routing import NodeSnapshot, RouteDecision, RouteRequest, RoutingPolicy, advisory_holds, kv_source
 from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
@@ -138,12 +138,7 @@ class Dispatcher:
                 requeued = True
             nodes = self._snapshot(request.model, exclude)
             if advised_node is not None:
-                # The advisory's node, unless it has requests waiting or in prefill now (the
-                # advisory may be seconds old): this request's prefill would start behind theirs.
-                # Then the policy chooses afresh, knowing the KV moved there; another node wins
-                # only if it starts the request sooner once the KV's move is counted.
-                if any(n.node_id == advised_node and n.available and n.waiting == 0 and n.prefilling == 0
-                       for n in nodes):
+                if advisory_holds(advised_node, nodes):
                     self.metrics.advisory_followups.labels("honored").inc()
                     return Route(self._node(advised_node), "advisory")
                 self.metrics.advisory_followups.labels("rerouted").inc()

@@ -103,6 +103,18 @@ def kv_usage(node: NodeSnapshot) -> float:
 NO_NODE = RouteDecision(None, "no_available_node")
 
 
+def advisory_holds(node_id: str, nodes: Sequence[NodeSnapshot]) -> bool:
+    """Whether a request goes to the node its advisory picked (seconds ago, when loads were
+    different) without asking the policy again: that node serves, has nothing waiting or in
+    prefill (the request's prefill would start behind them), and carries no more requests than
+    any other available node. Otherwise the policy chooses afresh, counting the cost of moving the
+    KV, which the advisory already put on that node. Shared by the scheduler and the simulator."""
+    up = available(nodes)
+    advised = next((n for n in up if n.node_id == node_id), None)
+    return (advised is not None and advised.waiting == 0 and advised.prefilling == 0
+            and advised.load <= min(n.load for n in up))
+
+
 def kv_source(kv_tokens: Mapping[str, int], node_id: str, at_least: int = 1,
               reachable: Callable[[str], bool] = lambda _node: True) -> tuple[str, int] | None:
     """Where `node_id` would pull a session's KV from: the reachable node holding the most history

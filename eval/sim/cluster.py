@@ -30,7 +30,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
-from scheduler.routing import PRIORITIES, PRIORITY_RANK, NodeSnapshot, RouteRequest, RoutingPolicy, kv_source
+from scheduler.routing import (
+    PRIORITIES,
+    PRIORITY_RANK,
+    NodeSnapshot,
+    RouteRequest,
+    RoutingPolicy,
+    advisory_holds,
+    kv_source,
+)
 from symphony.config import SchedulerConfig
 
 _SCHEDULER = SchedulerConfig()  # the scheduler's defaults, which the simulated one follows
@@ -242,9 +250,7 @@ class ClusterSim:
         advised = self._advised.pop(turn.session, None)
         if advised is not None:
             self._announced[advised] -= 1
-            engine = self.engines[advised]
-            # The scheduler honours an advisory unless that node has a queue or a prefill under way.
-            if not engine.waiting and not engine.prefilling:
+            if advisory_holds(advised, self._snapshots()):
                 self._dispatch(request, turn, advised)
                 return
         self._route(request, turn)

@@ -270,12 +270,6 @@ async def test_an_advised_request_leaves_its_node_while_a_prefill_runs_there(
         await async_wait_until(other_looks_busy, 5, f"{other} to report 9 running")
         reply = await client.post("/v1/advisories", json={"session_id": "p", "kind": "typing"})
         assert reply.json()["node"] == advised["s"]
-        nodes[other].status.num_requests_running = 0
-
-        async def other_looks_idle() -> bool:
-            return (await client.get("/readyz")).json()["nodes"][other]["running"] == 0
-
-        await async_wait_until(other_looks_idle, 5, f"{other} to report 0 running")
         held = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "prefill"}]}
 
         async def stream_p() -> httpx.Response:
@@ -290,6 +284,12 @@ async def test_an_advised_request_leaves_its_node_while_a_prefill_runs_there(
             return (await client.get("/readyz")).json()["nodes"][advised["s"]]["prefilling"] == 1
 
         await async_wait_until(prefilling_on_advised_node, 5, "p's stream to be in its prefill")
+        nodes[other].status.num_requests_running = 0
+
+        async def other_looks_idle() -> bool:
+            return (await client.get("/readyz")).json()["nodes"][other]["running"] == 0
+
+        await async_wait_until(other_looks_idle, 5, f"{other} to report 0 running")
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
         assert reply.status_code == 200
         assert reply.headers["x-symphony-node"] == other

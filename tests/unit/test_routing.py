@@ -6,14 +6,14 @@ import itertools
 
 from scheduler.policies import make_policy
 from scheduler.policies.least_load import LeastLoadPolicy
-from scheduler.routing import NodeSnapshot, RouteRequest, kv_source
+from scheduler.routing import NodeSnapshot, RouteRequest, advisory_holds, kv_source
 
 REQUEST = RouteRequest(tenant="t", session_id=None, model="m")
 
 
 def node(node_id: str, *, available: bool = True, running: int = 0, waiting: int = 0, inflight: int = 0,
-         kv_usage: float = 0.0, announced: int = 0) -> NodeSnapshot:
-    return NodeSnapshot(node_id, available, running, waiting, inflight, kv_usage, announced)
+         kv_usage: float = 0.0, announced: int = 0, prefilling: int = 0) -> NodeSnapshot:
+    return NodeSnapshot(node_id, available, running, waiting, inflight, kv_usage, announced, prefilling=prefilling)
 
 
 # -- NodeSnapshot.load ------------------------------------------------------------------------------
@@ -143,3 +143,17 @@ def test_kv_is_pulled_from_the_reachable_node_holding_the_most_beyond_a_margin()
     assert kv_source(held, "c", at_least=401) is None and kv_source(held, "c", at_least=400) == ("b", 900)
     assert kv_source({}, "a") is None
 
+
+
+# -- advisory_holds ---------------------------------------------------------------------------------
+def test_an_advisory_holds_while_its_node_is_free_to_start_the_request_and_no_busier() -> None:
+    assert advisory_holds("a", [node("a", running=2), node("b", running=2)])
+    assert advisory_holds("a", [node("a", running=1), node("b", running=3), node("c", available=False)])
+
+
+def test_an_advisory_gives_way_to_a_queue_a_prefill_a_less_loaded_node_or_an_outage() -> None:
+    assert not advisory_holds("a", [node("a", running=1, waiting=1), node("b", running=4)])
+    assert not advisory_holds("a", [node("a", running=1, inflight=1, prefilling=1), node("b", running=3)])
+    assert not advisory_holds("a", [node("a", running=2), node("b", running=1)])
+    assert not advisory_holds("a", [node("a", available=False), node("b", running=5)])
+    assert not advisory_holds("gone", [node("a"), node("b")])
