@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from eval.child_process import stop_child
 from eval.plots import plot_tiers
+from eval.ports import free_port
 from eval.results import write_result
 from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Tier
@@ -229,9 +230,7 @@ class _PeerNode:
         model.mkdir(exist_ok=True)
         (model / "config.json").write_text(json.dumps(hf_config_for(geometry)))
         (model / "model.safetensors").write_bytes(b"")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.address = f"127.0.0.1:{port}"
         config = work / "peer.toml"
         config.write_text(f'home = "{work}"\n[node]\ngrpc_port_base = {port}\n[engine]\nenabled = false\n'

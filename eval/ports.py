@@ -1,23 +1,55 @@
-"""Free local ports for the private clusters benchmarks start."""
+"""Free local ports for the private clusters that benchmarks and tests start.
+
+A port found free now is bound only later, once the process that will listen on it has started. In
+between, the kernel may hand the same port to someone else: as the source port of an outgoing
+connection, or to a listener that asked for port 0 (a node's page stream, vLLM's own sockets). Both
+come from the kernel's ephemeral range, so the ports picked here lie below it, where only an explicit
+bind can take them. They are never Symphony's default ports, so a private cluster never takes the
+ports of one started with the defaults (`make run`).
+"""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+LOWEST_PORT = 10_000  # above the well-known services
+# Symphony's defaults (scheduler, engines, KV metrics, node gRPC; a few nodes' worth).
+DEFAULT_PORTS = frozenset([8000, *range(8100, 8108), *range(9300, 9308), *range(50051, 50059)])
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LINUX_EPHEMERAL_START = 32_768  # the kernel's default, where the range cannot be read
+ATTEMPTS = 200
+
+
+def ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range."""
+    try:
+        return int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LINUX_EPHEMERAL_START
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port_run(1)
 
 
 def free_port_run(count: int) -> int:
-    """The first of `count` consecutive ports free now (node i listens on base + i)."""
-    for _ in range(100):
-        base = free_port()
-        if base + count < 65536 and all(_port_free(base + i) for i in range(1, count)):
+    """The first of `count` consecutive ports free now (node i listens on base + i), below the
+    ephemeral range when it leaves room there, else wherever the kernel finds a free one."""
+    top = ephemeral_start() - count
+    for _ in range(ATTEMPTS):
+        base = random.randrange(LOWEST_PORT, top) if top > LOWEST_PORT else _kernel_free_port()
+        ports = range(base, base + count)
+        if ports[-1] <= 65535 and DEFAULT_PORTS.isdisjoint(ports) and all(map(_port_free, ports)):
             return base
     raise RuntimeError(f"no run of {count} free ports found")
+
+
+def _kernel_free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _port_free(port: int) -> bool:
