@@ -14,9 +14,14 @@ import random
 import socket
 from pathlib import Path
 
+from symphony.config import KVConfig, NodeConfig, SchedulerConfig
+
 LOWEST_PORT = 10_000  # above the well-known services
-# Symphony's defaults (scheduler, engines, KV metrics, node gRPC; a few nodes' worth).
-DEFAULT_PORTS = frozenset([8000, *range(8100, 8108), *range(9300, 9308), *range(50051, 50059)])
+DEFAULT_NODES = 8  # of a cluster started with the defaults, whose ports are left alone
+# Symphony's defaults: the scheduler's port, and each node's engine, KV metrics and gRPC ports.
+DEFAULT_PORTS = frozenset([SchedulerConfig().port, *(
+    base + i for base in (NodeConfig().engine_port_base, KVConfig().metrics_port_base, NodeConfig().grpc_port_base)
+    for i in range(DEFAULT_NODES))])
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LINUX_EPHEMERAL_START = 32_768  # the kernel's default, where the range cannot be read
 ATTEMPTS = 200
