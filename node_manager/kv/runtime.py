@@ -66,6 +66,9 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, ser
     """With `engine` (a node serving a model through Symphony's connector), top-tier prefetches end
     in that engine's own prefix cache."""
     metrics = KVMetrics()
+    port = config.kv_metrics_port(index)
+    if port:  # bound before the store exists: a port in use then fails the start without leaving its arena
+        start_http_server(port, addr=config.node.host, registry=metrics.registry)
     # Rebuilding the index reads every segment header: off the event loop.
     store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index), metrics)
     tcp = config.kv.data_plane == "tcp"
@@ -91,9 +94,6 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, ser
     service = KVStoreService(config.node_id(index), store, prefetches, puller,
                              page_stream.port if page_stream else 0)
     kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)
-    port = config.kv_metrics_port(index)
-    if port:
-        start_http_server(port, addr=config.node.host, registry=metrics.registry)
     log.info("KV store ready", node=config.node_id(index), page_bytes=geometry.page_bytes,
              hbm_mib=config.kv.hbm_bytes >> 20, dram_mib=config.kv.dram_bytes >> 20,
              ssd_mib=config.kv.ssd_bytes >> 20, ssd_dir=str(store.ssd.directory), metrics_port=port or "off",

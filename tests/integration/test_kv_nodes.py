@@ -455,3 +455,30 @@ def test_kill_9_during_writes_leaves_no_torn_page(tmp_path: Path) -> None:
         assert bad == 0
     finally:
         store.close()
+
+
+def test_a_node_whose_metrics_port_is_taken_fails_without_leaving_its_arena(tmp_path: Path) -> None:
+    grpc_port = free_port_run(1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = tmp_path / "symphony.toml"
+        config.write_text(f"""
+home = "{tmp_path}"
+[node]
+grpc_port_base = {grpc_port}
+[engine]
+enabled = false
+model = "{_model_dir(tmp_path)}"
+[kv]
+hbm_bytes = {16 << 20}
+dram_bytes = {32 << 20}
+ssd_bytes = {256 << 20}
+metrics_port_base = {taken.getsockname()[1]}
+""")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
+        done = subprocess.run([sys.executable, "-m", "symphony.cli", "node", "--config", str(config), "--index", "0"],
+                              env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "Address already in use" in done.stderr
+    assert not list(Path("/dev/shm").glob(f"symphony-kv-node-0-{grpc_port}*"))
