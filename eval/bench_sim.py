@@ -21,6 +21,7 @@ from eval.sim.scenarios import (
     trace_replay,
     users_ratio,
     users_ratio_baseline_limited,
+    work_ratio,
 )
 from eval.traces import TraceRequest
 from eval.workloads import Conversation, HumanTiming
@@ -80,6 +81,7 @@ def run_sim_bench(*, out: Path, scenario: str, workload: Path, conversations: li
         # Whether recompute's TPOT left the bound within the points run: if not, the ratio only
         # says that both held it up to the largest point, not how far apart their limits lie.
         result["recompute_limit_reached"] = users_ratio_baseline_limited(points)
+        result["work_ratio_at_fewest_users"] = work_ratio(points, "symphony")
         result["targets"] = {f"users_ratio_ge_{USERS_TARGET:g}": ratio is not None and ratio >= USERS_TARGET}
     write_result(result, out, table=_print_table, plot=plot, plotter=plot_sim_users)
     return result
@@ -96,6 +98,8 @@ def _print_table(result: dict[str, Any]) -> None:
                   f"{_fmt(row['ttft_ms_p50']):>10}{_fmt(row['ttft_ms_p95']):>10}{row['completed']:>7}")
     if "users_ratio_at_equal_tpot" in result:
         print(f"  users_ratio_at_equal_tpot: {_fmt(result['users_ratio_at_equal_tpot'])}")
+        print(f"  recompute's engine work per turn / Symphony's: {_fmt(result['work_ratio_at_fewest_users'])} "
+              "(the ratio a TPOT bound tends to)")
         if not result.get("recompute_limit_reached", True):
             print("  recompute kept its TPOT within the bound at every point: the ratio is undetermined; "
                   "add larger --users points or compress the users' time (--time-scale)")

@@ -81,7 +81,8 @@ def _sim_users(result: Result) -> list[str]:
     rows = [[policy, users, row["tpot_ms_mean"], row["norm_latency_ms_per_token_mean"], row["ttft_ms_p95"]]
             for policy, points in result["points"].items() for users, row in points.items()]
     lines = _table(["policy", "users", "TPOT mean (ms)", "norm. latency (ms/token)", "TTFT p95 (ms)"], rows)
-    return [*lines, "", f"users_ratio_at_equal_tpot: {_fmt(result.get('users_ratio_at_equal_tpot'))}"]
+    return [*lines, "", f"users_ratio_at_equal_tpot: {_fmt(result.get('users_ratio_at_equal_tpot'))}",
+            "", f"work_ratio_at_fewest_users: {_fmt(result.get('work_ratio_at_fewest_users'))}"]
 
 
 def _sim_single(result: Result) -> list[str]:

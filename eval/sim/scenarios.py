@@ -74,12 +74,28 @@ def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
     }
 
 
+def turn_work_ms(request: SimRequest, model: EngineModel) -> float:
+    """The engine time one turn adds to the steps it shares, beyond their fixed cost: its prefilled
+    tokens with their attention, and for each output token its place in a decode step over its
+    context (`eval.sim.engine`'s step price, less `step_ms`)."""
+    computed = request.prefilled_tokens
+    prefill = (model.prefill_ms_per_token * computed
+               + model.prefill_ms_per_token_kilotoken * computed * (request.prompt_tokens - computed / 2) / 1000)
+    mean_context = request.prompt_tokens + request.generated / 2
+    decode = request.generated * (model.decode_ms_per_seq + model.decode_ms_per_kilotoken * mean_context / 1000)
+    return prefill + decode
+
+
 def run_point(preset: Preset, nodes: int, policy: str, conversations: Sequence[Conversation], users: int,
               duration_ms: float, timing: HumanTiming, seed: int) -> dict[str, Any]:
     engines = _engines(preset, nodes)
     sim = ClusterSim(make_policy(policy), engines, preset.link)
     scripts = sharegpt_users(conversations, users, timing, seed=seed)
-    return summarize(sim.run(scripts=scripts, until_ms=duration_ms), duration_ms)
+    result = sim.run(scripts=scripts, until_ms=duration_ms)
+    row = summarize(result, duration_ms)
+    done = [r for r in result.requests if r.finished_ms is not None]
+    row["work_ms_per_turn_mean"] = statistics.fmean(turn_work_ms(r, preset.engine) for r in done) if done else None
+    return row
 
 
 def priority(preset: Preset, nodes: int, conversations: Sequence[Conversation], users: int, duration_ms: float,
@@ -139,6 +155,18 @@ def users_ratio(points: Points, policy: str, baseline: str = "recompute") -> flo
         return None
     base = max(within[baseline], default=0)
     return max(within[policy], default=0) / base if base else None
+
+
+def work_ratio(points: Points, policy: str, baseline: str = "recompute") -> float | None:
+    """The baseline's mean engine work per turn over `policy`'s, at the fewest users. A step's time
+    is its fixed cost plus the work of the turns in it, so a bound on mean TPOT caps the work per
+    second a node takes, whichever policy routes it: at equal TPOT, the users two policies serve
+    tend to the inverse ratio of their work per turn. This is the ceiling the workload and the
+    engine model put on `users_ratio` (reached only once both policies are at the bound)."""
+    fewest = min(points[baseline])
+    ours = points[policy][fewest].get("work_ms_per_turn_mean")
+    base = points[baseline][fewest].get("work_ms_per_turn_mean")
+    return base / ours if ours and base is not None else None
 
 
 def users_ratio_baseline_limited(points: Points, baseline: str = "recompute") -> bool:

@@ -12,7 +12,7 @@ from eval.sim.agents import AgentProject, ProjectRun, agent_projects
 from eval.sim.cluster import ClusterSim, LinkModel, Script, Step, Turn
 from eval.sim.engine import EngineModel, SimEngine, SimRequest
 from eval.sim.presets import PRESETS
-from eval.sim.scenarios import users_ratio, users_ratio_baseline_limited
+from eval.sim.scenarios import turn_work_ms, users_ratio, users_ratio_baseline_limited, work_ratio
 from eval.sim.workload import sharegpt_users
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from scheduler.policies import make_policy
@@ -214,6 +214,18 @@ def test_the_users_ratio_says_when_recompute_never_left_the_bound() -> None:
     assert users_ratio(light, "symphony") == 1.0 and not users_ratio_baseline_limited(light)
 
 
+def test_a_turns_work_is_its_prefill_and_its_share_of_the_decode_steps_as_computed_by_hand() -> None:
+    """Prefill 1 ms/token + 0.5 ms/token per 1k of position; decode 2 ms per step + 4 ms per 1k of
+    context. 200 of a 1,000-token prompt prefilled (positions 800-1000, mean 900): 200 + 0.5 x 200 x
+    0.9 = 290 ms; 10 tokens out over a mean context of 1,005: 10 x (2 + 4 x 1.005) = 60.2 ms."""
+    model = dataclasses.replace(ENGINE, decode_ms_per_kilotoken=4, prefill_ms_per_token_kilotoken=0.5)
+    turn = SimRequest(1, "a", 0, prompt_tokens=1000, output_tokens=10, generated=10, prefilled_tokens=200)
+    assert turn_work_ms(turn, model) == pytest.approx(290 + 60.2)
+    points = {"symphony": {64: {"work_ms_per_turn_mean": 50.0}, 128: {"work_ms_per_turn_mean": 10.0}},
+              "recompute": {64: {"work_ms_per_turn_mean": 150.0}, 128: {"work_ms_per_turn_mean": 10.0}}}
+    assert work_ratio(points, "symphony") == 3.0  # at the fewest users
+
+
 def test_the_users_scenario_runs_every_policy_and_reports_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     assert main(["bench", "sim", "--scenario", "users", "--out", str(out), "--nodes", "2", "--users", "2,4",
@@ -224,6 +236,7 @@ def test_the_users_scenario_runs_every_policy_and_reports_the_ratio(tmp_path: Pa
         assert set(rows) == {"2", "4"} and all(row["completed"] > 0 and row["tpot_ms_mean"] > 0
                                                for row in rows.values())
     assert result["users_ratio_at_equal_tpot"] is not None and "users_ratio_ge_8" in result["targets"]
+    assert result["work_ratio_at_fewest_users"] > 1  # recompute prefills the histories Symphony keeps
     assert (tmp_path / "sim.png").stat().st_size > 0
 
 
