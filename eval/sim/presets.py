@@ -6,7 +6,10 @@ of dimension 128; bf16 weights are 16.06 GB and each token's KV is 2 (K, V) x 32
 
 Each step costs a fixed 2 ms (vLLM's scheduling and kernel launches, CUDA graphs on) plus:
 - prefill: 2 FLOPs per parameter per token at 50% of the GPU's dense bf16 peak (model FLOPs
-  utilisation typical of large prefill batches);
+  utilisation typical of large prefill batches), plus its attention over the tokens before it: at
+  position j, Q.K^T and the scores times V take 2 x 2 x hidden (4,096) x j FLOPs in each of the 32
+  layers, at the same utilisation (`prefill_ms_per_token_kilotoken`; 3% more per token at position
+  1,000, 33% at 10,000);
 - decode: one read of the weights per step plus, per request, one read of its KV, at 80% of the
   memory bandwidth; `decode_ms_per_seq` (sampling, per-request bookkeeping) is a small constant.
 KV capacity: vLLM's default gpu_memory_utilization of 0.9 of the card, less the weights and an
@@ -27,9 +30,12 @@ from eval.sim.engine import EngineModel
 from symphony.kv_geometry import KVGeometry
 
 LLAMA_8B_PARAMS = 8.03e9
+LLAMA_8B_LAYERS = 32
+LLAMA_8B_HIDDEN = 4096  # query heads (32) x head dimension (128)
 LLAMA_8B_WEIGHT_BYTES = LLAMA_8B_PARAMS * 2
 GPU_BLOCK_SIZE = 16
-LLAMA_8B_KV = KVGeometry(num_layers=32, kv_heads=8, head_size=128, block_size=GPU_BLOCK_SIZE, dtype="bfloat16")
+LLAMA_8B_KV = KVGeometry(num_layers=LLAMA_8B_LAYERS, kv_heads=8, head_size=128, block_size=GPU_BLOCK_SIZE,
+                         dtype="bfloat16")
 LLAMA_8B_KV_BYTES_PER_TOKEN = int(LLAMA_8B_KV.bytes_per_token())  # 131,072
 STEP_OVERHEAD_MS = 2.0
 PREFILL_MFU = 0.5
@@ -51,6 +57,8 @@ def _gpu_engine(memory_gb: float, bandwidth_gbps: float, tflops: float, activati
     return EngineModel(
         step_ms=STEP_OVERHEAD_MS + LLAMA_8B_WEIGHT_BYTES / bandwidth * 1000,
         prefill_ms_per_token=2 * LLAMA_8B_PARAMS / (tflops * 1e12 * PREFILL_MFU) * 1000,
+        prefill_ms_per_token_kilotoken=(4 * LLAMA_8B_HIDDEN * LLAMA_8B_LAYERS * 1000
+                                        / (tflops * 1e12 * PREFILL_MFU) * 1000),
         decode_ms_per_seq=0.05,
         decode_ms_per_kilotoken=LLAMA_8B_KV_BYTES_PER_TOKEN * 1000 / bandwidth * 1000,
         kv_blocks=int(kv_bytes // LLAMA_8B_KV.block_bytes),

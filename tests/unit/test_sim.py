@@ -278,11 +278,13 @@ def test_the_one_point_scenarios_report_their_keys(scenario: str, keys: set[str]
 
 def test_gpu_presets_follow_from_the_datasheets_and_the_model_config() -> None:
     """A100 80GB: weights (16.06 GB) read at 80% of 2,039 GB/s = 9.85 ms + 2 ms a step; 2 x 8.03e9
-    FLOPs a token at half of 312 TFLOPS = 0.103 ms; 0.9 x 80 GB - weights - 4 GB of activations in
-    16-token blocks of 131,072 B a token = 24,766 blocks. L4's 300 GB/s makes decode ~6x slower."""
+    FLOPs a token at half of 312 TFLOPS = 0.103 ms, and its attention 4 x 4,096 x 32 layers x 1,000
+    FLOPs per 1,000 of position = 0.00336 ms; 0.9 x 80 GB - weights - 4 GB of activations in 16-token
+    blocks of 131,072 B a token = 24,766 blocks. L4's 300 GB/s makes decode ~6x slower."""
     a100, l4 = PRESETS["a100-llama3.1-8b"], PRESETS["l4-llama3.1-8b"]
     assert a100.engine.step_ms == pytest.approx(11.85, abs=0.01)
     assert a100.engine.prefill_ms_per_token == pytest.approx(0.103, abs=0.001)
+    assert a100.engine.prefill_ms_per_token_kilotoken == pytest.approx(0.00336, abs=0.00001)
     assert a100.engine.kv_blocks == 24_766 and a100.engine.block_size == 16
     assert a100.link.kv_bytes_per_token == 131_072
     assert 5.5 < l4.engine.step_ms / a100.engine.step_ms < 6 and l4.engine.kv_blocks < a100.engine.kv_blocks / 10
