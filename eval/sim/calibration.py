@@ -75,13 +75,12 @@ def _fit_non_negative(columns: np.ndarray, observed: np.ndarray) -> np.ndarray:
 
 def prefill_step_ms(model: EngineModel, prompt_tokens: Any) -> Any:
     """The step that prefills one N-token prompt alone, nothing cached (N a number or an array)."""
-    return (model.step_ms + model.prefill_ms_per_token * prompt_tokens
-            + model.prefill_ms_per_token_kilotoken * prompt_tokens ** 2 / 2000)
+    return model.step_ms + model.prefill_ms(prompt_tokens, prompt_tokens)
 
 
 def decode_step_ms(model: EngineModel, batch: Any, context_tokens: Any) -> Any:
     """One decode step of `batch` requests over `context_tokens` in all (numbers or arrays)."""
-    return model.step_ms + model.decode_ms_per_seq * batch + model.decode_ms_per_kilotoken * context_tokens / 1000
+    return model.step_ms + model.decode_ms(batch, context_tokens)
 
 
 def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], *, kv_blocks: int,

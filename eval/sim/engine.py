@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,18 @@ class EngineModel:
     # longer per busy neighbour share (0.3: 30% longer beside fully busy neighbours). Measured by
     # `bench calibrate`; 0 for engines on GPUs of their own.
     neighbour_slowdown: float = 0.0
+
+    # The step price's parts, shared by the engine's steps, calibration's fit and the scenarios'
+    # work per turn (numbers or numpy arrays).
+    def prefill_ms(self, computed: Any, context: Any) -> Any:
+        """Prefilling the last `computed` tokens of a `context`-token prompt: per token, plus the
+        attention of each over the positions before it (mean position `context - computed / 2`)."""
+        return (self.prefill_ms_per_token * computed
+                + self.prefill_ms_per_token_kilotoken * computed * (context - computed / 2) / 1000)
+
+    def decode_ms(self, requests: Any, context_tokens: Any) -> Any:
+        """One decode token each for `requests` requests holding `context_tokens` in all."""
+        return self.decode_ms_per_seq * requests + self.decode_ms_per_kilotoken * context_tokens / 1000
 
 
 @dataclass(slots=True)
@@ -143,8 +156,7 @@ class SimEngine:
         decoding = list(self.running)
         preempted = self._grow(decoding)
         decoding = [r for r in decoding if r in self.running]  # preempted ones left the batch
-        prefilled = 0
-        attention = 0.0  # sum over prefilled tokens of their positions, in thousands
+        prefill_ms = 0.0
         # A step that preempted admits nothing (vLLM), unless nothing is left running: then the
         # preempted request itself must be readmitted, or the engine would stall.
         while self.waiting and len(self.running) < m.max_batch and (not preempted or not self.running):
@@ -161,15 +173,12 @@ class SimEngine:
             # At least the last token is computed (vLLM always runs it to get the next token's logits).
             computed = request.context - min(request.cached_tokens, request.context - 1)
             request.prefilled_tokens += computed
-            prefilled += computed
-            attention += computed * (request.context - computed + computed / 2) / 1000
+            prefill_ms += m.prefill_ms(computed, request.context)
             self.running.append(request)
             plan.first_tokens.append(request)
         plan.decoded = decoding
         context = sum(r.context for r in decoding)
-        plan.duration_ms = (m.step_ms + m.prefill_ms_per_token * prefilled + m.decode_ms_per_seq * len(decoding)
-                            + m.decode_ms_per_kilotoken * context / 1000
-                            + m.prefill_ms_per_token_kilotoken * attention)
+        plan.duration_ms = m.step_ms + prefill_ms + m.decode_ms(len(decoding), context)
         return plan
 
     def _grow(self, decoding: list[SimRequest]) -> bool:

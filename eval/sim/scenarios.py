@@ -78,12 +78,9 @@ def turn_work_ms(request: SimRequest, model: EngineModel) -> float:
     """The engine time one turn adds to the steps it shares, beyond their fixed cost: its prefilled
     tokens with their attention, and for each output token its place in a decode step over its
     context (`eval.sim.engine`'s step price, less `step_ms`)."""
-    computed = request.prefilled_tokens
-    prefill = (model.prefill_ms_per_token * computed
-               + model.prefill_ms_per_token_kilotoken * computed * (request.prompt_tokens - computed / 2) / 1000)
     mean_context = request.prompt_tokens + request.generated / 2
-    decode = request.generated * (model.decode_ms_per_seq + model.decode_ms_per_kilotoken * mean_context / 1000)
-    return prefill + decode
+    return (model.prefill_ms(request.prefilled_tokens, request.prompt_tokens)
+            + request.generated * model.decode_ms(1, mean_context))
 
 
 def run_point(preset: Preset, nodes: int, policy: str, conversations: Sequence[Conversation], users: int,
