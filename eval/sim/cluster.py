@@ -2,8 +2,8 @@
 
 The loop keeps one heap of timed events: a request arriving (it is routed at once, by the policy
 object `scheduler.policies` builds, through the same `RouteRequest`/`NodeSnapshot` values the
-scheduler gives it), an advisory (the policy picks the node ahead of the request and, for policies
-that move KV on advisories, the session's KV starts moving there), a KV move ending, an engine step
+scheduler gives it), an advisory (for policies that prefetch on advisories, the policy picks the
+node ahead of the request and the session's KV starts moving there), a KV move ending, an engine step
 ending. What a request finds in the engine's KV when it is admitted is what its session's KV holds
 on that node: history a move brought, or its last turn left there. As in the scheduler, a request
 sent to a node that lacks its KV (no advisory moved it there, or the advisory's move is still under
@@ -17,8 +17,8 @@ Kept simple on purpose, and said so: a node's tiers keep every session's KV that
 large enough), a move's time is the history's bytes over the link's bandwidth plus its RTT, and KV
 loaded from a node's own tiers is as good as cached (the connector loads it layer by layer under the
 forward pass; bench resume measures that within 1.15x of a prefix-cache hit). Policies without the
-tiers (`recompute`) find only the engine's own prefix cache: finished requests' KV, least recently
-used first out, within the engine's KV capacity.
+tiers (`recompute`) find only the engine's own prefix cache: finished requests' KV in whole blocks,
+least recently used first out, within the engine's KV capacity.
 """
 
 from __future__ import annotations
@@ -218,6 +218,8 @@ class ClusterSim:
                             arrival - step.typing_ms if step.advised else None, script.tenant, script.priority))
 
     def _advise(self, turn: Turn) -> None:
+        if not self.policy.traits.prefetch_on_advisory:
+            return  # as the scheduler: a baseline without advisories accepts them, to no effect
         request = self._route_request(turn)
         decision = self.policy.choose(request, self._snapshots())
         node_id = decision.node_id
@@ -225,8 +227,6 @@ class ClusterSim:
             node_id = min(self._snapshots(), key=lambda n: (n.load, n.node_id)).node_id
         self._advised[turn.session] = node_id
         self._announced[node_id] += 1
-        if not self.policy.traits.prefetch_on_advisory:
-            return
         held = self._kv.get(turn.session, {})
         source = kv_source(held, node_id)
         if source is not None:
@@ -348,12 +348,15 @@ class ClusterSim:
         self._stepping.discard(node_id)
         for request in self.engines[node_id].finish_step(plan, self.now_ms):
             self._inflight[node_id] -= 1
-            # The turn's KV (its prompt and answer) stays on the node that computed it: in the
-            # engine's prefix cache, and saved to the node's tiers.
-            tokens = request.prompt_tokens + request.generated
+            # The turn's KV stays on the node that computed it: its prompt and answer but the last
+            # answer token, which is never fed back. The node's tiers keep all of it (the connector
+            # saves the partial last block too); the engine's prefix cache only whole blocks, as
+            # vLLM hashes and finds them (the live engines' cached_tokens: always a multiple of 32).
+            computed = request.prompt_tokens + request.generated - 1
             kv = self._kv.setdefault(request.session, {})
-            kv[node_id] = max(kv.get(node_id, 0), tokens)
-            self._cache(node_id, request.session, tokens)
+            kv[node_id] = max(kv.get(node_id, 0), computed)
+            block_size = self.engines[node_id].model.block_size
+            self._cache(node_id, request.session, computed // block_size * block_size)
             self._next_turn(request)
             callback = self._on_done.pop(request.request_id, None)
             if callback is not None:

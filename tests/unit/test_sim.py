@@ -75,12 +75,13 @@ def test_an_advised_turn_leaves_its_node_when_a_prefill_started_there_after_the_
 
 
 def test_a_next_turn_on_the_same_node_prefills_only_what_is_new() -> None:
-    """Turn 2 (prompt 150 = turn 1's 100 + 2 answer tokens + 48 new) finds 102 tokens of KV there."""
+    """Turn 2 (prompt 150 = turn 1's 100 + 2 answer tokens + 48 new) finds 101 tokens of KV there:
+    all of turn 1 but its last answer token, which was never fed back through the model."""
     sim = ClusterSim(make_policy("sticky"), {"n0": ENGINE, "n1": ENGINE}, LINK)
     result = sim.run([Turn("s", 0, 100, 2), Turn("s", 1000, 150, 1)])
     second = next(r for r in result.requests if r.arrival_ms == 1000)
-    assert second.cached_tokens == 102 and second.prefilled_tokens == 48
-    assert second.ttft_ms == 10 + 48  # one step: the new tokens only
+    assert second.cached_tokens == 101 and second.prefilled_tokens == 49
+    assert second.ttft_ms == 10 + 49  # one step: the new tokens and that last answer token
 
 
 @pytest.mark.parametrize(("advisory_ms", "wait_ms", "cached", "ttft_ms"),
@@ -130,16 +131,39 @@ def test_a_step_that_starts_beside_a_busy_neighbour_on_a_shared_host_takes_longe
     assert (a.finished_ms, b.finished_ms) == (122, 128)
 
 
+def test_the_engines_prefix_cache_holds_whole_blocks_only() -> None:
+    """recompute: no tiers, only vLLM's prefix cache, which finds whole blocks of 32. Turn 1's
+    computed KV is 100 + 2 - 1 = 101 tokens: 3 whole blocks, 96 tokens, for turn 2 (150) to find;
+    it prefills the other 54: 10 + 54 = 64 ms."""
+    result = ClusterSim(make_policy("recompute"), {"n0": ENGINE}, LINK).run([Turn("s", 0, 100, 2),
+                                                                            Turn("s", 1000, 150, 1)])
+    second = next(r for r in result.requests if r.arrival_ms == 1000)
+    assert (second.cached_tokens, second.prefilled_tokens, second.ttft_ms) == (96, 54, 64)
+
+
+def test_a_policy_without_advisories_routes_as_if_none_were_sent() -> None:
+    """As the scheduler, which accepts a baseline's advisories to no effect. Had b's advisory at 0
+    picked a node for it, that node's announced load would have sent c (at 100) to the other one."""
+    turns = [Turn("b", 5000, 50, 1), Turn("c", 100, 50, 1)]
+    advised = [Turn("b", 5000, 50, 1, advisory_ms=0), Turn("c", 100, 50, 1)]
+    def nodes_chosen(policy: str, workload: list[Turn]) -> dict[str, str]:
+        sim = ClusterSim(make_policy(policy), {"n0": ENGINE, "n1": ENGINE}, LINK)
+        return {r.session: r.node_id for r in sim.run(workload).requests}
+
+    for policy in ("recompute", "least_load"):
+        assert nodes_chosen(policy, advised) == nodes_chosen(policy, turns), policy
+
+
 def test_prefill_attention_grows_with_the_positions_of_the_prefilled_tokens() -> None:
     """0.5 ms per prefilled token per 1,000 of its position. A: 200 new tokens, positions 0..200:
     200 x 100 / 1000 x 0.5 = 10 ms more, first token at 10 + 200 + 10 = 220. Its next turn (400
-    tokens, 202 cached) prefills 198 tokens at positions 202..400: 198 x 301 / 1000 x 0.5 = 29.799."""
+    tokens, 201 cached) prefills 199 tokens at positions 201..400: 199 x 300.5 / 1000 x 0.5 = 29.89975."""
     engine = dataclasses.replace(ENGINE, prefill_ms_per_token_kilotoken=0.5)
     result = ClusterSim(make_policy("sticky"), {"n0": engine}, LINK).run([Turn("s", 0, 200, 2),
                                                                           Turn("s", 1000, 400, 1)])
     first, second = sorted(result.requests, key=lambda r: r.arrival_ms)
     assert first.ttft_ms == 220
-    assert second.cached_tokens == 202 and second.ttft_ms == pytest.approx(10 + 198 + 29.799)
+    assert second.cached_tokens == 201 and second.ttft_ms == pytest.approx(10 + 199 + 29.89975)
 
 
 def test_without_free_blocks_the_newest_request_is_preempted_and_still_finishes() -> None:
@@ -177,13 +201,13 @@ def test_every_real_policy_drives_the_simulator_to_completion(policy: str) -> No
 def test_a_scripted_user_sends_the_next_turn_after_reading_and_typing() -> None:
     """Turn 1 (100 tokens, 2 out): 110 ms prefill, then a 12 ms decode: answered at 122. The user
     thinks 1,000 ms (typing the last 400), so the advisory fires at 722 and turn 2 arrives at 1,122
-    with 100 + 2 + 48 tokens, 102 of them cached: one 58 ms step."""
+    with 100 + 2 + 48 tokens, 101 of them cached: one 59 ms step."""
     script = Script("u", 0, (Step(100, 2, 0, 0, advised=False), Step(48, 1, 1000, 400)))
     sim = ClusterSim(make_policy("symphony"), {"n0": ENGINE}, LINK)
     first, second = sim.run(scripts=[script]).requests
     assert first.finished_ms == 122
-    assert (second.arrival_ms, second.prompt_tokens, second.cached_tokens) == (1122, 150, 102)
-    assert second.ttft_ms == 58 and second.finished_ms == 1180
+    assert (second.arrival_ms, second.prompt_tokens, second.cached_tokens) == (1122, 150, 101)
+    assert second.ttft_ms == 59 and second.finished_ms == 1181
 
 
 def test_no_turn_arrives_after_the_end_of_the_run() -> None:
