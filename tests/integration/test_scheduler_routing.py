@@ -4,6 +4,7 @@ tenants from API keys, baselines behind the same interface, selective pushing, t
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import openai
@@ -398,7 +399,8 @@ async def test_the_load_generator_replays_users_through_the_scheduler(
                               LoadSettings(users=2, duration_s=3.0, max_answer_tokens=8))
     records = await generator.run()
     assert records and all(r.ok and r.node in ("node-a", "node-b") for r in records)
-    assert {r.session for r in records} <= {f"load-u{u}-c{c}" for u in range(2) for c in range(100)}
+    # Each user's conversations, one after another (how many fit in 3 s depends on the host's speed).
+    assert all(re.fullmatch(r"load-u[01]-c\d+", r.session) for r in records), {r.session for r in records}
     first = next(r for r in records if r.turn == 0)
     assert (first.prompt_tokens, first.cached_tokens, first.output_tokens) == (7, 4, 3)
     assert any(r.turn > 0 for r in records) and all(r.advised and r.advisory_ms > 0 for r in records)
