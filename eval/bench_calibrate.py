@@ -8,8 +8,8 @@ with prompts of random token ids (no cache holds them) and `ignore_eos` (answers
 - decode: 1 to 8 requests started together, short and long prompts, 48 output tokens: their time
   per output token once decoding;
 
-first on one engine alone (the engine model's costs), then beside busy neighbours (each engine's
-prefills while the others decode, decodes on every engine at once: the model's neighbour slowdown).
+on one engine alone (the engine model's costs) and on each engine beside busy neighbours (the
+others decoding a steady background load: the model's neighbour slowdown), in interleaved rounds.
 
 `eval.sim.calibration` fits the engine model to those samples; with the engine's KV capacity (from its
 `vllm:cache_config_info` metric) and SmolLM2's KV geometry over the measured peer link, that is the
@@ -59,7 +59,7 @@ class ProbePlan:
     prefill_tokens: tuple[int, ...] = (64, 256, 512, 1024)
     decode_points: tuple[tuple[int, int], ...] = (  # (requests together, prompt tokens each)
         (1, 32), (2, 32), (4, 32), (8, 32), (1, 512), (1, 1024), (4, 256))
-    repeats: int = 2
+    rounds: int = 3  # each round probes alone, then beside busy neighbours (see `calibrate`)
     output_tokens: int = 48
 
 
@@ -70,8 +70,10 @@ LOCAL_LINK_GBPS = 1.0
 LOCAL_LINK_RTT_MS = 0.2
 VALIDATION_BOUND = 0.2  # the issue's bar: within 20% of the live cluster
 MAX_NUM_SEQS = 128  # vLLM CPU's default max_num_seqs for its OpenAI server (GPUs: 256), which `symphony up` keeps
-BACKGROUND_REQUESTS = 2  # a neighbour's decoding while an engine's prefill is probed
-BACKGROUND_TOKENS = 256
+BACKGROUND_REQUESTS = 2  # a neighbour's decoding while an engine is probed beside it
+# Short enough that a neighbour finishes its batch soon after it is told to stop (about 3 s here):
+# an aborted stream kept its engine busy into the next alone probe, which then ran up to 2x slow.
+BACKGROUND_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,32 +119,47 @@ class _EngineProbe:
         return [self._rng.randrange(*TOKEN_ID_RANGE) for _ in range(tokens)]
 
     async def stream(self, tokens: int, max_tokens: int) -> _Streamed:
-        return await _stream(self.client, self.model, self.prompt(tokens), max_tokens)
+        """One probe, timed from its own send. The engine's server closes a keep-alive connection
+        idle for 5 s; a probe sent on one as it closed failed with a read error before the server
+        saw it (seen once here), so a probe whose connection fails is sent again, once,
+        on a fresh prompt and a fresh clock."""
+        try:
+            return await _stream(self.client, self.model, self.prompt(tokens), max_tokens)
+        except openai.APIConnectionError as exc:
+            print(f"calibrate {self.base_url}: probe connection failed ({exc}); sending it again", file=sys.stderr)
+            return await _stream(self.client, self.model, self.prompt(tokens), max_tokens)
+
+    async def warm(self, plan: ProbePlan) -> None:
+        """Run each probe's prompt length and the largest batch once, unmeasured: after only a tiny
+        warm-up request, an engine's first probes here ran up to 2x slower than the same probes later
+        (one-time allocations and kernel choices for new shapes)."""
+        for tokens in plan.prefill_tokens:
+            await self.stream(tokens, 1)
+        await asyncio.gather(*[self.stream(32, 2) for _ in range(max(batch for batch, _ in plan.decode_points))])
 
     async def prefill(self, plan: ProbePlan) -> list[PrefillSample]:
         samples = []
-        for _ in range(plan.repeats):
-            for tokens in plan.prefill_tokens:
-                first = (await self.stream(tokens, 1)).first_ms
-                samples.append(PrefillSample(tokens, first))
-                print(f"calibrate {self.base_url}: prefill {tokens} tokens: {first:.0f} ms", file=sys.stderr)
+        for tokens in plan.prefill_tokens:
+            first = (await self.stream(tokens, 1)).first_ms
+            samples.append(PrefillSample(tokens, first))
+            print(f"calibrate {self.base_url}: prefill {tokens} tokens: {first:.0f} ms", file=sys.stderr)
         return samples
 
     async def decode(self, plan: ProbePlan) -> list[DecodeSample]:
         samples = []
-        for _ in range(plan.repeats):
-            for batch, tokens in plan.decode_points:
-                runs = await asyncio.gather(*[self.stream(tokens, plan.output_tokens) for _ in range(batch)])
-                # Started together, prefilled in the first step or two, then decoding side by side.
-                tpot = statistics.fmean((r.last_ms - r.first_ms) / (r.tokens - 1) for r in runs)
-                samples.append(DecodeSample(batch, batch * (tokens + plan.output_tokens // 2), tpot))
-                print(f"calibrate {self.base_url}: decode {batch} x {tokens} tokens: {tpot:.1f} ms per token",
-                      file=sys.stderr)
+        for batch, tokens in plan.decode_points:
+            runs = await asyncio.gather(*[self.stream(tokens, plan.output_tokens) for _ in range(batch)])
+            # Started together, prefilled in the first step or two, then decoding side by side.
+            tpot = statistics.fmean((r.last_ms - r.first_ms) / (r.tokens - 1) for r in runs)
+            samples.append(DecodeSample(batch, batch * (tokens + plan.output_tokens // 2), tpot))
+            print(f"calibrate {self.base_url}: decode {batch} x {tokens} tokens: {tpot:.1f} ms per token",
+                  file=sys.stderr)
         return samples
 
-    async def background_decode(self) -> None:
-        """Keep BACKGROUND_REQUESTS requests decoding until cancelled (closing a stream aborts it)."""
-        while True:
+    async def background_decode(self, stop: asyncio.Event) -> None:
+        """Keep BACKGROUND_REQUESTS requests decoding until `stop` is set, then let them finish: the
+        engine is idle when this returns."""
+        while not stop.is_set():
             await asyncio.gather(*[self.stream(32, BACKGROUND_TOKENS) for _ in range(BACKGROUND_REQUESTS)])
 
     async def close(self) -> None:
@@ -167,32 +184,42 @@ async def calibrate(config: SymphonyConfig, served_model: str,
     cores and memory bandwidth (this one), in two conditions:
 
     - alone: the first engine while the others idle. Its costs are the engine model's.
-    - beside busy neighbours, as a loaded cluster runs them: each engine's prefill probes while the
-      others decode, then decode probes on every engine at once. How much slower these ran than
+    - beside busy neighbours, as a loaded cluster runs them: each engine's prefill and decode
+      probes while the others decode a steady background load. How much slower these ran than
       the model predicts is its `neighbour_slowdown`, which the simulator applies to a step in
       proportion to the other engines busy when it starts.
 
     A model fitted on either condition alone missed the 2-node validation run by 20-60%, one way
-    or the other: a live cluster's engines are busy together only part of the time."""
+    or the other: a live cluster's engines are busy together only part of the time.
+
+    The slowdown is a ratio of two conditions measured minutes apart on a shared, drifting host, so
+    the conditions take turns, round by round, and the drift falls on both; and the neighbours'
+    load is the same steady background for every busy probe. With the busy decodes probed on all
+    engines at once instead, each engine's neighbours were at another point of the plan, or done,
+    and the fitted slowdown ranged 0.15-0.49 between runs on the same code."""
     urls = [f"http://{config.node.host}:{config.engine_port(i)}" for i in range(config.cluster.nodes)]
     engines = [_EngineProbe(url, served_model, seed=i) for i, url in enumerate(urls)]
+    prefill_alone: list[PrefillSample] = []
+    decode_alone: list[DecodeSample] = []
+    prefill_busy: list[PrefillSample] = []
+    decode_busy: list[DecodeSample] = []
     try:
-        await asyncio.gather(*[engine.stream(16, 4) for engine in engines])  # warm: one-time costs
-        prefill_alone = await engines[0].prefill(plan)
-        decode_alone = await engines[0].decode(plan)
-        prefill_busy: list[PrefillSample] = []
-        decode_busy: list[DecodeSample] = []
-        if len(engines) > 1:
-            for engine in engines:
-                neighbours = [asyncio.create_task(other.background_decode()) for other in engines
+        for engine in engines:
+            await engine.warm(plan)
+        beside_neighbours = engines if len(engines) > 1 else []
+        for _ in range(plan.rounds):
+            prefill_alone += await engines[0].prefill(plan)
+            decode_alone += await engines[0].decode(plan)
+            for engine in beside_neighbours:
+                stop = asyncio.Event()
+                neighbours = [asyncio.create_task(other.background_decode(stop)) for other in engines
                               if other is not engine]
                 try:
                     prefill_busy += await engine.prefill(plan)
+                    decode_busy += await engine.decode(plan)
                 finally:
-                    for task in neighbours:
-                        task.cancel()
-                    await asyncio.gather(*neighbours, return_exceptions=True)
-            decode_busy = [s for samples in await asyncio.gather(*[e.decode(plan) for e in engines]) for s in samples]
+                    stop.set()
+                    await asyncio.gather(*neighbours)
     finally:
         for engine in engines:
             await engine.close()

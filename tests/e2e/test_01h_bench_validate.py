@@ -18,7 +18,7 @@ from tests.e2e.conftest import LiveCluster
 
 pytestmark = pytest.mark.e2e
 
-QUICK = ProbePlan(prefill_tokens=(32, 256), decode_points=((1, 32), (2, 32), (1, 256)), repeats=1, output_tokens=16)
+QUICK = ProbePlan(prefill_tokens=(32, 256), decode_points=((1, 32), (2, 32), (1, 256)), rounds=1, output_tokens=16)
 
 
 def test_the_simulator_is_fitted_to_the_engines_and_replays_a_live_run(live_cluster: LiveCluster,
