@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from node_manager.engine_metrics import KV_USAGE, RUNNING, WAITING, EngineLoad, MetricsFormatError, parse_engine_load
+from node_manager.vllm_plugin import AMX_ATTENTION_ENV
 from symphony.config import EngineConfig
 from symphony.logs import get_logger
 from symphony.models import ModelInfo
@@ -74,6 +75,7 @@ def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
     })
     if cpu_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+    env[AMX_ATTENTION_ENV] = "1" if engine.cpu_amx_attention else "0"
     return EngineLaunch(argv, env, f"http://{host}:{port}", engine.nice)
 
 

@@ -98,6 +98,10 @@ class EngineConfig:
     # engine warm-ups at 0; node managers' event loops stalled 0.4-2.5 s while the niceness did not
     # reach across sessions). On a GPU host the engine needs little CPU.
     nice: int = 5
+    # vLLM's AMX attention kernel on CPUs that have AMX (bfloat16, blocks of 32). Off: on one such
+    # host it gave wrong greedy answers where its vector kernel agreed with transformers
+    # (node_manager/vllm_plugin.py).
+    cpu_amx_attention: bool = False
     extra_args: list[str] = field(default_factory=list)  # appended to the vLLM server command line
     startup_timeout_s: float = 300.0
     max_restarts: int = 5  # crash restarts before the node reports FAILED

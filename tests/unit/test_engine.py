@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from node_manager.engine import EngineLaunch, engine_cpu_cores, engine_launch
+from node_manager.vllm_plugin import AMX_ATTENTION_ENV
 from symphony.config import EngineConfig
 from symphony.models import ModelInfo
 
@@ -112,3 +113,8 @@ def test_cpu_cores_reach_vllm_only_when_chosen() -> None:
     assert engine_launch(EngineConfig(), MODEL, "h", 1, base_env={}, cpu_cores="1").env[
         "VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_launch(EngineConfig(), MODEL, "h", 1, base_env={}).env
+
+
+def test_engines_keep_off_the_amx_attention_kernel_unless_configured() -> None:
+    assert launch(base_env={}).env[AMX_ATTENTION_ENV] == "0"
+    assert launch(EngineConfig(cpu_amx_attention=True), base_env={}).env[AMX_ATTENTION_ENV] == "1"

@@ -1,0 +1,51 @@
+"""A vLLM general plugin (entry point `vllm.general_plugins`, see pyproject.toml). vLLM loads it in
+each of its processes (API server, engine core, workers); it acts only in the engines Symphony
+launches, which set AMX_ATTENTION_ENV.
+
+What it does: keeps vLLM's CPU attention off its AMX kernel. vLLM 0.32 picks that kernel by itself on
+CPUs with AMX (Sapphire Rapids and later) for bfloat16 with blocks of 32. There, SmolLM2-135M answered
+"What is the capital of France?" at temperature 0 with "L'Étoile, la Marseillaise, la femme, ...",
+while the same engine on vLLM's vector kernel, and transformers in bfloat16 and float32, answered
+"The capital of France is Paris." The vector kernel serves the same dtype, block size and KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+AMX_ATTENTION_ENV = "SYMPHONY_CPU_AMX_ATTENTION"  # "0": vLLM's CPU attention avoids its AMX kernel
+
+log = logging.getLogger("symphony.vllm_plugin")
+
+
+def without_amx(choose_isa: Callable[..., str]) -> Callable[..., str]:
+    """`choose_isa` (vLLM's `_get_attn_isa`), but the vector kernel where it would pick AMX."""
+
+    def choose(*args: Any, **kwargs: Any) -> str:
+        isa = choose_isa(*args, **kwargs)
+        if isa != "amx":
+            return isa
+        if not getattr(choose, "warned", False):
+            log.warning("Symphony: CPU attention on vLLM's vector kernel, not AMX (engine.cpu_amx_attention "
+                        "= false): vLLM 0.32's AMX kernel gave wrong answers (node_manager/vllm_plugin.py)")
+            choose.warned = True  # type: ignore[attr-defined]
+        return "vec"
+
+    choose.wraps_without_amx = True  # type: ignore[attr-defined]
+    return choose
+
+
+def register() -> None:
+    if os.environ.get(AMX_ATTENTION_ENV, "1") != "0":
+        return
+    try:
+        from vllm.v1.attention.backends import cpu_attn
+    except ImportError:  # a build without the CPU backend (GPU wheels): nothing to steer
+        return
+    if not getattr(cpu_attn._get_attn_isa, "wraps_without_amx", False):  # loaded once per process, or more
+        # Both callers (the attention backend and the platform's KV cache packing) look the name up
+        # in the module when they run, so both see the same choice.
+        cpu_attn._get_attn_isa = without_amx(cpu_attn._get_attn_isa)
