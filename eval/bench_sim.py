@@ -18,6 +18,7 @@ from eval.sim.scenarios import (
     missed_advisories,
     priority,
     run_point,
+    tpot_bound_ms,
     trace_replay,
     users_ratio,
     users_ratio_baseline_limited,
@@ -78,6 +79,7 @@ def run_sim_bench(*, out: Path, scenario: str, workload: Path, conversations: li
         ratio = users_ratio(points, "symphony")
         result["users_ratio_at_equal_tpot"] = ratio
         result["tpot_bound"] = TPOT_BOUND
+        result["tpot_bound_ms"] = tpot_bound_ms(points)
         # Whether recompute's TPOT left the bound within the points run: if not, the ratio only
         # says that both held it up to the largest point, not how far apart their limits lie.
         result["recompute_limit_reached"] = users_ratio_baseline_limited(points)

@@ -133,15 +133,21 @@ def _class_figures(requests: Sequence[SimRequest], duration_ms: float, prefix: s
 Points = dict[str, dict[int, dict[str, Any]]]  # policy -> users -> that run's summary
 
 
-def _within_bound(points: Points, baseline: str) -> dict[str, list[int]] | None:
-    """Per policy, the user counts whose mean TPOT is within TPOT_BOUND x the baseline's at the
-    fewest users (None when that reference has no TPOT)."""
+def tpot_bound_ms(points: Points, baseline: str = "recompute") -> float | None:
+    """`users_ratio`'s bound: TPOT_BOUND x the baseline's mean TPOT at the fewest users (None when
+    that point has no TPOT)."""
     rows = points[baseline]
     reference = rows[min(rows)]["tpot_ms_mean"]
-    if reference is None:
+    return None if reference is None else TPOT_BOUND * reference
+
+
+def _within_bound(points: Points, baseline: str) -> dict[str, list[int]] | None:
+    """Per policy, the user counts whose mean TPOT is within `tpot_bound_ms` (None without one)."""
+    bound = tpot_bound_ms(points, baseline)
+    if bound is None:
         return None
     return {policy: [u for u, row in by_users.items() if row["tpot_ms_mean"] is not None
-                     and row["tpot_ms_mean"] <= TPOT_BOUND * reference] for policy, by_users in points.items()}
+                     and row["tpot_ms_mean"] <= bound] for policy, by_users in points.items()}
 
 
 def users_ratio(points: Points, policy: str, baseline: str = "recompute") -> float | None:

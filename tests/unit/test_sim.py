@@ -146,6 +146,7 @@ def test_a_policy_without_advisories_routes_as_if_none_were_sent() -> None:
     picked a node for it, that node's announced load would have sent c (at 100) to the other one."""
     turns = [Turn("b", 5000, 50, 1), Turn("c", 100, 50, 1)]
     advised = [Turn("b", 5000, 50, 1, advisory_ms=0), Turn("c", 100, 50, 1)]
+
     def nodes_chosen(policy: str, workload: list[Turn]) -> dict[str, str]:
         sim = ClusterSim(make_policy(policy), {"n0": ENGINE, "n1": ENGINE}, LINK)
         return {r.session: r.node_id for r in sim.run(workload).requests}
@@ -261,6 +262,7 @@ def test_the_users_scenario_runs_every_policy_and_reports_the_ratio(tmp_path: Pa
                                                for row in rows.values())
     assert result["users_ratio_at_equal_tpot"] is not None and "users_ratio_ge_8" in result["targets"]
     assert result["work_ratio_at_fewest_users"] > 1  # recompute prefills the histories Symphony keeps
+    assert result["tpot_bound_ms"] == pytest.approx(1.15 * result["points"]["recompute"]["2"]["tpot_ms_mean"])
     assert (tmp_path / "sim.png").stat().st_size > 0
 
 
