@@ -41,6 +41,7 @@ from symphony.config import SchedulerConfig
 DEFAULT_POLICIES = ("symphony", "least_load", "round_robin", "consistent_hash", "sticky", "prefix_trie")
 TARGETS_P99_US = {"symphony": 500.0, "prefix_trie": 1000.0}
 POLL_EVERY = 100  # decisions between two changes of node load
+SIM_FINGERPRINT = bytes(32)  # every simulated node serves one model
 _WORDS = ("the", "model", "cache", "token", "request", "answer", "session", "history", "prompt", "user", "agent",
           "tool", "plan", "code", "test", "review", "write", "read", "table", "join", "index", "query", "result",
           "error", "retry", "node", "layer", "block", "page", "memory", "disk", "network", "region", "price",
@@ -107,7 +108,7 @@ def _decide(policy: RoutingPolicy, table: SessionTable, traffic: _Traffic, sessi
     if node_id is None:  # selective pushing held it: the dispatcher would queue it; route it unqueued
         return None
     policy.observe(request, node_id)
-    table.served(key, node_id, history)
+    table.served(key, node_id, history, fingerprint=SIM_FINGERPRINT)
     return node_id
 
 

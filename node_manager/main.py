@@ -9,6 +9,7 @@ import signal
 import grpc
 
 from node_manager.engine import Engine, engine_cpu_cores, engine_launch
+from node_manager.identity import identify_served_model
 from node_manager.kv.runtime import GRPC_OPTIONS, start_kv
 from node_manager.service import NodeManagerService
 from symphony.config import SymphonyConfig
@@ -26,15 +27,20 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     kv_socket = config.kv_socket_path(index) if config.engine.kv_connector else None
     local_nodes = config.cluster.nodes if not config.scheduler.node_addresses else 1
     cores = engine_cpu_cores(config.engine.cpu_cores, index, local_nodes, os.cpu_count() or 1)
+    geometry = geometry_from_model_dir(model.path, config.engine.block_size, config.engine.dtype)
+    # Reads the weights unless their hashes are cached (see symphony.model_identity): off the loop.
+    identity, _ = await asyncio.to_thread(identify_served_model, config.engine, model.path, geometry,
+                                          config.home_path)
     launch = engine_launch(config.engine, model, config.node.host, config.engine_port(index), kv_socket=kv_socket,
-                           cpu_cores=cores)
+                           cpu_cores=cores, identity=identity)
     engine = Engine(f"{node_id}-engine", launch, config.engine, config.home_path / "logs" / f"{node_id}-engine.log",
                     config.node.engine_scrape_interval_ms / 1000)
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    node_pb2_grpc.add_NodeManagerServicer_to_server(NodeManagerService(node_id, engine, model.served_name), server)
-    geometry = geometry_from_model_dir(model.path, config.engine.block_size, config.engine.dtype)
+    node_pb2_grpc.add_NodeManagerServicer_to_server(
+        NodeManagerService(node_id, engine, model.served_name, identity.fingerprint), server)
     serving = config.engine.enabled and config.engine.kv_connector  # the engine loads from this node's tiers
-    kv = await start_kv(config, index, geometry, server, engine if serving else None, model.served_name)
+    kv = await start_kv(config, index, geometry, identity.fingerprint, server, engine if serving else None,
+                        model.served_name)
     address = config.node_grpc_address(index)
     if server.add_insecure_port(address) == 0:
         await kv.close()
@@ -52,7 +58,7 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     else:
         await engine.stop()  # reports STOPPED: this node serves KV only
     log.info("node manager listening", node=node_id, grpc=address, engine=launch.url if config.engine.enabled
-             else "disabled", model=model.served_name)
+             else "disabled", model=model.served_name, fingerprint=identity.short)
     try:
         await stop.wait()
     finally:

@@ -9,10 +9,11 @@ from symphony.rpc import node_pb2, node_pb2_grpc
 
 
 class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
-    def __init__(self, node_id: str, engine: Engine, served_model: str) -> None:
+    def __init__(self, node_id: str, engine: Engine, served_model: str, model_fingerprint: bytes) -> None:
         self.node_id = node_id
         self.engine = engine
         self.served_model = served_model
+        self.model_fingerprint = model_fingerprint
 
     async def Health(self, request: node_pb2.HealthRequest, context: grpc.aio.ServicerContext
                      ) -> node_pb2.HealthResponse:
@@ -31,6 +32,7 @@ class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
             engine_restarts=engine.process.restarts,
             last_engine_error=engine.process.last_error,
             metrics_age_ms=engine.metrics_age_ms(),
+            model_fingerprint=self.model_fingerprint,
         )
         # Figures from an engine that is not serving describe requests that no longer exist.
         if load is not None and status.engine_state == node_pb2.ENGINE_STATE_READY:

@@ -31,6 +31,7 @@ class NodeView:
     engine_state: int = node_pb2.ENGINE_STATE_UNSPECIFIED
     engine_url: str = ""
     served_model: str = ""
+    model_fingerprint: bytes = b""  # the served model's identity: KV moves only between equal ones
     max_model_len: int = 0
     running: int = 0
     waiting: int = 0
@@ -124,7 +125,8 @@ class Cluster:
         """Per-node detail for /readyz and `symphony status`."""
         now = self._clock()
         return {n.node_id: {"state": n.state_name(now, self.down_after_s), "address": n.address,
-                            "engine_url": n.engine_url, "model": n.served_model, "running": n.running,
+                            "engine_url": n.engine_url, "model": n.served_model,
+                            "model_fingerprint": n.model_fingerprint.hex()[:12], "running": n.running,
                             "waiting": n.waiting, "inflight": n.inflight, "prefilling": n.prefilling,
                             "kv_cache_usage": round(n.kv_usage, 4),
                             "engine_restarts": n.engine_restarts, "last_engine_error": n.last_engine_error}
@@ -184,6 +186,10 @@ class Cluster:
         node.engine_state = status.engine_state
         node.engine_url = status.engine_url
         node.served_model = status.served_model
+        if node.model_fingerprint and status.model_fingerprint != node.model_fingerprint:
+            log.info("node serves another model now", node=node_id, old=node.model_fingerprint.hex()[:12],
+                     new=status.model_fingerprint.hex()[:12])
+        node.model_fingerprint = status.model_fingerprint
         node.max_model_len = status.max_model_len
         if status.metrics_age_ms <= self.down_after_s * 1000:
             node.running = status.num_requests_running

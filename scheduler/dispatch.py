@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -79,7 +79,7 @@ class Dispatcher:
         self.sessions = sessions if sessions is not None else SessionTable(config.max_sessions, config.session_ttl_s)
         self.priorities = priorities if priorities is not None else PriorityTable(config.max_priority_settings)
         self.queue = PushQueue(config.max_queued_requests)
-        self.prefetcher = Prefetcher(self._kv_stub, metrics, config.max_prefetches, self.sessions.moved)
+        self.prefetcher = Prefetcher(self._kv_stub, metrics, config.max_prefetches, self._moved)
         self.prefetches: OrderedDict[SessionKey, Prefetch] = OrderedDict()  # the latest per advised session
         self.inflight_total = 0
         self._session: aiohttp.ClientSession | None = None
@@ -105,6 +105,21 @@ class Dispatcher:
         node = self.cluster.by_id(node_id)
         return node.kv if node is not None else None
 
+    def _fingerprint(self, node_id: str) -> bytes | None:
+        node = self.cluster.by_id(node_id)
+        return node.model_fingerprint if node is not None else None
+
+    def _moved(self, key: SessionKey, node_id: str, history_tokens: int) -> None:
+        fingerprint = self._fingerprint(node_id)
+        if fingerprint is not None:
+            self.sessions.moved(key, node_id, history_tokens, fingerprint)
+
+    def _same_model_copies(self, kv_tokens: dict[str, int] | Mapping[str, int], node_id: str) -> dict[str, int]:
+        """The copies in `kv_tokens` that `node_id` may load or pull: those on nodes serving the same
+        model fingerprint as it (the nodes refuse any other, this keeps the scheduler from asking)."""
+        target = self._fingerprint(node_id)
+        return {n: t for n, t in kv_tokens.items() if target is not None and self._fingerprint(n) == target}
+
     # -- routing --------------------------------------------------------------------------------
     def _route_request(self, model: str, tenant: str, session_id: str | None, history_tokens: int,
                        text: Callable[[], str] | None = None) -> RouteRequest:
@@ -115,7 +130,9 @@ class Dispatcher:
             entry = self.sessions.get((tenant, session_id))
             if entry is not None:
                 history_tokens = max(history_tokens, entry.history_tokens)
-                kv_tokens = dict(entry.kv_tokens)
+                # Only copies that are still the model they were computed by: a node restarted with
+                # another model (or dtype) holds none of this session's KV for its new model.
+                kv_tokens = {n: t for n, t in entry.kv_tokens.items() if self._fingerprint(n) == entry.fingerprint}
         routing_text = text() if text is not None and self.policy.traits.needs_routing_text else ""
         return RouteRequest(tenant, session_id, model, self.priorities.of(tenant, session_id), history_tokens,
                             kv_tokens, routing_text)
@@ -223,8 +240,9 @@ class Dispatcher:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
         pulled from the node holding the most of it. A session no node holds (a first turn) has
         nothing to move: the advisory only pre-assigned its node. True when a move is under way."""
-        source = kv_source(request.kv_tokens, node_id, reachable=self._reachable)
-        history = source[1] if source is not None else request.kv_tokens.get(node_id, 0)
+        copies = self._same_model_copies(request.kv_tokens, node_id)
+        source = kv_source(copies, node_id, reachable=self._reachable)
+        history = source[1] if source is not None else copies.get(node_id, 0)
         current = self.prefetches.get(key)
         if current is not None and current.node_id == node_id:
             if current.state == "pending":
@@ -314,6 +332,7 @@ class Dispatcher:
             undo_served = None
             if key is not None:
                 undo_served = self.sessions.served(key, route.node.node_id, route_request.history_tokens,
+                                                   fingerprint=route.node.model_fingerprint, model=request.model,
                                                    high=route_request.priority == "high")
             try:
                 reply = await self._send(route, request, body, received_at, route_request.priority)
@@ -343,7 +362,8 @@ class Dispatcher:
         wait_ms = self.config.route_pull_wait_ms
         if not self.policy.traits.prefetch_on_advisory or wait_ms <= 0:
             return
-        source = kv_source(request.kv_tokens, node_id, self.config.route_pull_min_tokens, self._reachable)
+        source = kv_source(self._same_model_copies(request.kv_tokens, node_id), node_id,
+                           self.config.route_pull_min_tokens, self._reachable)
         if source is None:
             return
         prefetch = self.prefetcher.start(key, node_id, self._node(source[0]).address, wait_ms, request.priority,

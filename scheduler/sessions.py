@@ -5,7 +5,12 @@ keep every session forever are how index memory grows without bound (dynamo #107
 
 What it knows is a hint, never a promise: a node may have evicted a session since. A wrong hint
 costs a recompute of what the node lacks, never a wrong answer (the connector loads only what the
-node's tiers really hold)."""
+node's tiers really hold).
+
+An entry records the model its copies are KV of (the served name and the fingerprint of the node
+that computed the last turn): every copy in `kv_tokens` is KV of that fingerprint. A turn served
+under another model (a client that switched models in one session) starts the entry's copies over,
+so a session's KV is never offered to a node of another model as its history."""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ SessionKey = tuple[str, str]  # (tenant, session id): sessions never collide acr
 class SessionEntry:
     last_node: str | None = None
     kv_tokens: dict[str, int] = field(default_factory=dict)  # node id -> history tokens its tiers hold
+    model: str = ""  # the served model name of the last turn
+    fingerprint: bytes = b""  # the model fingerprint every copy in kv_tokens is KV of
     history_tokens: int = 0
     used_at: float = 0.0
     high: bool = False  # its last turn ran at high priority
@@ -46,36 +53,48 @@ class SessionTable:
             return None
         return entry
 
-    def served(self, key: SessionKey, node_id: str, history_tokens: int, high: bool = False) -> Callable[[], None]:
-        """A turn of the session (its history plus what it adds) is being computed on `node_id`; the
-        connector saves its KV there. Older copies elsewhere hold a shorter prefix of it. Returns
-        what undoes it, for a turn the node then never started."""
+    def served(self, key: SessionKey, node_id: str, history_tokens: int, *, fingerprint: bytes, model: str = "",
+               high: bool = False) -> Callable[[], None]:
+        """A turn of the session (its history plus what it adds) is being computed on `node_id`, which
+        serves the model of `fingerprint`; the connector saves its KV there. Older copies elsewhere
+        hold a shorter prefix of it (copies of another model are forgotten). Returns what undoes it,
+        for a turn the node then never started."""
         entry = self._touch(key)
-        before = (entry.last_node, entry.high, entry.history_tokens, entry.kv_tokens.get(node_id))
+        before = (entry.last_node, entry.high, entry.history_tokens, entry.model)
+        same_model = fingerprint == entry.fingerprint
+        # What undo puts back of the copies: this node's count, or every copy of the model left behind.
+        held_before = entry.kv_tokens.get(node_id) if same_model else (entry.fingerprint, dict(entry.kv_tokens))
 
         def undo() -> None:
             if self._entries.get(key) is not entry:
                 return  # dropped or replaced since: nothing of this turn is left to undo
             self._count_high(entry, -1)
-            entry.last_node, entry.high, entry.history_tokens, held = before
+            entry.last_node, entry.high, entry.history_tokens, entry.model = before
             self._count_high(entry, +1)
-            if held is None:
+            if isinstance(held_before, tuple):
+                entry.fingerprint, entry.kv_tokens = held_before[0], dict(held_before[1])
+            elif held_before is None:
                 entry.kv_tokens.pop(node_id, None)
             else:
-                entry.kv_tokens[node_id] = held
+                entry.kv_tokens[node_id] = held_before
 
         self._count_high(entry, -1)
+        if fingerprint != entry.fingerprint:
+            entry.kv_tokens = {}  # another model's KV is no history of this turn's
+            entry.fingerprint = fingerprint
+        entry.model = model
         entry.last_node, entry.high = node_id, high
         self._count_high(entry, +1)
         entry.history_tokens = max(entry.history_tokens, history_tokens)
         entry.kv_tokens[node_id] = max(entry.kv_tokens.get(node_id, 0), history_tokens)
         return undo
 
-    def moved(self, key: SessionKey, node_id: str, history_tokens: int) -> None:
+    def moved(self, key: SessionKey, node_id: str, history_tokens: int, fingerprint: bytes) -> None:
         """A prefetch brought the `history_tokens` of the session it was asked to move (what was
-        known when it started; a turn served elsewhere since is not part of it) to `node_id`."""
+        known when it started; a turn served elsewhere since is not part of it) to `node_id`, which
+        serves the model of `fingerprint` (a move for a model the session has left counts for nothing)."""
         entry = self._entries.get(key)
-        if entry is not None:
+        if entry is not None and entry.fingerprint == fingerprint:
             entry.kv_tokens[node_id] = max(entry.kv_tokens.get(node_id, 0), history_tokens)
 
     def of_tenant(self, tenant: str) -> list[SessionKey]:

@@ -1,7 +1,8 @@
 """Checks on client input, done before anything reaches an engine. Each failure is an ApiError (4xx).
 
-Only what the scheduler itself depends on, or what would otherwise surface as an engine 5xx or a
-hang, is checked here; finer sampling-parameter checks stay with vLLM, whose 400s pass through.
+The body's shape and field types are checked against the pydantic models in `scheduler.schemas`;
+what depends on the cluster (the model served, its context length) and on headers (the session)
+is checked here. Finer sampling-parameter checks stay with vLLM, whose 400s pass through.
 """
 
 from __future__ import annotations
@@ -12,12 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.errors import ApiError
-
-ADVISORY_KINDS = ("typing", "predecessor")
-MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-MAX_MESSAGES = 10_000
-MAX_CACHE_SALT_CHARS = 256
-
+from scheduler.schemas import AdvisoryBody, ChatBody, CompletionBody, check
 
 MAX_ROUTING_TEXT = 16_384  # characters of a prompt that prefix-aware routing looks at
 CHARS_PER_TOKEN = 4  # for estimates only (routing costs); the engine counts the real tokens
@@ -144,74 +140,11 @@ def _check_max_tokens(body: Mapping[str, Any], max_model_len: int) -> None:
                            param=name)
 
 
-def _check_stream(body: Mapping[str, Any]) -> bool:
-    stream = body.get("stream", False)
-    if stream is None:
-        return False
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be true or false", param="stream")
-    return stream
-
-
-def _check_messages(body: Mapping[str, Any]) -> None:
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError(400, "messages is required", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty array", param="messages")
-    if len(messages) > MAX_MESSAGES:
-        raise ApiError(400, f"messages has {len(messages)} entries; the limit is {MAX_MESSAGES}", param="messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", param="messages")
-        role = message.get("role")
-        if role not in MESSAGE_ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(sorted(MESSAGE_ROLES))}, got {role!r}",
-                           param="messages")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise ApiError(400, f"messages[{i}].content must be a string or an array of parts", param="messages")
-
-
-def _check_prompt(body: Mapping[str, Any]) -> None:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(400, "prompt is required", param="prompt")
-    if isinstance(prompt, str):
-        return
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in prompt):
-            return
-    raise ApiError(400, "prompt must be a string, an array of strings, or token ids", param="prompt")
-
-
-def _check_cache_salt(body: Mapping[str, Any]) -> None:
-    """A client's own cache_salt (further splitting its tenant's cache) must be what vLLM accepts:
-    the scheduler hashes it into the salt the engine sees, which would hide vLLM's own check."""
-    salt = body.get("cache_salt")
-    if salt is None:
-        return
-    if not isinstance(salt, str) or not salt:
-        raise ApiError(400, "cache_salt must be a non-empty string", param="cache_salt")
-    if len(salt) > MAX_CACHE_SALT_CHARS:
-        raise ApiError(400, f"cache_salt is {len(salt)} characters long; the limit is {MAX_CACHE_SALT_CHARS}",
-                       param="cache_salt")
-
-
 def validate_inference(endpoint: str, raw: bytes, session_header: str | None, served: Mapping[str, int],
                        max_session_id_len: int) -> InferenceRequest:
     body = parse_json_object(raw)
-    if endpoint == "chat":
-        _check_messages(body)
-    else:
-        _check_prompt(body)
-    stream = _check_stream(body)
-    _check_cache_salt(body)
+    check(ChatBody if endpoint == "chat" else CompletionBody, body)
+    stream = bool(body.get("stream"))
     session_id = resolve_session_id(session_header, body, max_session_id_len)
     model = resolve_model(body, served)
     _check_max_tokens(body, served[model])
@@ -225,14 +158,11 @@ def validate_advisory(raw: bytes, session_header: str | None, served: Mapping[st
     session_id = resolve_session_id(session_header, body, max_session_id_len)
     if session_id is None:
         raise ApiError(400, "session_id is required", param="session_id")
-    kind = body.get("kind")
-    if kind not in ADVISORY_KINDS:
-        raise ApiError(400, f"kind must be one of {', '.join(ADVISORY_KINDS)}, got {kind!r}", param="kind")
+    check(AdvisoryBody, body)
+    kind = str(body["kind"])
     expected = body.get("expected_arrival_ms")
     if expected is not None:
-        if isinstance(expected, bool) or not isinstance(expected, int | float):
-            raise ApiError(400, "expected_arrival_ms must be a number of milliseconds", param="expected_arrival_ms")
-        if not 0 <= expected <= max_expected_arrival_ms:
+        if not 0 <= expected <= max_expected_arrival_ms:  # NaN fails this too
             raise ApiError(400, f"expected_arrival_ms must be between 0 and {max_expected_arrival_ms}, got {expected}",
                            param="expected_arrival_ms")
         expected = int(expected)

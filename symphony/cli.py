@@ -111,6 +111,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from node_manager.main import run_node
+    from symphony.model_identity import ModelIdentityError
     from symphony.models import resolve_model
 
     config = _load(args, _engine_overrides(args))
@@ -120,7 +121,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     try:
         asyncio.run(run_node(config, args.index, model))
-    except (OSError, ValueError) as exc:  # ports, /dev/shm, the KV directory, the model's KV geometry
+    # Ports, /dev/shm, the KV directory, the model's KV geometry, its files to fingerprint.
+    except (OSError, ValueError, ModelIdentityError) as exc:
         raise CliError(f"node {args.index}: {exc}") from None
     return 0
 
@@ -154,7 +156,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"scheduler {url}: {body.get('status')} ({body.get('ready_nodes')} ready)")
     for name, info in sorted(body.get("nodes", {}).items()):
         print(f"  {name:<8} {info['state']:<18} running={info['running']} waiting={info['waiting']} "
-              f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} restarts={info['engine_restarts']}")
+              f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} restarts={info['engine_restarts']} "
+              f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}")
     return 0 if body.get("status") == "ready" else 1
 
 

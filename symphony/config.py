@@ -140,6 +140,10 @@ class KVConfig:
     # (a warm-up must never delay a real request); 0 disables warm-ups.
     engine_warmup_max_kv_usage: float = 0.8
     engine_warmup_timeout_s: float = 30.0
+    # At start, SSD segments of another model (another fingerprint: weights, tokenizer, dtype, block
+    # size or page layout) are never loaded. false: they are deleted; true: kept on disk for a
+    # rollback to that model, counted against ssd_bytes and evicted first when room is needed.
+    ssd_keep_other_models: bool = False
 
 
 @dataclass(frozen=True)

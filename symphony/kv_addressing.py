@@ -1,10 +1,12 @@
-"""KV addressing: deterministic chained block keys, namespaced by tenant.
+"""KV addressing: deterministic chained block keys, namespaced by model and tenant.
 
 A block key is sha256 over (parent key, the block's token ids as little-endian uint32). The chain
-starts from a per-tenant root derived from a fixed seed, so every process, on every host and after
-every restart, computes the same keys for the same tokens (LMCache's cross-process hash mismatches
-came from Python `hash()` and random seeds; neither is used here). Two tenants never share a key,
-so prefix sharing, and any leak through it, stays within a tenant.
+starts from a root derived from a fixed seed, the model fingerprint (`symphony.model_identity`) and
+the tenant, so every process, on every host and after every restart, computes the same keys for the
+same tokens under the same model (LMCache's cross-process hash mismatches came from Python `hash()`
+and random seeds; neither is used here). Two tenants never share a key, so prefix sharing, and any
+leak through it, stays within a tenant; two models (another dtype, another revision of the weights,
+another page layout) never share a key, so no engine is ever handed KV another model computed.
 """
 
 from __future__ import annotations
@@ -19,15 +21,21 @@ import numpy as np
 
 BlockKey = NewType("BlockKey", bytes)  # 32-byte sha256 digest
 BLOCK_KEY_BYTES = 32
-_SEED = b"symphony-kv-block-key-v1"
+ModelFingerprint = NewType("ModelFingerprint", bytes)  # 32-byte sha256 digest (`symphony.model_identity`)
+FINGERPRINT_BYTES = 32
+# v2: roots hang off the model fingerprint as well as the tenant.
+_SEED = b"symphony-kv-block-key-v2"
 _MAX_TOKEN_ID = 2**32 - 1
 _TAIL_MARK = b"\x00partial-tail\x00"
 _MAX_TAIL_TOKENS = 0xFFFF  # the top 16 bits of a tail key's fingerprint (`tail_key`)
 
 
-def tenant_root(tenant: str) -> BlockKey:
-    """The parent of a tenant's first block: every chain of that tenant hangs off it."""
-    return BlockKey(hashlib.sha256(_SEED + b"\x00tenant\x00" + tenant.encode()).digest())
+def tenant_root(model: ModelFingerprint, tenant: str) -> BlockKey:
+    """The parent of a tenant's first block under `model`: every chain of that tenant and model
+    hangs off it. Raises ValueError for a fingerprint that is not 32 bytes."""
+    if len(model) != FINGERPRINT_BYTES:
+        raise ValueError(f"a model fingerprint is {FINGERPRINT_BYTES} bytes, got {len(model)}")
+    return BlockKey(hashlib.sha256(_SEED + b"\x00model\x00" + model + b"\x00tenant\x00" + tenant.encode()).digest())
 
 
 def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -114,6 +122,7 @@ def tail_mark_of(fingerprint: int) -> int:
 class SessionBlocks:
     """A session's token history cut into full blocks (keyed) and the partial tail (not stored)."""
 
+    model: ModelFingerprint
     tenant: str
     block_size: int
     block_keys: tuple[BlockKey, ...]
@@ -124,20 +133,21 @@ class SessionBlocks:
         return len(self.block_keys)
 
 
-def chain_block_keys(tenant: str, token_ids: Sequence[int] | np.ndarray, block_size: int,
+def chain_block_keys(model: ModelFingerprint, tenant: str, token_ids: Sequence[int] | np.ndarray, block_size: int,
                      start: SessionBlocks | None = None) -> SessionBlocks:
     """Key every full block of `token_ids`. With `start` (an earlier result for a prefix of the same
     tokens) only the new blocks are hashed, so appending a turn costs what the turn adds."""
     tokens = _checked(token_ids)
     known: tuple[BlockKey, ...] = ()
-    if start is not None and start.tenant == tenant and start.block_size == block_size:
+    if start is not None and start.model == model and start.tenant == tenant and start.block_size == block_size:
         known = start.block_keys
-    keys = [*known, *keys_after(tenant, tokens, block_size, known)]
+    keys = [*known, *keys_after(model, tenant, tokens, block_size, known)]
     full_blocks = len(tokens) // block_size
-    return SessionBlocks(tenant, block_size, tuple(keys), tuple(tokens[full_blocks * block_size:].tolist()))
+    return SessionBlocks(model, tenant, block_size, tuple(keys), tuple(tokens[full_blocks * block_size:].tolist()))
 
 
-def keys_after(tenant: str, tokens: np.ndarray, block_size: int, known: Sequence[BlockKey]) -> Iterator[BlockKey]:
+def keys_after(model: ModelFingerprint, tenant: str, tokens: np.ndarray, block_size: int,
+               known: Sequence[BlockKey]) -> Iterator[BlockKey]:
     """The keys of the full blocks of `tokens` (a token array) after the `known` leading ones,
     hashed one at a time as they are asked for: a reader that stops at the first block it does not
     find pays for no more (the connector's lookup of a request's history)."""
@@ -148,7 +158,7 @@ def keys_after(tenant: str, tokens: np.ndarray, block_size: int, known: Sequence
     # conversions were half of that cost. The bytes hashed are `block_key`'s.
     view = memoryview(tokens.tobytes())
     step = 4 * block_size
-    parent = known[-1] if known else tenant_root(tenant)
+    parent = known[-1] if known else tenant_root(model, tenant)
     sha256 = hashlib.sha256
     for offset in range(len(known) * step, len(tokens) // block_size * step, step):
         # One concatenation and a one-shot hash: ~0.3 us less per block than update() on a hash object.
@@ -167,10 +177,10 @@ def _checked(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return token_array(token_ids)
 
 
-def chain_after(tenant: str, tokens: np.ndarray, block_size: int, known_tokens: np.ndarray | None,
-                known: SessionBlocks | None) -> SessionBlocks:
+def chain_after(model: ModelFingerprint, tenant: str, tokens: np.ndarray, block_size: int,
+                known_tokens: np.ndarray | None, known: SessionBlocks | None) -> SessionBlocks:
     """`chain_block_keys` of `tokens` (a token array), hashing only the blocks past `known` when
     `known_tokens` (whose keys `known` holds) are a prefix of them: a resumed turn costs what it adds."""
     if known is not None and known_tokens is not None and np.array_equal(known_tokens, tokens[:len(known_tokens)]):
-        return chain_block_keys(tenant, tokens, block_size, known)
-    return chain_block_keys(tenant, tokens, block_size)
+        return chain_block_keys(model, tenant, tokens, block_size, known)
+    return chain_block_keys(model, tenant, tokens, block_size)

@@ -78,3 +78,31 @@ def geometry_from_model_dir(model_dir: Path, block_size: int, dtype: str) -> KVG
     if dtype == "auto":
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     return KVGeometry(layers, kv_heads, head_size, block_size, dtype)
+
+
+def cpu_attention_isa(dtype: str, block_size: int, head_size: int, *, amx_allowed: bool, amx_supported: bool,
+                      machine: str) -> str:
+    """The kernel vLLM 0.32's CPU attention packs pages for (`cpu_attn._get_attn_isa`, with Symphony's
+    AMX steering, `node_manager.vllm_plugin`): the packing differs between kernels, so it is part of
+    the page layout. The connector checks this against vLLM's own choice when it attaches, so a vLLM
+    that decides otherwise fails loudly instead of storing pages under the wrong layout. Architectures
+    this does not know get their machine name (the connector's check then refuses them)."""
+    if head_size % 32 != 0 and head_size % 16 == 0:
+        return "vec16"
+    machine = machine.lower()
+    if amx_allowed and amx_supported and dtype == "bfloat16" and block_size % 32 == 0:
+        return "amx"
+    if machine in ("aarch64", "arm64"):
+        return "neon"
+    if block_size % 32 != 0:
+        return "vec16"
+    if machine in ("x86_64", "amd64"):
+        return "vec"
+    return {"s390x": "vxe", "ppc64le": "vsx", "ppc64": "vsx"}.get(machine, machine)
+
+
+def page_layout(geometry: KVGeometry, platform: str, attention: str) -> str:
+    """How a page's bytes are laid out: engine platform, attention kernel, shape and dtype. Part of
+    the model fingerprint: the same tokens under another layout are other bytes."""
+    return (f"{platform}/{attention}/[block,{geometry.kv_heads},{geometry.block_size},"
+            f"{2 * geometry.head_size}]/{geometry.dtype}")

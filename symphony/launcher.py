@@ -93,7 +93,9 @@ class Cluster:
                 name, _child_argv("node", *config_arg, "--index", str(i)),
                 log_path=self.logs_dir / f"{name}.log",
                 ready_probe=probe,
-                policy=CHILD_RESTARTS, startup_timeout_s=60.0,
+                # Ready once its store is up: after the model fingerprint, which on a first start
+                # reads every byte of the weights (a minute or more for a large model).
+                policy=CHILD_RESTARTS, startup_timeout_s=max(60.0, self.config.engine.startup_timeout_s),
                 # The node manager stops its engine first; give it the engine's grace plus margin.
                 stop_timeout_s=self.config.engine.stop_timeout_s + 15.0,
             )

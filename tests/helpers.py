@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Awaitable, Callable
 
 from eval.ports import free_port, free_port_run  # noqa: F401 - the suites take them from here
+from symphony.kv_addressing import ModelFingerprint
+
+# The model fingerprint of stores that serve no real model (unit tests of the store and its peers).
+TEST_MODEL = ModelFingerprint(hashlib.sha256(b"symphony-test-model").digest())
+OTHER_MODEL = ModelFingerprint(hashlib.sha256(b"symphony-test-other-model").digest())
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05) -> None:

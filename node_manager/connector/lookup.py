@@ -25,6 +25,7 @@ from node_manager.connector.kv_client import NodeKVClient, registration_frame
 from node_manager.kv.block_index import BlockIndexReader
 from symphony.kv_addressing import (
     BlockKey,
+    ModelFingerprint,
     keys_after,
     tail_key,
     tail_length,
@@ -58,9 +59,12 @@ class HeldHistory:
 class HistoryLookup:
     """One per scheduler-side connector; not thread-safe (vLLM's scheduler runs on one thread)."""
 
-    def __init__(self, client: NodeKVClient, max_sessions: int = MAX_SESSIONS,
+    def __init__(self, client: NodeKVClient, model: ModelFingerprint, max_sessions: int = MAX_SESSIONS,
                  max_kept_tokens: int = MAX_KEPT_TOKENS) -> None:
+        """`model`: the fingerprint of the model this engine serves; histories are keyed under it,
+        and a node manager that stores another model's KV is refused at `attach`."""
         self._client = client
+        self._model = model
         self._max_sessions = max_sessions
         self._max_kept_tokens = max_kept_tokens
         # session -> (the tokens of its held blocks when last asked, their keys)
@@ -86,7 +90,7 @@ class HistoryLookup:
             # Each new block is looked up as soon as it is hashed, up to the first the index lacks:
             # no block past what the tiers could load is hashed, and a held one costs a slot read.
             holds = index.holds
-            for key in keys_after(tenant, tokens, self._block_size, held):
+            for key in keys_after(self._model, tenant, tokens, self._block_size, held):
                 if not holds(key):
                     break
                 held.append(key)
@@ -106,7 +110,7 @@ class HistoryLookup:
         longest = min(self._block_size - 1, len(tokens) - start)
         if longest <= 0:
             return 0, None
-        parent = held[-1] if held else tenant_root(tenant)
+        parent = held[-1] if held else tenant_root(self._model, tenant)
         mark = tail_mark(parent)
         lengths = {tail_length(fp) for fp in index.run_at_home_of(mark) if tail_mark_of(fp) == mark}
         for length in sorted((n for n in lengths if 0 < n <= longest), reverse=True):
@@ -133,10 +137,12 @@ class HistoryLookup:
     def attach(self) -> BlockIndexReader:
         """The index of the node manager the client is connected to, mapped now if it is not yet:
         again after a reconnect, a failed send, or when the index file was replaced (the node
-        manager closed or restarted)."""
+        manager closed or restarted). Raises ValueError when the node manager stores another
+        model's KV than this engine serves."""
         if (self._index is None or self._attached_connection != self._client.connections
                 or self._index.replaced()):
             hello = self._client.hello()
+            check_hello_model(hello, self._model)
             self.close()
             self._index = BlockIndexReader(hello["block_index"])
             self._block_size = int(hello["block_size"])
@@ -164,3 +170,11 @@ class HistoryLookup:
         if self._index is not None:
             self._index.close()
             self._index = None
+
+
+def check_hello_model(hello: dict[str, object], model: ModelFingerprint) -> None:
+    """Raise ValueError unless the node manager's hello names `model` as the one it stores KV of."""
+    theirs = str(hello.get("model_fingerprint", ""))
+    if theirs != model.hex():
+        raise ValueError(f"the node manager stores KV of model {theirs[:12] or 'unknown'}, this engine serves "
+                         f"{model.hex()[:12]}: its tiers are not used")

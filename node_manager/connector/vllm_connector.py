@@ -4,7 +4,11 @@ vLLM builds one instance per role: the scheduler side (engine-core process) asks
 how much of a request's history its tiers hold and plans each step's loads and saves
 (`node_manager.connector.plan`); the worker side (model process) moves the pages
 (`node_manager.connector.worker`). Both talk to the node manager over the node-local KV channel,
-whose socket path comes in `kv_connector_extra_config["socket"]`.
+whose socket path comes in `kv_connector_extra_config["socket"]`. The model fingerprint the node
+manager computed for this engine (`symphony.model_identity`) comes there too ("model_fingerprint",
+hex) with the page layout it stands for ("page_layout"): the lookup keys histories under it, and
+both sides refuse a node manager that stores another model's KV; the worker side also refuses to
+attach when vLLM's real cache is not in that layout (another dtype, another attention kernel).
 
 A request names its session through `kv_transfer_params` ({"tenant", "session_id"}, see
 `symphony.kv_transfer`) or vLLM's own `session_id`; without either it still gets and leaves KV under
@@ -36,6 +40,7 @@ from node_manager.connector.warm_order import WarmedBlocks
 from node_manager.connector.worker import WorkerSide
 from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES, WARMUP_PARAM, WARMUP_PRIORITY_PARAM
 from node_manager.kv.pages import Priority
+from symphony.kv_addressing import FINGERPRINT_BYTES, ModelFingerprint
 from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
 from symphony.logs import get_logger
 
@@ -68,16 +73,18 @@ class SymphonyConnector(KVConnectorBase_V1):
         socket_path = extra.get("socket")
         if not socket_path:
             raise ValueError("SymphonyConnector needs kv_connector_extra_config.socket (the node manager's KV channel)")
+        model = model_from_extra_config(extra)
         self._block_size = vllm_config.cache_config.block_size
         self._planner = ConnectorPlanner(self._block_size)
         self._scheduler_client = NodeKVClient(socket_path) if role == KVConnectorRole.SCHEDULER else None
-        self._lookup = HistoryLookup(self._scheduler_client) if self._scheduler_client is not None else None
+        self._lookup = HistoryLookup(self._scheduler_client, model) if self._scheduler_client is not None else None
         if self._lookup is not None:
             # Mapped up front, so the first request pays no hello; a node manager not up yet is
             # attached by the first request that finds it.
             with contextlib.suppress(OSError, ValueError, KVChannelError):
                 self._lookup.attach()
-        self._worker = (WorkerSide(socket_path, float(extra.get("layer_wait_s", 30.0)))
+        self._worker = (WorkerSide(socket_path, float(extra.get("layer_wait_s", 30.0)), model,
+                                   str(extra.get("page_layout", "")), str(vllm_config.cache_config.cache_dtype))
                         if role == KVConnectorRole.WORKER else None)
         self._channel_down_logged = False
         self._requests_by_id: dict[str, Request] = {}  # live requests (vLLM adds and finishes each once)
@@ -225,6 +232,20 @@ class SymphonyConnector(KVConnectorBase_V1):
             self._lookup.close()
         if self._scheduler_client is not None:
             self._scheduler_client.close()
+
+
+def model_from_extra_config(extra: dict[str, Any]) -> ModelFingerprint:
+    """The fingerprint the node manager launched this engine for. Raises ValueError when it is
+    missing or malformed: an engine that cannot tell its model's KV from another's must not start."""
+    text = extra.get("model_fingerprint")
+    try:
+        model = bytes.fromhex(text) if isinstance(text, str) else b""
+    except ValueError:
+        model = b""
+    if len(model) != FINGERPRINT_BYTES:
+        raise ValueError("SymphonyConnector needs kv_connector_extra_config.model_fingerprint (64 hex digits, "
+                         f"the node manager's model fingerprint), got {text!r}")
+    return ModelFingerprint(model)
 
 
 def _priority(params: dict[str, Any] | None) -> Priority:

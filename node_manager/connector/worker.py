@@ -29,10 +29,12 @@ import numpy as np
 import torch
 
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
+from node_manager.connector.lookup import check_hello_model
 from node_manager.connector.plan import LoadSpec, SaveSpec, TailSave
 from node_manager.kv.loader import single_threaded_torch
 from node_manager.kv.slots import DramArena, copy_rows
-from symphony.kv_geometry import KVGeometry
+from symphony.kv_addressing import ModelFingerprint
+from symphony.kv_geometry import KVGeometry, page_layout
 from symphony.logs import get_logger
 
 log = get_logger("node_manager.connector")
@@ -60,10 +62,33 @@ class _StepLoad:
         self.block_ids = block_ids  # every vLLM block this step loads into, in item order
 
 
+def cache_page_layout(kv: torch.Tensor, geometry: KVGeometry, kv_cache_dtype: str) -> str:
+    """The page layout of vLLM's real KV cache tensor `kv` (one layer), as `page_layout` names it:
+    on a CPU engine with the attention kernel vLLM chose for it (through Symphony's AMX steering,
+    which this process has loaded as a vLLM plugin)."""
+    dtype = str(kv.dtype).removeprefix("torch.")
+    try:
+        actual = KVGeometry(geometry.num_layers, geometry.kv_heads, geometry.head_size, geometry.block_size, dtype)
+    except ValueError:
+        return f"{kv.device.type}/?/{dtype}"  # a dtype the store cannot hold: matches no declared layout
+    if kv.device.type != "cpu":
+        return page_layout(actual, kv.device.type, "vllm")
+    from vllm.v1.attention.backends import cpu_attn
+
+    isa = cpu_attn._get_attn_isa(kv.dtype, geometry.block_size, geometry.head_size, kv_cache_dtype)
+    return page_layout(actual, "cpu", isa)
+
+
 class WorkerSide:
-    def __init__(self, socket_path: str, layer_wait_s: float) -> None:
+    def __init__(self, socket_path: str, layer_wait_s: float, model: ModelFingerprint, declared_layout: str,
+                 kv_cache_dtype: str = "auto") -> None:
+        """`model` and `declared_layout`: what the node manager launched this engine for (its model
+        fingerprint covers that layout); `register` refuses a cache or a node manager that differs."""
         self._socket_path = socket_path
         self._layer_wait_s = layer_wait_s
+        self._model = model
+        self._declared_layout = declared_layout
+        self._kv_cache_dtype = kv_cache_dtype
         # Reservations belong to the connection that made them: reserves (forward thread) and
         # commits (commit thread) share this one, one call at a time.
         self._control = NodeKVClient(socket_path)
@@ -88,13 +113,22 @@ class WorkerSide:
     # ---- setup ------------------------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map vLLM's cache and the node's DRAM arena. Raises ValueError when they cannot hold the
+        same pages: another model at the node manager, another layout in vLLM than the one the
+        model fingerprint was computed for (vLLM then fails to start, saying why, rather than
+        storing pages another engine would misread)."""
         ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
         with self._control_lock:
             hello = self._control.hello()
+        check_hello_model(hello, self._model)
         geometry = KVGeometry(hello["num_layers"], hello["kv_heads"], hello["head_size"], hello["block_size"],
                               hello["dtype"])
         if len(ordered) != geometry.num_layers:
             raise ValueError(f"vLLM has {len(ordered)} KV layers, the node manager's store {geometry.num_layers}")
+        layout = cache_page_layout(ordered[0][1], geometry, self._kv_cache_dtype)
+        if layout != self._declared_layout:
+            raise ValueError(f"vLLM's KV cache is laid out as {layout}, but the model fingerprint was computed for "
+                             f"{self._declared_layout or 'no layout'}; refusing to store its pages under it")
         layers = []
         for name, kv in ordered:
             page_bytes = kv[0].numel() * kv.element_size()

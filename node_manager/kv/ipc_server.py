@@ -173,7 +173,8 @@ class LocalKVServer:
                                       "block_index": self.store.block_index.name,
                                       "arena_bytes": self.store.config.dram_bytes, "num_layers": g.num_layers,
                                       "kv_heads": g.kv_heads, "head_size": g.head_size,
-                                      "block_size": g.block_size, "dtype": g.dtype, "page_bytes": g.page_bytes})
+                                      "block_size": g.block_size, "dtype": g.dtype, "page_bytes": g.page_bytes,
+                                      "model_fingerprint": self.store.model.hex()})
         elif op == "register":
             tenant, session = _str(message, "tenant"), _str(message, "session")
             self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))

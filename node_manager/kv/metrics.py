@@ -41,8 +41,19 @@ class KVMetrics:
                                        buckets=_LEAD_BUCKETS, registry=r)
         self.segments_damaged = Counter("symphony_kv_ssd_segments_damaged_total",
                                         "Segment files dropped at index rebuild as damaged", registry=r)
+        self.segments_other_model = Counter(
+            "symphony_kv_ssd_segments_other_model_total",
+            "Segment files of another model (fingerprint) found at index rebuild and not loaded: dropped, or kept "
+            "on disk for a rollback (kv.ssd_keep_other_models)", ["action"], registry=r)
+        self.other_model_segments = Gauge(
+            "symphony_kv_ssd_other_model_segments",
+            "Segment files of other models kept on disk, not loaded (evicted first when room is needed)", registry=r)
         self.peer_pages = Counter("symphony_kv_peer_pages_total", "Pages received from peers, by outcome",
                                   ["outcome"], registry=r)
+        self.peer_refused = Counter(
+            "symphony_kv_peer_refused_total",
+            "Page pulls refused because the two nodes serve different models (fingerprints), by side: "
+            "sender (this node refused a peer) or receiver (this node refused a peer's pages)", ["side"], registry=r)
 
         # The vLLM connector's view (served over the node-local KV channel, reported by its sides).
         self.connector_tokens_loaded = Counter(

@@ -149,6 +149,7 @@ class PageStreamServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             request = _read_request(conn)
+            self._store.check_model(request.model_fingerprint)  # before anything of the session goes out
             if request.with_session:
                 request = self._describe_session(conn, request)
                 if request is None:
@@ -181,8 +182,9 @@ class PageStreamServer:
             request = _read_request(conn)
         except ConnectionError:
             return None
-        if request.session != opening.session or request.with_session:
-            raise ProtocolError("the range request must name the session just described, once")
+        if (request.session != opening.session or request.with_session
+                or request.model_fingerprint != opening.model_fingerprint):
+            raise ProtocolError("the range request must name the session just described, once, for the same model")
         return request
 
     def _send_pages(self, conn: socket.socket, request: kv_pb2.FetchPagesRequest) -> None:

@@ -109,6 +109,8 @@ class PeerPuller:
         peer's partial last block, when it has one and this node not, goes into `tail` (fetched
         after the full blocks, over gRPC: the page stream carries whole blocks)."""
         tenant, session_id = ref.tenant, ref.session_id
+        # Before the session is registered here: another model's token history and pages stay out.
+        self._store.check_model(remote.model_fingerprint, who="the peer")
         priority = PRIORITY_FROM_PROTO.get(remote.priority)
         record = self._store.put_session(tenant, session_id, list(remote.token_ids), priority)
         start = self._store.loadable_prefix_blocks(tenant, session_id)
@@ -119,12 +121,14 @@ class PeerPuller:
         if (remote.loadable_tail_tokens and remote.loadable_prefix_blocks == record.blocks.num_blocks
                 and self._store.loadable_tail_tokens(tenant, session_id) < remote.loadable_tail_tokens):
             tail.append(kv_pb2.FetchPagesRequest(session=ref, first_block=record.blocks.num_blocks, num_blocks=1,
-                                                 tail_tokens=remote.loadable_tail_tokens))
+                                                 tail_tokens=remote.loadable_tail_tokens,
+                                                 model_fingerprint=self._store.model))
             reply.pages_expected += layers
         if wanted <= 0:
             reply.complete = record.blocks.num_blocks <= start and not tail
             return None
-        return kv_pb2.FetchPagesRequest(session=ref, first_block=first, num_blocks=wanted)
+        return kv_pb2.FetchPagesRequest(session=ref, first_block=first, num_blocks=wanted,
+                                        model_fingerprint=self._store.model)
 
     async def _pull_with_session(self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply,
                                  tail: list[kv_pb2.FetchPagesRequest]) -> bool:
@@ -140,7 +144,8 @@ class PeerPuller:
             planned.extend([request] if request is not None else [])
             return request
 
-        outcome = await self._stream(peer, port, kv_pb2.FetchPagesRequest(session=ref, with_session=True), plan)
+        opening = kv_pb2.FetchPagesRequest(session=ref, with_session=True, model_fingerprint=self._store.model)
+        outcome = await self._stream(peer, port, opening, plan)
         if outcome is None or outcome.status is None:
             # Unreachable, busy, or an unknown session: gRPC's status says which (and where the stream is now).
             return False
@@ -160,7 +165,11 @@ class PeerPuller:
             reply.error = f"peer {peer}: {exc.code().name}: {exc.details()}"
             return
         self._data_ports[peer] = remote.data_port
-        request = self._plan(ref, remote, reply, tail)
+        try:
+            request = self._plan(ref, remote, reply, tail)
+        except KVStoreError as exc:  # another model's session, or one that cannot be registered here
+            reply.error = f"peer {peer}: {exc}"
+            return
         if request is None:
             return
         outcome = None

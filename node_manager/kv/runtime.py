@@ -18,6 +18,7 @@ from node_manager.kv.service import KVStoreService
 from node_manager.kv.store import StoreConfig, TieredStore
 from node_manager.kv.transfer import MAX_MESSAGE_BYTES
 from symphony.config import SymphonyConfig
+from symphony.kv_addressing import ModelFingerprint
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2_grpc
@@ -50,27 +51,28 @@ class KVRuntime:
         await asyncio.to_thread(self.store.close)
 
 
-def store_config(config: SymphonyConfig, index: int) -> StoreConfig:
+def store_config(config: SymphonyConfig, index: int, model: ModelFingerprint) -> StoreConfig:
     kv = config.kv
     # One arena name per node port: a restarted node manager replaces what a killed one left behind.
     arena = f"symphony-kv-{config.node_id(index)}-{config.node.grpc_port_base + index}"
     return StoreConfig(hbm_bytes=kv.hbm_bytes, dram_bytes=kv.dram_bytes, ssd_bytes=kv.ssd_bytes,
-                       ssd_dir=config.kv_ssd_dir(index), arena_name=arena, device=kv.device,
+                       ssd_dir=config.kv_ssd_dir(index), arena_name=arena, model=model, device=kv.device,
                        io_threads=kv.io_threads, max_inflight_jobs=kv.max_inflight_jobs,
                        segment_max_bytes=kv.segment_max_bytes, ssd_writers=kv.ssd_writers,
-                       max_sessions=kv.max_sessions, max_session_tokens=kv.max_session_tokens)
+                       max_sessions=kv.max_sessions, max_session_tokens=kv.max_session_tokens,
+                       ssd_keep_other_models=kv.ssd_keep_other_models)
 
 
-async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, server: grpc.aio.Server,
-                   engine: EngineView | None = None, served_model: str = "") -> KVRuntime:
-    """With `engine` (a node serving a model through Symphony's connector), top-tier prefetches end
-    in that engine's own prefix cache."""
+async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, model: ModelFingerprint,
+                   server: grpc.aio.Server, engine: EngineView | None = None, served_model: str = "") -> KVRuntime:
+    """`model`: the fingerprint of the model whose KV the store holds. With `engine` (a node serving a
+    model through Symphony's connector), top-tier prefetches end in that engine's own prefix cache."""
     metrics = KVMetrics()
     port = config.kv_metrics_port(index)
     if port:  # bound before the store exists: a port in use then fails the start without leaving its arena
         start_http_server(port, addr=config.node.host, registry=metrics.registry)
     # Rebuilding the index reads every segment header: off the event loop.
-    store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index), metrics)
+    store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index, model), metrics)
     tcp = config.kv.data_plane == "tcp"
     try:
         page_stream = PageStreamServer(store, config.node.host, config.kv_data_port(index),

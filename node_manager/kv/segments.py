@@ -3,7 +3,8 @@
     [fixed header][entry × count][pad to 4 KiB][page 0][page 1]...
 
 Every entry names its page (block key, layer) and carries the page's checksum; the fixed header
-carries a checksum of the entry table. A segment is written to `seg-<seq>.tmp`, fsynced, then renamed
+names the model the pages belong to (its fingerprint, `symphony.model_identity`) and carries a
+checksum of the fingerprint and the entry table. A segment is written to `seg-<seq>.tmp`, fsynced, then renamed
 to `seg-<seq>.kvseg`, so a reader (or a restart) sees a whole segment or none: a writer killed with -9
 leaves at most a `.tmp`, which the index rebuild deletes. Pages of a save are written in layer order,
 so a layer-wise load of a session reads each segment front to back.
@@ -16,16 +17,20 @@ from dataclasses import dataclass
 
 import xxhash
 
-from symphony.kv_addressing import BLOCK_KEY_BYTES, BlockKey
+from symphony.kv_addressing import BLOCK_KEY_BYTES, FINGERPRINT_BYTES, BlockKey, ModelFingerprint
 
 MAGIC = b"SYMKVSG1"
 # 2: page checksums are one-shot xxh3 seeded by (key, layer) (`pages.page_checksum`); a version 1
 # segment's checksums would fail every read, so the index rebuild drops such segments.
-VERSION = 2
+# 3: the header names the model fingerprint, and block keys hang off it; a version 2 segment's
+# pages may be another model's (nothing said whose), so the rebuild drops them too.
+VERSION = 3
 ALIGN = 4096
 SUFFIX = ".kvseg"
 TMP_SUFFIX = ".tmp"
-_FIXED = struct.Struct("<8sHHIIQIIQ")  # magic, version, reserved, page_bytes, count, seq, header_len, reserved, crc
+# magic, version, reserved, page_bytes, count, seq, header_len, reserved, crc, model fingerprint
+_FIXED = struct.Struct(f"<8sHHIIQIIQ{FINGERPRINT_BYTES}s")
+_VERSION_AT = struct.Struct("<8sH")  # what every version's header starts with
 _ENTRY = struct.Struct(f"<{BLOCK_KEY_BYTES}sIQ")  # block key, layer, page checksum
 
 
@@ -49,6 +54,7 @@ class SegmentHeader:
     seq: int
     page_bytes: int
     header_len: int
+    model: ModelFingerprint  # whose KV the pages are
     entries: tuple[SegmentEntry, ...]
 
     def page_offset(self, index: int) -> int:
@@ -68,10 +74,13 @@ def header_length(count: int) -> int:
     return (raw + ALIGN - 1) // ALIGN * ALIGN
 
 
-def encode_header(seq: int, page_bytes: int, entries: list[SegmentEntry]) -> bytes:
+def encode_header(seq: int, page_bytes: int, model: ModelFingerprint, entries: list[SegmentEntry]) -> bytes:
+    if len(model) != FINGERPRINT_BYTES:
+        raise ValueError(f"a model fingerprint is {FINGERPRINT_BYTES} bytes, got {len(model)}")
     table = b"".join(_ENTRY.pack(e.block_key, e.layer, e.checksum) for e in entries)
     length = header_length(len(entries))
-    fixed = _FIXED.pack(MAGIC, VERSION, 0, page_bytes, len(entries), seq, length, 0, xxhash.xxh3_64_intdigest(table))
+    fixed = _FIXED.pack(MAGIC, VERSION, 0, page_bytes, len(entries), seq, length, 0,
+                        xxhash.xxh3_64_intdigest(model + table), model)
     return (fixed + table).ljust(length, b"\x00")
 
 
@@ -81,15 +90,18 @@ def fixed_header_size() -> int:
 
 def decode_header(prefix: bytes) -> tuple[int, int]:
     """Parse the fixed part: returns (count, header_len) so the caller can read the entry table."""
+    if len(prefix) >= _VERSION_AT.size:
+        # Checked before the size: an older format's fixed header is shorter than this one's.
+        magic, version = _VERSION_AT.unpack_from(prefix)
+        if magic != MAGIC:
+            raise SegmentFormatError("not a Symphony KV segment (bad magic)")
+        if version < VERSION:
+            raise OutdatedSegment(f"segment format version {version} predates {VERSION}")
+        if version != VERSION:
+            raise SegmentFormatError(f"segment format version {version} is not {VERSION}")
     if len(prefix) < _FIXED.size:
         raise SegmentFormatError("file shorter than a segment header")
-    magic, version, _, _, count, _, header_len, _, _ = _FIXED.unpack_from(prefix)
-    if magic != MAGIC:
-        raise SegmentFormatError("not a Symphony KV segment (bad magic)")
-    if version < VERSION:
-        raise OutdatedSegment(f"segment format version {version} predates {VERSION}")
-    if version != VERSION:
-        raise SegmentFormatError(f"segment format version {version} is not {VERSION}")
+    _, _, _, _, count, _, header_len, _, _, _ = _FIXED.unpack_from(prefix)
     if header_len != header_length(count):
         raise SegmentFormatError("inconsistent header length")
     return count, header_len
@@ -99,9 +111,9 @@ def parse_header(data: bytes) -> SegmentHeader:
     count, header_len = decode_header(data)
     if len(data) < _FIXED.size + count * _ENTRY.size:
         raise SegmentFormatError("truncated entry table")
-    _, _, _, page_bytes, _, seq, _, _, table_crc = _FIXED.unpack_from(data)
+    _, _, _, page_bytes, _, seq, _, _, table_crc, model = _FIXED.unpack_from(data)
     table = data[_FIXED.size:_FIXED.size + count * _ENTRY.size]
-    if xxhash.xxh3_64_intdigest(table) != table_crc:
+    if xxhash.xxh3_64_intdigest(model + table) != table_crc:
         raise SegmentFormatError("entry table checksum mismatch")
     entries = tuple(SegmentEntry(BlockKey(key), layer, crc) for key, layer, crc in _ENTRY.iter_unpack(table))
-    return SegmentHeader(seq, page_bytes, header_len, entries)
+    return SegmentHeader(seq, page_bytes, header_len, ModelFingerprint(model), entries)

@@ -27,7 +27,7 @@ from node_manager.kv.prefetch import (
     PrefetchQueueFull,
 )
 from node_manager.kv.puller import PeerPuller
-from node_manager.kv.store import InvalidRequest, SessionNotFound, StoreBusy, TieredStore
+from node_manager.kv.store import InvalidRequest, ModelMismatch, SessionNotFound, StoreBusy, TieredStore
 from node_manager.kv.transfer import PRIORITY_FROM_PROTO, session_status, store_batch, stream_pages
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
@@ -75,10 +75,12 @@ async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
     if isinstance(exc, StoreBusy | PrefetchQueueFull):
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, ModelMismatch):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
-_CLIENT_ERRORS = (_Invalid, InvalidRequest, SessionNotFound, StoreBusy, PrefetchQueueFull, ValueError)
+_CLIENT_ERRORS = (_Invalid, InvalidRequest, SessionNotFound, StoreBusy, PrefetchQueueFull, ModelMismatch, ValueError)
 
 
 class KVStoreService(kv_pb2_grpc.KVStoreServicer):
@@ -99,7 +101,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
                                 page_bytes=g.page_bytes, dram_arena_name=self.store.dram.name,
                                 dram_arena_slots=self.store.dram.num_slots, hbm_capacity_bytes=c.hbm_bytes,
                                 dram_capacity_bytes=c.dram_bytes, ssd_capacity_bytes=c.ssd_bytes,
-                                data_port=self.data_port)
+                                data_port=self.data_port, model_fingerprint=c.model)
 
     async def PutSession(self, request: kv_pb2.PutSessionRequest, context: grpc.aio.ServicerContext
                          ) -> kv_pb2.SessionStatus:
@@ -168,6 +170,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
                          ) -> AsyncIterator[kv_pb2.PageBatch]:
         try:
             tenant, session_id = _session(request.session)
+            self.store.check_model(request.model_fingerprint)
             async for batch in stream_pages(self.store, tenant, session_id, request.first_block,
                                             request.num_blocks or None, request.tail_tokens):
                 yield batch

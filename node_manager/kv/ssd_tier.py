@@ -31,6 +31,7 @@ from node_manager.kv.segments import (
     parse_header,
     segment_name,
 )
+from symphony.kv_addressing import ModelFingerprint
 from symphony.logs import get_logger
 
 log = get_logger("node_manager.kv.ssd")
@@ -41,6 +42,11 @@ def _aligned_copy(data: bytes) -> mmap.mmap:
     buffer = mmap.mmap(-1, len(data))
     buffer[:] = data
     return buffer
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
 
 
 class SsdFullError(OSError):
@@ -72,13 +78,31 @@ class SsdLocation:
     index: int
 
 
+@dataclass(slots=True)
+class RebuildReport:
+    """What `SsdTier.rebuild` found: the pages it indexed and the segments it did not load."""
+
+    pages: list[tuple[PageId, SsdLocation, int]]  # (page, location, checksum), oldest segment first
+    damaged: int = 0  # unreadable or inconsistent segments, deleted
+    outdated: int = 0  # segments of an older format, deleted
+    other_models: dict[ModelFingerprint, int] = field(default_factory=dict)  # segments per foreign fingerprint
+    kept_other_models: bool = False  # those were kept on disk (else deleted)
+
+
 class SsdTier:
-    def __init__(self, directory: Path, page_bytes: int, capacity_bytes: int, *, direct_io: bool = False) -> None:
-        """`direct_io`: the caller's page buffers are page-aligned (the DRAM arena's are when a page
+    def __init__(self, directory: Path, page_bytes: int, capacity_bytes: int, model: ModelFingerprint, *,
+                 direct_io: bool = False, keep_other_models: bool = False) -> None:
+        """`model`: the fingerprint of the model whose pages this tier holds; segments of any other
+        are never loaded. At `rebuild` they are deleted, or with `keep_other_models` left on disk
+        unloaded (for a rollback to that model) as the least recently used segments: they count
+        against the capacity and are the first to go when room is needed.
+        `direct_io`: the caller's page buffers are page-aligned (the DRAM arena's are when a page
         is a whole number of 4 KiB), so segments may bypass the page cache (see `write`)."""
         self.directory = Path(directory)
         self.page_bytes = page_bytes
         self.capacity_bytes = capacity_bytes
+        self.model = model
+        self.keep_other_models = keep_other_models
         self.segments: dict[int, Segment] = {}
         self.used_bytes = 0  # bytes of committed segments plus reservations
         self._lru = LRUPolicy()
@@ -88,47 +112,70 @@ class SsdTier:
 
     # ---- restart ----------------------------------------------------------------------------------
 
-    def rebuild(self) -> tuple[list[tuple[PageId, SsdLocation, int]], int]:
-        """Index every whole segment on disk (oldest first, so newer copies of a page win) and delete
-        leftovers of interrupted writes. Returns ((page, location, checksum) list, damaged count)."""
-        damaged = outdated = 0
+    def rebuild(self) -> RebuildReport:
+        """Index every whole segment of this tier's model on disk (oldest first, so newer copies of a
+        page win) and delete leftovers of interrupted writes. Segments of another model are not
+        indexed (see `__init__`)."""
+        report = RebuildReport(pages=[], kept_other_models=self.keep_other_models)
         for tmp in self.directory.glob(f"*{TMP_SUFFIX}"):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
         headers: list[tuple[SegmentHeader, Path]] = []
+        foreign: list[tuple[SegmentHeader, Path]] = []
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:
                 header = self._read_header(path)
-                if header.page_bytes != self.page_bytes:
-                    raise SegmentFormatError(f"page size {header.page_bytes} is not {self.page_bytes}")
                 if path.stat().st_size < header.file_bytes:
                     raise SegmentFormatError("file shorter than its header says")
+                if header.model != self.model:
+                    # Before the page size check: another model's pages may well be another size.
+                    report.other_models[header.model] = report.other_models.get(header.model, 0) + 1
+                    if self.keep_other_models:
+                        foreign.append((header, path))
+                    else:
+                        _unlink(path)
+                    continue
+                if header.page_bytes != self.page_bytes:
+                    raise SegmentFormatError(f"page size {header.page_bytes} is not {self.page_bytes}")
             except OutdatedSegment:
                 # Not damage: an upgrade. One line for all of them, below, not one per file.
-                outdated += 1
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+                report.outdated += 1
+                _unlink(path)
                 continue
             except (OSError, SegmentFormatError) as exc:
-                damaged += 1
+                report.damaged += 1
                 log.warning("dropping a damaged KV segment", path=str(path), error=str(exc))
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+                _unlink(path)
                 continue
             headers.append((header, path))
-        if outdated:
+        if report.outdated:
             log.warning("dropped KV segments written in an older format; their sessions recompute",
-                        segments=outdated, directory=str(self.directory))
-        pages: list[tuple[PageId, SsdLocation, int]] = []
+                        segments=report.outdated, directory=str(self.directory))
+        if report.other_models:
+            log.warning("KV segments of another model were not loaded" + (
+                "; kept on disk for a rollback (kv.ssd_keep_other_models)" if self.keep_other_models else
+                "; deleted (kv.ssd_keep_other_models = true keeps them for a rollback)"),
+                segments=sum(report.other_models.values()),
+                their_models=",".join(fp.hex()[:12] for fp in sorted(report.other_models)),
+                this_model=self.model.hex()[:12], directory=str(self.directory))
+        # Kept segments first: the least recently used, so the first evicted when room is needed.
+        for header, path in sorted(foreign, key=lambda hp: hp[0].seq):
+            self._add(Segment(header, path))
         for header, path in sorted(headers, key=lambda hp: hp[0].seq):
-            segment = Segment(header, path, live=set(range(len(header.entries))))
-            self.segments[header.seq] = segment
-            self._lru.insert(header.seq)
-            self.used_bytes += segment.file_bytes
-            self._next_seq = max(self._next_seq, header.seq + 1)
+            self._add(Segment(header, path, live=set(range(len(header.entries)))))
             for index, entry in enumerate(header.entries):
-                pages.append(((entry.block_key, entry.layer), SsdLocation(header.seq, index), entry.checksum))
-        return pages, damaged
+                report.pages.append(((entry.block_key, entry.layer), SsdLocation(header.seq, index), entry.checksum))
+        return report
+
+    def _add(self, segment: Segment) -> None:
+        self.segments[segment.seq] = segment
+        self._lru.insert(segment.seq)
+        self.used_bytes += segment.file_bytes
+        self._next_seq = max(self._next_seq, segment.seq + 1)  # kept segments' names stay taken
+
+    def other_model_segments(self) -> int:
+        """Segments of other models kept on disk (not loaded)."""
+        return sum(1 for segment in self.segments.values() if segment.header.model != self.model)
 
     def _read_header(self, path: Path) -> SegmentHeader:
         with path.open("rb") as fh:
@@ -170,7 +217,7 @@ class SsdTier:
         self.used_bytes -= nbytes
 
     def commit(self, seq: int, entries: list[SegmentEntry]) -> Segment:
-        header = SegmentHeader(seq, self.page_bytes, header_length(len(entries)), tuple(entries))
+        header = SegmentHeader(seq, self.page_bytes, header_length(len(entries)), self.model, tuple(entries))
         segment = Segment(header, self.directory / segment_name(seq), live=set(range(len(entries))))
         self.segments[seq] = segment
         self._lru.insert(seq)
@@ -218,7 +265,7 @@ class SsdTier:
         segments with O_DIRECT 50 ms). A file system that refuses it (tmpfs) gets buffered writes."""
         final = self.directory / segment_name(seq)
         tmp = final.with_suffix(TMP_SUFFIX)
-        header = encode_header(seq, self.page_bytes, entries)
+        header = encode_header(seq, self.page_bytes, self.model, entries)
         if self._direct:
             try:
                 self._write_file(tmp, _aligned_copy(header), pages, os.O_DIRECT)

@@ -41,7 +41,16 @@ from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, consecutive_runs, copy_rows
 from node_manager.kv.ssd_load import BadPage, PreparedSsdLoad, SsdLoad
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
-from symphony.kv_addressing import BlockKey, SessionBlocks, chain_after, tail_key, tenant_root, token_array
+from symphony.kv_addressing import (
+    FINGERPRINT_BYTES,
+    BlockKey,
+    ModelFingerprint,
+    SessionBlocks,
+    chain_after,
+    tail_key,
+    tenant_root,
+    token_array,
+)
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
 
@@ -71,6 +80,10 @@ class InvalidRequest(KVStoreError):
     pass
 
 
+class ModelMismatch(KVStoreError):
+    """Pages asked for, or offered, under another model's fingerprint than the store's."""
+
+
 class StoreBusy(KVStoreError):
     """Too much I/O already in flight; the caller should retry later (or recompute)."""
 
@@ -82,6 +95,7 @@ class StoreConfig:
     ssd_bytes: int
     ssd_dir: Path
     arena_name: str
+    model: ModelFingerprint  # whose KV the store holds: keys hang off it, segments carry it
     device: str = "cpu"
     io_threads: int = 2
     max_inflight_jobs: int = 256  # queued + running layer jobs and save copies
@@ -91,6 +105,7 @@ class StoreConfig:
     max_session_tokens: int = 1_048_576
     # How long the write-behind may hold off while a foreground transfer (a peer pull) runs.
     write_behind_max_delay_s: float = 0.5
+    ssd_keep_other_models: bool = False  # keep other models' segments on disk, unloaded (`SsdTier`)
 
     def validate(self) -> None:
         if not 0 <= self.hbm_bytes <= self.dram_bytes <= self.ssd_bytes:
@@ -102,6 +117,8 @@ class StoreConfig:
                 raise ValueError(f"KV store: {name} must be positive")
         if self.write_behind_max_delay_s < 0:
             raise ValueError("KV store: write_behind_max_delay_s must be >= 0")
+        if len(self.model) != FINGERPRINT_BYTES:
+            raise ValueError(f"KV store: a model fingerprint is {FINGERPRINT_BYTES} bytes, got {len(self.model)}")
 
 
 @dataclass(slots=True)
@@ -162,7 +179,8 @@ class TieredStore:
         self.hbm = DevicePool(geometry, config.hbm_bytes, config.device)
         self.dram = DramArena(config.arena_name, geometry, config.dram_bytes, pin_for_cuda=config.device != "cpu")
         # The arena's pages are page-aligned, so the write-behind may use O_DIRECT straight from them.
-        self.ssd = SsdTier(config.ssd_dir, geometry.page_bytes, config.ssd_bytes, direct_io=True)
+        self.ssd = SsdTier(config.ssd_dir, geometry.page_bytes, config.ssd_bytes, config.model, direct_io=True,
+                           keep_other_models=config.ssd_keep_other_models)
         # Blocks complete in some tier, for the connector to look up without asking (block_index). A
         # complete block has a page per layer, so the tiers' pages bound how many there can be.
         total_pages = (config.hbm_bytes + config.dram_bytes + config.ssd_bytes) // geometry.page_bytes
@@ -201,6 +219,19 @@ class TieredStore:
         for writer in self._writers:
             writer.start()
 
+    @property
+    def model(self) -> ModelFingerprint:
+        return self.config.model
+
+    def check_model(self, fingerprint: bytes, who: str = "the requester") -> None:
+        """Raise ModelMismatch unless `fingerprint` is this store's: a peer serving another model
+        (another dtype, another revision of the weights) must never get or give this store's pages."""
+        if fingerprint != self.config.model:
+            shown = fingerprint.hex()[:12] if fingerprint else "none"
+            self.metrics.peer_refused.labels("sender" if who == "the requester" else "receiver").inc()
+            raise ModelMismatch(f"{who} serves model {shown}, this node {self.config.model.hex()[:12]}: "
+                                "KV never moves between different models")
+
     # ---- sessions ---------------------------------------------------------------------------------
 
     def put_session(self, tenant: str, session_id: str, token_ids: Sequence[int],
@@ -219,8 +250,8 @@ class TieredStore:
             raise InvalidRequest(f"bad token ids: {exc}") from None
         with self._lock:
             record = self._sessions.get(key)
-        blocks = chain_after(tenant, tokens, self.geometry.block_size, record.token_ids if record else None,
-                             record.blocks if record else None)
+        blocks = chain_after(self.config.model, tenant, tokens, self.geometry.block_size,
+                             record.token_ids if record else None, record.blocks if record else None)
         with self._lock:
             old = self._sessions.get(key)
             new_priority = priority if priority is not None else (old.priority if old else Priority.NORMAL)
@@ -1257,8 +1288,11 @@ class TieredStore:
                     self._after_copy_dropped(row, layer, "capacity")
 
     def _rebuild_index(self) -> None:
-        pages, damaged = self.ssd.rebuild()
+        report = self.ssd.rebuild()
+        pages, damaged = report.pages, report.damaged
         self.metrics.segments_damaged.inc(damaged)
+        other = sum(report.other_models.values())
+        self.metrics.segments_other_model.labels("kept" if report.kept_other_models else "dropped").inc(other)
         d = self._directory
         for (key, layer), location, checksum in pages:
             row = d.ensure_row(key)
@@ -1302,6 +1336,7 @@ class TieredStore:
                       Tier.DRAM: pages[Tier.DRAM] * self.geometry.page_bytes, Tier.SSD: self.ssd.used_bytes}
         for tier, nbytes in held_bytes.items():
             self.metrics.tier_bytes.labels(tier.name).set(nbytes)
+        self.metrics.other_model_segments.set(self.ssd.other_model_segments())
         return pages
 
     def stats(self) -> dict[str, int]:
@@ -1351,7 +1386,7 @@ def addressed_keys(record: SessionRecord, first_block: int, count: int,
         if not 0 < tail_tokens < block_size or count < 1 or last > record.blocks.num_blocks \
                 or start + tail_tokens > len(record.token_ids):
             raise InvalidRequest(f"no partial block of {tail_tokens} tokens at block {last} of the session")
-        parent = record.blocks.block_keys[last - 1] if last else tenant_root(record.blocks.tenant)
+        parent = record.blocks.block_keys[last - 1] if last else tenant_root(record.blocks.model, record.blocks.tenant)
         keys = (*record.blocks.block_keys[first_block:last],
                 tail_key(parent, record.token_ids[start:start + tail_tokens]))
     else:

@@ -80,7 +80,7 @@ def session_status(store: TieredStore, tenant: str, session_id: str, *, token_id
                                   priority=PRIORITY_TO_PROTO[record.priority],
                                   loadable_prefix_blocks=store.loadable_prefix_blocks(tenant, session_id),
                                   loadable_tail_tokens=store.loadable_tail_tokens(tenant, session_id),
-                                  data_port=data_port)
+                                  data_port=data_port, model_fingerprint=store.model)
     if token_ids:
         status.token_ids.extend(record.token_ids.tolist())
     return status

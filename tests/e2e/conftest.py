@@ -67,13 +67,13 @@ def reset_engine_cache(engine_url: str) -> None:
 
 
 def _write_config(home: Path, model_dir: Path, scheduler_port: int, grpc_base: int, engine_base: int,
-                  metrics_base: int) -> Path:
+                  metrics_base: int, nodes: int, engine: str, kv: str) -> Path:
     config = home / "symphony.toml"
     config.write_text(f"""
 home = "{home}"
 
 [cluster]
-nodes = {NODES}
+nodes = {nodes}
 
 [scheduler]
 port = {scheduler_port}
@@ -84,6 +84,7 @@ engine_port_base = {engine_base}
 
 [kv]
 metrics_port_base = {metrics_base}
+{kv}
 
 [engine]
 model = "{model_dir}"
@@ -91,42 +92,66 @@ kv_cache_space_gib = 1
 max_model_len = 8192
 # 16,384 tokens of KV per engine: small enough that a test can fill it with prefetched sessions.
 extra_args = ["--num-gpu-blocks-override", "512"]
+{engine}
 """)
     return config
+
+
+def start_cluster(home: Path, model_dir: Path, *, nodes: int = NODES, engine_toml: str = "", kv_toml: str = "",
+                  env: dict[str, str] | None = None, model: str = DEFAULT_MODEL_NAME) -> LiveCluster:
+    """`symphony up` on `home` with a config of its own ports (plus `engine_toml` and `kv_toml`, lines
+    of those tables); returns once it says it is up. Stop it with `stop_cluster`."""
+    scheduler_port, grpc_base, engine_base = free_port(), free_port_run(nodes), free_port_run(nodes)
+    metrics_base = free_port_run(nodes)
+    config = _write_config(home, model_dir, scheduler_port, grpc_base, engine_base, metrics_base, nodes,
+                           engine_toml, kv_toml)
+    output = home / "up.out"
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
+    # The engines' /reset_prefix_cache (dev endpoint): the connector suite empties vLLM's own cache
+    # so a resumed turn can only get its history from Symphony's tiers.
+    child_env["VLLM_SERVER_DEV_MODE"] = "1"
+    child_env.update(env or {})
+    with output.open("ab") as out:
+        process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "up", "--config", str(config)],
+                                   stdout=out, stderr=subprocess.STDOUT, env=child_env)
+    cluster = LiveCluster(f"http://127.0.0.1:{scheduler_port}", process, home, output, model,
+                          [engine_base + i for i in range(nodes)], [grpc_base + i for i in range(nodes)],
+                          [metrics_base + i for i in range(nodes)],
+                          [load_config(config, env={}).kv_socket_path(i) for i in range(nodes)])
+    start = output.stat().st_size  # a home used before has an earlier run's output
+
+    def up() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"`symphony up` exited with {process.returncode}:\n{cluster.output_tail()}")
+        with output.open("rb") as fh:
+            fh.seek(start)
+            return b"Symphony is up" in fh.read()
+
+    try:
+        wait_until(up, STARTUP_TIMEOUT_S, f"the {nodes}-node cluster to be up", interval_s=0.5)
+    except BaseException:
+        stop_cluster(cluster)
+        raise
+    return cluster
+
+
+def stop_cluster(cluster: LiveCluster) -> None:
+    """SIGTERM, as Ctrl-C would: the node managers flush their saves to SSD before they exit."""
+    process = cluster.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture(scope="session")
 def live_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
     model_dir = fetch_default_model(default_home(), progress=lambda _: None)
-    home = tmp_path_factory.mktemp("symphony-home")
-    scheduler_port, grpc_base, engine_base = free_port(), free_port_run(NODES), free_port_run(NODES)
-    metrics_base = free_port_run(NODES)
-    config = _write_config(home, model_dir, scheduler_port, grpc_base, engine_base, metrics_base)
-    output = home / "up.out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
-    # The engines' /reset_prefix_cache (dev endpoint): the connector suite empties vLLM's own cache
-    # so a resumed turn can only get its history from Symphony's tiers.
-    env["VLLM_SERVER_DEV_MODE"] = "1"
-    with output.open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "up", "--config", str(config)],
-                                   stdout=out, stderr=subprocess.STDOUT, env=env)
-    cluster = LiveCluster(f"http://127.0.0.1:{scheduler_port}", process, home, output, DEFAULT_MODEL_NAME,
-                          [engine_base + i for i in range(NODES)], [grpc_base + i for i in range(NODES)],
-                          [metrics_base + i for i in range(NODES)],
-                          [load_config(config, env={}).kv_socket_path(i) for i in range(NODES)])
-
-    def up() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"`symphony up` exited with {process.returncode}:\n{cluster.output_tail()}")
-        return "Symphony is up" in output.read_text(errors="replace")
-
+    cluster = start_cluster(tmp_path_factory.mktemp("symphony-home"), model_dir)
     try:
-        wait_until(up, STARTUP_TIMEOUT_S, "the 2-node cluster to be up", interval_s=0.5)
         yield cluster
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_cluster(cluster)

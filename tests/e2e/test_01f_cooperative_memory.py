@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from node_manager.kv.transfer import page_batch
-from symphony.kv_addressing import chain_block_keys
+from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.kv_geometry import smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.e2e.conftest import LiveCluster, reset_engine_cache
@@ -56,7 +56,8 @@ def _prefetched_session(stub: kv_pb2_grpc.KVStoreStub, tenant: str, seed: int, b
     token_ids = _synthetic_ids(seed, blocks)
     ref = kv_pb2.SessionRef(tenant=tenant, session_id="filler")
     stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids, priority=priority), timeout=30)
-    keys = chain_block_keys(tenant, token_ids, geometry.block_size).block_keys
+    model = ModelFingerprint(stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=30).model_fingerprint)
+    keys = chain_block_keys(model, tenant, token_ids, geometry.block_size).block_keys
     generator = torch.Generator().manual_seed(seed)
     values = geometry.page_bytes // 2  # bf16 values per page
     batches = [page_batch(ref, keys, layer, 0, (torch.randn(blocks, values, generator=generator) * 0.1)

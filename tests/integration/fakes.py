@@ -7,6 +7,7 @@ The real node manager and real vLLM engines are exercised end to end in tests/e2
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -74,10 +75,12 @@ class FakeNodeManager(node_pb2_grpc.NodeManagerServicer):
 
 
 def ready_status(node_id: str, engine_url: str, model: str = "m", running: int = 0,
-                 waiting: int = 0) -> node_pb2.NodeStatus:
+                 waiting: int = 0, fingerprint: bytes | None = None) -> node_pb2.NodeStatus:
+    """A ready node's status; its model fingerprint defaults to one per model name."""
     return node_pb2.NodeStatus(node_id=node_id, engine_state=node_pb2.ENGINE_STATE_READY, engine_url=engine_url,
                                served_model=model, max_model_len=4096, block_size=32, num_requests_running=running,
-                               num_requests_waiting=waiting)
+                               num_requests_waiting=waiting,
+                               model_fingerprint=fingerprint or hashlib.sha256(model.encode()).digest())
 
 
 def sse(content: str) -> bytes:

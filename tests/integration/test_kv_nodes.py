@@ -25,10 +25,10 @@ import torch
 from node_manager.kv.pages import page_checksum
 from node_manager.kv.slots import DramArena
 from node_manager.kv.transfer import page_batch
-from symphony.kv_addressing import chain_block_keys
+from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.kv_geometry import KVGeometry, hf_config_for
 from symphony.rpc import kv_pb2, kv_pb2_grpc
-from tests.helpers import async_wait_until, free_port, free_port_run, wait_until
+from tests.helpers import OTHER_MODEL, TEST_MODEL, async_wait_until, free_port, free_port_run, wait_until
 
 GEOMETRY = KVGeometry(num_layers=6, kv_heads=3, head_size=64, block_size=32)  # SmolLM2 pages, fewer layers
 TENANT = "acme"
@@ -142,15 +142,21 @@ def _session(name: str, tokens: int, seed: int) -> tuple[kv_pb2.SessionRef, list
     return kv_pb2.SessionRef(tenant=TENANT, session_id=name), token_ids, pages
 
 
-def _batches(ref: kv_pb2.SessionRef, token_ids: list[int], pages: list[torch.Tensor]) -> list[kv_pb2.PageBatch]:
-    keys = chain_block_keys(ref.tenant, token_ids, GEOMETRY.block_size).block_keys
+async def _model(stub: kv_pb2_grpc.KVStoreStub) -> ModelFingerprint:
+    """The fingerprint the node computed for its model folder (what its keys and checksums hang off)."""
+    return ModelFingerprint((await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=5)).model_fingerprint)
+
+
+def _batches(ref: kv_pb2.SessionRef, token_ids: list[int], pages: list[torch.Tensor],
+             model: ModelFingerprint) -> list[kv_pb2.PageBatch]:
+    keys = chain_block_keys(model, ref.tenant, token_ids, GEOMETRY.block_size).block_keys
     return [page_batch(ref, keys, layer, 0, layer_pages.numpy().tobytes()) for layer, layer_pages in enumerate(pages)]
 
 
 async def _upload(stub: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef, token_ids: list[int],
                   pages: list[torch.Tensor]) -> None:
     await stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids), timeout=10)
-    reply = await stub.WritePages(iter(_batches(ref, token_ids, pages)), timeout=30)
+    reply = await stub.WritePages(iter(_batches(ref, token_ids, pages, await _model(stub))), timeout=30)
     assert (reply.pages_stored, reply.pages_rejected) == (len(pages) * pages[0].shape[0], 0)
 
 
@@ -158,7 +164,8 @@ async def _download(stub: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef) -> di
     """Every page a node streams back, keyed (layer, block); also checks the stream's layer order."""
     got: dict[tuple[int, int], bytes] = {}
     last_layer = -1
-    async for batch in stub.FetchPages(kv_pb2.FetchPagesRequest(session=ref), timeout=30):
+    request = kv_pb2.FetchPagesRequest(session=ref, model_fingerprint=await _model(stub))
+    async for batch in stub.FetchPages(request, timeout=30):
         assert batch.layer >= last_layer, "pages must stream in layer order"
         assert batch.ByteSize() <= 4 * 1024 * 1024
         last_layer = batch.layer
@@ -259,6 +266,7 @@ async def test_demote_leaves_a_session_on_ssd_only(stubs: list[kv_pb2_grpc.KVSto
 async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]) -> None:
     stub = stubs[0]
     unknown = kv_pb2.SessionRef(tenant=TENANT, session_id="never-seen")
+    model = await _model(stub)
     cases = [
         (stub.GetSessionStatus(kv_pb2.SessionStatusRequest(session=unknown), timeout=5), grpc.StatusCode.NOT_FOUND),
         (stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_HBM), timeout=5),
@@ -277,7 +285,12 @@ async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]
          grpc.StatusCode.INVALID_ARGUMENT),
         (stub.PutSession(kv_pb2.PutSessionRequest(session=unknown, priority=17), timeout=5),
          grpc.StatusCode.INVALID_ARGUMENT),
-        (stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown), timeout=5), grpc.StatusCode.NOT_FOUND),
+        (stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown, model_fingerprint=model), timeout=5),
+         grpc.StatusCode.NOT_FOUND),
+        # Another model's pages never leave a node, and a fetch must say which model it is for.
+        (stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown), timeout=5), grpc.StatusCode.FAILED_PRECONDITION),
+        (stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown, model_fingerprint=OTHER_MODEL), timeout=5),
+         grpc.StatusCode.FAILED_PRECONDITION),
         (stub.DemoteSession(kv_pb2.DemoteRequest(session=unknown, tier=kv_pb2.TIER_DRAM), timeout=5),
          grpc.StatusCode.NOT_FOUND),
         (stub.DemoteSession(kv_pb2.DemoteRequest(session=unknown, tier=kv_pb2.TIER_SSD), timeout=5),
@@ -290,7 +303,7 @@ async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]
         assert err.value.code() == code, (code, err.value.details())
     ref, token_ids, pages = _session("bad-pages", 64, seed=4)
     await stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids), timeout=5)
-    batch = _batches(ref, token_ids, pages)[0]
+    batch = _batches(ref, token_ids, pages, model)[0]
     batch.first_block = 1  # two pages starting at block 1 overrun a 2-block session
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.WritePages(iter([batch]), timeout=5)
@@ -412,7 +425,8 @@ from node_manager.kv.store import TieredStore, StoreConfig
 from symphony.kv_geometry import KVGeometry, hf_config_for
 g = KVGeometry(6, 3, 64, 32)
 store = TieredStore(g, StoreConfig(hbm_bytes=0, dram_bytes=64 << 20, ssd_bytes=1 << 30, ssd_dir=Path(sys.argv[1]),
-                                   arena_name=sys.argv[2], segment_max_bytes=1 << 20))
+                                   arena_name=sys.argv[2], model=bytes.fromhex(sys.argv[3]),
+                                   segment_max_bytes=1 << 20))
 for n in range(10_000):
     store.put_session("t", f"s{n}", [random.randrange(1000) for _ in range(256)])
     for layer in range(6):
@@ -426,7 +440,8 @@ def test_kill_9_during_writes_leaves_no_torn_page(tmp_path: Path) -> None:
 
     ssd = tmp_path / "ssd"
     arena = f"symphony-test-kill-{os.getpid()}"
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(ssd), arena], stderr=subprocess.PIPE)
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(ssd), arena, TEST_MODEL.hex()],
+                              stderr=subprocess.PIPE)
     try:
         wait_until(lambda: writer.poll() is None and len(list(ssd.glob("*.kvseg"))) >= 20, 60,
                    "the writer to commit some segments")
@@ -437,7 +452,7 @@ def test_kill_9_during_writes_leaves_no_torn_page(tmp_path: Path) -> None:
         Path("/dev/shm", leftover).unlink(missing_ok=True)
     geometry = KVGeometry(6, 3, 64, 32)
     store = TieredStore(geometry, StoreConfig(hbm_bytes=0, dram_bytes=8 << 20, ssd_bytes=1 << 30, ssd_dir=ssd,
-                                              arena_name=arena + "-check"))
+                                              arena_name=arena + "-check", model=TEST_MODEL))
     try:
         assert not list(ssd.glob("*.tmp"))
         stats = store.stats()

@@ -17,7 +17,7 @@ from node_manager.engine import Engine, EngineLaunch
 from node_manager.service import NodeManagerService
 from symphony.config import EngineConfig
 from symphony.rpc import node_pb2, node_pb2_grpc
-from tests.helpers import async_wait_until, free_port
+from tests.helpers import TEST_MODEL, async_wait_until, free_port
 
 FAKE_CHILD = Path(__file__).with_name("fake_child.py")
 
@@ -53,7 +53,7 @@ async def node(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[
     config = EngineConfig(max_model_len=4096, restart_backoff_s=0.05, restart_backoff_max_s=0.1)
     engine = Engine("node-7-engine", launch, config, tmp_path / "engine.log", scrape_interval_s=0.02)
     server = grpc.aio.server()
-    node_pb2_grpc.add_NodeManagerServicer_to_server(NodeManagerService("node-7", engine, "m"), server)
+    node_pb2_grpc.add_NodeManagerServicer_to_server(NodeManagerService("node-7", engine, "m", TEST_MODEL), server)
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     await server.start()
@@ -80,6 +80,7 @@ async def test_status_reports_the_engine_and_its_load(node: NodeUnderTest) -> No
     assert status.engine_state == node_pb2.ENGINE_STATE_READY
     assert status.engine_url == node.engine.url
     assert (status.served_model, status.max_model_len, status.block_size) == ("m", 4096, 32)
+    assert status.model_fingerprint == TEST_MODEL
     assert (status.num_requests_waiting, status.kv_cache_usage) == (2, 0.25)  # by-reason series not added
     assert status.metrics_age_ms < 5000
 

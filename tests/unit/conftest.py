@@ -10,6 +10,7 @@ import pytest
 
 from node_manager.kv.store import StoreConfig, TieredStore
 from symphony.kv_geometry import KVGeometry
+from tests.helpers import TEST_MODEL
 from tests.unit.kv_store_support import GEOMETRY, TIMEOUT, MakeStore
 
 
@@ -26,7 +27,8 @@ def make_store(ssd_dir: Path) -> Iterator[MakeStore]:
              geometry: KVGeometry = GEOMETRY, **overrides: object) -> TieredStore:
         config = StoreConfig(hbm_bytes=hbm_pages * geometry.page_bytes, dram_bytes=dram_pages * geometry.page_bytes,
                              ssd_bytes=ssd_bytes, ssd_dir=directory or ssd_dir,
-                             arena_name=f"symphony-test-{uuid4().hex[:8]}", **overrides)  # type: ignore[arg-type]
+                             arena_name=f"symphony-test-{uuid4().hex[:8]}",
+                             **{"model": TEST_MODEL, **overrides})  # type: ignore[arg-type]
         store = TieredStore(geometry, config)
         stores.append(store)
         return store

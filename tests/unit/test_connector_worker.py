@@ -10,11 +10,13 @@ import pytest
 
 from node_manager.connector.plan import SaveSpec, TailSave
 from node_manager.connector.worker import WorkerSide
+from tests.helpers import TEST_MODEL
 
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[WorkerSide]:
-    side = WorkerSide(str(tmp_path / "absent.sock"), layer_wait_s=1.0)  # never connects: nothing here calls out
+    # Never connects: nothing here calls out.
+    side = WorkerSide(str(tmp_path / "absent.sock"), layer_wait_s=1.0, model=TEST_MODEL, declared_layout="")
     yield side
     side.close()
 

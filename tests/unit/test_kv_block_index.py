@@ -14,6 +14,7 @@ from node_manager.kv.block_index import MIN_SLOTS, BlockIndex, BlockIndexReader,
 from node_manager.kv.pages import Tier
 from node_manager.kv.store import HistoryChanged, TieredStore
 from symphony.kv_addressing import BlockKey, chain_block_keys
+from tests.helpers import TEST_MODEL
 from tests.unit.kv_store_support import BLOCK, LAYERS, TIMEOUT, MakeStore, save_session, tokens
 from tests.unit.test_kv_store import flip_bits, load_rows, locate_page
 
@@ -41,7 +42,7 @@ def test_sizes_keep_the_table_at_most_half_full() -> None:
 
 
 def test_a_reader_sees_adds_and_discards(index: BlockIndex) -> None:
-    keys = chain_block_keys("acme", list(range(40)), 4).block_keys
+    keys = chain_block_keys(TEST_MODEL, "acme", list(range(40)), 4).block_keys
     reader = BlockIndexReader(index.name)
     try:
         assert reader.leading(keys) == 0
@@ -140,7 +141,7 @@ def test_holds_and_the_run_at_a_home_slot_agree_with_find(index: BlockIndex) -> 
 
 
 def test_adds_beyond_the_bound_are_refused_not_overfilled(index: BlockIndex) -> None:
-    keys = chain_block_keys("acme", list(range(4 * 150)), 4).block_keys
+    keys = chain_block_keys(TEST_MODEL, "acme", list(range(4 * 150)), 4).block_keys
     index.add(keys)
     assert len(index) == 100 and index.refused == 50
     assert sum(key in index for key in keys) == 100
@@ -160,12 +161,12 @@ def test_a_reader_refuses_a_file_that_is_not_an_index(tmp_path: Path) -> None:
 
 
 def test_another_process_reads_the_same_index(index: BlockIndex) -> None:
-    keys = chain_block_keys("acme", list(range(4 * 8)), 4).block_keys
+    keys = chain_block_keys(TEST_MODEL, "acme", list(range(4 * 8)), 4).block_keys
     index.add(keys[:5])
     script = ("import sys; from node_manager.kv.block_index import BlockIndexReader; "
-              "from symphony.kv_addressing import chain_block_keys; "
+              "from symphony.kv_addressing import chain_block_keys; from tests.helpers import TEST_MODEL; "
               f"r = BlockIndexReader({index.name!r}); "
-              "print(r.leading(chain_block_keys('acme', list(range(32)), 4).block_keys))")
+              "print(r.leading(chain_block_keys(TEST_MODEL, 'acme', list(range(32)), 4).block_keys))")
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "5"
 
@@ -222,7 +223,7 @@ def test_an_address_of_another_history_is_refused(make_store: MakeStore) -> None
     store = make_store(hbm_pages=0)
     save_session(store, "s", 3, seed=4)
     assert store.flush(TIMEOUT)
-    other = chain_block_keys("acme", tokens(3, base=99_000), BLOCK).block_keys
+    other = chain_block_keys(TEST_MODEL, "acme", tokens(3, base=99_000), BLOCK).block_keys
     mine = store.session("acme", "s").blocks.block_keys
     pin = store.pin_dram("acme", "s", 0, 3, range(LAYERS), last_key=mine[2])
     store.unpin_dram(pin)

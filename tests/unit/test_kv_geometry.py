@@ -10,6 +10,7 @@ import pytest
 from node_manager.kv.pages import Priority, Tier, page_checksum, run_checksums
 from symphony.kv_addressing import tenant_root
 from symphony.kv_geometry import KVGeometry, geometry_from_model_dir, smollm2_geometry
+from tests.helpers import TEST_MODEL
 
 
 def test_small_geometry_sizes() -> None:
@@ -79,7 +80,7 @@ def test_geometry_from_bad_model_dir(tmp_path: Path, content: str | None) -> Non
 
 
 def test_page_checksum_covers_key_layer_and_bytes() -> None:
-    key_a, key_b = tenant_root("a"), tenant_root("b")
+    key_a, key_b = tenant_root(TEST_MODEL, "a"), tenant_root(TEST_MODEL, "b")
     data = bytes(range(64))
     base = page_checksum(key_a, 0, data)
     assert base == page_checksum(key_a, 0, memoryview(bytearray(data)))
@@ -92,7 +93,7 @@ def test_page_checksum_covers_key_layer_and_bytes() -> None:
 
 
 def test_run_checksums_equal_page_checksums_one_by_one() -> None:
-    keys = [tenant_root(f"t{i}") for i in range(5)]
+    keys = [tenant_root(TEST_MODEL, f"t{i}") for i in range(5)]
     data = memoryview(bytes(range(256)) * 5)  # five 256-byte pages back to back
     assert run_checksums(keys, 3, data, 256) == [page_checksum(key, 3, data[i * 256:(i + 1) * 256])
                                                  for i, key in enumerate(keys)]

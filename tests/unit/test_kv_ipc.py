@@ -23,7 +23,7 @@ from node_manager.kv.pages import Tier
 from node_manager.kv.slots import DramArena
 from node_manager.kv.store import SessionNotFound, TieredStore
 from symphony.kv_addressing import tail_key
-from tests.helpers import wait_until
+from tests.helpers import TEST_MODEL, wait_until
 from tests.unit.kv_store_support import (
     BLOCK,
     GEOMETRY,
@@ -60,7 +60,7 @@ def client(server: LocalKVServer) -> Iterator[NodeKVClient]:
 
 @pytest.fixture
 def lookup(client: NodeKVClient) -> Iterator[HistoryLookup]:
-    history = HistoryLookup(client)
+    history = HistoryLookup(client, TEST_MODEL)
     yield history
     history.close()
 
@@ -148,7 +148,7 @@ def test_match_follows_evictions_and_a_restarted_node_manager(make_store: MakeSt
     path = tmp_path / "restart.sock"
     server = LocalKVServer(store, path)
     client = NodeKVClient(path, timeout_s=TIMEOUT)
-    lookup = HistoryLookup(client)
+    lookup = HistoryLookup(client, TEST_MODEL)
     history = tokens(BLOCKS, base=110_000)
     try:
         assert lookup.match("acme", "s", history).blocks == BLOCKS
@@ -180,7 +180,7 @@ def test_a_node_manager_gone_between_match_and_send_makes_the_next_match_ask_aga
     path = tmp_path / "gone.sock"
     server = LocalKVServer(store, path)
     client = NodeKVClient(path, timeout_s=TIMEOUT)
-    lookup = HistoryLookup(client)
+    lookup = HistoryLookup(client, TEST_MODEL)
     history = tokens(BLOCKS, base=120_000)
     try:
         assert lookup.match("acme", "s", history).blocks == BLOCKS

@@ -16,7 +16,7 @@ from node_manager.kv import page_stream
 from node_manager.kv.page_stream import PageStreamServer, fetch_pages
 from node_manager.kv.store import InvalidRequest, PageReservation, TieredStore
 from symphony.rpc import kv_pb2
-from tests.helpers import wait_until
+from tests.helpers import TEST_MODEL, wait_until
 from tests.unit.kv_store_support import GEOMETRY, LAYERS, TIMEOUT, MakeStore, save_session, tokens
 
 BLOCKS = 6
@@ -31,7 +31,7 @@ def server(make_store: MakeStore) -> Iterator[PageStreamServer]:
 
 def _request(session: str, first_block: int = 0, num_blocks: int = 0) -> kv_pb2.FetchPagesRequest:
     return kv_pb2.FetchPagesRequest(session=kv_pb2.SessionRef(tenant="acme", session_id=session),
-                                    first_block=first_block, num_blocks=num_blocks)
+                                    first_block=first_block, num_blocks=num_blocks, model_fingerprint=TEST_MODEL)
 
 
 def _receiver(make_store: MakeStore, session: str, seed: int) -> TieredStore:
@@ -112,7 +112,8 @@ def test_a_request_with_session_gets_the_status_first_and_then_the_planned_range
         receiver.put_session("acme", "s", list(status.token_ids))
         return _request("s", first_block=1, num_blocks=2)
 
-    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True)
+    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True,
+                                       model_fingerprint=TEST_MODEL)
     outcome = fetch_pages(receiver, "127.0.0.1", server.port, opening, TIMEOUT, plan=plan)
     assert (outcome.received, outcome.stored, outcome.error) == (2 * LAYERS, 2 * LAYERS, "")
     assert outcome.status is not None and seen == [outcome.status]
@@ -127,11 +128,13 @@ def test_a_request_with_session_gets_the_status_first_and_then_the_planned_range
 def test_a_receiver_that_needs_no_pages_hangs_up_and_the_server_goes_on(server: PageStreamServer,
                                                                          make_store: MakeStore) -> None:
     save_session(server._store, "s", BLOCKS, seed=10)
-    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True)
+    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True,
+                                       model_fingerprint=TEST_MODEL)
     quiet = fetch_pages(make_store(), "127.0.0.1", server.port, opening, TIMEOUT, plan=lambda status: None)
     assert quiet.status is not None and (quiet.received, quiet.error) == (0, "")
     missing = fetch_pages(make_store(), "127.0.0.1", server.port,
-                          kv_pb2.FetchPagesRequest(session=_request("gone").session, with_session=True),
+                          kv_pb2.FetchPagesRequest(session=_request("gone").session, with_session=True,
+                                       model_fingerprint=TEST_MODEL),
                           TIMEOUT, plan=lambda status: None)
     assert missing.status is None and "no session" in missing.error.lower()
     outcome = fetch_pages(_receiver(make_store, "s", seed=10), "127.0.0.1", server.port, _request("s"), TIMEOUT)
@@ -143,7 +146,8 @@ def test_a_range_for_another_session_than_described_is_refused(server: PageStrea
                                                                make_store: MakeStore) -> None:
     save_session(server._store, "s", BLOCKS, seed=11)
     save_session(server._store, "t", BLOCKS, seed=12)
-    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True)
+    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True,
+                                       model_fingerprint=TEST_MODEL)
     receiver = _receiver(make_store, "t", seed=12)
     outcome = fetch_pages(receiver, "127.0.0.1", server.port, opening, TIMEOUT, plan=lambda status: _request("t"))
     assert outcome.stored == 0 and "the range request must name the session just described" in outcome.error

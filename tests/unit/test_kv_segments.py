@@ -24,6 +24,7 @@ from node_manager.kv.segments import (
     segment_name,
 )
 from symphony.kv_addressing import BlockKey
+from tests.helpers import TEST_MODEL
 
 
 def key(n: int) -> BlockKey:
@@ -37,12 +38,13 @@ def entries(count: int) -> list[SegmentEntry]:
 @pytest.mark.parametrize("count", [0, 1, 3, 92, 93, 200])
 def test_header_round_trip(count: int) -> None:
     written = entries(count)
-    data = encode_header(seq=0xDEADBEEF01, page_bytes=64, entries=written)
+    data = encode_header(seq=0xDEADBEEF01, page_bytes=64, model=TEST_MODEL, entries=written)
     header = parse_header(data)
     assert isinstance(header, SegmentHeader)
     assert header.seq == 0xDEADBEEF01
     assert header.page_bytes == 64
     assert header.entries == tuple(written)
+    assert header.model == TEST_MODEL
     assert header.header_len == len(data)
     assert decode_header(data[:fixed_header_size()]) == (count, len(data))
 
@@ -50,7 +52,7 @@ def test_header_round_trip(count: int) -> None:
 @pytest.mark.parametrize("count", [0, 1, 3, 92, 93, 200, 1000])
 def test_header_length_is_4096_aligned(count: int) -> None:
     length = header_length(count)
-    data = encode_header(1, 64, entries(count))
+    data = encode_header(1, 64, TEST_MODEL, entries(count))
     assert len(data) == length
     assert length % ALIGN == 0
     assert ALIGN == 4096
@@ -66,7 +68,7 @@ def test_header_grows_past_one_alignment_unit() -> None:
 
 
 def test_page_offsets_and_file_size() -> None:
-    header = parse_header(encode_header(7, 64, entries(3)))
+    header = parse_header(encode_header(7, 64, TEST_MODEL, entries(3)))
     assert header.page_offset(0) == 4096
     assert header.page_offset(2) == 4096 + 128
     assert header.file_bytes == 4096 + 3 * 64
@@ -78,14 +80,14 @@ def test_segment_name() -> None:
 
 
 def test_bad_magic() -> None:
-    data = bytearray(encode_header(1, 64, entries(2)))
+    data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
     data[0:8] = b"NOTMAGIC"
     with pytest.raises(SegmentFormatError, match="magic"):
         parse_header(bytes(data))
 
 
 def test_bad_version() -> None:
-    data = bytearray(encode_header(1, 64, entries(2)))
+    data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
     assert data[:8] == MAGIC
     struct.pack_into("<H", data, 8, VERSION + 1)
     with pytest.raises(SegmentFormatError, match="version") as raised:
@@ -94,7 +96,7 @@ def test_bad_version() -> None:
 
 
 def test_older_version_is_outdated_not_damaged() -> None:
-    data = bytearray(encode_header(1, 64, entries(2)))
+    data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
     struct.pack_into("<H", data, 8, VERSION - 1)
     with pytest.raises(OutdatedSegment, match="predates"):
         parse_header(bytes(data))
@@ -102,37 +104,63 @@ def test_older_version_is_outdated_not_damaged() -> None:
 
 @pytest.mark.parametrize("offset_in_table", [0, 31, 32, 36, 44, 87])
 def test_flipped_byte_in_entry_table(offset_in_table: int) -> None:
-    data = bytearray(encode_header(1, 64, entries(2)))
+    data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
     data[fixed_header_size() + offset_in_table] ^= 0x01
     with pytest.raises(SegmentFormatError, match="checksum"):
         parse_header(bytes(data))
 
 
+CRC_AT = 8 + 2 + 2 + 4 + 4 + 8 + 4 + 4  # magic, version, reserved, page_bytes, count, seq, header_len, reserved
+
+
 def test_flipped_table_crc() -> None:
-    data = bytearray(encode_header(1, 64, entries(2)))
-    data[fixed_header_size() - 1] ^= 0x80  # last byte of the fixed header is the table crc
+    data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
+    data[CRC_AT + 7] ^= 0x80
     with pytest.raises(SegmentFormatError):
         parse_header(bytes(data))
 
 
+@pytest.mark.parametrize("offset", [0, 17, 31])
+def test_the_crc_covers_the_model_fingerprint(offset: int) -> None:
+    """A damaged fingerprint is damage, not another model: the segment is dropped as damaged."""
+    data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
+    assert data[CRC_AT + 8:CRC_AT + 40] == TEST_MODEL  # the last 32 bytes of the fixed header
+    data[CRC_AT + 8 + offset] ^= 0x01
+    with pytest.raises(SegmentFormatError, match="checksum"):
+        parse_header(bytes(data))
+
+
+def test_a_fingerprint_must_be_32_bytes() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        encode_header(1, 64, TEST_MODEL[:16], entries(1))  # type: ignore[arg-type]
+
+
+def test_a_version_2_header_is_outdated() -> None:
+    """Format 2 (no fingerprint: its pages may be any model's) is recognised by its first 10 bytes,
+    though its fixed header is shorter than this format's."""
+    v2 = struct.pack("<8sHHIIQIIQ", MAGIC, 2, 0, 64, 1, 1, 4096, 0, 0).ljust(4096, b"\x00")
+    with pytest.raises(OutdatedSegment):
+        decode_header(v2[:fixed_header_size()])
+
+
 def test_inconsistent_header_length() -> None:
-    data = bytearray(encode_header(1, 64, entries(2)))
+    data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
     struct.pack_into("<I", data, 8 + 2 + 2 + 4 + 4 + 8, 8192)  # header_len field
     with pytest.raises(SegmentFormatError, match="length"):
         parse_header(bytes(data))
 
 
 def test_count_larger_than_data_is_truncated_table() -> None:
-    data = bytearray(encode_header(1, 64, entries(2)))
+    data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
     struct.pack_into("<I", data, 8 + 2 + 2 + 4, 500)  # count field
     struct.pack_into("<I", data, 8 + 2 + 2 + 4 + 4 + 8, header_length(500))  # keep header_len consistent
     with pytest.raises(SegmentFormatError, match="truncated"):
         parse_header(bytes(data))
 
 
-@pytest.mark.parametrize("length", [0, 1, 43])
+@pytest.mark.parametrize("length", [0, 1, 9, 43, 75])
 def test_short_input(length: int) -> None:
-    data = encode_header(1, 64, entries(1))[:length]
+    data = encode_header(1, 64, TEST_MODEL, entries(1))[:length]
     with pytest.raises(SegmentFormatError):
         parse_header(data)
     with pytest.raises(SegmentFormatError):

@@ -26,6 +26,7 @@ from node_manager.kv.store import (
     TieredStore,
 )
 from symphony.kv_geometry import KVGeometry
+from tests.helpers import TEST_MODEL
 from tests.unit.kv_store_support import (
     GEOMETRY,
     LAYERS,
@@ -352,7 +353,7 @@ def test_a_segment_that_cannot_be_read_is_dropped_at_rebuild(make_store: MakeSto
     first.close()
     path, _ = locate_page(ssd_dir, key, layer=0)
     if change == "flipped-entry-table":
-        flip_bits(path, 60, 0x01)  # inside the entry table
+        flip_bits(path, 90, 0x01)  # inside the entry table (after the 76-byte fixed header)
     else:
         with path.open("r+b") as fh:  # the version field follows the 8-byte magic
             fh.seek(8)
@@ -787,7 +788,7 @@ def test_empty_names_and_oversized_history(make_store: MakeStore) -> None:
 @pytest.mark.parametrize(("hbm", "dram", "ssd"), [(128, 64, 1024), (0, 2048, 1024), (-64, 0, 0), (64, 64, 0)])
 def test_config_capacities_must_be_ordered(tmp_path: Path, hbm: int, dram: int, ssd: int) -> None:
     config = StoreConfig(hbm_bytes=hbm, dram_bytes=dram, ssd_bytes=ssd, ssd_dir=tmp_path,
-                         arena_name=f"symphony-test-{uuid4().hex[:8]}")
+                         arena_name=f"symphony-test-{uuid4().hex[:8]}", model=TEST_MODEL)
     with pytest.raises(ValueError, match="hbm_bytes <= dram_bytes <= ssd_bytes"):
         config.validate()
     with pytest.raises(ValueError):
@@ -799,14 +800,22 @@ def test_config_capacities_must_be_ordered(tmp_path: Path, hbm: int, dram: int, 
                                    "max_sessions", "max_session_tokens"])
 def test_config_counts_must_be_positive(tmp_path: Path, field: str) -> None:
     config = StoreConfig(hbm_bytes=0, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused",
-                         **{field: 0})  # type: ignore[arg-type]
+                         model=TEST_MODEL, **{field: 0})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=field):
         config.validate()
 
 
 def test_valid_config_passes(tmp_path: Path) -> None:
-    StoreConfig(hbm_bytes=0, dram_bytes=0, ssd_bytes=0, ssd_dir=tmp_path, arena_name="unused").validate()
-    StoreConfig(hbm_bytes=64, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused").validate()
+    StoreConfig(hbm_bytes=0, dram_bytes=0, ssd_bytes=0, ssd_dir=tmp_path, arena_name="unused",
+                model=TEST_MODEL).validate()
+    StoreConfig(hbm_bytes=64, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused",
+                model=TEST_MODEL).validate()
+
+
+def test_a_model_fingerprint_is_32_bytes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        StoreConfig(hbm_bytes=0, dram_bytes=0, ssd_bytes=0, ssd_dir=tmp_path, arena_name="unused",
+                    model=TEST_MODEL[:8]).validate()  # type: ignore[arg-type]
 
 
 def test_one_layer_served_from_hbm_and_dram_across_lanes(make_store: MakeStore) -> None:

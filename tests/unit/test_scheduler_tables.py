@@ -12,6 +12,8 @@ from scheduler.priorities import PriorityTable
 from scheduler.push_queue import PushQueue, QueueFull
 from scheduler.sessions import SessionTable
 
+A, B = b"a" * 32, b"b" * 32  # two model fingerprints
+
 
 class Clock:
     def __init__(self) -> None:
@@ -24,12 +26,12 @@ class Clock:
 # -- sessions ---------------------------------------------------------------------------------------
 def test_a_served_turn_records_where_the_sessions_kv_is() -> None:
     table = SessionTable(10, ttl_s=60)
-    table.served(("t", "s"), "a", 100)
-    table.served(("t", "s"), "b", 300)
+    table.served(("t", "s"), "a", 100, fingerprint=A)
+    table.served(("t", "s"), "b", 300, fingerprint=A)
     entry = table.get(("t", "s"))
     assert entry is not None and entry.last_node == "b"
     assert entry.kv_tokens == {"a": 100, "b": 300} and entry.history_tokens == 300
-    table.moved(("t", "s"), "c", 250)  # a move asked for before the 300-token turn
+    table.moved(("t", "s"), "c", 250, A)  # a move asked for before the 300-token turn
     assert entry.kv_tokens["c"] == 250
     table.forget_node("a")
     assert "a" not in entry.kv_tokens
@@ -38,39 +40,56 @@ def test_a_served_turn_records_where_the_sessions_kv_is() -> None:
 
 def test_a_turn_the_node_never_started_is_undone() -> None:
     table = SessionTable(10, ttl_s=60)
-    table.served(("t", "s"), "a", 100, high=True)
-    undo = table.served(("t", "s"), "b", 300)
+    table.served(("t", "s"), "a", 100, fingerprint=A, high=True)
+    undo = table.served(("t", "s"), "b", 300, fingerprint=A)
     undo()
     entry = table.get(("t", "s"))
     assert entry is not None and (entry.last_node, entry.high, entry.history_tokens) == ("a", True, 100)
     assert entry.kv_tokens == {"a": 100} and table.high_sessions == {"a": 1}
     # Undoing a turn of an entry evicted since changes nothing.
     small = SessionTable(1, ttl_s=60)
-    undo = small.served(("t", "s"), "a", 5)
-    small.served(("t", "other"), "a", 7)
+    undo = small.served(("t", "s"), "a", 5, fingerprint=A)
+    small.served(("t", "other"), "a", 7, fingerprint=A)
     undo()
     assert small.get(("t", "s")) is None and len(small) == 1
+
+
+def test_an_entry_records_its_model_and_forgets_copies_of_another() -> None:
+    """A session that switches models keeps no copy of the old model's KV as its history: a node of
+    the new model must never be told to pull it. Undoing the switching turn brings the copies back."""
+    table = SessionTable(10, ttl_s=60)
+    table.served(("t", "s"), "a", 100, fingerprint=A, model="smol")
+    table.served(("t", "s"), "b", 200, fingerprint=A, model="smol")
+    undo = table.served(("t", "s"), "c", 300, fingerprint=B, model="smol-tuned")
+    entry = table.get(("t", "s"))
+    assert entry is not None and (entry.model, entry.fingerprint, entry.kv_tokens) == ("smol-tuned", B, {"c": 300})
+    table.moved(("t", "s"), "a", 200, A)  # a move of the old model's KV, finishing late: not this model's
+    assert entry.kv_tokens == {"c": 300}
+    table.moved(("t", "s"), "d", 300, B)
+    assert entry.kv_tokens == {"c": 300, "d": 300}
+    undo()
+    assert (entry.model, entry.fingerprint, entry.kv_tokens) == ("smol", A, {"a": 100, "b": 200})
 
 
 def test_sessions_are_bounded_by_count_and_age() -> None:
     clock = Clock()
     table = SessionTable(3, ttl_s=10, clock=clock)
     for i in range(5):
-        table.served(("t", f"s{i}"), "a", 1)
+        table.served(("t", f"s{i}"), "a", 1, fingerprint=A)
     assert len(table) == 3 and table.get(("t", "s0")) is None
     clock.now = 11
-    table.served(("t", "fresh"), "a", 1)
+    table.served(("t", "fresh"), "a", 1, fingerprint=A)
     table.purge()
     assert len(table) == 1 and table.get(("t", "fresh")) is not None
 
 
 def test_high_priority_sessions_are_counted_per_node() -> None:
     table = SessionTable(2, ttl_s=60)
-    table.served(("t", "h1"), "a", 1, high=True)
-    table.served(("t", "h2"), "a", 1, high=True)
-    table.served(("t", "h1"), "b", 1, high=True)
+    table.served(("t", "h1"), "a", 1, fingerprint=A, high=True)
+    table.served(("t", "h2"), "a", 1, fingerprint=A, high=True)
+    table.served(("t", "h1"), "b", 1, fingerprint=A, high=True)
     assert table.high_sessions == {"a": 1, "b": 1}
-    table.served(("t", "n"), "a", 1)  # evicts h2 (least recently used)
+    table.served(("t", "n"), "a", 1, fingerprint=A)  # evicts h2 (least recently used)
     assert table.high_sessions == {"b": 1}
 
 

@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scheduler.auth import engine_cache_salt
 from scheduler.errors import ApiError
@@ -345,3 +347,98 @@ def test_pathological_json_is_a_400_not_a_crash(raw: bytes) -> None:
     with pytest.raises(ApiError) as info:
         parse_json_object(raw)
     assert info.value.status == 400
+
+
+# -- wrong types, field by field --------------------------------------------------------------------
+@pytest.mark.parametrize(("field", "value", "param"), [
+    ("messages", [{"role": {}, "content": "hi"}], "messages"),  # was a 500: "unhashable type"
+    ("messages", [{"role": ["user"], "content": "hi"}], "messages"),
+    ("messages", [{"role": "user", "content": "hi", "name": 7}], "messages"),
+    ("messages", [{"role": "user", "content": [1, 2]}], "messages"),
+    ("max_tokens", "16", "max_tokens"),
+    ("max_tokens", [16], "max_tokens"),
+    ("temperature", "hot", "temperature"),
+    ("temperature", True, "temperature"),
+    ("temperature", {}, "temperature"),
+    ("top_p", "0.9", "top_p"),
+    ("top_k", 1.5, "top_k"),
+    ("n", "2", "n"),
+    ("seed", 1.0, "seed"),
+    ("stop", 5, "stop"),
+    ("stop", ["ok", 5], "stop"),
+    ("stop", {"a": 1}, "stop"),
+    ("presence_penalty", "0", "presence_penalty"),
+    ("frequency_penalty", [], "frequency_penalty"),
+    ("logit_bias", {"50256": "x"}, "logit_bias"),
+    ("logit_bias", [1], "logit_bias"),
+    ("logprobs", 1, "logprobs"),  # a chat's logprobs is true/false
+    ("top_logprobs", "2", "top_logprobs"),
+    ("user", 12, "user"),
+    ("stream_options", "yes", "stream_options"),
+    ("session_id", {}, "session_id"),
+    ("session_id", 3.5, "session_id"),
+])
+def test_a_chat_field_of_the_wrong_type_is_a_400_naming_it(field: str, value: Any, param: str) -> None:
+    error = rejected(inference, "chat", chat(**{field: value}))
+    assert (error.status, error.param) == (400, param)
+    assert error.message.startswith(param)  # the path to the bad value: "messages[0].role: ..."
+
+
+@pytest.mark.parametrize(("field", "value"), [("logprobs", True), ("echo", "yes"), ("best_of", "2"),
+                                              ("suffix", 1), ("temperature", "0")])
+def test_a_completion_field_of_the_wrong_type_is_a_400_naming_it(field: str, value: Any) -> None:
+    error = rejected(inference, "completions", completion(**{field: value}))
+    assert (error.status, error.param) == (400, field)
+
+
+def test_the_message_names_the_bad_element_and_what_came() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": {}, "content": "b"}]}
+    error = rejected(inference, "chat", encode(body))
+    assert error.message.startswith("messages[1].role: ") and "{}" in error.message
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": 0, "top_p": 1, "n": 1, "stop": ["\n"], "seed": 7, "logprobs": True, "top_logprobs": 2,
+     "stream_options": {"include_usage": True}, "user": "u", "logit_bias": {"1": -100}},
+    {"temperature": 0.7, "stop": "END", "presence_penalty": -0.5, "frequency_penalty": 1},
+    {"some_future_openai_field": {"any": "thing"}, "tools": [{"type": "function"}]},  # passed through
+])
+def test_well_typed_sampling_fields_pass_and_are_forwarded_as_sent(fields: dict[str, Any]) -> None:
+    result = inference("chat", chat(**fields))
+    assert all(result.body[name] == value for name, value in fields.items())
+
+
+@pytest.mark.parametrize(("kind", "arrival"), [("typing", "soon"), ("typing", True), ("typing", [1]),
+                                               ({}, None), (["typing"], None)])
+def test_an_advisory_field_of_the_wrong_type_is_a_400(kind: Any, arrival: Any) -> None:
+    body: dict[str, Any] = {"session_id": "s", "kind": kind}
+    if arrival is not None:
+        body["expected_arrival_ms"] = arrival
+    error = rejected(advisory, encode(body))
+    assert error.status == 400 and error.param in ("kind", "expected_arrival_ms")
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                  max_size=4),
+                     max_leaves=12)
+_FIELDS = st.sampled_from(["model", "messages", "prompt", "stream", "max_tokens", "max_completion_tokens",
+                           "temperature", "stop", "session_id", "cache_salt", "n", "logprobs", "role", "content"])
+_MESSAGE = st.dictionaries(st.sampled_from(["role", "content", "name"]), _JSON | st.sampled_from(["user", "hi"]),
+                           max_size=3)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(endpoint=st.sampled_from(["chat", "completions", "advisory"]),
+       body=st.dictionaries(_FIELDS, _JSON | st.lists(_MESSAGE, max_size=3), max_size=6))
+def test_any_json_object_is_accepted_or_a_4xx_never_a_crash(endpoint: str, body: dict[str, Any]) -> None:
+    """Whatever JSON a client sends, validation answers with a request or an ApiError (4xx, or the
+    503 of a cluster with no model), never another exception (a 500)."""
+    raw = encode(body)
+    try:
+        if endpoint == "advisory":
+            advisory(raw)
+        else:
+            inference(endpoint, raw)
+    except ApiError as error:
+        assert 400 <= error.status < 500 and error.message
