@@ -102,7 +102,7 @@ def cpu_attention_isa(dtype: str, block_size: int, head_size: int, *, amx_allowe
 
 
 def page_layout(geometry: KVGeometry, platform: str, attention: str) -> str:
-    """How a page's bytes are laid out: engine platform, attention kernel, shape and dtype. Part of
-    the model fingerprint: the same tokens under another layout are other bytes."""
-    return (f"{platform}/{attention}/[block,{geometry.kv_heads},{geometry.block_size},"
+    """How a block's pages are laid out: engine platform, attention kernel, layers x page shape, and
+    dtype. Part of the model fingerprint: the same tokens under another layout are other bytes."""
+    return (f"{platform}/{attention}/{geometry.num_layers}x[block,{geometry.kv_heads},{geometry.block_size},"
             f"{2 * geometry.head_size}]/{geometry.dtype}")

@@ -149,7 +149,8 @@ class PageStreamServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             request = _read_request(conn)
-            self._store.check_model(request.model_fingerprint)  # before anything of the session goes out
+            # Before anything of the session goes out.
+            self._store.check_model(request.model_fingerprint, "sender")
             if request.with_session:
                 request = self._describe_session(conn, request)
                 if request is None:

@@ -110,7 +110,7 @@ class PeerPuller:
         after the full blocks, over gRPC: the page stream carries whole blocks)."""
         tenant, session_id = ref.tenant, ref.session_id
         # Before the session is registered here: another model's token history and pages stay out.
-        self._store.check_model(remote.model_fingerprint, who="the peer")
+        self._store.check_model(remote.model_fingerprint, "receiver")
         priority = PRIORITY_FROM_PROTO.get(remote.priority)
         record = self._store.put_session(tenant, session_id, list(remote.token_ids), priority)
         start = self._store.loadable_prefix_blocks(tenant, session_id)

@@ -170,7 +170,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
                          ) -> AsyncIterator[kv_pb2.PageBatch]:
         try:
             tenant, session_id = _session(request.session)
-            self.store.check_model(request.model_fingerprint)
+            self.store.check_model(request.model_fingerprint, "sender")
             async for batch in stream_pages(self.store, tenant, session_id, request.first_block,
                                             request.num_blocks or None, request.tail_tokens):
                 yield batch

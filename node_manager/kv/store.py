@@ -19,6 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -223,12 +224,14 @@ class TieredStore:
     def model(self) -> ModelFingerprint:
         return self.config.model
 
-    def check_model(self, fingerprint: bytes, who: str = "the requester") -> None:
-        """Raise ModelMismatch unless `fingerprint` is this store's: a peer serving another model
-        (another dtype, another revision of the weights) must never get or give this store's pages."""
+    def check_model(self, fingerprint: bytes, side: Literal["sender", "receiver"]) -> None:
+        """Raise ModelMismatch unless `fingerprint` (the requester's, on the sending side; the peer's,
+        on the receiving side) is this store's: a node serving another model (another dtype, another
+        revision of the weights) must never get or give this store's pages. Counted per side."""
         if fingerprint != self.config.model:
+            self.metrics.peer_refused.labels(side).inc()
+            who = "the requester" if side == "sender" else "the peer"
             shown = fingerprint.hex()[:12] if fingerprint else "none"
-            self.metrics.peer_refused.labels("sender" if who == "the requester" else "receiver").inc()
             raise ModelMismatch(f"{who} serves model {shown}, this node {self.config.model.hex()[:12]}: "
                                 "KV never moves between different models")
 

@@ -98,6 +98,23 @@ async def test_engine_4xx_passes_through(
         assert reply.json()["error"]["param"] == "temperature"
 
 
+@pytest.mark.parametrize("fields", [{"messages": [{"role": {}, "content": "hi"}]},
+                                    {"messages": [{"role": ["user"], "content": "hi"}]},
+                                    {"temperature": "hot"}, {"stop": 5}, {"max_tokens": "16"}, {"session_id": {}}],
+                         ids=["role-object", "role-list", "temperature", "stop", "max_tokens", "session_id"])
+async def test_a_field_of_the_wrong_type_is_an_openai_style_400_and_reaches_no_engine(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, fields: dict[str, object]
+) -> None:
+    url, _ = await start_scheduler([await make_node(engine.url)])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        reply = await client.post("/v1/chat/completions", json={**CHAT, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", next(iter(fields)))
+    assert not engine.requests
+
+
 async def test_unreachable_engine_gives_503_quickly(make_node: MakeNode, start_scheduler: StartScheduler) -> None:
     dead_engine = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     url, state = await start_scheduler([await make_node(dead_engine)])

