@@ -422,23 +422,53 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
                      lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                   max_size=4),
                      max_leaves=12)
-_FIELDS = st.sampled_from(["model", "messages", "prompt", "stream", "max_tokens", "max_completion_tokens",
-                           "temperature", "stop", "session_id", "cache_salt", "n", "logprobs", "role", "content"])
-_MESSAGE = st.dictionaries(st.sampled_from(["role", "content", "name"]), _JSON | st.sampled_from(["user", "hi"]),
-                           max_size=3)
+_VALID = {"chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+          "completions": {"model": "m", "prompt": "hi", "max_tokens": 8},
+          "advisory": {"session_id": "s", "kind": "typing", "expected_arrival_ms": 100}}
+# Where one value of a valid body may be replaced: every field the scheduler or a policy reads.
+_PLACES = ["model", "messages", "prompt", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+           "n", "stop", "seed", "session_id", "cache_salt", "logprobs", "top_logprobs", "stream_options", "user",
+           "logit_bias", "kind", "expected_arrival_ms", "messages.0", "messages.0.role", "messages.0.content",
+           "messages.0.name"]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(endpoint=st.sampled_from(["chat", "completions", "advisory"]),
-       body=st.dictionaries(_FIELDS, _JSON | st.lists(_MESSAGE, max_size=3), max_size=6))
-def test_any_json_object_is_accepted_or_a_4xx_never_a_crash(endpoint: str, body: dict[str, Any]) -> None:
-    """Whatever JSON a client sends, validation answers with a request or an ApiError (4xx, or the
-    503 of a cluster with no model), never another exception (a 500)."""
-    raw = encode(body)
+def _with(body: dict[str, Any], place: str, value: Any) -> dict[str, Any]:
+    body = json.loads(json.dumps(body))
+    *parents, last = place.split(".")
+    target: Any = body
+    for part in parents:
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return body  # that place does not exist in this endpoint's body
+    if isinstance(target, list):
+        target[int(last)] = value
+    else:
+        target[last] = value
+    return body
+
+
+def _answered(endpoint: str, body: dict[str, Any]) -> None:
+    """Validation answers a request or an ApiError (4xx), never another exception (a 500)."""
     try:
         if endpoint == "advisory":
-            advisory(raw)
+            advisory(encode(body))
         else:
-            inference(endpoint, raw)
+            inference(endpoint, encode(body))
     except ApiError as error:
         assert 400 <= error.status < 500 and error.message
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(endpoint=st.sampled_from(sorted(_VALID)), place=st.sampled_from(_PLACES), value=_JSON)
+def test_any_value_in_any_field_is_accepted_or_a_4xx_never_a_crash(endpoint: str, place: str, value: Any) -> None:
+    _answered(endpoint, _with(_VALID[endpoint], place, value))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(endpoint=st.sampled_from(sorted(_VALID)), body=st.dictionaries(st.sampled_from(_PLACES[:20]), _JSON,
+                                                                       max_size=6))
+def test_any_json_object_is_accepted_or_a_4xx_never_a_crash(endpoint: str, body: dict[str, Any]) -> None:
+    _answered(endpoint, body)
