@@ -53,6 +53,8 @@ class _Sampling(_Body):
     repetition_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
     user: StrictStr | None = None
+    # A client's own salt (splitting its tenant's engine cache further) must be what vLLM accepts:
+    # the scheduler hashes it into the salt the engine sees, which would hide vLLM's own check.
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
 
