@@ -143,3 +143,16 @@ def test_the_served_layout_follows_the_engine_settings() -> None:
                                              (["--enforce-eager", "--kv-cache-dtype=fp8_e5m2"], "fp8_e5m2")])
 def test_the_kv_cache_dtype_comes_from_the_engines_arguments(args: list[str], dtype: str) -> None:
     assert kv_cache_dtype(args) == dtype
+
+
+def test_the_cost_probe_measures_three_kinds_of_start_of_one_fingerprint(tmp_path: Path) -> None:
+    from eval.fingerprint_cost import KINDS, measure
+
+    model = _model(tmp_path)
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2,
+                                                   "num_key_value_heads": 1, "hidden_size": 128}))
+    result = measure(model, rounds=2)
+    assert set(result["ms"]) == set(KINDS) and all(len(runs) == 2 for runs in result["ms"].values())
+    assert result["bytes"] == sum(p.stat().st_size for p in model.iterdir()
+                                  if p.suffix == ".safetensors" or p.name == "config.json")
+    assert len(bytes.fromhex(result["fingerprint"])) == 32
