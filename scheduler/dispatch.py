@@ -279,7 +279,7 @@ class Dispatcher:
             entry = self.sessions.get(key)
             if entry is None or entry.last_node is None or self.cluster.by_id(entry.last_node) is None:
                 continue
-            request = self._route_request("", tenant, key[1], 0)
+            request = self._route_request(entry.model, tenant, key[1], 0)
             if request.priority == "high" and self._prefetch(key, request, entry.last_node, 0):
                 started += 1
         return started

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr, ValidationError
 
 from scheduler.errors import ApiError
 
@@ -20,7 +20,9 @@ MAX_CACHE_SALT_CHARS = 256
 MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 ADVISORY_KINDS = ("typing", "predecessor")
 
-Number = StrictInt | StrictFloat  # JSON numbers; never booleans or numeric strings
+# JSON numbers, integers included (strict floats take ints): never booleans, numeric strings, NaN or
+# infinities (which Python's json accepts). Only checked: the body goes on as the client sent it.
+Number = FiniteFloat
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
@@ -88,23 +90,39 @@ def check(schema: type[_Body], body: dict[str, Any]) -> None:
 
 
 def _api_error(exc: ValidationError, body: dict[str, Any]) -> ApiError:
-    error = exc.errors(include_url=False)[0]
-    loc = [part for part in error["loc"] if not _is_union_branch(part)]
-    param = str(loc[0]) if loc else None
-    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-    message = error["msg"]
-    if error["type"] == "missing":
-        message = "is required"
-    elif param is not None and param in body:
-        got = error.get("input")
-        message = f"{message}, got {_shown(got)}"
-    return ApiError(400, f"{where}: {message}" if where else message, param=param)
+    """The most specific of pydantic's errors, as an OpenAI-style 400: `param` the top-level field,
+    the message the path to the bad value (`messages[1].role: ...`) and what came there. A value
+    that fits no form of a union gets one error per form; the one that got deepest into the value
+    says the most (`prompt[0][1]: Input should be a valid integer, got 'a'`)."""
+    located = [(_path(body, error["loc"]), error) for error in exc.errors(include_url=False)]
+    path, error = max(located, key=lambda item: len(item[0]))  # the first of the deepest
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".")
+    message = "is required" if error["type"] == "missing" else f"{error['msg']}, got {_shown(error.get('input'))}"
+    return ApiError(400, f"{where}: {message}" if where else message, param=str(path[0]) if path else None)
 
 
-def _is_union_branch(part: str | int) -> bool:
-    """pydantic names the union member it tried in the location ("str", "list[int]", ...)."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none")
-                                      or part.startswith(("list[", "dict[", "constrained-", "literal[")))
+def _path(body: Any, loc: tuple[str | int, ...]) -> list[str | int]:
+    """The parts of pydantic's error location that step into the client's value. The others name the
+    union member tried ("str", "list[int]", ...); a dict key a client chose is never mistaken for one,
+    since it is found in the value. A missing field is the last part, named though absent."""
+    path: list[str | int] = []
+    value = body
+    for i, part in enumerate(loc):
+        inside = (isinstance(value, dict) and part in value) or (
+            isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value))
+        if inside:
+            value = value[part]  # type: ignore[index]
+        elif not (i == len(loc) - 1 and isinstance(value, dict) and isinstance(part, str)
+                  and not _names_a_form(part)):
+            continue  # a union member's name, not a step into the value
+        # (else: a required field the client left out, named though absent)
+        path.append(part)
+    return path
+
+
+def _names_a_form(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "dict", "list", "none") or part.startswith(
+        ("list[", "dict[", "constrained-", "literal[", "function-"))
 
 
 def _shown(value: Any) -> str:

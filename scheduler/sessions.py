@@ -61,18 +61,28 @@ class SessionTable:
         for a turn the node then never started."""
         entry = self._touch(key)
         before = (entry.last_node, entry.high, entry.history_tokens, entry.model)
-        same_model = fingerprint == entry.fingerprint
-        # What undo puts back of the copies: this node's count, or every copy of the model left behind.
-        held_before = entry.kv_tokens.get(node_id) if same_model else (entry.fingerprint, dict(entry.kv_tokens))
+        # What undo puts back of the copies: this node's count, or (a turn that switched models) the
+        # fingerprint and copies of the model it left.
+        switched = fingerprint != entry.fingerprint
+        left_behind = (entry.fingerprint, dict(entry.kv_tokens))
+        held_before = entry.kv_tokens.get(node_id)
 
         def undo() -> None:
+            """Undoes may come in any order: each takes back only what is still this turn's. (Undoing a
+            turn after undoing its predecessor brings the predecessor's hint back: a stale hint, which
+            costs at most a recompute, as every hint here.)"""
             if self._entries.get(key) is not entry:
                 return  # dropped or replaced since: nothing of this turn is left to undo
-            self._count_high(entry, -1)
-            entry.last_node, entry.high, entry.history_tokens, entry.model = before
-            self._count_high(entry, +1)
-            if isinstance(held_before, tuple):
-                entry.fingerprint, entry.kv_tokens = held_before[0], dict(held_before[1])
+            if entry.last_node == node_id:  # no later turn went elsewhere since
+                self._count_high(entry, -1)
+                entry.last_node, entry.high, entry.history_tokens, entry.model = before
+                self._count_high(entry, +1)
+            if entry.fingerprint != fingerprint:
+                return  # a later turn moved the session to another model: its copies are not this turn's
+            if switched:
+                entry.kv_tokens.pop(node_id, None)
+                if not entry.kv_tokens:  # no later turn of this model: the model left behind is back
+                    entry.fingerprint, entry.kv_tokens = left_behind[0], dict(left_behind[1])
             elif held_before is None:
                 entry.kv_tokens.pop(node_id, None)
             else:

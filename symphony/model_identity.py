@@ -7,8 +7,9 @@ The fingerprint is sha256 over a canonical JSON of
 - the weights: a manifest of (file name, size, sha256) of the model's weight files and config.json
   (the config fixes rope, norms and every other thing that shapes K and V);
 - the tokenizer's files (token ids mean nothing under another vocabulary);
-- the serving settings that change the bytes: dtype, KV cache dtype, block size, and the page layout
-  the connector copies (`symphony.kv_geometry.page_layout`).
+- the serving settings that change the bytes: dtype, KV cache dtype, block size, the page layout
+  the connector copies (`symphony.kv_geometry.page_layout`), and the engine's other arguments save
+  those known to leave KV alone (quantization, rope overrides, a revision, adapters all count).
 
 Hashing the weights costs a read of every byte (~0.2 s per 270 MB here, a minute or more for 100 GB),
 so each file's sha256 is cached beside the model (`.symphony-fingerprint.json`) with its size and
@@ -35,7 +36,8 @@ log = get_logger("symphony.model_identity")
 FORMAT = 1
 CACHE_NAME = ".symphony-fingerprint.json"
 # What makes the model's KV: weights in every format vLLM loads, and the architecture's config.
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "config.json")
+# `*.py`: a trust_remote_code model's own modeling code.
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.py", "config.json")
 # What maps text to token ids (and, for chats, the template around the messages).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
@@ -54,6 +56,7 @@ class ModelIdentity:
     kv_cache_dtype: str
     block_size: int
     page_layout: str
+    engine_args: tuple[str, ...] = ()
 
     @property
     def short(self) -> str:
@@ -73,23 +76,27 @@ class FingerprintCost:
 
 
 def fingerprint_of(weights_sha256: str, tokenizer_sha256: str, dtype: str, kv_cache_dtype: str, block_size: int,
-                   page_layout: str) -> ModelIdentity:
+                   page_layout: str, engine_args: tuple[str, ...] = ()) -> ModelIdentity:
     """The identity of a model served with these settings (pure: the digests are given)."""
     canonical = json.dumps({"format": FORMAT, "weights": weights_sha256, "tokenizer": tokenizer_sha256,
                             "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "block_size": block_size,
-                            "page_layout": page_layout}, sort_keys=True, separators=(",", ":"))
+                            "page_layout": page_layout, "engine_args": list(engine_args)},
+                           sort_keys=True, separators=(",", ":"))
     digest = ModelFingerprint(hashlib.sha256(canonical.encode()).digest())
-    return ModelIdentity(digest, weights_sha256, tokenizer_sha256, dtype, kv_cache_dtype, block_size, page_layout)
+    return ModelIdentity(digest, weights_sha256, tokenizer_sha256, dtype, kv_cache_dtype, block_size, page_layout,
+                         engine_args)
 
 
 def identify_model(model_dir: Path, *, dtype: str, kv_cache_dtype: str, block_size: int, page_layout: str,
-                   fallback_cache_dir: Path) -> tuple[ModelIdentity, FingerprintCost]:
+                   fallback_cache_dir: Path, engine_args: tuple[str, ...] = ()
+                   ) -> tuple[ModelIdentity, FingerprintCost]:
     """Fingerprint the model at `model_dir` as served with these settings. Raises ModelIdentityError
     when a file cannot be read."""
     started = time.perf_counter()
     model_dir = Path(model_dir)
     weights, hashed, cached, nbytes, cache_path = _weights_digest(model_dir, fallback_cache_dir)
-    identity = fingerprint_of(weights, _tokenizer_digest(model_dir), dtype, kv_cache_dtype, block_size, page_layout)
+    identity = fingerprint_of(weights, _tokenizer_digest(model_dir), dtype, kv_cache_dtype, block_size, page_layout,
+                              engine_args)
     return identity, FingerprintCost(hashed, cached, nbytes, time.perf_counter() - started, cache_path)
 
 

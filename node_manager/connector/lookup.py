@@ -137,7 +137,7 @@ class HistoryLookup:
     def attach(self) -> BlockIndexReader:
         """The index of the node manager the client is connected to, mapped now if it is not yet:
         again after a reconnect, a failed send, or when the index file was replaced (the node
-        manager closed or restarted). Raises ValueError when the node manager stores another
+        manager closed or restarted). Raises OtherModelError when the node manager stores another
         model's KV than this engine serves."""
         if (self._index is None or self._attached_connection != self._client.connections
                 or self._index.replaced()):
@@ -172,9 +172,13 @@ class HistoryLookup:
             self._index = None
 
 
+class OtherModelError(ValueError):
+    """The node manager stores another model's KV than this engine serves."""
+
+
 def check_hello_model(hello: dict[str, object], model: ModelFingerprint) -> None:
-    """Raise ValueError unless the node manager's hello names `model` as the one it stores KV of."""
+    """Raise OtherModelError unless the node manager's hello names `model` as the one it stores KV of."""
     theirs = str(hello.get("model_fingerprint", ""))
     if theirs != model.hex():
-        raise ValueError(f"the node manager stores KV of model {theirs[:12] or 'unknown'}, this engine serves "
-                         f"{model.hex()[:12]}: its tiers are not used")
+        raise OtherModelError(f"the node manager stores KV of model {theirs[:12] or 'unknown'}, this engine "
+                              f"serves {model.hex()[:12]}: its tiers are not used")

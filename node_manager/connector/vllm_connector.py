@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
-from node_manager.connector.lookup import HeldHistory, HistoryLookup
+from node_manager.connector.lookup import HeldHistory, HistoryLookup, OtherModelError
 from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec, TailSave
 from node_manager.connector.warm_order import WarmedBlocks
 from node_manager.connector.worker import WorkerSide
@@ -118,7 +118,10 @@ class SymphonyConnector(KVConnectorBase_V1):
             held = self._lookup.match(tenant, session, token_ids, warmup)
         except (OSError, ValueError, KVChannelError) as exc:
             if not self._channel_down_logged:  # one line per outage, not one per request
-                log.warning("node manager KV channel unavailable; requests recompute", error=str(exc))
+                if isinstance(exc, OtherModelError):
+                    log.error("node manager stores another model's KV; requests recompute", error=str(exc))
+                else:
+                    log.warning("node manager KV channel unavailable; requests recompute", error=str(exc))
                 self._channel_down_logged = True
             return None
         self._channel_down_logged = False

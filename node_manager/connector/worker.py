@@ -114,9 +114,11 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map vLLM's cache and the node's DRAM arena. Raises ValueError when they cannot hold the
-        same pages: another model at the node manager, another layout in vLLM than the one the
-        model fingerprint was computed for (vLLM then fails to start, saying why, rather than
-        storing pages another engine would misread)."""
+        same pages: another model at the node manager, or a cache whose dtype, page size or
+        attention kernel (as vLLM selects it for this cache) is not the layout the model
+        fingerprint was computed for. vLLM then fails to start, saying why, rather than storing
+        pages another engine would misread. (The page shape itself is the node manager's; only
+        its byte size is compared with vLLM's.)"""
         ordered = sorted(kv_caches.items(), key=lambda item: layer_index(item[0]))
         with self._control_lock:
             hello = self._control.hello()

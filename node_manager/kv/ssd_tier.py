@@ -45,8 +45,14 @@ def _aligned_copy(data: bytes) -> mmap.mmap:
 
 
 def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    """Delete a file the rebuild does not load; one that cannot be deleted is left (never loaded, seen
+    again at the next rebuild) rather than failing the node's start."""
+    try:
         path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot delete a KV segment that is not loaded", path=str(path), error=str(exc))
 
 
 class SsdFullError(OSError):
@@ -103,6 +109,7 @@ class SsdTier:
         self.capacity_bytes = capacity_bytes
         self.model = model
         self.keep_other_models = keep_other_models
+        self.other_model_segments = 0  # kept segments of other models on disk (not loaded)
         self.segments: dict[int, Segment] = {}
         self.used_bytes = 0  # bytes of committed segments plus reservations
         self._lru = LRUPolicy()
@@ -172,10 +179,7 @@ class SsdTier:
         self._lru.insert(segment.seq)
         self.used_bytes += segment.file_bytes
         self._next_seq = max(self._next_seq, segment.seq + 1)  # kept segments' names stay taken
-
-    def other_model_segments(self) -> int:
-        """Segments of other models kept on disk (not loaded)."""
-        return sum(1 for segment in self.segments.values() if segment.header.model != self.model)
+        self.other_model_segments += segment.header.model != self.model
 
     def _read_header(self, path: Path) -> SegmentHeader:
         with path.open("rb") as fh:
@@ -233,6 +237,8 @@ class SsdTier:
             self._remove(segment)
 
     def _remove(self, segment: Segment) -> None:
+        if self.segments.get(segment.seq) is segment:
+            self.other_model_segments -= segment.header.model != self.model
         self.segments.pop(segment.seq, None)
         self._lru.remove(segment.seq)
         self.used_bytes -= segment.file_bytes

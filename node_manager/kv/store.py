@@ -1339,7 +1339,7 @@ class TieredStore:
                       Tier.DRAM: pages[Tier.DRAM] * self.geometry.page_bytes, Tier.SSD: self.ssd.used_bytes}
         for tier, nbytes in held_bytes.items():
             self.metrics.tier_bytes.labels(tier.name).set(nbytes)
-        self.metrics.other_model_segments.set(self.ssd.other_model_segments())
+        self.metrics.other_model_segments.set(self.ssd.other_model_segments)
         return pages
 
     def stats(self) -> dict[str, int]:

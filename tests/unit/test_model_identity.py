@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from node_manager.identity import kv_cache_dtype, served_page_layout
+from node_manager.identity import kv_cache_dtype, kv_relevant_args, served_page_layout
 from symphony.config import EngineConfig
 from symphony.kv_geometry import KVGeometry, cpu_attention_isa, page_layout, smollm2_geometry
-from symphony.model_identity import CACHE_NAME, ModelIdentityError, identify_model
+from symphony.model_identity import CACHE_NAME, FingerprintCost, ModelIdentity, ModelIdentityError, identify_model
 
 SETTINGS = {"dtype": "bfloat16", "kv_cache_dtype": "auto", "block_size": 32, "page_layout": "cpu/vec/[x]"}
 
@@ -29,8 +29,17 @@ def _model(root: Path, weights: bytes = b"weights-v1") -> Path:
     return model
 
 
-def _identify(model: Path, tmp_path: Path, **settings: object):  # type: ignore[no-untyped-def]
+def _identify(model: Path, tmp_path: Path, **settings: object) -> tuple[ModelIdentity, FingerprintCost]:
     return identify_model(model, fallback_cache_dir=tmp_path / "fallback", **{**SETTINGS, **settings})  # type: ignore[arg-type]
+
+
+def _rewrite(path: Path, content: bytes) -> None:
+    """Write `content` with an mtime later than the file had: a rewrite within one mtime tick of a
+    file system with coarse timestamps must still be seen as a change."""
+    before = path.stat().st_mtime_ns if path.exists() else 0
+    path.write_bytes(content)
+    later = max(path.stat().st_mtime_ns, before + 10**9)
+    os.utime(path, ns=(later, later))
 
 
 def test_the_fingerprint_changes_with_each_of_its_inputs(tmp_path: Path) -> None:
@@ -40,17 +49,22 @@ def test_the_fingerprint_changes_with_each_of_its_inputs(tmp_path: Path) -> None
     assert _identify(model, tmp_path)[0] == base  # deterministic
     changed = {name: _identify(model, tmp_path, **{name: value})[0].fingerprint
                for name, value in (("dtype", "float16"), ("kv_cache_dtype", "fp8"), ("block_size", 64),
-                                   ("page_layout", "cpu/amx/[x]"))}
+                                   ("page_layout", "cpu/amx/[x]"), ("engine_args", ("--quantization", "fp8")))}
     edits = {"weights": ("model-00001-of-00002.safetensors", b"weights-v2"),
              "a second shard": ("model-00002-of-00002.safetensors", b"second shard, fine-tuned"),
              "config": ("config.json", json.dumps({"num_hidden_layers": 2, "rope_theta": 500000.0}).encode()),
              "tokenizer": ("tokenizer.json", b'{"vocab": {"b": 0}}'),
-             "chat template": ("chat_template.jinja", b"{{ other }}")}
+             "chat template": ("chat_template.jinja", b"{{ other }}"),
+             "remote code": ("modeling_custom.py", b"class Model: ...")}
     for what, (name, content) in edits.items():
-        original = (model / name).read_bytes()
-        (model / name).write_bytes(content)
+        path = model / name
+        original = path.read_bytes() if path.exists() else None
+        _rewrite(path, content)
         changed[what] = _identify(model, tmp_path)[0].fingerprint
-        (model / name).write_bytes(original)
+        if original is None:
+            path.unlink()
+        else:
+            _rewrite(path, original)
     assert _identify(model, tmp_path)[0] == base  # every edit undone: the same model again
     assert base.fingerprint not in changed.values()
     assert len(set(changed.values())) == len(changed), "two different inputs gave the same fingerprint"
@@ -67,9 +81,7 @@ def test_weights_are_hashed_once_and_only_a_changed_file_again(tmp_path: Path) -
     assert cost.cache_path == model / CACHE_NAME and cost.cache_path.is_file()
     again, cost = _identify(model, tmp_path)
     assert (again, cost.files_hashed, cost.files_cached, cost.bytes_hashed) == (first, 0, 3, 0)
-    shard = model / "model-00001-of-00002.safetensors"
-    shard.write_bytes(b"weights-v9")  # same size, new mtime: hashed again, and seen
-    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    _rewrite(model / "model-00001-of-00002.safetensors", b"weights-v9")  # same size, new mtime: hashed again
     changed, cost = _identify(model, tmp_path)
     assert (cost.files_hashed, cost.files_cached, cost.bytes_hashed) == (1, 2, len(b"weights-v9"))
     assert changed.fingerprint != first.fingerprint
@@ -156,3 +168,10 @@ def test_the_cost_probe_measures_three_kinds_of_start_of_one_fingerprint(tmp_pat
     assert result["bytes"] == sum(p.stat().st_size for p in model.iterdir()
                                   if p.suffix == ".safetensors" or p.name == "config.json")
     assert len(bytes.fromhex(result["fingerprint"])) == 32
+
+
+def test_engine_arguments_count_unless_known_to_leave_kv_alone() -> None:
+    args = ["--num-gpu-blocks-override", "512", "--quantization", "fp8", "--disable-log-stats",
+            "--max-num-seqs=8", "--rope-theta", "500000", "--enforce-eager", "--revision", "v2"]
+    assert kv_relevant_args(args) == ("--quantization", "fp8", "--rope-theta", "500000", "--revision", "v2")
+    assert kv_relevant_args(["--max-num-seqs", "8", "--num-gpu-blocks-override", "64"]) == ()

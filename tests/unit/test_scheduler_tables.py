@@ -65,10 +65,31 @@ def test_an_entry_records_its_model_and_forgets_copies_of_another() -> None:
     assert entry is not None and (entry.model, entry.fingerprint, entry.kv_tokens) == ("smol-tuned", B, {"c": 300})
     table.moved(("t", "s"), "a", 200, A)  # a move of the old model's KV, finishing late: not this model's
     assert entry.kv_tokens == {"c": 300}
-    table.moved(("t", "s"), "d", 300, B)
-    assert entry.kv_tokens == {"c": 300, "d": 300}
     undo()
     assert (entry.model, entry.fingerprint, entry.kv_tokens) == ("smol", A, {"a": 100, "b": 200})
+    table.served(("t", "s"), "c", 300, fingerprint=B, model="smol-tuned")
+    undo = table.served(("t", "s"), "d", 300, fingerprint=B, model="smol-tuned")
+    undo()  # a later turn of the new model stays: the session does not go back to the old one
+    assert (entry.fingerprint, entry.kv_tokens) == (B, {"c": 300})
+
+
+def test_undoes_in_any_order_take_back_only_their_own_turn() -> None:
+    table = SessionTable(10, ttl_s=60)
+    undo_first = table.served(("t", "s"), "n1", 50, fingerprint=A)
+    table.served(("t", "s"), "n2", 90, fingerprint=B)
+    undo_first()  # the first turn failed after the second (of another model) went out
+    entry = table.get(("t", "s"))
+    assert entry is not None
+    assert (entry.last_node, entry.fingerprint, entry.kv_tokens) == ("n2", B, {"n2": 90})  # no A copy under B
+    # Same model, two nodes, undone out of order: each node's count goes back on its own.
+    table.served(("t", "m"), "n1", 100, fingerprint=A)
+    undo_n2 = table.served(("t", "m"), "n2", 200, fingerprint=A)
+    undo_n1 = table.served(("t", "m"), "n1", 300, fingerprint=A)
+    undo_n2()
+    other = table.get(("t", "m"))
+    assert other is not None and other.kv_tokens == {"n1": 300} and other.last_node == "n1"
+    undo_n1()
+    assert other.kv_tokens == {"n1": 100}
 
 
 def test_sessions_are_bounded_by_count_and_age() -> None:

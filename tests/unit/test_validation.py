@@ -408,14 +408,34 @@ def test_well_typed_sampling_fields_pass_and_are_forwarded_as_sent(fields: dict[
     assert all(result.body[name] == value for name, value in fields.items())
 
 
-@pytest.mark.parametrize(("kind", "arrival"), [("typing", "soon"), ("typing", True), ("typing", [1]),
-                                               ({}, None), (["typing"], None)])
-def test_an_advisory_field_of_the_wrong_type_is_a_400(kind: Any, arrival: Any) -> None:
+@pytest.mark.parametrize(("kind", "arrival", "param"), [
+    ("typing", "soon", "expected_arrival_ms"), ("typing", True, "expected_arrival_ms"),
+    ("typing", [1], "expected_arrival_ms"), ({}, None, "kind"), (["typing"], None, "kind")])
+def test_an_advisory_field_of_the_wrong_type_is_a_400(kind: Any, arrival: Any, param: str) -> None:
     body: dict[str, Any] = {"session_id": "s", "kind": kind}
     if arrival is not None:
         body["expected_arrival_ms"] = arrival
     error = rejected(advisory, encode(body))
-    assert error.status == 400 and error.param in ("kind", "expected_arrival_ms")
+    assert (error.status, error.param) == (400, param)
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "message"), [
+    ("completions", {"prompt": [[1, "a"]]}, "prompt[0][1]: Input should be a valid integer, got 'a'"),
+    ("chat", {"messages": [{"role": "user", "content": [1]}]},
+     "messages[0].content[0]: Input should be a valid dictionary, got 1"),
+    ("chat", {"logit_bias": {"int": "x"}}, "logit_bias.int: Input should be a valid number, got 'x'"),  # a key
+    ("chat", {"messages": [{"content": "x"}]}, "messages[0].role: is required"),
+])
+def test_the_message_points_at_the_deepest_bad_value(endpoint: str, fields: dict[str, Any], message: str) -> None:
+    body = {**(CHAT if endpoint == "chat" else COMPLETION), **fields}
+    assert rejected(inference, endpoint, encode(body)).message == message
+
+
+@pytest.mark.parametrize("raw_value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_a_400(raw_value: str) -> None:
+    raw = chat()[:-1] + b', "temperature": ' + raw_value.encode() + b"}"
+    error = rejected(inference, "chat", raw)
+    assert (error.status, error.param) == (400, "temperature")
 
 
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
