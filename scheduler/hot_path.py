@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.errors import ApiError, error_response
+from scheduler.state import SchedulerState
 from scheduler.validation import validate_advisory, validate_inference
 from symphony.logs import get_logger
-
-if TYPE_CHECKING:
-    from scheduler.app import SchedulerState
 
 log = get_logger("scheduler.http")
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import openai
 
-from eval.bench_resume import Node
+from eval.resume_runner import Node
 from symphony.rpc import kv_pb2_grpc
 from tests.e2e.conftest import LiveCluster
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from eval.bench_resume import FOLLOW_UP_TOKENS, PATHS, measure
+from eval.bench_resume import measure
+from eval.resume_runner import FOLLOW_UP_TOKENS, PATHS
 from tests.e2e.conftest import LiveCluster
 from tests.e2e.resume_support import resume_nodes
 

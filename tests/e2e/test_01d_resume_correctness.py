@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from eval.bench_resume import PATHS
 from eval.resume_correctness import OUTPUT_TOKENS, check_resume_correctness
+from eval.resume_runner import PATHS
 from tests.e2e.conftest import LiveCluster
 from tests.e2e.resume_support import resume_nodes
 

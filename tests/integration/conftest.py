@@ -11,7 +11,8 @@ import httpx
 import pytest
 import uvicorn
 
-from scheduler.app import SchedulerState, create_app
+from scheduler.app import create_app
+from scheduler.state import SchedulerState
 from symphony.config import load_config
 from tests.helpers import async_wait_until, free_port
 from tests.integration.fakes import FakeEngine, FakeNodeManager, ready_status

@@ -1,0 +1,345 @@
+"""`symphony bench ...`: the benchmark commands, registered into the `symphony` parser by
+`register`. Heavy imports happen inside each handler, so `symphony --help` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from symphony.cli_args import (
+    CliError,
+    add_config_args,
+    engine_overrides,
+    int_between,
+    load_from_args,
+    positive_int,
+)
+
+
+def register(sub: Any) -> None:
+    """Add the `bench` command and its subcommands to `sub` (the `symphony` parser's subparsers)."""
+    bench = sub.add_parser("bench", help="benchmarks (write JSON)")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    proxy = bench_sub.add_parser("proxy", help="TTFT through the scheduler vs straight to the engine")
+    _add_bench_cluster_args(proxy)
+    proxy.add_argument("--out", type=Path, required=True, help="JSON results file")
+    proxy.add_argument("--plot", type=Path, metavar="PNG", help="also draw TTFT distributions to this PNG")
+    proxy.add_argument("--concurrency", type=positive_int, default=16, help="concurrent streaming chats (16)")
+    proxy.add_argument("--rounds", type=positive_int, default=100, help="rounds per path (100)")
+    proxy.add_argument("--max-tokens", type=positive_int, default=4, help="tokens per answer (4)")
+    proxy.add_argument("--scheduler-url", help="use a running scheduler instead of starting a 1-node cluster")
+    proxy.add_argument("--engine-url", help="the engine behind --scheduler-url (required with it)")
+    proxy.set_defaults(func=cmd_bench_proxy)
+    tiers = bench_sub.add_parser("tiers", help="KV tier throughput (DRAM, SSD, peer) against plain bounds")
+    tiers.add_argument("--out", type=Path, required=True, help="JSON results file")
+    tiers.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
+    tiers.add_argument("--tokens", type=positive_int, default=2048, help="session length in tokens (2048)")
+    tiers.add_argument("--trials", type=positive_int, default=9, help="interleaved trials; keys are medians (9)")
+    tiers.add_argument("--device", default="cpu", help="HBM tier device: cpu or cuda (cpu)")
+    tiers.add_argument("--work-dir", type=Path, help="where the SSD tier's files go (default: the temp dir)")
+    tiers.set_defaults(func=cmd_bench_tiers)
+    resume = bench_sub.add_parser("resume", help="TTFT of a resumed turn by where its history's KV is "
+                                  "(starts a private 2-node cluster)")
+    _add_bench_cluster_args(resume)
+    resume.add_argument("--out", type=Path, required=True, help="JSON results file")
+    resume.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
+    resume.add_argument("--context-tokens", type=positive_int, default=2048,
+                        help="history length in tokens, a multiple of the block size (2048)")
+    resume.add_argument("--trials", type=positive_int, default=5, help="trials per path, interleaved (5)")
+    resume.add_argument("--gap-ms", type=positive_int, default=1000,
+                        help="think time between a history's turn and the resumed turn, every path alike (1000)")
+    resume.add_argument("--conversations", type=int_between(0, 80), default=0,
+                        help="also check correctness on this many MT-bench two-turn conversations (of 80): "
+                             "every path must give the same greedy tokens, logprobs within 1e-2 (0: skip)")
+    resume.set_defaults(func=cmd_bench_resume)
+    cluster = bench_sub.add_parser("cluster", help="routing policies on a live 2-node cluster replaying ShareGPT "
+                                   "users with typing advisories")
+    _add_bench_cluster_args(cluster)
+    cluster.add_argument("--out", type=Path, required=True, help="JSON results file")
+    cluster.add_argument("--plot", type=Path, metavar="PNG", help="also draw the comparison to this PNG")
+    cluster.add_argument("--records", type=Path, metavar="DIR", help="also write every request (JSON, CSV) here")
+    cluster.add_argument("--policies", default=",".join(_cluster_defaults()),
+                         help="comma-separated, run in this order (default: %(default)s)")
+    cluster.add_argument("--users", type=positive_int, default=8, help="simulated users (8)")
+    cluster.add_argument("--duration", type=positive_int, default=90, help="seconds of load per policy (90)")
+    cluster.add_argument("--time-scale", type=float, default=0.05,
+                         help="human reading and typing time, scaled (0.05: a minute becomes 3 s)")
+    cluster.add_argument("--max-tokens", type=positive_int, default=64, help="answer length cap (64)")
+    cluster.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
+    cluster.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
+                         "sample, eval/data/sharegpt)")
+    cluster.add_argument("--min-turns", type=positive_int, default=2,
+                         help="replay only conversations with at least this many user turns (2)")
+    cluster.add_argument("--max-turns", type=positive_int, default=8, help="cut conversations to this many turns (8)")
+    cluster.set_defaults(func=cmd_bench_cluster)
+    route = bench_sub.add_parser("route", help="cost of one routing decision per policy at fleet scale (no cluster)")
+    route.add_argument("--out", type=Path, required=True, help="JSON results file")
+    route.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
+    route.add_argument("--nodes", type=positive_int, default=64, help="nodes in the fleet (64)")
+    route.add_argument("--sessions", type=positive_int, default=100_000, help="sessions routed first (100000)")
+    route.add_argument("--tenants", type=positive_int, default=100, help="tenants the sessions belong to (100)")
+    route.add_argument("--requests", type=positive_int, default=20_000, help="timed decisions per policy (20000)")
+    route.add_argument("--policies", default="symphony,least_load,round_robin,consistent_hash,sticky,prefix_trie",
+                       help="comma-separated (default: %(default)s)")
+    route.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    route.set_defaults(func=cmd_bench_route)
+    calibrate = bench_sub.add_parser("calibrate", help="fit the simulator's engine model to this host's live engine "
+                                     "(starts a private 2-node cluster)")
+    _add_bench_cluster_args(calibrate)
+    calibrate.add_argument("--out", type=Path, required=True, help="JSON results file (samples and fit)")
+    calibrate.add_argument("--preset-out", type=Path, default=Path("local-preset.json"), metavar="JSON",
+                           help="where the fitted preset goes, for bench sim/validate --preset-file "
+                                "(%(default)s)")
+    calibrate.set_defaults(func=cmd_bench_calibrate)
+    validate = bench_sub.add_parser("validate", help="the simulator against the live 2-node cluster on the same "
+                                    "requests: sim_vs_live_error")
+    _add_bench_cluster_args(validate)
+    validate.add_argument("--out", type=Path, required=True, help="JSON results file")
+    validate.add_argument("--preset-file", type=Path, metavar="JSON",
+                          help="a preset from bench calibrate (default: calibrate first, on the same cluster)")
+    validate.add_argument("--preset-out", type=Path, default=Path("local-preset.json"), metavar="JSON",
+                          help="where a calibration made here goes (%(default)s)")
+    validate.add_argument("--records", type=Path, metavar="DIR", help="also write the live run's requests (JSON, "
+                          "CSV) here")
+    validate.add_argument("--policy", default="recompute", help="the routing policy both runs use (recompute)")
+    validate.add_argument("--users", type=positive_int, default=4, help="simulated users (4)")
+    validate.add_argument("--duration", type=positive_int, default=120, help="seconds of live load (120)")
+    validate.add_argument("--time-scale", type=float, default=0.05,
+                          help="human reading and typing time, scaled (0.05: a minute becomes 3 s)")
+    validate.add_argument("--miss-rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    validate.add_argument("--max-tokens", type=positive_int, default=32, help="answer length cap (32)")
+    validate.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
+                          "sample)")
+    validate.set_defaults(func=cmd_bench_validate)
+    report = bench_sub.add_parser("report", help="a Markdown summary with PNG plots of every result file in DIR")
+    report.add_argument("directory", type=Path, metavar="DIR", help="where the bench ... --out JSON files are")
+    report.set_defaults(func=cmd_bench_report)
+    sim = bench_sub.add_parser("sim", help="paper-scale scenarios on the cluster simulator (no cluster)")
+    sim.add_argument("--scenario", required=True,
+                     help="users, missed_advisories, imbalance, priority, agents (--users: projects) or trace "
+                          "(--workload: a Mooncake .jsonl or Azure .csv trace, --time-scale its clock)")
+    sim.add_argument("--out", type=Path, required=True, help="JSON results file")
+    sim.add_argument("--plot", type=Path, metavar="PNG", help="also draw the scenario to this PNG")
+    sim.add_argument("--preset", default="a100-llama3.1-8b",
+                     help="engine and link constants: a100-llama3.1-8b (default) or l4-llama3.1-8b")
+    sim.add_argument("--preset-file", type=Path, metavar="JSON",
+                     help="engine and link constants from `symphony bench calibrate` (instead of --preset)")
+    sim.add_argument("--nodes", type=positive_int, default=8, help="engines (8)")
+    sim.add_argument("--users", default="64,128,256,512,1024",
+                     help="user counts, comma-separated (%(default)s); one-point scenarios take the first")
+    sim.add_argument("--policies", default="symphony,recompute,sticky", help="comma-separated (%(default)s)")
+    sim.add_argument("--duration", type=positive_int, default=600, help="simulated seconds per point (600)")
+    sim.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
+    sim.add_argument("--time-scale", type=float, default=1.0,
+                     help="human reading and typing time, scaled (1: real human speeds)")
+    sim.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored sample)")
+    sim.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    sim.set_defaults(func=cmd_bench_sim)
+
+
+def _add_bench_cluster_args(parser: argparse.ArgumentParser) -> None:
+    """What every benchmark that starts a private cluster takes: its configuration and model."""
+    add_config_args(parser)
+    parser.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
+    parser.add_argument("--served-model-name", help=argparse.SUPPRESS)
+
+
+def cmd_bench_proxy(args: argparse.Namespace) -> int:
+    from eval.bench_proxy import run_proxy_bench
+
+    if bool(args.scheduler_url) != bool(args.engine_url):
+        raise CliError("--scheduler-url and --engine-url go together (the scheduler must front that one engine)")
+    config = load_from_args(args, engine_overrides(args))
+    return run_proxy_bench(config, out=args.out, concurrency=args.concurrency, rounds=args.rounds,
+                           max_tokens=args.max_tokens, scheduler_url=args.scheduler_url, engine_url=args.engine_url,
+                           plot=args.plot)
+
+
+
+def _cluster_defaults() -> tuple[str, ...]:
+    return ("symphony", "recompute", "sticky", "least_load", "prefix_trie")
+
+
+def _policy_names(text: str) -> tuple[str, ...]:
+    """--policies: comma-separated names of routing policies, all known."""
+    from scheduler.policies import POLICIES
+
+    policies = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown:
+        raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
+    return policies
+
+
+def _check_human_timing(args: argparse.Namespace) -> None:
+    if not 0 < args.time_scale <= 10:
+        raise CliError(f"--time-scale {args.time_scale}: expected a number in (0, 10]")
+    if not 0 <= args.miss_rate <= 1:
+        raise CliError(f"--miss-rate {args.miss_rate}: expected a share in [0, 1]")
+
+
+def _workload_file(args: argparse.Namespace) -> Path:
+    """--workload, or the vendored ShareGPT sample; it must exist."""
+    from eval.workloads import SHAREGPT_SAMPLE
+
+    workload: Path = args.workload or SHAREGPT_SAMPLE
+    if not workload.is_file():
+        raise CliError(f"--workload {workload}: no such file")
+    return workload
+
+
+def _conversations(args: argparse.Namespace, *, min_turns: int, max_turns: int) -> tuple[Path, list[Any]]:
+    """The --workload file and its conversations of min_turns..max_turns user turns (cut to max_turns)."""
+    from eval.workloads import load_sharegpt
+
+    workload = _workload_file(args)
+    try:
+        conversations = load_sharegpt(workload, min_turns=min_turns, max_turns=max_turns)
+    except ValueError as exc:
+        raise CliError(f"--workload {exc}") from None
+    if not conversations:
+        raise CliError(f"--workload {workload}: no conversation has {min_turns} user turns or more")
+    return workload, conversations
+
+
+def cmd_bench_cluster(args: argparse.Namespace) -> int:
+    from eval.bench_cluster import run_cluster_bench
+
+    policies = list(_policy_names(args.policies))
+    _check_human_timing(args)
+    if args.min_turns > args.max_turns:
+        raise CliError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}")
+    workload, conversations = _conversations(args, min_turns=args.min_turns, max_turns=args.max_turns)
+    config = load_from_args(args, engine_overrides(args))
+    return run_cluster_bench(config, out=args.out, policies=policies, users=args.users, duration_s=args.duration,
+                             time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
+                             conversations=conversations, miss_rate=args.miss_rate, plot=args.plot,
+                             records_dir=args.records)
+
+
+def cmd_bench_calibrate(args: argparse.Namespace) -> int:
+    from eval.bench_calibrate import run_calibrate_bench
+
+    config = load_from_args(args, engine_overrides(args))
+    return run_calibrate_bench(config, out=args.out, preset_out=args.preset_out)
+
+
+def cmd_bench_validate(args: argparse.Namespace) -> int:
+    from eval.bench_calibrate import run_validate_bench
+    from eval.sim.calibration import load_preset
+    from scheduler.policies import POLICIES
+
+    if args.policy not in POLICIES:
+        raise CliError(f"--policy {args.policy!r}: known policies are {', '.join(POLICIES)}")
+    _check_human_timing(args)
+    if args.preset_file is not None:
+        try:
+            load_preset(args.preset_file)
+        except ValueError as exc:
+            raise CliError(f"--preset-file {exc}") from None
+    workload, conversations = _conversations(args, min_turns=2, max_turns=8)
+    config = load_from_args(args, engine_overrides(args))
+    return run_validate_bench(config, out=args.out, policy=args.policy, users=args.users, duration_s=args.duration,
+                              time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
+                              conversations=conversations, preset_file=args.preset_file, preset_out=args.preset_out,
+                              records_dir=args.records)
+
+
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from eval.report import build_report
+
+    if not args.directory.is_dir():
+        raise CliError(f"DIR {args.directory}: not a directory")
+    print(f"wrote {build_report(args.directory)}")
+    return 0
+
+
+def cmd_bench_route(args: argparse.Namespace) -> int:
+    from eval.bench_route import run_route_bench
+
+    policies = _policy_names(args.policies)
+    run_route_bench(out=args.out, nodes=args.nodes, sessions=args.sessions, tenants=args.tenants,
+                    requests=args.requests, policies=policies, seed=args.seed, plot=args.plot)
+    return 0
+
+
+def cmd_bench_sim(args: argparse.Namespace) -> int:
+    from eval.bench_sim import SCENARIOS, run_sim_bench
+    from eval.sim.calibration import load_preset
+    from eval.sim.presets import PRESETS
+
+    if args.scenario not in SCENARIOS:
+        raise CliError(f"--scenario {args.scenario!r}: known scenarios are {', '.join(SCENARIOS)}")
+    if args.preset_file is not None:
+        try:
+            preset = load_preset(args.preset_file)
+        except ValueError as exc:
+            raise CliError(f"--preset-file {exc}") from None
+    elif args.preset in PRESETS:
+        preset = PRESETS[args.preset]
+    else:
+        raise CliError(f"--preset {args.preset!r}: known presets are {', '.join(PRESETS)}")
+    policies = _policy_names(args.policies)
+    try:
+        users = tuple(int(u) for u in args.users.split(",") if u.strip())
+    except ValueError:
+        raise CliError(f"--users {args.users!r}: expected comma-separated whole numbers") from None
+    if not users or min(users) < 1:
+        raise CliError(f"--users {args.users!r}: expected positive user counts")
+    _check_human_timing(args)
+    trace = None
+    if args.scenario == "trace":
+        if args.workload is None:
+            raise CliError("--scenario trace needs --workload: a Mooncake trace (.jsonl) or Azure's (.csv)")
+        workload, conversations = _workload_file(args), []
+        trace = _trace(workload, args.time_scale)
+    else:
+        workload, conversations = _conversations(args, min_turns=2, max_turns=8)
+    run_sim_bench(out=args.out, scenario=args.scenario, workload=workload, conversations=conversations, preset=preset,
+                  trace=trace, nodes=args.nodes, users=users, policies=policies, duration_s=args.duration,
+                  miss_rate=args.miss_rate, time_scale=args.time_scale, seed=args.seed, plot=args.plot)
+    return 0
+
+
+def _trace(path: Path, time_scale: float) -> list[Any]:
+    from eval.traces import load_azure, load_mooncake
+
+    loader = load_azure if path.suffix == ".csv" else load_mooncake
+    try:
+        requests = loader(path, time_scale=time_scale)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CliError(f"--workload {exc}") from None
+    if not requests:
+        raise CliError(f"--workload {path}: no request in the trace")
+    return requests
+
+
+def cmd_bench_resume(args: argparse.Namespace) -> int:
+    from eval.bench_resume import run_resume_bench
+
+    config = load_from_args(args, engine_overrides(args))
+    if args.context_tokens % config.engine.block_size:
+        raise CliError(f"--context-tokens {args.context_tokens}: must be a multiple of engine.block_size "
+                       f"({config.engine.block_size}), so the whole history is loadable")
+    return run_resume_bench(config, out=args.out, context_tokens=args.context_tokens, trials=args.trials,
+                            gap_s=args.gap_ms / 1000.0, conversations=args.conversations, plot=args.plot)
+
+
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    # Before torch loads its OpenMP runtime, which reads this once: by default the team that ran the
+    # memcpy bound spins on the other core for milliseconds after it, and the store's copy lanes that
+    # the bench times next got one core out of two (measured on 2 cores: two lanes of 47 MB of layer
+    # copies at 5.0-5.9 GB/s right after a torch copy, 10-12 GB/s with a passive team; the torch copy
+    # itself 7.9-9.6 GB/s, and no slower passive: 9.4-11.5). An OMP_WAIT_POLICY already set is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from eval.bench_tiers import run_tiers_bench
+
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise CliError(f"--device {args.device!r}: expected cpu or cuda[:N]")
+    if args.work_dir is not None and not args.work_dir.is_dir():
+        raise CliError(f"--work-dir {args.work_dir}: not a directory")
+    run_tiers_bench(out=args.out, tokens=args.tokens, trials=args.trials, device=args.device,
+                    work_dir=args.work_dir, plot=args.plot)
+    return 0
