@@ -62,14 +62,8 @@ def register(sub: Any) -> None:
     cluster.add_argument("--records", type=Path, metavar="DIR", help="also write every request (JSON, CSV) here")
     cluster.add_argument("--policies", default=",".join(_cluster_defaults()),
                          help="comma-separated, run in this order (default: %(default)s)")
-    cluster.add_argument("--users", type=positive_int, default=8, help="simulated users (8)")
-    cluster.add_argument("--duration", type=positive_int, default=90, help="seconds of load per policy (90)")
-    cluster.add_argument("--time-scale", type=float, default=0.05,
-                         help="human reading and typing time, scaled (0.05: a minute becomes 3 s)")
-    cluster.add_argument("--max-tokens", type=positive_int, default=64, help="answer length cap (64)")
-    cluster.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
-    cluster.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
-                         "sample, eval/data/sharegpt)")
+    _add_replay_args(cluster, users=8, duration=90, duration_is="seconds of load per policy", max_tokens=64,
+                     miss_rate=True)
     cluster.add_argument("--min-turns", type=positive_int, default=2,
                          help="replay only conversations with at least this many user turns (2)")
     cluster.add_argument("--max-turns", type=positive_int, default=8, help="cut conversations to this many turns (8)")
@@ -104,14 +98,8 @@ def register(sub: Any) -> None:
     validate.add_argument("--records", type=Path, metavar="DIR", help="also write the live run's requests (JSON, "
                           "CSV) here")
     validate.add_argument("--policy", default="recompute", help="the routing policy both runs use (recompute)")
-    validate.add_argument("--users", type=positive_int, default=4, help="simulated users (4)")
-    validate.add_argument("--duration", type=positive_int, default=120, help="seconds of live load (120)")
-    validate.add_argument("--time-scale", type=float, default=0.05,
-                          help="human reading and typing time, scaled (0.05: a minute becomes 3 s)")
-    validate.add_argument("--miss-rate", type=float, default=0.0, help=argparse.SUPPRESS)
-    validate.add_argument("--max-tokens", type=positive_int, default=32, help="answer length cap (32)")
-    validate.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
-                          "sample)")
+    _add_replay_args(validate, users=4, duration=120, duration_is="seconds of live load", max_tokens=32,
+                     miss_rate=False)
     validate.set_defaults(func=cmd_bench_validate)
     report = bench_sub.add_parser("report", help="a Markdown summary with PNG plots of every result file in DIR")
     report.add_argument("directory", type=Path, metavar="DIR", help="where the bench ... --out JSON files are")
@@ -137,6 +125,22 @@ def register(sub: Any) -> None:
     sim.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored sample)")
     sim.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     sim.set_defaults(func=cmd_bench_sim)
+
+
+def _add_replay_args(parser: argparse.ArgumentParser, *, users: int, duration: int, duration_is: str,
+                     max_tokens: int, miss_rate: bool) -> None:
+    """The replay of ShareGPT users on a live cluster that `bench cluster` and `bench validate` share
+    (`--miss-rate` hidden where the comparison needs every advisory)."""
+    parser.add_argument("--users", type=positive_int, default=users, help=f"simulated users ({users})")
+    parser.add_argument("--duration", type=positive_int, default=duration, help=f"{duration_is} ({duration})")
+    parser.add_argument("--time-scale", type=float, default=0.05,
+                        help="human reading and typing time, scaled (0.05: a minute becomes 3 s)")
+    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens,
+                        help=f"answer length cap ({max_tokens})")
+    parser.add_argument("--miss-rate", type=float, default=0.0,
+                        help="share of turns without an advisory (0)" if miss_rate else argparse.SUPPRESS)
+    parser.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
+                        "sample, eval/data/sharegpt)")
 
 
 def _add_bench_cluster_args(parser: argparse.ArgumentParser) -> None:
