@@ -114,11 +114,13 @@ class Dispatcher:
         if fingerprint is not None:
             self.sessions.moved(key, node_id, history_tokens, fingerprint)
 
-    def _same_model_copies(self, kv_tokens: dict[str, int] | Mapping[str, int], node_id: str) -> dict[str, int]:
+    def _same_model_copies(self, kv_tokens: Mapping[str, int], node_id: str) -> dict[str, int]:
         """The copies in `kv_tokens` that `node_id` may load or pull: those on nodes serving the same
         model fingerprint as it (the nodes refuse any other, this keeps the scheduler from asking)."""
         target = self._fingerprint(node_id)
-        return {n: t for n, t in kv_tokens.items() if target is not None and self._fingerprint(n) == target}
+        if target is None:
+            return {}
+        return {n: t for n, t in kv_tokens.items() if self._fingerprint(n) == target}
 
     # -- routing --------------------------------------------------------------------------------
     def _route_request(self, model: str, tenant: str, session_id: str | None, history_tokens: int,

@@ -43,6 +43,7 @@ class _Sampling(_Body):
     stream: StrictBool | None = None
     stream_options: dict[str, Any] | None = None
     max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: StrictInt | None = None
@@ -62,7 +63,6 @@ class _Sampling(_Body):
 
 class ChatBody(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from symphony.kv_addressing import ModelFingerprint
 from symphony.logs import get_logger
+from symphony.models import sha256_file
 
 log = get_logger("symphony.model_identity")
 
@@ -112,39 +113,34 @@ def _weights_digest(model_dir: Path, fallback_cache_dir: Path) -> tuple[str, int
         raise ModelIdentityError(f"{model_dir} has no weights or config.json to fingerprint")
     beside = model_dir / CACHE_NAME
     elsewhere = fallback_cache_dir / f"{hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:32]}.json"
-    known = _read_cache(beside) or _read_cache(elsewhere)
-    manifest: dict[str, dict[str, int | str]] = {}
-    hashed = cached = nbytes = 0
+    known, found_at = _read_cache(beside), beside
+    if not known:
+        known, found_at = _read_cache(elsewhere), elsewhere
     try:
         stats = {path: path.stat() for path in files}
     except OSError as exc:
         raise ModelIdentityError(f"cannot read {exc.filename} to fingerprint the model: {exc.strerror}") from None
-    unknown = [path for path in files if not _cached_digest(known.get(path.name), stats[path])]
+    digests = {path: _cached_digest(known.get(path.name), stats[path]) for path in files}
+    unknown = [path for path, digest in digests.items() if digest is None]
     if unknown:  # a first start, or changed weights: this reads every byte of them once
         log.info("hashing model files for the model fingerprint", model=str(model_dir), files=len(unknown),
                  bytes=sum(stats[path].st_size for path in unknown))
-    for path in files:
-        stat = stats[path]
-        digest = _cached_digest(known.get(path.name), stat)
-        if digest is not None:
-            cached += 1
-        else:
-            try:
-                with path.open("rb") as fh:
-                    digest = hashlib.file_digest(fh, "sha256").hexdigest()
-            except OSError as exc:
-                raise ModelIdentityError(f"cannot read {path} to fingerprint the model: {exc.strerror}") from None
-            hashed += 1
-            nbytes += stat.st_size
-        manifest[path.name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
-    cache_path: Path | None = None
-    if hashed or not known:
+    for path in unknown:
+        try:
+            digests[path] = sha256_file(path)
+        except OSError as exc:
+            raise ModelIdentityError(f"cannot read {path} to fingerprint the model: {exc.strerror}") from None
+    manifest: dict[str, dict[str, int | str]] = {
+        path.name: {"size": stats[path].st_size, "mtime_ns": stats[path].st_mtime_ns, "sha256": str(digests[path])}
+        for path in files}
+    hashed, cached = len(unknown), len(files) - len(unknown)
+    nbytes = sum(stats[path].st_size for path in unknown)
+    cache_path: Path | None = found_at
+    if unknown or not known:
         cache_path = _write_cache(beside, manifest) or _write_cache(elsewhere, manifest)
         if cache_path is None:
             log.warning("model fingerprint manifest could not be cached; the weights are hashed at every start",
                         model=str(model_dir), tried=f"{beside}, {elsewhere}")
-    else:
-        cache_path = beside if _read_cache(beside) else elsewhere
     # The digest covers names, sizes and hashes, not mtimes: a copy of the same files is the same model.
     canonical = json.dumps({name: [e["size"], e["sha256"]] for name, e in manifest.items()}, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest(), hashed, cached, nbytes, cache_path
