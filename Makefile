@@ -14,6 +14,7 @@ run: model
 
 test: model
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-logo --no-cache
 	$(BIN)/python -m symphony.protogen --check
 	$(BIN)/pytest

@@ -65,8 +65,9 @@ def _advisory_body(session_id: str, kind: str, expected_arrival_ms: int | None, 
 
 
 def _advisory(reply: Any) -> Advisory:
-    return Advisory(reply["session_id"], reply["kind"], reply["node"], reply.get("expected_arrival_ms"),
-                    reply["expires_in_ms"])
+    return Advisory(
+        reply["session_id"], reply["kind"], reply["node"], reply.get("expected_arrival_ms"), reply["expires_in_ms"]
+    )
 
 
 DEBOUNCE_S = 2.0  # one typing advisory per session per this long
@@ -101,8 +102,16 @@ class _Debounce:
 class SymphonyClient:
     """Synchronous client. `model` defaults to the cluster's first served model."""
 
-    def __init__(self, base_url: str | None = None, *, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 600.0, max_retries: int = 2, debounce_s: float = DEBOUNCE_S) -> None:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout: float = 600.0,
+        max_retries: int = 2,
+        debounce_s: float = DEBOUNCE_S,
+    ) -> None:
         self.openai = openai.OpenAI(**_openai_kwargs(base_url, api_key, timeout, max_retries))
         self._model = model
         self._typing = _Debounce(debounce_s)
@@ -113,14 +122,17 @@ class SymphonyClient:
             self._model = self.openai.models.list().data[0].id
         return self._model
 
-    def chat(self, session_id: str, messages: Iterable[dict[str, Any]], *, stream: bool = False,
-             **kwargs: Any) -> Any:
+    def chat(self, session_id: str, messages: Iterable[dict[str, Any]], *, stream: bool = False, **kwargs: Any) -> Any:
         """`chat.completions.create` for one turn of `session_id`; kwargs pass through to openai."""
         kwargs.setdefault("model", self.model)
         headers = _session_headers(kwargs, session_id)
         self._typing.forget(session_id)
-        return self.openai.chat.completions.create(messages=list(messages), stream=stream,  # type: ignore[call-overload]
-                                                   extra_headers=headers, **kwargs)
+        return self.openai.chat.completions.create(
+            messages=list(messages),
+            stream=stream,  # type: ignore[call-overload]
+            extra_headers=headers,
+            **kwargs,
+        )
 
     def complete(self, session_id: str, prompt: str, **kwargs: Any) -> Any:
         kwargs.setdefault("model", self.model)
@@ -129,8 +141,9 @@ class SymphonyClient:
         return self.openai.completions.create(prompt=prompt, extra_headers=headers, **kwargs)
 
     def advise(self, session_id: str, kind: str, *, expected_arrival_ms: int | None = None) -> Advisory:
-        reply = self.openai.post("/advisories", cast_to=object,
-                                 body=_advisory_body(session_id, kind, expected_arrival_ms, self.model))
+        reply = self.openai.post(
+            "/advisories", cast_to=object, body=_advisory_body(session_id, kind, expected_arrival_ms, self.model)
+        )
         return _advisory(reply)
 
     def typing_started(self, session_id: str) -> Advisory:
@@ -168,8 +181,16 @@ class SymphonyClient:
 class AsyncSymphonyClient:
     """The same as SymphonyClient, with coroutine methods."""
 
-    def __init__(self, base_url: str | None = None, *, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 600.0, max_retries: int = 2, debounce_s: float = DEBOUNCE_S) -> None:
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout: float = 600.0,
+        max_retries: int = 2,
+        debounce_s: float = DEBOUNCE_S,
+    ) -> None:
         self.openai = openai.AsyncOpenAI(**_openai_kwargs(base_url, api_key, timeout, max_retries))
         self._model = model
         self._typing = _Debounce(debounce_s)
@@ -179,13 +200,18 @@ class AsyncSymphonyClient:
             self._model = (await self.openai.models.list()).data[0].id
         return self._model
 
-    async def chat(self, session_id: str, messages: Iterable[dict[str, Any]], *, stream: bool = False,
-                   **kwargs: Any) -> Any:
+    async def chat(
+        self, session_id: str, messages: Iterable[dict[str, Any]], *, stream: bool = False, **kwargs: Any
+    ) -> Any:
         kwargs.setdefault("model", await self.model())
         headers = _session_headers(kwargs, session_id)
         self._typing.forget(session_id)
-        return await self.openai.chat.completions.create(messages=list(messages), stream=stream,  # type: ignore[call-overload]
-                                                         extra_headers=headers, **kwargs)
+        return await self.openai.chat.completions.create(
+            messages=list(messages),
+            stream=stream,  # type: ignore[call-overload]
+            extra_headers=headers,
+            **kwargs,
+        )
 
     async def complete(self, session_id: str, prompt: str, **kwargs: Any) -> Any:
         kwargs.setdefault("model", await self.model())
@@ -194,8 +220,11 @@ class AsyncSymphonyClient:
         return await self.openai.completions.create(prompt=prompt, extra_headers=headers, **kwargs)
 
     async def advise(self, session_id: str, kind: str, *, expected_arrival_ms: int | None = None) -> Advisory:
-        reply = await self.openai.post("/advisories", cast_to=object,
-                                       body=_advisory_body(session_id, kind, expected_arrival_ms, await self.model()))
+        reply = await self.openai.post(
+            "/advisories",
+            cast_to=object,
+            body=_advisory_body(session_id, kind, expected_arrival_ms, await self.model()),
+        )
         return _advisory(reply)
 
     async def typing_started(self, session_id: str) -> Advisory:
@@ -236,8 +265,11 @@ class AdminClient:
 
     def set_priority(self, tenant: str, priority: str, *, session_id: str | None = None) -> dict[str, Any]:
         """priority: "high", "normal" or "low"; for the whole tenant, or one of its sessions."""
-        return self.openai.put("/priorities", cast_to=object,  # type: ignore[return-value]
-                               body={"tenant": tenant, "session_id": session_id, "priority": priority})
+        return self.openai.put(
+            "/priorities",
+            cast_to=object,  # type: ignore[return-value]
+            body={"tenant": tenant, "session_id": session_id, "priority": priority},
+        )
 
     def priorities(self) -> dict[str, Any]:
         return self.openai.get("/priorities", cast_to=object)  # type: ignore[return-value]
@@ -255,8 +287,11 @@ class AsyncAdminClient:
         self.openai = openai.AsyncOpenAI(**kwargs)
 
     async def set_priority(self, tenant: str, priority: str, *, session_id: str | None = None) -> dict[str, Any]:
-        return await self.openai.put("/priorities", cast_to=object,  # type: ignore[return-value]
-                                     body={"tenant": tenant, "session_id": session_id, "priority": priority})
+        return await self.openai.put(
+            "/priorities",
+            cast_to=object,  # type: ignore[return-value]
+            body={"tenant": tenant, "session_id": session_id, "priority": priority},
+        )
 
     async def priorities(self) -> dict[str, Any]:
         return await self.openai.get("/priorities", cast_to=object)  # type: ignore[return-value]

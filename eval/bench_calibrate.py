@@ -58,7 +58,14 @@ from symphony.models import ModelInfo, fetch_default_model, resolve_model
 class ProbePlan:
     prefill_tokens: tuple[int, ...] = (64, 256, 512, 1024)
     decode_points: tuple[tuple[int, int], ...] = (  # (requests together, prompt tokens each)
-        (1, 32), (2, 32), (4, 32), (8, 32), (1, 512), (1, 1024), (4, 256))
+        (1, 32),
+        (2, 32),
+        (4, 32),
+        (8, 32),
+        (1, 512),
+        (1, 1024),
+        (4, 256),
+    )
     rounds: int = 3  # each round probes alone, then beside busy neighbours (see `calibrate`)
     output_tokens: int = 48
 
@@ -89,8 +96,15 @@ async def _stream(client: openai.AsyncOpenAI, model: str, prompt: list[int], max
     started = time.perf_counter()
     first = last = 0.0
     tokens = 0
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, logprobs=1, extra_body={"ignore_eos": True})
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         if not chunk.choices or chunk.choices[0].logprobs is None:
             continue
@@ -112,8 +126,7 @@ class _EngineProbe:
         self.base_url = base_url
         self.model = model
         self._rng = random.Random(seed)
-        self.client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="calibration", timeout=600.0,
-                                         max_retries=0)
+        self.client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="calibration", timeout=600.0, max_retries=0)
 
     def prompt(self, tokens: int) -> list[int]:
         return [self._rng.randrange(*TOKEN_ID_RANGE) for _ in range(tokens)]
@@ -152,8 +165,9 @@ class _EngineProbe:
             # Started together, prefilled in the first step or two, then decoding side by side.
             tpot = statistics.fmean((r.last_ms - r.first_ms) / (r.tokens - 1) for r in runs)
             samples.append(DecodeSample(batch, batch * (tokens + plan.output_tokens // 2), tpot))
-            print(f"calibrate {self.base_url}: decode {batch} x {tokens} tokens: {tpot:.1f} ms per token",
-                  file=sys.stderr)
+            print(
+                f"calibrate {self.base_url}: decode {batch} x {tokens} tokens: {tpot:.1f} ms per token", file=sys.stderr
+            )
         return samples
 
     async def background_decode(self, stop: asyncio.Event) -> None:
@@ -172,14 +186,15 @@ async def engine_capacity(base_url: str) -> tuple[int, int]:
         text = (await http.get(base_url + "/metrics")).text
     for line in text.splitlines():
         if line.startswith("vllm:cache_config_info{"):
-            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(","))
             values = {key: value.strip('"') for key, value in labels.items()}
             return int(values["num_gpu_blocks"]), int(values["block_size"])
     raise RuntimeError(f"{base_url}/metrics has no vllm:cache_config_info")
 
 
-async def calibrate(config: SymphonyConfig, served_model: str,
-                    plan: ProbePlan = FULL_PLAN) -> tuple[Preset, dict[str, Any]]:
+async def calibrate(
+    config: SymphonyConfig, served_model: str, plan: ProbePlan = FULL_PLAN
+) -> tuple[Preset, dict[str, Any]]:
     """Probe the engines of the running cluster `config` describes, on a host whose engines share
     cores and memory bandwidth (this one), in two conditions:
 
@@ -212,8 +227,9 @@ async def calibrate(config: SymphonyConfig, served_model: str,
             decode_alone += await engines[0].decode(plan)
             for engine in beside_neighbours:
                 stop = asyncio.Event()
-                neighbours = [asyncio.create_task(other.background_decode(stop)) for other in engines
-                              if other is not engine]
+                neighbours = [
+                    asyncio.create_task(other.background_decode(stop)) for other in engines if other is not engine
+                ]
                 try:
                     prefill_busy += await engine.prefill(plan)
                     decode_busy += await engine.decode(plan)
@@ -229,14 +245,20 @@ async def calibrate(config: SymphonyConfig, served_model: str,
     geometry = smollm2_geometry()
     link = LinkModel(int(geometry.bytes_per_token()), LOCAL_LINK_GBPS, LOCAL_LINK_RTT_MS)
     samples_taken = len(prefill_alone) + len(decode_alone) + len(prefill_busy) + len(decode_busy)
-    preset = Preset("local", model, link,
-                    f"symphony bench calibrate, {time.strftime('%Y-%m-%d')}: {served_model} on this host's "
-                    f"vLLM CPU engine ({samples_taken} samples, alone and beside busy neighbours)")
-    samples = {"prefill_samples": [dataclasses.asdict(s) for s in prefill_alone],
-               "decode_samples": [dataclasses.asdict(s) for s in decode_alone],
-               "prefill_samples_beside_busy": [dataclasses.asdict(s) for s in prefill_busy],
-               "decode_samples_beside_busy": [dataclasses.asdict(s) for s in decode_busy],
-               "fit_r2": {"prefill": fit.prefill_r2, "decode": fit.decode_r2}}
+    preset = Preset(
+        "local",
+        model,
+        link,
+        f"symphony bench calibrate, {time.strftime('%Y-%m-%d')}: {served_model} on this host's "
+        f"vLLM CPU engine ({samples_taken} samples, alone and beside busy neighbours)",
+    )
+    samples = {
+        "prefill_samples": [dataclasses.asdict(s) for s in prefill_alone],
+        "decode_samples": [dataclasses.asdict(s) for s in decode_alone],
+        "prefill_samples_beside_busy": [dataclasses.asdict(s) for s in prefill_busy],
+        "decode_samples_beside_busy": [dataclasses.asdict(s) for s in decode_busy],
+        "fit_r2": {"prefill": fit.prefill_r2, "decode": fit.decode_r2},
+    }
     return preset, samples
 
 
@@ -269,16 +291,19 @@ def run_calibrate_bench(config: SymphonyConfig, *, out: Path, preset_out: Path) 
 
 def _print_calibration(result: dict[str, Any]) -> None:
     engine = result["engine"]
-    print(f"step {engine['step_ms']:.2f} ms + prefill {engine['prefill_ms_per_token']:.3f} ms/token + decode "
-          f"{engine['decode_ms_per_seq']:.3f} ms/request + {engine['decode_ms_per_kilotoken']:.3f} ms/1k context; "
-          f"request overhead {engine['request_overhead_ms']:.1f} ms; beside busy neighbours "
-          f"+{engine['neighbour_slowdown']:.0%}; {engine['kv_blocks']} KV blocks of "
-          f"{engine['block_size']}; fit R2 prefill {result['fit_r2']['prefill']:.3f}, "
-          f"decode {result['fit_r2']['decode']:.3f}")
+    print(
+        f"step {engine['step_ms']:.2f} ms + prefill {engine['prefill_ms_per_token']:.3f} ms/token + decode "
+        f"{engine['decode_ms_per_seq']:.3f} ms/request + {engine['decode_ms_per_kilotoken']:.3f} ms/1k context; "
+        f"request overhead {engine['request_overhead_ms']:.1f} ms; beside busy neighbours "
+        f"+{engine['neighbour_slowdown']:.0%}; {engine['kv_blocks']} KV blocks of "
+        f"{engine['block_size']}; fit R2 prefill {result['fit_r2']['prefill']:.3f}, "
+        f"decode {result['fit_r2']['decode']:.3f}"
+    )
     print(f"preset written to {result['preset_file']}")
 
 
 # ---- validate -------------------------------------------------------------------------------------
+
 
 def replay_turns(records: list[RequestRecord]) -> list[Turn]:
     """The live run's completed requests as open-loop turns: sent when they were sent, advised as
@@ -295,9 +320,12 @@ def replay_turns(records: list[RequestRecord]) -> list[Turn]:
 def live_figures(records: list[RequestRecord]) -> dict[str, float]:
     ok = [r for r in records if r.ok]
     span = max(r.sent_at_s + r.e2e_s for r in ok) - min(r.sent_at_s for r in ok)
-    return {"ttft_ms_mean": statistics.fmean(r.ttft_s * 1000 for r in ok),
-            "tpot_ms_mean": statistics.fmean(r.tpot_s * 1000 for r in ok if r.output_tokens > 1),
-            "output_tokens_per_s": sum(r.output_tokens for r in ok) / span, "requests": len(ok)}
+    return {
+        "ttft_ms_mean": statistics.fmean(r.ttft_s * 1000 for r in ok),
+        "tpot_ms_mean": statistics.fmean(r.tpot_s * 1000 for r in ok if r.output_tokens > 1),
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / span,
+        "requests": len(ok),
+    }
 
 
 def sim_figures(result: SimResult) -> dict[str, float]:
@@ -306,23 +334,41 @@ def sim_figures(result: SimResult) -> dict[str, float]:
     done = [r for r in result.requests if r.finished_ms is not None]
     span = max(r.finished_ms for r in done) - min(r.arrival_ms for r in done)  # type: ignore[type-var]
     summary = summarize(result, span)
-    return {"ttft_ms_mean": summary["ttft_ms_mean"], "tpot_ms_mean": summary["tpot_ms_mean"],
-            "output_tokens_per_s": summary["output_tokens_per_s"], "requests": summary["completed"]}
+    return {
+        "ttft_ms_mean": summary["ttft_ms_mean"],
+        "tpot_ms_mean": summary["tpot_ms_mean"],
+        "output_tokens_per_s": summary["output_tokens_per_s"],
+        "requests": summary["completed"],
+    }
 
 
 def compare(live: dict[str, float], simulated: dict[str, float]) -> dict[str, float]:
     """Relative error of each figure, simulated against live."""
-    return {key: abs(simulated[key] - live[key]) / live[key]
-            for key in ("ttft_ms_mean", "tpot_ms_mean", "output_tokens_per_s")}
+    return {
+        key: abs(simulated[key] - live[key]) / live[key]
+        for key in ("ttft_ms_mean", "tpot_ms_mean", "output_tokens_per_s")
+    }
 
 
 def simulate_replay(preset: Preset, policy: str, node_ids: list[str], turns: list[Turn]) -> SimResult:
     return ClusterSim(make_policy(policy), dict.fromkeys(node_ids, preset.engine), preset.link).run(turns=turns)
 
 
-def run_validate_bench(config: SymphonyConfig, *, out: Path, policy: str, users: int, duration_s: float,
-                       time_scale: float, max_answer_tokens: int, workload: Path, conversations: list[Conversation],
-                       preset_file: Path | None, preset_out: Path, records_dir: Path | None = None) -> int:
+def run_validate_bench(
+    config: SymphonyConfig,
+    *,
+    out: Path,
+    policy: str,
+    users: int,
+    duration_s: float,
+    time_scale: float,
+    max_answer_tokens: int,
+    workload: Path,
+    conversations: list[Conversation],
+    preset_file: Path | None,
+    preset_out: Path,
+    records_dir: Path | None = None,
+) -> int:
     private, model, home = _private_config(config)
     settings = LoadSettings(users=users, duration_s=duration_s, max_answer_tokens=max_answer_tokens)
     timing = HumanTiming(time_scale=time_scale)
@@ -336,8 +382,17 @@ def run_validate_bench(config: SymphonyConfig, *, out: Path, policy: str, users:
             preset, samples = await calibrate(private, model.served_name)
             save_preset(preset_out, preset, samples)
             calibration.update(samples, preset_file=str(preset_out))
-        return await measure_policies(private, model.served_name, home, [policy], settings, timing, conversations,
-                                      records_dir, records_by_policy=records)
+        return await measure_policies(
+            private,
+            model.served_name,
+            home,
+            [policy],
+            settings,
+            timing,
+            conversations,
+            records_dir,
+            records_by_policy=records,
+        )
 
     try:
         summaries = asyncio.run(on_private_cluster(private, model, work))
@@ -354,10 +409,19 @@ def run_validate_bench(config: SymphonyConfig, *, out: Path, policy: str, users:
     live = live_figures(live_records)
     errors = compare(live, simulated)
     result: dict[str, Any] = {
-        "policy": policy, "users": users, "duration_s": duration_s, "time_scale": time_scale,
-        "max_answer_tokens": max_answer_tokens, "workload": str(workload), "preset": dataclasses.asdict(preset.engine),
-        "live": live, "simulated": simulated, "relative_error": errors,
-        "sim_vs_live_error": max(errors.values()), "live_summary": summaries[policy], "calibration": calibration,
+        "policy": policy,
+        "users": users,
+        "duration_s": duration_s,
+        "time_scale": time_scale,
+        "max_answer_tokens": max_answer_tokens,
+        "workload": str(workload),
+        "preset": dataclasses.asdict(preset.engine),
+        "live": live,
+        "simulated": simulated,
+        "relative_error": errors,
+        "sim_vs_live_error": max(errors.values()),
+        "live_summary": summaries[policy],
+        "calibration": calibration,
     }
     result["targets"] = {f"sim_vs_live_error_le_{VALIDATION_BOUND:g}": result["sim_vs_live_error"] <= VALIDATION_BOUND}
     write_result(result, out, table=_print_validation)
@@ -365,8 +429,10 @@ def run_validate_bench(config: SymphonyConfig, *, out: Path, policy: str, users:
 
 
 def _print_validation(result: dict[str, Any]) -> None:
-    print(f"policy {result['policy']}, {result['users']} users, {result['duration_s']:.0f} s, "
-          f"{result['live']['requests']} requests")
+    print(
+        f"policy {result['policy']}, {result['users']} users, {result['duration_s']:.0f} s, "
+        f"{result['live']['requests']} requests"
+    )
     print(f"{'':<22}{'live':>12}{'simulated':>12}{'error':>9}")
     for key, error in result["relative_error"].items():
         print(f"{key:<22}{result['live'][key]:>12.1f}{result['simulated'][key]:>12.1f}{error:>9.1%}")

@@ -71,8 +71,9 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
         "ttft_ms_p50": percentile([r.ttft_s * 1000 for r in ok], 50),
         "ttft_ms_p95": percentile([r.ttft_s * 1000 for r in ok], 95),
         "tpot_ms_mean": statistics.fmean(r.tpot_s * 1000 for r in ok) if ok else float("nan"),
-        "norm_latency_ms_per_token_mean": (statistics.fmean(r.e2e_s * 1000 / max(1, r.output_tokens) for r in ok)
-                                           if ok else float("nan")),
+        "norm_latency_ms_per_token_mean": (
+            statistics.fmean(r.e2e_s * 1000 / max(1, r.output_tokens) for r in ok) if ok else float("nan")
+        ),
         "completed": len(ok),
         "errors": len(records) - len(ok),
         "busy_s_by_node": busy,
@@ -118,17 +119,24 @@ class _PolicyScheduler:
     def __init__(self, config: SymphonyConfig, policy: str, home: Path, key: str) -> None:
         self.port = free_port_run(1)
         self.tenant = f"bench-{policy}"
-        scheduler = dataclasses.replace(config.scheduler, port=self.port, policy=policy,
-                                        node_addresses=config.scheduler_node_addresses(),
-                                        api_keys=[f"{self.tenant}:{key}"])
+        scheduler = dataclasses.replace(
+            config.scheduler,
+            port=self.port,
+            policy=policy,
+            node_addresses=config.scheduler_node_addresses(),
+            api_keys=[f"{self.tenant}:{key}"],
+        )
         path = home / "run" / f"scheduler-{policy}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dump_toml(dataclasses.replace(config, scheduler=scheduler)))
         log_path = home / "logs" / f"scheduler-{policy}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = log_path.open("wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "scheduler", "--effective-config",
-                                         str(path)], stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "symphony.cli", "scheduler", "--effective-config", str(path)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.url = f"http://{config.scheduler.host}:{self.port}"
 
     async def ready(self, nodes: int, within_s: float = 60.0) -> None:
@@ -197,10 +205,17 @@ def advisory_p99_bound_ms(metrics: str) -> float:
     return next(bound * 1000 for bound, count in buckets if count >= 0.99 * total)
 
 
-async def measure_policies(config: SymphonyConfig, model: str, home: Path, policies: list[str],
-                           settings: LoadSettings, timing: HumanTiming, conversations: list[Conversation],
-                           records_dir: Path | None = None,
-                           records_by_policy: dict[str, list[RequestRecord]] | None = None) -> dict[str, Any]:
+async def measure_policies(
+    config: SymphonyConfig,
+    model: str,
+    home: Path,
+    policies: list[str],
+    settings: LoadSettings,
+    timing: HumanTiming,
+    conversations: list[Conversation],
+    records_dir: Path | None = None,
+    records_by_policy: dict[str, list[RequestRecord]] | None = None,
+) -> dict[str, Any]:
     """Each policy in turn, on the running cluster `config` describes (its engines must serve
     /reset_prefix_cache: VLLM_SERVER_DEV_MODE=1): {policy: summary}. Each policy's per-request
     records go to `records_dir` (files) and `records_by_policy`, when given."""
@@ -213,8 +228,9 @@ async def measure_policies(config: SymphonyConfig, model: str, home: Path, polic
         try:
             await scheduler.ready(config.cluster.nodes)
             print(f"policy {policy}: {settings.users} users for {settings.duration_s:.0f} s", file=sys.stderr)
-            generator = LoadGenerator(scheduler.url, model, conversations, timing, settings, api_key=key,
-                                      session_prefix=f"{policy}-{key[:6]}")
+            generator = LoadGenerator(
+                scheduler.url, model, conversations, timing, settings, api_key=key, session_prefix=f"{policy}-{key[:6]}"
+            )
             cpu_before = cpu_seconds_by_role()
             records = await generator.run()
             summary = summarize(records, nodes)
@@ -246,18 +262,31 @@ async def on_private_cluster(config: SymphonyConfig, model: ModelInfo, work: Cal
 
 def bench_cluster_config(config: SymphonyConfig, home: Path) -> SymphonyConfig:
     return dataclasses.replace(
-        config, home=str(home),
+        config,
+        home=str(home),
         cluster=dataclasses.replace(config.cluster, nodes=2),
         scheduler=dataclasses.replace(config.scheduler, port=free_port_run(1), node_addresses=[]),
         node=dataclasses.replace(config.node, grpc_port_base=free_port_run(2), engine_port_base=free_port_run(2)),
         kv=dataclasses.replace(config.kv, metrics_port_base=free_port_run(2), ssd_dir="", data_port_base=0),
-        engine=dataclasses.replace(config.engine, kv_connector=True))
+        engine=dataclasses.replace(config.engine, kv_connector=True),
+    )
 
 
-def run_cluster_bench(config: SymphonyConfig, *, out: Path, policies: list[str], users: int, duration_s: float,
-                      time_scale: float, max_answer_tokens: int, workload: Path, conversations: list[Conversation],
-                      miss_rate: float = 0.0,
-                      plot: Path | None = None, records_dir: Path | None = None) -> int:
+def run_cluster_bench(
+    config: SymphonyConfig,
+    *,
+    out: Path,
+    policies: list[str],
+    users: int,
+    duration_s: float,
+    time_scale: float,
+    max_answer_tokens: int,
+    workload: Path,
+    conversations: list[Conversation],
+    miss_rate: float = 0.0,
+    plot: Path | None = None,
+    records_dir: Path | None = None,
+) -> int:
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
@@ -272,18 +301,26 @@ def run_cluster_bench(config: SymphonyConfig, *, out: Path, policies: list[str],
         private = bench_cluster_config(config, home)
 
         async def work() -> dict[str, Any]:
-            return await measure_policies(private, model.served_name, home, policies, settings, timing,
-                                          conversations, records_dir)
+            return await measure_policies(
+                private, model.served_name, home, policies, settings, timing, conversations, records_dir
+            )
 
         by_policy = asyncio.run(on_private_cluster(private, model, work))
     except BaseException:
         print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
         raise
     shutil.rmtree(home, ignore_errors=True)
-    result: dict[str, Any] = {"users": users, "duration_s": duration_s, "time_scale": time_scale,
-                              "max_answer_tokens": max_answer_tokens, "advisory_miss_rate": miss_rate,
-                              "workload": str(workload), "conversations": len(conversations),
-                              "run_s": time.monotonic() - started, "policies": by_policy}
+    result: dict[str, Any] = {
+        "users": users,
+        "duration_s": duration_s,
+        "time_scale": time_scale,
+        "max_answer_tokens": max_answer_tokens,
+        "advisory_miss_rate": miss_rate,
+        "workload": str(workload),
+        "conversations": len(conversations),
+        "run_s": time.monotonic() - started,
+        "policies": by_policy,
+    }
     result["targets"] = targets(result)
     write_result(result, out, table=_print_table, plot=plot, plotter=plot_cluster)
     return 0
@@ -291,14 +328,25 @@ def run_cluster_bench(config: SymphonyConfig, *, out: Path, policies: list[str],
 
 def _print_table(result: dict[str, Any]) -> None:
     print(f"{result['users']} users, {result['duration_s']:.0f} s per policy, time scale {result['time_scale']:g}")
-    columns = ("ttft_ms_p50", "ttft_ms_p95", "tpot_ms_mean", "norm_latency_ms_per_token_mean", "completed", "errors",
-               "max_over_mean_load", "kv_ready_at_arrival_frac")
-    print(f"{'policy':<14}" + "".join(f"{c[:16]:>18}" for c in columns) + f"{'computed/total':>16}"
-          + f"{'new/total':>11}")
+    columns = (
+        "ttft_ms_p50",
+        "ttft_ms_p95",
+        "tpot_ms_mean",
+        "norm_latency_ms_per_token_mean",
+        "completed",
+        "errors",
+        "max_over_mean_load",
+        "kv_ready_at_arrival_frac",
+    )
+    print(
+        f"{'policy':<14}" + "".join(f"{c[:16]:>18}" for c in columns) + f"{'computed/total':>16}" + f"{'new/total':>11}"
+    )
     for policy, s in result["policies"].items():
         total = s["prefill_tokens_total"] or float("nan")
-        print(f"{policy:<14}" + "".join(f"{s[c]:>18.2f}" if isinstance(s[c], float) else f"{s[c]:>18}"
-                                         for c in columns)
-              + f"{s['prefill_tokens_computed'] / total:>16.3f}{s['prefill_tokens_new'] / total:>11.3f}")
+        print(
+            f"{policy:<14}"
+            + "".join(f"{s[c]:>18.2f}" if isinstance(s[c], float) else f"{s[c]:>18}" for c in columns)
+            + f"{s['prefill_tokens_computed'] / total:>16.3f}{s['prefill_tokens_new'] / total:>11.3f}"
+        )
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")

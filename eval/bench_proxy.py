@@ -60,8 +60,13 @@ TARGET_P99_RATIO = 1.10
 async def _ttft_ms(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, session: str) -> float:
     started = time.perf_counter()
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0,
-        stream=True, extra_headers={"X-Session-ID": session})
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        extra_headers={"X-Session-ID": session},
+    )
     ttft = None
     async for chunk in stream:
         if ttft is None and chunk.choices and chunk.choices[0].delta.content:
@@ -72,8 +77,11 @@ async def _ttft_ms(client: openai.AsyncOpenAI, model: str, prompt: str, max_toke
 
 
 async def _round(client: openai.AsyncOpenAI, model: str, prompts: list[str], max_tokens: int, tag: str) -> list[float]:
-    return list(await asyncio.gather(*(
-        _ttft_ms(client, model, p, max_tokens, f"bench-{tag}-{i}") for i, p in enumerate(prompts))))
+    return list(
+        await asyncio.gather(
+            *(_ttft_ms(client, model, p, max_tokens, f"bench-{tag}-{i}") for i, p in enumerate(prompts))
+        )
+    )
 
 
 def _bootstrap_median_ci(values: list[float], resamples: int = 2000, seed: int = 7) -> tuple[float, float]:
@@ -82,13 +90,13 @@ def _bootstrap_median_ci(values: list[float], resamples: int = 2000, seed: int =
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-async def measure(scheduler_url: str, engine_url: str, model: str, concurrency: int, rounds: int,
-                  max_tokens: int) -> dict[str, Any]:
+async def measure(
+    scheduler_url: str, engine_url: str, model: str, concurrency: int, rounds: int, max_tokens: int
+) -> dict[str, Any]:
     prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" (#{i})") for i in range(concurrency)]
     clients = {
         "direct": openai.AsyncOpenAI(base_url=engine_url.rstrip("/") + "/v1", api_key="bench", max_retries=0),
-        "via_scheduler": openai.AsyncOpenAI(base_url=scheduler_url.rstrip("/") + "/v1", api_key="bench",
-                                            max_retries=0),
+        "via_scheduler": openai.AsyncOpenAI(base_url=scheduler_url.rstrip("/") + "/v1", api_key="bench", max_retries=0),
     }
     samples: dict[str, list[list[float]]] = {"direct": [], "via_scheduler": []}
     try:
@@ -107,8 +115,10 @@ async def measure(scheduler_url: str, engine_url: str, model: str, concurrency: 
     direct = [x for rnd in samples["direct"] for x in rnd]
     via = [x for rnd in samples["via_scheduler"] for x in rnd]
     # Round r of each path ran back to back, so their difference cancels the slow drift of the machine.
-    per_pair = [statistics.median(v) - statistics.median(d)
-                for d, v in zip(samples["direct"], samples["via_scheduler"], strict=True)]
+    per_pair = [
+        statistics.median(v) - statistics.median(d)
+        for d, v in zip(samples["direct"], samples["via_scheduler"], strict=True)
+    ]
     low, high = _bootstrap_median_ci(per_pair)
     result = {
         "direct_ttft_ms_p50": percentile(direct, 50),
@@ -127,7 +137,7 @@ async def measure(scheduler_url: str, engine_url: str, model: str, concurrency: 
         "definitions": {
             "ttft": "client-side time from sending the request to the first streamed content token",
             "overhead_ms_p50": "median over adjacent round pairs of (via-scheduler round median TTFT - direct "
-                               "round median TTFT); ci95 is a bootstrap interval of that median",
+            "round median TTFT); ci95 is a bootstrap interval of that median",
         },
         "raw_ms": samples,
     }
@@ -165,14 +175,25 @@ def _print_table(result: dict[str, Any]) -> None:
     for label, key in (("direct", "direct"), ("via scheduler", "via_scheduler")):
         print(f"{label:<15}{result[key + '_ttft_ms_p50']:>14.1f}{result[key + '_ttft_ms_p99']:>14.1f}")
     low, high = result["overhead_ms_p50_ci95"]
-    print(f"overhead p50: {result['overhead_ms_p50']:.2f} ms (95% CI {low:.2f} .. {high:.2f})   "
-          f"p99 ratio: {result['p99_ratio']:.3f}")
+    print(
+        f"overhead p50: {result['overhead_ms_p50']:.2f} ms (95% CI {low:.2f} .. {high:.2f})   "
+        f"p99 ratio: {result['p99_ratio']:.3f}"
+    )
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")
 
 
-def run_proxy_bench(config: SymphonyConfig, *, out: Path, concurrency: int, rounds: int, max_tokens: int,
-                    scheduler_url: str | None, engine_url: str | None, plot: Path | None = None) -> int:
+def run_proxy_bench(
+    config: SymphonyConfig,
+    *,
+    out: Path,
+    concurrency: int,
+    rounds: int,
+    max_tokens: int,
+    scheduler_url: str | None,
+    engine_url: str | None,
+    plot: Path | None = None,
+) -> int:
     kwargs = {"concurrency": concurrency, "rounds": rounds, "max_tokens": max_tokens}
     if scheduler_url:
         assert engine_url, "the CLI requires --engine-url with --scheduler-url"

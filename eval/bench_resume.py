@@ -72,8 +72,16 @@ MATCH_CALLS = 2_000  # a p99 from its 20th largest
 MATCH_P99_TARGET_MS = 1.0
 
 
-def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, trials: int, block_size: int,
-            gap_s: float = 1.0, seed: int = 11) -> dict[str, Any]:
+def measure(
+    nodes: list[Node],
+    base_url: str,
+    model: str,
+    context_tokens: int,
+    trials: int,
+    block_size: int,
+    gap_s: float = 1.0,
+    seed: int = 11,
+) -> dict[str, Any]:
     corpus = corpus_ids(base_url, model)
     bench = ResumeRunner(nodes, model, CorpusHistories(corpus, context_tokens), block_size, gap_s)
     rng = random.Random(seed)
@@ -90,14 +98,21 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
                 turns[path].append(turn)
                 bar.update()
             differing.update(path for path in PATHS if turns[path][-1].text != turns["engine_cache"][-1].text)
-    result: dict[str, Any] = {"context_tokens": context_tokens, "trials": trials, "gap_s": gap_s,
-                              "follow_up_tokens": FOLLOW_UP_TOKENS, "output_tokens": OUTPUT_TOKENS}
+    result: dict[str, Any] = {
+        "context_tokens": context_tokens,
+        "trials": trials,
+        "gap_s": gap_s,
+        "follow_up_tokens": FOLLOW_UP_TOKENS,
+        "output_tokens": OUTPUT_TOKENS,
+    }
     result["ttft_ms"] = {path: statistics.median(t.ttft_ms for t in turns[path]) for path in PATHS}
     result["ttft_ms_all"] = {path: [round(t.ttft_ms, 2) for t in turns[path]] for path in PATHS}
-    result["prefill_tokens_computed"] = {path: statistics.median(t.prompt_tokens - t.cached_tokens
-                                                                 for t in turns[path]) for path in PATHS}
-    result["prefetch_engine_cached_tokens"] = {path: statistics.median(counts)
-                                               for path, counts in bench.engine_cached_tokens.items()}
+    result["prefill_tokens_computed"] = {
+        path: statistics.median(t.prompt_tokens - t.cached_tokens for t in turns[path]) for path in PATHS
+    }
+    result["prefetch_engine_cached_tokens"] = {
+        path: statistics.median(counts) for path, counts in bench.engine_cached_tokens.items()
+    }
     outputs_identical = not differing  # every path's output equal to engine_cache's, in every trial
     result["outputs_identical"] = outputs_identical
     result["outputs_differing_from_engine_cache"] = sorted(differing)
@@ -126,10 +141,13 @@ def measure(nodes: list[Node], base_url: str, model: str, context_tokens: int, t
     result["layer_wait_ms_p99"] = histogram_quantile(before, after, 0.99) * 1000.0
     engine = result["ttft_ms"]["engine_cache"]
     result["ratio_to_engine_cache"] = {path: result["ttft_ms"][path] / engine for path in PATHS}
-    targets = {f"{path}_le_{bound}x_engine_cache": result["ratio_to_engine_cache"][path] <= bound
-               for path, bound in TARGETS.items()}
+    targets = {
+        f"{path}_le_{bound}x_engine_cache": result["ratio_to_engine_cache"][path] <= bound
+        for path, bound in TARGETS.items()
+    }
     targets[f"recompute_ge_{RECOMPUTE_SANITY:g}x_engine_cache"] = (
-        result["ratio_to_engine_cache"]["recompute"] >= RECOMPUTE_SANITY)
+        result["ratio_to_engine_cache"]["recompute"] >= RECOMPUTE_SANITY
+    )
     targets["outputs_identical"] = outputs_identical
     targets[f"match_p99_le_{MATCH_P99_TARGET_MS:g}ms"] = result["match_ms_p99"] <= MATCH_P99_TARGET_MS
     result["targets"] = targets
@@ -147,13 +165,22 @@ def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path, windo
         scheduler=dataclasses.replace(config.scheduler, port=free_port_run(1), node_addresses=[]),
         node=dataclasses.replace(config.node, grpc_port_base=free_port_run(2), engine_port_base=free_port_run(2)),
         kv=dataclasses.replace(config.kv, metrics_port_base=free_port_run(2), ssd_dir="", data_port_base=0),
-        engine=dataclasses.replace(config.engine, kv_connector=True,
-                                   max_model_len=min(max_model_len, window) if window else max_model_len),
+        engine=dataclasses.replace(
+            config.engine, kv_connector=True, max_model_len=min(max_model_len, window) if window else max_model_len
+        ),
     )
 
 
-async def _with_private_cluster(config: SymphonyConfig, model: ModelInfo, window: int | None, home: Path,
-                                context_tokens: int, trials: int, gap_s: float, conversations: int) -> dict[str, Any]:
+async def _with_private_cluster(
+    config: SymphonyConfig,
+    model: ModelInfo,
+    window: int | None,
+    home: Path,
+    context_tokens: int,
+    trials: int,
+    gap_s: float,
+    conversations: int,
+) -> dict[str, Any]:
     config = _bench_config(config, context_tokens, home, window)
     cluster = Cluster(config, model, sys.stderr)
     cluster.spawn()
@@ -166,19 +193,30 @@ async def _with_private_cluster(config: SymphonyConfig, model: ModelInfo, window
             channel = grpc.insecure_channel(config.node_grpc_address(i))
             channels.append(channel)
             base_url = f"http://{config.node.host}:{config.engine_port(i)}"
-            nodes.append(Node(openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
-                                             timeout=600),
-                               kv_pb2_grpc.KVStoreStub(channel), config.node_grpc_address(i),
-                               f"http://{config.node.host}:{config.kv_metrics_port(i)}/metrics",
-                               config.kv_ssd_dir(i), config.kv_socket_path(i)))
+            nodes.append(
+                Node(
+                    openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600),
+                    kv_pb2_grpc.KVStoreStub(channel),
+                    config.node_grpc_address(i),
+                    f"http://{config.node.host}:{config.kv_metrics_port(i)}/metrics",
+                    config.kv_ssd_dir(i),
+                    config.kv_socket_path(i),
+                )
+            )
         base_url = f"http://{config.node.host}:{config.engine_port(0)}"
-        result = await asyncio.to_thread(measure, nodes, base_url, model.served_name, context_tokens, trials,
-                                         config.engine.block_size, gap_s)
+        result = await asyncio.to_thread(
+            measure, nodes, base_url, model.served_name, context_tokens, trials, config.engine.block_size, gap_s
+        )
         if conversations:
-
-            result["correctness"] = await asyncio.to_thread(check_resume_correctness, nodes, base_url,
-                                                            model.served_name, conversations,
-                                                            config.engine.block_size, gap_s)
+            result["correctness"] = await asyncio.to_thread(
+                check_resume_correctness,
+                nodes,
+                base_url,
+                model.served_name,
+                conversations,
+                config.engine.block_size,
+                gap_s,
+            )
             result["targets"]["correctness_identical"] = result["correctness"]["identical"]
             result["targets"]["correctness_identical_to_recompute"] = result["correctness"]["identical_to_recompute"]
         return result
@@ -192,42 +230,59 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"resumed turn after {result['context_tokens']} tokens of history, {result['trials']} trials")
     print(f"{'path':<20}{'TTFT p50 ms':>14}{'x engine':>10}{'prefill tok':>13}")
     for path in PATHS:
-        print(f"{path:<20}{result['ttft_ms'][path]:>14.1f}{result['ratio_to_engine_cache'][path]:>10.2f}"
-              f"{result['prefill_tokens_computed'][path]:>13.0f}")
-    print(f"outputs identical: {result['outputs_identical']}   ssd_on_demand layer wait p50 "
-          f"{result['layer_wait_ms_p50']:.2f} ms, p99 {result['layer_wait_ms_p99']:.2f} ms   "
-          f"match p50 {result['match_ms_p50']:.3f} ms, p99 {result['match_ms_p99']:.3f} ms (CPU time p99 "
-          f"{result['match_cpu_ms_p99']:.3f} ms, steal {result['match_probe_steal_frac']:.0%}; right after the trials "
-          f"p99 {result['match_after_trials_ms_p99']:.3f} ms, CPU time p99 "
-          f"{result['match_after_trials_cpu_ms_p99']:.3f} ms); registration send "
-          f"p50 {result['registration_send_ms_p50']:.3f} ms, p99 {result['registration_send_ms_p99']:.3f} ms")
+        print(
+            f"{path:<20}{result['ttft_ms'][path]:>14.1f}{result['ratio_to_engine_cache'][path]:>10.2f}"
+            f"{result['prefill_tokens_computed'][path]:>13.0f}"
+        )
+    print(
+        f"outputs identical: {result['outputs_identical']}   ssd_on_demand layer wait p50 "
+        f"{result['layer_wait_ms_p50']:.2f} ms, p99 {result['layer_wait_ms_p99']:.2f} ms   "
+        f"match p50 {result['match_ms_p50']:.3f} ms, p99 {result['match_ms_p99']:.3f} ms (CPU time p99 "
+        f"{result['match_cpu_ms_p99']:.3f} ms, steal {result['match_probe_steal_frac']:.0%}; right after the trials "
+        f"p99 {result['match_after_trials_ms_p99']:.3f} ms, CPU time p99 "
+        f"{result['match_after_trials_cpu_ms_p99']:.3f} ms); registration send "
+        f"p50 {result['registration_send_ms_p50']:.3f} ms, p99 {result['registration_send_ms_p99']:.3f} ms"
+    )
     if "correctness" in result:
         check = result["correctness"]
-        print(f"correctness over {check['conversations']} MT-bench two-turn conversations: Symphony's paths vs "
-              f"vLLM's own cache hit "
-              f"{'identical' if check['identical'] else 'MISMATCHED ' + str(check['differing_paths'])}, "
-              f"max logprob gap {check['max_logprob_gap']:.2e} (tolerance {check['logprob_tolerance']:g}); "
-              f"vLLM's cache hit vs recompute: {len(check['engine_cache_vs_recompute_mismatched'])} parted, "
-              f"max logprob gap {check['engine_cache_vs_recompute_max_logprob_gap']:.2e}")
+        print(
+            f"correctness over {check['conversations']} MT-bench two-turn conversations: Symphony's paths vs "
+            f"vLLM's own cache hit "
+            f"{'identical' if check['identical'] else 'MISMATCHED ' + str(check['differing_paths'])}, "
+            f"max logprob gap {check['max_logprob_gap']:.2e} (tolerance {check['logprob_tolerance']:g}); "
+            f"vLLM's cache hit vs recompute: {len(check['engine_cache_vs_recompute_mismatched'])} parted, "
+            f"max logprob gap {check['engine_cache_vs_recompute_max_logprob_gap']:.2e}"
+        )
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")
 
 
-def run_resume_bench(config: SymphonyConfig, *, out: Path, context_tokens: int, trials: int, gap_s: float = 1.0,
-                     conversations: int = 0, plot: Path | None = None) -> int:
+def run_resume_bench(
+    config: SymphonyConfig,
+    *,
+    out: Path,
+    context_tokens: int,
+    trials: int,
+    gap_s: float = 1.0,
+    conversations: int = 0,
+    plot: Path | None = None,
+) -> int:
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     window, block = context_window(model.path), config.engine.block_size
     if window is not None and context_tokens + FOLLOW_UP_TOKENS + OUTPUT_TOKENS > window:
         # The engines would refuse a max_model_len past the model's window and restart forever.
-        raise ModelError(f"--context-tokens {context_tokens}: the resumed turn adds {FOLLOW_UP_TOKENS} + "
-                         f"{OUTPUT_TOKENS} tokens, past {model.path.name}'s {window}-token context window; use "
-                         f"at most {(window - FOLLOW_UP_TOKENS - OUTPUT_TOKENS) // block * block}")
+        raise ModelError(
+            f"--context-tokens {context_tokens}: the resumed turn adds {FOLLOW_UP_TOKENS} + "
+            f"{OUTPUT_TOKENS} tokens, past {model.path.name}'s {window}-token context window; use "
+            f"at most {(window - FOLLOW_UP_TOKENS - OUTPUT_TOKENS) // block * block}"
+        )
     home = config.home_path / "bench" / f"resume-{uuid.uuid4().hex[:8]}"
     try:
-        result = asyncio.run(_with_private_cluster(config, model, window, home, context_tokens, trials, gap_s,
-                                                   conversations))
+        result = asyncio.run(
+            _with_private_cluster(config, model, window, home, context_tokens, trials, gap_s, conversations)
+        )
     except BaseException:
         print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
         raise

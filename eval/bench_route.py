@@ -42,10 +42,50 @@ DEFAULT_POLICIES = ("symphony", "least_load", "round_robin", "consistent_hash", 
 TARGETS_P99_US = {"symphony": 500.0, "prefix_trie": 1000.0}
 POLL_EVERY = 100  # decisions between two changes of node load
 SIM_FINGERPRINT = bytes(32)  # every simulated node serves one model
-_WORDS = ("the", "model", "cache", "token", "request", "answer", "session", "history", "prompt", "user", "agent",
-          "tool", "plan", "code", "test", "review", "write", "read", "table", "join", "index", "query", "result",
-          "error", "retry", "node", "layer", "block", "page", "memory", "disk", "network", "region", "price",
-          "latency", "budget", "deploy", "build", "ship", "fix", "explain", "summarize")
+_WORDS = (
+    "the",
+    "model",
+    "cache",
+    "token",
+    "request",
+    "answer",
+    "session",
+    "history",
+    "prompt",
+    "user",
+    "agent",
+    "tool",
+    "plan",
+    "code",
+    "test",
+    "review",
+    "write",
+    "read",
+    "table",
+    "join",
+    "index",
+    "query",
+    "result",
+    "error",
+    "retry",
+    "node",
+    "layer",
+    "block",
+    "page",
+    "memory",
+    "disk",
+    "network",
+    "region",
+    "price",
+    "latency",
+    "budget",
+    "deploy",
+    "build",
+    "ship",
+    "fix",
+    "explain",
+    "summarize",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,22 +127,39 @@ class _Traffic:
         views = []
         for index, node_id in enumerate(self.node_ids):
             running = rng.randint(0, 12)
-            views.append(NodeSnapshot(node_id, index != down or len(self.node_ids) == 1, running,
-                                      rng.choice((0, 0, 0, 1)), running, rng.random(),
-                                      announced=rng.randint(0, 2), high_sessions=rng.randint(0, 3)))
+            views.append(
+                NodeSnapshot(
+                    node_id,
+                    index != down or len(self.node_ids) == 1,
+                    running,
+                    rng.choice((0, 0, 0, 1)),
+                    running,
+                    rng.random(),
+                    announced=rng.randint(0, 2),
+                    high_sessions=rng.randint(0, 3),
+                )
+            )
         return views
 
 
-def _decide(policy: RoutingPolicy, table: SessionTable, traffic: _Traffic, session: int, turn: int,
-            nodes: list[NodeSnapshot], text: str) -> str | None:
+def _decide(
+    policy: RoutingPolicy,
+    table: SessionTable,
+    traffic: _Traffic,
+    session: int,
+    turn: int,
+    nodes: list[NodeSnapshot],
+    text: str,
+) -> str | None:
     """One request's routing, as the dispatcher does it (minus the network)."""
     tenant = traffic.tenant(session)
     key = (tenant, f"s{session}")
     entry = table.get(key)
     history = len(text) // 4  # ~4 characters a token
     kv_tokens = dict(entry.kv_tokens) if entry is not None else {}
-    request = RouteRequest(tenant, key[1], "model", "normal", history, kv_tokens,
-                           text if policy.traits.needs_routing_text else "")
+    request = RouteRequest(
+        tenant, key[1], "model", "normal", history, kv_tokens, text if policy.traits.needs_routing_text else ""
+    )
     decision = policy.choose(request, nodes)
     node_id = decision.node_id
     if node_id is None:  # selective pushing held it: the dispatcher would queue it; route it unqueued
@@ -145,26 +202,55 @@ def measure_policy(name: str, traffic: _Traffic, progress: tqdm | None = None) -
         queued += chosen is None
         if progress is not None and decision % 1000 == 999:
             progress.update(1000)
-    return {"decision_us_p50": percentile(samples_us, 50), "decision_us_p99": percentile(samples_us, 99),
-            "decision_us_mean": statistics.fmean(samples_us), "peak_memory_mb": peak / 1e6,
-            "build_s": build_s, "queued": queued, "sessions_tracked": len(table)}
+    return {
+        "decision_us_p50": percentile(samples_us, 50),
+        "decision_us_p99": percentile(samples_us, 99),
+        "decision_us_mean": statistics.fmean(samples_us),
+        "peak_memory_mb": peak / 1e6,
+        "build_s": build_s,
+        "queued": queued,
+        "sessions_tracked": len(table),
+    }
 
 
-def run_route_bench(*, out: Path, nodes: int = 64, sessions: int = 100_000, tenants: int = 100,
-                    requests: int = 20_000, policies: tuple[str, ...] = DEFAULT_POLICIES, seed: int = 0,
-                    plot: Path | None = None) -> dict[str, Any]:
+def run_route_bench(
+    *,
+    out: Path,
+    nodes: int = 64,
+    sessions: int = 100_000,
+    tenants: int = 100,
+    requests: int = 20_000,
+    policies: tuple[str, ...] = DEFAULT_POLICIES,
+    seed: int = 0,
+    plot: Path | None = None,
+) -> dict[str, Any]:
     workload = RouteWorkload(nodes, sessions, tenants, requests, seed)
     traffic = _Traffic(workload)
     results: dict[str, Any] = {}
-    with tqdm(total=len(policies) * (sessions + requests), desc="bench route", unit="decision",
-              file=sys.stderr, unit_scale=True) as progress:
+    with tqdm(
+        total=len(policies) * (sessions + requests),
+        desc="bench route",
+        unit="decision",
+        file=sys.stderr,
+        unit_scale=True,
+    ) as progress:
         for name in policies:
             results[name] = measure_policy(name, traffic, progress)
-    targets = {f"{name}_p99_le_{bound:g}us": results[name]["decision_us_p99"] <= bound
-               for name, bound in TARGETS_P99_US.items() if name in results}
-    result = {"nodes": nodes, "sessions": sessions, "tenants": tenants, "requests": requests, "seed": seed,
-              "prefix_trie_max_chars": SchedulerConfig().prefix_trie_max_chars,
-              "policies": results, "targets": targets}
+    targets = {
+        f"{name}_p99_le_{bound:g}us": results[name]["decision_us_p99"] <= bound
+        for name, bound in TARGETS_P99_US.items()
+        if name in results
+    }
+    result = {
+        "nodes": nodes,
+        "sessions": sessions,
+        "tenants": tenants,
+        "requests": requests,
+        "seed": seed,
+        "prefix_trie_max_chars": SchedulerConfig().prefix_trie_max_chars,
+        "policies": results,
+        "targets": targets,
+    }
     write_result(result, out, table=_print_table, plot=plot, plotter=plot_route)
     return result
 
@@ -173,7 +259,9 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"{result['nodes']} nodes, {result['sessions']} sessions, {result['requests']} timed decisions")
     print(f"  {'policy':<16}{'p50 us':>9}{'p99 us':>9}{'mean us':>9}{'peak MB':>9}")
     for name, row in result["policies"].items():
-        print(f"  {name:<16}{row['decision_us_p50']:>9.1f}{row['decision_us_p99']:>9.1f}"
-              f"{row['decision_us_mean']:>9.1f}{row['peak_memory_mb']:>9.1f}")
+        print(
+            f"  {name:<16}{row['decision_us_p50']:>9.1f}{row['decision_us_p99']:>9.1f}"
+            f"{row['decision_us_mean']:>9.1f}{row['peak_memory_mb']:>9.1f}"
+        )
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")

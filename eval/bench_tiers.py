@@ -80,17 +80,33 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 def _session_pages(geometry: KVGeometry, blocks: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return [torch.randint(-(2**62), 2**62, (blocks, geometry.page_words), dtype=torch.int64, generator=gen)
-            for _ in range(geometry.num_layers)]
+    return [
+        torch.randint(-(2**62), 2**62, (blocks, geometry.page_words), dtype=torch.int64, generator=gen)
+        for _ in range(geometry.num_layers)
+    ]
 
 
-def _store(geometry: KVGeometry, ssd_dir: Path, name: str, session_bytes: int, device: str,
-           model: ModelFingerprint = BENCH_MODEL) -> TieredStore:
+def _store(
+    geometry: KVGeometry,
+    ssd_dir: Path,
+    name: str,
+    session_bytes: int,
+    device: str,
+    model: ModelFingerprint = BENCH_MODEL,
+) -> TieredStore:
     with _single_threaded_torch():  # the HBM pool is zeroed just before a measurement starts
-        return TieredStore(geometry, StoreConfig(hbm_bytes=2 * session_bytes, dram_bytes=4 * session_bytes,
-                                                 ssd_bytes=64 * session_bytes, ssd_dir=ssd_dir,
-                                                 arena_name=f"symphony-bench-{os.getpid()}-{name}", model=model,
-                                                 device=device))
+        return TieredStore(
+            geometry,
+            StoreConfig(
+                hbm_bytes=2 * session_bytes,
+                dram_bytes=4 * session_bytes,
+                ssd_bytes=64 * session_bytes,
+                ssd_dir=ssd_dir,
+                arena_name=f"symphony-bench-{os.getpid()}-{name}",
+                model=model,
+                device=device,
+            ),
+        )
 
 
 def measure_memcpy(pages: list[torch.Tensor]) -> float:
@@ -120,7 +136,7 @@ def measure_disk_bounds(directory: Path, nbytes: int) -> tuple[float, float]:
     started = time.perf_counter()
     offset = 0
     while offset < nbytes:
-        offset += os.preadv(fd, [view[offset:offset + (4 << 20)]], offset)
+        offset += os.preadv(fd, [view[offset : offset + (4 << 20)]], offset)
     read = _gbps(nbytes, time.perf_counter() - started)
     os.close(fd)
     path.unlink()
@@ -137,7 +153,7 @@ def measure_loopback(nbytes: int) -> float:
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sent = 0
             while sent < nbytes:
-                chunk = payload[:min(len(payload), nbytes - sent)]
+                chunk = payload[: min(len(payload), nbytes - sent)]
                 sock.sendall(chunk)
                 sent += len(chunk)
 
@@ -159,8 +175,9 @@ def measure_loopback(nbytes: int) -> float:
     return _gbps(received, elapsed)
 
 
-def measure_store_paths(geometry: KVGeometry, pages: list[torch.Tensor], token_ids: list[int], work: Path,
-                        trial: int, device: str) -> dict[str, float]:
+def measure_store_paths(
+    geometry: KVGeometry, pages: list[torch.Tensor], token_ids: list[int], work: Path, trial: int, device: str
+) -> dict[str, float]:
     blocks = pages[0].shape[0]
     nbytes = blocks * geometry.block_bytes
     ssd_dir = work / f"ssd-{trial}"
@@ -216,8 +233,10 @@ def measure_store_paths(geometry: KVGeometry, pages: list[torch.Tensor], token_i
         out["ssd_first_layer_ready_ms"] = first * 1000
         out["ssd_all_layers_ready_ms"] = elapsed * 1000
         if device != "cpu":
-            dev = [torch.empty(blocks, geometry.page_words, dtype=torch.int64, device=device)
-                   for _ in range(geometry.num_layers)]
+            dev = [
+                torch.empty(blocks, geometry.page_words, dtype=torch.int64, device=device)
+                for _ in range(geometry.num_layers)
+            ]
             started = time.perf_counter()
             store.load(TENANT, "s", target=RowTarget(dev, list(range(blocks)))).wait_all(60)
             out["dram_to_device_gbps"] = _gbps(nbytes, time.perf_counter() - started)
@@ -238,13 +257,19 @@ class _PeerNode:
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         config = work / "peer.toml"
-        config.write_text(f'home = "{work}"\n[node]\ngrpc_port_base = {port}\n[engine]\nenabled = false\n'
-                          f'model = "{model}"\nblock_size = {geometry.block_size}\n[kv]\nmetrics_port_base = 0\n'
-                          f'hbm_bytes = {256 << 20}\ndram_bytes = {512 << 20}\nssd_bytes = {4 << 30}\n')
+        config.write_text(
+            f'home = "{work}"\n[node]\ngrpc_port_base = {port}\n[engine]\nenabled = false\n'
+            f'model = "{model}"\nblock_size = {geometry.block_size}\n[kv]\nmetrics_port_base = 0\n'
+            f"hbm_bytes = {256 << 20}\ndram_bytes = {512 << 20}\nssd_bytes = {4 << 30}\n"
+        )
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
         self.log = (work / "peer.log").open("wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "node", "--config", str(config),
-                                         "--index", "0"], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "symphony.cli", "node", "--config", str(config), "--index", "0"],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     async def wait_ready(self, stub: kv_pb2_grpc.KVStoreStub, within_s: float = 60) -> None:
         deadline = time.monotonic() + within_s
@@ -281,8 +306,9 @@ async def _timed_pull(geometry: KVGeometry, peer: str, directory: Path, nbytes: 
         shutil.rmtree(directory, ignore_errors=True)
 
 
-async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], token_ids: list[int], work: Path,
-                             trials: int, progress: tqdm) -> dict[str, list[float]]:
+async def measure_peer_fetch(
+    geometry: KVGeometry, pages: list[torch.Tensor], token_ids: list[int], work: Path, trials: int, progress: tqdm
+) -> dict[str, list[float]]:
     """Per trial, PEER_PAIRS times the loopback bound and then a pull of the session from a peer
     node process, in that order, so the two are measured under the same conditions; each key's
     sample for the trial is the median of its pairs: {key: samples}."""
@@ -295,8 +321,9 @@ async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], to
         await stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids), timeout=30)
         model = ModelFingerprint((await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=30)).model_fingerprint)
         keys = chain_block_keys(model, TENANT, token_ids, geometry.block_size).block_keys
-        batches = [page_batch(ref, keys, layer, 0, layer_pages.numpy().tobytes())
-                   for layer, layer_pages in enumerate(pages)]
+        batches = [
+            page_batch(ref, keys, layer, 0, layer_pages.numpy().tobytes()) for layer, layer_pages in enumerate(pages)
+        ]
         await stub.WritePages(iter(batches), timeout=60)
         nbytes = len(keys) * geometry.block_bytes
         rates: dict[str, list[float]] = {"loopback_bound_gbps": [], "peer_fetch_gbps": []}
@@ -316,8 +343,15 @@ async def measure_peer_fetch(geometry: KVGeometry, pages: list[torch.Tensor], to
         peer.stop()
 
 
-def run_tiers_bench(*, out: Path, tokens: int = 2048, trials: int = 9, device: str = "cpu",
-                    work_dir: Path | None = None, plot: Path | None = None) -> dict[str, Any]:
+def run_tiers_bench(
+    *,
+    out: Path,
+    tokens: int = 2048,
+    trials: int = 9,
+    device: str = "cpu",
+    work_dir: Path | None = None,
+    plot: Path | None = None,
+) -> dict[str, Any]:
     geometry = smollm2_geometry()
     blocks = tokens // geometry.block_size
     if blocks < 1:
@@ -340,8 +374,16 @@ def run_tiers_bench(*, out: Path, tokens: int = 2048, trials: int = 9, device: s
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result: dict[str, Any] = {key: statistics.median(values) for key, values in samples.items()}
-    result.update({"session_tokens": blocks * geometry.block_size, "session_bytes": nbytes, "trials": trials,
-                   "device": device, "page_bytes": geometry.page_bytes, "samples": samples})
+    result.update(
+        {
+            "session_tokens": blocks * geometry.block_size,
+            "session_bytes": nbytes,
+            "trials": trials,
+            "device": device,
+            "page_bytes": geometry.page_bytes,
+            "samples": samples,
+        }
+    )
     ratios = {name: result[num] / result[den] for name, (num, den, _) in TARGETS.items()}
     ratios["ssd_first_layer_fraction"] = result["ssd_first_layer_ready_ms"] / result["ssd_all_layers_ready_ms"]
     result["ratios"] = ratios
@@ -352,11 +394,22 @@ def run_tiers_bench(*, out: Path, tokens: int = 2048, trials: int = 9, device: s
 
 
 def _print_table(result: dict[str, Any]) -> None:
-    print(f"session: {result['session_tokens']} tokens, {result['session_bytes'] / 1e6:.1f} MB, "
-          f"median of {result['trials']} trials")
-    for key in ("memcpy_gbps", "dram_store_gbps", "dram_load_gbps", "disk_write_bound_gbps", "ssd_write_gbps",
-                "disk_read_bound_gbps", "ssd_read_gbps", "loopback_bound_gbps", "peer_fetch_gbps",
-                "dram_to_device_gbps"):
+    print(
+        f"session: {result['session_tokens']} tokens, {result['session_bytes'] / 1e6:.1f} MB, "
+        f"median of {result['trials']} trials"
+    )
+    for key in (
+        "memcpy_gbps",
+        "dram_store_gbps",
+        "dram_load_gbps",
+        "disk_write_bound_gbps",
+        "ssd_write_gbps",
+        "disk_read_bound_gbps",
+        "ssd_read_gbps",
+        "loopback_bound_gbps",
+        "peer_fetch_gbps",
+        "dram_to_device_gbps",
+    ):
         if key in result:
             print(f"  {key:<24}{result[key]:>9.2f} GB/s")
     print(f"  {'ssd_first_layer_ready_ms':<24}{result['ssd_first_layer_ready_ms']:>9.2f} ms")

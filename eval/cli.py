@@ -40,32 +40,54 @@ def register(sub: Any) -> None:
     tiers.add_argument("--device", default="cpu", help="HBM tier device: cpu or cuda (cpu)")
     tiers.add_argument("--work-dir", type=Path, help="where the SSD tier's files go (default: the temp dir)")
     tiers.set_defaults(func=cmd_bench_tiers)
-    resume = bench_sub.add_parser("resume", help="TTFT of a resumed turn by where its history's KV is "
-                                  "(starts a private 2-node cluster)")
+    resume = bench_sub.add_parser(
+        "resume", help="TTFT of a resumed turn by where its history's KV is (starts a private 2-node cluster)"
+    )
     _add_bench_cluster_args(resume)
     resume.add_argument("--out", type=Path, required=True, help="JSON results file")
     resume.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
-    resume.add_argument("--context-tokens", type=positive_int, default=2048,
-                        help="history length in tokens, a multiple of the block size (2048)")
+    resume.add_argument(
+        "--context-tokens",
+        type=positive_int,
+        default=2048,
+        help="history length in tokens, a multiple of the block size (2048)",
+    )
     resume.add_argument("--trials", type=positive_int, default=5, help="trials per path, interleaved (5)")
-    resume.add_argument("--gap-ms", type=positive_int, default=1000,
-                        help="think time between a history's turn and the resumed turn, every path alike (1000)")
-    resume.add_argument("--conversations", type=int_between(0, 80), default=0,
-                        help="also check correctness on this many MT-bench two-turn conversations (of 80): "
-                             "every path must give the same greedy tokens, logprobs within 1e-2 (0: skip)")
+    resume.add_argument(
+        "--gap-ms",
+        type=positive_int,
+        default=1000,
+        help="think time between a history's turn and the resumed turn, every path alike (1000)",
+    )
+    resume.add_argument(
+        "--conversations",
+        type=int_between(0, 80),
+        default=0,
+        help="also check correctness on this many MT-bench two-turn conversations (of 80): "
+        "every path must give the same greedy tokens, logprobs within 1e-2 (0: skip)",
+    )
     resume.set_defaults(func=cmd_bench_resume)
-    cluster = bench_sub.add_parser("cluster", help="routing policies on a live 2-node cluster replaying ShareGPT "
-                                   "users with typing advisories")
+    cluster = bench_sub.add_parser(
+        "cluster", help="routing policies on a live 2-node cluster replaying ShareGPT users with typing advisories"
+    )
     _add_bench_cluster_args(cluster)
     cluster.add_argument("--out", type=Path, required=True, help="JSON results file")
     cluster.add_argument("--plot", type=Path, metavar="PNG", help="also draw the comparison to this PNG")
     cluster.add_argument("--records", type=Path, metavar="DIR", help="also write every request (JSON, CSV) here")
-    cluster.add_argument("--policies", default=",".join(_cluster_defaults()),
-                         help="comma-separated, run in this order (default: %(default)s)")
-    _add_replay_args(cluster, users=8, duration=90, duration_is="seconds of load per policy", max_tokens=64,
-                     miss_rate=True)
-    cluster.add_argument("--min-turns", type=positive_int, default=2,
-                         help="replay only conversations with at least this many user turns (2)")
+    cluster.add_argument(
+        "--policies",
+        default=",".join(_cluster_defaults()),
+        help="comma-separated, run in this order (default: %(default)s)",
+    )
+    _add_replay_args(
+        cluster, users=8, duration=90, duration_is="seconds of load per policy", max_tokens=64, miss_rate=True
+    )
+    cluster.add_argument(
+        "--min-turns",
+        type=positive_int,
+        default=2,
+        help="replay only conversations with at least this many user turns (2)",
+    )
     cluster.add_argument("--max-turns", type=positive_int, default=8, help="cut conversations to this many turns (8)")
     cluster.set_defaults(func=cmd_bench_cluster)
     route = bench_sub.add_parser("route", help="cost of one routing decision per policy at fleet scale (no cluster)")
@@ -75,72 +97,116 @@ def register(sub: Any) -> None:
     route.add_argument("--sessions", type=positive_int, default=100_000, help="sessions routed first (100000)")
     route.add_argument("--tenants", type=positive_int, default=100, help="tenants the sessions belong to (100)")
     route.add_argument("--requests", type=positive_int, default=20_000, help="timed decisions per policy (20000)")
-    route.add_argument("--policies", default="symphony,least_load,round_robin,consistent_hash,sticky,prefix_trie",
-                       help="comma-separated (default: %(default)s)")
+    route.add_argument(
+        "--policies",
+        default="symphony,least_load,round_robin,consistent_hash,sticky,prefix_trie",
+        help="comma-separated (default: %(default)s)",
+    )
     route.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     route.set_defaults(func=cmd_bench_route)
-    calibrate = bench_sub.add_parser("calibrate", help="fit the simulator's engine model to this host's live engine "
-                                     "(starts a private 2-node cluster)")
+    calibrate = bench_sub.add_parser(
+        "calibrate",
+        help="fit the simulator's engine model to this host's live engine (starts a private 2-node cluster)",
+    )
     _add_bench_cluster_args(calibrate)
     calibrate.add_argument("--out", type=Path, required=True, help="JSON results file (samples and fit)")
-    calibrate.add_argument("--preset-out", type=Path, default=Path("local-preset.json"), metavar="JSON",
-                           help="where the fitted preset goes, for bench sim/validate --preset-file "
-                                "(%(default)s)")
+    calibrate.add_argument(
+        "--preset-out",
+        type=Path,
+        default=Path("local-preset.json"),
+        metavar="JSON",
+        help="where the fitted preset goes, for bench sim/validate --preset-file (%(default)s)",
+    )
     calibrate.set_defaults(func=cmd_bench_calibrate)
-    validate = bench_sub.add_parser("validate", help="the simulator against the live 2-node cluster on the same "
-                                    "requests: sim_vs_live_error")
+    validate = bench_sub.add_parser(
+        "validate", help="the simulator against the live 2-node cluster on the same requests: sim_vs_live_error"
+    )
     _add_bench_cluster_args(validate)
     validate.add_argument("--out", type=Path, required=True, help="JSON results file")
-    validate.add_argument("--preset-file", type=Path, metavar="JSON",
-                          help="a preset from bench calibrate (default: calibrate first, on the same cluster)")
-    validate.add_argument("--preset-out", type=Path, default=Path("local-preset.json"), metavar="JSON",
-                          help="where a calibration made here goes (%(default)s)")
-    validate.add_argument("--records", type=Path, metavar="DIR", help="also write the live run's requests (JSON, "
-                          "CSV) here")
+    validate.add_argument(
+        "--preset-file",
+        type=Path,
+        metavar="JSON",
+        help="a preset from bench calibrate (default: calibrate first, on the same cluster)",
+    )
+    validate.add_argument(
+        "--preset-out",
+        type=Path,
+        default=Path("local-preset.json"),
+        metavar="JSON",
+        help="where a calibration made here goes (%(default)s)",
+    )
+    validate.add_argument(
+        "--records", type=Path, metavar="DIR", help="also write the live run's requests (JSON, CSV) here"
+    )
     validate.add_argument("--policy", default="recompute", help="the routing policy both runs use (recompute)")
-    _add_replay_args(validate, users=4, duration=120, duration_is="seconds of live load", max_tokens=32,
-                     miss_rate=False)
+    _add_replay_args(
+        validate, users=4, duration=120, duration_is="seconds of live load", max_tokens=32, miss_rate=False
+    )
     validate.set_defaults(func=cmd_bench_validate)
     report = bench_sub.add_parser("report", help="a Markdown summary with PNG plots of every result file in DIR")
     report.add_argument("directory", type=Path, metavar="DIR", help="where the bench ... --out JSON files are")
     report.set_defaults(func=cmd_bench_report)
     sim = bench_sub.add_parser("sim", help="paper-scale scenarios on the cluster simulator (no cluster)")
-    sim.add_argument("--scenario", required=True,
-                     help="users, missed_advisories, imbalance, priority, agents (--users: projects) or trace "
-                          "(--workload: a Mooncake .jsonl or Azure .csv trace, --time-scale its clock)")
+    sim.add_argument(
+        "--scenario",
+        required=True,
+        help="users, missed_advisories, imbalance, priority, agents (--users: projects) or trace "
+        "(--workload: a Mooncake .jsonl or Azure .csv trace, --time-scale its clock)",
+    )
     sim.add_argument("--out", type=Path, required=True, help="JSON results file")
     sim.add_argument("--plot", type=Path, metavar="PNG", help="also draw the scenario to this PNG")
-    sim.add_argument("--preset", default="a100-llama3.1-8b",
-                     help="engine and link constants: a100-llama3.1-8b (default) or l4-llama3.1-8b")
-    sim.add_argument("--preset-file", type=Path, metavar="JSON",
-                     help="engine and link constants from `symphony bench calibrate` (instead of --preset)")
+    sim.add_argument(
+        "--preset",
+        default="a100-llama3.1-8b",
+        help="engine and link constants: a100-llama3.1-8b (default) or l4-llama3.1-8b",
+    )
+    sim.add_argument(
+        "--preset-file",
+        type=Path,
+        metavar="JSON",
+        help="engine and link constants from `symphony bench calibrate` (instead of --preset)",
+    )
     sim.add_argument("--nodes", type=positive_int, default=8, help="engines (8)")
-    sim.add_argument("--users", default="64,128,256,512,1024",
-                     help="user counts, comma-separated (%(default)s); one-point scenarios take the first")
+    sim.add_argument(
+        "--users",
+        default="64,128,256,512,1024",
+        help="user counts, comma-separated (%(default)s); one-point scenarios take the first",
+    )
     sim.add_argument("--policies", default="symphony,recompute,sticky", help="comma-separated (%(default)s)")
     sim.add_argument("--duration", type=positive_int, default=600, help="simulated seconds per point (600)")
     sim.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
-    sim.add_argument("--time-scale", type=float, default=1.0,
-                     help="human reading and typing time, scaled (1: real human speeds)")
+    sim.add_argument(
+        "--time-scale", type=float, default=1.0, help="human reading and typing time, scaled (1: real human speeds)"
+    )
     sim.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored sample)")
     sim.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     sim.set_defaults(func=cmd_bench_sim)
 
 
-def _add_replay_args(parser: argparse.ArgumentParser, *, users: int, duration: int, duration_is: str,
-                     max_tokens: int, miss_rate: bool) -> None:
+def _add_replay_args(
+    parser: argparse.ArgumentParser, *, users: int, duration: int, duration_is: str, max_tokens: int, miss_rate: bool
+) -> None:
     """The replay of ShareGPT users on a live cluster that `bench cluster` and `bench validate` share
     (`--miss-rate` hidden where the comparison needs every advisory)."""
     parser.add_argument("--users", type=positive_int, default=users, help=f"simulated users ({users})")
     parser.add_argument("--duration", type=positive_int, default=duration, help=f"{duration_is} ({duration})")
-    parser.add_argument("--time-scale", type=float, default=0.05,
-                        help="human reading and typing time, scaled (0.05: a minute becomes 3 s)")
-    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens,
-                        help=f"answer length cap ({max_tokens})")
-    parser.add_argument("--miss-rate", type=float, default=0.0,
-                        help="share of turns without an advisory (0)" if miss_rate else argparse.SUPPRESS)
-    parser.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored "
-                        "sample, eval/data/sharegpt)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.05,
+        help="human reading and typing time, scaled (0.05: a minute becomes 3 s)",
+    )
+    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens, help=f"answer length cap ({max_tokens})")
+    parser.add_argument(
+        "--miss-rate",
+        type=float,
+        default=0.0,
+        help="share of turns without an advisory (0)" if miss_rate else argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--workload", type=Path, help="ShareGPT-format conversations (default: the vendored sample, eval/data/sharegpt)"
+    )
 
 
 def _add_bench_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -156,10 +222,16 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
     if bool(args.scheduler_url) != bool(args.engine_url):
         raise CliError("--scheduler-url and --engine-url go together (the scheduler must front that one engine)")
     config = load_from_args(args, engine_overrides(args))
-    return run_proxy_bench(config, out=args.out, concurrency=args.concurrency, rounds=args.rounds,
-                           max_tokens=args.max_tokens, scheduler_url=args.scheduler_url, engine_url=args.engine_url,
-                           plot=args.plot)
-
+    return run_proxy_bench(
+        config,
+        out=args.out,
+        concurrency=args.concurrency,
+        rounds=args.rounds,
+        max_tokens=args.max_tokens,
+        scheduler_url=args.scheduler_url,
+        engine_url=args.engine_url,
+        plot=args.plot,
+    )
 
 
 def _cluster_defaults() -> tuple[str, ...]:
@@ -217,10 +289,20 @@ def cmd_bench_cluster(args: argparse.Namespace) -> int:
         raise CliError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}")
     workload, conversations = _conversations(args, min_turns=args.min_turns, max_turns=args.max_turns)
     config = load_from_args(args, engine_overrides(args))
-    return run_cluster_bench(config, out=args.out, policies=policies, users=args.users, duration_s=args.duration,
-                             time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
-                             conversations=conversations, miss_rate=args.miss_rate, plot=args.plot,
-                             records_dir=args.records)
+    return run_cluster_bench(
+        config,
+        out=args.out,
+        policies=policies,
+        users=args.users,
+        duration_s=args.duration,
+        time_scale=args.time_scale,
+        max_answer_tokens=args.max_tokens,
+        workload=workload,
+        conversations=conversations,
+        miss_rate=args.miss_rate,
+        plot=args.plot,
+        records_dir=args.records,
+    )
 
 
 def cmd_bench_calibrate(args: argparse.Namespace) -> int:
@@ -245,10 +327,20 @@ def cmd_bench_validate(args: argparse.Namespace) -> int:
             raise CliError(f"--preset-file {exc}") from None
     workload, conversations = _conversations(args, min_turns=2, max_turns=8)
     config = load_from_args(args, engine_overrides(args))
-    return run_validate_bench(config, out=args.out, policy=args.policy, users=args.users, duration_s=args.duration,
-                              time_scale=args.time_scale, max_answer_tokens=args.max_tokens, workload=workload,
-                              conversations=conversations, preset_file=args.preset_file, preset_out=args.preset_out,
-                              records_dir=args.records)
+    return run_validate_bench(
+        config,
+        out=args.out,
+        policy=args.policy,
+        users=args.users,
+        duration_s=args.duration,
+        time_scale=args.time_scale,
+        max_answer_tokens=args.max_tokens,
+        workload=workload,
+        conversations=conversations,
+        preset_file=args.preset_file,
+        preset_out=args.preset_out,
+        records_dir=args.records,
+    )
 
 
 def cmd_bench_report(args: argparse.Namespace) -> int:
@@ -264,8 +356,16 @@ def cmd_bench_route(args: argparse.Namespace) -> int:
     from eval.bench_route import run_route_bench
 
     policies = _policy_names(args.policies)
-    run_route_bench(out=args.out, nodes=args.nodes, sessions=args.sessions, tenants=args.tenants,
-                    requests=args.requests, policies=policies, seed=args.seed, plot=args.plot)
+    run_route_bench(
+        out=args.out,
+        nodes=args.nodes,
+        sessions=args.sessions,
+        tenants=args.tenants,
+        requests=args.requests,
+        policies=policies,
+        seed=args.seed,
+        plot=args.plot,
+    )
     return 0
 
 
@@ -301,9 +401,22 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
         trace = _trace(workload, args.time_scale)
     else:
         workload, conversations = _conversations(args, min_turns=2, max_turns=8)
-    run_sim_bench(out=args.out, scenario=args.scenario, workload=workload, conversations=conversations, preset=preset,
-                  trace=trace, nodes=args.nodes, users=users, policies=policies, duration_s=args.duration,
-                  miss_rate=args.miss_rate, time_scale=args.time_scale, seed=args.seed, plot=args.plot)
+    run_sim_bench(
+        out=args.out,
+        scenario=args.scenario,
+        workload=workload,
+        conversations=conversations,
+        preset=preset,
+        trace=trace,
+        nodes=args.nodes,
+        users=users,
+        policies=policies,
+        duration_s=args.duration,
+        miss_rate=args.miss_rate,
+        time_scale=args.time_scale,
+        seed=args.seed,
+        plot=args.plot,
+    )
     return 0
 
 
@@ -325,10 +438,19 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
 
     config = load_from_args(args, engine_overrides(args))
     if args.context_tokens % config.engine.block_size:
-        raise CliError(f"--context-tokens {args.context_tokens}: must be a multiple of engine.block_size "
-                       f"({config.engine.block_size}), so the whole history is loadable")
-    return run_resume_bench(config, out=args.out, context_tokens=args.context_tokens, trials=args.trials,
-                            gap_s=args.gap_ms / 1000.0, conversations=args.conversations, plot=args.plot)
+        raise CliError(
+            f"--context-tokens {args.context_tokens}: must be a multiple of engine.block_size "
+            f"({config.engine.block_size}), so the whole history is loadable"
+        )
+    return run_resume_bench(
+        config,
+        out=args.out,
+        context_tokens=args.context_tokens,
+        trials=args.trials,
+        gap_s=args.gap_ms / 1000.0,
+        conversations=args.conversations,
+        plot=args.plot,
+    )
 
 
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
@@ -344,6 +466,7 @@ def cmd_bench_tiers(args: argparse.Namespace) -> int:
         raise CliError(f"--device {args.device!r}: expected cpu or cuda[:N]")
     if args.work_dir is not None and not args.work_dir.is_dir():
         raise CliError(f"--work-dir {args.work_dir}: not a directory")
-    run_tiers_bench(out=args.out, tokens=args.tokens, trials=args.trials, device=args.device,
-                    work_dir=args.work_dir, plot=args.plot)
+    run_tiers_bench(
+        out=args.out, tokens=args.tokens, trials=args.trials, device=args.device, work_dir=args.work_dir, plot=args.plot
+    )
     return 0

@@ -53,10 +53,15 @@ def measure(model: Path, rounds: int) -> Result:
                 fingerprints.add(identity.fingerprint.hex())
     if len(fingerprints) != 1:
         raise RuntimeError(f"the fingerprint changed between starts: {sorted(fingerprints)}")
-    return {"model": str(model), "bytes": sum(p.stat().st_size for p in weight_files(model)),
-            "fingerprint": fingerprints.pop(), "layout": identity.page_layout, "rounds": rounds,
-            "ms": {kind: [round(s * 1000, 2) for s in values] for kind, values in seconds.items()},
-            "ms_median": {kind: round(statistics.median(values) * 1000, 2) for kind, values in seconds.items()}}
+    return {
+        "model": str(model),
+        "bytes": sum(p.stat().st_size for p in weight_files(model)),
+        "fingerprint": fingerprints.pop(),
+        "layout": identity.page_layout,
+        "rounds": rounds,
+        "ms": {kind: [round(s * 1000, 2) for s in values] for kind, values in seconds.items()},
+        "ms_median": {kind: round(statistics.median(values) * 1000, 2) for kind, values in seconds.items()},
+    }
 
 
 def _table(result: Result) -> None:
@@ -67,8 +72,12 @@ def _table(result: Result) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=default_model_dir(default_home()),
-                        help="model folder (default: the prepared SmolLM2)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=default_model_dir(default_home()),
+        help="model folder (default: the prepared SmolLM2)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the three starts (5)")
     parser.add_argument("--out", type=Path, required=True, help="JSON results file")
     args = parser.parse_args()

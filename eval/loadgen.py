@@ -83,8 +83,17 @@ class LoadSettings:
 
 
 class LoadGenerator:
-    def __init__(self, base_url: str, model: str, conversations: list[Conversation], timing: HumanTiming,
-                 settings: LoadSettings, *, api_key: str = "symphony-local", session_prefix: str = "load") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        conversations: list[Conversation],
+        timing: HumanTiming,
+        settings: LoadSettings,
+        *,
+        api_key: str = "symphony-local",
+        session_prefix: str = "load",
+    ) -> None:
         if not conversations:
             raise ValueError("no conversations to replay")
         self.model = model
@@ -92,8 +101,9 @@ class LoadGenerator:
         self.timing = timing
         self.settings = settings
         self.session_prefix = session_prefix
-        self.client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key, max_retries=0,
-                                         timeout=settings.request_timeout_s)
+        self.client = openai.AsyncOpenAI(
+            base_url=base_url.rstrip("/") + "/v1", api_key=api_key, max_retries=0, timeout=settings.request_timeout_s
+        )
         self.records: list[RequestRecord] = []
         self._started = 0.0
 
@@ -121,12 +131,19 @@ class LoadGenerator:
                 advised = self.settings.advisories and timing.advises()
                 typing_started = time.monotonic()
                 advisory_ms = await self._advise(session) if advised else 0.0
-                await asyncio.sleep(max(0.0, timing.typing_s(len(turn.message.split()))
-                                        - (time.monotonic() - typing_started)))
+                await asyncio.sleep(
+                    max(0.0, timing.typing_s(len(turn.message.split())) - (time.monotonic() - typing_started))
+                )
                 messages.append({"role": "user", "content": turn.message})
-                record = RequestRecord(user, session, number, time.monotonic() - self._started, advised,
-                                       time.monotonic() - typing_started if advised else 0.0,
-                                       advisory_ms=advisory_ms)
+                record = RequestRecord(
+                    user,
+                    session,
+                    number,
+                    time.monotonic() - self._started,
+                    advised,
+                    time.monotonic() - typing_started if advised else 0.0,
+                    advisory_ms=advisory_ms,
+                )
                 answer = await self._request(record, messages, answer_tokens(turn, self.settings.max_answer_tokens))
                 self.records.append(record)
                 progress.update()
@@ -140,8 +157,9 @@ class LoadGenerator:
         """Send the typing advisory; its round trip in ms (0 when refused: a hint, the turn goes on)."""
         started = time.perf_counter()
         try:
-            await self.client.post("/advisories", cast_to=object,
-                                   body={"session_id": session, "kind": "typing", "model": self.model})
+            await self.client.post(
+                "/advisories", cast_to=object, body={"session_id": session, "kind": "typing", "model": self.model}
+            )
         except openai.APIError:
             return 0.0
         return (time.perf_counter() - started) * 1000
@@ -151,9 +169,14 @@ class LoadGenerator:
         text: list[str] = []
         try:
             async with self.client.chat.completions.with_streaming_response.create(
-                    model=self.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-                    stream_options={"include_usage": True},
-                    extra_headers={SESSION_HEADER: record.session}) as response:
+                model=self.model,
+                messages=messages,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_headers={SESSION_HEADER: record.session},
+            ) as response:
                 record.node = response.headers.get(NODE_HEADER, "")
                 record.route = response.headers.get(ROUTE_HEADER, "")
                 record.routed_ms = server_timing_ms(response.headers.get("server-timing", ""), "route")

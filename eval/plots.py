@@ -10,16 +10,18 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("plotting needs matplotlib: pip install 'symphony-kv[bench]' (`make install` does this)") \
-            from None
+        raise SystemExit(
+            "plotting needs matplotlib: pip install 'symphony-kv[bench]' (`make install` does this)"
+        ) from None
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def _paired_bars(ax: Any, names: list[str], left: list[float], right: list[float], labels: tuple[str, str],
-                 rotation: int = 20) -> None:
+def _paired_bars(
+    ax: Any, names: list[str], left: list[float], right: list[float], labels: tuple[str, str], rotation: int = 20
+) -> None:
     """Two bars per name, side by side (a bound and its measurement, p50 and p99, ...)."""
     positions = range(len(names))
     ax.bar([p - 0.2 for p in positions], left, width=0.4, label=labels[0])
@@ -48,8 +50,9 @@ def plot_proxy(result: dict[str, Any], path: Path) -> None:
     cdf.set_title(f"TTFT, {result['concurrency']} concurrent streams")
     cdf.legend()
     pairs.hist(result["per_pair_overhead_ms"], bins=40)
-    pairs.axvline(result["overhead_ms_p50"], color="black", linestyle="--",
-                  label=f"median {result['overhead_ms_p50']:.1f} ms")
+    pairs.axvline(
+        result["overhead_ms_p50"], color="black", linestyle="--", label=f"median {result['overhead_ms_p50']:.1f} ms"
+    )
     pairs.set_xlabel("via - direct, round medians (ms)")
     pairs.set_ylabel("round pairs")
     pairs.set_title("scheduler overhead per round pair")
@@ -60,9 +63,12 @@ def plot_proxy(result: dict[str, Any], path: Path) -> None:
 def plot_tiers(result: dict[str, Any], path: Path) -> None:
     """Each Symphony path next to the hardware bound it is measured against."""
     plt = _pyplot()
-    pairs = [("DRAM load", "dram_load_gbps", "memcpy_gbps"), ("SSD write", "ssd_write_gbps", "disk_write_bound_gbps"),
-             ("SSD read", "ssd_read_gbps", "disk_read_bound_gbps"), ("peer fetch", "peer_fetch_gbps",
-                                                                     "loopback_bound_gbps")]
+    pairs = [
+        ("DRAM load", "dram_load_gbps", "memcpy_gbps"),
+        ("SSD write", "ssd_write_gbps", "disk_write_bound_gbps"),
+        ("SSD read", "ssd_read_gbps", "disk_read_bound_gbps"),
+        ("peer fetch", "peer_fetch_gbps", "loopback_bound_gbps"),
+    ]
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(pairs))
     ax.bar([x - 0.2 for x in xs], [result[bound] for _, _, bound in pairs], width=0.4, label="bound (plain)")
@@ -102,8 +108,12 @@ def plot_cluster(result: dict[str, Any], path: Path) -> None:
     ttft.legend()
     share = [stats[p]["prefill_tokens_computed"] / max(1, stats[p]["prefill_tokens_total"]) for p in policies]
     other.bar([i - 0.2 for i in x], share, width=0.4, label="prompt tokens computed / total")
-    other.bar([i + 0.2 for i in x], [stats[p]["max_over_mean_load"] - 1 for p in policies], width=0.4,
-              label="busiest node over mean - 1")
+    other.bar(
+        [i + 0.2 for i in x],
+        [stats[p]["max_over_mean_load"] - 1 for p in policies],
+        width=0.4,
+        label="busiest node over mean - 1",
+    )
     other.set_xticks(list(x), policies, rotation=20)
     other.legend()
     fig.suptitle(f"{result['users']} users, {result['duration_s']:.0f} s per policy")
@@ -120,8 +130,12 @@ def plot_sim_users(result: dict[str, Any], path: Path) -> None:
         axes[1].plot(users, [rows[str(u)]["ttft_ms_p95"] or 0 for u in users], marker="o", label=policy)
     if result.get("tpot_bound_ms") is not None:
         # users_ratio_at_equal_tpot's bound: where each policy's curve crosses it is its limit.
-        axes[0].axhline(result["tpot_bound_ms"], color="gray", linestyle="--",
-                        label=f"{result['tpot_bound']:g} x recompute at {min(result['users'])} users")
+        axes[0].axhline(
+            result["tpot_bound_ms"],
+            color="gray",
+            linestyle="--",
+            label=f"{result['tpot_bound']:g} x recompute at {min(result['users'])} users",
+        )
     for ax, label in zip(axes, ("mean TPOT (ms)", "TTFT p95 (ms)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("users")
@@ -164,8 +178,13 @@ def plot_route(result: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     names = list(result["policies"])
     fig, ax = plt.subplots(figsize=(8, 4))
-    _paired_bars(ax, names, [result["policies"][n]["decision_us_p50"] for n in names],
-                 [result["policies"][n]["decision_us_p99"] for n in names], ("p50", "p99"))
+    _paired_bars(
+        ax,
+        names,
+        [result["policies"][n]["decision_us_p50"] for n in names],
+        [result["policies"][n]["decision_us_p99"] for n in names],
+        ("p50", "p99"),
+    )
     ax.set_ylabel("µs per routing decision")
     ax.set_title(f"{result['nodes']} nodes, {result['sessions']:,} sessions")
     _save(plt, fig, path)
@@ -194,8 +213,14 @@ def plot_sim_agents(result: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     names = list(result["points"])
     fig, ax = plt.subplots(figsize=(7, 4))
-    _paired_bars(ax, names, [(result["points"][n]["makespan_ms_mean"] or 0) / 1000 for n in names],
-                 [(result["points"][n]["makespan_ms_p95"] or 0) / 1000 for n in names], ("mean", "p95"), rotation=0)
+    _paired_bars(
+        ax,
+        names,
+        [(result["points"][n]["makespan_ms_mean"] or 0) / 1000 for n in names],
+        [(result["points"][n]["makespan_ms_p95"] or 0) / 1000 for n in names],
+        ("mean", "p95"),
+        rotation=0,
+    )
     ax.set_ylabel("project makespan (s)")
     ax.set_title(f"{result['users']} agent projects on {result['nodes']} x {result['preset']}")
     _save(plt, fig, path)

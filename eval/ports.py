@@ -19,9 +19,16 @@ from symphony.config import KVConfig, NodeConfig, SchedulerConfig
 LOWEST_PORT = 10_000  # above the well-known services
 DEFAULT_NODES = 8  # of a cluster started with the defaults, whose ports are left alone
 # Symphony's defaults: the scheduler's port, and each node's engine, KV metrics and gRPC ports.
-DEFAULT_PORTS = frozenset([SchedulerConfig().port, *(
-    base + i for base in (NodeConfig().engine_port_base, KVConfig().metrics_port_base, NodeConfig().grpc_port_base)
-    for i in range(DEFAULT_NODES))])
+DEFAULT_PORTS = frozenset(
+    [
+        SchedulerConfig().port,
+        *(
+            base + i
+            for base in (NodeConfig().engine_port_base, KVConfig().metrics_port_base, NodeConfig().grpc_port_base)
+            for i in range(DEFAULT_NODES)
+        ),
+    ]
+)
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LINUX_EPHEMERAL_START = 32_768  # the kernel's default, where the range cannot be read
 ATTEMPTS = 200

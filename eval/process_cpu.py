@@ -62,8 +62,9 @@ def cpu_seconds_between(before: dict[str, float], after: dict[str, float]) -> di
     return {role: round(after.get(role, 0.0) - before.get(role, 0.0), 2) for role in after}
 
 
-def wait_until_quiet(max_busy_cores: float = 0.25, window_s: float = 0.5, timeout_s: float = 30.0,
-                     root: int | None = None) -> float:
+def wait_until_quiet(
+    max_busy_cores: float = 0.25, window_s: float = 0.5, timeout_s: float = 30.0, root: int | None = None
+) -> float:
     """Wait until the cluster processes under `root` used less than `max_busy_cores` of CPU over
     `window_s` (vLLM's workers busy-poll for a second after their last step, and a node manager
     writes a turn's pages behind it); returns the seconds waited. Raises TimeoutError after

@@ -48,55 +48,102 @@ def _targets(result: Result) -> list[str]:
 
 
 def _tiers(result: Result) -> list[str]:
-    keys = ("memcpy_gbps", "dram_store_gbps", "dram_load_gbps", "disk_write_bound_gbps", "ssd_write_gbps",
-            "disk_read_bound_gbps", "ssd_read_gbps", "loopback_bound_gbps", "peer_fetch_gbps",
-            "ssd_first_layer_ready_ms", "ssd_all_layers_ready_ms")
+    keys = (
+        "memcpy_gbps",
+        "dram_store_gbps",
+        "dram_load_gbps",
+        "disk_write_bound_gbps",
+        "ssd_write_gbps",
+        "disk_read_bound_gbps",
+        "ssd_read_gbps",
+        "loopback_bound_gbps",
+        "peer_fetch_gbps",
+        "ssd_first_layer_ready_ms",
+        "ssd_all_layers_ready_ms",
+    )
     lines = _table(["figure", "value"], [[key, result[key]] for key in keys if key in result])
     ratios = result.get("ratios", {})
     return [*lines, "", *_table(["ratio", "value"], [[name, value] for name, value in ratios.items()])]
 
 
 def _resume(result: Result) -> list[str]:
-    rows = [[path, result["ttft_ms"][path], result["ratio_to_engine_cache"][path],
-             result["prefill_tokens_computed"][path]] for path in result["ttft_ms"]]
+    rows = [
+        [path, result["ttft_ms"][path], result["ratio_to_engine_cache"][path], result["prefill_tokens_computed"][path]]
+        for path in result["ttft_ms"]
+    ]
     lines = _table(["path", "TTFT p50 (ms)", "x engine_cache", "prefill computed"], rows)
     summary = f"outputs identical: {_fmt(result['outputs_identical'])}; match p99 {_fmt(result['match_ms_p99'])} ms"
     return [*lines, "", summary]
 
 
 def _cluster(result: Result) -> list[str]:
-    columns = ("ttft_ms_p50", "ttft_ms_p95", "tpot_ms_mean", "completed", "errors", "max_over_mean_load",
-               "kv_ready_at_arrival_frac")
+    columns = (
+        "ttft_ms_p50",
+        "ttft_ms_p95",
+        "tpot_ms_mean",
+        "completed",
+        "errors",
+        "max_over_mean_load",
+        "kv_ready_at_arrival_frac",
+    )
     rows = [[policy, *[row.get(c) for c in columns]] for policy, row in result["policies"].items()]
     return _table(["policy", *columns], rows)
 
 
 def _route(result: Result) -> list[str]:
-    rows = [[policy, row["decision_us_p50"], row["decision_us_p99"], row.get("peak_memory_mb")]
-            for policy, row in result["policies"].items()]
+    rows = [
+        [policy, row["decision_us_p50"], row["decision_us_p99"], row.get("peak_memory_mb")]
+        for policy, row in result["policies"].items()
+    ]
     return _table(["policy", "decision p50 (µs)", "p99 (µs)", "peak memory (MB)"], rows)
 
 
 def _sim_users(result: Result) -> list[str]:
-    rows = [[policy, users, row["tpot_ms_mean"], row["norm_latency_ms_per_token_mean"], row["ttft_ms_p95"]]
-            for policy, points in result["points"].items() for users, row in points.items()]
+    rows = [
+        [policy, users, row["tpot_ms_mean"], row["norm_latency_ms_per_token_mean"], row["ttft_ms_p95"]]
+        for policy, points in result["points"].items()
+        for users, row in points.items()
+    ]
     lines = _table(["policy", "users", "TPOT mean (ms)", "norm. latency (ms/token)", "TTFT p95 (ms)"], rows)
-    return [*lines, "", f"users_ratio_at_equal_tpot: {_fmt(result.get('users_ratio_at_equal_tpot'))}",
-            "", f"work_ratio_at_fewest_users: {_fmt(result.get('work_ratio_at_fewest_users'))}"]
+    return [
+        *lines,
+        "",
+        f"users_ratio_at_equal_tpot: {_fmt(result.get('users_ratio_at_equal_tpot'))}",
+        "",
+        f"work_ratio_at_fewest_users: {_fmt(result.get('work_ratio_at_fewest_users'))}",
+    ]
 
 
 def _sim_single(result: Result) -> list[str]:
-    rows = [[name, row["tpot_ms_mean"], row["norm_latency_ms_per_token_mean"], row["ttft_ms_p95"],
-             row["max_over_median_load"]] for name, row in result["points"].items()]
+    rows = [
+        [
+            name,
+            row["tpot_ms_mean"],
+            row["norm_latency_ms_per_token_mean"],
+            row["ttft_ms_p95"],
+            row["max_over_median_load"],
+        ]
+        for name, row in result["points"].items()
+    ]
     lines = _table(["point", "TPOT mean (ms)", "norm. latency (ms/token)", "TTFT p95 (ms)", "max/median load"], rows)
-    keys = [k for k in ("latency_increase_at_10pct", "sticky_max_over_median", "symphony_max_over_median",
-                        "high_tpot_ratio_vs_recompute", "makespan_ratio_vs_recompute") if k in result]
+    keys = [
+        k
+        for k in (
+            "latency_increase_at_10pct",
+            "sticky_max_over_median",
+            "symphony_max_over_median",
+            "high_tpot_ratio_vs_recompute",
+            "makespan_ratio_vs_recompute",
+        )
+        if k in result
+    ]
     return lines + [""] + [f"{key}: {_fmt(result[key])}" for key in keys]
 
 
 def _validate(result: Result) -> list[str]:
-    rows = [[key, result["live"][key], result["simulated"][key], error]
-            for key, error in result["relative_error"].items()]
+    rows = [
+        [key, result["live"][key], result["simulated"][key], error] for key, error in result["relative_error"].items()
+    ]
     table = _table(["figure", "live", "simulated", "relative error"], rows)
     return [*table, "", f"sim_vs_live_error: {_fmt(result['sim_vs_live_error'])}"]
 

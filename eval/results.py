@@ -10,8 +10,14 @@ from typing import Any
 Result = dict[str, Any]
 
 
-def write_result(result: Result, out: Path, *, table: Callable[[Result], None], plot: Path | None = None,
-                 plotter: Callable[[Result, Path], None] | None = None) -> None:
+def write_result(
+    result: Result,
+    out: Path,
+    *,
+    table: Callable[[Result], None],
+    plot: Path | None = None,
+    plotter: Callable[[Result, Path], None] | None = None,
+) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     table(result)

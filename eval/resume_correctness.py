@@ -55,8 +55,11 @@ class TwoTurnConversations:
 
 
 def _chat_ids(base_url: str, model: str, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-    reply = httpx.post(base_url + "/tokenize", json={"model": model, "messages": messages,
-                                                     "add_generation_prompt": generation_prompt}, timeout=60)
+    reply = httpx.post(
+        base_url + "/tokenize",
+        json={"model": model, "messages": messages, "add_generation_prompt": generation_prompt},
+        timeout=60,
+    )
     reply.raise_for_status()
     return list(reply.json()["tokens"])
 
@@ -67,16 +70,23 @@ def mtbench_conversations(node: Node, base_url: str, model: str, count: int) -> 
     if len(questions) < count:
         raise ValueError(f"MT-bench has only {len(questions)} two-turn conversations")
     conversations = []
-    for index, (first, second) in enumerate(tqdm(questions, desc="first turns", file=sys.stderr,
-                                                 unit="conversation")):
+    for index, (first, second) in enumerate(tqdm(questions, desc="first turns", file=sys.stderr, unit="conversation")):
         opening = _chat_ids(base_url, model, [{"role": "user", "content": first}], True)
-        answer = node.engine.completions.create(
-            model=model, prompt=opening, max_tokens=ANSWER_TOKENS, temperature=0,
-            extra_body={"cache_salt": f"first-turn-{index}"}).choices[0].text
+        answer = (
+            node.engine.completions.create(
+                model=model,
+                prompt=opening,
+                max_tokens=ANSWER_TOKENS,
+                temperature=0,
+                extra_body={"cache_salt": f"first-turn-{index}"},
+            )
+            .choices[0]
+            .text
+        )
         past = [{"role": "user", "content": first}, {"role": "assistant", "content": answer}]
         history = _chat_ids(base_url, model, past, False)
         prompt = _chat_ids(base_url, model, [*past, {"role": "user", "content": second}], True)
-        if prompt[:len(history)] != history:
+        if prompt[: len(history)] != history:
             raise RuntimeError(f"conversation {index}: the chat template does not extend the history")
         conversations.append(Conversation(history, prompt))
     return conversations
@@ -90,15 +100,20 @@ def _differing(turns: dict[str, Turn], reference: str) -> list[str]:
     """Paths whose token ids differ from `reference`'s, or whose logprobs part from them by more
     than the tolerance."""
     ref = turns[reference]
-    return [path for path, turn in turns.items()
-            if turn.tokens != ref.tokens or len(turn.tokens) != OUTPUT_TOKENS or _gap(turn, ref) > LOGPROB_TOLERANCE]
+    return [
+        path
+        for path, turn in turns.items()
+        if turn.tokens != ref.tokens or len(turn.tokens) != OUTPUT_TOKENS or _gap(turn, ref) > LOGPROB_TOLERANCE
+    ]
 
 
-def check_resume_correctness(nodes: list[Node], base_url: str, model: str, count: int, block_size: int,
-                             gap_s: float) -> dict[str, Any]:
+def check_resume_correctness(
+    nodes: list[Node], base_url: str, model: str, count: int, block_size: int, gap_s: float
+) -> dict[str, Any]:
     conversations = mtbench_conversations(nodes[0], base_url, model, count)
-    runner = ResumeRunner(nodes, model, TwoTurnConversations(conversations), block_size, gap_s,
-                          output_tokens=OUTPUT_TOKENS, logprobs=True)
+    runner = ResumeRunner(
+        nodes, model, TwoTurnConversations(conversations), block_size, gap_s, output_tokens=OUTPUT_TOKENS, logprobs=True
+    )
     mismatched: list[int] = []  # conversations where a Symphony path parted from vLLM's own cache hit
     engine_vs_recompute: list[int] = []  # conversations where vLLM's own cache hit parted from recompute
     differing: dict[int, list[str]] = {}  # mismatched conversation -> the paths that parted
@@ -125,11 +140,18 @@ def check_resume_correctness(nodes: list[Node], base_url: str, model: str, count
                 differing[index] = parted
             if _differing({p: turns[p] for p in ("engine_cache", "recompute")}, "recompute"):
                 engine_vs_recompute.append(index)
-    return {"conversations": count, "paths": list(PATHS), "output_tokens": OUTPUT_TOKENS,
-            "history_tokens": [len(c.history) for c in conversations],
-            "cached_tokens": cached, "logprob_tolerance": LOGPROB_TOLERANCE,
-            "max_logprob_gap": max(gaps), "mismatched_conversations": mismatched, "differing_paths": differing,
-            "identical": not mismatched,
-            "engine_cache_vs_recompute_max_logprob_gap": max(recompute_gaps),
-            "engine_cache_vs_recompute_mismatched": engine_vs_recompute,
-            "identical_to_recompute": not mismatched and not engine_vs_recompute}
+    return {
+        "conversations": count,
+        "paths": list(PATHS),
+        "output_tokens": OUTPUT_TOKENS,
+        "history_tokens": [len(c.history) for c in conversations],
+        "cached_tokens": cached,
+        "logprob_tolerance": LOGPROB_TOLERANCE,
+        "max_logprob_gap": max(gaps),
+        "mismatched_conversations": mismatched,
+        "differing_paths": differing,
+        "identical": not mismatched,
+        "engine_cache_vs_recompute_max_logprob_gap": max(recompute_gaps),
+        "engine_cache_vs_recompute_mismatched": engine_vs_recompute,
+        "identical_to_recompute": not mismatched and not engine_vs_recompute,
+    }

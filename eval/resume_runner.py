@@ -54,8 +54,9 @@ def mtbench_turns() -> list[list[str]]:
 def corpus_ids(base_url: str, model: str) -> list[int]:
     """MT-bench questions, tokenized once: the material every history is cut from."""
     text = "\n\n".join(" ".join(turns) for turns in mtbench_turns())
-    reply = httpx.post(base_url + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False},
-                       timeout=60)
+    reply = httpx.post(
+        base_url + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False}, timeout=60
+    )
     reply.raise_for_status()
     return list(reply.json()["tokens"])
 
@@ -64,16 +65,27 @@ def _slice(corpus: list[int], start: int, length: int) -> list[int]:
     return [corpus[(start + i) % len(corpus)] for i in range(length)]
 
 
-def _turn(node: Node, model: str, prompt: list[int], tenant: str, salt: str, max_tokens: int,
-          logprobs: bool = False) -> Turn:
+def _turn(
+    node: Node, model: str, prompt: list[int], tenant: str, salt: str, max_tokens: int, logprobs: bool = False
+) -> Turn:
     started = time.perf_counter()
-    extra: dict[str, Any] = {"kv_transfer_params": {"tenant": tenant, "session_id": "conversation"},
-                             "cache_salt": salt, "ignore_eos": True}
+    extra: dict[str, Any] = {
+        "kv_transfer_params": {"tenant": tenant, "session_id": "conversation"},
+        "cache_salt": salt,
+        "ignore_eos": True,
+    }
     if logprobs:
         extra["return_tokens_as_token_ids"] = True  # ids, not strings two tokens could share
     stream = node.engine.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, logprobs=1 if logprobs else None, extra_body=extra)
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=1 if logprobs else None,
+        extra_body=extra,
+    )
     ttft = None
     text: list[str] = []
     tokens: list[str] = []
@@ -93,8 +105,9 @@ def _turn(node: Node, model: str, prompt: list[int], tenant: str, salt: str, max
     if ttft is None or usage is None:
         raise RuntimeError("the engine streamed no token or no usage")
     details = usage.prompt_tokens_details
-    return Turn(ttft, "".join(text), usage.prompt_tokens, (details.cached_tokens or 0) if details else 0,
-                tokens, token_logprobs)
+    return Turn(
+        ttft, "".join(text), usage.prompt_tokens, (details.cached_tokens or 0) if details else 0, tokens, token_logprobs
+    )
 
 
 def _ref(tenant: str) -> kv_pb2.SessionRef:
@@ -108,8 +121,9 @@ def _wait_saved(node: Node, tenant: str, tokens: int, block_size: int) -> None:
     deadline = time.monotonic() + SAVE_WAIT_S
     while time.monotonic() < deadline:
         status = node.kv.GetSessionStatus(kv_pb2.SessionStatusRequest(session=_ref(tenant)), timeout=10)
-        if status.loadable_prefix_blocks > blocks or (status.loadable_prefix_blocks == blocks
-                                                       and status.loadable_tail_tokens >= tail):
+        if status.loadable_prefix_blocks > blocks or (
+            status.loadable_prefix_blocks == blocks and status.loadable_tail_tokens >= tail
+        ):
             return
         time.sleep(0.02)
     raise RuntimeError(f"the history of {tenant} was not saved within {SAVE_WAIT_S:.0f} s")
@@ -131,10 +145,17 @@ def _drop_page_cache(directory: Path) -> None:
 def _prefetch(node: Node, tenant: str, next_salt: str, source_peer: str = "") -> kv_pb2.PrefetchStatus:
     """What an advisory does: a top-tier prefetch, ending in the engine's prefix cache under the
     salt the next turn carries."""
-    status = node.kv.Prefetch(kv_pb2.PrefetchRequest(session=_ref(tenant), target_tier=kv_pb2.TIER_HBM,
-                                                     deadline_ms=5_000, source_peer=source_peer,
-                                                     engine_cache_salt=next_salt, wait_ms=PREFETCH_WAIT_MS),
-                              timeout=PREFETCH_WAIT_MS / 1000 + 10)
+    status = node.kv.Prefetch(
+        kv_pb2.PrefetchRequest(
+            session=_ref(tenant),
+            target_tier=kv_pb2.TIER_HBM,
+            deadline_ms=5_000,
+            source_peer=source_peer,
+            engine_cache_salt=next_salt,
+            wait_ms=PREFETCH_WAIT_MS,
+        ),
+        timeout=PREFETCH_WAIT_MS / 1000 + 10,
+    )
     if status.state != kv_pb2.PREFETCH_STATE_DONE:
         raise RuntimeError(f"prefetch of {tenant} ended {kv_pb2.PrefetchState.Name(status.state)}: {status.error}")
     return status
@@ -169,15 +190,22 @@ class CorpusHistories:
         return _slice(self.corpus, trial * 7919, self.context_tokens)
 
     def prompt(self, trial: int) -> list[int]:
-        return [*self.history(trial), *_slice(self.corpus, trial * 7919 + self.context_tokens + 1000,
-                                                FOLLOW_UP_TOKENS)]
+        return [*self.history(trial), *_slice(self.corpus, trial * 7919 + self.context_tokens + 1000, FOLLOW_UP_TOKENS)]
 
 
 class ResumeRunner:
     """Sends a trial's resumed turn along one path, after putting its history where the path says."""
 
-    def __init__(self, nodes: list[Node], model: str, histories: Histories, block_size: int, gap_s: float,
-                 output_tokens: int = OUTPUT_TOKENS, logprobs: bool = False) -> None:
+    def __init__(
+        self,
+        nodes: list[Node],
+        model: str,
+        histories: Histories,
+        block_size: int,
+        gap_s: float,
+        output_tokens: int = OUTPUT_TOKENS,
+        logprobs: bool = False,
+    ) -> None:
         self.nodes = nodes
         self.gap_s = gap_s
         self.model = model
@@ -215,8 +243,9 @@ class ResumeRunner:
             home.kv.DemoteSession(kv_pb2.DemoteRequest(session=_ref(tenant), tier=kv_pb2.TIER_DRAM), timeout=60)
             _drop_page_cache(home.ssd_dir)
         if path in ("ssd_prefetched", "remote_prefetched"):
-            status = _prefetch(home, tenant, salt + "-resumed",
-                               source_peer=other.grpc_address if path == "remote_prefetched" else "")
+            status = _prefetch(
+                home, tenant, salt + "-resumed", source_peer=other.grpc_address if path == "remote_prefetched" else ""
+            )
             self.engine_cached_tokens.setdefault(path, []).append(status.engine_cached_tokens)
         _sleep_until(gap_ends)  # the think time between turns; the moves above happened within it
         if path == "ssd_on_demand":

@@ -35,7 +35,6 @@ class TraceRequest:
     hash_ids: tuple[int, ...] = ()  # Mooncake prefix blocks; empty where the trace has none
 
 
-
 def sessions_of(requests: list[TraceRequest]) -> list[str]:
     """A session name per request (in arrival order) for a per-session KV model (the simulator).
     A conversation's next turn carries its previous prompt, so a request continues the session of
@@ -52,8 +51,9 @@ def sessions_of(requests: list[TraceRequest]) -> list[str]:
         # The longest match, if it is at least half of this prompt (and two blocks): a next turn adds
         # a message and an answer to its history; a shared system prompt alone is not a history.
         least = max(2, (len(prefixes) + 1) // 2)
-        session = next((ends[prefixes[n - 1]] for n in range(len(prefixes), least - 1, -1)
-                        if prefixes[n - 1] in ends), f"s{index}")
+        session = next(
+            (ends[prefixes[n - 1]] for n in range(len(prefixes), least - 1, -1) if prefixes[n - 1] in ends), f"s{index}"
+        )
         names.append(session)
         if prefixes:
             ends[prefixes[-1]] = session
@@ -77,15 +77,20 @@ def load_mooncake(path: Path, *, time_scale: float = 1.0, limit: int | None = No
                 continue
             try:
                 row = json.loads(line)
-                request = TraceRequest(float(row["timestamp"]) * time_scale, int(row["input_length"]),
-                                       int(row["output_length"]), tuple(int(h) for h in row["hash_ids"]))
+                request = TraceRequest(
+                    float(row["timestamp"]) * time_scale,
+                    int(row["input_length"]),
+                    int(row["output_length"]),
+                    tuple(int(h) for h in row["hash_ids"]),
+                )
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{number}: not a Mooncake trace record ({exc})") from None
             if request.input_tokens < 1 or request.output_tokens < 1:
                 raise ValueError(f"{path}:{number}: lengths must be positive")
             if len(request.hash_ids) * MOONCAKE_BLOCK_TOKENS < request.input_tokens:
-                raise ValueError(f"{path}:{number}: {len(request.hash_ids)} blocks cannot hold "
-                                 f"{request.input_tokens} tokens")
+                raise ValueError(
+                    f"{path}:{number}: {len(request.hash_ids)} blocks cannot hold {request.input_tokens} tokens"
+                )
             requests.append(request)
             if limit is not None and len(requests) >= limit:
                 break
@@ -101,7 +106,7 @@ def mooncake_prompt(request: TraceRequest, block_tokens: int = MOONCAKE_BLOCK_TO
         tokens.extend(rng.randrange(*TOKEN_ID_RANGE) for _ in range(block_tokens))
         if len(tokens) >= request.input_tokens:
             break
-    return tokens[:request.input_tokens]
+    return tokens[: request.input_tokens]
 
 
 def load_azure(path: Path, *, time_scale: float = 1.0, limit: int | None = None) -> list[TraceRequest]:
@@ -118,8 +123,9 @@ def load_azure(path: Path, *, time_scale: float = 1.0, limit: int | None = None)
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path}:{number}: not an Azure trace row ({exc})") from None
             start = start or stamp
-            requests.append(TraceRequest((stamp - start).total_seconds() * 1000 * time_scale, max(1, context),
-                                         max(1, generated)))
+            requests.append(
+                TraceRequest((stamp - start).total_seconds() * 1000 * time_scale, max(1, context), max(1, generated))
+            )
             if limit is not None and len(requests) >= limit:
                 break
     return sorted(requests, key=lambda r: r.arrival_ms)

@@ -36,15 +36,19 @@ class Conversation:
     turns: tuple[Turn, ...]
 
 
-def load_sharegpt(path: Path, *, min_turns: int = 2, max_turns: int = 8, max_message_words: int = 400,
-                  limit: int | None = None) -> list[Conversation]:
+def load_sharegpt(
+    path: Path, *, min_turns: int = 2, max_turns: int = 8, max_message_words: int = 400, limit: int | None = None
+) -> list[Conversation]:
     """Conversations with at least `min_turns` user turns, cut to `max_turns`; leading assistant
     messages (shared excerpts that start mid-conversation) and system messages are skipped, long
     messages cut to `max_message_words`. Raises ValueError naming the file when it is not ShareGPT."""
     text = Path(path).read_text()
     try:
-        records = json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in
-                                                                          text.splitlines() if line.strip()]
+        records = (
+            json.loads(text)
+            if text.lstrip().startswith("[")
+            else [json.loads(line) for line in text.splitlines() if line.strip()]
+        )
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON or JSON lines ({exc})") from None
     conversations = []
@@ -91,8 +95,9 @@ class HumanTiming:
 class UserTiming:
     """One user's speeds; seconds, already scaled."""
 
-    def __init__(self, reading_wpm: float, typing_wpm: float, time_scale: float, miss_rate: float,
-                 rng: random.Random) -> None:
+    def __init__(
+        self, reading_wpm: float, typing_wpm: float, time_scale: float, miss_rate: float, rng: random.Random
+    ) -> None:
         self.reading_wpm = reading_wpm
         self.typing_wpm = typing_wpm
         self.time_scale = time_scale

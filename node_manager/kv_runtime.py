@@ -26,8 +26,10 @@ from symphony.rpc import kv_pb2_grpc
 log = get_logger("node_manager.kv")
 
 # Room above the 4 MiB page batches for framing; both directions of node-to-node streams.
-GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES + 256 * 1024),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES + 256 * 1024)]
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES + 256 * 1024),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES + 256 * 1024),
+]
 
 
 @dataclass
@@ -55,16 +57,33 @@ def store_config(config: SymphonyConfig, index: int, model: ModelFingerprint) ->
     kv = config.kv
     # One arena name per node port: a restarted node manager replaces what a killed one left behind.
     arena = f"symphony-kv-{config.node_id(index)}-{config.node.grpc_port_base + index}"
-    return StoreConfig(hbm_bytes=kv.hbm_bytes, dram_bytes=kv.dram_bytes, ssd_bytes=kv.ssd_bytes,
-                       ssd_dir=config.kv_ssd_dir(index), arena_name=arena, model=model, device=kv.device,
-                       io_threads=kv.io_threads, max_inflight_jobs=kv.max_inflight_jobs,
-                       segment_max_bytes=kv.segment_max_bytes, ssd_writers=kv.ssd_writers,
-                       max_sessions=kv.max_sessions, max_session_tokens=kv.max_session_tokens,
-                       ssd_keep_other_models=kv.ssd_keep_other_models)
+    return StoreConfig(
+        hbm_bytes=kv.hbm_bytes,
+        dram_bytes=kv.dram_bytes,
+        ssd_bytes=kv.ssd_bytes,
+        ssd_dir=config.kv_ssd_dir(index),
+        arena_name=arena,
+        model=model,
+        device=kv.device,
+        io_threads=kv.io_threads,
+        max_inflight_jobs=kv.max_inflight_jobs,
+        segment_max_bytes=kv.segment_max_bytes,
+        ssd_writers=kv.ssd_writers,
+        max_sessions=kv.max_sessions,
+        max_session_tokens=kv.max_session_tokens,
+        ssd_keep_other_models=kv.ssd_keep_other_models,
+    )
 
 
-async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, model: ModelFingerprint,
-                   server: grpc.aio.Server, engine: EngineView | None = None, served_model: str = "") -> KVRuntime:
+async def start_kv(
+    config: SymphonyConfig,
+    index: int,
+    geometry: KVGeometry,
+    model: ModelFingerprint,
+    server: grpc.aio.Server,
+    engine: EngineView | None = None,
+    served_model: str = "",
+) -> KVRuntime:
     """`model`: the fingerprint of the model whose KV the store holds. With `engine` (a node serving a
     model through Symphony's connector), top-tier prefetches end in that engine's own prefix cache."""
     metrics = KVMetrics()
@@ -75,8 +94,11 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, mod
     store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index, model), metrics)
     tcp = config.kv.data_plane == "tcp"
     try:
-        page_stream = PageStreamServer(store, config.node.host, config.kv_data_port(index),
-                                       config.kv.peer_timeout_s) if tcp else None
+        page_stream = (
+            PageStreamServer(store, config.node.host, config.kv_data_port(index), config.kv.peer_timeout_s)
+            if tcp
+            else None
+        )
     except OSError:
         await asyncio.to_thread(store.close)
         raise
@@ -88,16 +110,38 @@ async def start_kv(config: SymphonyConfig, index: int, geometry: KVGeometry, mod
         await asyncio.to_thread(store.close)
         raise
     puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp)
-    warmer = (EngineWarmer(engine, served_model, metrics, max_kv_usage=config.kv.engine_warmup_max_kv_usage,
-                           timeout_s=config.kv.engine_warmup_timeout_s) if engine is not None else None)
-    prefetches = PrefetchQueue(store, metrics, puller.pull_outcome, max_pending=config.kv.max_pending_prefetches,
-                               concurrency=config.kv.prefetch_concurrency, warm=warmer.warm if warmer else None)
+    warmer = (
+        EngineWarmer(
+            engine,
+            served_model,
+            metrics,
+            max_kv_usage=config.kv.engine_warmup_max_kv_usage,
+            timeout_s=config.kv.engine_warmup_timeout_s,
+        )
+        if engine is not None
+        else None
+    )
+    prefetches = PrefetchQueue(
+        store,
+        metrics,
+        puller.pull_outcome,
+        max_pending=config.kv.max_pending_prefetches,
+        concurrency=config.kv.prefetch_concurrency,
+        warm=warmer.warm if warmer else None,
+    )
     local_channel.prefetches = prefetches
-    service = KVStoreService(config.node_id(index), store, prefetches, puller,
-                             page_stream.port if page_stream else 0)
+    service = KVStoreService(config.node_id(index), store, prefetches, puller, page_stream.port if page_stream else 0)
     kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)
-    log.info("KV store ready", node=config.node_id(index), page_bytes=geometry.page_bytes,
-             hbm_mib=config.kv.hbm_bytes >> 20, dram_mib=config.kv.dram_bytes >> 20,
-             ssd_mib=config.kv.ssd_bytes >> 20, ssd_dir=str(store.ssd.directory), metrics_port=port or "off",
-             page_stream_port=page_stream.port if page_stream else "off", local_channel=str(local_channel.path))
+    log.info(
+        "KV store ready",
+        node=config.node_id(index),
+        page_bytes=geometry.page_bytes,
+        hbm_mib=config.kv.hbm_bytes >> 20,
+        dram_mib=config.kv.dram_bytes >> 20,
+        ssd_mib=config.kv.ssd_bytes >> 20,
+        ssd_dir=str(store.ssd.directory),
+        metrics_port=port or "off",
+        page_stream_port=page_stream.port if page_stream else "off",
+        local_channel=str(local_channel.path),
+    )
     return KVRuntime(store, prefetches, puller, service, page_stream, local_channel, warmer)

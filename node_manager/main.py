@@ -29,18 +29,31 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     cores = engine_cpu_cores(config.engine.cpu_cores, index, local_nodes, os.cpu_count() or 1)
     geometry = geometry_from_model_dir(model.path, config.engine.block_size, config.engine.dtype)
     # Reads the weights unless their hashes are cached (see symphony.model_identity): off the loop.
-    identity, _ = await asyncio.to_thread(identify_served_model, config.engine, model.path, geometry,
-                                          config.home_path)
-    launch = engine_launch(config.engine, model, config.node.host, config.engine_port(index), kv_socket=kv_socket,
-                           cpu_cores=cores, identity=identity)
-    engine = Engine(f"{node_id}-engine", launch, config.engine, config.home_path / "logs" / f"{node_id}-engine.log",
-                    config.node.engine_scrape_interval_ms / 1000)
+    identity, _ = await asyncio.to_thread(identify_served_model, config.engine, model.path, geometry, config.home_path)
+    launch = engine_launch(
+        config.engine,
+        model,
+        config.node.host,
+        config.engine_port(index),
+        kv_socket=kv_socket,
+        cpu_cores=cores,
+        identity=identity,
+    )
+    engine = Engine(
+        f"{node_id}-engine",
+        launch,
+        config.engine,
+        config.home_path / "logs" / f"{node_id}-engine.log",
+        config.node.engine_scrape_interval_ms / 1000,
+    )
     server = grpc.aio.server(options=GRPC_OPTIONS)
     node_pb2_grpc.add_NodeManagerServicer_to_server(
-        NodeManagerService(node_id, engine, model.served_name, identity.fingerprint), server)
+        NodeManagerService(node_id, engine, model.served_name, identity.fingerprint), server
+    )
     serving = config.engine.enabled and config.engine.kv_connector  # the engine loads from this node's tiers
-    kv = await start_kv(config, index, geometry, identity.fingerprint, server, engine if serving else None,
-                        model.served_name)
+    kv = await start_kv(
+        config, index, geometry, identity.fingerprint, server, engine if serving else None, model.served_name
+    )
     address = config.node_grpc_address(index)
     if server.add_insecure_port(address) == 0:
         await kv.close()
@@ -57,13 +70,23 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
         engine.start()
     else:
         await engine.stop()  # reports STOPPED: this node serves KV only
-    log.info("node manager listening", node=node_id, grpc=address, engine=launch.url if config.engine.enabled
-             else "disabled", model=model.served_name, fingerprint=identity.short)
+    log.info(
+        "node manager listening",
+        node=node_id,
+        grpc=address,
+        engine=launch.url if config.engine.enabled else "disabled",
+        model=model.served_name,
+        fingerprint=identity.short,
+    )
     try:
         await stop.wait()
     finally:
-        log.info("node manager stopping", node=node_id, loop_stalls=watchdog.stalls,
-                 longest_stall_ms=round(watchdog.longest_s * 1000))
+        log.info(
+            "node manager stopping",
+            node=node_id,
+            loop_stalls=watchdog.stalls,
+            longest_stall_ms=round(watchdog.longest_s * 1000),
+        )
         await watchdog.stop()
         await engine.stop()
         await server.stop(grace=1.0)

@@ -15,8 +15,9 @@ class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
         self.served_model = served_model
         self.model_fingerprint = model_fingerprint
 
-    async def Health(self, request: node_pb2.HealthRequest, context: grpc.aio.ServicerContext
-                     ) -> node_pb2.HealthResponse:
+    async def Health(
+        self, request: node_pb2.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.HealthResponse:
         return node_pb2.HealthResponse(serving=True, engine_state=self.engine.state)
 
     async def Status(self, request: node_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStatus:

@@ -29,8 +29,10 @@ def without_amx(choose_isa: Callable[..., str]) -> Callable[..., str]:
         if isa != "amx":
             return isa
         if not getattr(choose, "warned", False):
-            log.warning("Symphony: CPU attention on vLLM's vector kernel, not AMX (engine.cpu_amx_attention "
-                        "= false): vLLM 0.32's AMX kernel gave wrong answers (node_manager/vllm_plugin.py)")
+            log.warning(
+                "Symphony: CPU attention on vLLM's vector kernel, not AMX (engine.cpu_amx_attention "
+                "= false): vLLM 0.32's AMX kernel gave wrong answers (node_manager/vllm_plugin.py)"
+            )
             choose.warned = True  # type: ignore[attr-defined]
         return "vec"
 

@@ -41,15 +41,26 @@ def admin_routes(state: SchedulerState) -> APIRouter:
         except OverflowError as exc:
             raise ApiError(409, str(exc), code="priority_table_full") from None
         promoted = state.dispatcher.promote(tenant, session_id) if priority == "high" else 0
-        return JSONResponse({"object": "priority", "tenant": tenant, "session_id": session_id, "priority": priority,
-                             "promoted": promoted})
+        return JSONResponse(
+            {
+                "object": "priority",
+                "tenant": tenant,
+                "session_id": session_id,
+                "priority": priority,
+                "promoted": promoted,
+            }
+        )
 
     return router
 
 
 def _tenant(body: dict[str, Any]) -> str:
     tenant = body.get("tenant")
-    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LEN \
-            or not all("\x21" <= ch <= "\x7e" for ch in tenant):
+    if (
+        not isinstance(tenant, str)
+        or not tenant
+        or len(tenant) > MAX_TENANT_LEN
+        or not all("\x21" <= ch <= "\x7e" for ch in tenant)
+    ):
         raise ApiError(400, f"tenant must be 1 to {MAX_TENANT_LEN} visible ASCII characters", param="tenant")
     return tenant

@@ -30,8 +30,13 @@ class AdvisoryTable:
     skipped when they surface, and the heap is rebuilt if such leftovers pile up.
     """
 
-    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic,
-                 on_drop: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_entries: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_drop: Callable[[str], None] | None = None,
+    ) -> None:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
         self._entries: OrderedDict[SessionKey, Advisory] = OrderedDict()

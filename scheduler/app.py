@@ -45,8 +45,10 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        data = [{"id": name, "object": "model", "owned_by": "symphony", "max_model_len": max_len}
-                for name, max_len in sorted(state.cluster.served_models().items())]
+        data = [
+            {"id": name, "object": "model", "owned_by": "symphony", "max_model_len": max_len}
+            for name, max_len in sorted(state.cluster.served_models().items())
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/healthz")
@@ -57,8 +59,12 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
     async def readyz() -> JSONResponse:
         nodes = state.cluster.describe()
         ready = sum(1 for n in nodes.values() if n["state"] == "ready")
-        body = {"status": "ready" if ready else "not_ready", "ready_nodes": ready, "nodes": nodes,
-                "models": sorted(state.cluster.served_models())}
+        body = {
+            "status": "ready" if ready else "not_ready",
+            "ready_nodes": ready,
+            "nodes": nodes,
+            "models": sorted(state.cluster.served_models()),
+        }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")

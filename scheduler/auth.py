@@ -62,8 +62,9 @@ class Authenticator:
             raise ApiError(403, "the admin API is off: set scheduler.admin_token to use it", code="admin_disabled")
         token = bearer(authorization)
         if token is None:
-            raise ApiError(401, "missing admin token: send it as 'Authorization: Bearer <token>'",
-                           code="missing_admin_token")
+            raise ApiError(
+                401, "missing admin token: send it as 'Authorization: Bearer <token>'", code="missing_admin_token"
+            )
         if not hmac.compare_digest(token.encode(), self._admin):
             raise ApiError(403, "wrong admin token", code="invalid_admin_token")
 

@@ -64,8 +64,17 @@ class NodeView:
         return self._serving(now) and not self.refused and now - self.last_status_at <= lag_limit_s
 
     def snapshot(self, now: float, down_after_s: float, announced: int = 0, high_sessions: int = 0) -> NodeSnapshot:
-        return NodeSnapshot(self.node_id, self.available(now, down_after_s), self.running, self.waiting,
-                            self.inflight, self.kv_usage, announced, high_sessions, self.prefilling)
+        return NodeSnapshot(
+            self.node_id,
+            self.available(now, down_after_s),
+            self.running,
+            self.waiting,
+            self.inflight,
+            self.kv_usage,
+            announced,
+            high_sessions,
+            self.prefilling,
+        )
 
     def state_name(self, now: float, down_after_s: float) -> str:
         if now - self.last_status_at > down_after_s:
@@ -78,8 +87,15 @@ class NodeView:
 class Cluster:
     """Owns the node views and one polling task per node."""
 
-    def __init__(self, addresses: list[str], *, poll_interval_s: float, down_after_s: float,
-                 clock: Callable[[], float] = time.monotonic, on_status: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        poll_interval_s: float,
+        down_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_status: Callable[[], None] | None = None,
+    ) -> None:
         self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
         self.poll_interval_s = poll_interval_s
         self.down_after_s = down_after_s
@@ -92,14 +108,17 @@ class Cluster:
     def by_id(self, node_id: str) -> NodeView | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
 
-    def snapshot(self, model: str, announced: Mapping[str, int] | None = None,
-                 high_sessions: Mapping[str, int] | None = None) -> list[NodeSnapshot]:
+    def snapshot(
+        self, model: str, announced: Mapping[str, int] | None = None, high_sessions: Mapping[str, int] | None = None
+    ) -> list[NodeSnapshot]:
         now = self._clock()
         announced = announced or {}
         high_sessions = high_sessions or {}
         nodes = [n for n in self.nodes if n.served_model == model]
-        views = [n.snapshot(now, self.down_after_s, announced.get(n.node_id, 0), high_sessions.get(n.node_id, 0))
-                 for n in nodes]
+        views = [
+            n.snapshot(now, self.down_after_s, announced.get(n.node_id, 0), high_sessions.get(n.node_id, 0))
+            for n in nodes
+        ]
         if views and not any(v.available for v in views):
             # Every node late, none gone: on a host saturated by its engines, status replies can
             # miss the 1 s window while the engines serve fine. Refusing every request then helps
@@ -124,13 +143,23 @@ class Cluster:
     def describe(self) -> dict[str, dict[str, object]]:
         """Per-node detail for /readyz and `symphony status`."""
         now = self._clock()
-        return {n.node_id: {"state": n.state_name(now, self.down_after_s), "address": n.address,
-                            "engine_url": n.engine_url, "model": n.served_model,
-                            "model_fingerprint": n.model_fingerprint.hex()[:12], "running": n.running,
-                            "waiting": n.waiting, "inflight": n.inflight, "prefilling": n.prefilling,
-                            "kv_cache_usage": round(n.kv_usage, 4),
-                            "engine_restarts": n.engine_restarts, "last_engine_error": n.last_engine_error}
-                for n in self.nodes}
+        return {
+            n.node_id: {
+                "state": n.state_name(now, self.down_after_s),
+                "address": n.address,
+                "engine_url": n.engine_url,
+                "model": n.served_model,
+                "model_fingerprint": n.model_fingerprint.hex()[:12],
+                "running": n.running,
+                "waiting": n.waiting,
+                "inflight": n.inflight,
+                "prefilling": n.prefilling,
+                "kv_cache_usage": round(n.kv_usage, 4),
+                "engine_restarts": n.engine_restarts,
+                "last_engine_error": n.last_engine_error,
+            }
+            for n in self.nodes
+        }
 
     def mark_engine_unreachable(self, node: NodeView, for_s: float) -> None:
         """Dispatch saw a connection failure: keep routing away from the node for `for_s`."""
@@ -187,8 +216,12 @@ class Cluster:
         node.engine_url = status.engine_url
         node.served_model = status.served_model
         if node.model_fingerprint and status.model_fingerprint != node.model_fingerprint:
-            log.info("node serves another model now", node=node_id, old=node.model_fingerprint.hex()[:12],
-                     new=status.model_fingerprint.hex()[:12])
+            log.info(
+                "node serves another model now",
+                node=node_id,
+                old=node.model_fingerprint.hex()[:12],
+                new=status.model_fingerprint.hex()[:12],
+            )
         node.model_fingerprint = status.model_fingerprint
         node.max_model_len = status.max_model_len
         if status.metrics_age_ms <= self.down_after_s * 1000:
@@ -205,8 +238,12 @@ class Cluster:
         node.last_poll_error = ""
         node.refused = False
         if was_ready != (status.engine_state == READY):
-            log.info("node engine state", node=node.node_id,
-                     state=node_pb2.EngineState.Name(status.engine_state), restarts=status.engine_restarts)
+            log.info(
+                "node engine state",
+                node=node.node_id,
+                state=node_pb2.EngineState.Name(status.engine_state),
+                restarts=status.engine_restarts,
+            )
         if self.on_status is not None:
             self.on_status()
 

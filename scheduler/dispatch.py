@@ -67,9 +67,17 @@ class Route:
 
 
 class Dispatcher:
-    def __init__(self, cluster: Cluster, policy: RoutingPolicy, advisories: AdvisoryTable,
-                 metrics: SchedulerMetrics, config: SchedulerConfig, *, sessions: SessionTable | None = None,
-                 priorities: PriorityTable | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        policy: RoutingPolicy,
+        advisories: AdvisoryTable,
+        metrics: SchedulerMetrics,
+        config: SchedulerConfig,
+        *,
+        sessions: SessionTable | None = None,
+        priorities: PriorityTable | None = None,
+    ) -> None:
         self.cluster = cluster
         self.policy = policy
         self.advisories = advisories
@@ -91,8 +99,9 @@ class Dispatcher:
         # Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM's server) would close them
         # under us, which would turn a reused connection into a spurious "engine unreachable".
         connector = aiohttp.TCPConnector(limit=self.config.max_inflight_requests + 16, keepalive_timeout=4.0)
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
-                                        sock_read=self.config.request_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.config.connect_timeout_s, sock_read=self.config.request_timeout_s
+        )
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
 
     async def stop(self) -> None:
@@ -123,8 +132,14 @@ class Dispatcher:
         return {n: t for n, t in kv_tokens.items() if self._fingerprint(n) == target}
 
     # -- routing --------------------------------------------------------------------------------
-    def _route_request(self, model: str, tenant: str, session_id: str | None, history_tokens: int,
-                       text: Callable[[], str] | None = None) -> RouteRequest:
+    def _route_request(
+        self,
+        model: str,
+        tenant: str,
+        session_id: str | None,
+        history_tokens: int,
+        text: Callable[[], str] | None = None,
+    ) -> RouteRequest:
         """What the policy sees of a request: its session's KV whereabouts (on nodes that can serve)
         and priority tier from the scheduler's tables."""
         kv_tokens: dict[str, int] = {}
@@ -136,16 +151,21 @@ class Dispatcher:
                 # another model (or dtype) holds none of this session's KV for its new model.
                 kv_tokens = {n: t for n, t in entry.kv_tokens.items() if self._fingerprint(n) == entry.fingerprint}
         routing_text = text() if text is not None and self.policy.traits.needs_routing_text else ""
-        return RouteRequest(tenant, session_id, model, self.priorities.of(tenant, session_id), history_tokens,
-                            kv_tokens, routing_text)
+        return RouteRequest(
+            tenant, session_id, model, self.priorities.of(tenant, session_id), history_tokens, kv_tokens, routing_text
+        )
 
     def _snapshot(self, model: str, exclude: set[str]) -> list[NodeSnapshot]:
         self.advisories.purge()  # expired announcements must not count as load
-        return [n for n in self.cluster.snapshot(model, self.advisories.pending_by_node, self.sessions.high_sessions)
-                if n.node_id not in exclude]
+        return [
+            n
+            for n in self.cluster.snapshot(model, self.advisories.pending_by_node, self.sessions.high_sessions)
+            if n.node_id not in exclude
+        ]
 
-    async def _route(self, request: RouteRequest, exclude: set[str], advised_node: str | None,
-                     wait_until: float) -> Route:
+    async def _route(
+        self, request: RouteRequest, exclude: set[str], advised_node: str | None, wait_until: float
+    ) -> Route:
         """The node for `request`: its advised node if that can serve, else the policy's choice. When
         the policy holds it back (selective pushing), it waits for room until `wait_until`."""
         requeued = rerouted = False
@@ -187,21 +207,26 @@ class Dispatcher:
             raise self._queue_timeout()
 
     def _queue_timeout(self) -> ApiError:
-        return ApiError(503, "every node has requests waiting and none freed up in "
-                        f"{self.config.queue_timeout_s:g} s; retry later", code="queue_timeout")
+        return ApiError(
+            503,
+            f"every node has requests waiting and none freed up in {self.config.queue_timeout_s:g} s; retry later",
+            code="queue_timeout",
+        )
 
     def _no_engine(self, model: str) -> ApiError:
         states = ", ".join(f"{k}={v}" for k, v in self.cluster.states().items())
-        return ApiError(503, f"no engine is available to serve {model!r} ({states}); retry shortly",
-                        code="no_engine_available")
+        return ApiError(
+            503, f"no engine is available to serve {model!r} ({states}); retry shortly", code="no_engine_available"
+        )
 
     def wake_queued(self) -> None:
         """Room may have opened (a status arrived, a request ended): let as many queued requests try
         again as there are nodes with nothing waiting."""
         if not len(self.queue):
             return
-        free = sum(1 for n in self.cluster.nodes
-                   if n.available(time.monotonic(), self.cluster.down_after_s) and n.waiting == 0)
+        free = sum(
+            1 for n in self.cluster.nodes if n.available(time.monotonic(), self.cluster.down_after_s) and n.waiting == 0
+        )
         self.queue.wake(free)
 
     def _node(self, node_id: str | None) -> NodeView:
@@ -221,8 +246,9 @@ class Dispatcher:
             return self._advisory_reply(advisory, None, self.config.advisory_ttl_s * 1000)
         route = self._route_now(request)
         if previous is not None and previous.node_id != route.node.node_id:
-            log.debug("advisory moved session", session=advisory.session_id, old=previous.node_id,
-                      new=route.node.node_id)
+            log.debug(
+                "advisory moved session", session=advisory.session_id, old=previous.node_id, new=route.node.node_id
+            )
         entry = self.advisories.put(key, advisory.kind, route.node.node_id, advisory.expected_arrival_ms)
         self.metrics.advisories.labels(advisory.kind, "routed").inc()
         self._prefetch(key, request, route.node.node_id, advisory.expected_arrival_ms)
@@ -249,8 +275,12 @@ class Dispatcher:
         if current is not None and current.node_id == node_id:
             if current.state == "pending":
                 return True  # a repeated advisory (a user still typing): the move is already under way
-            if (current.ready and current.history_tokens >= history and current.finished_at is not None
-                    and time.monotonic() - current.finished_at <= MOVE_FRESH_S):
+            if (
+                current.ready
+                and current.history_tokens >= history
+                and current.finished_at is not None
+                and time.monotonic() - current.finished_at <= MOVE_FRESH_S
+            ):
                 # The same history reached this node's top tier moments ago. Moving it again would
                 # cost the node a warm-up forward pass on its engine for nothing (a typing user
                 # re-advises every few seconds), and on a busy host that work delays everyone.
@@ -292,12 +322,17 @@ class Dispatcher:
 
     @staticmethod
     def _advisory_reply(advisory: AdvisoryRequest, node_id: str | None, expires_in_ms: float) -> dict[str, object]:
-        return {"object": "advisory", "session_id": advisory.session_id, "kind": advisory.kind, "node": node_id,
-                "expected_arrival_ms": advisory.expected_arrival_ms, "expires_in_ms": int(expires_in_ms)}
+        return {
+            "object": "advisory",
+            "session_id": advisory.session_id,
+            "kind": advisory.kind,
+            "node": node_id,
+            "expected_arrival_ms": advisory.expected_arrival_ms,
+            "expires_in_ms": int(expires_in_ms),
+        }
 
     # -- inference ------------------------------------------------------------------------------
-    async def dispatch(self, request: InferenceRequest, tenant: str, received_at: float
-                       ) -> UpstreamRelay | Response:
+    async def dispatch(self, request: InferenceRequest, tenant: str, received_at: float) -> UpstreamRelay | Response:
         self._check_inflight()
         key = (tenant, request.session_id) if request.session_id is not None else None
         advised_node = None
@@ -306,8 +341,9 @@ class Dispatcher:
             if advisory is not None:
                 advised_node = advisory.node_id
                 self._count_kv_ready(key, advisory.kind)
-        route_request = self._route_request(request.model, tenant, request.session_id, request.history_tokens,
-                                            request.routing_text)
+        route_request = self._route_request(
+            request.model, tenant, request.session_id, request.history_tokens, request.routing_text
+        )
         body = self._forwarded_body(request, tenant)
         wait_until = time.monotonic() + self.config.queue_timeout_s
         tried: set[str] = set()
@@ -333,24 +369,29 @@ class Dispatcher:
             self._check_inflight()
             undo_served = None
             if key is not None:
-                undo_served = self.sessions.served(key, route.node.node_id, route_request.history_tokens,
-                                                   fingerprint=route.node.model_fingerprint, model=request.model,
-                                                   high=route_request.priority == "high")
+                undo_served = self.sessions.served(
+                    key,
+                    route.node.node_id,
+                    route_request.history_tokens,
+                    fingerprint=route.node.model_fingerprint,
+                    model=request.model,
+                    high=route_request.priority == "high",
+                )
             try:
                 reply = await self._send(route, request, body, received_at, route_request.priority)
             except _NOT_STARTED as exc:
                 if undo_served is not None:
                     undo_served()  # the node never took the turn: it holds none of its KV
                 last_error = f"{route.node.node_id}: {type(exc).__name__}: {exc}"
-                log.warning("engine unreachable, re-routing", node=route.node.node_id,
-                            error=str(exc) or type(exc).__name__)
+                log.warning(
+                    "engine unreachable, re-routing", node=route.node.node_id, error=str(exc) or type(exc).__name__
+                )
                 self.cluster.mark_engine_unreachable(route.node, _UNREACHABLE_HOLD_S)
                 self.metrics.retries.labels(route.node.node_id).inc()
                 continue
             self.metrics.priority_requests.labels(route_request.priority).inc()
             return reply
-        raise ApiError(503, f"the engine could not be reached ({last_error}); retry shortly",
-                       code="engine_unreachable")
+        raise ApiError(503, f"the engine could not be reached ({last_error}); retry shortly", code="engine_unreachable")
 
     async def _pull_for_request(self, key: SessionKey, request: RouteRequest, node_id: str) -> None:
         """The request goes to a node holding less of its session's KV than another node does: no
@@ -364,12 +405,17 @@ class Dispatcher:
         wait_ms = self.config.route_pull_wait_ms
         if not self.policy.traits.prefetch_on_advisory or wait_ms <= 0:
             return
-        source = kv_source(self._same_model_copies(request.kv_tokens, node_id), node_id,
-                           self.config.route_pull_min_tokens, self._reachable)
+        source = kv_source(
+            self._same_model_copies(request.kv_tokens, node_id),
+            node_id,
+            self.config.route_pull_min_tokens,
+            self._reachable,
+        )
         if source is None:
             return
-        prefetch = self.prefetcher.start(key, node_id, self._node(source[0]).address, wait_ms, request.priority,
-                                         source[1], target="dram")
+        prefetch = self.prefetcher.start(
+            key, node_id, self._node(source[0]).address, wait_ms, request.priority, source[1], target="dram"
+        )
         if prefetch is None or prefetch.task is None:
             self.metrics.route_pulls.labels("not_started").inc()
             return
@@ -381,8 +427,12 @@ class Dispatcher:
 
     def _check_inflight(self) -> None:
         if self.inflight_total >= self.config.max_inflight_requests:
-            raise ApiError(429, f"the scheduler has {self.inflight_total} requests in flight (limit "
-                           f"{self.config.max_inflight_requests}); retry later", code="too_many_requests")
+            raise ApiError(
+                429,
+                f"the scheduler has {self.inflight_total} requests in flight (limit "
+                f"{self.config.max_inflight_requests}); retry later",
+                code="too_many_requests",
+            )
 
     def _count_kv_ready(self, key: SessionKey, kind: str) -> None:
         """Was the KV an advisory moved for this request in the node's top tier when it arrived?"""
@@ -402,8 +452,9 @@ class Dispatcher:
         salt = engine_cache_salt(tenant, request.body.get("cache_salt"))
         return json.dumps({**request.body, "kv_transfer_params": params, "cache_salt": salt}).encode()
 
-    async def _send(self, route: Route, request: InferenceRequest, body: bytes, received_at: float,
-                    priority: str) -> UpstreamRelay | Response:
+    async def _send(
+        self, route: Route, request: InferenceRequest, body: bytes, received_at: float, priority: str
+    ) -> UpstreamRelay | Response:
         """Open the exchange with the engine; raises a _NOT_STARTED error if it never began."""
         assert self._session is not None, "Dispatcher.start() was not awaited"
         node = route.node
@@ -437,11 +488,15 @@ class Dispatcher:
         # Server-Timing (W3C): the time this request spent here before going out (routing, the push
         # queue, a pull of its KV), so a client can tell it apart from the engine's.
         routed_ms = (time.perf_counter() - received_at) * 1000
-        reply_headers = {NODE_HEADER: node.node_id, ROUTE_HEADER: route.reason,
-                         SERVER_TIMING_HEADER: f"route;dur={routed_ms:.1f}"}
+        reply_headers = {
+            NODE_HEADER: node.node_id,
+            ROUTE_HEADER: route.reason,
+            SERVER_TIMING_HEADER: f"route;dur={routed_ms:.1f}",
+        }
         try:
-            upstream = await self._session.post(node.engine_url + ENGINE_PATHS[request.endpoint],
-                                                data=body, headers=headers)
+            upstream = await self._session.post(
+                node.engine_url + ENGINE_PATHS[request.endpoint], data=body, headers=headers
+            )
         except _NOT_STARTED:
             release()
             raise
@@ -451,16 +506,20 @@ class Dispatcher:
             release()
             status = 504 if isinstance(exc, TimeoutError) else 502
             self.metrics.count_request(request.endpoint, status)
-            return error_response(status, f"{node.node_id}'s engine did not answer: {type(exc).__name__}",
-                                  code="engine_timeout" if status == 504 else "engine_error", headers=reply_headers)
+            return error_response(
+                status,
+                f"{node.node_id}'s engine did not answer: {type(exc).__name__}",
+                code="engine_timeout" if status == 504 else "engine_error",
+                headers=reply_headers,
+            )
         except BaseException:
             release()
             raise
         self.metrics.routed.labels(node.node_id, route.reason).inc()
-        log.debug("dispatched", node=node.node_id, reason=route.reason, session=request.session_id,
-                  status=upstream.status)
+        log.debug(
+            "dispatched", node=node.node_id, reason=route.reason, session=request.session_id, status=upstream.status
+        )
         exchange = Exchange(request.endpoint, priority, node.node_id, received_at, reply_headers, release, first_token)
         if request.stream and upstream.status == 200:
             return StreamRelay(upstream, exchange, self.metrics)
         return BufferedRelay(upstream, exchange, self.metrics)
-

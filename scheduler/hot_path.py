@@ -102,8 +102,13 @@ class HotPath:
         received_at = time.perf_counter()
         tenant = self.state.auth.tenant(header(scope, AUTHORIZATION_HEADER))
         raw = await read_body(scope, receive, self._limits.max_body_bytes)
-        parsed = validate_inference(endpoint, raw, header(scope, SESSION_HEADER), self.state.cluster.served_models(),
-                                    self._limits.max_session_id_len)
+        parsed = validate_inference(
+            endpoint,
+            raw,
+            header(scope, SESSION_HEADER),
+            self.state.cluster.served_models(),
+            self._limits.max_session_id_len,
+        )
         # If the client hangs up at any point (waiting for a plain answer, or mid-stream), cancel
         # this exchange: the engine connection closes and vLLM aborts the generation. One watcher
         # for the whole exchange, and the only reader of `receive` once the body is in.
@@ -134,8 +139,13 @@ class HotPath:
         started = time.perf_counter()
         tenant = self.state.auth.tenant(header(scope, AUTHORIZATION_HEADER))
         raw = await read_body(scope, receive, self._limits.max_body_bytes)
-        parsed = validate_advisory(raw, header(scope, SESSION_HEADER), self.state.cluster.served_models(),
-                                   self._limits.max_session_id_len, self._limits.max_expected_arrival_ms)
+        parsed = validate_advisory(
+            raw,
+            header(scope, SESSION_HEADER),
+            self.state.cluster.served_models(),
+            self._limits.max_session_id_len,
+            self._limits.max_expected_arrival_ms,
+        )
         reply = JSONResponse(self.state.dispatcher.advise(parsed, tenant), status_code=202)
         await reply(scope, receive, send)
         # From the request's headers to the answer handed to the server: the scheduler's own part of

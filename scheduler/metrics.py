@@ -14,56 +14,103 @@ class SchedulerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("symphony_requests", "Inference requests by endpoint and HTTP status",
-                                ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("symphony_ttft_seconds", "Time to first streamed chunk, measured at the scheduler",
-                              ["endpoint", "priority"], buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("symphony_e2e_seconds", "Request arrival to last byte sent to the client",
-                             ["endpoint", "stream"], buckets=LATENCY_BUCKETS, registry=r)
-        self.routed = Counter("symphony_routed", "Requests dispatched per node and routing reason",
-                              ["node", "reason"], registry=r)
-        self.retries = Counter("symphony_dispatch_retries", "Requests re-sent to another node because the first "
-                               "engine could not be reached", ["node"], registry=r)
-        self.advisories = Counter("symphony_advisories", "Advisories accepted, by kind and what they did: routed "
-                                  "(node chosen, KV moved there) or ignored (the policy takes no advisories)",
-                                  ["kind", "outcome"], registry=r)
-        self.prefetches = Counter("symphony_prefetches", "KV moves the scheduler asked a node for, by how they "
-                                  "ended (done, partial, failed, not_found: nothing to move, skipped_busy; "
-                                  "unchanged: not asked, the same KV reached that node moments ago)",
-                                  ["outcome"], registry=r)
-        self.advised_requests = Counter("symphony_advised_requests", "Requests whose advisory moved KV, by kind and "
-                                        "whether the KV was in the node's top tier when they arrived",
-                                        ["kind", "kv_ready"], registry=r)
-        self.route_pulls = Counter("symphony_route_pulls", "Requests routed away from the node holding their "
-                                   "session's KV with no advisory moving it, whose KV was pulled over first: "
-                                   "ready (arrived within scheduler.route_pull_wait_ms), late (sent before it "
-                                   "finished), failed, not_started (no follow slot)", ["outcome"], registry=r)
-        self.priority_requests = Counter("symphony_priority_requests", "Requests dispatched, by priority tier",
-                                         ["priority"], registry=r)
-        self.queue_wait = Histogram("symphony_queue_wait_seconds", "Time requests waited in the scheduler for a node "
-                                    "with room (selective pushing), by priority tier", ["priority"],
-                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "symphony_requests", "Inference requests by endpoint and HTTP status", ["endpoint", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "symphony_ttft_seconds",
+            "Time to first streamed chunk, measured at the scheduler",
+            ["endpoint", "priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "symphony_e2e_seconds",
+            "Request arrival to last byte sent to the client",
+            ["endpoint", "stream"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.routed = Counter(
+            "symphony_routed", "Requests dispatched per node and routing reason", ["node", "reason"], registry=r
+        )
+        self.retries = Counter(
+            "symphony_dispatch_retries",
+            "Requests re-sent to another node because the first engine could not be reached",
+            ["node"],
+            registry=r,
+        )
+        self.advisories = Counter(
+            "symphony_advisories",
+            "Advisories accepted, by kind and what they did: routed "
+            "(node chosen, KV moved there) or ignored (the policy takes no advisories)",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.prefetches = Counter(
+            "symphony_prefetches",
+            "KV moves the scheduler asked a node for, by how they "
+            "ended (done, partial, failed, not_found: nothing to move, skipped_busy; "
+            "unchanged: not asked, the same KV reached that node moments ago)",
+            ["outcome"],
+            registry=r,
+        )
+        self.advised_requests = Counter(
+            "symphony_advised_requests",
+            "Requests whose advisory moved KV, by kind and whether the KV was in the node's top tier when they arrived",
+            ["kind", "kv_ready"],
+            registry=r,
+        )
+        self.route_pulls = Counter(
+            "symphony_route_pulls",
+            "Requests routed away from the node holding their "
+            "session's KV with no advisory moving it, whose KV was pulled over first: "
+            "ready (arrived within scheduler.route_pull_wait_ms), late (sent before it "
+            "finished), failed, not_started (no follow slot)",
+            ["outcome"],
+            registry=r,
+        )
+        self.priority_requests = Counter(
+            "symphony_priority_requests", "Requests dispatched, by priority tier", ["priority"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "symphony_queue_wait_seconds",
+            "Time requests waited in the scheduler for a node with room (selective pushing), by priority tier",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.queued = Gauge("symphony_queued_requests", "Requests waiting in the scheduler for a node", registry=r)
-        self.advisory_followups = Counter("symphony_advisory_followups", "Requests that had a pending advisory: "
-                                          "honored (went to the advised node) or rerouted (node unavailable)",
-                                          ["outcome"], registry=r)
-        self.advisories_dropped = Counter("symphony_advisories_dropped", "Advisories never followed by their "
-                                          "request: expired, or evicted by the table's size bound", ["reason"],
-                                          registry=r)
-        self.advisory_latency = Histogram("symphony_advisory_seconds", "Time the scheduler took to answer an "
-                                          "accepted advisory (headers in to reply out)",
-                                          buckets=ADVISORY_BUCKETS, registry=r)
-        self.advisories_pending = Gauge("symphony_advisories_pending", "Advisories waiting for their request",
-                                        registry=r)
+        self.advisory_followups = Counter(
+            "symphony_advisory_followups",
+            "Requests that had a pending advisory: honored (went to the advised node) or rerouted (node unavailable)",
+            ["outcome"],
+            registry=r,
+        )
+        self.advisories_dropped = Counter(
+            "symphony_advisories_dropped",
+            "Advisories never followed by their request: expired, or evicted by the table's size bound",
+            ["reason"],
+            registry=r,
+        )
+        self.advisory_latency = Histogram(
+            "symphony_advisory_seconds",
+            "Time the scheduler took to answer an accepted advisory (headers in to reply out)",
+            buckets=ADVISORY_BUCKETS,
+            registry=r,
+        )
+        self.advisories_pending = Gauge(
+            "symphony_advisories_pending", "Advisories waiting for their request", registry=r
+        )
         self.node_up = Gauge("symphony_node_up", "1 when the node is routable", ["node"], registry=r)
-        self.node_load = Gauge("symphony_node_load", "Engine running + waiting requests (polled)", ["node"],
-                               registry=r)
-        self.node_inflight = Gauge("symphony_node_inflight", "Requests this scheduler has in flight on the node",
-                                   ["node"], registry=r)
-        self.node_kv_usage = Gauge("symphony_node_kv_cache_usage", "Engine KV cache usage, 0..1", ["node"],
-                                   registry=r)
-        self.node_engine_restarts = Gauge("symphony_node_engine_restarts", "Engine restarts reported by the node",
-                                          ["node"], registry=r)
+        self.node_load = Gauge("symphony_node_load", "Engine running + waiting requests (polled)", ["node"], registry=r)
+        self.node_inflight = Gauge(
+            "symphony_node_inflight", "Requests this scheduler has in flight on the node", ["node"], registry=r
+        )
+        self.node_kv_usage = Gauge("symphony_node_kv_cache_usage", "Engine KV cache usage, 0..1", ["node"], registry=r)
+        self.node_engine_restarts = Gauge(
+            "symphony_node_engine_restarts", "Engine restarts reported by the node", ["node"], registry=r
+        )
 
     def count_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -25,8 +25,12 @@ log = get_logger("scheduler.prefetch")
 
 _PRIORITY = {"low": kv_pb2.PRIORITY_LOW, "normal": kv_pb2.PRIORITY_NORMAL, "high": kv_pb2.PRIORITY_HIGH}
 _TARGETS = {"hbm": kv_pb2.TIER_HBM, "dram": kv_pb2.TIER_DRAM}
-_FINAL = {kv_pb2.PREFETCH_STATE_DONE, kv_pb2.PREFETCH_STATE_PARTIAL, kv_pb2.PREFETCH_STATE_CANCELLED,
-          kv_pb2.PREFETCH_STATE_FAILED}
+_FINAL = {
+    kv_pb2.PREFETCH_STATE_DONE,
+    kv_pb2.PREFETCH_STATE_PARTIAL,
+    kv_pb2.PREFETCH_STATE_CANCELLED,
+    kv_pb2.PREFETCH_STATE_FAILED,
+}
 FOLLOW_WAIT_MS = 30_000  # one GetPrefetch long-poll
 FOLLOW_GRACE_S = 30.0  # past a prefetch's deadline, how long it is still followed
 
@@ -50,9 +54,14 @@ class Prefetch:
 
 
 class Prefetcher:
-    def __init__(self, stub_for: Callable[[str], kv_pb2_grpc.KVStoreStub | None], metrics: SchedulerMetrics,
-                 max_inflight: int, on_moved: Callable[[SessionKey, str, int], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        stub_for: Callable[[str], kv_pb2_grpc.KVStoreStub | None],
+        metrics: SchedulerMetrics,
+        max_inflight: int,
+        on_moved: Callable[[SessionKey, str, int], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._stub_for = stub_for
         self._metrics = metrics
         self._max_inflight = max_inflight
@@ -64,8 +73,16 @@ class Prefetcher:
     def inflight(self) -> int:
         return len(self._tasks)
 
-    def start(self, session: SessionKey, node_id: str, source_address: str, deadline_ms: int,
-              priority: str, history_tokens: int, target: str = "hbm") -> Prefetch | None:
+    def start(
+        self,
+        session: SessionKey,
+        node_id: str,
+        source_address: str,
+        deadline_ms: int,
+        priority: str,
+        history_tokens: int,
+        target: str = "hbm",
+    ) -> Prefetch | None:
         """Ask `node_id` to bring the session's KV into its `target` tier (pulling what it lacks from
         the node manager at `source_address`, if given) by `deadline_ms` from now. Returns at once.
         "hbm" ends in the engine's own prefix cache (a warm-up pass), for a request still to come;
@@ -78,9 +95,13 @@ class Prefetcher:
             self._metrics.prefetches.labels("skipped_busy").inc()
             return None
         prefetch = Prefetch(session, node_id, history_tokens, self._clock())
-        request = kv_pb2.PrefetchRequest(session=kv_pb2.SessionRef(tenant=session[0], session_id=session[1]),
-                                         target_tier=_TARGETS[target], deadline_ms=deadline_ms,
-                                         priority=_PRIORITY[priority], source_peer=source_address)
+        request = kv_pb2.PrefetchRequest(
+            session=kv_pb2.SessionRef(tenant=session[0], session_id=session[1]),
+            target_tier=_TARGETS[target],
+            deadline_ms=deadline_ms,
+            priority=_PRIORITY[priority],
+            source_peer=source_address,
+        )
         if target == "hbm":
             # The salt of the session's next request: the warm-up must land where that request's
             # prefix-cache lookup will look. Only there: a node refuses a salt with any other target
@@ -92,8 +113,7 @@ class Prefetcher:
         task.add_done_callback(self._tasks.discard)
         return prefetch
 
-    async def _follow(self, stub: kv_pb2_grpc.KVStoreStub, request: kv_pb2.PrefetchRequest,
-                      prefetch: Prefetch) -> None:
+    async def _follow(self, stub: kv_pb2_grpc.KVStoreStub, request: kv_pb2.PrefetchRequest, prefetch: Prefetch) -> None:
         try:
             # Followed until its deadline and a grace period at most: a node stuck on a move must not
             # hold one of the bounded follow slots for ever.
@@ -101,13 +121,19 @@ class Prefetcher:
                 status = await stub.Prefetch(request, timeout=10)
                 prefetch.prefetch_id = status.prefetch_id
                 while status.state not in _FINAL:
-                    status = await stub.GetPrefetch(kv_pb2.PrefetchRef(prefetch_id=status.prefetch_id,
-                                                                       wait_ms=FOLLOW_WAIT_MS),
-                                                    timeout=FOLLOW_WAIT_MS / 1000 + 10)
+                    status = await stub.GetPrefetch(
+                        kv_pb2.PrefetchRef(prefetch_id=status.prefetch_id, wait_ms=FOLLOW_WAIT_MS),
+                        timeout=FOLLOW_WAIT_MS / 1000 + 10,
+                    )
             state = kv_pb2.PrefetchState.Name(status.state).removeprefix("PREFETCH_STATE_").lower()
             if status.error:
-                log.debug("prefetch ended", session=prefetch.session[1], node=prefetch.node_id, state=state,
-                          error=status.error)
+                log.debug(
+                    "prefetch ended",
+                    session=prefetch.session[1],
+                    node=prefetch.node_id,
+                    state=state,
+                    error=status.error,
+                )
         except TimeoutError:
             state = "timed_out"
             self._cancel_at_node(stub, prefetch)
@@ -115,14 +141,22 @@ class Prefetcher:
             # NOT_FOUND: neither the node nor the peer knows the session (a first turn): nothing to move.
             state = "not_found" if exc.code() == grpc.StatusCode.NOT_FOUND else "failed"
             if state == "failed":
-                log.info("prefetch failed", session=prefetch.session[1], node=prefetch.node_id,
-                         error=f"{exc.code().name}: {exc.details()}")
+                log.info(
+                    "prefetch failed",
+                    session=prefetch.session[1],
+                    node=prefetch.node_id,
+                    error=f"{exc.code().name}: {exc.details()}",
+                )
         except asyncio.CancelledError:
             self._finish(prefetch, "cancelled")
             raise
         except Exception as exc:  # a follower must end with a state, whatever went wrong
-            log.warning("prefetch follow failed", session=prefetch.session[1], node=prefetch.node_id,
-                        error=f"{type(exc).__name__}: {exc}")
+            log.warning(
+                "prefetch follow failed",
+                session=prefetch.session[1],
+                node=prefetch.node_id,
+                error=f"{type(exc).__name__}: {exc}",
+            )
             state = "failed"
         self._finish(prefetch, state)
 

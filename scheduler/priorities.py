@@ -31,8 +31,9 @@ class PriorityTable:
             table.pop(key, None)
             return
         if key not in table and len(self) >= self.max_entries:
-            raise OverflowError(f"the priority table holds {self.max_entries} settings already; "
-                                "reset some to normal first")
+            raise OverflowError(
+                f"the priority table holds {self.max_entries} settings already; reset some to normal first"
+            )
         table[key] = priority
 
     def of(self, tenant: str, session_id: str | None) -> str:
@@ -43,5 +44,7 @@ class PriorityTable:
         return self._tenants.get(tenant, DEFAULT)
 
     def listing(self) -> dict[str, object]:
-        return {"tenants": dict(self._tenants),
-                "sessions": [{"tenant": t, "session_id": s, "priority": p} for (t, s), p in self._sessions.items()]}
+        return {
+            "tenants": dict(self._tenants),
+            "sessions": [{"tenant": t, "session_id": s, "priority": p} for (t, s), p in self._sessions.items()],
+        }

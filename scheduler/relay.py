@@ -58,7 +58,8 @@ class UpstreamRelay:
     def count(self, status: int, stream: bool) -> None:
         self.metrics.count_request(self.exchange.endpoint, status)
         self.metrics.e2e.labels(self.exchange.endpoint, "true" if stream else "false").observe(
-            time.perf_counter() - self.exchange.received_at)
+            time.perf_counter() - self.exchange.received_at
+        )
 
 
 class BufferedRelay(UpstreamRelay):
@@ -72,19 +73,27 @@ class BufferedRelay(UpstreamRelay):
             status = 504 if isinstance(exc, TimeoutError) else 502
             self.count(status, stream=False)
             answer: Response = error_response(
-                status, f"{node}'s engine did not deliver a response: {type(exc).__name__}",
-                code="engine_error", headers=self.exchange.headers)
+                status,
+                f"{node}'s engine did not deliver a response: {type(exc).__name__}",
+                code="engine_error",
+                headers=self.exchange.headers,
+            )
         else:
             self.upstream.release()  # keep the connection for the next request
             if self.upstream.status >= 500:
                 self.count(502, stream=False)
                 detail = payload.decode(errors="replace")[:500]
-                answer = error_response(502, f"{node}'s engine failed: {detail}", code="engine_error",
-                                        headers=self.exchange.headers)
+                answer = error_response(
+                    502, f"{node}'s engine failed: {detail}", code="engine_error", headers=self.exchange.headers
+                )
             else:
                 self.count(self.upstream.status, stream=False)
-                answer = Response(payload, status_code=self.upstream.status, headers=self.exchange.headers,
-                                  media_type=self.upstream.headers.get("content-type", "application/json"))
+                answer = Response(
+                    payload,
+                    status_code=self.upstream.status,
+                    headers=self.exchange.headers,
+                    media_type=self.upstream.headers.get("content-type", "application/json"),
+                )
         await answer(scope, receive, send)
 
 
@@ -103,14 +112,22 @@ class StreamRelay(UpstreamRelay):
                     first = False
                     self.exchange.first_token()
                     self.metrics.ttft.labels(self.exchange.endpoint, self.exchange.priority).observe(
-                        time.perf_counter() - self.exchange.received_at)
+                        time.perf_counter() - self.exchange.received_at
+                    )
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.upstream.release()  # keep the connection for the next request
         except (TimeoutError, aiohttp.ClientError) as exc:
             # The status line is already sent; tell the client inside the stream instead.
             status = 502
             log.warning("engine stream broke", node=self.exchange.node_id, error=type(exc).__name__)
-            await send({"type": "http.response.body", "more_body": True, "body": sse_error_event(
-                502, f"the engine stream broke: {type(exc).__name__}", "engine_stream_broken")})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": sse_error_event(
+                        502, f"the engine stream broke: {type(exc).__name__}", "engine_stream_broken"
+                    ),
+                }
+            )
         self.count(status, stream=True)
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -111,12 +111,17 @@ def advisory_holds(node_id: str, nodes: Sequence[NodeSnapshot]) -> bool:
     KV, which the advisory already put on that node. Shared by the scheduler and the simulator."""
     up = available(nodes)
     advised = next((n for n in up if n.node_id == node_id), None)
-    return (advised is not None and advised.waiting == 0 and advised.prefilling == 0
-            and advised.load <= min(n.load for n in up))
+    return (
+        advised is not None
+        and advised.waiting == 0
+        and advised.prefilling == 0
+        and advised.load <= min(n.load for n in up)
+    )
 
 
-def kv_source(kv_tokens: Mapping[str, int], node_id: str, at_least: int = 1,
-              reachable: Callable[[str], bool] = lambda _node: True) -> tuple[str, int] | None:
+def kv_source(
+    kv_tokens: Mapping[str, int], node_id: str, at_least: int = 1, reachable: Callable[[str], bool] = lambda _node: True
+) -> tuple[str, int] | None:
     """Where `node_id` would pull a session's KV from: the reachable node holding the most history
     tokens, if that is at least `at_least` more than `node_id` holds; else None. (node, its tokens)."""
     held_here = kv_tokens.get(node_id, 0)

@@ -68,8 +68,12 @@ class ChatBody(_Sampling):
 
 
 class CompletionBody(_Sampling):
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1)]
+    prompt: (
+        StrictStr
+        | Annotated[list[StrictStr], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
@@ -109,11 +113,11 @@ def _path(body: Any, loc: tuple[str | int, ...]) -> list[str | int]:
     value = body
     for i, part in enumerate(loc):
         inside = (isinstance(value, dict) and part in value) or (
-            isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value))
+            isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
+        )
         if inside:
             value = value[part]  # type: ignore[index]
-        elif not (i == len(loc) - 1 and isinstance(value, dict) and isinstance(part, str)
-                  and not _names_a_form(part)):
+        elif not (i == len(loc) - 1 and isinstance(value, dict) and isinstance(part, str) and not _names_a_form(part)):
             continue  # a union member's name, not a step into the value
         # (else: a required field the client left out, named though absent)
         path.append(part)
@@ -122,7 +126,8 @@ def _path(body: Any, loc: tuple[str | int, ...]) -> list[str | int]:
 
 def _names_a_form(part: str) -> bool:
     return part in ("str", "int", "float", "bool", "dict", "list", "none") or part.startswith(
-        ("list[", "dict[", "constrained-", "literal[", "function-"))
+        ("list[", "dict[", "constrained-", "literal[", "function-")
+    )
 
 
 def _shown(value: Any) -> str:

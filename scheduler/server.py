@@ -13,10 +13,21 @@ log = get_logger("scheduler")
 
 def serve(config: SymphonyConfig) -> None:
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.scheduler.host, port=config.scheduler.port, log_level="warning", access_log=False,
-        lifespan="on", timeout_graceful_shutdown=5,
-    ))
-    log.info("scheduler listening", url=config.scheduler_url, nodes=",".join(config.scheduler_node_addresses()),
-             policy=config.scheduler.policy)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.scheduler.host,
+            port=config.scheduler.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    log.info(
+        "scheduler listening",
+        url=config.scheduler_url,
+        nodes=",".join(config.scheduler_node_addresses()),
+        policy=config.scheduler.policy,
+    )
     server.run()

@@ -53,8 +53,16 @@ class SessionTable:
             return None
         return entry
 
-    def served(self, key: SessionKey, node_id: str, history_tokens: int, *, fingerprint: bytes, model: str = "",
-               high: bool = False) -> Callable[[], None]:
+    def served(
+        self,
+        key: SessionKey,
+        node_id: str,
+        history_tokens: int,
+        *,
+        fingerprint: bytes,
+        model: str = "",
+        high: bool = False,
+    ) -> Callable[[], None]:
         """A turn of the session (its history plus what it adds) is being computed on `node_id`, which
         serves the model of `fingerprint`; the connector saves its KV there. Older copies elsewhere
         hold a shorter prefix of it (copies of another model are forgotten). Returns what undoes it,

@@ -24,15 +24,28 @@ class SchedulerState:
         self.config = config
         sc = config.scheduler
         self.metrics = SchedulerMetrics()
-        self.cluster = Cluster(config.scheduler_node_addresses(), poll_interval_s=sc.poll_interval_ms / 1000,
-                               down_after_s=sc.node_down_after_ms / 1000)
-        self.advisories = AdvisoryTable(sc.max_advisories, sc.advisory_ttl_s,
-                                        on_drop=lambda reason: self.metrics.advisories_dropped.labels(reason).inc())
+        self.cluster = Cluster(
+            config.scheduler_node_addresses(),
+            poll_interval_s=sc.poll_interval_ms / 1000,
+            down_after_s=sc.node_down_after_ms / 1000,
+        )
+        self.advisories = AdvisoryTable(
+            sc.max_advisories,
+            sc.advisory_ttl_s,
+            on_drop=lambda reason: self.metrics.advisories_dropped.labels(reason).inc(),
+        )
         self.auth = Authenticator(sc.api_keys, sc.admin_token)
         self.sessions = SessionTable(sc.max_sessions, sc.session_ttl_s)
         self.priorities = PriorityTable(sc.max_priority_settings)
-        self.dispatcher = Dispatcher(self.cluster, make_policy(sc.policy, sc), self.advisories, self.metrics, sc,
-                                     sessions=self.sessions, priorities=self.priorities)
+        self.dispatcher = Dispatcher(
+            self.cluster,
+            make_policy(sc.policy, sc),
+            self.advisories,
+            self.metrics,
+            sc,
+            sessions=self.sessions,
+            priorities=self.priorities,
+        )
 
     def export_gauges(self) -> None:
         """Refresh the gauges from live state; done when /metrics is scraped, not on every change."""

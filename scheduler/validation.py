@@ -56,8 +56,9 @@ def _text_of(content: Any) -> str:
 
 def _estimated_tokens(body: Mapping[str, Any], endpoint: str) -> int:
     if endpoint == "chat":  # a few tokens of chat template around every message
-        return sum(-(-len(_text_of(m.get("content"))) // CHARS_PER_TOKEN) + MESSAGE_TEMPLATE_TOKENS
-                   for m in body["messages"])
+        return sum(
+            -(-len(_text_of(m.get("content"))) // CHARS_PER_TOKEN) + MESSAGE_TEMPLATE_TOKENS for m in body["messages"]
+        )
     prompt = body["prompt"]
     if isinstance(prompt, str):
         return -(-len(prompt) // CHARS_PER_TOKEN)
@@ -95,8 +96,11 @@ def check_session_id(value: Any, max_len: int) -> str:
         raise ApiError(400, f"session_id is {len(value)} characters long; the limit is {max_len}", param="session_id")
     # Visible ASCII only: the id travels in HTTP headers, logs and metrics labels.
     if not all("\x21" <= ch <= "\x7e" for ch in value):
-        raise ApiError(400, "session_id must contain only visible ASCII characters (no spaces or control characters)",
-                       param="session_id")
+        raise ApiError(
+            400,
+            "session_id must contain only visible ASCII characters (no spaces or control characters)",
+            param="session_id",
+        )
     return value
 
 
@@ -121,8 +125,12 @@ def resolve_model(body: Mapping[str, Any], served: Mapping[str, int]) -> str:
     if not isinstance(model, str):
         raise ApiError(400, "model must be a string", param="model")
     if model not in served:
-        raise ApiError(404, f"the model {model!r} does not exist; served: {', '.join(sorted(served))}",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; served: {', '.join(sorted(served))}",
+            param="model",
+            code="model_not_found",
+        )
     return model
 
 
@@ -135,12 +143,14 @@ def _check_max_tokens(body: Mapping[str, Any], max_model_len: int) -> None:
         if value < 1:
             raise ApiError(400, f"{name} must be at least 1, got {value}", param=name)
         if value > max_model_len:
-            raise ApiError(400, f"{name}={value} exceeds the model's context length of {max_model_len} tokens",
-                           param=name)
+            raise ApiError(
+                400, f"{name}={value} exceeds the model's context length of {max_model_len} tokens", param=name
+            )
 
 
-def validate_inference(endpoint: str, raw: bytes, session_header: str | None, served: Mapping[str, int],
-                       max_session_id_len: int) -> InferenceRequest:
+def validate_inference(
+    endpoint: str, raw: bytes, session_header: str | None, served: Mapping[str, int], max_session_id_len: int
+) -> InferenceRequest:
     body = parse_json_object(raw)
     check(ChatBody if endpoint == "chat" else CompletionBody, body)
     stream = bool(body.get("stream"))
@@ -151,8 +161,13 @@ def validate_inference(endpoint: str, raw: bytes, session_header: str | None, se
     return InferenceRequest(endpoint, model, stream, session_id, body, _estimated_tokens(body, endpoint))
 
 
-def validate_advisory(raw: bytes, session_header: str | None, served: Mapping[str, int], max_session_id_len: int,
-                      max_expected_arrival_ms: int) -> AdvisoryRequest:
+def validate_advisory(
+    raw: bytes,
+    session_header: str | None,
+    served: Mapping[str, int],
+    max_session_id_len: int,
+    max_expected_arrival_ms: int,
+) -> AdvisoryRequest:
     body = parse_json_object(raw)
     session_id = resolve_session_id(session_header, body, max_session_id_len)
     if session_id is None:
@@ -162,8 +177,11 @@ def validate_advisory(raw: bytes, session_header: str | None, served: Mapping[st
     expected = body.get("expected_arrival_ms")
     if expected is not None:
         if not 0 <= expected <= max_expected_arrival_ms:  # NaN fails this too
-            raise ApiError(400, f"expected_arrival_ms must be between 0 and {max_expected_arrival_ms}, got {expected}",
-                           param="expected_arrival_ms")
+            raise ApiError(
+                400,
+                f"expected_arrival_ms must be between 0 and {max_expected_arrival_ms}, got {expected}",
+                param="expected_arrival_ms",
+            )
         expected = int(expected)
     model = resolve_model(body, served)
     return AdvisoryRequest(session_id, kind, expected, model)

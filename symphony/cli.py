@@ -61,8 +61,11 @@ def cmd_node(args: argparse.Namespace) -> int:
 
     config = load_from_args(args, engine_overrides(args))
     if args.index >= config.cluster.nodes and not config.scheduler.node_addresses:
-        print(f"note: --index {args.index} is outside cluster.nodes={config.cluster.nodes}; "
-              "the local scheduler will not poll it", file=sys.stderr)
+        print(
+            f"note: --index {args.index} is outside cluster.nodes={config.cluster.nodes}; "
+            "the local scheduler will not poll it",
+            file=sys.stderr,
+        )
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     try:
         asyncio.run(run_node(config, args.index, model))
@@ -100,9 +103,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0 if body.get("status") == "ready" else 1
     print(f"scheduler {url}: {body.get('status')} ({body.get('ready_nodes')} ready)")
     for name, info in sorted(body.get("nodes", {}).items()):
-        print(f"  {name:<8} {info['state']:<18} running={info['running']} waiting={info['waiting']} "
-              f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} restarts={info['engine_restarts']} "
-              f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}")
+        print(
+            f"  {name:<8} {info['state']:<18} running={info['running']} waiting={info['waiting']} "
+            f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} restarts={info['engine_restarts']} "
+            f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}"
+        )
     return 0 if body.get("status") == "ready" else 1
 
 
@@ -119,8 +124,11 @@ def cmd_admin_priority(args: argparse.Namespace) -> int:
     try:
         if args.priority_command == "set":
             reply = admin.set_priority(args.tenant, args.priority, session_id=args.session)
-            target = f"tenant {args.tenant!r}" if args.session is None else \
-                f"session {args.session!r} of tenant {args.tenant!r}"
+            target = (
+                f"tenant {args.tenant!r}"
+                if args.session is None
+                else f"session {args.session!r} of tenant {args.tenant!r}"
+            )
             promoted = int(reply.get("promoted") or 0)
             moved = f" ({promoted} session(s) moving to the top tier)" if promoted else ""
             print(f"{target}: priority {reply['priority']}{moved}")
@@ -146,8 +154,9 @@ def _error_message(exc: Any) -> str:
 
 # -- parser ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="symphony", description="Symphony: KV-cache state manager and router "
-                                     "for multi-turn LLM serving.")
+    parser = argparse.ArgumentParser(
+        prog="symphony", description="Symphony: KV-cache state manager and router for multi-turn LLM serving."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     up = sub.add_parser("up", help="start the scheduler and N node managers with their engines")

@@ -18,8 +18,11 @@ class CliError(Exception):
 
 def int_between(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer in low..high (high None: no upper bound)."""
-    wanted = f"an integer from {low} to {high}" if high is not None else (
-        "a positive integer" if low == 1 else f"an integer of at least {low}")
+    wanted = (
+        f"an integer from {low} to {high}"
+        if high is not None
+        else ("a positive integer" if low == 1 else f"an integer of at least {low}")
+    )
 
     def parse(text: str) -> int:
         try:

@@ -183,8 +183,10 @@ class SymphonyConfig:
         """The node-local KV channel (Unix socket) between node manager `index` and its engine's
         connector. Under the temp directory, not the home: socket paths are limited to 107 bytes.
         Named by user and gRPC port, like the DRAM arena: unique per running node on this host."""
-        return Path(tempfile.gettempdir()) / f"symphony-{os.getuid()}-{self.node_id(index)}-" \
+        return (
+            Path(tempfile.gettempdir()) / f"symphony-{os.getuid()}-{self.node_id(index)}-"
             f"{self.node.grpc_port_base + index}.sock"
+        )
 
     def kv_data_port(self, index: int) -> int:
         """The page stream's port for node `index`; 0: any free one."""
@@ -357,28 +359,55 @@ def _validate(config: SymphonyConfig) -> None:
     check(1 <= config.cluster.nodes <= 64, "cluster.nodes", f"{config.cluster.nodes} outside 1..64")
     s = config.scheduler
     port("scheduler.port", s.port)
-    for name in ("poll_interval_ms", "node_down_after_ms", "max_inflight_requests", "max_body_bytes",
-                 "max_session_id_len", "max_advisories", "max_expected_arrival_ms", "connect_timeout_s",
-                 "request_timeout_s", "advisory_ttl_s", "typing_lead_ms", "max_prefetches", "max_sessions",
-                 "prefix_trie_max_chars", "session_ttl_s", "max_priority_settings", "max_queued_requests",
-                 "queue_timeout_s"):
+    for name in (
+        "poll_interval_ms",
+        "node_down_after_ms",
+        "max_inflight_requests",
+        "max_body_bytes",
+        "max_session_id_len",
+        "max_advisories",
+        "max_expected_arrival_ms",
+        "connect_timeout_s",
+        "request_timeout_s",
+        "advisory_ttl_s",
+        "typing_lead_ms",
+        "max_prefetches",
+        "max_sessions",
+        "prefix_trie_max_chars",
+        "session_ttl_s",
+        "max_priority_settings",
+        "max_queued_requests",
+        "queue_timeout_s",
+    ):
         check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
     for name in ("route_pull_wait_ms", "route_pull_min_tokens"):
         check(getattr(s, name) >= 0, f"scheduler.{name}", "must not be negative")
-    check(s.node_down_after_ms >= s.poll_interval_ms, "scheduler.node_down_after_ms",
-          "must be at least scheduler.poll_interval_ms")
+    check(
+        s.node_down_after_ms >= s.poll_interval_ms,
+        "scheduler.node_down_after_ms",
+        "must be at least scheduler.poll_interval_ms",
+    )
     tenants_by_key: dict[str, str] = {}
     for entry in s.api_keys:
         tenant, sep, key = entry.partition(":")
-        check(bool(sep and tenant and key), "scheduler.api_keys", "entries must be \"tenant:key\" (the tenant, a "
-              "colon, the key)")
-        check(key not in tenants_by_key, "scheduler.api_keys", f"a key is given to both {tenants_by_key.get(key)!r} "
-              f"and {tenant!r}")
+        check(
+            bool(sep and tenant and key),
+            "scheduler.api_keys",
+            'entries must be "tenant:key" (the tenant, a colon, the key)',
+        )
+        check(
+            key not in tenants_by_key,
+            "scheduler.api_keys",
+            f"a key is given to both {tenants_by_key.get(key)!r} and {tenant!r}",
+        )
         tenants_by_key[key] = tenant
     for address in s.node_addresses:
         host, sep, port_text = address.rpartition(":")
-        check(bool(sep and host and port_text.isdigit() and 1 <= int(port_text) <= 65535),
-              "scheduler.node_addresses", f"{address!r} is not host:port with a port in 1..65535")
+        check(
+            bool(sep and host and port_text.isdigit() and 1 <= int(port_text) <= 65535),
+            "scheduler.node_addresses",
+            f"{address!r} is not host:port with a port in 1..65535",
+        )
     n = config.node
     port("node.grpc_port_base", n.grpc_port_base)
     port("node.grpc_port_base + cluster.nodes - 1", n.grpc_port_base + config.cluster.nodes - 1)
@@ -386,28 +415,58 @@ def _validate(config: SymphonyConfig) -> None:
     port("node.engine_port_base + cluster.nodes - 1", n.engine_port_base + config.cluster.nodes - 1)
     check(n.engine_scrape_interval_ms > 0, "node.engine_scrape_interval_ms", "must be positive")
     e = config.engine
-    check(e.block_size > 0 and e.block_size % 32 == 0, "engine.block_size",
-          f"{e.block_size} is not a positive multiple of 32 (vLLM CPU attention needs it)")
+    check(
+        e.block_size > 0 and e.block_size % 32 == 0,
+        "engine.block_size",
+        f"{e.block_size} is not a positive multiple of 32 (vLLM CPU attention needs it)",
+    )
     check(e.max_model_len > 0, "engine.max_model_len", "must be positive")
     check(e.kv_cache_space_gib > 0, "engine.kv_cache_space_gib", "must be positive")
-    check(e.cpu_cores in ("auto", "vllm") or bool(re.fullmatch(r"[0-9,\-]+(\|[0-9,\-]+)*", e.cpu_cores)),
-          "engine.cpu_cores", f"{e.cpu_cores!r} is not auto, vllm, or core lists like 0-3|4-7")
-    check(e.dtype in ("bfloat16", "float16", "float32", "auto"), "engine.dtype",
-          f"{e.dtype!r} is not one of bfloat16, float16, float32, auto")
+    check(
+        e.cpu_cores in ("auto", "vllm") or bool(re.fullmatch(r"[0-9,\-]+(\|[0-9,\-]+)*", e.cpu_cores)),
+        "engine.cpu_cores",
+        f"{e.cpu_cores!r} is not auto, vllm, or core lists like 0-3|4-7",
+    )
+    check(
+        e.dtype in ("bfloat16", "float16", "float32", "auto"),
+        "engine.dtype",
+        f"{e.dtype!r} is not one of bfloat16, float16, float32, auto",
+    )
     check(e.max_restarts >= 0, "engine.max_restarts", "must be >= 0")
     check(0 <= e.nice <= 19, "engine.nice", f"{e.nice} is not a niceness in 0..19")
-    for name in ("startup_timeout_s", "restart_backoff_s", "restart_backoff_max_s", "stop_timeout_s",
-                 "liveness_timeout_s", "stable_after_s"):
+    for name in (
+        "startup_timeout_s",
+        "restart_backoff_s",
+        "restart_backoff_max_s",
+        "stop_timeout_s",
+        "liveness_timeout_s",
+        "stable_after_s",
+    ):
         check(getattr(e, name) > 0, f"engine.{name}", "must be positive")
     kv = config.kv
-    check(0 <= kv.hbm_bytes <= kv.dram_bytes <= kv.ssd_bytes, "kv.hbm_bytes/dram_bytes/ssd_bytes",
-          f"need 0 <= hbm_bytes <= dram_bytes <= ssd_bytes, got {kv.hbm_bytes}, {kv.dram_bytes}, {kv.ssd_bytes}")
-    for name in ("io_threads", "max_inflight_jobs", "segment_max_bytes", "ssd_writers", "max_sessions",
-                 "max_session_tokens", "max_pending_prefetches", "prefetch_concurrency", "peer_timeout_s"):
+    check(
+        0 <= kv.hbm_bytes <= kv.dram_bytes <= kv.ssd_bytes,
+        "kv.hbm_bytes/dram_bytes/ssd_bytes",
+        f"need 0 <= hbm_bytes <= dram_bytes <= ssd_bytes, got {kv.hbm_bytes}, {kv.dram_bytes}, {kv.ssd_bytes}",
+    )
+    for name in (
+        "io_threads",
+        "max_inflight_jobs",
+        "segment_max_bytes",
+        "ssd_writers",
+        "max_sessions",
+        "max_session_tokens",
+        "max_pending_prefetches",
+        "prefetch_concurrency",
+        "peer_timeout_s",
+    ):
         check(getattr(kv, name) > 0, f"kv.{name}", "must be positive")
     check(kv.device == "cpu" or kv.device.startswith("cuda"), "kv.device", f"{kv.device!r} is not cpu or cuda[:N]")
-    check(0 <= kv.engine_warmup_max_kv_usage <= 1, "kv.engine_warmup_max_kv_usage",
-          f"{kv.engine_warmup_max_kv_usage} is not a fraction in [0, 1]")
+    check(
+        0 <= kv.engine_warmup_max_kv_usage <= 1,
+        "kv.engine_warmup_max_kv_usage",
+        f"{kv.engine_warmup_max_kv_usage} is not a fraction in [0, 1]",
+    )
     check(kv.engine_warmup_timeout_s > 0, "kv.engine_warmup_timeout_s", "must be positive")
     if kv.metrics_port_base:
         port("kv.metrics_port_base", kv.metrics_port_base)
@@ -417,8 +476,11 @@ def _validate(config: SymphonyConfig) -> None:
         port("kv.data_port_base", kv.data_port_base)
         port("kv.data_port_base + cluster.nodes - 1", kv.data_port_base + config.cluster.nodes - 1)
     lg = config.logging
-    check(lg.level.lower() in ("debug", "info", "warning", "error"), "logging.level",
-          f"{lg.level!r} is not one of debug, info, warning, error")
+    check(
+        lg.level.lower() in ("debug", "info", "warning", "error"),
+        "logging.level",
+        f"{lg.level!r} is not one of debug, info, warning, error",
+    )
     check(lg.format in ("text", "json"), "logging.format", f"{lg.format!r} is not text or json")
     ports = [s.port] + [n.grpc_port_base + i for i in range(config.cluster.nodes)]
     ports += [n.engine_port_base + i for i in range(config.cluster.nodes)]
@@ -450,4 +512,3 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot render {value!r} as TOML")
-

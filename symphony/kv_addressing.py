@@ -133,8 +133,13 @@ class SessionBlocks:
         return len(self.block_keys)
 
 
-def chain_block_keys(model: ModelFingerprint, tenant: str, token_ids: Sequence[int] | np.ndarray, block_size: int,
-                     start: SessionBlocks | None = None) -> SessionBlocks:
+def chain_block_keys(
+    model: ModelFingerprint,
+    tenant: str,
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    start: SessionBlocks | None = None,
+) -> SessionBlocks:
     """Key every full block of `token_ids`. With `start` (an earlier result for a prefix of the same
     tokens) only the new blocks are hashed, so appending a turn costs what the turn adds."""
     tokens = _checked(token_ids)
@@ -143,11 +148,12 @@ def chain_block_keys(model: ModelFingerprint, tenant: str, token_ids: Sequence[i
         known = start.block_keys
     keys = [*known, *keys_after(model, tenant, tokens, block_size, known)]
     full_blocks = len(tokens) // block_size
-    return SessionBlocks(model, tenant, block_size, tuple(keys), tuple(tokens[full_blocks * block_size:].tolist()))
+    return SessionBlocks(model, tenant, block_size, tuple(keys), tuple(tokens[full_blocks * block_size :].tolist()))
 
 
-def keys_after(model: ModelFingerprint, tenant: str, tokens: np.ndarray, block_size: int,
-               known: Sequence[BlockKey]) -> Iterator[BlockKey]:
+def keys_after(
+    model: ModelFingerprint, tenant: str, tokens: np.ndarray, block_size: int, known: Sequence[BlockKey]
+) -> Iterator[BlockKey]:
     """The keys of the full blocks of `tokens` (a token array) after the `known` leading ones,
     hashed one at a time as they are asked for: a reader that stops at the first block it does not
     find pays for no more (the connector's lookup of a request's history)."""
@@ -162,7 +168,7 @@ def keys_after(model: ModelFingerprint, tenant: str, tokens: np.ndarray, block_s
     sha256 = hashlib.sha256
     for offset in range(len(known) * step, len(tokens) // block_size * step, step):
         # One concatenation and a one-shot hash: ~0.3 us less per block than update() on a hash object.
-        parent = BlockKey(sha256(parent + view[offset:offset + step]).digest())
+        parent = BlockKey(sha256(parent + view[offset : offset + step]).digest())
         yield parent
 
 
@@ -177,10 +183,16 @@ def _checked(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return token_array(token_ids)
 
 
-def chain_after(model: ModelFingerprint, tenant: str, tokens: np.ndarray, block_size: int,
-                known_tokens: np.ndarray | None, known: SessionBlocks | None) -> SessionBlocks:
+def chain_after(
+    model: ModelFingerprint,
+    tenant: str,
+    tokens: np.ndarray,
+    block_size: int,
+    known_tokens: np.ndarray | None,
+    known: SessionBlocks | None,
+) -> SessionBlocks:
     """`chain_block_keys` of `tokens` (a token array), hashing only the blocks past `known` when
     `known_tokens` (whose keys `known` holds) are a prefix of them: a resumed turn costs what it adds."""
-    if known is not None and known_tokens is not None and np.array_equal(known_tokens, tokens[:len(known_tokens)]):
+    if known is not None and known_tokens is not None and np.array_equal(known_tokens, tokens[: len(known_tokens)]):
         return chain_block_keys(model, tenant, tokens, block_size, known)
     return chain_block_keys(model, tenant, tokens, block_size)

@@ -60,9 +60,14 @@ def smollm2_geometry(block_size: int = 32) -> KVGeometry:
 def hf_config_for(geometry: KVGeometry) -> dict[str, object]:
     """The config.json fields `geometry_from_model_dir` reads, for a KV-only node that serves no model."""
     heads = geometry.kv_heads * 3  # any multiple of kv_heads: only the KV shape matters here
-    return {"num_hidden_layers": geometry.num_layers, "num_attention_heads": heads,
-            "num_key_value_heads": geometry.kv_heads, "hidden_size": heads * geometry.head_size,
-            "head_dim": geometry.head_size, "torch_dtype": geometry.dtype}
+    return {
+        "num_hidden_layers": geometry.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": geometry.kv_heads,
+        "hidden_size": heads * geometry.head_size,
+        "head_dim": geometry.head_size,
+        "torch_dtype": geometry.dtype,
+    }
 
 
 def geometry_from_model_dir(model_dir: Path, block_size: int, dtype: str) -> KVGeometry:
@@ -80,8 +85,9 @@ def geometry_from_model_dir(model_dir: Path, block_size: int, dtype: str) -> KVG
     return KVGeometry(layers, kv_heads, head_size, block_size, dtype)
 
 
-def cpu_attention_isa(dtype: str, block_size: int, head_size: int, *, amx_allowed: bool, amx_supported: bool,
-                      machine: str) -> str:
+def cpu_attention_isa(
+    dtype: str, block_size: int, head_size: int, *, amx_allowed: bool, amx_supported: bool, machine: str
+) -> str:
     """The kernel vLLM 0.32's CPU attention packs pages for (`cpu_attn._get_attn_isa`, with Symphony's
     AMX steering, `node_manager.vllm_plugin`): the packing differs between kernels, so it is part of
     the page layout. The connector checks this against vLLM's own choice when it attaches, so a vLLM
@@ -104,5 +110,7 @@ def cpu_attention_isa(dtype: str, block_size: int, head_size: int, *, amx_allowe
 def page_layout(geometry: KVGeometry, platform: str, attention: str) -> str:
     """How a block's pages are laid out: engine platform, attention kernel, layers x page shape, and
     dtype. Part of the model fingerprint: the same tokens under another layout are other bytes."""
-    return (f"{platform}/{attention}/{geometry.num_layers}x[block,{geometry.kv_heads},{geometry.block_size},"
-            f"{2 * geometry.head_size}]/{geometry.dtype}")
+    return (
+        f"{platform}/{attention}/{geometry.num_layers}x[block,{geometry.kv_heads},{geometry.block_size},"
+        f"{2 * geometry.head_size}]/{geometry.dtype}"
+    )

@@ -42,8 +42,10 @@ def check_ports_free(config: SymphonyConfig) -> None:
             try:
                 sock.bind((host, port))
             except OSError as exc:
-                raise ConfigError(f"{host}:{port} ({key}) is not available: {exc.strerror}; stop whatever holds "
-                                  f"it or choose another port (config file or SYMPHONY_* env var)") from None
+                raise ConfigError(
+                    f"{host}:{port} ({key}) is not available: {exc.strerror}; stop whatever holds "
+                    f"it or choose another port (config file or SYMPHONY_* env var)"
+                ) from None
 
 
 def _child_argv(*args: str) -> list[str]:
@@ -70,8 +72,10 @@ class _NodeHealthProbe:
 class Cluster:
     def __init__(self, config: SymphonyConfig, model: ModelInfo, out: TextIO) -> None:
         # Children get the model already resolved, so they neither re-verify nor re-fetch it.
-        self.config = dataclasses.replace(config, engine=dataclasses.replace(
-            config.engine, model=str(model.path), served_model_name=model.served_name))
+        self.config = dataclasses.replace(
+            config,
+            engine=dataclasses.replace(config.engine, model=str(model.path), served_model_name=model.served_name),
+        )
         self.model = model
         self.out = out
         self.logs_dir = config.home_path / "logs"
@@ -90,19 +94,27 @@ class Cluster:
             probe = _NodeHealthProbe(self.config.node_grpc_address(i))
             self._probes.append(probe)
             proc = ManagedProcess(
-                name, _child_argv("node", *config_arg, "--index", str(i)),
+                name,
+                _child_argv("node", *config_arg, "--index", str(i)),
                 log_path=self.logs_dir / f"{name}.log",
                 ready_probe=probe,
                 # Ready once its store is up: after the model fingerprint, which on a first start
                 # reads every byte of the weights (a minute or more for a large model).
-                policy=CHILD_RESTARTS, startup_timeout_s=max(60.0, self.config.engine.startup_timeout_s),
+                policy=CHILD_RESTARTS,
+                startup_timeout_s=max(60.0, self.config.engine.startup_timeout_s),
                 # The node manager stops its engine first; give it the engine's grace plus margin.
                 stop_timeout_s=self.config.engine.stop_timeout_s + 15.0,
             )
             self.nodes.append(proc)
         self.scheduler = ManagedProcess(
-            "scheduler", _child_argv("scheduler", *config_arg), log_path=self.logs_dir / "scheduler.log",
-            ready_probe=self._scheduler_alive, policy=CHILD_RESTARTS, startup_timeout_s=60.0, stop_timeout_s=10.0)
+            "scheduler",
+            _child_argv("scheduler", *config_arg),
+            log_path=self.logs_dir / "scheduler.log",
+            ready_probe=self._scheduler_alive,
+            policy=CHILD_RESTARTS,
+            startup_timeout_s=60.0,
+            stop_timeout_s=10.0,
+        )
         for proc in [*self.nodes, self.scheduler]:
             proc.start()
 
@@ -147,8 +159,9 @@ class Cluster:
                 return False
             elapsed = time.monotonic() - started
             detail = "  ".join(f"{n}: {s}" for n, s in sorted(node_states.items())) or "scheduler: starting"
-            line = (f"starting {self.config.cluster.nodes} engines ({self.model.served_name}) "
-                    f"[{elapsed:4.0f}s]  {detail}")
+            line = (
+                f"starting {self.config.cluster.nodes} engines ({self.model.served_name}) [{elapsed:4.0f}s]  {detail}"
+            )
             if tty:
                 self.say("\r" + line.ljust(len(last_line)), end="")
             elif detail != last_detail or time.monotonic() - last_print >= 10:
@@ -167,15 +180,16 @@ class Cluster:
             f"  scheduler  {url}/v1   (OpenAI API · POST /v1/advisories · /metrics · /readyz)",
         ]
         for i in range(c.cluster.nodes):
-            lines.append(f"  {c.node_id(i):<10} grpc {c.node_grpc_address(i)}   "
-                         f"engine http://{c.node.host}:{c.engine_port(i)}")
+            lines.append(
+                f"  {c.node_id(i):<10} grpc {c.node_grpc_address(i)}   engine http://{c.node.host}:{c.engine_port(i)}"
+            )
         lines += [
             f"  logs       {self.logs_dir}",
             "",
             "Try it:",
             f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -H 'X-Session-ID: demo-1' \\",
-            f"    -d '{{\"model\": \"{self.model.served_name}\", \"messages\": [{{\"role\": \"user\", "
-            "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'",
+            f'    -d \'{{"model": "{self.model.served_name}", "messages": [{{"role": "user", '
+            '"content": "What is the capital of France?"}], "max_tokens": 32}\'',
             "",
             "Press Ctrl-C to stop.",
         ]
@@ -226,4 +240,3 @@ async def run_cluster(config: SymphonyConfig, model: ModelInfo, out: TextIO = sy
         return 0
     finally:
         await cluster.shutdown()
-

@@ -57,8 +57,12 @@ def _format_value(value: Any) -> str:
 class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
-        parts = [f"ts={ts}", f"level={record.levelname.lower()}", f"component={record.name}",
-                 f"event={_format_value(record.getMessage())}"]
+        parts = [
+            f"ts={ts}",
+            f"level={record.levelname.lower()}",
+            f"component={record.name}",
+            f"event={_format_value(record.getMessage())}",
+        ]
         for key, value in getattr(record, _FIELDS_ATTR, {}).items():
             parts.append(f"{key}={_format_value(value)}")
         if record.exc_info:

@@ -22,8 +22,22 @@ log = get_logger("symphony.loop_watchdog")
 
 STACK_FRAMES = 6  # innermost frames of each thread logged per stall
 # Innermost frames of a thread that is waiting, not running: not logged.
-_PARKED = frozenset({"wait", "_wait_for_tstate_lock", "get", "select", "poll", "accept", "sleep", "_worker",
-                     "recv", "recv_into", "readinto", "read"})
+_PARKED = frozenset(
+    {
+        "wait",
+        "_wait_for_tstate_lock",
+        "get",
+        "select",
+        "poll",
+        "accept",
+        "sleep",
+        "_worker",
+        "recv",
+        "recv_into",
+        "readinto",
+        "read",
+    }
+)
 
 
 class LoopWatchdog:
@@ -81,8 +95,12 @@ class LoopWatchdog:
                 stalled_s = last - stall_started
                 self.stalls += 1
                 self.longest_s = max(self.longest_s, stalled_s)
-                log.warning("event loop stalled", ms=round(stalled_s * 1000),
-                            watchdog_late_ms=round(woke_late_s * 1000), where=where)
+                log.warning(
+                    "event loop stalled",
+                    ms=round(stalled_s * 1000),
+                    watchdog_late_ms=round(woke_late_s * 1000),
+                    where=where,
+                )
                 stall_started, woke_late_s = None, 0.0
 
     def _stacks(self) -> str:

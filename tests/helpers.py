@@ -24,8 +24,9 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, inter
         time.sleep(interval_s)
 
 
-async def async_wait_until(predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float, what: str,
-                           interval_s: float = 0.02) -> None:
+async def async_wait_until(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float, what: str, interval_s: float = 0.02
+) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         result = predicate()

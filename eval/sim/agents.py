@@ -36,8 +36,9 @@ class AgentProject:
     review_tokens: int = 200  # QA's answer, per round
 
 
-def agent_projects(count: int, *, stagger_ms: float, seed: int = 0, engineers: int = 3,
-                   rounds: int = 3) -> list[AgentProject]:
+def agent_projects(
+    count: int, *, stagger_ms: float, seed: int = 0, engineers: int = 3, rounds: int = 3
+) -> list[AgentProject]:
     """`count` projects started at random times within `stagger_ms`, with answer lengths drawn
     around the defaults (x0.5 to x1.5), seeded."""
     rng = random.Random(seed)
@@ -45,16 +46,27 @@ def agent_projects(count: int, *, stagger_ms: float, seed: int = 0, engineers: i
     def around(tokens: int) -> int:
         return max(1, round(tokens * rng.uniform(0.5, 1.5)))
 
-    return [AgentProject(f"p{k}", rng.uniform(0, stagger_ms), engineers, rounds, task_tokens=around(200),
-                         design_tokens=around(600), code_tokens=around(400), review_tokens=around(200))
-            for k in range(count)]
+    return [
+        AgentProject(
+            f"p{k}",
+            rng.uniform(0, stagger_ms),
+            engineers,
+            rounds,
+            task_tokens=around(200),
+            design_tokens=around(600),
+            code_tokens=around(400),
+            review_tokens=around(200),
+        )
+        for k in range(count)
+    ]
 
 
 class ProjectRun:
     """Drives one project on a simulator: submits each step when its predecessors are done."""
 
-    def __init__(self, sim: ClusterSim, project: AgentProject, hints: bool,
-                 on_finish: Callable[[ProjectRun], None] | None = None) -> None:
+    def __init__(
+        self, sim: ClusterSim, project: AgentProject, hints: bool, on_finish: Callable[[ProjectRun], None] | None = None
+    ) -> None:
         self.sim = sim
         self.project = project
         self.hints = hints

@@ -83,8 +83,9 @@ def decode_step_ms(model: EngineModel, batch: Any, context_tokens: Any) -> Any:
     return model.step_ms + model.decode_ms(batch, context_tokens)
 
 
-def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], *, kv_blocks: int,
-               block_size: int, max_batch: int) -> EngineFit:
+def fit_engine(
+    prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample], *, kv_blocks: int, block_size: int, max_batch: int
+) -> EngineFit:
     """The engine model that best explains the samples (least squares, no negative costs)."""
     if len({s.prompt_tokens for s in prefill}) < 2:
         raise ValueError("prefill samples need at least two prompt lengths")
@@ -101,22 +102,30 @@ def fit_engine(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample],
     ttft = np.array([s.ttft_ms for s in prefill])
     terms = [np.ones_like(tokens), tokens]
     if len(set(tokens)) > 2:  # the quadratic term needs three prompt lengths to be told from the linear one
-        terms.append(tokens ** 2 / 2000)
+        terms.append(tokens**2 / 2000)
     coefficients = _fit_non_negative(np.column_stack(terms), ttft)
     intercept, per_token = float(coefficients[0]), float(coefficients[1])
     per_token_kilotoken = float(coefficients[2]) if len(coefficients) > 2 else 0.0
     overhead = max(intercept - step_ms, 0.0)
-    model = EngineModel(step_ms=step_ms, prefill_ms_per_token=per_token, decode_ms_per_seq=per_seq,
-                        decode_ms_per_kilotoken=per_kilotoken, kv_blocks=kv_blocks, block_size=block_size,
-                        max_batch=max_batch, request_overhead_ms=overhead,
-                        prefill_ms_per_token_kilotoken=per_token_kilotoken)
+    model = EngineModel(
+        step_ms=step_ms,
+        prefill_ms_per_token=per_token,
+        decode_ms_per_seq=per_seq,
+        decode_ms_per_kilotoken=per_kilotoken,
+        kv_blocks=kv_blocks,
+        block_size=block_size,
+        max_batch=max_batch,
+        request_overhead_ms=overhead,
+        prefill_ms_per_token_kilotoken=per_token_kilotoken,
+    )
     prefill_predicted = overhead + prefill_step_ms(model, tokens)
     decode_predicted = decode_step_ms(model, batch, context)
     return EngineFit(model, _r2(ttft, prefill_predicted), _r2(tpot, decode_predicted))
 
 
-def fit_slowdown(model: EngineModel, prefill_busy: Sequence[PrefillSample],
-                 decode_busy: Sequence[DecodeSample]) -> float:
+def fit_slowdown(
+    model: EngineModel, prefill_busy: Sequence[PrefillSample], decode_busy: Sequence[DecodeSample]
+) -> float:
     """The engine's `neighbour_slowdown`: how much longer its steps took beside busy neighbours than
     `model`, fitted on samples taken alone, predicts. The median over the samples of observed /
     predicted step time, less 1 (a prefill's request overhead lies outside the steps); never below 0."""
@@ -126,8 +135,13 @@ def fit_slowdown(model: EngineModel, prefill_busy: Sequence[PrefillSample],
 
 
 def save_preset(path: Path, preset: Preset, details: dict[str, Any] | None = None) -> None:
-    body = {"name": preset.name, "source": preset.source, "engine": dataclasses.asdict(preset.engine),
-            "link": dataclasses.asdict(preset.link), **(details or {})}
+    body = {
+        "name": preset.name,
+        "source": preset.source,
+        "engine": dataclasses.asdict(preset.engine),
+        "link": dataclasses.asdict(preset.link),
+        **(details or {}),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body, indent=1))
 

@@ -102,14 +102,21 @@ class SimResult:
 
 
 class ClusterSim:
-    def __init__(self, policy: RoutingPolicy, engines: dict[str, EngineModel], link: LinkModel,
-                 engine_priority_scheduling: bool = False, route_pull_wait_ms: float = _SCHEDULER.route_pull_wait_ms,
-                 route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens) -> None:
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        engines: dict[str, EngineModel],
+        link: LinkModel,
+        engine_priority_scheduling: bool = False,
+        route_pull_wait_ms: float = _SCHEDULER.route_pull_wait_ms,
+        route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens,
+    ) -> None:
         self.policy = policy
         self.route_pull_wait_ms = route_pull_wait_ms
         self.route_pull_min_tokens = route_pull_min_tokens
-        self.engines = {node_id: SimEngine(node_id, model, engine_priority_scheduling)
-                        for node_id, model in engines.items()}
+        self.engines = {
+            node_id: SimEngine(node_id, model, engine_priority_scheduling) for node_id, model in engines.items()
+        }
         self.link = link
         self.now_ms = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -142,8 +149,9 @@ class ClusterSim:
     def at(self, time_ms: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (time_ms, next(self._order), action))
 
-    def run(self, turns: Iterable[Turn] = (), scripts: Iterable[Script] = (), until_ms: float | None = None
-            ) -> SimResult:
+    def run(
+        self, turns: Iterable[Turn] = (), scripts: Iterable[Script] = (), until_ms: float | None = None
+    ) -> SimResult:
         """Open-loop `turns` at their times, and closed-loop `scripts` (each turn once the last one
         is answered and the user has thought); with `until_ms`, no turn arrives after it (those in
         flight still finish)."""
@@ -153,25 +161,48 @@ class ClusterSim:
         for script in scripts:
             if script.steps:
                 first = script.steps[0]
-                self._schedule(Turn(script.session, script.start_ms, first.new_tokens, first.output_tokens,
-                                    script.start_ms - first.typing_ms if first.advised else None,
-                                    script.tenant, script.priority))
+                self._schedule(
+                    Turn(
+                        script.session,
+                        script.start_ms,
+                        first.new_tokens,
+                        first.output_tokens,
+                        script.start_ms - first.typing_ms if first.advised else None,
+                        script.tenant,
+                        script.priority,
+                    )
+                )
                 self._scripts[script.session] = (script, 0)
         while self._events:
             self.now_ms, _, action = heapq.heappop(self._events)
             action()
-        return SimResult(self.requests, {n: e.busy_ms for n, e in self.engines.items()},
-                         sum(e.preemptions for e in self.engines.values()), self.refused)
+        return SimResult(
+            self.requests,
+            {n: e.busy_ms for n, e in self.engines.items()},
+            sum(e.preemptions for e in self.engines.values()),
+            self.refused,
+        )
 
     # -- routing ---------------------------------------------------------------------------------
     def _snapshots(self) -> list[NodeSnapshot]:
-        return [NodeSnapshot(node_id, True, len(engine.running), len(engine.waiting), self._inflight[node_id],
-                             engine.kv_usage, announced=self._announced[node_id], prefilling=engine.prefilling)
-                for node_id, engine in self.engines.items()]
+        return [
+            NodeSnapshot(
+                node_id,
+                True,
+                len(engine.running),
+                len(engine.waiting),
+                self._inflight[node_id],
+                engine.kv_usage,
+                announced=self._announced[node_id],
+                prefilling=engine.prefilling,
+            )
+            for node_id, engine in self.engines.items()
+        ]
 
     def _route_request(self, turn: Turn) -> RouteRequest:
-        return RouteRequest(turn.tenant, turn.session, "model", turn.priority, turn.prompt_tokens,
-                            dict(self._kv.get(turn.session, {})))
+        return RouteRequest(
+            turn.tenant, turn.session, "model", turn.priority, turn.prompt_tokens, dict(self._kv.get(turn.session, {}))
+        )
 
     def submit(self, turn: Turn, on_done: Callable[[SimRequest], None]) -> None:
         """A turn that another part of the workload schedules (an agent's step, once its predecessors
@@ -206,16 +237,33 @@ class ClusterSim:
                 first = following.steps[0]
                 arrival = self.now_ms + first.think_ms
                 self._scripts[following.session] = (following, 0)
-                self._schedule(Turn(following.session, arrival, first.new_tokens, first.output_tokens,
-                                    arrival - first.typing_ms if first.advised else None, following.tenant,
-                                    following.priority))
+                self._schedule(
+                    Turn(
+                        following.session,
+                        arrival,
+                        first.new_tokens,
+                        first.output_tokens,
+                        arrival - first.typing_ms if first.advised else None,
+                        following.tenant,
+                        following.priority,
+                    )
+                )
             return
         step = script.steps[index + 1]
         self._scripts[request.session] = (script, index + 1)
         arrival = self.now_ms + step.think_ms
         prompt = request.prompt_tokens + request.generated + step.new_tokens
-        self._schedule(Turn(script.session, arrival, prompt, step.output_tokens,
-                            arrival - step.typing_ms if step.advised else None, script.tenant, script.priority))
+        self._schedule(
+            Turn(
+                script.session,
+                arrival,
+                prompt,
+                step.output_tokens,
+                arrival - step.typing_ms if step.advised else None,
+                script.tenant,
+                script.priority,
+            )
+        )
 
     def _advise(self, turn: Turn) -> None:
         if not self.policy.traits.prefetch_on_advisory:
@@ -244,8 +292,14 @@ class ClusterSim:
             self.at(due, moved)
 
     def _arrive(self, request_id: int, turn: Turn) -> None:
-        request = SimRequest(request_id, turn.session, turn.arrival_ms, turn.prompt_tokens, turn.output_tokens,
-                             priority_rank=PRIORITY_RANK[turn.priority])
+        request = SimRequest(
+            request_id,
+            turn.session,
+            turn.arrival_ms,
+            turn.prompt_tokens,
+            turn.output_tokens,
+            priority_rank=PRIORITY_RANK[turn.priority],
+        )
         self.requests.append(request)
         advised = self._advised.pop(turn.session, None)
         if advised is not None:

@@ -57,8 +57,10 @@ class EngineModel:
     def prefill_ms(self, computed: Any, context: Any) -> Any:
         """Prefilling the last `computed` tokens of a `context`-token prompt: per token, plus the
         attention of each over the positions before it (mean position `context - computed / 2`)."""
-        return (self.prefill_ms_per_token * computed
-                + self.prefill_ms_per_token_kilotoken * computed * (context - computed / 2) / 1000)
+        return (
+            self.prefill_ms_per_token * computed
+            + self.prefill_ms_per_token_kilotoken * computed * (context - computed / 2) / 1000
+        )
 
     def decode_ms(self, requests: Any, context_tokens: Any) -> Any:
         """One decode token each for `requests` requests holding `context_tokens` in all."""
@@ -215,8 +217,10 @@ class SimEngine:
         # Back to the front of the queue (of its priority's part of it, under priority scheduling).
         at = 0
         if self.priority_scheduling:
-            at = next((i for i, queued in enumerate(self.waiting) if queued.priority_rank <= request.priority_rank),
-                      len(self.waiting))
+            at = next(
+                (i for i, queued in enumerate(self.waiting) if queued.priority_rank <= request.priority_rank),
+                len(self.waiting),
+            )
         self.waiting.insert(at, request)
 
     def finish_step(self, plan: StepPlan, now_ms: float) -> list[SimRequest]:

@@ -34,8 +34,9 @@ LLAMA_8B_LAYERS = 32
 LLAMA_8B_HIDDEN = 4096  # query heads (32) x head dimension (128)
 LLAMA_8B_WEIGHT_BYTES = LLAMA_8B_PARAMS * 2
 GPU_BLOCK_SIZE = 16
-LLAMA_8B_KV = KVGeometry(num_layers=LLAMA_8B_LAYERS, kv_heads=8, head_size=128, block_size=GPU_BLOCK_SIZE,
-                         dtype="bfloat16")
+LLAMA_8B_KV = KVGeometry(
+    num_layers=LLAMA_8B_LAYERS, kv_heads=8, head_size=128, block_size=GPU_BLOCK_SIZE, dtype="bfloat16"
+)
 LLAMA_8B_KV_BYTES_PER_TOKEN = int(LLAMA_8B_KV.bytes_per_token())  # 131,072
 STEP_OVERHEAD_MS = 2.0
 PREFILL_MFU = 0.5
@@ -57,8 +58,9 @@ def _gpu_engine(memory_gb: float, bandwidth_gbps: float, tflops: float, activati
     return EngineModel(
         step_ms=STEP_OVERHEAD_MS + LLAMA_8B_WEIGHT_BYTES / bandwidth * 1000,
         prefill_ms_per_token=2 * LLAMA_8B_PARAMS / (tflops * 1e12 * PREFILL_MFU) * 1000,
-        prefill_ms_per_token_kilotoken=(4 * LLAMA_8B_HIDDEN * LLAMA_8B_LAYERS * 1000
-                                        / (tflops * 1e12 * PREFILL_MFU) * 1000),
+        prefill_ms_per_token_kilotoken=(
+            4 * LLAMA_8B_HIDDEN * LLAMA_8B_LAYERS * 1000 / (tflops * 1e12 * PREFILL_MFU) * 1000
+        ),
         decode_ms_per_seq=0.05,
         decode_ms_per_kilotoken=LLAMA_8B_KV_BYTES_PER_TOKEN * 1000 / bandwidth * 1000,
         kv_blocks=int(kv_bytes // LLAMA_8B_KV.block_bytes),
@@ -73,11 +75,13 @@ PRESETS: dict[str, Preset] = {
         _gpu_engine(memory_gb=80, bandwidth_gbps=2039, tflops=312, activation_gb=4),
         # Assumed: nodes on 100 Gb/s RDMA in one region, 80% of line rate, 50 us round trip.
         LinkModel(LLAMA_8B_KV_BYTES_PER_TOKEN, bandwidth_gbps=10.0, rtt_ms=0.05),
-        "NVIDIA A100 80GB SXM datasheet; Llama-3.1-8B config.json; see eval/sim/presets.py"),
+        "NVIDIA A100 80GB SXM datasheet; Llama-3.1-8B config.json; see eval/sim/presets.py",
+    ),
     "l4-llama3.1-8b": Preset(
         "l4-llama3.1-8b",
         _gpu_engine(memory_gb=24, bandwidth_gbps=300, tflops=121, activation_gb=1.5),
         # Assumed: cloud VMs on 25 Gb/s Ethernet, 80% of line rate, 200 us round trip.
         LinkModel(LLAMA_8B_KV_BYTES_PER_TOKEN, bandwidth_gbps=2.5, rtt_ms=0.2),
-        "NVIDIA L4 datasheet; Llama-3.1-8B config.json; see eval/sim/presets.py"),
+        "NVIDIA L4 datasheet; Llama-3.1-8B config.json; see eval/sim/presets.py",
+    ),
 }

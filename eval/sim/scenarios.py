@@ -62,8 +62,9 @@ def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
         "ttft_ms_p95": percentile(ttft, 95) if ttft else None,
         "ttft_ms_mean": statistics.fmean(ttft) if ttft else None,
         "tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
-        "norm_latency_ms_per_token_mean": statistics.fmean(
-            [(r.finished_ms - r.arrival_ms) / r.generated for r in done]) if done else None,  # type: ignore[operator]
+        "norm_latency_ms_per_token_mean": statistics.fmean([(r.finished_ms - r.arrival_ms) / r.generated for r in done])
+        if done
+        else None,  # type: ignore[operator]
         "output_tokens_per_s": sum(r.generated for r in done) / (duration_ms / 1000),
         "prefill_tokens_computed": computed,
         "prefill_tokens_total": total,
@@ -79,12 +80,21 @@ def turn_work_ms(request: SimRequest, model: EngineModel) -> float:
     tokens with their attention, and for each output token its place in a decode step over its
     context (`eval.sim.engine`'s step price, less `step_ms`)."""
     mean_context = request.prompt_tokens + request.generated / 2
-    return (model.prefill_ms(request.prefilled_tokens, request.prompt_tokens)
-            + request.generated * model.decode_ms(1, mean_context))
+    return model.prefill_ms(request.prefilled_tokens, request.prompt_tokens) + request.generated * model.decode_ms(
+        1, mean_context
+    )
 
 
-def run_point(preset: Preset, nodes: int, policy: str, conversations: Sequence[Conversation], users: int,
-              duration_ms: float, timing: HumanTiming, seed: int) -> dict[str, Any]:
+def run_point(
+    preset: Preset,
+    nodes: int,
+    policy: str,
+    conversations: Sequence[Conversation],
+    users: int,
+    duration_ms: float,
+    timing: HumanTiming,
+    seed: int,
+) -> dict[str, Any]:
     engines = _engines(preset, nodes)
     sim = ClusterSim(make_policy(policy), engines, preset.link)
     scripts = sharegpt_users(conversations, users, timing, seed=seed)
@@ -95,8 +105,15 @@ def run_point(preset: Preset, nodes: int, policy: str, conversations: Sequence[C
     return row
 
 
-def priority(preset: Preset, nodes: int, conversations: Sequence[Conversation], users: int, duration_ms: float,
-             time_scale: float, seed: int) -> dict[str, Any]:
+def priority(
+    preset: Preset,
+    nodes: int,
+    conversations: Sequence[Conversation],
+    users: int,
+    duration_ms: float,
+    time_scale: float,
+    seed: int,
+) -> dict[str, Any]:
     """10, 30 and 50% of the users high priority; Symphony (priority tiers in its queue and routing)
     against recompute, every engine with vLLM's priority scheduling. Per share and policy: the
     high-priority users' mean TPOT and output throughput, and everyone's; and Symphony's high-priority
@@ -124,10 +141,12 @@ def priority(preset: Preset, nodes: int, conversations: Sequence[Conversation], 
 def _class_figures(requests: Sequence[SimRequest], duration_ms: float, prefix: str) -> dict[str, Any]:
     done = [r for r in requests if r.finished_ms is not None]
     tpot = [r.tpot_ms for r in done if r.generated > 1]
-    return {f"{prefix}completed": len(done),
-            f"{prefix}tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
-            f"{prefix}ttft_ms_p95": percentile([r.ttft_ms for r in done], 95) if done else None,
-            f"{prefix}output_tokens_per_s": sum(r.generated for r in done) / (duration_ms / 1000)}
+    return {
+        f"{prefix}completed": len(done),
+        f"{prefix}tpot_ms_mean": statistics.fmean(tpot) if tpot else None,
+        f"{prefix}ttft_ms_p95": percentile([r.ttft_ms for r in done], 95) if done else None,
+        f"{prefix}output_tokens_per_s": sum(r.generated for r in done) / (duration_ms / 1000),
+    }
 
 
 Points = dict[str, dict[int, dict[str, Any]]]  # policy -> users -> that run's summary
@@ -146,8 +165,10 @@ def _within_bound(points: Points, baseline: str) -> dict[str, list[int]] | None:
     bound = tpot_bound_ms(points, baseline)
     if bound is None:
         return None
-    return {policy: [u for u, row in by_users.items() if row["tpot_ms_mean"] is not None
-                     and row["tpot_ms_mean"] <= bound] for policy, by_users in points.items()}
+    return {
+        policy: [u for u, row in by_users.items() if row["tpot_ms_mean"] is not None and row["tpot_ms_mean"] <= bound]
+        for policy, by_users in points.items()
+    }
 
 
 def users_ratio(points: Points, policy: str, baseline: str = "recompute") -> float | None:
@@ -181,28 +202,63 @@ def users_ratio_baseline_limited(points: Points, baseline: str = "recompute") ->
 MISS_RATES = (0.0, 0.1, 0.25, 0.5)
 
 
-def missed_advisories(preset: Preset, nodes: int, conversations: Sequence[Conversation], users: int,
-                      duration_ms: float, time_scale: float, seed: int) -> dict[str, Any]:
-    rows = {rate: run_point(preset, nodes, "symphony", conversations, users, duration_ms,
-                            HumanTiming(time_scale=time_scale, advisory_miss_rate=rate), seed) for rate in MISS_RATES}
+def missed_advisories(
+    preset: Preset,
+    nodes: int,
+    conversations: Sequence[Conversation],
+    users: int,
+    duration_ms: float,
+    time_scale: float,
+    seed: int,
+) -> dict[str, Any]:
+    rows = {
+        rate: run_point(
+            preset,
+            nodes,
+            "symphony",
+            conversations,
+            users,
+            duration_ms,
+            HumanTiming(time_scale=time_scale, advisory_miss_rate=rate),
+            seed,
+        )
+        for rate in MISS_RATES
+    }
     base = rows[0.0]["norm_latency_ms_per_token_mean"]
     at_10 = rows[0.1]["norm_latency_ms_per_token_mean"]
-    return {"points": {f"{rate:g}": row for rate, row in rows.items()},
-            "latency_increase_at_10pct": at_10 / base - 1 if base and at_10 is not None else None}
+    return {
+        "points": {f"{rate:g}": row for rate, row in rows.items()},
+        "latency_increase_at_10pct": at_10 / base - 1 if base and at_10 is not None else None,
+    }
 
 
-def imbalance(preset: Preset, nodes: int, conversations: Sequence[Conversation], users: int, duration_ms: float,
-              time_scale: float, seed: int) -> dict[str, Any]:
+def imbalance(
+    preset: Preset,
+    nodes: int,
+    conversations: Sequence[Conversation],
+    users: int,
+    duration_ms: float,
+    time_scale: float,
+    seed: int,
+) -> dict[str, Any]:
     timing = HumanTiming(time_scale=time_scale)
-    rows = {policy: run_point(preset, nodes, policy, conversations, users, duration_ms, timing, seed)
-            for policy in ("sticky", "symphony")}
-    return {"points": rows, "sticky_max_over_median": rows["sticky"]["max_over_median_load"],
-            "symphony_max_over_median": rows["symphony"]["max_over_median_load"]}
+    rows = {
+        policy: run_point(preset, nodes, policy, conversations, users, duration_ms, timing, seed)
+        for policy in ("sticky", "symphony")
+    }
+    return {
+        "points": rows,
+        "sticky_max_over_median": rows["sticky"]["max_over_median_load"],
+        "symphony_max_over_median": rows["symphony"]["max_over_median_load"],
+    }
 
 
 # (name, policy, predecessor hints)
-AGENT_RUNS = (("symphony", "symphony", True), ("symphony_no_hints", "symphony", False),
-              ("recompute", "recompute", False))
+AGENT_RUNS = (
+    ("symphony", "symphony", True),
+    ("symphony_no_hints", "symphony", False),
+    ("recompute", "recompute", False),
+)
 
 
 def agents(preset: Preset, nodes: int, projects: int, duration_ms: float, seed: int) -> dict[str, Any]:
@@ -213,32 +269,48 @@ def agents(preset: Preset, nodes: int, projects: int, duration_ms: float, seed: 
     points: dict[str, dict[str, Any]] = {}
     for name, policy, hints in AGENT_RUNS:
         sim = ClusterSim(make_policy(policy), engines, preset.link)
-        runs = [ProjectRun(sim, project, hints)
-                for project in agent_projects(projects, stagger_ms=duration_ms, seed=seed)]
+        runs = [
+            ProjectRun(sim, project, hints) for project in agent_projects(projects, stagger_ms=duration_ms, seed=seed)
+        ]
         for run in runs:
             run.start()
         result = sim.run()
         makespans = [run.makespan_ms for run in runs if run.makespan_ms is not None]
         end_ms = max((r.finished_ms or 0.0 for r in result.requests), default=duration_ms)
         row = summarize(result, end_ms)
-        row.update({"projects_finished": len(makespans),
-                    "makespan_ms_mean": statistics.fmean(makespans) if makespans else None,
-                    "makespan_ms_p95": percentile(makespans, 95) if makespans else None})
+        row.update(
+            {
+                "projects_finished": len(makespans),
+                "makespan_ms_mean": statistics.fmean(makespans) if makespans else None,
+                "makespan_ms_p95": percentile(makespans, 95) if makespans else None,
+            }
+        )
         points[name] = row
     ours, base = points["symphony"]["makespan_ms_mean"], points["recompute"]["makespan_ms_mean"]
-    return {"points": points, "projects": projects,
-            "makespan_ratio_vs_recompute": ours / base if ours is not None and base else None}
+    return {
+        "points": points,
+        "projects": projects,
+        "makespan_ratio_vs_recompute": ours / base if ours is not None and base else None,
+    }
 
 
-def trace_replay(preset: Preset, nodes: int, requests: Sequence[TraceRequest], policies: Sequence[str],
-                 ) -> dict[str, Any]:
+def trace_replay(
+    preset: Preset,
+    nodes: int,
+    requests: Sequence[TraceRequest],
+    policies: Sequence[str],
+) -> dict[str, Any]:
     """A recorded trace (`eval.traces`) replayed open loop at its arrival times under each policy:
     the usual figures per policy. Sessions are prefix groups (`eval.traces.sessions_of`); the
     traces carry no advisories."""
-    turns = [Turn(session, r.arrival_ms, r.input_tokens, r.output_tokens)
-             for session, r in zip(sessions_of(list(requests)), requests, strict=True)]
+    turns = [
+        Turn(session, r.arrival_ms, r.input_tokens, r.output_tokens)
+        for session, r in zip(sessions_of(list(requests)), requests, strict=True)
+    ]
     end_ms = max((t.arrival_ms for t in turns), default=0.0) or 1.0
     engines = _engines(preset, nodes)
-    points = {policy: summarize(ClusterSim(make_policy(policy), engines, preset.link).run(turns=turns), end_ms)
-              for policy in policies}
+    points = {
+        policy: summarize(ClusterSim(make_policy(policy), engines, preset.link).run(turns=turns), end_ms)
+        for policy in policies
+    }
     return {"points": points, "requests": len(turns)}

@@ -15,8 +15,15 @@ def _words(text: str) -> int:
     return len(text.split())
 
 
-def _script(conversation: Conversation, session: str, user: UserTiming, start_ms: float, max_answer_tokens: int,
-            after: Script | None, priority: str) -> Script:
+def _script(
+    conversation: Conversation,
+    session: str,
+    user: UserTiming,
+    start_ms: float,
+    max_answer_tokens: int,
+    after: Script | None,
+    priority: str,
+) -> Script:
     steps = []
     previous_answer_words = 0
     for turn in conversation.turns:
@@ -29,9 +36,17 @@ def _script(conversation: Conversation, session: str, user: UserTiming, start_ms
     return Script(session, start_ms, tuple(steps), priority=priority, after=after)
 
 
-def sharegpt_users(conversations: Sequence[Conversation], users: int, timing: HumanTiming, *,
-                   conversations_per_user: int = 4, max_answer_tokens: int = 512, stagger_ms: float = 60_000,
-                   seed: int = 0, high_share: float = 0.0) -> list[Script]:
+def sharegpt_users(
+    conversations: Sequence[Conversation],
+    users: int,
+    timing: HumanTiming,
+    *,
+    conversations_per_user: int = 4,
+    max_answer_tokens: int = 512,
+    stagger_ms: float = 60_000,
+    seed: int = 0,
+    high_share: float = 0.0,
+) -> list[Script]:
     """One script chain per user: `conversations_per_user` conversations (taken in turn from
     `conversations`), the first starting at a random time within `stagger_ms`; `high_share` of the
     users (chosen at random) are high priority, the rest normal."""
@@ -48,8 +63,9 @@ def sharegpt_users(conversations: Sequence[Conversation], users: int, timing: Hu
         chain: Script | None = None
         for k in reversed(range(conversations_per_user)):
             conversation = conversations[(u * conversations_per_user + k) % len(conversations)]
-            chain = _script(conversation, f"u{u}-c{k}", user, start_ms, max_answer_tokens, chain,
-                            "high" if u in high else "normal")
+            chain = _script(
+                conversation, f"u{u}-c{k}", user, start_ms, max_answer_tokens, chain, "high" if u in high else "normal"
+            )
         assert chain is not None
         scripts.append(chain)
     return scripts

@@ -25,8 +25,7 @@ class KVChannelError(Exception):
         self.code = code
 
 
-def registration_frame(tenant: str, session: str, token_ids: Sequence[int] | np.ndarray,
-                       warmup: bool = False) -> bytes:
+def registration_frame(tenant: str, session: str, token_ids: Sequence[int] | np.ndarray, warmup: bool = False) -> bytes:
     """The `register` operation as bytes to send (see `NodeKVClient.register`)."""
     header: dict[str, Any] = {"op": "register", "tenant": tenant, "session": session}
     if warmup:
@@ -94,8 +93,9 @@ class NodeKVClient:
             self.close()
             raise
 
-    def load(self, items: Sequence[dict[str, Any]],
-             timeout_s: float = 30.0) -> tuple[int, Iterator[tuple[int, np.ndarray]]]:
+    def load(
+        self, items: Sequence[dict[str, Any]], timeout_s: float = 30.0
+    ) -> tuple[int, Iterator[tuple[int, np.ndarray]]]:
         """Start a load of `items` ({tenant, session, first_block, count}); returns its id and an
         iterator of (layer, slots), layers in order, slots for every item's blocks concatenated
         (-1: recompute). Read the iterator to its end before any other call, then `release`."""
@@ -124,13 +124,23 @@ class NodeKVClient:
     def release(self, load_id: int) -> None:
         self._call({"op": "release", "id": load_id}, reply=False)
 
-    def reserve(self, tenant: str, session: str, first_block: int, count: int,
-                token_ids: Sequence[int]) -> tuple[int, np.ndarray]:
+    def reserve(
+        self, tenant: str, session: str, first_block: int, count: int, token_ids: Sequence[int]
+    ) -> tuple[int, np.ndarray]:
         """DRAM slots for blocks first_block.. of every layer ([layers, count], -1: no room), for
         the caller to fill; `token_ids` is the session's history through the end of those blocks."""
         request_id = next(self._ids)
-        _, payload = self._call({"op": "reserve", "id": request_id, "tenant": tenant, "session": session,
-                                 "first_block": first_block, "count": count}, ipc_wire.token_payload(token_ids))
+        _, payload = self._call(
+            {
+                "op": "reserve",
+                "id": request_id,
+                "tenant": tenant,
+                "session": session,
+                "first_block": first_block,
+                "count": count,
+            },
+            ipc_wire.token_payload(token_ids),
+        )
         return request_id, ipc_wire.slots_from(payload).reshape(-1, count) if count else np.empty((0, 0), np.int64)
 
     def commit(self, reservation_id: int) -> int:
@@ -139,11 +149,23 @@ class NodeKVClient:
     def abort(self, reservation_id: int) -> None:
         self._call({"op": "abort", "id": reservation_id}, reply=False)
 
-    def report(self, *, prompt_tokens: dict[str, int] | None = None, load_error_blocks: int = 0,
-               layer_waits_s: Sequence[float] = ()) -> None:
+    def report(
+        self,
+        *,
+        prompt_tokens: dict[str, int] | None = None,
+        load_error_blocks: int = 0,
+        layer_waits_s: Sequence[float] = (),
+    ) -> None:
         """Send what only the connector sees to the node's metrics (no reply)."""
-        self._call({"op": "report", "prompt_tokens": prompt_tokens or {}, "load_error_blocks": load_error_blocks,
-                    "layer_waits_s": list(layer_waits_s)}, reply=False)
+        self._call(
+            {
+                "op": "report",
+                "prompt_tokens": prompt_tokens or {},
+                "load_error_blocks": load_error_blocks,
+                "layer_waits_s": list(layer_waits_s),
+            },
+            reply=False,
+        )
 
     def close(self) -> None:
         if self._sock is not None:

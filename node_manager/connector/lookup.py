@@ -59,8 +59,13 @@ class HeldHistory:
 class HistoryLookup:
     """One per scheduler-side connector; not thread-safe (vLLM's scheduler runs on one thread)."""
 
-    def __init__(self, client: NodeKVClient, model: ModelFingerprint, max_sessions: int = MAX_SESSIONS,
-                 max_kept_tokens: int = MAX_KEPT_TOKENS) -> None:
+    def __init__(
+        self,
+        client: NodeKVClient,
+        model: ModelFingerprint,
+        max_sessions: int = MAX_SESSIONS,
+        max_kept_tokens: int = MAX_KEPT_TOKENS,
+    ) -> None:
         """`model`: the fingerprint of the model this engine serves; histories are keyed under it,
         and a node manager that stores another model's KV is refused at `attach`."""
         self._client = client
@@ -75,8 +80,9 @@ class HistoryLookup:
         self._attached_connection = -1  # the client connection whose hello named the index
         self._unsent: list[bytes] = []  # registration frames not sent yet (`send_registrations`)
 
-    def match(self, tenant: str, session: str, token_ids: Sequence[int] | np.ndarray,
-              warmup: bool = False) -> HeldHistory:
+    def match(
+        self, tenant: str, session: str, token_ids: Sequence[int] | np.ndarray, warmup: bool = False
+    ) -> HeldHistory:
         """Register the history with the node manager and look up how much of it the tiers hold.
         Raises OSError (or KVChannelError) when the node manager cannot be reached."""
         tokens = token_array(token_ids)
@@ -85,7 +91,7 @@ class HistoryLookup:
         if len(self._unsent) >= MAX_UNSENT_REGISTRATIONS:
             self.send_registrations()
         known = self._known_keys(tenant, session, tokens)
-        held = list(known[:index.leading(known)])
+        held = list(known[: index.leading(known)])
         if len(held) == len(known):
             # Each new block is looked up as soon as it is hashed, up to the first the index lacks:
             # no block past what the tiers could load is hashed, and a held one costs a slot read.
@@ -94,14 +100,15 @@ class HistoryLookup:
                 if not holds(key):
                     break
                 held.append(key)
-        self._remember(tenant, session, tokens[:len(held) * self._block_size], tuple(held))
+        self._remember(tenant, session, tokens[: len(held) * self._block_size], tuple(held))
         tail, key = self._held_tail(index, tenant, tokens, held)
         if key is not None:
             return HeldHistory(len(held) + 1, (*held, key), tail)
         return HeldHistory(len(held), tuple(held))
 
-    def _held_tail(self, index: BlockIndexReader, tenant: str, tokens: np.ndarray,
-                   held: list[BlockKey]) -> tuple[int, BlockKey | None]:
+    def _held_tail(
+        self, index: BlockIndexReader, tenant: str, tokens: np.ndarray, held: list[BlockKey]
+    ) -> tuple[int, BlockKey | None]:
         """The longest partial block right after the held full blocks that the tiers hold, as
         (tokens, key), (0, None) if none. The earlier turn's tail length is not known here; the
         index lists the lengths held after the last full block in one probe (`tail_key`'s layout),
@@ -114,7 +121,7 @@ class HistoryLookup:
         mark = tail_mark(parent)
         lengths = {tail_length(fp) for fp in index.run_at_home_of(mark) if tail_mark_of(fp) == mark}
         for length in sorted((n for n in lengths if 0 < n <= longest), reverse=True):
-            key = tail_key(parent, tokens[start:start + length])
+            key = tail_key(parent, tokens[start : start + length])
             if index.holds(key):
                 return length, key
         return 0, None
@@ -139,8 +146,7 @@ class HistoryLookup:
         again after a reconnect, a failed send, or when the index file was replaced (the node
         manager closed or restarted). Raises OtherModelError when the node manager stores another
         model's KV than this engine serves."""
-        if (self._index is None or self._attached_connection != self._client.connections
-                or self._index.replaced()):
+        if self._index is None or self._attached_connection != self._client.connections or self._index.replaced():
             hello = self._client.hello()
             check_hello_model(hello, self._model)
             self.close()
@@ -157,7 +163,7 @@ class HistoryLookup:
         if known_tokens is None:
             return ()
         self._kept_tokens -= len(known_tokens)
-        return keys if np.array_equal(known_tokens, tokens[:len(known_tokens)]) else ()
+        return keys if np.array_equal(known_tokens, tokens[: len(known_tokens)]) else ()
 
     def _remember(self, tenant: str, session: str, tokens: np.ndarray, keys: tuple[BlockKey, ...]) -> None:
         self._sessions[(tenant, session)] = (tokens, keys)
@@ -180,5 +186,7 @@ def check_hello_model(hello: dict[str, object], model: ModelFingerprint) -> None
     """Raise OtherModelError unless the node manager's hello names `model` as the one it stores KV of."""
     theirs = str(hello.get("model_fingerprint", ""))
     if theirs != model.hex():
-        raise OtherModelError(f"the node manager stores KV of model {theirs[:12] or 'unknown'}, this engine "
-                              f"serves {model.hex()[:12]}: its tiers are not used")
+        raise OtherModelError(
+            f"the node manager stores KV of model {theirs[:12] or 'unknown'}, this engine "
+            f"serves {model.hex()[:12]}: its tiers are not used"
+        )

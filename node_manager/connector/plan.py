@@ -116,8 +116,9 @@ class ConnectorPlanner:
         state.saved_blocks = max(state.saved_blocks, state.held_full_blocks)  # the store has these already
         return external_tokens(state.held_tokens(self.block_size), local_tokens, num_tokens)
 
-    def allocated(self, request_id: str, block_ids: Sequence[int], external: int,
-                  prompt_tokens: int) -> dict[str, int] | None:
+    def allocated(
+        self, request_id: str, block_ids: Sequence[int], external: int, prompt_tokens: int
+    ) -> dict[str, int] | None:
         """Record the blocks vLLM gave the request and the load they receive. The first time, also
         return where its prompt's KV comes from (tokens per source) for the node's metrics."""
         state = self.requests.get(request_id)
@@ -135,8 +136,13 @@ class ConnectorPlanner:
         loaded = min(external, prompt_tokens - local)
         return {"engine_cache": local, "symphony": loaded, "computed": prompt_tokens - local - loaded}
 
-    def step(self, new: Sequence[tuple[str, Sequence[int]]], cached: Sequence[tuple[str, Sequence[int] | None, bool]],
-             computed_after: dict[str, int], tokens_of: dict[str, Sequence[int]]) -> StepPlan:
+    def step(
+        self,
+        new: Sequence[tuple[str, Sequence[int]]],
+        cached: Sequence[tuple[str, Sequence[int] | None, bool]],
+        computed_after: dict[str, int],
+        tokens_of: dict[str, Sequence[int]],
+    ) -> StepPlan:
         """The loads and saves of one scheduled step.
 
         new: (request id, all block ids) of newly scheduled requests; cached: (request id, new block
@@ -159,12 +165,26 @@ class ConnectorPlanner:
                 tail = state.held_tail if first + count == len(state.held_keys) else 0
                 full = count - (1 if tail else 0)
                 if full:
-                    plan.loads.append(LoadSpec(state.tenant, state.session, first,
-                                               tuple(state.block_ids[first:first + full]),
-                                               state.held_keys[first + full - 1]))
+                    plan.loads.append(
+                        LoadSpec(
+                            state.tenant,
+                            state.session,
+                            first,
+                            tuple(state.block_ids[first : first + full]),
+                            state.held_keys[first + full - 1],
+                        )
+                    )
                 if tail:  # a load of its own: the worker copies it before the forward (`WorkerSide`)
-                    plan.loads.append(LoadSpec(state.tenant, state.session, first + full,
-                                               (state.block_ids[first + full],), state.held_keys[first + full], tail))
+                    plan.loads.append(
+                        LoadSpec(
+                            state.tenant,
+                            state.session,
+                            first + full,
+                            (state.block_ids[first + full],),
+                            state.held_keys[first + full],
+                            tail,
+                        )
+                    )
                 state.saved_blocks = max(state.saved_blocks, first + full)
         for request_id, computed in computed_after.items():
             state = self.requests.get(request_id)
@@ -174,14 +194,22 @@ class ConnectorPlanner:
             full = min(computed, len(tokens), len(state.block_ids) * self.block_size) // self.block_size
             if full > state.saved_blocks:
                 first = state.saved_blocks
-                plan.saves.append(SaveSpec(state.tenant, state.session, first, tuple(state.block_ids[first:full]),
-                                           tuple(tokens[:full * self.block_size])))
+                plan.saves.append(
+                    SaveSpec(
+                        state.tenant,
+                        state.session,
+                        first,
+                        tuple(state.block_ids[first:full]),
+                        tuple(tokens[: full * self.block_size]),
+                    )
+                )
                 state.saved_blocks = full
         plan.tail_saves, self._tail_saves = self._tail_saves, []
         return plan
 
-    def finished(self, request_id: str, computed_tokens: int = 0, token_ids: Sequence[int] = (),
-                 block_ids: Sequence[int] = ()) -> bool:
+    def finished(
+        self, request_id: str, computed_tokens: int = 0, token_ids: Sequence[int] = (), block_ids: Sequence[int] = ()
+    ) -> bool:
         """Forget the request. True if its partial last block is to be saved in the next step (the
         caller keeps its blocks until the worker reports it): `computed_tokens` of `token_ids` have
         KV in vLLM blocks `block_ids`, every full block of them saved already, and the rest is
@@ -194,6 +222,16 @@ class ConnectorPlanner:
             return False
         if state.held_tail and state.held_full_blocks == full and state.held_tail >= tail:
             return False  # the tiers hold this tail already: the turn added nothing to that block
-        self._tail_saves.append(TailSave(request_id, SaveSpec(
-            state.tenant, state.session, full, (block_ids[full],), tuple(token_ids[:full * self.block_size + tail]))))
+        self._tail_saves.append(
+            TailSave(
+                request_id,
+                SaveSpec(
+                    state.tenant,
+                    state.session,
+                    full,
+                    (block_ids[full],),
+                    tuple(token_ids[: full * self.block_size + tail]),
+                ),
+            )
+        )
         return True

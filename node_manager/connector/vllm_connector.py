@@ -83,9 +83,17 @@ class SymphonyConnector(KVConnectorBase_V1):
             # attached by the first request that finds it.
             with contextlib.suppress(OSError, ValueError, KVChannelError):
                 self._lookup.attach()
-        self._worker = (WorkerSide(socket_path, float(extra.get("layer_wait_s", 30.0)), model,
-                                   str(extra.get("page_layout", "")), str(vllm_config.cache_config.cache_dtype))
-                        if role == KVConnectorRole.WORKER else None)
+        self._worker = (
+            WorkerSide(
+                socket_path,
+                float(extra.get("layer_wait_s", 30.0)),
+                model,
+                str(extra.get("page_layout", "")),
+                str(vllm_config.cache_config.cache_dtype),
+            )
+            if role == KVConnectorRole.WORKER
+            else None
+        )
         self._channel_down_logged = False
         self._requests_by_id: dict[str, Request] = {}  # live requests (vLLM adds and finishes each once)
         self._prompt_tokens = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # not yet reported to the node manager
@@ -137,8 +145,9 @@ class SymphonyConnector(KVConnectorBase_V1):
                 self._channel_down_logged = True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        sources = self._planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens,
-                                          request.num_prompt_tokens)
+        sources = self._planner.allocated(
+            request.request_id, blocks.get_block_ids()[0], num_external_tokens, request.num_prompt_tokens
+        )
         for source, tokens in (sources or {}).items():
             self._prompt_tokens[source] += tokens
 
@@ -146,12 +155,16 @@ class SymphonyConnector(KVConnectorBase_V1):
         self._send_registrations()  # before the workers load or save anything of these requests
         new = [(r.req_id, r.block_ids[0]) for r in scheduler_output.scheduled_new_reqs]
         cached_reqs = scheduler_output.scheduled_cached_reqs
-        cached = [(req_id, ids[0] if ids is not None else None, req_id in cached_reqs.resumed_req_ids)
-                  for req_id, ids in zip(cached_reqs.req_ids, cached_reqs.new_block_ids, strict=True)]
+        cached = [
+            (req_id, ids[0] if ids is not None else None, req_id in cached_reqs.resumed_req_ids)
+            for req_id, ids in zip(cached_reqs.req_ids, cached_reqs.new_block_ids, strict=True)
+        ]
         computed_before = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         computed_before.update(zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens, strict=True))
-        computed_after = {req_id: computed_before.get(req_id, 0) + count
-                          for req_id, count in scheduler_output.num_scheduled_tokens.items()}
+        computed_after = {
+            req_id: computed_before.get(req_id, 0) + count
+            for req_id, count in scheduler_output.num_scheduled_tokens.items()
+        }
         tokens_of = {req_id: self._requests_tokens(req_id) for req_id in computed_after}
         plan = self._planner.step(new, cached, computed_after, tokens_of)
         if self._block_pool is not None:  # warm-ups that ended last step: their blocks are free now
@@ -182,12 +195,16 @@ class SymphonyConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         state = self._planner.requests.get(request.request_id)
         if state is not None and state.warmup and self._block_pool is not None:
-            self._warmed.finished((state.tenant, state.session), _priority(request.kv_transfer_params),
-                                  [self._block_pool.blocks[i] for i in block_ids])
+            self._warmed.finished(
+                (state.tenant, state.session),
+                _priority(request.kv_transfer_params),
+                [self._block_pool.blocks[i] for i in block_ids],
+            )
         # Full blocks were copied out within their step; a partial last block is copied in the next
         # step, so vLLM keeps the blocks until the worker reports that copy (`get_finished`).
-        saving_tail = self._planner.finished(request.request_id, request.num_computed_tokens,
-                                             request.all_token_ids, block_ids)
+        saving_tail = self._planner.finished(
+            request.request_id, request.num_computed_tokens, request.all_token_ids, block_ids
+        )
         self._requests_by_id.pop(request.request_id, None)
         return saving_tail, None
 
@@ -207,8 +224,9 @@ class SymphonyConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.wait_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, SymphonyConnectorMetadata)
@@ -246,8 +264,10 @@ def model_from_extra_config(extra: dict[str, Any]) -> ModelFingerprint:
     except ValueError:
         model = b""
     if len(model) != FINGERPRINT_BYTES:
-        raise ValueError("SymphonyConnector needs kv_connector_extra_config.model_fingerprint (64 hex digits, "
-                         f"the node manager's model fingerprint), got {text!r}")
+        raise ValueError(
+            "SymphonyConnector needs kv_connector_extra_config.model_fingerprint (64 hex digits, "
+            f"the node manager's model fingerprint), got {text!r}"
+        )
     return ModelFingerprint(model)
 
 

@@ -93,8 +93,9 @@ class WarmedBlocks:
         return moved
 
     def _file(self, new: _Warmed, queue: FreeQueue) -> int:
-        later = sorted((w for w in self._sessions.values() if (w.key, w.seq) > (new.key, new.seq)),
-                       key=lambda w: (w.key, w.seq))
+        later = sorted(
+            (w for w in self._sessions.values() if (w.key, w.seq) > (new.key, new.seq)), key=lambda w: (w.key, w.seq)
+        )
         batches = [new, *later]
         if sum(len(w.blocks) for w in batches) > self.max_moves:
             log.debug("warmed blocks left in LRU order: too many to move", sessions=len(batches))

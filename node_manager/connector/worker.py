@@ -80,8 +80,14 @@ def cache_page_layout(kv: torch.Tensor, geometry: KVGeometry, kv_cache_dtype: st
 
 
 class WorkerSide:
-    def __init__(self, socket_path: str, layer_wait_s: float, model: ModelFingerprint, declared_layout: str,
-                 kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        layer_wait_s: float,
+        model: ModelFingerprint,
+        declared_layout: str,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         """`model` and `declared_layout`: what the node manager launched this engine for (its model
         fingerprint covers that layout); `register` refuses a cache or a node manager that differs."""
         self._socket_path = socket_path
@@ -105,8 +111,10 @@ class WorkerSide:
         # Commits (reservation ids) and metric reports, in order, for the control thread.
         self._commits: queue.Queue[int | dict[str, Any] | None] = queue.Queue(MAX_PENDING_COMMITS)
         self._loads: queue.Queue[tuple[list[LoadSpec], _StepLoad] | None] = queue.Queue()
-        self._threads = [threading.Thread(target=self._commit_loop, name="symphony-kv-commit", daemon=True),
-                         threading.Thread(target=self._load_loop, name="symphony-kv-load", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._commit_loop, name="symphony-kv-commit", daemon=True),
+            threading.Thread(target=self._load_loop, name="symphony-kv-load", daemon=True),
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -123,26 +131,33 @@ class WorkerSide:
         with self._control_lock:
             hello = self._control.hello()
         check_hello_model(hello, self._model)
-        geometry = KVGeometry(hello["num_layers"], hello["kv_heads"], hello["head_size"], hello["block_size"],
-                              hello["dtype"])
+        geometry = KVGeometry(
+            hello["num_layers"], hello["kv_heads"], hello["head_size"], hello["block_size"], hello["dtype"]
+        )
         if len(ordered) != geometry.num_layers:
             raise ValueError(f"vLLM has {len(ordered)} KV layers, the node manager's store {geometry.num_layers}")
         layout = cache_page_layout(ordered[0][1], geometry, self._kv_cache_dtype)
         if layout != self._declared_layout:
-            raise ValueError(f"vLLM's KV cache is laid out as {layout}, but the model fingerprint was computed for "
-                             f"{self._declared_layout or 'no layout'}; refusing to store its pages under it")
+            raise ValueError(
+                f"vLLM's KV cache is laid out as {layout}, but the model fingerprint was computed for "
+                f"{self._declared_layout or 'no layout'}; refusing to store its pages under it"
+            )
         layers = []
         for name, kv in ordered:
             page_bytes = kv[0].numel() * kv.element_size()
             if page_bytes != geometry.page_bytes or not kv.is_contiguous():
-                raise ValueError(f"{name}: vLLM pages of {page_bytes} bytes (contiguous: {kv.is_contiguous()}) do "
-                                 f"not match the store's {geometry.page_bytes}-byte pages")
+                raise ValueError(
+                    f"{name}: vLLM pages of {page_bytes} bytes (contiguous: {kv.is_contiguous()}) do "
+                    f"not match the store's {geometry.page_bytes}-byte pages"
+                )
             layers.append(kv.view(kv.shape[0], -1).view(torch.int64))  # a page is an opaque row of words
         self._layers = layers
-        self._arena = DramArena.attach(hello["arena"], geometry, hello["arena_bytes"], writable=True,
-                                       pin_for_cuda=layers[0].device.type == "cuda")
-        log.info("Symphony KV connector attached", layers=len(layers), arena=hello["arena"],
-                 page_bytes=geometry.page_bytes)
+        self._arena = DramArena.attach(
+            hello["arena"], geometry, hello["arena_bytes"], writable=True, pin_for_cuda=layers[0].device.type == "cuda"
+        )
+        log.info(
+            "Symphony KV connector attached", layers=len(layers), arena=hello["arena"], page_bytes=geometry.page_bytes
+        )
 
     # ---- loads ------------------------------------------------------------------------------------
 
@@ -211,8 +226,7 @@ class WorkerSide:
         delivered = 0
         try:
             with self._control_lock:
-                load_id, layers = self._control.load([_load_item(spec) for spec in tails],
-                                                     timeout_s=self._layer_wait_s)
+                load_id, layers = self._control.load([_load_item(spec) for spec in tails], timeout_s=self._layer_wait_s)
                 try:
                     for layer, slots in layers:
                         self._copy_in(layer, blocks, slots, arena)
@@ -269,8 +283,9 @@ class WorkerSide:
         for index, spec in enumerate(saves):
             try:
                 with self._control_lock:
-                    reservation, slots = self._control.reserve(spec.tenant, spec.session, spec.first_block,
-                                                               len(spec.block_ids), spec.token_ids)
+                    reservation, slots = self._control.reserve(
+                        spec.tenant, spec.session, spec.first_block, len(spec.block_ids), spec.token_ids
+                    )
             except (OSError, KVChannelError) as exc:
                 log.warning("KV save skipped: no slots from the node manager", error=str(exc))
                 continue
@@ -338,8 +353,13 @@ class WorkerSide:
 
 def _load_item(spec: LoadSpec) -> dict[str, Any]:
     """A load as the node-local channel's `load` operation names it."""
-    item: dict[str, Any] = {"tenant": spec.tenant, "session": spec.session, "first_block": spec.first_block,
-                            "count": len(spec.block_ids), "key": spec.last_key.hex()}
+    item: dict[str, Any] = {
+        "tenant": spec.tenant,
+        "session": spec.session,
+        "first_block": spec.first_block,
+        "count": len(spec.block_ids),
+        "key": spec.last_key.hex(),
+    }
     if spec.tail_tokens:
         item["tail_tokens"] = spec.tail_tokens
     return item

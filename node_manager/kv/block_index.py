@@ -74,7 +74,7 @@ class _Table:
                 self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
             finally:
                 os.close(fd)
-            self._mmap[:_HEADER.size] = _HEADER.pack(_MAGIC, create_slots)
+            self._mmap[: _HEADER.size] = _HEADER.pack(_MAGIC, create_slots)
         else:
             # A reader keeps its descriptor: fstat on it tells whether the file it maps was unlinked.
             self.reader_fd = os.open(path, os.O_RDONLY)

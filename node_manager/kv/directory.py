@@ -75,8 +75,7 @@ class PageDirectory:
         get = self._row_of.get
         return np.fromiter((get(key, NO_COPY) for key in keys), np.int64, len(keys))
 
-    def ensure_row(self, key: BlockKey, owner: SessionKey = _NO_OWNER,
-                   priority: Priority = Priority.NORMAL) -> int:
+    def ensure_row(self, key: BlockKey, owner: SessionKey = _NO_OWNER, priority: Priority = Priority.NORMAL) -> int:
         row = self._row_of.get(key)
         if row is not None:
             return row
@@ -153,5 +152,9 @@ class PageDirectory:
         for row, layer in zip(*np.nonzero(self.ssd_seq >= 0), strict=True):
             key = self.keys[row]
             assert key is not None
-            yield key, int(layer), SsdLocation(int(self.ssd_seq[row, layer]), int(self.ssd_page[row, layer])), \
-                int(self.checksum[row, layer])
+            yield (
+                key,
+                int(layer),
+                SsdLocation(int(self.ssd_seq[row, layer]), int(self.ssd_page[row, layer])),
+                int(self.checksum[row, layer]),
+            )

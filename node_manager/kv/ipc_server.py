@@ -73,8 +73,14 @@ REGISTRATION_WAIT_S = 1.0
 
 
 class LocalKVServer:
-    def __init__(self, store: TieredStore, path: Path, max_connections: int = MAX_CONNECTIONS,
-                 prefetches: PrefetchQueue | None = None, registration_wait_s: float = REGISTRATION_WAIT_S) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        path: Path,
+        max_connections: int = MAX_CONNECTIONS,
+        prefetches: PrefetchQueue | None = None,
+        registration_wait_s: float = REGISTRATION_WAIT_S,
+    ) -> None:
         self.store = store
         self.registration_wait_s = registration_wait_s
         self.loads_awaiting_registration = 0  # loads waiting right now for their session's registration
@@ -114,8 +120,10 @@ class LocalKVServer:
                     self._connections.add(conn)
             if full:
                 with contextlib.suppress(OSError):
-                    ipc_wire.send(sock, {"op": "error", "code": "busy",
-                                         "message": f"more than {self._max_connections} connections"})
+                    ipc_wire.send(
+                        sock,
+                        {"op": "error", "code": "busy", "message": f"more than {self._max_connections} connections"},
+                    )
                 sock.close()
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="kv-ipc-conn", daemon=True).start()
@@ -169,12 +177,22 @@ class LocalKVServer:
         op = message["op"]
         if op == "hello":
             g = self.store.geometry
-            ipc_wire.send(conn.sock, {"op": "hello", "arena": self.store.dram.name,
-                                      "block_index": self.store.block_index.name,
-                                      "arena_bytes": self.store.config.dram_bytes, "num_layers": g.num_layers,
-                                      "kv_heads": g.kv_heads, "head_size": g.head_size,
-                                      "block_size": g.block_size, "dtype": g.dtype, "page_bytes": g.page_bytes,
-                                      "model_fingerprint": self.store.model.hex()})
+            ipc_wire.send(
+                conn.sock,
+                {
+                    "op": "hello",
+                    "arena": self.store.dram.name,
+                    "block_index": self.store.block_index.name,
+                    "arena_bytes": self.store.config.dram_bytes,
+                    "num_layers": g.num_layers,
+                    "kv_heads": g.kv_heads,
+                    "head_size": g.head_size,
+                    "block_size": g.block_size,
+                    "dtype": g.dtype,
+                    "page_bytes": g.page_bytes,
+                    "model_fingerprint": self.store.model.hex(),
+                },
+            )
         elif op == "register":
             tenant, session = _str(message, "tenant"), _str(message, "session")
             self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
@@ -248,8 +266,17 @@ class LocalKVServer:
         items = message["items"]
         if not isinstance(items, list) or len(items) > MAX_LOAD_ITEMS:
             raise InvalidRequest(f"'items' must be a list of at most {MAX_LOAD_ITEMS} loads")
-        parsed = [(_str(item, "tenant"), _str(item, "session"), _int(item, "first_block"), _int(item, "count"),
-                   _block_key(item), _optional_int(item, "tail_tokens")) for item in items]
+        parsed = [
+            (
+                _str(item, "tenant"),
+                _str(item, "session"),
+                _int(item, "first_block"),
+                _int(item, "count"),
+                _block_key(item),
+                _optional_int(item, "tail_tokens"),
+            )
+            for item in items
+        ]
         deadline = time.monotonic() + float(message.get("timeout_s", DEFAULT_LOAD_TIMEOUT_S))
         layers = list(range(self.store.geometry.num_layers))
         pins: list[DramPin] = []
@@ -257,12 +284,14 @@ class LocalKVServer:
         whole: dict[int, np.ndarray] = {}  # item -> [count, layers] slots, pinned up front
         promoting: dict[int, Any] = {}  # item -> LayerwiseLoad into DRAM
         for index, (tenant, session, first, count, key, tail) in enumerate(parsed):
-            self._await_registration(tenant, session, first, count, key, tail,
-                                     min(deadline, time.monotonic() + self.registration_wait_s))
+            self._await_registration(
+                tenant, session, first, count, key, tail, min(deadline, time.monotonic() + self.registration_wait_s)
+            )
             try:
                 # All or nothing: a partly held item is counted (hits, misses) by its load below, once.
-                pin = self.store.pin_dram(tenant, session, first, count, layers, whole=True, last_key=key,
-                                          tail_tokens=tail)
+                pin = self.store.pin_dram(
+                    tenant, session, first, count, layers, whole=True, last_key=key, tail_tokens=tail
+                )
             except KVStoreError as exc:
                 log.info("KV load item not served; the engine recomputes it", session=session, error=str(exc))
                 whole[index] = np.full((count, len(layers)), -1, np.int64)
@@ -272,8 +301,9 @@ class LocalKVServer:
                 whole[index] = pin.slots
                 continue
             try:
-                promoting[index] = self.store.load(tenant, session, first, count, target=Tier.DRAM, last_key=key,
-                                                   tail_tokens=tail)
+                promoting[index] = self.store.load(
+                    tenant, session, first, count, target=Tier.DRAM, last_key=key, tail_tokens=tail
+                )
             except KVStoreError:
                 whole[index] = np.full((count, len(layers)), -1, np.int64)
         delivered = [np.ones(item[3], bool) for item in parsed]  # blocks with every layer so far
@@ -287,8 +317,9 @@ class LocalKVServer:
                 with contextlib.suppress(concurrent.futures.TimeoutError, KVStoreError, OSError):
                     promoting[index].layer_ready(layer).result(max(0.0, deadline - time.monotonic()))
                 try:
-                    pin = self.store.pin_dram(tenant, session, first, count, [layer], record_reads=False,
-                                              last_key=key, tail_tokens=tail)
+                    pin = self.store.pin_dram(
+                        tenant, session, first, count, [layer], record_reads=False, last_key=key, tail_tokens=tail
+                    )
                 except KVStoreError:
                     parts.append(np.full(count, -1, np.int64))
                     continue
@@ -299,15 +330,27 @@ class LocalKVServer:
             last = layer == layers[-1]
             if last:  # counted before the worker can finish the step: a client sees it with its answer
                 self._count_loaded(delivered, promoting, [item[5] for item in parsed])
-            ipc_wire.send(conn.sock, {"op": "layer", "id": request_id, "layer": layer, "last": last},
-                          np.ascontiguousarray(slots, dtype=np.int64).tobytes())
+            ipc_wire.send(
+                conn.sock,
+                {"op": "layer", "id": request_id, "layer": layer, "last": last},
+                np.ascontiguousarray(slots, dtype=np.int64).tobytes(),
+            )
 
-    def _await_registration(self, tenant: str, session: str, first: int, count: int, last_key: bytes | None,
-                            tail_tokens: int, deadline: float) -> None:
+    def _await_registration(
+        self,
+        tenant: str,
+        session: str,
+        first: int,
+        count: int,
+        last_key: bytes | None,
+        tail_tokens: int,
+        deadline: float,
+    ) -> None:
         """Wait until the session is registered with blocks first.. (`TieredStore.addresses`), or
         until `deadline`. The scheduler side registers a request's history on its own connection
         without waiting for an answer, so the worker's load of it can come first. Past the deadline
         the load goes ahead: what the store cannot match is recomputed."""
+
         def registered() -> bool:
             return self.store.addresses(tenant, session, first, count, last_key, tail_tokens)
 
@@ -346,8 +389,9 @@ class LocalKVServer:
         reservations: list[PageReservation | None] = []
         try:
             for layer in range(self.store.geometry.num_layers):
-                reservations.append(self.store.reserve_pages(tenant, session, layer, first, count, last_key,
-                                                             tail_tokens=tail))
+                reservations.append(
+                    self.store.reserve_pages(tenant, session, layer, first, count, last_key, tail_tokens=tail)
+                )
         except BaseException:
             self._release(reservations)
             raise

@@ -51,8 +51,9 @@ class LayerwiseLoad:
     def __init__(self, num_layers: int, first_block: int, num_blocks: int) -> None:
         self.first_block = first_block
         self.num_blocks = num_blocks
-        self.layers: list[concurrent.futures.Future[LayerResult]] = [concurrent.futures.Future()
-                                                                     for _ in range(num_layers)]
+        self.layers: list[concurrent.futures.Future[LayerResult]] = [
+            concurrent.futures.Future() for _ in range(num_layers)
+        ]
         self._finished: dict[int, LayerResult | BaseException] = {}
         self._next = 0
         self._delivering = False
@@ -155,12 +156,19 @@ def row_views(tensor: torch.Tensor, rows: Sequence[int], row_bytes: int) -> list
     """Byte views of rows of a contiguous CPU tensor, as slices of one view of the whole tensor: a
     view per row through `tensor[row].numpy()` costs ~5 us, a third of a page's read from a warm disk."""
     flat = memoryview(tensor.numpy()).cast("B")
-    return [flat[row * row_bytes:(row + 1) * row_bytes] for row in rows]
+    return [flat[row * row_bytes : (row + 1) * row_bytes] for row in rows]
 
 
-def read_verified_pages(ssd: SsdTier, segments: Mapping[int, Segment], layer: int, keys: Sequence[BlockKey],
-                        seqs: Sequence[int], pages: Sequence[int], checksums: Sequence[int],
-                        views: Sequence[memoryview]) -> dict[int, str]:
+def read_verified_pages(
+    ssd: SsdTier,
+    segments: Mapping[int, Segment],
+    layer: int,
+    keys: Sequence[BlockKey],
+    seqs: Sequence[int],
+    pages: Sequence[int],
+    checksums: Sequence[int],
+    views: Sequence[memoryview],
+) -> dict[int, str]:
     """Read page i of `layer` (entry `pages[i]` of segment `seqs[i]`) into `views[i]` and check it
     against `checksums[i]` (keyed by `keys[i]`). Returns {i: "io_error" | "checksum"} for the pages
     that failed; their views hold unverified bytes, which the caller must not deliver. A segment's
@@ -216,8 +224,9 @@ def _openmp_libraries() -> list[ctypes.CDLL]:
 def copy_lanes(count: int) -> concurrent.futures.ThreadPoolExecutor:
     """`count` lane threads, all started now: a pool that spawns its threads on first use would add
     thread start-up (milliseconds) to the first layer of the first loads."""
-    lanes = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="kv-lane",
-                                                  initializer=single_threaded_torch)
+    lanes = concurrent.futures.ThreadPoolExecutor(
+        count, thread_name_prefix="kv-lane", initializer=single_threaded_torch
+    )
     started = threading.Barrier(count + 1)
     for _ in range(count):  # each task blocks until all are running, so each gets its own thread
         lanes.submit(started.wait, 30)
@@ -237,9 +246,19 @@ class StripedLoad:
     bookkeeping for a finished layer (unpin, install, metrics) and returns its result;
     `after_first(plan)` runs once the load's first layer is delivered."""
 
-    def __init__(self, handle: LayerwiseLoad, order: list[int], lanes: concurrent.futures.Executor, stripes: int,
-                 pools: dict[Tier, torch.Tensor], ssd: SsdTier, page_words: int, plan: Callable[[int], LayerPlan],
-                 finalize: Callable[[LayerPlan], LayerResult], after_first: Callable[[LayerPlan], None]) -> None:
+    def __init__(
+        self,
+        handle: LayerwiseLoad,
+        order: list[int],
+        lanes: concurrent.futures.Executor,
+        stripes: int,
+        pools: dict[Tier, torch.Tensor],
+        ssd: SsdTier,
+        page_words: int,
+        plan: Callable[[int], LayerPlan],
+        finalize: Callable[[LayerPlan], LayerResult],
+        after_first: Callable[[LayerPlan], None],
+    ) -> None:
         self.handle = handle
         self._lanes = lanes
         self.order = order
@@ -355,14 +374,22 @@ class StripedLoad:
         verifying each page's checksum; a page that fails is zeroed and reported, never delivered."""
         dest = plan.dest
         direct = dest.device.type == "cpu" and dest.is_contiguous()
-        staging = dest if direct else torch.empty(len(positions), self._page_words, dtype=torch.int64,
-                                                  pin_memory=dest.device.type == "cuda")
+        staging = (
+            dest
+            if direct
+            else torch.empty(len(positions), self._page_words, dtype=torch.int64, pin_memory=dest.device.type == "cuda")
+        )
         staging_rows = plan.rows[positions].tolist() if direct else list(range(len(positions)))
         failed = read_verified_pages(
-            self._ssd, self._ssd.segments, plan.layer, [plan.keys[plan.index[j]] for j in positions],
-            plan.where[positions].tolist(), plan.ssd_page[positions].tolist(),
+            self._ssd,
+            self._ssd.segments,
+            plan.layer,
+            [plan.keys[plan.index[j]] for j in positions],
+            plan.where[positions].tolist(),
+            plan.ssd_page[positions].tolist(),
             plan.checksums[positions].tolist(),  # stable: the pages are pinned
-            row_views(staging, staging_rows, self._page_words * 8))
+            row_views(staging, staging_rows, self._page_words * 8),
+        )
         bad = {positions[k]: reason for k, reason in failed.items()}
         if direct:
             for k in failed:

@@ -59,8 +59,15 @@ class MemoryLoad:
     slots) and runs once every lane is done, before the last layer is delivered, so a consumer that
     has all layers also sees the pins released. A cancelled load skips the layers not yet started."""
 
-    def __init__(self, handle: LayerwiseLoad, prepared: PreparedDramLoad, pool: torch.Tensor,
-                 executor: concurrent.futures.Executor, lanes: int, on_copied: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        handle: LayerwiseLoad,
+        prepared: PreparedDramLoad,
+        pool: torch.Tensor,
+        executor: concurrent.futures.Executor,
+        lanes: int,
+        on_copied: Callable[[int], None],
+    ) -> None:
         self.handle = handle
         self.prepared = prepared
         self._pool = pool

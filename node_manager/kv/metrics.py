@@ -17,74 +17,122 @@ class KVMetrics:
         r = self.registry
         self.tier_bytes = Gauge("symphony_kv_tier_bytes", "Bytes of KV pages held per tier", ["tier"], registry=r)
         self.tier_pages = Gauge("symphony_kv_tier_pages", "KV pages held per tier", ["tier"], registry=r)
-        self.tier_capacity = Gauge("symphony_kv_tier_capacity_bytes", "Configured capacity per tier", ["tier"],
-                                   registry=r)
-        self.hits = Counter("symphony_kv_load_hits_total", "Pages a load found, by the tier that served them",
-                            ["tier"], registry=r)
+        self.tier_capacity = Gauge(
+            "symphony_kv_tier_capacity_bytes", "Configured capacity per tier", ["tier"], registry=r
+        )
+        self.hits = Counter(
+            "symphony_kv_load_hits_total", "Pages a load found, by the tier that served them", ["tier"], registry=r
+        )
         self.misses = Counter("symphony_kv_load_misses_total", "Pages a load found in no tier", registry=r)
-        self.load_errors = Counter("symphony_kv_load_errors_total", "Pages that could not be loaded", ["reason"],
-                                   registry=r)
-        self.evictions = Counter("symphony_kv_evictions_total", "Page copies evicted, by tier and reason",
-                                 ["tier", "reason"], registry=r)
-        self.last_copy_dropped = Counter("symphony_kv_last_copy_dropped_total",
-                                         "Pages dropped with no copy left in any tier", ["reason"], registry=r)
-        self.save_degraded = Counter("symphony_kv_save_degraded_total",
-                                     "Pages a save could not keep (or not persist), by reason", ["reason"],
-                                     registry=r)
-        self.io_bytes = Counter("symphony_kv_io_bytes_total", "Bytes moved, by tier and direction",
-                                ["tier", "direction"], registry=r)
-        self.io_seconds = Histogram("symphony_kv_io_seconds", "Duration of one I/O batch, by tier and direction",
-                                    ["tier", "direction"], buckets=_IO_BUCKETS, registry=r)
+        self.load_errors = Counter(
+            "symphony_kv_load_errors_total", "Pages that could not be loaded", ["reason"], registry=r
+        )
+        self.evictions = Counter(
+            "symphony_kv_evictions_total", "Page copies evicted, by tier and reason", ["tier", "reason"], registry=r
+        )
+        self.last_copy_dropped = Counter(
+            "symphony_kv_last_copy_dropped_total", "Pages dropped with no copy left in any tier", ["reason"], registry=r
+        )
+        self.save_degraded = Counter(
+            "symphony_kv_save_degraded_total",
+            "Pages a save could not keep (or not persist), by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.io_bytes = Counter(
+            "symphony_kv_io_bytes_total", "Bytes moved, by tier and direction", ["tier", "direction"], registry=r
+        )
+        self.io_seconds = Histogram(
+            "symphony_kv_io_seconds",
+            "Duration of one I/O batch, by tier and direction",
+            ["tier", "direction"],
+            buckets=_IO_BUCKETS,
+            registry=r,
+        )
         self.prefetches = Counter("symphony_kv_prefetches_total", "Prefetches by outcome", ["outcome"], registry=r)
-        self.prefetch_lead = Histogram("symphony_kv_prefetch_lead_seconds",
-                                       "Prefetch deadline minus completion time (negative: late)",
-                                       buckets=_LEAD_BUCKETS, registry=r)
-        self.segments_damaged = Counter("symphony_kv_ssd_segments_damaged_total",
-                                        "Segment files dropped at index rebuild as damaged", registry=r)
+        self.prefetch_lead = Histogram(
+            "symphony_kv_prefetch_lead_seconds",
+            "Prefetch deadline minus completion time (negative: late)",
+            buckets=_LEAD_BUCKETS,
+            registry=r,
+        )
+        self.segments_damaged = Counter(
+            "symphony_kv_ssd_segments_damaged_total", "Segment files dropped at index rebuild as damaged", registry=r
+        )
         self.segments_other_model = Counter(
             "symphony_kv_ssd_segments_other_model_total",
             "Segment files of another model (fingerprint) found at index rebuild and not loaded: dropped, or kept "
-            "on disk for a rollback (kv.ssd_keep_other_models)", ["action"], registry=r)
+            "on disk for a rollback (kv.ssd_keep_other_models)",
+            ["action"],
+            registry=r,
+        )
         self.other_model_segments = Gauge(
             "symphony_kv_ssd_other_model_segments",
-            "Segment files of other models kept on disk, not loaded (evicted first when room is needed)", registry=r)
-        self.peer_pages = Counter("symphony_kv_peer_pages_total", "Pages received from peers, by outcome",
-                                  ["outcome"], registry=r)
+            "Segment files of other models kept on disk, not loaded (evicted first when room is needed)",
+            registry=r,
+        )
+        self.peer_pages = Counter(
+            "symphony_kv_peer_pages_total", "Pages received from peers, by outcome", ["outcome"], registry=r
+        )
         self.peer_refused = Counter(
             "symphony_kv_peer_refused_total",
             "Page pulls refused because the two nodes serve different models (fingerprints), by side: "
-            "sender (this node refused a peer) or receiver (this node refused a peer's pages)", ["side"], registry=r)
+            "sender (this node refused a peer) or receiver (this node refused a peer's pages)",
+            ["side"],
+            registry=r,
+        )
 
         # The vLLM connector's view (served over the node-local KV channel, reported by its sides).
         self.connector_tokens_loaded = Counter(
             "symphony_connector_tokens_loaded_total",
             "Prompt tokens the connector loaded into vLLM instead of computing, by the tier that served them "
-            "(SSD: the load promoted pages from SSD)", ["tier"], registry=r)
+            "(SSD: the load promoted pages from SSD)",
+            ["tier"],
+            registry=r,
+        )
         self.connector_prompt_tokens = Counter(
             "symphony_connector_prompt_tokens_total",
             "Prompt tokens of requests vLLM admitted, by where their KV came from: engine_cache (vLLM's own "
-            "prefix cache), symphony (loaded from the node's tiers), computed (prefilled)", ["source"], registry=r)
+            "prefix cache), symphony (loaded from the node's tiers), computed (prefilled)",
+            ["source"],
+            registry=r,
+        )
         self.connector_tail_tokens_saved = Counter(
             "symphony_connector_tail_tokens_saved_total",
-            "Tokens of finished turns' partial last blocks saved for the next turn to load", registry=r)
+            "Tokens of finished turns' partial last blocks saved for the next turn to load",
+            registry=r,
+        )
         self.connector_load_errors = Counter(
             "symphony_connector_load_error_blocks_total",
-            "vLLM blocks whose planned load failed and were recomputed instead", registry=r)
+            "vLLM blocks whose planned load failed and were recomputed instead",
+            registry=r,
+        )
         self.connector_layer_wait = Histogram(
-            "symphony_connector_layer_wait_seconds", "Time the forward pass waited for one layer's KV to load",
-            buckets=_LAYER_WAIT_BUCKETS, registry=r)
+            "symphony_connector_layer_wait_seconds",
+            "Time the forward pass waited for one layer's KV to load",
+            buckets=_LAYER_WAIT_BUCKETS,
+            registry=r,
+        )
         self.prefetch_arrivals = Counter(
             "symphony_kv_prefetch_arrivals_total",
             "Requests for a session with a prefetch, by whether its KV was all in the prefetch's target tier "
-            "when the request arrived (ready) or not", ["ready"], registry=r)
+            "when the request arrived (ready) or not",
+            ["ready"],
+            registry=r,
+        )
 
         self.engine_warmups = Counter(
             "symphony_engine_warmups_total",
             "Top-tier prefetches' warm-up requests, by outcome: cached (the engine's prefix cache took the "
-            "history), skipped (engine busy or not ready), failed", ["outcome"], registry=r)
+            "history), skipped (engine busy or not ready), failed",
+            ["outcome"],
+            registry=r,
+        )
         self.engine_warmup_tokens = Counter(
             "symphony_engine_warmup_cached_tokens_total",
-            "History tokens warm-ups left in the engine's prefix cache", registry=r)
+            "History tokens warm-ups left in the engine's prefix cache",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

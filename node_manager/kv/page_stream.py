@@ -173,8 +173,9 @@ class PageStreamServer:
             with self._streams_lock:
                 self._streams.pop(threading.current_thread(), None)
 
-    def _describe_session(self, conn: socket.socket,
-                          opening: kv_pb2.FetchPagesRequest) -> kv_pb2.FetchPagesRequest | None:
+    def _describe_session(
+        self, conn: socket.socket, opening: kv_pb2.FetchPagesRequest
+    ) -> kv_pb2.FetchPagesRequest | None:
         """Send the session's status; return the range request that follows (None: the receiver hung up)."""
         status = session_status(self._store, *_session_of(opening), token_ids=True)
         body = status.SerializeToString()
@@ -183,8 +184,11 @@ class PageStreamServer:
             request = _read_request(conn)
         except ConnectionError:
             return None
-        if (request.session != opening.session or request.with_session
-                or request.model_fingerprint != opening.model_fingerprint):
+        if (
+            request.session != opening.session
+            or request.with_session
+            or request.model_fingerprint != opening.model_fingerprint
+        ):
             raise ProtocolError("the range request must name the session just described, once, for the same model")
         return request
 
@@ -226,14 +230,16 @@ class PageStreamServer:
                 data = memoryview(staging[layer].numpy()).cast("B")
                 for start, stop in loaded_runs(result, chunk_start, count, per_message):
                     self._send_header(conn, layer, chunk_start + start, checksums[start:stop, layer])
-                    conn.sendall(data[start * page_bytes:stop * page_bytes])
+                    conn.sendall(data[start * page_bytes : stop * page_bytes])
         finally:
             handle.cancel()  # a stream that stops early starts no further copies
 
     def _send_header(self, conn: socket.socket, layer: int, first_block: int, checksums: np.ndarray) -> None:
         """A PAGES frame up to its page bytes, which the caller sends next."""
-        conn.sendall(_FRAME.pack(PAGES, layer, first_block, len(checksums), self._store.geometry.page_bytes)
-                     + checksums.tobytes())
+        conn.sendall(
+            _FRAME.pack(PAGES, layer, first_block, len(checksums), self._store.geometry.page_bytes)
+            + checksums.tobytes()
+        )
 
     def close(self) -> None:
         self._closed.set()
@@ -292,8 +298,15 @@ class StreamOutcome:
 Plan = Callable[[kv_pb2.SessionStatus], kv_pb2.FetchPagesRequest | None]
 
 
-def fetch_pages(store: TieredStore, host: str, port: int, request: kv_pb2.FetchPagesRequest,
-                timeout_s: float, stop: threading.Event | None = None, plan: Plan | None = None) -> StreamOutcome:
+def fetch_pages(
+    store: TieredStore,
+    host: str,
+    port: int,
+    request: kv_pb2.FetchPagesRequest,
+    timeout_s: float,
+    stop: threading.Event | None = None,
+    plan: Plan | None = None,
+) -> StreamOutcome:
     """Read one page stream into `store` (blocking; run it off the event loop); `stop` set ends it
     at the next frame. Raises OSError only if no connection could be made, so the caller can fall
     back to gRPC; everything after that is an outcome, partial or complete.
@@ -360,8 +373,13 @@ def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
     raise error or OSError(f"no address for {host}:{port}")
 
 
-def _receive(sock: socket.socket, store: TieredStore, request: kv_pb2.FetchPagesRequest, outcome: StreamOutcome,
-             stop: threading.Event) -> str:
+def _receive(
+    sock: socket.socket,
+    store: TieredStore,
+    request: kv_pb2.FetchPagesRequest,
+    outcome: StreamOutcome,
+    stop: threading.Event,
+) -> str:
     """Read frames into reserved DRAM slots until the sender's END. Each frame's pages are
     checksummed as soon as they are in (still in the CPU cache: measured ~15% faster than later)
     and installed a few layers at a time (one install for the layers of a block range costs about
@@ -380,8 +398,14 @@ def _install(store: TieredStore, verified: list[VerifiedPages], outcome: StreamO
     outcome.stored += store.install_verified(batch)
 
 
-def _receive_frames(sock: socket.socket, store: TieredStore, request: kv_pb2.FetchPagesRequest,
-                    outcome: StreamOutcome, stop: threading.Event, verified: list[VerifiedPages]) -> str:
+def _receive_frames(
+    sock: socket.socket,
+    store: TieredStore,
+    request: kv_pb2.FetchPagesRequest,
+    outcome: StreamOutcome,
+    stop: threading.Event,
+    verified: list[VerifiedPages],
+) -> str:
     page_bytes = store.geometry.page_bytes
     max_pages = pages_per_message(page_bytes)
     header = bytearray(_FRAME.size)
@@ -397,8 +421,10 @@ def _receive_frames(sock: socket.socket, store: TieredStore, request: kv_pb2.Fet
                 raise ProtocolError(f"error message of {extra} bytes")
             return _recv_bytes(sock, extra).decode(errors="replace") if extra else ""
         if kind != PAGES or extra != page_bytes or not 0 < count <= max_pages:
-            raise ProtocolError(f"bad frame: kind {kind}, {count} pages of {extra} bytes "
-                                f"(expected pages of {page_bytes} bytes, at most {max_pages})")
+            raise ProtocolError(
+                f"bad frame: kind {kind}, {count} pages of {extra} bytes "
+                f"(expected pages of {page_bytes} bytes, at most {max_pages})"
+            )
         if first_block < request.first_block or (end and first_block + count > end):
             raise ProtocolError(f"bad frame: blocks {first_block}..{first_block + count - 1} were not asked for")
         checksums = np.frombuffer(_recv_bytes(sock, count * 8), "<u8").tolist()
@@ -434,7 +460,7 @@ def _recv_checksummed(sock: socket.socket, store: TieredStore, reservation: Page
     for view in store.reserved_views(reservation):
         got = checked = 0
         while got < len(view):
-            n = sock.recv_into(view[got:got + RECEIVE_CHUNK_BYTES])
+            n = sock.recv_into(view[got : got + RECEIVE_CHUNK_BYTES])
             if n == 0:
                 raise ConnectionError("peer closed the page stream")
             got += n
@@ -448,6 +474,6 @@ def _recv_checksummed(sock: socket.socket, store: TieredStore, reservation: Page
 def _discard(sock: socket.socket, size: int) -> None:
     scratch = memoryview(bytearray(min(size, 1 << 20)))
     while size:
-        chunk = scratch[:min(size, len(scratch))]
+        chunk = scratch[: min(size, len(scratch))]
         _recv_exactly(sock, chunk)
         size -= len(chunk)

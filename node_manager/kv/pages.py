@@ -59,5 +59,7 @@ def run_checksums(block_keys: Sequence[BlockKey], layer: int, data: memoryview, 
         return []
     layer_bytes = _LAYER.pack(layer)
     digest = xxhash.xxh3_64_intdigest
-    return [digest(data[offset:offset + page_bytes], digest(key + layer_bytes))
-            for offset, key in zip(range(0, len(block_keys) * page_bytes, page_bytes), block_keys, strict=True)]
+    return [
+        digest(data[offset : offset + page_bytes], digest(key + layer_bytes))
+        for offset, key in zip(range(0, len(block_keys) * page_bytes, page_bytes), block_keys, strict=True)
+    ]

@@ -83,8 +83,17 @@ class PrefetchQueueFull(KVStoreError):
 
 
 class PrefetchQueue:
-    def __init__(self, store: TieredStore, metrics: KVMetrics, puller: Puller | None, *, max_pending: int,
-                 concurrency: int, max_finished: int = 4096, warm: Warm | None = None) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        metrics: KVMetrics,
+        puller: Puller | None,
+        *,
+        max_pending: int,
+        concurrency: int,
+        max_finished: int = 4096,
+        warm: Warm | None = None,
+    ) -> None:
         self._store = store
         self._metrics = metrics
         self._puller = puller
@@ -102,8 +111,15 @@ class PrefetchQueue:
         self._wake = asyncio.Event()
         self._workers = [asyncio.create_task(self._work(), name=f"kv-prefetch-{i}") for i in range(concurrency)]
 
-    def submit(self, session: SessionKey, target: Tier, deadline_s: float, priority: Priority,
-               source_peer: str = "", engine_salt: str = "") -> PrefetchJob:
+    def submit(
+        self,
+        session: SessionKey,
+        target: Tier,
+        deadline_s: float,
+        priority: Priority,
+        source_peer: str = "",
+        engine_salt: str = "",
+    ) -> PrefetchJob:
         """Queue a prefetch (or return the session's active one to `target`, whose engine salt stays)."""
         existing = self._active.get((session, target))
         if existing is not None:
@@ -115,8 +131,9 @@ class PrefetchQueue:
             return existing
         if len(self._active) >= self._max_pending:
             raise PrefetchQueueFull(f"{len(self._active)} prefetches pending (kv.max_pending_prefetches)")
-        job = PrefetchJob(uuid.uuid4().hex, session, target, time.monotonic() + deadline_s, priority, source_peer,
-                          engine_salt)
+        job = PrefetchJob(
+            uuid.uuid4().hex, session, target, time.monotonic() + deadline_s, priority, source_peer, engine_salt
+        )
         self._active[(session, target)] = job
         self._jobs[job.id] = job
         with self._arrival_lock:
@@ -223,10 +240,17 @@ class PrefetchQueue:
         job.lead_time_s = job.deadline - now
         self._active.pop((job.session, job.target), None)
         # Debug: lines up a prefetch's work on the node with the requests it overlapped.
-        log.debug("prefetch finished", session=job.session[1], target=job.target.name, state=state,
-                  pages=job.pages_in_target, from_peer=job.pages_from_peer, engine_cached=job.engine_cached_tokens,
-                  ran_ms=round((now - job.started_at) * 1000, 1) if job.started_at else None,
-                  lead_s=round(job.lead_time_s, 2))
+        log.debug(
+            "prefetch finished",
+            session=job.session[1],
+            target=job.target.name,
+            state=state,
+            pages=job.pages_in_target,
+            from_peer=job.pages_from_peer,
+            engine_cached=job.engine_cached_tokens,
+            ran_ms=round((now - job.started_at) * 1000, 1) if job.started_at else None,
+            lead_s=round(job.lead_time_s, 2),
+        )
         self._metrics.prefetches.labels(state).inc()
         if state in (DONE, PARTIAL):
             self._metrics.prefetch_lead.observe(job.lead_time_s)

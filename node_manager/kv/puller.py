@@ -29,8 +29,9 @@ log = get_logger("node_manager.kv.puller")
 class PeerPuller:
     """Pulls sessions from peer node managers over long-lived channels (one per peer)."""
 
-    def __init__(self, store: TieredStore, timeout_s: float, max_peers: int = 256,
-                 use_page_stream: bool = True) -> None:
+    def __init__(
+        self, store: TieredStore, timeout_s: float, max_peers: int = 256, use_page_stream: bool = True
+    ) -> None:
         self._store = store
         self._timeout_s = timeout_s
         self._max_peers = max_peers
@@ -60,8 +61,9 @@ class PeerPuller:
         """Open the channel to `peer` now and learn where its page stream listens, so the first pull
         pays neither the connection set-up (a TCP and HTTP/2 handshake) nor a status round trip while
         a request may be waiting on it."""
-        info = await self._stub(peer).GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=timeout_s or self._timeout_s,
-                                                   wait_for_ready=True)
+        info = await self._stub(peer).GetStoreInfo(
+            kv_pb2.StoreInfoRequest(), timeout=timeout_s or self._timeout_s, wait_for_ready=True
+        )
         self._data_ports[peer] = info.data_port
 
     async def pull(self, tenant: str, session_id: str, peer: str) -> kv_pb2.PullReply:
@@ -98,12 +100,23 @@ class PeerPuller:
             self._store.metrics.peer_pages.labels("stored").inc(reply.pages_received)
             self._store.metrics.peer_pages.labels("rejected").inc(reply.pages_rejected)
         if reply.error:
-            log.warning("KV pull from peer stopped early", peer=peer, session=session_id,
-                        received=reply.pages_received, expected=reply.pages_expected, error=reply.error)
+            log.warning(
+                "KV pull from peer stopped early",
+                peer=peer,
+                session=session_id,
+                received=reply.pages_received,
+                expected=reply.pages_expected,
+                error=reply.error,
+            )
         return reply
 
-    def _plan(self, ref: kv_pb2.SessionRef, remote: kv_pb2.SessionStatus, reply: kv_pb2.PullReply,
-              tail: list[kv_pb2.FetchPagesRequest]) -> kv_pb2.FetchPagesRequest | None:
+    def _plan(
+        self,
+        ref: kv_pb2.SessionRef,
+        remote: kv_pb2.SessionStatus,
+        reply: kv_pb2.PullReply,
+        tail: list[kv_pb2.FetchPagesRequest],
+    ) -> kv_pb2.FetchPagesRequest | None:
         """Register the session as the peer describes it and choose the blocks to fetch: from the
         first one no local tier holds to the end of what the peer can deliver (None: nothing). The
         peer's partial last block, when it has one and this node not, goes into `tail` (fetched
@@ -118,20 +131,31 @@ class PeerPuller:
         wanted = remote.loadable_prefix_blocks - first
         layers = self._store.geometry.num_layers
         reply.pages_expected = wanted * layers
-        if (remote.loadable_tail_tokens and remote.loadable_prefix_blocks == record.blocks.num_blocks
-                and self._store.loadable_tail_tokens(tenant, session_id) < remote.loadable_tail_tokens):
-            tail.append(kv_pb2.FetchPagesRequest(session=ref, first_block=record.blocks.num_blocks, num_blocks=1,
-                                                 tail_tokens=remote.loadable_tail_tokens,
-                                                 model_fingerprint=self._store.model))
+        if (
+            remote.loadable_tail_tokens
+            and remote.loadable_prefix_blocks == record.blocks.num_blocks
+            and self._store.loadable_tail_tokens(tenant, session_id) < remote.loadable_tail_tokens
+        ):
+            tail.append(
+                kv_pb2.FetchPagesRequest(
+                    session=ref,
+                    first_block=record.blocks.num_blocks,
+                    num_blocks=1,
+                    tail_tokens=remote.loadable_tail_tokens,
+                    model_fingerprint=self._store.model,
+                )
+            )
             reply.pages_expected += layers
         if wanted <= 0:
             reply.complete = record.blocks.num_blocks <= start and not tail
             return None
-        return kv_pb2.FetchPagesRequest(session=ref, first_block=first, num_blocks=wanted,
-                                        model_fingerprint=self._store.model)
+        return kv_pb2.FetchPagesRequest(
+            session=ref, first_block=first, num_blocks=wanted, model_fingerprint=self._store.model
+        )
 
-    async def _pull_with_session(self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply,
-                                 tail: list[kv_pb2.FetchPagesRequest]) -> bool:
+    async def _pull_with_session(
+        self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply, tail: list[kv_pb2.FetchPagesRequest]
+    ) -> bool:
         """The pull over one page stream connection that first describes the session; False (nothing
         done) if the peer's stream port is unknown or the stream gave no session status."""
         port = self._data_ports.get(peer, 0) if self._use_page_stream else 0
@@ -156,11 +180,13 @@ class PeerPuller:
             reply.error = f"peer {peer}: {outcome.error}"
         return True
 
-    async def _pull_after_status(self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply,
-                                 tail: list[kv_pb2.FetchPagesRequest]) -> None:
+    async def _pull_after_status(
+        self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply, tail: list[kv_pb2.FetchPagesRequest]
+    ) -> None:
         try:
             remote = await self._stub(peer).GetSessionStatus(
-                kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True), timeout=self._timeout_s)
+                kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True), timeout=self._timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             reply.error = f"peer {peer}: {exc.code().name}: {exc.details()}"
             return
@@ -178,8 +204,9 @@ class PeerPuller:
         if outcome is None or not self._took(peer, outcome, reply):
             await self._pull_grpc(peer, request, reply)
 
-    async def _stream(self, peer: str, port: int, request: kv_pb2.FetchPagesRequest,
-                      plan: Plan | None = None) -> StreamOutcome | None:
+    async def _stream(
+        self, peer: str, port: int, request: kv_pb2.FetchPagesRequest, plan: Plan | None = None
+    ) -> StreamOutcome | None:
         """Run one page stream on a thread; None if the peer's stream cannot be reached."""
         host = peer.rpartition(":")[0]
         stop = threading.Event()

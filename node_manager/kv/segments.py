@@ -79,8 +79,9 @@ def encode_header(seq: int, page_bytes: int, model: ModelFingerprint, entries: l
         raise ValueError(f"a model fingerprint is {FINGERPRINT_BYTES} bytes, got {len(model)}")
     table = b"".join(_ENTRY.pack(e.block_key, e.layer, e.checksum) for e in entries)
     length = header_length(len(entries))
-    fixed = _FIXED.pack(MAGIC, VERSION, 0, page_bytes, len(entries), seq, length, 0,
-                        xxhash.xxh3_64_intdigest(model + table), model)
+    fixed = _FIXED.pack(
+        MAGIC, VERSION, 0, page_bytes, len(entries), seq, length, 0, xxhash.xxh3_64_intdigest(model + table), model
+    )
     return (fixed + table).ljust(length, b"\x00")
 
 
@@ -112,7 +113,7 @@ def parse_header(data: bytes) -> SegmentHeader:
     if len(data) < _FIXED.size + count * _ENTRY.size:
         raise SegmentFormatError("truncated entry table")
     _, _, _, page_bytes, _, seq, _, _, table_crc, model = _FIXED.unpack_from(data)
-    table = data[_FIXED.size:_FIXED.size + count * _ENTRY.size]
+    table = data[_FIXED.size : _FIXED.size + count * _ENTRY.size]
     if xxhash.xxh3_64_intdigest(model + table) != table_crc:
         raise SegmentFormatError("entry table checksum mismatch")
     entries = tuple(SegmentEntry(BlockKey(key), layer, crc) for key, layer, crc in _ENTRY.iter_unpack(table))

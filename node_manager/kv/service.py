@@ -36,9 +36,14 @@ MAX_DEADLINE_MS = 24 * 3600 * 1000
 MAX_SALT_CHARS = 256  # a cache_salt names a tenant or user; anything longer is a mistake
 DEMOTE_FLUSH_TIMEOUT_S = 30.0
 _PEER = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
-_STATE_TO_PROTO = {QUEUED: kv_pb2.PREFETCH_STATE_QUEUED, RUNNING: kv_pb2.PREFETCH_STATE_RUNNING,
-                   DONE: kv_pb2.PREFETCH_STATE_DONE, PARTIAL: kv_pb2.PREFETCH_STATE_PARTIAL,
-                   CANCELLED: kv_pb2.PREFETCH_STATE_CANCELLED, FAILED: kv_pb2.PREFETCH_STATE_FAILED}
+_STATE_TO_PROTO = {
+    QUEUED: kv_pb2.PREFETCH_STATE_QUEUED,
+    RUNNING: kv_pb2.PREFETCH_STATE_RUNNING,
+    DONE: kv_pb2.PREFETCH_STATE_DONE,
+    PARTIAL: kv_pb2.PREFETCH_STATE_PARTIAL,
+    CANCELLED: kv_pb2.PREFETCH_STATE_CANCELLED,
+    FAILED: kv_pb2.PREFETCH_STATE_FAILED,
+}
 _TIER_FROM_PROTO = {kv_pb2.TIER_HBM: Tier.HBM, kv_pb2.TIER_DRAM: Tier.DRAM, kv_pb2.TIER_SSD: Tier.SSD}
 _TIER_TO_PROTO = {v: k for k, v in _TIER_FROM_PROTO.items()}
 
@@ -84,27 +89,40 @@ _CLIENT_ERRORS = (_Invalid, InvalidRequest, SessionNotFound, StoreBusy, Prefetch
 
 
 class KVStoreService(kv_pb2_grpc.KVStoreServicer):
-    def __init__(self, node_id: str, store: TieredStore, prefetches: PrefetchQueue, puller: PeerPuller,
-                 data_port: int = 0) -> None:
+    def __init__(
+        self, node_id: str, store: TieredStore, prefetches: PrefetchQueue, puller: PeerPuller, data_port: int = 0
+    ) -> None:
         self.node_id = node_id
         self.data_port = data_port
         self.store = store
         self.prefetches = prefetches
         self.puller = puller
 
-    async def GetStoreInfo(self, request: kv_pb2.StoreInfoRequest, context: grpc.aio.ServicerContext
-                           ) -> kv_pb2.StoreInfo:
+    async def GetStoreInfo(
+        self, request: kv_pb2.StoreInfoRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.StoreInfo:
         g = self.store.geometry
         c = self.store.config
-        return kv_pb2.StoreInfo(node_id=self.node_id, num_layers=g.num_layers, kv_heads=g.kv_heads,
-                                head_size=g.head_size, block_size=g.block_size, dtype=g.dtype,
-                                page_bytes=g.page_bytes, dram_arena_name=self.store.dram.name,
-                                dram_arena_slots=self.store.dram.num_slots, hbm_capacity_bytes=c.hbm_bytes,
-                                dram_capacity_bytes=c.dram_bytes, ssd_capacity_bytes=c.ssd_bytes,
-                                data_port=self.data_port, model_fingerprint=c.model)
+        return kv_pb2.StoreInfo(
+            node_id=self.node_id,
+            num_layers=g.num_layers,
+            kv_heads=g.kv_heads,
+            head_size=g.head_size,
+            block_size=g.block_size,
+            dtype=g.dtype,
+            page_bytes=g.page_bytes,
+            dram_arena_name=self.store.dram.name,
+            dram_arena_slots=self.store.dram.num_slots,
+            hbm_capacity_bytes=c.hbm_bytes,
+            dram_capacity_bytes=c.dram_bytes,
+            ssd_capacity_bytes=c.ssd_bytes,
+            data_port=self.data_port,
+            model_fingerprint=c.model,
+        )
 
-    async def PutSession(self, request: kv_pb2.PutSessionRequest, context: grpc.aio.ServicerContext
-                         ) -> kv_pb2.SessionStatus:
+    async def PutSession(
+        self, request: kv_pb2.PutSessionRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.SessionStatus:
         try:
             tenant, session_id = _session(request.session)
             self.store.put_session(tenant, session_id, list(request.token_ids), _priority(request.priority))
@@ -113,8 +131,9 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             await _abort_for(context, exc)
             raise AssertionError("unreachable") from None
 
-    async def GetSessionStatus(self, request: kv_pb2.SessionStatusRequest, context: grpc.aio.ServicerContext
-                               ) -> kv_pb2.SessionStatus:
+    async def GetSessionStatus(
+        self, request: kv_pb2.SessionStatusRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.SessionStatus:
         try:
             tenant, session_id = _session(request.session)
             return self._status(tenant, session_id, request.include_token_ids, request.include_dram_slots)
@@ -122,8 +141,9 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             await _abort_for(context, exc)
             raise AssertionError("unreachable") from None
 
-    async def DemoteSession(self, request: kv_pb2.DemoteRequest, context: grpc.aio.ServicerContext
-                            ) -> kv_pb2.SessionStatus:
+    async def DemoteSession(
+        self, request: kv_pb2.DemoteRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.SessionStatus:
         try:
             tenant, session_id = _session(request.session)
             tier = _TIER_FROM_PROTO.get(request.tier)
@@ -145,16 +165,21 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             prefix = 0
             while prefix < num_blocks and all(layer[prefix] for layer in layers):
                 prefix += 1
-            status.tiers.append(kv_pb2.TierResidency(tier=_TIER_TO_PROTO[tier],
-                                                     blocks_per_layer=[sum(layer) for layer in layers],
-                                                     complete_prefix_blocks=prefix))
+            status.tiers.append(
+                kv_pb2.TierResidency(
+                    tier=_TIER_TO_PROTO[tier],
+                    blocks_per_layer=[sum(layer) for layer in layers],
+                    complete_prefix_blocks=prefix,
+                )
+            )
         if slots:
             for layer in self.store.dram_slots(tenant, session_id):
                 status.dram_slots.extend(layer)
         return status
 
-    async def WritePages(self, request_iterator: AsyncIterator[kv_pb2.PageBatch],
-                         context: grpc.aio.ServicerContext) -> kv_pb2.WritePagesReply:
+    async def WritePages(
+        self, request_iterator: AsyncIterator[kv_pb2.PageBatch], context: grpc.aio.ServicerContext
+    ) -> kv_pb2.WritePagesReply:
         reply = kv_pb2.WritePagesReply()
         try:
             async for batch in request_iterator:
@@ -166,13 +191,15 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             await _abort_for(context, exc)
         return reply
 
-    async def FetchPages(self, request: kv_pb2.FetchPagesRequest, context: grpc.aio.ServicerContext
-                         ) -> AsyncIterator[kv_pb2.PageBatch]:
+    async def FetchPages(
+        self, request: kv_pb2.FetchPagesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kv_pb2.PageBatch]:
         try:
             tenant, session_id = _session(request.session)
             self.store.check_model(request.model_fingerprint, "sender")
-            async for batch in stream_pages(self.store, tenant, session_id, request.first_block,
-                                            request.num_blocks or None, request.tail_tokens):
+            async for batch in stream_pages(
+                self.store, tenant, session_id, request.first_block, request.num_blocks or None, request.tail_tokens
+            ):
                 yield batch
         except _CLIENT_ERRORS as exc:
             await _abort_for(context, exc)
@@ -187,8 +214,9 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             await _abort_for(context, exc)
             raise AssertionError("unreachable") from None
 
-    async def Prefetch(self, request: kv_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
-                       ) -> kv_pb2.PrefetchStatus:
+    async def Prefetch(
+        self, request: kv_pb2.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.PrefetchStatus:
         try:
             tenant, session_id = _session(request.session)
             target = _TIER_FROM_PROTO.get(request.target_tier)
@@ -204,23 +232,32 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
                 raise _Invalid(f"engine_cache_salt is longer than {MAX_SALT_CHARS} characters")
             if not peer:
                 self.store.session(tenant, session_id)  # NOT_FOUND now rather than a failed job later
-            job = self.prefetches.submit((tenant, session_id), target, request.deadline_ms / 1000,
-                                         _priority(request.priority) or Priority.NORMAL, peer, salt)
+            job = self.prefetches.submit(
+                (tenant, session_id),
+                target,
+                request.deadline_ms / 1000,
+                _priority(request.priority) or Priority.NORMAL,
+                peer,
+                salt,
+            )
         except _CLIENT_ERRORS as exc:
             await _abort_for(context, exc)
             raise AssertionError("unreachable") from None
         return await self._report(job, request.wait_ms)
 
-    async def GetPrefetch(self, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
-                          ) -> kv_pb2.PrefetchStatus:
+    async def GetPrefetch(
+        self, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.PrefetchStatus:
         return await self._report_known(self.prefetches.get(request.prefetch_id), request, context)
 
-    async def CancelPrefetch(self, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
-                             ) -> kv_pb2.PrefetchStatus:
+    async def CancelPrefetch(
+        self, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.PrefetchStatus:
         return await self._report_known(self.prefetches.cancel(request.prefetch_id), request, context)
 
-    async def _report_known(self, job: PrefetchJob | None, request: kv_pb2.PrefetchRef,
-                            context: grpc.aio.ServicerContext) -> kv_pb2.PrefetchStatus:
+    async def _report_known(
+        self, job: PrefetchJob | None, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.PrefetchStatus:
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no prefetch {request.prefetch_id!r}")
         assert job is not None
@@ -230,8 +267,14 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
         if wait_ms:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(job.finished.wait(), min(wait_ms, MAX_DEADLINE_MS) / 1000)
-        return kv_pb2.PrefetchStatus(prefetch_id=job.id, state=_STATE_TO_PROTO[job.state],
-                                     pages_in_target=job.pages_in_target, pages_failed=job.pages_failed,
-                                     pages_from_peer=job.pages_from_peer,
-                                     lead_time_ms=int(job.lead_time_s * 1000), error=job.error,
-                                     engine_cached_tokens=job.engine_cached_tokens, engine_note=job.engine_note)
+        return kv_pb2.PrefetchStatus(
+            prefetch_id=job.id,
+            state=_STATE_TO_PROTO[job.state],
+            pages_in_target=job.pages_in_target,
+            pages_failed=job.pages_failed,
+            pages_from_peer=job.pages_from_peer,
+            lead_time_ms=int(job.lead_time_s * 1000),
+            error=job.error,
+            engine_cached_tokens=job.engine_cached_tokens,
+            engine_note=job.engine_note,
+        )

@@ -40,8 +40,9 @@ def consecutive_runs(slots: Sequence[int] | np.ndarray) -> list[tuple[int, int]]
     return list(itertools.pairwise([0, *breaks, len(slots)])) if len(slots) else []
 
 
-def paired_runs(dst_rows: Sequence[int] | np.ndarray, src_rows: Sequence[int] | np.ndarray
-                ) -> list[tuple[int, int, int]]:
+def paired_runs(
+    dst_rows: Sequence[int] | np.ndarray, src_rows: Sequence[int] | np.ndarray
+) -> list[tuple[int, int, int]]:
     """(first destination row, first source row, rows) of each stretch where both sides run on by
     one; found with array operations (once per layer of every load)."""
     dst_at = np.asarray(dst_rows, dtype=np.int64)
@@ -53,8 +54,9 @@ def paired_runs(dst_rows: Sequence[int] | np.ndarray, src_rows: Sequence[int] | 
     return list(zip(dst_at[starts].tolist(), src_at[starts].tolist(), counts.tolist(), strict=True))
 
 
-def copy_rows(dst: torch.Tensor, dst_rows: Sequence[int] | np.ndarray, src: torch.Tensor,
-              src_rows: Sequence[int] | np.ndarray) -> None:
+def copy_rows(
+    dst: torch.Tensor, dst_rows: Sequence[int] | np.ndarray, src: torch.Tensor, src_rows: Sequence[int] | np.ndarray
+) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] for all i.
 
     Runs where both sides are consecutive become slice copies (memcpy speed: slot allocation and
@@ -70,7 +72,7 @@ def copy_rows(dst: torch.Tensor, dst_rows: Sequence[int] | np.ndarray, src: torc
     runs = paired_runs(dst_at, src_at)
     if len(runs) * 4 <= len(dst_at) or len(runs) <= 2:
         for d, s, count in runs:
-            dst[d:d + count].copy_(src[s:s + count], non_blocking=True)
+            dst[d : d + count].copy_(src[s : s + count], non_blocking=True)
         return
     src_index = torch.from_numpy(src_at).to(src.device)
     dst_index = torch.from_numpy(dst_at).to(dst.device)
@@ -92,8 +94,8 @@ class SlotAllocator:
         """`count` slots, or None (and nothing taken) if fewer are free."""
         if count > len(self._free):
             return None
-        taken = self._free[len(self._free) - count:]
-        del self._free[len(self._free) - count:]
+        taken = self._free[len(self._free) - count :]
+        del self._free[len(self._free) - count :]
         return taken[::-1]
 
     def release(self, slots: list[int]) -> None:
@@ -119,7 +121,7 @@ def _populate(mapping: mmap.mmap, *, write: bool, required: bool) -> None:
             raise
     view = memoryview(mapping)
     try:
-        view[::mmap.PAGESIZE] = bytes(len(range(0, len(view), mmap.PAGESIZE)))  # fresh file: zeros stay zeros
+        view[:: mmap.PAGESIZE] = bytes(len(range(0, len(view), mmap.PAGESIZE)))  # fresh file: zeros stay zeros
     finally:
         view.release()
 
@@ -132,8 +134,16 @@ class DramArena:
     the mapping is registered as pinned host memory so copies to the device run as async DMA.
     """
 
-    def __init__(self, name: str, geometry: KVGeometry, capacity_bytes: int, *, create: bool = True,
-                 pin_for_cuda: bool = False, writable: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        geometry: KVGeometry,
+        capacity_bytes: int,
+        *,
+        create: bool = True,
+        pin_for_cuda: bool = False,
+        writable: bool = True,
+    ) -> None:
         self.name = name
         self.geometry = geometry
         self.num_slots = capacity_bytes // geometry.page_bytes
@@ -146,9 +156,11 @@ class DramArena:
             stat = os.statvfs(_SHM_DIR)
             if size > stat.f_bavail * stat.f_frsize:
                 # Populating more than /dev/shm holds would fail later with SIGBUS; say so now.
-                raise OSError(f"the DRAM arena needs {size >> 20} MiB but {_SHM_DIR} has "
-                              f"{stat.f_bavail * stat.f_frsize >> 20} MiB free; lower kv.dram_bytes or "
-                              "enlarge /dev/shm (docker: --shm-size)")
+                raise OSError(
+                    f"the DRAM arena needs {size >> 20} MiB but {_SHM_DIR} has "
+                    f"{stat.f_bavail * stat.f_frsize >> 20} MiB free; lower kv.dram_bytes or "
+                    "enlarge /dev/shm (docker: --shm-size)"
+                )
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         else:
             fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)
@@ -166,8 +178,11 @@ class DramArena:
             except OSError as exc:
                 self._mmap.close()
                 self.path.unlink(missing_ok=True)
-                raise OSError(exc.errno, f"could not allocate the {size >> 20} MiB DRAM arena in {_SHM_DIR} "
-                                         f"({exc.strerror}); lower kv.dram_bytes or enlarge /dev/shm") from None
+                raise OSError(
+                    exc.errno,
+                    f"could not allocate the {size >> 20} MiB DRAM arena in {_SHM_DIR} "
+                    f"({exc.strerror}); lower kv.dram_bytes or enlarge /dev/shm",
+                ) from None
         else:
             # This process's own page tables: without them its first pass over each page faults
             # (measured: a 64 MiB copy took 51 ms instead of 7).
@@ -191,15 +206,16 @@ class DramArena:
                 log.warning("could not pin the DRAM arena; host-device copies will be synchronous", arena=name)
 
     @classmethod
-    def attach(cls, name: str, geometry: KVGeometry, capacity_bytes: int, writable: bool = False,
-               pin_for_cuda: bool = False) -> DramArena:
+    def attach(
+        cls, name: str, geometry: KVGeometry, capacity_bytes: int, writable: bool = False, pin_for_cuda: bool = False
+    ) -> DramArena:
         """Map an existing arena (the consumer side, e.g. the vLLM worker). Writable for a process
         that fills slots the store reserved for it (`reserve_pages`); read-only otherwise."""
         return cls(name, geometry, capacity_bytes, create=False, writable=writable, pin_for_cuda=pin_for_cuda)
 
     def run_view(self, first_slot: int, count: int) -> memoryview:
         """The bytes of `count` consecutive slots from `first_slot`."""
-        return self._bytes[first_slot * self._page_bytes:(first_slot + count) * self._page_bytes]
+        return self._bytes[first_slot * self._page_bytes : (first_slot + count) * self._page_bytes]
 
     def close(self) -> None:
         if self.pinned:

@@ -67,9 +67,17 @@ class SsdLoad:
     is done, before the last layer is delivered, so a consumer that has all layers also sees the pins
     released. A cancelled load skips the layers not yet started."""
 
-    def __init__(self, handle: LayerwiseLoad, prepared: PreparedSsdLoad, ssd: SsdTier,
-                 executor: concurrent.futures.Executor, lanes: int, page_bytes: int,
-                 after_first: Callable[[], None], on_read: Callable[[int, list[BadPage]], None]) -> None:
+    def __init__(
+        self,
+        handle: LayerwiseLoad,
+        prepared: PreparedSsdLoad,
+        ssd: SsdTier,
+        executor: concurrent.futures.Executor,
+        lanes: int,
+        page_bytes: int,
+        after_first: Callable[[], None],
+        on_read: Callable[[int, list[BadPage]], None],
+    ) -> None:
         self.handle = handle
         self.prepared = prepared
         self._ssd = ssd
@@ -159,9 +167,15 @@ class SsdLoad:
         prepared = self.prepared
         layer = prepared.order[position]
         failed = read_verified_pages(
-            self._ssd, prepared.segments, layer, prepared.keys, prepared.seqs[:, position].tolist(),
-            prepared.pages[:, position].tolist(), prepared.checksums[:, position].tolist(),
-            row_views(prepared.tensors[layer], prepared.rows.tolist(), self._page_bytes))
+            self._ssd,
+            prepared.segments,
+            layer,
+            prepared.keys,
+            prepared.seqs[:, position].tolist(),
+            prepared.pages[:, position].tolist(),
+            prepared.checksums[:, position].tolist(),
+            row_views(prepared.tensors[layer], prepared.rows.tolist(), self._page_bytes),
+        )
         bad = [BadPage(position, block, reason) for block, reason in failed.items()]
         if bad:
             self._zero_rows(position, [page.block for page in bad])  # never leave unverified bytes

@@ -96,8 +96,16 @@ class RebuildReport:
 
 
 class SsdTier:
-    def __init__(self, directory: Path, page_bytes: int, capacity_bytes: int, model: ModelFingerprint, *,
-                 direct_io: bool = False, keep_other_models: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        page_bytes: int,
+        capacity_bytes: int,
+        model: ModelFingerprint,
+        *,
+        direct_io: bool = False,
+        keep_other_models: bool = False,
+    ) -> None:
         """`model`: the fingerprint of the model whose pages this tier holds; segments of any other
         are never loaded. At `rebuild` they are deleted, or with `keep_other_models` left on disk
         unloaded (for a rollback to that model) as the least recently used segments: they count
@@ -156,15 +164,24 @@ class SsdTier:
                 continue
             headers.append((header, path))
         if report.outdated:
-            log.warning("dropped KV segments written in an older format; their sessions recompute",
-                        segments=report.outdated, directory=str(self.directory))
+            log.warning(
+                "dropped KV segments written in an older format; their sessions recompute",
+                segments=report.outdated,
+                directory=str(self.directory),
+            )
         if report.other_models:
-            log.warning("KV segments of another model were not loaded" + (
-                "; kept on disk for a rollback (kv.ssd_keep_other_models)" if self.keep_other_models else
-                "; deleted (kv.ssd_keep_other_models = true keeps them for a rollback)"),
+            log.warning(
+                "KV segments of another model were not loaded"
+                + (
+                    "; kept on disk for a rollback (kv.ssd_keep_other_models)"
+                    if self.keep_other_models
+                    else "; deleted (kv.ssd_keep_other_models = true keeps them for a rollback)"
+                ),
                 segments=sum(report.other_models.values()),
                 their_models=",".join(fp.hex()[:12] for fp in sorted(report.other_models)),
-                this_model=self.model.hex()[:12], directory=str(self.directory))
+                this_model=self.model.hex()[:12],
+                directory=str(self.directory),
+            )
         # Kept segments first: the least recently used, so the first evicted when room is needed.
         for header, path in sorted(foreign, key=lambda hp: hp[0].seq):
             self._add(Segment(header, path))
@@ -279,8 +296,11 @@ class SsdTier:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._direct = False
-                log.info("the SSD tier writes through the page cache: O_DIRECT was refused",
-                         directory=str(self.directory), error=str(exc))
+                log.info(
+                    "the SSD tier writes through the page cache: O_DIRECT was refused",
+                    directory=str(self.directory),
+                    error=str(exc),
+                )
                 self._write_file(tmp, header, pages, 0)
         else:
             self._write_file(tmp, header, pages, 0)

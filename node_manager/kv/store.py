@@ -110,10 +110,18 @@ class StoreConfig:
 
     def validate(self) -> None:
         if not 0 <= self.hbm_bytes <= self.dram_bytes <= self.ssd_bytes:
-            raise ValueError("KV tier capacities must satisfy 0 <= hbm_bytes <= dram_bytes <= ssd_bytes "
-                             f"(got {self.hbm_bytes}, {self.dram_bytes}, {self.ssd_bytes})")
-        for name in ("io_threads", "max_inflight_jobs", "segment_max_bytes", "ssd_writers", "max_sessions",
-                     "max_session_tokens"):
+            raise ValueError(
+                "KV tier capacities must satisfy 0 <= hbm_bytes <= dram_bytes <= ssd_bytes "
+                f"(got {self.hbm_bytes}, {self.dram_bytes}, {self.ssd_bytes})"
+            )
+        for name in (
+            "io_threads",
+            "max_inflight_jobs",
+            "segment_max_bytes",
+            "ssd_writers",
+            "max_sessions",
+            "max_session_tokens",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KV store: {name} must be positive")
         if self.write_behind_max_delay_s < 0:
@@ -180,8 +188,14 @@ class TieredStore:
         self.hbm = DevicePool(geometry, config.hbm_bytes, config.device)
         self.dram = DramArena(config.arena_name, geometry, config.dram_bytes, pin_for_cuda=config.device != "cpu")
         # The arena's pages are page-aligned, so the write-behind may use O_DIRECT straight from them.
-        self.ssd = SsdTier(config.ssd_dir, geometry.page_bytes, config.ssd_bytes, config.model, direct_io=True,
-                           keep_other_models=config.ssd_keep_other_models)
+        self.ssd = SsdTier(
+            config.ssd_dir,
+            geometry.page_bytes,
+            config.ssd_bytes,
+            config.model,
+            direct_io=True,
+            keep_other_models=config.ssd_keep_other_models,
+        )
         # Blocks complete in some tier, for the connector to look up without asking (block_index). A
         # complete block has a page per layer, so the tiers' pages bound how many there can be.
         total_pages = (config.hbm_bytes + config.dram_bytes + config.ssd_bytes) // geometry.page_bytes
@@ -205,9 +219,14 @@ class TieredStore:
         self._closed = False
         # Looked up once: a labelled child costs a lock and a dict lookup, on every layer of a load.
         self._hits = {tier: self.metrics.hits.labels(tier.name) for tier in Tier}
-        self._io_metrics = {(tier, direction): (self.metrics.io_bytes.labels(tier.name, direction),
-                                                self.metrics.io_seconds.labels(tier.name, direction))
-                            for tier in Tier for direction in ("read", "write")}
+        self._io_metrics = {
+            (tier, direction): (
+                self.metrics.io_bytes.labels(tier.name, direction),
+                self.metrics.io_seconds.labels(tier.name, direction),
+            )
+            for tier in Tier
+            for direction in ("read", "write")
+        }
         capacities = {Tier.HBM: config.hbm_bytes, Tier.DRAM: config.dram_bytes, Tier.SSD: config.ssd_bytes}
         for tier, capacity in capacities.items():
             self.metrics.tier_capacity.labels(tier.name).set(capacity)
@@ -215,8 +234,10 @@ class TieredStore:
         # More than one writer keeps the device busy while another segment waits on its fsync: one
         # writer left it idle between segments and persisted a 47 MB save at about half the speed of
         # one plain write + fsync of the same bytes.
-        self._writers = [threading.Thread(target=self._write_behind_loop, name=f"kv-write-behind-{i}", daemon=True)
-                         for i in range(config.ssd_writers)]
+        self._writers = [
+            threading.Thread(target=self._write_behind_loop, name=f"kv-write-behind-{i}", daemon=True)
+            for i in range(config.ssd_writers)
+        ]
         for writer in self._writers:
             writer.start()
 
@@ -232,20 +253,24 @@ class TieredStore:
             self.metrics.peer_refused.labels(side).inc()
             who = "the requester" if side == "sender" else "the peer"
             shown = fingerprint.hex()[:12] if fingerprint else "none"
-            raise ModelMismatch(f"{who} serves model {shown}, this node {self.config.model.hex()[:12]}: "
-                                "KV never moves between different models")
+            raise ModelMismatch(
+                f"{who} serves model {shown}, this node {self.config.model.hex()[:12]}: "
+                "KV never moves between different models"
+            )
 
     # ---- sessions ---------------------------------------------------------------------------------
 
-    def put_session(self, tenant: str, session_id: str, token_ids: Sequence[int],
-                    priority: Priority | None = None) -> SessionRecord:
+    def put_session(
+        self, tenant: str, session_id: str, token_ids: Sequence[int], priority: Priority | None = None
+    ) -> SessionRecord:
         """Register a session's token history (or extend it). A history that does not extend the
         stored one (an edited conversation) replaces it; its keys are recomputed."""
         if not tenant or not session_id:
             raise InvalidRequest("tenant and session_id must be non-empty")
         if len(token_ids) > self.config.max_session_tokens:
-            raise InvalidRequest(f"{len(token_ids)} tokens exceed kv.max_session_tokens "
-                                 f"({self.config.max_session_tokens})")
+            raise InvalidRequest(
+                f"{len(token_ids)} tokens exceed kv.max_session_tokens ({self.config.max_session_tokens})"
+            )
         key = (tenant, session_id)
         try:
             tokens = token_array(token_ids)
@@ -253,8 +278,14 @@ class TieredStore:
             raise InvalidRequest(f"bad token ids: {exc}") from None
         with self._lock:
             record = self._sessions.get(key)
-        blocks = chain_after(self.config.model, tenant, tokens, self.geometry.block_size,
-                             record.token_ids if record else None, record.blocks if record else None)
+        blocks = chain_after(
+            self.config.model,
+            tenant,
+            tokens,
+            self.geometry.block_size,
+            record.token_ids if record else None,
+            record.blocks if record else None,
+        )
         with self._lock:
             old = self._sessions.get(key)
             new_priority = priority if priority is not None else (old.priority if old else Priority.NORMAL)
@@ -276,8 +307,15 @@ class TieredStore:
             self._sessions.move_to_end(record.key)
             return record
 
-    def addresses(self, tenant: str, session_id: str, first_block: int, count: int, last_key: BlockKey | None,
-                  tail_tokens: int = 0) -> bool:
+    def addresses(
+        self,
+        tenant: str,
+        session_id: str,
+        first_block: int,
+        count: int,
+        last_key: BlockKey | None,
+        tail_tokens: int = 0,
+    ) -> bool:
         """Whether the registered history has blocks first_block.. (the last a partial one of
         `tail_tokens` tokens, if given), the last of them keyed `last_key` if given: a load can be
         served. False for an unknown session or another history."""
@@ -332,7 +370,7 @@ class TieredStore:
             d = self._directory
             ids = d.rows(record.blocks.block_keys)
             unknown = np.flatnonzero(ids < 0)
-            known = ids[:unknown[0]] if len(unknown) else ids  # the prefix ends at the first unknown block
+            known = ids[: unknown[0]] if len(unknown) else ids  # the prefix ends at the first unknown block
             complete = d.complete_rows(known)
             return int(np.argmin(complete)) if not complete.all() else len(known)
 
@@ -388,15 +426,16 @@ class TieredStore:
             record = self.session(tenant, session_id)
             self._check_range(record, 0, first_block, count)
             d = self._directory
-            ids = d.rows(record.blocks.block_keys[first_block:first_block + count])
+            ids = d.rows(record.blocks.block_keys[first_block : first_block + count])
             out = np.zeros((count, self.geometry.num_layers), np.uint64)
             known = ids >= 0
             out[known] = d.checksum[ids[known]]
             return out
 
     @contextlib.contextmanager
-    def pinned_dram_pages(self, tenant: str, session_id: str, first_block: int,
-                          count: int) -> Iterator[tuple[np.ndarray, np.ndarray] | None]:
+    def pinned_dram_pages(
+        self, tenant: str, session_id: str, first_block: int, count: int
+    ) -> Iterator[tuple[np.ndarray, np.ndarray] | None]:
         """(slots, checksums), each [count, layers], when DRAM holds every page of blocks
         first_block..first_block + count - 1. The pages stay pinned (neither evicted nor replaced)
         until the block exits, so a sender can write them from the arena without copying them out
@@ -407,7 +446,7 @@ class TieredStore:
         with self._lock:
             record = self.session(tenant, session_id)
             self._check_range(record, 0, first_block, count)
-            keys = record.blocks.block_keys[first_block:first_block + count]
+            keys = record.blocks.block_keys[first_block : first_block + count]
             ids = d.rows(keys)
             slots = d.dram[ids] if len(ids) and ids.min() >= 0 else None
             if slots is None or slots.min() < 0:
@@ -425,9 +464,19 @@ class TieredStore:
                 with self._lock:
                     d.pins[ids] -= 1
 
-    def pin_dram(self, tenant: str, session_id: str, first_block: int, count: int, layers: Sequence[int], *,
-                 whole: bool = False, record_reads: bool = True, last_key: BlockKey | None = None,
-                 tail_tokens: int = 0) -> DramPin:
+    def pin_dram(
+        self,
+        tenant: str,
+        session_id: str,
+        first_block: int,
+        count: int,
+        layers: Sequence[int],
+        *,
+        whole: bool = False,
+        record_reads: bool = True,
+        last_key: BlockKey | None = None,
+        tail_tokens: int = 0,
+    ) -> DramPin:
         """Pin the DRAM copies of blocks first_block.. for `layers` so that another process (the vLLM
         worker, which maps the arena) can copy them out; pages DRAM does not hold get slot -1 and
         are not pinned. The pins hold until `unpin_dram`: neither eviction nor a replacing save can
@@ -473,9 +522,16 @@ class TieredStore:
 
     # ---- saves ------------------------------------------------------------------------------------
 
-    def save_layer(self, tenant: str, session_id: str, layer: int, first_block: int, pages: torch.Tensor,
-                   expected_checksums: Sequence[int] | None = None,
-                   tail_tokens: int = 0) -> concurrent.futures.Future[int]:
+    def save_layer(
+        self,
+        tenant: str,
+        session_id: str,
+        layer: int,
+        first_block: int,
+        pages: torch.Tensor,
+        expected_checksums: Sequence[int] | None = None,
+        tail_tokens: int = 0,
+    ) -> concurrent.futures.Future[int]:
         """Save `pages` ([n, page_words] int64, any device) as blocks first_block.. of `layer`.
 
         Never blocks: the copy into DRAM runs on an I/O thread and the write to SSD behind it. The
@@ -488,8 +544,9 @@ class TieredStore:
         record = self.session(tenant, session_id)
         self._check_range(record, layer, first_block, pages.shape[0] if pages.dim() else -1, tail_tokens)
         if pages.dim() != 2 or pages.shape[1] != self.geometry.page_words or pages.dtype != torch.int64:
-            raise InvalidRequest(f"pages must be int64 [n, {self.geometry.page_words}], got "
-                                 f"{pages.dtype} {list(pages.shape)}")
+            raise InvalidRequest(
+                f"pages must be int64 [n, {self.geometry.page_words}], got {pages.dtype} {list(pages.shape)}"
+            )
         if expected_checksums is not None and len(expected_checksums) != pages.shape[0]:
             raise InvalidRequest(f"{len(expected_checksums)} checksums for {pages.shape[0]} pages")
         keys = addressed_keys(record, first_block, pages.shape[0], None, tail_tokens)
@@ -518,17 +575,21 @@ class TieredStore:
             self._inflight += count
             return True
 
-    def _check_range(self, record: SessionRecord, layer: int, first_block: int, count: int,
-                     tail_tokens: int = 0) -> None:
+    def _check_range(
+        self, record: SessionRecord, layer: int, first_block: int, count: int, tail_tokens: int = 0
+    ) -> None:
         if not 0 <= layer < self.geometry.num_layers:
             raise InvalidRequest(f"layer {layer} outside 0..{self.geometry.num_layers - 1}")
         partial = 1 if tail_tokens else 0  # a partial last block may follow the full ones
         if first_block < 0 or count < 0 or first_block + count > record.blocks.num_blocks + partial:
-            raise InvalidRequest(f"blocks {first_block}..{first_block + count - 1} outside the session's "
-                                 f"{record.blocks.num_blocks} full blocks")
+            raise InvalidRequest(
+                f"blocks {first_block}..{first_block + count - 1} outside the session's "
+                f"{record.blocks.num_blocks} full blocks"
+            )
 
-    def _save_pages(self, record: SessionRecord, layer: int, keys: list, pages: torch.Tensor,
-                    expected: Sequence[int] | None) -> int:
+    def _save_pages(
+        self, record: SessionRecord, layer: int, keys: list, pages: torch.Tensor, expected: Sequence[int] | None
+    ) -> int:
         reservation = self._reserve(record, layer, keys)
         if reservation is None:
             return 0
@@ -537,8 +598,16 @@ class TieredStore:
         self._observe_io(Tier.DRAM, "write", len(keys), started)
         return self.commit_pages(reservation, expected)
 
-    def reserve_pages(self, tenant: str, session_id: str, layer: int, first_block: int,
-                      count: int, last_key: BlockKey | None = None, tail_tokens: int = 0) -> PageReservation | None:
+    def reserve_pages(
+        self,
+        tenant: str,
+        session_id: str,
+        layer: int,
+        first_block: int,
+        count: int,
+        last_key: BlockKey | None = None,
+        tail_tokens: int = 0,
+    ) -> PageReservation | None:
         """DRAM slots for blocks first_block.. of `layer`, to be filled through `reserved_views` and
         then committed; None if DRAM has no room (counted as a degraded save). `last_key`,
         `tail_tokens`: see `addressed_keys`."""
@@ -564,8 +633,9 @@ class TieredStore:
         """The checksums of the reservation's pages first, first + 1, ... given their bytes back to
         back: for a receiver that checksums pages the moment they land, still in the CPU cache."""
         page_bytes = self.geometry.page_bytes
-        return run_checksums(reservation.keys[first:first + len(data) // page_bytes], reservation.layer, data,
-                             page_bytes)
+        return run_checksums(
+            reservation.keys[first : first + len(data) // page_bytes], reservation.layer, data, page_bytes
+        )
 
     def commit_pages(self, reservation: PageReservation, expected: Sequence[int] | None = None) -> int:
         """Checksum the reserved pages as they sit in DRAM and install them; with `expected`, a page
@@ -590,14 +660,19 @@ class TieredStore:
                     self._dram_slots.release(pages.rejected_slots)
             for group in _same_blocks(verified):
                 first = group[0]
-                self._install_saved(first.keys, [pages.layer for pages in group],
-                                    np.array([pages.slots for pages in group], np.int64),
-                                    np.array([pages.checksums for pages in group], np.uint64), first.record)
+                self._install_saved(
+                    first.keys,
+                    [pages.layer for pages in group],
+                    np.array([pages.slots for pages in group], np.int64),
+                    np.array([pages.checksums for pages in group], np.uint64),
+                    first.record,
+                )
             self._writer_wake.notify_all()  # the writer, not only a waiting flush
         return sum(len(pages.keys) for pages in verified)
 
-    def verify_reserved(self, reservation: PageReservation, expected: Sequence[int] | None,
-                        actual: list[int] | None = None) -> VerifiedPages:
+    def verify_reserved(
+        self, reservation: PageReservation, expected: Sequence[int] | None, actual: list[int] | None = None
+    ) -> VerifiedPages:
         """Checksum a reservation's pages as they sit in DRAM, the first step of a commit (then
         `install_verified`); with `expected`, the pages whose checksum differs are set apart
         (counted). `actual`: the pages' checksums, if the caller took them as the bytes arrived
@@ -613,8 +688,14 @@ class TieredStore:
         bad = {i for i, (got, want) in enumerate(zip(checksums, expected, strict=True)) if got != want}
         self.metrics.save_degraded.labels("checksum_mismatch").inc(len(bad))
         keep = [i for i in range(len(keys)) if i not in bad]
-        return VerifiedPages(reservation.record, layer, [keys[i] for i in keep], [slots[i] for i in keep],
-                              [checksums[i] for i in keep], [slots[i] for i in sorted(bad)])
+        return VerifiedPages(
+            reservation.record,
+            layer,
+            [keys[i] for i in keep],
+            [slots[i] for i in keep],
+            [checksums[i] for i in keep],
+            [slots[i] for i in sorted(bad)],
+        )
 
     def _reserved_checksums_in_dram(self, reservation: PageReservation) -> list[int]:
         """The reservation's page checksums as its pages sit in DRAM, a run of consecutive slots at a time."""
@@ -628,8 +709,9 @@ class TieredStore:
         with self._lock:
             self._dram_slots.release(reservation.slots)
 
-    def _install_saved(self, keys: list[BlockKey], layers: list[int], slots: np.ndarray, checksums: np.ndarray,
-                       record: SessionRecord) -> None:
+    def _install_saved(
+        self, keys: list[BlockKey], layers: list[int], slots: np.ndarray, checksums: np.ndarray, record: SessionRecord
+    ) -> None:
         """Give saved pages their DRAM copies: slot `slots[j, i]` holds page (keys[i], layers[j]).
         Pages no tier holds yet, a new turn's blocks being the common save, are installed with
         whole-array operations over all the layers; if some tier holds any of them, each layer's
@@ -643,19 +725,26 @@ class TieredStore:
             return
         self._install_new(keys, layers, slots, checksums, record)
 
-    def _install_layer_over_copies(self, keys: list[BlockKey], layer: int, slots: list[int], checksums: list[int],
-                                   record: SessionRecord) -> None:
+    def _install_layer_over_copies(
+        self, keys: list[BlockKey], layer: int, slots: list[int], checksums: list[int], record: SessionRecord
+    ) -> None:
         d = self._directory
         ids = d.rows(keys)
         known = np.flatnonzero(ids >= 0)
         held = known[d.held_rows(ids[known], layer)].tolist() if len(known) else []
         dropped = {i for i in held if not self._keep_saved_copy(keys[i], layer, slots[i], checksums[i])}
         kept = [i for i in range(len(keys)) if i not in dropped]
-        self._install_new([keys[i] for i in kept], [layer], np.array([[slots[i] for i in kept]], np.int64),
-                          np.array([[checksums[i] for i in kept]], np.uint64), record)
+        self._install_new(
+            [keys[i] for i in kept],
+            [layer],
+            np.array([[slots[i] for i in kept]], np.int64),
+            np.array([[checksums[i] for i in kept]], np.uint64),
+            record,
+        )
 
-    def _install_new(self, keys: list[BlockKey], layers: list[int], slots: np.ndarray, checksums: np.ndarray,
-                     record: SessionRecord) -> None:
+    def _install_new(
+        self, keys: list[BlockKey], layers: list[int], slots: np.ndarray, checksums: np.ndarray, record: SessionRecord
+    ) -> None:
         """Install pages that no tier holds (see `_install_saved`). Caller holds the lock."""
         d = self._directory
         rows = d.rows(keys)  # looked up now: settling copies may have released a row
@@ -737,8 +826,12 @@ class TieredStore:
         high_water = max(1, self.dram.num_slots // 4)
         self._writers_held += 1  # a count: each write-behind thread holds off on its own
         try:
-            while (self._foreground_transfers and not self._flush_waiters and not self._closed
-                   and len(self._write_queue) < high_water):
+            while (
+                self._foreground_transfers
+                and not self._flush_waiters
+                and not self._closed
+                and len(self._write_queue) < high_water
+            ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
@@ -769,8 +862,10 @@ class TieredStore:
         with self._lock:
             checksums = d.checksum[rows, layers]
             slots = d.dram[rows, layers]
-        entries = [SegmentEntry(key, layer, checksum)
-                   for (key, layer, _), checksum in zip(batch, checksums.tolist(), strict=True)]
+        entries = [
+            SegmentEntry(key, layer, checksum)
+            for (key, layer, _), checksum in zip(batch, checksums.tolist(), strict=True)
+        ]
         # One buffer per run of consecutive slots (a save's slots mostly are): fewer, longer writes.
         views = [self.dram.run_view(int(slots[start]), stop - start) for start, stop in consecutive_runs(slots)]
         try:
@@ -816,8 +911,12 @@ class TieredStore:
                 d.pins[row, layer] -= 1
             if not self._ssd_degraded:
                 self._ssd_degraded = True  # one line per degraded episode, not one per batch
-                log.warning("KV saves stay in DRAM only: the SSD tier refused a write", reason=reason,
-                            error=str(exc), directory=str(self.ssd.directory))
+                log.warning(
+                    "KV saves stay in DRAM only: the SSD tier refused a write",
+                    reason=reason,
+                    error=str(exc),
+                    directory=str(self.ssd.directory),
+                )
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Wait until every page saved so far has been written to SSD (or degraded). True if drained."""
@@ -841,9 +940,17 @@ class TieredStore:
 
     # ---- loads ------------------------------------------------------------------------------------
 
-    def load(self, tenant: str, session_id: str, first_block: int = 0, num_blocks: int | None = None,
-             target: RowTarget | Tier = Tier.HBM, layers: Sequence[int] | None = None,
-             last_key: BlockKey | None = None, tail_tokens: int = 0) -> LayerwiseLoad:
+    def load(
+        self,
+        tenant: str,
+        session_id: str,
+        first_block: int = 0,
+        num_blocks: int | None = None,
+        target: RowTarget | Tier = Tier.HBM,
+        layers: Sequence[int] | None = None,
+        last_key: BlockKey | None = None,
+        tail_tokens: int = 0,
+    ) -> LayerwiseLoad:
         """Bring blocks [first_block, first_block + num_blocks) of every layer into `target`, layer by
         layer from whichever tier holds each page (fastest first). Returns at once; per-layer futures
         report what arrived. With a tier target this is a promotion (prefetch); pages already there
@@ -859,8 +966,9 @@ class TieredStore:
         elif target not in (Tier.HBM, Tier.DRAM):
             raise InvalidRequest(f"cannot load into {target.name}")
         order = list(range(self.geometry.num_layers)) if layers is None else list(layers)
-        if layers is not None and (len(set(order)) != len(order)
-                                   or not all(0 <= layer < self.geometry.num_layers for layer in order)):
+        if layers is not None and (
+            len(set(order)) != len(order) or not all(0 <= layer < self.geometry.num_layers for layer in order)
+        ):
             raise InvalidRequest(f"layers must be distinct and within 0..{self.geometry.num_layers - 1}")
         keys = addressed_keys(record, first_block, count, last_key, tail_tokens)
         handle = LayerwiseLoad(self.geometry.num_layers, first_block, count)
@@ -878,20 +986,39 @@ class TieredStore:
                 if prepared is None and plain_rows:
                     prepared_ssd = self._plan_load_from_ssd(keys, order, target, rows)  # type: ignore[arg-type]
         if prepared is not None:
-            MemoryLoad(handle, prepared, self.dram.pages, self._io, self.config.io_threads,
-                       on_copied=lambda copied: self._release_prepared(prepared, copied)).start()
+            MemoryLoad(
+                handle,
+                prepared,
+                self.dram.pages,
+                self._io,
+                self.config.io_threads,
+                on_copied=lambda copied: self._release_prepared(prepared, copied),
+            ).start()
             return handle
         if prepared_ssd is not None:
-            SsdLoad(handle, prepared_ssd, self.ssd, self._io, self.config.io_threads, self.geometry.page_bytes,
-                    after_first=lambda: self._readahead_pool.submit(self._readahead, keys, order[1:]),
-                    on_read=lambda read, bad: self._release_ssd_load(prepared_ssd, read, bad)).start()
+            SsdLoad(
+                handle,
+                prepared_ssd,
+                self.ssd,
+                self._io,
+                self.config.io_threads,
+                self.geometry.page_bytes,
+                after_first=lambda: self._readahead_pool.submit(self._readahead, keys, order[1:]),
+                on_read=lambda read, bad: self._release_ssd_load(prepared_ssd, read, bad),
+            ).start()
             return handle
         run = StripedLoad(
-            handle, order, self._io, self.config.io_threads, {Tier.HBM: self.hbm.pages, Tier.DRAM: self.dram.pages},
-            self.ssd, self.geometry.page_words,
+            handle,
+            order,
+            self._io,
+            self.config.io_threads,
+            {Tier.HBM: self.hbm.pages, Tier.DRAM: self.dram.pages},
+            self.ssd,
+            self.geometry.page_words,
             plan=lambda layer: self._plan_layer(handle, record, layer, keys, target, rows),
             finalize=lambda plan: self._finalize_layer(plan, handle, record, target),
-            after_first=lambda plan: self._after_first_layer(plan, keys, order[1:]))
+            after_first=lambda plan: self._after_first_layer(plan, keys, order[1:]),
+        )
         run.start()
         return handle
 
@@ -913,8 +1040,15 @@ class TieredStore:
             raise InvalidRequest(f"row target rows must lie within 0..{(height or 0) - 1}")
         return rows, plain
 
-    def _plan_layer(self, handle: LayerwiseLoad, record: SessionRecord, layer: int, keys: Sequence[BlockKey],
-                    target: RowTarget | Tier, rows: np.ndarray | None) -> LayerPlan:
+    def _plan_layer(
+        self,
+        handle: LayerwiseLoad,
+        record: SessionRecord,
+        layer: int,
+        keys: Sequence[BlockKey],
+        target: RowTarget | Tier,
+        rows: np.ndarray | None,
+    ) -> LayerPlan:
         """Decide where each page of `layer` comes from and pin it (bookkeeping only, under the lock),
         with whole-array operations over the load's blocks: this runs once per layer of every load."""
         tier_target = target if isinstance(target, Tier) else None
@@ -936,8 +1070,9 @@ class TieredStore:
                 raise
         return plan
 
-    def _whole_load_rows(self, keys: Sequence[BlockKey], order: list[int]
-                         ) -> tuple[np.ndarray, slice | np.ndarray] | None:
+    def _whole_load_rows(
+        self, keys: Sequence[BlockKey], order: list[int]
+    ) -> tuple[np.ndarray, slice | np.ndarray] | None:
         """For a load planned as a whole: the directory row of each key and the columns of its
         layers, or None if some key has no row. Every layer in order (the usual load) selects whole
         rows, with no column gather."""
@@ -954,8 +1089,9 @@ class TieredStore:
         else:
             self._directory.pins[np.ix_(ids, order)] += delta
 
-    def _plan_load_from_dram(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
-                             rows: np.ndarray, plain_rows: bool) -> PreparedDramLoad | None:
+    def _plan_load_from_dram(
+        self, keys: Sequence[BlockKey], order: list[int], target: RowTarget, rows: np.ndarray, plain_rows: bool
+    ) -> PreparedDramLoad | None:
         """The common resume: every page the load wants sits in DRAM and none in HBM. Planned and
         pinned for all layers at once, so the lanes spend their time copying, not in Python holding
         the GIL the other lane needs (per-layer planning and finishing cost more than the copies).
@@ -986,8 +1122,9 @@ class TieredStore:
             self._pin_whole_load(prepared.block_rows, prepared.order, -1)
             self._inflight -= len(prepared.order)
 
-    def _plan_load_from_ssd(self, keys: Sequence[BlockKey], order: list[int], target: RowTarget,
-                            rows: np.ndarray) -> PreparedSsdLoad | None:
+    def _plan_load_from_ssd(
+        self, keys: Sequence[BlockKey], order: list[int], target: RowTarget, rows: np.ndarray
+    ) -> PreparedSsdLoad | None:
         """A cold load: every page the load wants sits on SSD and in no faster tier; only for
         destinations of plain CPU rows (`_target_rows`). Planned and pinned for all layers at once,
         as `_plan_load_from_dram` is; None, with nothing changed, when some page needs the general
@@ -1010,8 +1147,17 @@ class TieredStore:
             segments[seq] = segment
             self.ssd.touch(seq)
         self._pin_whole_load(ids, order, 1)
-        return PreparedSsdLoad(keys, target.tensors, order, ids, seqs, d.ssd_page[ids][:, columns],
-                               d.checksum[ids][:, columns], rows, segments)
+        return PreparedSsdLoad(
+            keys,
+            target.tensors,
+            order,
+            ids,
+            seqs,
+            d.ssd_page[ids][:, columns],
+            d.checksum[ids][:, columns],
+            rows,
+            segments,
+        )
 
     def _release_ssd_load(self, prepared: PreparedSsdLoad, pages_read: int, bad: list[BadPage]) -> None:
         """Every layer of a load planned as a whole is read (or skipped): metrics for the load as one
@@ -1024,9 +1170,14 @@ class TieredStore:
             for segment in prepared.segments.values():
                 self.ssd.unpin(segment)
             for page in bad:  # as `_finalize_layer` does: unpinned first, then dropped
-                self._drop_bad_ssd_copy(prepared.keys[page.block], int(prepared.block_rows[page.block]),
-                                        prepared.order[page.position], int(prepared.seqs[page.block, page.position]),
-                                        int(prepared.pages[page.block, page.position]), page.reason)
+                self._drop_bad_ssd_copy(
+                    prepared.keys[page.block],
+                    int(prepared.block_rows[page.block]),
+                    prepared.order[page.position],
+                    int(prepared.seqs[page.block, page.position]),
+                    int(prepared.pages[page.block, page.position]),
+                    page.reason,
+                )
             self._inflight -= len(prepared.order)
 
     def _drop_bad_ssd_copy(self, key: BlockKey, row: int, layer: int, seq: int, index: int, reason: str) -> None:
@@ -1040,8 +1191,9 @@ class TieredStore:
         if d.keys[row] == key and d.ssd_seq[row, layer] == seq and d.ssd_page[row, layer] == index:
             self._drop_copy(key, layer, Tier.SSD, "corrupt")
 
-    def _plan_general(self, plan: LayerPlan, ids: np.ndarray, tier_target: Tier | None, rows: np.ndarray | None,
-                      record: SessionRecord) -> None:
+    def _plan_general(
+        self, plan: LayerPlan, ids: np.ndarray, tier_target: Tier | None, rows: np.ndarray | None, record: SessionRecord
+    ) -> None:
         """Any mix of sources, a tier target, missing pages. Each page comes from the fastest tier
         holding it (never from the tier it is being promoted into). Caller holds the lock."""
         d, layer, keys = self._directory, plan.layer, plan.keys
@@ -1130,8 +1282,9 @@ class TieredStore:
             self.ssd.unpin(segment)
         plan.segments = []
 
-    def _finalize_layer(self, plan: LayerPlan, handle: LayerwiseLoad, record: SessionRecord,
-                        target: RowTarget | Tier) -> LayerResult:
+    def _finalize_layer(
+        self, plan: LayerPlan, handle: LayerwiseLoad, record: SessionRecord, target: RowTarget | Tier
+    ) -> LayerResult:
         """A layer's copies are done (or failed): unpin, drop bad SSD copies, install promoted pages."""
         delivered = not plan.skipped and plan.error is None
         failed = list(plan.failed)
@@ -1141,8 +1294,14 @@ class TieredStore:
                 self._install_promoted(plan, target, record, delivered)  # before unpinning: rows stay put
             self._unpin(plan)
             for position, reason in plan.bad.items():
-                self._drop_bad_ssd_copy(plan.keys[plan.index[position]], int(plan.block_rows[position]), plan.layer,
-                                        int(plan.where[position]), int(plan.ssd_page[position]), reason)
+                self._drop_bad_ssd_copy(
+                    plan.keys[plan.index[position]],
+                    int(plan.block_rows[position]),
+                    plan.layer,
+                    int(plan.where[position]),
+                    int(plan.ssd_page[position]),
+                    reason,
+                )
             if isinstance(target, Tier):
                 self._refresh_gauges()
         by_tier: dict[Tier, int] = {}
@@ -1199,12 +1358,17 @@ class TieredStore:
         policy = self._hbm_policy if target is Tier.HBM else self._dram_policy
         table = d.slots(target)
         unused: list[int] = []
-        for position, (index, row, slot, checksum) in enumerate(zip(
-                plan.index.tolist(), plan.block_rows.tolist(), plan.rows.tolist(), plan.checksums.tolist(),
-                strict=True)):
+        for position, (index, row, slot, checksum) in enumerate(
+            zip(plan.index.tolist(), plan.block_rows.tolist(), plan.rows.tolist(), plan.checksums.tolist(), strict=True)
+        ):
             key = plan.keys[index]
-            if (not delivered or position in plan.bad or d.keys[row] != key or table[row, layer] >= 0
-                    or int(d.checksum[row, layer]) != checksum):
+            if (
+                not delivered
+                or position in plan.bad
+                or d.keys[row] != key
+                or table[row, layer] >= 0
+                or int(d.checksum[row, layer]) != checksum
+            ):
                 unused.append(slot)
                 continue
             table[row, layer] = slot
@@ -1306,8 +1470,13 @@ class TieredStore:
             d.checksum[row, layer] = checksum
         self._publish_complete(np.arange(len(d.keys))[[key is not None for key in d.keys]])
         if pages or damaged:
-            log.info("KV index rebuilt from SSD", pages=d.pages_held(), segments=len(self.ssd.segments),
-                     damaged_segments=damaged, directory=str(self.ssd.directory))
+            log.info(
+                "KV index rebuilt from SSD",
+                pages=d.pages_held(),
+                segments=len(self.ssd.segments),
+                damaged_segments=damaged,
+                directory=str(self.ssd.directory),
+            )
         self._refresh_gauges()
 
     def _publish_complete(self, rows: np.ndarray) -> None:
@@ -1326,17 +1495,22 @@ class TieredStore:
         seconds.observe(time.perf_counter() - started)
 
     def _tier_pages(self) -> dict[Tier, int]:
-        return {Tier.HBM: self._hbm_slots.num_slots - self._hbm_slots.free,
-                Tier.DRAM: self._dram_slots.num_slots - self._dram_slots.free,
-                Tier.SSD: sum(len(s.live) for s in self.ssd.segments.values())}
+        return {
+            Tier.HBM: self._hbm_slots.num_slots - self._hbm_slots.free,
+            Tier.DRAM: self._dram_slots.num_slots - self._dram_slots.free,
+            Tier.SSD: sum(len(s.live) for s in self.ssd.segments.values()),
+        }
 
     def _refresh_gauges(self) -> dict[Tier, int]:
         pages = self._tier_pages()
         for tier, count in pages.items():
             self.metrics.tier_pages.labels(tier.name).set(count)
         # SSD bytes are what its files occupy (headers and superseded pages included), not pages x size.
-        held_bytes = {Tier.HBM: pages[Tier.HBM] * self.geometry.page_bytes,
-                      Tier.DRAM: pages[Tier.DRAM] * self.geometry.page_bytes, Tier.SSD: self.ssd.used_bytes}
+        held_bytes = {
+            Tier.HBM: pages[Tier.HBM] * self.geometry.page_bytes,
+            Tier.DRAM: pages[Tier.DRAM] * self.geometry.page_bytes,
+            Tier.SSD: self.ssd.used_bytes,
+        }
         for tier, nbytes in held_bytes.items():
             self.metrics.tier_bytes.labels(tier.name).set(nbytes)
         self.metrics.other_model_segments.set(self.ssd.other_model_segments)
@@ -1371,8 +1545,9 @@ class TieredStore:
         self.block_index.close()
 
 
-def addressed_keys(record: SessionRecord, first_block: int, count: int,
-                    last_key: BlockKey | None, tail_tokens: int = 0) -> tuple[BlockKey, ...]:
+def addressed_keys(
+    record: SessionRecord, first_block: int, count: int, last_key: BlockKey | None, tail_tokens: int = 0
+) -> tuple[BlockKey, ...]:
     """The keys of blocks first_block.. of the session's history. With `last_key`, the caller's key
     for the last of them: keys are chained, so one equal key means every block before it is the
     same content too, and a history re-registered with other tokens in the meantime raises
@@ -1386,14 +1561,20 @@ def addressed_keys(record: SessionRecord, first_block: int, count: int,
         block_size = record.blocks.block_size
         last = first_block + count - 1
         start = last * block_size
-        if not 0 < tail_tokens < block_size or count < 1 or last > record.blocks.num_blocks \
-                or start + tail_tokens > len(record.token_ids):
+        if (
+            not 0 < tail_tokens < block_size
+            or count < 1
+            or last > record.blocks.num_blocks
+            or start + tail_tokens > len(record.token_ids)
+        ):
             raise InvalidRequest(f"no partial block of {tail_tokens} tokens at block {last} of the session")
         parent = record.blocks.block_keys[last - 1] if last else tenant_root(record.blocks.model, record.blocks.tenant)
-        keys = (*record.blocks.block_keys[first_block:last],
-                tail_key(parent, record.token_ids[start:start + tail_tokens]))
+        keys = (
+            *record.blocks.block_keys[first_block:last],
+            tail_key(parent, record.token_ids[start : start + tail_tokens]),
+        )
     else:
-        keys = record.blocks.block_keys[first_block:first_block + count]
+        keys = record.blocks.block_keys[first_block : first_block + count]
     if last_key is not None and keys and keys[-1] != last_key:
         raise HistoryChanged(f"session {record.key[1]!r} holds another history at block {first_block + count - 1}")
     return keys
@@ -1404,8 +1585,11 @@ def _same_blocks(verified: Sequence[VerifiedPages]) -> Iterator[list[VerifiedPag
     installed as one [block, layer] array."""
     group: list[VerifiedPages] = []
     for pages in verified:
-        if group and (pages.record is not group[0].record or pages.keys != group[0].keys
-                      or any(pages.layer == other.layer for other in group)):
+        if group and (
+            pages.record is not group[0].record
+            or pages.keys != group[0].keys
+            or any(pages.layer == other.layer for other in group)
+        ):
             yield group
             group = []
         group.append(pages)

@@ -30,8 +30,11 @@ MESSAGE_OVERHEAD = 64 * 1024  # room for the session ref, checksums and framing
 # Blocks staged per round of the outgoing stream, bounding the memory one stream holds.
 _STAGE_BYTES = 64 * 1024 * 1024
 
-PRIORITY_TO_PROTO = {Priority.LOW: kv_pb2.PRIORITY_LOW, Priority.NORMAL: kv_pb2.PRIORITY_NORMAL,
-                     Priority.HIGH: kv_pb2.PRIORITY_HIGH}
+PRIORITY_TO_PROTO = {
+    Priority.LOW: kv_pb2.PRIORITY_LOW,
+    Priority.NORMAL: kv_pb2.PRIORITY_NORMAL,
+    Priority.HIGH: kv_pb2.PRIORITY_HIGH,
+}
 PRIORITY_FROM_PROTO = {v: k for k, v in PRIORITY_TO_PROTO.items()}
 
 
@@ -47,8 +50,9 @@ def stream_chunks(store: TieredStore, first_block: int, end: int) -> Iterator[tu
         yield chunk_start, min(chunk_blocks, end - chunk_start)
 
 
-def staged_load(store: TieredStore, record: SessionRecord, first_block: int,
-                count: int) -> tuple[list[torch.Tensor], LayerwiseLoad]:
+def staged_load(
+    store: TieredStore, record: SessionRecord, first_block: int, count: int
+) -> tuple[list[torch.Tensor], LayerwiseLoad]:
     """Start loading `count` blocks into fresh staging tensors (one per layer), from whichever tiers hold them."""
     geometry = store.geometry
     staging = [torch.empty(count, geometry.page_words, dtype=torch.int64) for _ in range(geometry.num_layers)]
@@ -70,24 +74,30 @@ def loaded_runs(result: LayerResult, chunk_start: int, count: int, per_message: 
             run_start = offset if ok else None
 
 
-def session_status(store: TieredStore, tenant: str, session_id: str, *, token_ids: bool,
-                   data_port: int = 0) -> kv_pb2.SessionStatus:
+def session_status(
+    store: TieredStore, tenant: str, session_id: str, *, token_ids: bool, data_port: int = 0
+) -> kv_pb2.SessionStatus:
     """What a puller needs of a session before asking for its pages: its length, priority, the
     blocks every layer can deliver, and (with `token_ids`) the ids its block keys derive from."""
     record = store.session(tenant, session_id)
-    status = kv_pb2.SessionStatus(session=kv_pb2.SessionRef(tenant=tenant, session_id=session_id),
-                                  num_tokens=len(record.token_ids), num_blocks=record.blocks.num_blocks,
-                                  priority=PRIORITY_TO_PROTO[record.priority],
-                                  loadable_prefix_blocks=store.loadable_prefix_blocks(tenant, session_id),
-                                  loadable_tail_tokens=store.loadable_tail_tokens(tenant, session_id),
-                                  data_port=data_port, model_fingerprint=store.model)
+    status = kv_pb2.SessionStatus(
+        session=kv_pb2.SessionRef(tenant=tenant, session_id=session_id),
+        num_tokens=len(record.token_ids),
+        num_blocks=record.blocks.num_blocks,
+        priority=PRIORITY_TO_PROTO[record.priority],
+        loadable_prefix_blocks=store.loadable_prefix_blocks(tenant, session_id),
+        loadable_tail_tokens=store.loadable_tail_tokens(tenant, session_id),
+        data_port=data_port,
+        model_fingerprint=store.model,
+    )
     if token_ids:
         status.token_ids.extend(record.token_ids.tolist())
     return status
 
 
-def stream_end(store: TieredStore, tenant: str, session_id: str, first_block: int,
-               num_blocks: int | None) -> tuple[SessionRecord, int]:
+def stream_end(
+    store: TieredStore, tenant: str, session_id: str, first_block: int, num_blocks: int | None
+) -> tuple[SessionRecord, int]:
     """The session and the end of the block range a fetch asks for (0 or None blocks: to the end)."""
     record = store.session(tenant, session_id)
     if first_block > record.blocks.num_blocks:
@@ -97,8 +107,9 @@ def stream_end(store: TieredStore, tenant: str, session_id: str, first_block: in
     return record, min(record.blocks.num_blocks, first_block + num_blocks)
 
 
-async def stream_pages(store: TieredStore, tenant: str, session_id: str, first_block: int,
-                       num_blocks: int | None, tail_tokens: int = 0) -> AsyncIterator[kv_pb2.PageBatch]:
+async def stream_pages(
+    store: TieredStore, tenant: str, session_id: str, first_block: int, num_blocks: int | None, tail_tokens: int = 0
+) -> AsyncIterator[kv_pb2.PageBatch]:
     """The pages of blocks [first_block, first_block + num_blocks) in layer order, from any tier.
     With `tail_tokens`, the one block right after the full ones, the session's partial tail."""
     if tail_tokens:
@@ -113,12 +124,18 @@ async def stream_pages(store: TieredStore, tenant: str, session_id: str, first_b
         for layer in range(store.geometry.num_layers):
             result = await handle.wait_layer(layer)
             for start, stop in loaded_runs(result, chunk_start, count, per_message):
-                yield page_batch(ref, record.blocks.block_keys[chunk_start + start:chunk_start + stop], layer,
-                                 chunk_start + start, staging[layer][start:stop].numpy().tobytes())
+                yield page_batch(
+                    ref,
+                    record.blocks.block_keys[chunk_start + start : chunk_start + stop],
+                    layer,
+                    chunk_start + start,
+                    staging[layer][start:stop].numpy().tobytes(),
+                )
 
 
-async def _stream_tail(store: TieredStore, tenant: str, session_id: str, first_block: int, num_blocks: int | None,
-                       tail_tokens: int) -> AsyncIterator[kv_pb2.PageBatch]:
+async def _stream_tail(
+    store: TieredStore, tenant: str, session_id: str, first_block: int, num_blocks: int | None, tail_tokens: int
+) -> AsyncIterator[kv_pb2.PageBatch]:
     record = store.session(tenant, session_id)
     if first_block != record.blocks.num_blocks or num_blocks not in (None, 1):
         raise InvalidRequest(f"a partial tail is the one block after the session's {record.blocks.num_blocks}")
@@ -132,14 +149,16 @@ async def _stream_tail(store: TieredStore, tenant: str, session_id: str, first_b
             yield page_batch(ref, [key], layer, first_block, staging[layer].numpy().tobytes(), tail_tokens)
 
 
-def page_batch(ref: kv_pb2.SessionRef, keys: Sequence[BlockKey], layer: int, first_block: int,
-               data: bytes, tail_tokens: int = 0) -> kv_pb2.PageBatch:
+def page_batch(
+    ref: kv_pb2.SessionRef, keys: Sequence[BlockKey], layer: int, first_block: int, data: bytes, tail_tokens: int = 0
+) -> kv_pb2.PageBatch:
     """A batch of `len(keys)` pages of one layer (bytes back to back), each with its checksum; the
     last a partial block of `tail_tokens` tokens if that is > 0."""
     page_bytes = len(data) // len(keys) if keys else 0
     checksums = run_checksums(keys, layer, memoryview(data), page_bytes)
-    return kv_pb2.PageBatch(session=ref, layer=layer, first_block=first_block, checksums=checksums, data=data,
-                            tail_tokens=tail_tokens)
+    return kv_pb2.PageBatch(
+        session=ref, layer=layer, first_block=first_block, checksums=checksums, data=data, tail_tokens=tail_tokens
+    )
 
 
 def submit_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[concurrent.futures.Future[int] | None, int]:
@@ -155,8 +174,15 @@ def submit_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[concurren
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only bytes: the save only reads them
         pages = torch.frombuffer(batch.data, dtype=torch.int64).view(count, -1)
-    future = store.save_layer(batch.session.tenant, batch.session.session_id, batch.layer, batch.first_block,
-                              pages, list(batch.checksums), tail_tokens=batch.tail_tokens)
+    future = store.save_layer(
+        batch.session.tenant,
+        batch.session.session_id,
+        batch.layer,
+        batch.first_block,
+        pages,
+        list(batch.checksums),
+        tail_tokens=batch.tail_tokens,
+    )
     return future, count
 
 

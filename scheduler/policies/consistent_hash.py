@@ -43,8 +43,11 @@ class ConsistentHashPolicy:
         up = {n.node_id for n in nodes if n.available}
         if not up:
             return NO_NODE
-        key = (f"{request.tenant}/{request.session_id}" if request.session_id
-               else f"{request.tenant}/{request.routing_text[:KEY_PREFIX_CHARS]}")
+        key = (
+            f"{request.tenant}/{request.session_id}"
+            if request.session_id
+            else f"{request.tenant}/{request.routing_text[:KEY_PREFIX_CHARS]}"
+        )
         start = bisect.bisect(self._points, _point(key))
         # The first available owner clockwise: a node that is down hands its sessions to its ring
         # successors only while it is down.

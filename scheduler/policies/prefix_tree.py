@@ -140,12 +140,12 @@ def _live(entry: tuple[int, int, _Node]) -> bool:
 
 def _common_prefix(edge: str, text: str, at: int) -> int:
     limit = min(len(edge), len(text) - at)
-    if edge[:limit] == text[at:at + limit]:
+    if edge[:limit] == text[at : at + limit]:
         return limit  # the common case (a served prefix again), compared in C
     low, high = 0, limit  # binary search for the first difference: O(log n) slice compares
     while low < high:
         mid = (low + high + 1) // 2
-        if edge[:mid] == text[at:at + mid]:
+        if edge[:mid] == text[at : at + mid]:
             low = mid
         else:
             high = mid - 1

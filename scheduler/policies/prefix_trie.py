@@ -47,11 +47,18 @@ class PrefixTriePolicy:
         up = {n.node_id: n for n in candidates}
         holders = [up[owner] for owner, length in owners.items() if owner in up and length == matched]
         if holders and matched > len(request.tenant) + 1 and matched / len(text) > s.cache_threshold:
-            return RouteDecision(least_loaded(holders, next(self._rotation)).node_id, "prefix_trie_hit",
-                                 {owner: float(length) for owner, length in owners.items()})
+            return RouteDecision(
+                least_loaded(holders, next(self._rotation)).node_id,
+                "prefix_trie_hit",
+                {owner: float(length) for owner, length in owners.items()},
+            )
         smallest = min(self.tree.sizes.get(n.node_id, 0) for n in candidates)
-        return RouteDecision(least_loaded([n for n in candidates if self.tree.sizes.get(n.node_id, 0) == smallest],
-                                          next(self._rotation)).node_id, "prefix_trie_smallest")
+        return RouteDecision(
+            least_loaded(
+                [n for n in candidates if self.tree.sizes.get(n.node_id, 0) == smallest], next(self._rotation)
+            ).node_id,
+            "prefix_trie_smallest",
+        )
 
     def observe(self, request: RouteRequest, node_id: str) -> None:
         self.tree.insert(_keyed(request), node_id)

@@ -62,12 +62,24 @@ def reset_engine_cache(engine_url: str) -> None:
     """Empty vLLM's own prefix cache. vLLM refuses while a request holds blocks, and a finished
     request holds its blocks one engine step longer while its partial last block is copied out:
     retried until vLLM agrees, not guessed with a sleep."""
-    wait_until(lambda: httpx.post(engine_url + "/reset_prefix_cache", timeout=30).json()["success"], 30,
-               "vLLM's prefix cache to be reset")
+    wait_until(
+        lambda: httpx.post(engine_url + "/reset_prefix_cache", timeout=30).json()["success"],
+        30,
+        "vLLM's prefix cache to be reset",
+    )
 
 
-def _write_config(home: Path, model_dir: Path, scheduler_port: int, grpc_base: int, engine_base: int,
-                  metrics_base: int, nodes: int, engine: str, kv: str) -> Path:
+def _write_config(
+    home: Path,
+    model_dir: Path,
+    scheduler_port: int,
+    grpc_base: int,
+    engine_base: int,
+    metrics_base: int,
+    nodes: int,
+    engine: str,
+    kv: str,
+) -> Path:
     config = home / "symphony.toml"
     config.write_text(f"""
 home = "{home}"
@@ -97,14 +109,23 @@ extra_args = ["--num-gpu-blocks-override", "512"]
     return config
 
 
-def start_cluster(home: Path, model_dir: Path, *, nodes: int = NODES, engine_toml: str = "", kv_toml: str = "",
-                  env: dict[str, str] | None = None, model: str = DEFAULT_MODEL_NAME) -> LiveCluster:
+def start_cluster(
+    home: Path,
+    model_dir: Path,
+    *,
+    nodes: int = NODES,
+    engine_toml: str = "",
+    kv_toml: str = "",
+    env: dict[str, str] | None = None,
+    model: str = DEFAULT_MODEL_NAME,
+) -> LiveCluster:
     """`symphony up` on `home` with a config of its own ports (plus `engine_toml` and `kv_toml`, lines
     of those tables); returns once it says it is up. Stop it with `stop_cluster`."""
     scheduler_port, grpc_base, engine_base = free_port(), free_port_run(nodes), free_port_run(nodes)
     metrics_base = free_port_run(nodes)
-    config = _write_config(home, model_dir, scheduler_port, grpc_base, engine_base, metrics_base, nodes,
-                           engine_toml, kv_toml)
+    config = _write_config(
+        home, model_dir, scheduler_port, grpc_base, engine_base, metrics_base, nodes, engine_toml, kv_toml
+    )
     output = home / "up.out"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
     # The engines' /reset_prefix_cache (dev endpoint): the connector suite empties vLLM's own cache
@@ -112,12 +133,23 @@ def start_cluster(home: Path, model_dir: Path, *, nodes: int = NODES, engine_tom
     child_env["VLLM_SERVER_DEV_MODE"] = "1"
     child_env.update(env or {})
     with output.open("ab") as out:
-        process = subprocess.Popen([sys.executable, "-m", "symphony.cli", "up", "--config", str(config)],
-                                   stdout=out, stderr=subprocess.STDOUT, env=child_env)
-    cluster = LiveCluster(f"http://127.0.0.1:{scheduler_port}", process, home, output, model,
-                          [engine_base + i for i in range(nodes)], [grpc_base + i for i in range(nodes)],
-                          [metrics_base + i for i in range(nodes)],
-                          [load_config(config, env={}).kv_socket_path(i) for i in range(nodes)])
+        process = subprocess.Popen(
+            [sys.executable, "-m", "symphony.cli", "up", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+        )
+    cluster = LiveCluster(
+        f"http://127.0.0.1:{scheduler_port}",
+        process,
+        home,
+        output,
+        model,
+        [engine_base + i for i in range(nodes)],
+        [grpc_base + i for i in range(nodes)],
+        [metrics_base + i for i in range(nodes)],
+        [load_config(config, env={}).kv_socket_path(i) for i in range(nodes)],
+    )
     start = output.stat().st_size  # a home used before has an earlier run's output
 
     def up() -> bool:

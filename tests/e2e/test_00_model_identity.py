@@ -40,10 +40,13 @@ ANSWER_TOKENS = 24
 
 def _facts_prompt() -> list[dict[str, str]]:
     """The issue's first turn: a ~1,100-token system prompt of 60 facts, then a question about one."""
-    facts = " ".join(f"Fact {i} is {i}. It is number {i} in this list of facts, to be recalled later."
-                     for i in range(1, 61))
-    return [{"role": "system", "content": f"Remember these facts exactly. {facts}"},
-            {"role": "user", "content": "What is fact 12?"}]
+    facts = " ".join(
+        f"Fact {i} is {i}. It is number {i} in this list of facts, to be recalled later." for i in range(1, 61)
+    )
+    return [
+        {"role": "system", "content": f"Remember these facts exactly. {facts}"},
+        {"role": "user", "content": "What is fact 12?"},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +61,9 @@ def perturbed(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from safetensors.torch import load_file, save_file
 
     target = tmp_path_factory.mktemp("models") / PERTURBED
-    shutil.copytree(smollm2, target, ignore=shutil.ignore_patterns(CACHE_NAME, "symphony-model.json",
-                                                                   "model.safetensors"))
+    shutil.copytree(
+        smollm2, target, ignore=shutil.ignore_patterns(CACHE_NAME, "symphony-model.json", "model.safetensors")
+    )
     tensors = load_file(smollm2 / "model.safetensors")
     generator = torch.Generator().manual_seed(34)
     for name in sorted(tensors):
@@ -78,18 +82,26 @@ def _greedy(model_dir: Path) -> list[int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                        add_generation_prompt=True, return_tensors="pt")
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    return model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist()
 
 
-def _chat(url: str, model: str, messages: list[dict[str, str]], session: str | None = None,
-          **extra: Any) -> dict[str, Any]:
+def _chat(
+    url: str, model: str, messages: list[dict[str, str]], session: str | None = None, **extra: Any
+) -> dict[str, Any]:
     """A temperature-0 chat turn with its answer's tokens (logprobs) and usage."""
-    body = {"model": model, "messages": messages, "max_tokens": ANSWER_TOKENS, "temperature": 0.0,
-            "logprobs": True, **extra}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": ANSWER_TOKENS,
+        "temperature": 0.0,
+        "logprobs": True,
+        **extra,
+    }
     headers = {"X-Session-ID": session} if session else {}
     reply = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=300)
     assert reply.status_code == 200, reply.text
@@ -107,8 +119,9 @@ def _cached(reply: dict[str, Any]) -> int:
 def _clean(engine_url: str, model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
     """The same turn straight to the engine, off Symphony's tiers and under a salt nothing else used:
     what the engine computes from nothing."""
-    reply = _chat(engine_url, model, messages, kv_transfer_params={TIERS_PARAM: False},
-                  cache_salt=f"clean-{uuid.uuid4().hex}")
+    reply = _chat(
+        engine_url, model, messages, kv_transfer_params={TIERS_PARAM: False}, cache_salt=f"clean-{uuid.uuid4().hex}"
+    )
     assert _cached(reply) == 0
     return reply
 
@@ -123,8 +136,9 @@ def _fingerprints_on_disk(home: Path) -> set[bytes]:
 
 def _store_model(cluster: LiveCluster, index: int = 0) -> bytes:
     with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_ports[index]}") as channel:
-        return bytes(kv_pb2_grpc.KVStoreStub(channel).GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=10)
-                     .model_fingerprint)
+        return bytes(
+            kv_pb2_grpc.KVStoreStub(channel).GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=10).model_fingerprint
+        )
 
 
 def _second_turn_is_clean(cluster: LiveCluster, model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -137,8 +151,9 @@ def _second_turn_is_clean(cluster: LiveCluster, model: str, messages: list[dict[
     return reply
 
 
-def test_a_new_dtype_or_new_weights_on_the_same_home_load_nothing_old(smollm2: Path, perturbed: Path,
-                                                                      tmp_path: Path) -> None:
+def test_a_new_dtype_or_new_weights_on_the_same_home_load_nothing_old(
+    smollm2: Path, perturbed: Path, tmp_path: Path
+) -> None:
     home = tmp_path / "home"
     home.mkdir()
     first = _facts_prompt()
@@ -149,12 +164,16 @@ def test_a_new_dtype_or_new_weights_on_the_same_home_load_nothing_old(smollm2: P
     finally:
         stop_cluster(bf16)  # flushes the turn's KV to SSD
     assert _fingerprints_on_disk(home) == {bf16_model}
-    second = [*first, {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
-              {"role": "user", "content": "And fact 30?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And fact 30?"},
+    ]
 
     # float16: the same page size. The bfloat16 segments are kept for a rollback, and never loaded.
-    fp16 = start_cluster(home, smollm2, nodes=1, engine_toml='dtype = "float16"',
-                         kv_toml="ssd_keep_other_models = true")
+    fp16 = start_cluster(
+        home, smollm2, nodes=1, engine_toml='dtype = "float16"', kv_toml="ssd_keep_other_models = true"
+    )
     try:
         fp16_model = _store_model(fp16)
         assert fp16_model != bf16_model
@@ -185,6 +204,7 @@ def test_a_new_dtype_or_new_weights_on_the_same_home_load_nothing_old(smollm2: P
 
 # ---- two nodes, two models ------------------------------------------------------------------------
 
+
 class _TwoModels:
     """node-0 serving SmolLM2 and node-1 the perturbed model, each a `symphony node` process, behind
     one `symphony scheduler`: what a multi-model deployment runs."""
@@ -198,19 +218,34 @@ class _TwoModels:
         self.engines = [f"http://127.0.0.1:{engine_base + i}" for i in range(2)]
         self.metrics = [f"http://127.0.0.1:{metrics_base + i}/metrics" for i in range(2)]
         config = home / "symphony.toml"
-        config.write_text(f'home = "{home}"\n[cluster]\nnodes = 2\n[scheduler]\nport = {self.port}\n'
-                          f"[node]\ngrpc_port_base = {grpc_base}\nengine_port_base = {engine_base}\n"
-                          f"[kv]\nmetrics_port_base = {metrics_base}\n"
-                          f'[engine]\nmodel = "{smollm2}"\nkv_cache_space_gib = 1\nmax_model_len = 8192\n')
+        config.write_text(
+            f'home = "{home}"\n[cluster]\nnodes = 2\n[scheduler]\nport = {self.port}\n'
+            f"[node]\ngrpc_port_base = {grpc_base}\nengine_port_base = {engine_base}\n"
+            f"[kv]\nmetrics_port_base = {metrics_base}\n"
+            f'[engine]\nmodel = "{smollm2}"\nkv_cache_space_gib = 1\nmax_model_len = 8192\n'
+        )
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
         cli = [sys.executable, "-m", "symphony.cli"]
-        commands = [[*cli, "node", "--config", str(config), "--index", "0"],
-                    [*cli, "node", "--config", str(config), "--index", "1", "--model", str(perturbed),
-                     "--served-model-name", PERTURBED],
-                    [*cli, "scheduler", "--config", str(config)]]
+        commands = [
+            [*cli, "node", "--config", str(config), "--index", "0"],
+            [
+                *cli,
+                "node",
+                "--config",
+                str(config),
+                "--index",
+                "1",
+                "--model",
+                str(perturbed),
+                "--served-model-name",
+                PERTURBED,
+            ],
+            [*cli, "scheduler", "--config", str(config)],
+        ]
         self.out = (home / "processes.out").open("ab")
-        self.processes = [subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, env=env)
-                          for argv in commands]
+        self.processes = [
+            subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, env=env) for argv in commands
+        ]
 
     def ready(self) -> bool:
         for process in self.processes:
@@ -223,8 +258,9 @@ class _TwoModels:
             nodes = httpx.get(self.url + "/readyz", timeout=5).json()["nodes"]
         except (httpx.HTTPError, KeyError, ValueError):
             return False
-        return {m["id"] for m in models} == {DEFAULT_MODEL_NAME, PERTURBED} and \
-            all(node["state"] == "ready" for node in nodes.values())
+        return {m["id"] for m in models} == {DEFAULT_MODEL_NAME, PERTURBED} and all(
+            node["state"] == "ready" for node in nodes.values()
+        )
 
     def metric(self, index: int, name: str, **labels: str) -> float:
         from prometheus_client.parser import text_string_to_metric_families
@@ -261,11 +297,18 @@ def two_models(smollm2: Path, perturbed: Path, tmp_path: Path) -> Iterator[_TwoM
 def test_a_session_of_one_model_is_never_pulled_into_another_models_node(two_models: _TwoModels) -> None:
     first = _facts_prompt()
     turn1 = _chat(two_models.url, DEFAULT_MODEL_NAME, first, session="switch-1")
-    second = [*first, {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
-              {"role": "user", "content": "And fact 30?"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And fact 30?"},
+    ]
     # The client switches models in the same session: an advisory first, then the turn.
-    advised = httpx.post(two_models.url + "/v1/advisories", json={"model": PERTURBED, "kind": "typing"},
-                         headers={"X-Session-ID": "switch-1"}, timeout=30)
+    advised = httpx.post(
+        two_models.url + "/v1/advisories",
+        json={"model": PERTURBED, "kind": "typing"},
+        headers={"X-Session-ID": "switch-1"},
+        timeout=30,
+    )
     assert advised.status_code == 202 and advised.json()["node"] == "node-1", advised.text
     reply = _chat(two_models.url, PERTURBED, second, session="switch-1")
     assert _cached(reply) == 0
@@ -283,5 +326,8 @@ def test_a_session_of_one_model_is_never_pulled_into_another_models_node(two_mod
     assert (pulled.pages_received, pulled.complete) == (0, False) and "model" in pulled.error
     assert after.token_ids == before.token_ids and after.loadable_prefix_blocks == before.loadable_prefix_blocks
     assert two_models.metric(1, "symphony_kv_peer_pages_total", outcome="stored") == 0
-    assert two_models.metric(0, "symphony_kv_peer_refused_total", side="sender") + \
-        two_models.metric(1, "symphony_kv_peer_refused_total", side="receiver") >= 1
+    assert (
+        two_models.metric(0, "symphony_kv_peer_refused_total", side="sender")
+        + two_models.metric(1, "symphony_kv_peer_refused_total", side="receiver")
+        >= 1
+    )

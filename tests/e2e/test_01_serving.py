@@ -33,17 +33,24 @@ def test_models_lists_the_served_model(live_cluster: LiveCluster) -> None:
     assert [m.id for m in models.data] == [live_cluster.model]
 
 
-def _ask(client: openai.OpenAI, model: str, session: str, messages: list[dict[str, str]], stream: bool
-         ) -> tuple[str, Any, dict[str, str]]:
+def _ask(
+    client: openai.OpenAI, model: str, session: str, messages: list[dict[str, str]], stream: bool
+) -> tuple[str, Any, dict[str, str]]:
     """One turn; returns (answer, usage, response headers)."""
-    common: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 40, "temperature": 0.0,
-                              "extra_headers": {"X-Session-ID": session}}
+    common: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": 40,
+        "temperature": 0.0,
+        "extra_headers": {"X-Session-ID": session},
+    }
     if not stream:
         raw = client.chat.completions.with_raw_response.create(**common)
         completion = raw.parse()
         return completion.choices[0].message.content or "", completion.usage, dict(raw.headers)
-    raw = client.chat.completions.with_raw_response.create(**common, stream=True,
-                                                          stream_options={"include_usage": True})
+    raw = client.chat.completions.with_raw_response.create(
+        **common, stream=True, stream_options={"include_usage": True}
+    )
     parts, usage = [], None
     for chunk in raw.parse():
         if chunk.choices and chunk.choices[0].delta.content:
@@ -109,29 +116,62 @@ BAD_INPUTS = [
     ("malformed-json", "/v1/chat/completions", b'{"messages": [', {}, 400, None),
     ("missing-messages", "/v1/chat/completions", {"max_tokens": 5}, {}, 400, "messages"),
     ("missing-prompt", "/v1/completions", {"max_tokens": 5}, {}, 400, "prompt"),
-    ("unknown-model", "/v1/chat/completions", {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]},
-     {}, 404, "model"),
-    ("negative-max-tokens", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                     "max_tokens": -5}, {}, 400, "max_tokens"),
+    (
+        "unknown-model",
+        "/v1/chat/completions",
+        {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]},
+        {},
+        404,
+        "model",
+    ),
+    (
+        "negative-max-tokens",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5},
+        {},
+        400,
+        "max_tokens",
+    ),
     ("absurd-max-tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, {}, 400, "max_tokens"),
-    ("long-session-id", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
-     {"X-Session-ID": "s" * 500}, 400, "session_id"),
-    ("non-printable-session-id", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "session_id": "bad\x07id"}, {}, 400, "session_id"),
+    (
+        "long-session-id",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}]},
+        {"X-Session-ID": "s" * 500},
+        400,
+        "session_id",
+    ),
+    (
+        "non-printable-session-id",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "session_id": "bad\x07id"},
+        {},
+        400,
+        "session_id",
+    ),
     ("unknown-advisory-kind", "/v1/advisories", {"session_id": "s", "kind": "dancing"}, {}, 400, "kind"),
     ("advisory-without-session", "/v1/advisories", {"kind": "typing"}, {}, 400, "session_id"),
-    ("negative-arrival", "/v1/advisories", {"session_id": "s", "kind": "predecessor", "expected_arrival_ms": -1},
-     {}, 400, "expected_arrival_ms"),
+    (
+        "negative-arrival",
+        "/v1/advisories",
+        {"session_id": "s", "kind": "predecessor", "expected_arrival_ms": -1},
+        {},
+        400,
+        "expected_arrival_ms",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "path", "body", "headers", "status", "param"), BAD_INPUTS,
-                         ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input_gets_a_4xx_openai_error(live_cluster: LiveCluster, name: str, path: str, body: Any,
-                                           headers: dict[str, str], status: int, param: str | None) -> None:
+@pytest.mark.parametrize(
+    ("name", "path", "body", "headers", "status", "param"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input_gets_a_4xx_openai_error(
+    live_cluster: LiveCluster, name: str, path: str, body: Any, headers: dict[str, str], status: int, param: str | None
+) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    reply = httpx.post(live_cluster.url + path, content=content,
-                       headers={"content-type": "application/json", **headers}, timeout=30)
+    reply = httpx.post(
+        live_cluster.url + path, content=content, headers={"content-type": "application/json", **headers}, timeout=30
+    )
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -143,12 +183,14 @@ def test_bad_input_gets_a_4xx_openai_error(live_cluster: LiveCluster, name: str,
 
 def test_scheduler_serves_after_bad_inputs(live_cluster: LiveCluster) -> None:
     with pytest.raises(openai.NotFoundError):
-        _client(live_cluster).chat.completions.create(model="no-such-model", messages=[{"role": "user",
-                                                                                        "content": "hi"}])
+        _client(live_cluster).chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
     with pytest.raises(openai.BadRequestError):
         _client(live_cluster).chat.completions.create(model=live_cluster.model, messages=[], max_tokens=5)
     reply = _client(live_cluster).chat.completions.create(
-        model=live_cluster.model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8)
+        model=live_cluster.model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
+    )
     assert reply.choices[0].message.content
 
 
@@ -159,8 +201,10 @@ def test_metrics_count_requests_ttft_and_routing(live_cluster: LiveCluster) -> N
     assert _metric(text, 'symphony_requests_total{endpoint="chat",status="404"}') >= 1
     assert _metric(text, 'symphony_ttft_seconds_count{endpoint="chat",priority="normal"}') >= 1
     assert _metric(text, 'symphony_e2e_seconds_count{endpoint="chat",stream="false"}') >= 1
-    routed = {node: sum(float(v) for v in re.findall(rf'symphony_routed_total{{node="{node}",[^}}]*}} (\S+)', text))
-              for node in ("node-0", "node-1")}
+    routed = {
+        node: sum(float(v) for v in re.findall(rf'symphony_routed_total{{node="{node}",[^}}]*}} (\S+)', text))
+        for node in ("node-0", "node-1")
+    }
     assert routed["node-0"] > 0 and routed["node-1"] > 0, routed  # least-load spreads requests
     assert _metric(text, 'symphony_node_up{node="node-0"}') == 1.0
     assert _metric(text, 'symphony_advisories_total{kind="typing",outcome="routed"}') >= 4
@@ -182,16 +226,21 @@ def test_async_sdk_streams_a_turn(live_cluster: LiveCluster) -> None:
         async with AsyncSymphonyClient(live_cluster.url) as client:
             advisory = await client.typing_started("e2e-async")
             assert advisory.node in ("node-0", "node-1")
-            stream = await client.chat("e2e-async", [{"role": "user", "content": "Count to three."}],
-                                       stream=True, max_tokens=16)
+            stream = await client.chat(
+                "e2e-async", [{"role": "user", "content": "Count to three."}], stream=True, max_tokens=16
+            )
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     assert asyncio.run(run()).strip()
 
 
 def test_status_cli_shows_both_nodes(live_cluster: LiveCluster) -> None:
-    done = subprocess.run([sys.executable, "-m", "symphony.cli", "status", "--url", live_cluster.url],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "symphony.cli", "status", "--url", live_cluster.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert re.search(r"node-0\s+ready", done.stdout) and re.search(r"node-1\s+ready", done.stdout)
 
@@ -199,8 +248,12 @@ def test_status_cli_shows_both_nodes(live_cluster: LiveCluster) -> None:
 def test_client_leaving_mid_stream_aborts_the_generation(live_cluster: LiveCluster) -> None:
     client = _client(live_cluster)
     raw = client.chat.completions.with_raw_response.create(
-        model=live_cluster.model, messages=[{"role": "user", "content": "Write a very long story."}],
-        max_tokens=4000, stream=True, extra_body={"ignore_eos": True})
+        model=live_cluster.model,
+        messages=[{"role": "user", "content": "Write a very long story."}],
+        max_tokens=4000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     node = raw.headers["x-symphony-node"]
     stream = raw.parse()
     for chunk in stream:
@@ -209,8 +262,11 @@ def test_client_leaving_mid_stream_aborts_the_generation(live_cluster: LiveClust
     wait_until(lambda: live_cluster.node_state(node)["running"] >= 1, 10, "the engine to report the request")
     stream.close()
     # 4,000 forced tokens would keep the engine busy for minutes; an aborted request frees it at once.
-    wait_until(lambda: live_cluster.node_state(node)["running"] == 0 and
-               live_cluster.node_state(node)["inflight"] == 0, 15, "the engine to drop the abandoned request")
+    wait_until(
+        lambda: live_cluster.node_state(node)["running"] == 0 and live_cluster.node_state(node)["inflight"] == 0,
+        15,
+        "the engine to drop the abandoned request",
+    )
 
 
 def test_proxy_bench_writes_its_keys(live_cluster: LiveCluster, tmp_path: Path) -> None:
@@ -218,13 +274,38 @@ def test_proxy_bench_writes_its_keys(live_cluster: LiveCluster, tmp_path: Path) 
     # full run, which starts a private 1-node cluster).
     out, plot = tmp_path / "proxy.json", tmp_path / "proxy.png"
     done = subprocess.run(
-        [sys.executable, "-m", "symphony.cli", "bench", "proxy", "--out", str(out), "--plot", str(plot),
-         "--scheduler-url", live_cluster.url, "--engine-url", f"http://127.0.0.1:{live_cluster.engine_ports[0]}",
-         "--concurrency", "2", "--rounds", "2"], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "symphony.cli",
+            "bench",
+            "proxy",
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+            "--scheduler-url",
+            live_cluster.url,
+            "--engine-url",
+            f"http://127.0.0.1:{live_cluster.engine_ports[0]}",
+            "--concurrency",
+            "2",
+            "--rounds",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
-    for key in ("direct_ttft_ms_p50", "direct_ttft_ms_p99", "via_scheduler_ttft_ms_p50", "via_scheduler_ttft_ms_p99",
-                "overhead_ms_p50"):
+    for key in (
+        "direct_ttft_ms_p50",
+        "direct_ttft_ms_p99",
+        "via_scheduler_ttft_ms_p50",
+        "via_scheduler_ttft_ms_p99",
+        "overhead_ms_p50",
+    ):
         assert isinstance(result[key], float), key
     assert result["samples_per_path"] == 4
     assert 0 < result["direct_ttft_ms_p50"] < 60_000

@@ -28,24 +28,36 @@ def _questions(count: int) -> list[list[str]]:
     return [json.loads(line)["turns"] for line in lines]
 
 
-def _complete(client: openai.OpenAI, model: str, prompt: str | list[int], tenant: str, session: str,
-              max_tokens: int) -> openai.types.Completion:
+def _complete(
+    client: openai.OpenAI, model: str, prompt: str | list[int], tenant: str, session: str, max_tokens: int
+) -> openai.types.Completion:
     # ignore_eos: every answer has max_tokens tokens, so every history spans the same blocks.
-    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
-                                     extra_body={"kv_transfer_params": {"tenant": tenant, "session_id": session},
-                                                 "return_token_ids": True, "ignore_eos": True})
+    return client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
+        extra_body={
+            "kv_transfer_params": {"tenant": tenant, "session_id": session},
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
 
 
 def _loadable_blocks(grpc_port: int, tenant: str, session: str) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         status = kv_pb2_grpc.KVStoreStub(channel).GetSessionStatus(
-            kv_pb2.SessionStatusRequest(session=kv_pb2.SessionRef(tenant=tenant, session_id=session)), timeout=5)
+            kv_pb2.SessionStatusRequest(session=kv_pb2.SessionRef(tenant=tenant, session_id=session)), timeout=5
+        )
     return status.loadable_prefix_blocks
 
 
 @pytest.mark.parametrize("conversation", range(3))
-def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(live_cluster: LiveCluster,
-                                                                      conversation: int) -> None:
+def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(
+    live_cluster: LiveCluster, conversation: int
+) -> None:
     first, second = _questions(3)[conversation]
     engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[0]}"
     client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -60,13 +72,24 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(live_clus
     assert history_blocks >= 2, "the history must span blocks for the load to mean anything"
     # Saves are committed right after the step that computed them, the partial last block in the
     # step after the request finished; wait for them, not a guess.
-    wait_until(lambda: _loadable_blocks(live_cluster.grpc_ports[0], tenant, session) >= history_blocks, 30,
-               "turn 1's KV saved to the node's tiers")
-    wait_until(lambda: live_cluster.node_metric(0, "symphony_connector_tail_tokens_saved_total") - tails_before
-               >= tail, 30, "turn 1's partial last block saved")
+    wait_until(
+        lambda: _loadable_blocks(live_cluster.grpc_ports[0], tenant, session) >= history_blocks,
+        30,
+        "turn 1's KV saved to the node's tiers",
+    )
+    wait_until(
+        lambda: live_cluster.node_metric(0, "symphony_connector_tail_tokens_saved_total") - tails_before >= tail,
+        30,
+        "turn 1's partial last block saved",
+    )
 
-    follow_up = client.completions.create(model=live_cluster.model, prompt="\n" + second, max_tokens=1,
-                                          extra_body={"return_token_ids": True}).choices[0].prompt_token_ids
+    follow_up = (
+        client.completions.create(
+            model=live_cluster.model, prompt="\n" + second, max_tokens=1, extra_body={"return_token_ids": True}
+        )
+        .choices[0]
+        .prompt_token_ids
+    )
     prompt = [*history, *follow_up]
     # vLLM's own prefix cache still holds turn 1's whole blocks: the reference for KV computed in
     # turn 1. It holds no partial block, so the connector completes this hit with turn 1's partial
@@ -77,10 +100,15 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(live_clus
     waits_before = live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count")
     loaded = _complete(client, live_cluster.model, prompt, tenant, session, 24)
     # Metrics: the history's tokens counted as loaded from DRAM; the forward waited once per layer.
-    assert (live_cluster.node_metric(0, "symphony_connector_tokens_loaded_total", tier="DRAM") - loaded_before
-            == loaded.usage.prompt_tokens_details.cached_tokens)
-    wait_until(lambda: live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count") - waits_before
-               >= LAYERS, 10, "the worker to report its layer waits")
+    assert (
+        live_cluster.node_metric(0, "symphony_connector_tokens_loaded_total", tier="DRAM") - loaded_before
+        == loaded.usage.prompt_tokens_details.cached_tokens
+    )
+    wait_until(
+        lambda: live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count") - waits_before >= LAYERS,
+        10,
+        "the worker to report its layer waits",
+    )
 
     assert engine_cache.usage.prompt_tokens_details.cached_tokens >= len(history) - 1
     # All of turn 1 from the tiers, partial block included (and whatever whole blocks of this

@@ -17,13 +17,21 @@ CONTEXT = 256  # 8 blocks: small enough for CI, long enough to load across block
 
 def test_every_resume_path_gets_its_history_from_the_intended_place(live_cluster: LiveCluster) -> None:
     with resume_nodes(live_cluster) as nodes:
-        result = measure(nodes, f"http://127.0.0.1:{live_cluster.engine_ports[0]}", live_cluster.model,
-                         context_tokens=CONTEXT, trials=1, block_size=32, gap_s=0.2)
+        result = measure(
+            nodes,
+            f"http://127.0.0.1:{live_cluster.engine_ports[0]}",
+            live_cluster.model,
+            context_tokens=CONTEXT,
+            trials=1,
+            block_size=32,
+            gap_s=0.2,
+        )
     assert set(result["ttft_ms"]) == set(PATHS)
     assert all(ms > 0 for ms in result["ttft_ms"].values())
     # Only recompute prefills the history; every other path computes the follow-up message alone.
-    assert result["prefill_tokens_computed"] == {path: FOLLOW_UP_TOKENS + (CONTEXT if path == "recompute" else 0)
-                                                 for path in PATHS}
+    assert result["prefill_tokens_computed"] == {
+        path: FOLLOW_UP_TOKENS + (CONTEXT if path == "recompute" else 0) for path in PATHS
+    }
     # The on-demand SSD load waited on layers, and the bench read those waits back.
     assert result["layer_wait_ms_p50"] >= 0 and result["layer_wait_ms_p99"] >= result["layer_wait_ms_p50"]
     assert isinstance(result["outputs_identical"], bool)

@@ -21,8 +21,14 @@ BLOCK = 32
 
 def test_resumed_turns_match_on_every_path(live_cluster: LiveCluster) -> None:
     with resume_nodes(live_cluster) as nodes:
-        result = check_resume_correctness(nodes, f"http://127.0.0.1:{live_cluster.engine_ports[0]}",
-                                          live_cluster.model, CONVERSATIONS, BLOCK, gap_s=0.1)
+        result = check_resume_correctness(
+            nodes,
+            f"http://127.0.0.1:{live_cluster.engine_ports[0]}",
+            live_cluster.model,
+            CONVERSATIONS,
+            BLOCK,
+            gap_s=0.1,
+        )
     assert result["mismatched_conversations"] == [], result["differing_paths"]
     assert result["max_logprob_gap"] <= 1e-2
     # Each path got the history from where it says, not by recomputing it: every full block of the

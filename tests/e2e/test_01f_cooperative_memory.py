@@ -30,8 +30,9 @@ OUTPUT_TOKENS = 32
 
 def _engine_samples(engine_url: str, name: str) -> list[Sample]:
     text = httpx.get(engine_url + "/metrics", timeout=10).text
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name == name]
+    return [
+        sample for family in text_string_to_metric_families(text) for sample in family.samples if sample.name == name
+    ]
 
 
 def _num_gpu_blocks(engine_url: str) -> int:
@@ -48,8 +49,13 @@ def _synthetic_ids(seed: int, blocks: int) -> list[int]:
     return [1000 + (seed * 7919 + i * 104_729) % 40_000 for i in range(blocks * BLOCK)]
 
 
-def _prefetched_session(stub: kv_pb2_grpc.KVStoreStub, tenant: str, seed: int, blocks: int = SESSION_BLOCKS,
-                        priority: int = kv_pb2.PRIORITY_NORMAL) -> kv_pb2.PrefetchStatus:
+def _prefetched_session(
+    stub: kv_pb2_grpc.KVStoreStub,
+    tenant: str,
+    seed: int,
+    blocks: int = SESSION_BLOCKS,
+    priority: int = kv_pb2.PRIORITY_NORMAL,
+) -> kv_pb2.PrefetchStatus:
     """A history of `blocks` blocks written to the node's tiers (synthetic token ids, KV of small
     bf16 values), then prefetched to the top tier: into the engine's prefix cache."""
     geometry = smollm2_geometry()
@@ -60,12 +66,24 @@ def _prefetched_session(stub: kv_pb2_grpc.KVStoreStub, tenant: str, seed: int, b
     keys = chain_block_keys(model, tenant, token_ids, geometry.block_size).block_keys
     generator = torch.Generator().manual_seed(seed)
     values = geometry.page_bytes // 2  # bf16 values per page
-    batches = [page_batch(ref, keys, layer, 0, (torch.randn(blocks, values, generator=generator) * 0.1)
-                          .to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-               for layer in range(geometry.num_layers)]
+    batches = [
+        page_batch(
+            ref,
+            keys,
+            layer,
+            0,
+            (torch.randn(blocks, values, generator=generator) * 0.1)
+            .to(torch.bfloat16)
+            .view(torch.int16)
+            .numpy()
+            .tobytes(),
+        )
+        for layer in range(geometry.num_layers)
+    ]
     stub.WritePages(iter(batches), timeout=120)
-    return stub.Prefetch(kv_pb2.PrefetchRequest(session=ref, target_tier=kv_pb2.TIER_HBM, deadline_ms=5_000,
-                                                wait_ms=60_000), timeout=70)
+    return stub.Prefetch(
+        kv_pb2.PrefetchRequest(session=ref, target_tier=kv_pb2.TIER_HBM, deadline_ms=5_000, wait_ms=60_000), timeout=70
+    )
 
 
 def _burst(client: openai.OpenAI, model: str, run: str) -> list[int]:
@@ -75,8 +93,13 @@ def _burst(client: openai.OpenAI, model: str, run: str) -> list[int]:
 
     def one(index: int) -> int:
         prompt = "\n".join(questions[(index * 13 + k) % len(questions)] for k in range(12))
-        reply = client.completions.create(model=model, prompt=prompt, max_tokens=OUTPUT_TOKENS, temperature=0,
-                                          extra_body={"cache_salt": f"{run}-{index}", "ignore_eos": True})
+        reply = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=OUTPUT_TOKENS,
+            temperature=0,
+            extra_body={"cache_salt": f"{run}-{index}", "ignore_eos": True},
+        )
         return reply.usage.completion_tokens
 
     with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
@@ -108,8 +131,12 @@ def test_prefetched_kv_yields_before_any_request_is_preempted_or_refused(live_cl
 def _vllm_hit_tokens(client: openai.OpenAI, model: str, token_ids: list[int]) -> int:
     """How much of `token_ids` vLLM's own prefix cache holds: asked under a tenant no Symphony tier
     knows, so the connector adds nothing (one token more, so that the last block can hit)."""
-    reply = client.completions.create(model=model, prompt=[*token_ids, token_ids[-1]], max_tokens=1,
-                                      extra_body={"kv_transfer_params": {"tenant": f"probe-{uuid.uuid4().hex[:8]}"}})
+    reply = client.completions.create(
+        model=model,
+        prompt=[*token_ids, token_ids[-1]],
+        max_tokens=1,
+        extra_body={"kv_transfer_params": {"tenant": f"probe-{uuid.uuid4().hex[:8]}"}},
+    )
     return reply.usage.prompt_tokens_details.cached_tokens or 0
 
 
@@ -119,8 +146,12 @@ def test_warmed_sessions_yield_in_symphonys_order_not_lru(live_cluster: LiveClus
     reset_engine_cache(engine_url)
     usable = _num_gpu_blocks(engine_url) - 1  # block 0 is vLLM's null block
     # Warmed in this order, so plain LRU would evict the high-priority session first.
-    sessions = {"high": (64, kv_pb2.PRIORITY_HIGH), "big": (128, kv_pb2.PRIORITY_NORMAL),
-                "small": (32, kv_pb2.PRIORITY_NORMAL), "low": (64, kv_pb2.PRIORITY_LOW)}
+    sessions = {
+        "high": (64, kv_pb2.PRIORITY_HIGH),
+        "big": (128, kv_pb2.PRIORITY_NORMAL),
+        "small": (32, kv_pb2.PRIORITY_NORMAL),
+        "low": (64, kv_pb2.PRIORITY_LOW),
+    }
     tenant = f"order-{uuid.uuid4().hex[:8]}"
     with grpc.insecure_channel(f"127.0.0.1:{live_cluster.grpc_ports[NODE]}") as channel:
         stub = kv_pb2_grpc.KVStoreStub(channel)
@@ -133,10 +164,13 @@ def test_warmed_sessions_yield_in_symphonys_order_not_lru(live_cluster: LiveClus
     demand = usable - warmed + sessions["low"][0] + sessions["small"][0] // 2
     per_request = demand // 2 * BLOCK
     for seed in (1, 2):
-        client.completions.create(model=live_cluster.model, prompt=_synthetic_ids(seed, demand // 2 + 1)[:per_request],
-                                  max_tokens=1, extra_body={"kv_transfer_params": {"tenant": "burst"}})
-    ids = {name: _synthetic_ids(seed, blocks)
-           for seed, (name, (blocks, _)) in enumerate(sessions.items(), start=100)}
+        client.completions.create(
+            model=live_cluster.model,
+            prompt=_synthetic_ids(seed, demand // 2 + 1)[:per_request],
+            max_tokens=1,
+            extra_body={"kv_transfer_params": {"tenant": "burst"}},
+        )
+    ids = {name: _synthetic_ids(seed, blocks) for seed, (name, (blocks, _)) in enumerate(sessions.items(), start=100)}
     assert _vllm_hit_tokens(client, live_cluster.model, ids["high"]) == sessions["high"][0] * BLOCK
     assert _vllm_hit_tokens(client, live_cluster.model, ids["big"]) == sessions["big"][0] * BLOCK
     assert _vllm_hit_tokens(client, live_cluster.model, ids["low"]) == 0

@@ -20,9 +20,18 @@ pytestmark = pytest.mark.e2e
 def test_two_policies_replay_the_same_users(live_cluster: LiveCluster, tmp_path: Path) -> None:
     config = load_config(live_cluster.home / "symphony.toml", env={})
     settings = LoadSettings(users=2, duration_s=20, max_answer_tokens=16)
-    result = asyncio.run(measure_policies(config, live_cluster.model, tmp_path, ["symphony", "recompute"], settings,
-                                          HumanTiming(time_scale=0.02), load_sharegpt(SHAREGPT_SAMPLE, limit=4),
-                                          records_dir=tmp_path))
+    result = asyncio.run(
+        measure_policies(
+            config,
+            live_cluster.model,
+            tmp_path,
+            ["symphony", "recompute"],
+            settings,
+            HumanTiming(time_scale=0.02),
+            load_sharegpt(SHAREGPT_SAMPLE, limit=4),
+            records_dir=tmp_path,
+        )
+    )
     for policy in ("symphony", "recompute"):
         summary = result[policy]
         assert summary["errors"] == 0 and summary["completed"] >= 2, summary

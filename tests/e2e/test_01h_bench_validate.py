@@ -21,8 +21,9 @@ pytestmark = pytest.mark.e2e
 QUICK = ProbePlan(prefill_tokens=(32, 256), decode_points=((1, 32), (2, 32), (1, 256)), rounds=1, output_tokens=16)
 
 
-def test_the_simulator_is_fitted_to_the_engines_and_replays_a_live_run(live_cluster: LiveCluster,
-                                                                       tmp_path: Path) -> None:
+def test_the_simulator_is_fitted_to_the_engines_and_replays_a_live_run(
+    live_cluster: LiveCluster, tmp_path: Path
+) -> None:
     config = load_config(live_cluster.home / "symphony.toml", env={})
     preset, details = asyncio.run(calibrate(config, live_cluster.model, QUICK))
     engine = preset.engine
@@ -34,10 +35,18 @@ def test_the_simulator_is_fitted_to_the_engines_and_replays_a_live_run(live_clus
     assert len(details["prefill_samples_beside_busy"]) == 2 * config.cluster.nodes  # every engine, neighbours busy
     assert engine.neighbour_slowdown >= 0
     records: dict[str, list[RequestRecord]] = {}
-    asyncio.run(measure_policies(config, live_cluster.model, tmp_path, ["recompute"],
-                                 LoadSettings(users=2, duration_s=20, max_answer_tokens=16),
-                                 HumanTiming(time_scale=0.02), load_sharegpt(SHAREGPT_SAMPLE, limit=4),
-                                 records_by_policy=records))
+    asyncio.run(
+        measure_policies(
+            config,
+            live_cluster.model,
+            tmp_path,
+            ["recompute"],
+            LoadSettings(users=2, duration_s=20, max_answer_tokens=16),
+            HumanTiming(time_scale=0.02),
+            load_sharegpt(SHAREGPT_SAMPLE, limit=4),
+            records_by_policy=records,
+        )
+    )
     live = live_figures(records["recompute"])
     nodes = [config.node_id(i) for i in range(config.cluster.nodes)]
     simulated = sim_figures(simulate_replay(preset, "recompute", nodes, replay_turns(records["recompute"])))

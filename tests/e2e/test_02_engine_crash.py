@@ -35,7 +35,7 @@ def _shm_of_group(pgid: int) -> set[Path]:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
-        paths |= {Path(line[line.index("/dev/shm/"):].strip()) for line in maps.splitlines() if "/dev/shm/" in line}
+        paths |= {Path(line[line.index("/dev/shm/") :].strip()) for line in maps.splitlines() if "/dev/shm/" in line}
     return paths
 
 
@@ -52,13 +52,17 @@ def test_killed_engine_is_routed_around_and_restarted(live_cluster: LiveCluster)
     client = openai.OpenAI(base_url=live_cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     for i in range(3):
         raw = client.chat.completions.with_raw_response.create(
-            model=live_cluster.model, messages=[{"role": "user", "content": f"Say the number {i}."}], max_tokens=8,
-            extra_headers={"X-Session-ID": f"e2e-crash-{i}"})
+            model=live_cluster.model,
+            messages=[{"role": "user", "content": f"Say the number {i}."}],
+            max_tokens=8,
+            extra_headers={"X-Session-ID": f"e2e-crash-{i}"},
+        )
         assert raw.parse().choices[0].message.content
         assert raw.headers["x-symphony-node"] == "node-0"
 
-    wait_until(lambda: live_cluster.node_state("node-1")["state"] == "ready", 300, "node-1's engine to restart",
-               interval_s=1.0)
+    wait_until(
+        lambda: live_cluster.node_state("node-1")["state"] == "ready", 300, "node-1's engine to restart", interval_s=1.0
+    )
     node = live_cluster.node_state("node-1")
     assert node["engine_restarts"] == restarts_before + 1
     assert "SIGKILL" in node["last_engine_error"]

@@ -35,8 +35,12 @@ def _node_manager_pid(cluster: LiveCluster, index: int) -> int:
 
 async def _turn(client: openai.AsyncOpenAI, model: str, session: str, text: str, max_tokens: int) -> str:
     raw = await client.chat.completions.with_raw_response.create(
-        model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0,
-        extra_headers={"X-Session-ID": session})
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_headers={"X-Session-ID": session},
+    )
     assert raw.parse().choices[0].message.content is not None
     return raw.headers["x-symphony-node"]
 
@@ -47,8 +51,9 @@ def test_a_killed_node_costs_no_client_an_error(live_cluster: LiveCluster) -> No
     asyncio.run(_run(live_cluster))
     assert _retries(live_cluster) > retries_before, "a request in flight on the killed node was re-sent"
     # `symphony up` restarts the dead node manager, which starts its engine again.
-    wait_until(lambda: live_cluster.node_state("node-1")["state"] == "ready", 300, "node-1 to come back",
-               interval_s=1.0)
+    wait_until(
+        lambda: live_cluster.node_state("node-1")["state"] == "ready", 300, "node-1 to come back", interval_s=1.0
+    )
 
 
 def _retries(cluster: LiveCluster) -> float:
@@ -62,12 +67,15 @@ async def _run(cluster: LiveCluster) -> None:
     client = openai.AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     model = cluster.model
     try:
-        first = await asyncio.gather(*[_turn(client, model, f"failover-{i}", f"Count from {i} to {i + 5}.", 8)
-                                       for i in range(SESSIONS)])
+        first = await asyncio.gather(
+            *[_turn(client, model, f"failover-{i}", f"Count from {i} to {i + 5}.", 8) for i in range(SESSIONS)]
+        )
         assert set(first) == {"node-0", "node-1"}, "per-request balancing put sessions on both nodes"
         # Second turns, long enough to be in flight when node-1 dies.
-        second = [asyncio.create_task(_turn(client, model, f"failover-{i}", "Now write a short poem about it.", 96))
-                  for i in range(SESSIONS)]
+        second = [
+            asyncio.create_task(_turn(client, model, f"failover-{i}", "Now write a short poem about it.", 96))
+            for i in range(SESSIONS)
+        ]
         await async_wait_until(lambda: cluster.node_state("node-1")["inflight"] > 0, 60, "a request on node-1")
         engine = _engine_pid(cluster, cluster.engine_ports[1])
         victims = [_node_manager_pid(cluster, 1), *group_members(os.getpgid(engine))]

@@ -85,5 +85,3 @@ async def ready(client: httpx.AsyncClient, count: int = 1) -> None:
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-

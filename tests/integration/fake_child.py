@@ -28,8 +28,11 @@ def main() -> None:
     parser.add_argument("--unhealthy-flag", type=Path, help="answer 503 once this file exists")
     parser.add_argument("--pidfile", type=Path, help="append our pid (and the grandchild's) to this file")
     parser.add_argument("--metrics", type=Path, help="serve this file's text at /metrics (vLLM-style gauges)")
-    parser.add_argument("--filter-metrics", action="store_true",
-                        help="also serve /metrics/?name[]=... with only the named series, as vLLM does")
+    parser.add_argument(
+        "--filter-metrics",
+        action="store_true",
+        help="also serve /metrics/?name[]=... with only the named series, as vLLM does",
+    )
     parser.add_argument("--request-log", type=Path, help="append every request's path to this file")
     args = parser.parse_args()
 
@@ -63,8 +66,9 @@ def main() -> None:
             if args.metrics and (whole or (args.filter_metrics and url.path == "/metrics/")):
                 names = parse_qs(url.query).get("name[]")
                 lines = args.metrics.read_text().splitlines()
-                body = "".join(f"{line}\n" for line in lines
-                               if names is None or line.partition("{")[0].partition(" ")[0] in names).encode()
+                body = "".join(
+                    f"{line}\n" for line in lines if names is None or line.partition("{")[0].partition(" ")[0] in names
+                ).encode()
                 self.send_response(200)
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()

@@ -74,13 +74,26 @@ class FakeNodeManager(node_pb2_grpc.NodeManagerServicer):
             self.server = None
 
 
-def ready_status(node_id: str, engine_url: str, model: str = "m", running: int = 0,
-                 waiting: int = 0, fingerprint: bytes | None = None) -> node_pb2.NodeStatus:
+def ready_status(
+    node_id: str,
+    engine_url: str,
+    model: str = "m",
+    running: int = 0,
+    waiting: int = 0,
+    fingerprint: bytes | None = None,
+) -> node_pb2.NodeStatus:
     """A ready node's status; its model fingerprint defaults to one per model name."""
-    return node_pb2.NodeStatus(node_id=node_id, engine_state=node_pb2.ENGINE_STATE_READY, engine_url=engine_url,
-                               served_model=model, max_model_len=4096, block_size=32, num_requests_running=running,
-                               num_requests_waiting=waiting,
-                               model_fingerprint=fingerprint or hashlib.sha256(model.encode()).digest())
+    return node_pb2.NodeStatus(
+        node_id=node_id,
+        engine_state=node_pb2.ENGINE_STATE_READY,
+        engine_url=engine_url,
+        served_model=model,
+        max_model_len=4096,
+        block_size=32,
+        num_requests_running=running,
+        num_requests_waiting=waiting,
+        model_fingerprint=fingerprint or hashlib.sha256(model.encode()).digest(),
+    )
 
 
 def sse(content: str) -> bytes:
@@ -113,8 +126,17 @@ class FakeEngine:
         self.headers.append(dict(request.headers))
         behaviour = body["messages"][0]["content"] if body.get("messages") else ""
         if behaviour == "bad":
-            return web.json_response({"error": {"message": "temperature must be >= 0", "type": "BadRequestError",
-                                                "param": "temperature", "code": 400}}, status=400)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": "temperature must be >= 0",
+                        "type": "BadRequestError",
+                        "param": "temperature",
+                        "code": 400,
+                    }
+                },
+                status=400,
+            )
         if behaviour == "slow" and not body.get("stream"):
             for _ in range(500):
                 if request.transport is None or request.transport.is_closing():
@@ -122,9 +144,15 @@ class FakeEngine:
                     break
                 await asyncio.sleep(0.02)
         if not body.get("stream"):
-            return web.json_response({"object": "chat.completion", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+            return web.json_response(
+                {
+                    "object": "chat.completion",
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}
+                    ],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+                }
+            )
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         if behaviour == "break":
@@ -147,8 +175,12 @@ class FakeEngine:
         for word in ("one", "two", "three"):
             await response.write(sse(word))
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
-                     "prompt_tokens_details": {"cached_tokens": 4}}
+            usage = {
+                "prompt_tokens": 7,
+                "completion_tokens": 3,
+                "total_tokens": 10,
+                "prompt_tokens_details": {"cached_tokens": 4},
+            }
             chunk = {"object": "chat.completion.chunk", "choices": [], "usage": usage}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")

@@ -25,8 +25,13 @@ async def main(port: int, log_path: Path) -> None:
             except httpx.HTTPError:
                 return False
 
-    child = ManagedProcess("child", [sys.executable, str(Path(__file__).with_name("fake_child.py")), "--port",
-                                     str(port)], log_path=log_path, ready_probe=serving, probe_interval_s=0.02)
+    child = ManagedProcess(
+        "child",
+        [sys.executable, str(Path(__file__).with_name("fake_child.py")), "--port", str(port)],
+        log_path=log_path,
+        ready_probe=serving,
+        probe_interval_s=0.02,
+    )
     child.start()
     await child.wait_ready(30)
     print(child.pid, flush=True)

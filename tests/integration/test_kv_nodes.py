@@ -94,9 +94,17 @@ ssd_bytes = {256 << 20}
 metrics_port_base = {metrics_base}
 """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
-    result = [Node(i, f"127.0.0.1:{grpc_base + i}", f"http://127.0.0.1:{metrics_base + i}/metrics",
-                   [sys.executable, "-m", "symphony.cli", "node", "--config", str(config), "--index", str(i)],
-                   home / f"node-{i}.out", env) for i in range(2)]
+    result = [
+        Node(
+            i,
+            f"127.0.0.1:{grpc_base + i}",
+            f"http://127.0.0.1:{metrics_base + i}/metrics",
+            [sys.executable, "-m", "symphony.cli", "node", "--config", str(config), "--index", str(i)],
+            home / f"node-{i}.out",
+            env,
+        )
+        for i in range(2)
+    ]
     for node in result:
         node.start()
     try:
@@ -137,8 +145,10 @@ def _session(name: str, tokens: int, seed: int) -> tuple[kv_pb2.SessionRef, list
     token_ids = [rng.randrange(49152) for _ in range(tokens)]
     blocks = tokens // GEOMETRY.block_size
     gen = torch.Generator().manual_seed(seed)
-    pages = [torch.randint(-(2**62), 2**62, (blocks, GEOMETRY.page_words), dtype=torch.int64, generator=gen)
-             for _ in range(GEOMETRY.num_layers)]
+    pages = [
+        torch.randint(-(2**62), 2**62, (blocks, GEOMETRY.page_words), dtype=torch.int64, generator=gen)
+        for _ in range(GEOMETRY.num_layers)
+    ]
     return kv_pb2.SessionRef(tenant=TENANT, session_id=name), token_ids, pages
 
 
@@ -147,14 +157,16 @@ async def _model(stub: kv_pb2_grpc.KVStoreStub) -> ModelFingerprint:
     return ModelFingerprint((await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=5)).model_fingerprint)
 
 
-def _batches(ref: kv_pb2.SessionRef, token_ids: list[int], pages: list[torch.Tensor],
-             model: ModelFingerprint) -> list[kv_pb2.PageBatch]:
+def _batches(
+    ref: kv_pb2.SessionRef, token_ids: list[int], pages: list[torch.Tensor], model: ModelFingerprint
+) -> list[kv_pb2.PageBatch]:
     keys = chain_block_keys(model, ref.tenant, token_ids, GEOMETRY.block_size).block_keys
     return [page_batch(ref, keys, layer, 0, layer_pages.numpy().tobytes()) for layer, layer_pages in enumerate(pages)]
 
 
-async def _upload(stub: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef, token_ids: list[int],
-                  pages: list[torch.Tensor]) -> None:
+async def _upload(
+    stub: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef, token_ids: list[int], pages: list[torch.Tensor]
+) -> None:
     await stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids), timeout=10)
     reply = await stub.WritePages(iter(_batches(ref, token_ids, pages, await _model(stub))), timeout=30)
     assert (reply.pages_stored, reply.pages_rejected) == (len(pages) * pages[0].shape[0], 0)
@@ -170,30 +182,38 @@ async def _download(stub: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef) -> di
         assert batch.ByteSize() <= 4 * 1024 * 1024
         last_layer = batch.layer
         for i in range(len(batch.checksums)):
-            page = batch.data[i * GEOMETRY.page_bytes:(i + 1) * GEOMETRY.page_bytes]
+            page = batch.data[i * GEOMETRY.page_bytes : (i + 1) * GEOMETRY.page_bytes]
             got[(batch.layer, batch.first_block + i)] = page
     return got
 
 
 def _expected(pages: list[torch.Tensor]) -> dict[tuple[int, int], bytes]:
-    return {(layer, b): layer_pages[b].numpy().tobytes() for layer, layer_pages in enumerate(pages)
-            for b in range(layer_pages.shape[0])}
+    return {
+        (layer, b): layer_pages[b].numpy().tobytes()
+        for layer, layer_pages in enumerate(pages)
+        for b in range(layer_pages.shape[0])
+    }
 
 
 def _tier(status: kv_pb2.SessionStatus, tier: int) -> kv_pb2.TierResidency:
     return next(t for t in status.tiers if t.tier == tier)
 
 
-async def test_prefetch_pulls_a_session_from_the_peer_into_the_top_tier(stubs: list[kv_pb2_grpc.KVStoreStub],
-                                                                       nodes: list[Node]) -> None:
+async def test_prefetch_pulls_a_session_from_the_peer_into_the_top_tier(
+    stubs: list[kv_pb2_grpc.KVStoreStub], nodes: list[Node]
+) -> None:
     ref, token_ids, pages = _session("chat-1", 2048 + 17, seed=1)
     await _upload(stubs[0], ref, token_ids, pages)
     with pytest.raises(grpc.aio.AioRpcError) as missing:
         await stubs[1].GetSessionStatus(kv_pb2.SessionStatusRequest(session=ref), timeout=5)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
-    done = await stubs[1].Prefetch(kv_pb2.PrefetchRequest(session=ref, target_tier=kv_pb2.TIER_HBM, deadline_ms=5000,
-                                                          source_peer=nodes[0].address, wait_ms=30_000), timeout=40)
+    done = await stubs[1].Prefetch(
+        kv_pb2.PrefetchRequest(
+            session=ref, target_tier=kv_pb2.TIER_HBM, deadline_ms=5000, source_peer=nodes[0].address, wait_ms=30_000
+        ),
+        timeout=40,
+    )
     assert done.state == kv_pb2.PREFETCH_STATE_DONE, done
     assert done.pages_from_peer == GEOMETRY.num_layers * 64
     assert done.pages_in_target == GEOMETRY.num_layers * 64
@@ -202,8 +222,9 @@ async def test_prefetch_pulls_a_session_from_the_peer_into_the_top_tier(stubs: l
     again = await stubs[1].GetPrefetch(kv_pb2.PrefetchRef(prefetch_id=done.prefetch_id), timeout=5)
     assert again.state == kv_pb2.PREFETCH_STATE_DONE
 
-    status = await stubs[1].GetSessionStatus(kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True),
-                                             timeout=5)
+    status = await stubs[1].GetSessionStatus(
+        kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True), timeout=5
+    )
     assert list(status.token_ids) == token_ids and status.num_blocks == 64 and status.loadable_prefix_blocks == 64
     assert status.data_port > 0  # every node advertises its raw page stream (pulls prefer it to FetchPages)
     assert _tier(status, kv_pb2.TIER_HBM).complete_prefix_blocks == 64
@@ -215,8 +236,9 @@ async def test_another_process_maps_the_dram_arena(stubs: list[kv_pb2_grpc.KVSto
     ref, token_ids, pages = _session("arena", 256, seed=2)
     await _upload(stubs[0], ref, token_ids, pages)
     info = await stubs[0].GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=5)
-    status = await stubs[0].GetSessionStatus(kv_pb2.SessionStatusRequest(session=ref, include_dram_slots=True),
-                                             timeout=5)
+    status = await stubs[0].GetSessionStatus(
+        kv_pb2.SessionStatusRequest(session=ref, include_dram_slots=True), timeout=5
+    )
     geometry = KVGeometry(info.num_layers, info.kv_heads, info.head_size, info.block_size, info.dtype)
     arena = DramArena.attach(info.dram_arena_name, geometry, info.dram_capacity_bytes)
     try:
@@ -230,8 +252,9 @@ async def test_another_process_maps_the_dram_arena(stubs: list[kv_pb2_grpc.KVSto
         arena.close()
 
 
-async def test_restart_after_kill_serves_everything_from_disk(stubs: list[kv_pb2_grpc.KVStoreStub],
-                                                              nodes: list[Node]) -> None:
+async def test_restart_after_kill_serves_everything_from_disk(
+    stubs: list[kv_pb2_grpc.KVStoreStub], nodes: list[Node]
+) -> None:
     ref, token_ids, pages = _session("persist", 1024, seed=3)
     await _upload(stubs[0], ref, token_ids, pages)
 
@@ -269,32 +292,60 @@ async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]
     model = await _model(stub)
     cases = [
         (stub.GetSessionStatus(kv_pb2.SessionStatusRequest(session=unknown), timeout=5), grpc.StatusCode.NOT_FOUND),
-        (stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_HBM), timeout=5),
-         grpc.StatusCode.NOT_FOUND),
+        (
+            stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_HBM), timeout=5),
+            grpc.StatusCode.NOT_FOUND,
+        ),
         (stub.GetPrefetch(kv_pb2.PrefetchRef(prefetch_id="nope"), timeout=5), grpc.StatusCode.NOT_FOUND),
-        (stub.GetSessionStatus(kv_pb2.SessionStatusRequest(session=kv_pb2.SessionRef(session_id="x")), timeout=5),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_SSD), timeout=5),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_HBM, source_peer="no port"),
-                       timeout=5), grpc.StatusCode.INVALID_ARGUMENT),
-        (stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_DRAM, engine_cache_salt="s"),
-                       timeout=5), grpc.StatusCode.INVALID_ARGUMENT),
-        (stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_HBM,
-                                              engine_cache_salt="s" * 257), timeout=5),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (stub.PutSession(kv_pb2.PutSessionRequest(session=unknown, priority=17), timeout=5),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown, model_fingerprint=model), timeout=5),
-         grpc.StatusCode.NOT_FOUND),
+        (
+            stub.GetSessionStatus(kv_pb2.SessionStatusRequest(session=kv_pb2.SessionRef(session_id="x")), timeout=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Prefetch(kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_SSD), timeout=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Prefetch(
+                kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_HBM, source_peer="no port"), timeout=5
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Prefetch(
+                kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_DRAM, engine_cache_salt="s"), timeout=5
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Prefetch(
+                kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_HBM, engine_cache_salt="s" * 257),
+                timeout=5,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.PutSession(kv_pb2.PutSessionRequest(session=unknown, priority=17), timeout=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown, model_fingerprint=model), timeout=5),
+            grpc.StatusCode.NOT_FOUND,
+        ),
         # Another model's pages never leave a node, and a fetch must say which model it is for.
         (stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown), timeout=5), grpc.StatusCode.FAILED_PRECONDITION),
-        (stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown, model_fingerprint=OTHER_MODEL), timeout=5),
-         grpc.StatusCode.FAILED_PRECONDITION),
-        (stub.DemoteSession(kv_pb2.DemoteRequest(session=unknown, tier=kv_pb2.TIER_DRAM), timeout=5),
-         grpc.StatusCode.NOT_FOUND),
-        (stub.DemoteSession(kv_pb2.DemoteRequest(session=unknown, tier=kv_pb2.TIER_SSD), timeout=5),
-         grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            stub.FetchPages(kv_pb2.FetchPagesRequest(session=unknown, model_fingerprint=OTHER_MODEL), timeout=5),
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            stub.DemoteSession(kv_pb2.DemoteRequest(session=unknown, tier=kv_pb2.TIER_DRAM), timeout=5),
+            grpc.StatusCode.NOT_FOUND,
+        ),
+        (
+            stub.DemoteSession(kv_pb2.DemoteRequest(session=unknown, tier=kv_pb2.TIER_SSD), timeout=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
     ]
     for call, code in cases:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -311,8 +362,9 @@ async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]
     assert (await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=5)).page_bytes == GEOMETRY.page_bytes
 
 
-async def _pull_through(peer: kv_pb2_grpc.KVStoreServicer, puller: kv_pb2_grpc.KVStoreStub,
-                        ref: kv_pb2.SessionRef) -> kv_pb2.PullReply:
+async def _pull_through(
+    peer: kv_pb2_grpc.KVStoreServicer, puller: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef
+) -> kv_pb2.PullReply:
     """Serve `peer` (a fault-injecting servicer) on a free port and have `puller` pull `ref` from it."""
     server = grpc.aio.server()
     kv_pb2_grpc.add_KVStoreServicer_to_server(peer, server)
@@ -325,8 +377,9 @@ async def _pull_through(peer: kv_pb2_grpc.KVStoreServicer, puller: kv_pb2_grpc.K
         await server.stop(grace=None)
 
 
-async def _assert_kept_only_verified(stub: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef,
-                                     pages: list[torch.Tensor], count: int) -> None:
+async def _assert_kept_only_verified(
+    stub: kv_pb2_grpc.KVStoreStub, ref: kv_pb2.SessionRef, pages: list[torch.Tensor], count: int
+) -> None:
     """The node holds exactly `count` pages of `ref`, each byte-exact: nothing corrupt was kept."""
     kept = await _download(stub, ref)
     expected = _expected(pages)
@@ -440,19 +493,32 @@ def test_kill_9_during_writes_leaves_no_torn_page(tmp_path: Path) -> None:
 
     ssd = tmp_path / "ssd"
     arena = f"symphony-test-kill-{os.getpid()}"
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(ssd), arena, TEST_MODEL.hex()],
-                              stderr=subprocess.PIPE)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(ssd), arena, TEST_MODEL.hex()], stderr=subprocess.PIPE
+    )
     try:
-        wait_until(lambda: writer.poll() is None and len(list(ssd.glob("*.kvseg"))) >= 20, 60,
-                   "the writer to commit some segments")
+        wait_until(
+            lambda: writer.poll() is None and len(list(ssd.glob("*.kvseg"))) >= 20,
+            60,
+            "the writer to commit some segments",
+        )
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait()
     for leftover in (arena, f"{arena}-blocks"):  # the killed store's arena and block index
         Path("/dev/shm", leftover).unlink(missing_ok=True)
     geometry = KVGeometry(6, 3, 64, 32)
-    store = TieredStore(geometry, StoreConfig(hbm_bytes=0, dram_bytes=8 << 20, ssd_bytes=1 << 30, ssd_dir=ssd,
-                                              arena_name=arena + "-check", model=TEST_MODEL))
+    store = TieredStore(
+        geometry,
+        StoreConfig(
+            hbm_bytes=0,
+            dram_bytes=8 << 20,
+            ssd_bytes=1 << 30,
+            ssd_dir=ssd,
+            arena_name=arena + "-check",
+            model=TEST_MODEL,
+        ),
+    )
     try:
         assert not list(ssd.glob("*.tmp"))
         stats = store.stats()
@@ -492,8 +558,13 @@ ssd_bytes = {256 << 20}
 metrics_port_base = {taken.getsockname()[1]}
 """)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
-        done = subprocess.run([sys.executable, "-m", "symphony.cli", "node", "--config", str(config), "--index", "0"],
-                              env=env, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "symphony.cli", "node", "--config", str(config), "--index", "0"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode != 0
     assert "Address already in use" in done.stderr
     assert not list(Path("/dev/shm").glob(f"symphony-kv-node-0-{grpc_port}*"))

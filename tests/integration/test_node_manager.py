@@ -24,10 +24,12 @@ FAKE_CHILD = Path(__file__).with_name("fake_child.py")
 
 def vllm_metrics(running: int, waiting: int, kv: float) -> str:
     labels = '{engine="0",model_name="m"}'
-    return (f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{labels} {running}.0\n"
-            f"vllm:num_requests_waiting{labels} {waiting}.0\n"
-            f'vllm:num_requests_waiting_by_reason{{engine="0",model_name="m",reason="capacity"}} 9.0\n'
-            f"vllm:kv_cache_usage_perc{labels} {kv}\n")
+    return (
+        f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{labels} {running}.0\n"
+        f"vllm:num_requests_waiting{labels} {waiting}.0\n"
+        f'vllm:num_requests_waiting_by_reason{{engine="0",model_name="m",reason="capacity"}} 9.0\n'
+        f"vllm:kv_cache_usage_perc{labels} {kv}\n"
+    )
 
 
 @dataclass
@@ -45,8 +47,16 @@ async def node(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[
     metrics_file = tmp_path / "metrics.txt"
     metrics_file.write_text(vllm_metrics(3, 2, 0.25))
     port = free_port()
-    argv = [sys.executable, str(FAKE_CHILD), "--port", str(port), "--metrics", str(metrics_file),
-            "--request-log", str(tmp_path / "requests.log")]
+    argv = [
+        sys.executable,
+        str(FAKE_CHILD),
+        "--port",
+        str(port),
+        "--metrics",
+        str(metrics_file),
+        "--request-log",
+        str(tmp_path / "requests.log"),
+    ]
     if request.param == "filtering engine":
         argv.append("--filter-metrics")
     launch = EngineLaunch(argv, dict(os.environ), f"http://127.0.0.1:{port}")

@@ -32,14 +32,22 @@ def _health_probe(port: int):
     return probe
 
 
-def _process(tmp_path: Path, *child_args: str, port: int | None = None, policy: RestartPolicy = FAST,
-             **kwargs: object) -> ManagedProcess:
+def _process(
+    tmp_path: Path, *child_args: str, port: int | None = None, policy: RestartPolicy = FAST, **kwargs: object
+) -> ManagedProcess:
     port = port or free_port()
     argv = [sys.executable, str(FAKE_CHILD), "--port", str(port), *child_args]
     states: list[ProcessState] = []
-    proc = ManagedProcess("fake", argv, log_path=tmp_path / "fake.log", ready_probe=_health_probe(port),
-                          policy=policy, probe_interval_s=0.02, on_state_change=lambda p: states.append(p.state),
-                          **kwargs)  # type: ignore[arg-type]
+    proc = ManagedProcess(
+        "fake",
+        argv,
+        log_path=tmp_path / "fake.log",
+        ready_probe=_health_probe(port),
+        policy=policy,
+        probe_interval_s=0.02,
+        on_state_change=lambda p: states.append(p.state),
+        **kwargs,
+    )  # type: ignore[arg-type]
     proc.seen_states = states  # type: ignore[attr-defined]
     return proc
 
@@ -107,8 +115,9 @@ async def test_crash_is_restarted_with_backoff_and_reported(tmp_path: Path) -> N
         first_pid = proc.pid
         assert first_pid is not None
         await proc.kill_for_test(signal.SIGKILL)
-        await async_wait_until(lambda: proc.restarts == 1 and proc.state is ProcessState.READY, 20,
-                               "the restarted child to be ready")
+        await async_wait_until(
+            lambda: proc.restarts == 1 and proc.state is ProcessState.READY, 20, "the restarted child to be ready"
+        )
         assert proc.pid not in (None, first_pid)
         assert "SIGKILL" in proc.last_error
         assert ProcessState.RESTARTING in proc.seen_states  # type: ignore[attr-defined]
@@ -118,8 +127,12 @@ async def test_crash_is_restarted_with_backoff_and_reported(tmp_path: Path) -> N
 
 
 async def test_restart_budget_exhausted_means_failed(tmp_path: Path) -> None:
-    proc = _process(tmp_path, "--exit-code", "3",
-                    policy=RestartPolicy(max_restarts=2, backoff_s=0.01, backoff_max_s=0.01, stable_after_s=600))
+    proc = _process(
+        tmp_path,
+        "--exit-code",
+        "3",
+        policy=RestartPolicy(max_restarts=2, backoff_s=0.01, backoff_max_s=0.01, stable_after_s=600),
+    )
     proc.start()
     assert not await proc.wait_ready(timeout_s=30)
     assert proc.state is ProcessState.FAILED
@@ -134,8 +147,9 @@ def test_backoff_doubles_up_to_the_cap() -> None:
 
 
 async def test_never_ready_counts_as_a_failed_start(tmp_path: Path) -> None:
-    proc = _process(tmp_path, "--never-ready", startup_timeout_s=0.5,
-                    policy=RestartPolicy(max_restarts=0, backoff_s=0.01))
+    proc = _process(
+        tmp_path, "--never-ready", startup_timeout_s=0.5, policy=RestartPolicy(max_restarts=0, backoff_s=0.01)
+    )
     proc.start()
     assert not await proc.wait_ready(timeout_s=20)
     assert proc.state is ProcessState.FAILED
@@ -227,8 +241,16 @@ async def test_start_twice_is_an_error(tmp_path: Path) -> None:
 
 
 def test_child_dies_with_its_killed_supervisor(tmp_path: Path) -> None:
-    parent = subprocess.Popen([sys.executable, str(Path(__file__).with_name("supervising_parent.py")),
-                               str(free_port()), str(tmp_path / "child.log")], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("supervising_parent.py")),
+            str(free_port()),
+            str(tmp_path / "child.log"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert parent.stdout is not None
         child_pid = int(parent.stdout.readline())

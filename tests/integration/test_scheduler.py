@@ -98,10 +98,18 @@ async def test_engine_4xx_passes_through(
         assert reply.json()["error"]["param"] == "temperature"
 
 
-@pytest.mark.parametrize("fields", [{"messages": [{"role": {}, "content": "hi"}]},
-                                    {"messages": [{"role": ["user"], "content": "hi"}]},
-                                    {"temperature": "hot"}, {"stop": 5}, {"max_tokens": "16"}, {"session_id": {}}],
-                         ids=["role-object", "role-list", "temperature", "stop", "max_tokens", "session_id"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"messages": [{"role": {}, "content": "hi"}]},
+        {"messages": [{"role": ["user"], "content": "hi"}]},
+        {"temperature": "hot"},
+        {"stop": 5},
+        {"max_tokens": "16"},
+        {"session_id": {}},
+    ],
+    ids=["role-object", "role-list", "temperature", "stop", "max_tokens", "session_id"],
+)
 async def test_a_field_of_the_wrong_type_is_an_openai_style_400_and_reaches_no_engine(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, fields: dict[str, object]
 ) -> None:
@@ -290,8 +298,7 @@ async def test_an_advised_request_leaves_its_node_while_a_prefill_runs_there(
         held = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "prefill"}]}
 
         async def stream_p() -> httpx.Response:
-            async with client.stream("POST", "/v1/chat/completions", json=held,
-                                     headers={"X-Session-ID": "p"}) as reply:
+            async with client.stream("POST", "/v1/chat/completions", json=held, headers={"X-Session-ID": "p"}) as reply:
                 await reply.aread()
                 return reply
 
@@ -385,8 +392,9 @@ async def test_two_nodes_claiming_one_name_both_get_traffic(
 async def test_expired_advisories_stop_counting_as_load(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:
-    url, state = await start_scheduler([await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")],
-                                       advisory_ttl_s=0.2)
+    url, state = await start_scheduler(
+        [await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")], advisory_ttl_s=0.2
+    )
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client, 2)
         for i in range(6):

@@ -64,8 +64,11 @@ async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
         monkeypatch.setattr(dispatch, "MOVE_FRESH_S", 0.0)  # ... but only for a while: then it moves again
         await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
         await async_wait_until(lambda: len(other.kv.prefetches) == 2, 10, "the second prefetch request")
-        await async_wait_until(lambda: all(p.state == "done" for p in state.dispatcher.prefetches.values()), 10,
-                               "the second prefetch to finish")
+        await async_wait_until(
+            lambda: all(p.state == "done" for p in state.dispatcher.prefetches.values()),
+            10,
+            "the second prefetch to finish",
+        )
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
         assert reply.headers["x-symphony-node"] == other.status.node_id
         assert reply.headers["x-symphony-route"] == "advisory"
@@ -139,8 +142,9 @@ async def test_a_pull_that_runs_late_delays_the_request_only_by_the_bounded_wait
         other.kv.release.set()
 
 
-async def _first_turn_then_busy(client: httpx.AsyncClient, node_a: FakeNodeManager, node_b: FakeNodeManager
-                                ) -> tuple[FakeNodeManager, FakeNodeManager]:
+async def _first_turn_then_busy(
+    client: httpx.AsyncClient, node_a: FakeNodeManager, node_b: FakeNodeManager
+) -> tuple[FakeNodeManager, FakeNodeManager]:
     """Session "s" takes a turn on one node, which then gets busy: (that node, the other)."""
     await ready(client, 2)
     turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
@@ -161,8 +165,9 @@ async def test_a_first_turns_advisory_pre_assigns_a_node_and_moves_nothing(
     url, _ = await start_scheduler([node])
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
-        advice = await client.post("/v1/advisories", json={"session_id": "new", "kind": "predecessor",
-                                                           "expected_arrival_ms": 1800})
+        advice = await client.post(
+            "/v1/advisories", json={"session_id": "new", "kind": "predecessor", "expected_arrival_ms": 1800}
+        )
         assert advice.status_code == 202 and advice.json()["node"] == "node-0"
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "new"})
         assert reply.headers["x-symphony-route"] == "advisory"
@@ -178,8 +183,9 @@ async def test_a_predecessor_hint_prefetches_by_its_expected_arrival_and_late_kv
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "agent"})
-        await client.post("/v1/advisories", json={"session_id": "agent", "kind": "predecessor",
-                                                  "expected_arrival_ms": 1800})
+        await client.post(
+            "/v1/advisories", json={"session_id": "agent", "kind": "predecessor", "expected_arrival_ms": 1800}
+        )
         await async_wait_until(lambda: bool(node.kv.prefetches), 10, "the prefetch request")
         assert node.kv.prefetches[0].deadline_ms == 1800 and node.kv.prefetches[0].source_peer == ""
         await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "agent"})
@@ -198,8 +204,9 @@ async def test_tenants_come_from_api_keys_and_key_the_kv_the_engine_gets(
             refused = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
             assert refused.status_code == 401
             assert refused.json()["error"]["type"] == "authentication_error"
-            assert (await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"},
-                                      headers=headers)).status_code == 401
+            assert (
+                await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"}, headers=headers)
+            ).status_code == 401
         assert engine.requests == []
         # A client naming another tenant's KV gets its own anyway.
         forged = {**CHAT, "kv_transfer_params": {"tenant": "rival", "session_id": "theirs"}}
@@ -211,8 +218,9 @@ async def test_tenants_come_from_api_keys_and_key_the_kv_the_engine_gets(
         assert engine.requests[-1]["kv_transfer_params"] == {"tenant": "rival", "session_id": "mine"}
         # The engine's own prefix cache is split by tenant too: a client cannot pick another's salt.
         assert engine.requests[-1]["cache_salt"] != acme_salt
-        await client.post("/v1/chat/completions", json={**CHAT, "cache_salt": acme_salt},
-                          headers={**RIVAL, "X-Session-ID": "mine"})
+        await client.post(
+            "/v1/chat/completions", json={**CHAT, "cache_salt": acme_salt}, headers={**RIVAL, "X-Session-ID": "mine"}
+        )
         assert engine.requests[-1]["cache_salt"] not in (acme_salt, engine.requests[-2]["cache_salt"])
 
 
@@ -226,8 +234,9 @@ async def test_a_tenant_cannot_advise_or_move_another_tenants_session(
         await client.post("/v1/chat/completions", json=CHAT, headers={**ACME, "X-Session-ID": "s"})
         # The same session id from another tenant is another session: nothing of acme's moves (an
         # advisory starts its prefetch before it answers, so none was started).
-        assert (await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"},
-                                  headers=RIVAL)).status_code == 202
+        assert (
+            await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"}, headers=RIVAL)
+        ).status_code == 202
         assert state.dispatcher.prefetcher.inflight == 0 and not state.dispatcher.prefetches
         assert [p for node in (node_a, node_b) for p in node.kv.prefetches] == []
         # Acme's own advisory does move it.
@@ -243,8 +252,11 @@ async def test_recompute_baseline_keeps_requests_off_the_tiers_and_ignores_advis
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
-        assert engine.requests[-1]["kv_transfer_params"] == {"tenant": "default", "session_id": "s",
-                                                             "symphony_tiers": False}
+        assert engine.requests[-1]["kv_transfer_params"] == {
+            "tenant": "default",
+            "session_id": "s",
+            "symphony_tiers": False,
+        }
         advice = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
         assert advice.status_code == 202 and advice.json()["node"] is None
         reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
@@ -303,14 +315,19 @@ async def test_admin_sets_priority_tiers_and_a_high_session_is_promoted(
         # A whole tenant set to high: each of its sessions the scheduler knows moves up.
         for session in ("t1", "t2"):
             await client.post("/v1/chat/completions", json=CHAT, headers={**ACME, "X-Session-ID": session})
-        tenant_wide = await client.put("/admin/v1/priorities", json={"tenant": "acme", "priority": "high"},
-                                       headers=admin)
+        tenant_wide = await client.put(
+            "/admin/v1/priorities", json={"tenant": "acme", "priority": "high"}, headers=admin
+        )
         assert tenant_wide.json()["promoted"] >= 2  # t1, t2 (and vip, unless its move is still pending)
-        await async_wait_until(lambda: {p.session.session_id for p in node.kv.prefetches} >= {"vip", "t1", "t2"},
-                               10, "the tenant's prefetches")
+        await async_wait_until(
+            lambda: {p.session.session_id for p in node.kv.prefetches} >= {"vip", "t1", "t2"},
+            10,
+            "the tenant's prefetches",
+        )
         await client.put("/admin/v1/priorities", json={"tenant": "acme", "priority": "normal"}, headers=admin)
-        assert (await client.put("/admin/v1/priorities", json={"tenant": "rival", "priority": "low"},
-                                 headers=admin)).status_code == 200
+        assert (
+            await client.put("/admin/v1/priorities", json={"tenant": "rival", "priority": "low"}, headers=admin)
+        ).status_code == 200
         listing = (await client.get("/admin/v1/priorities", headers=admin)).json()
         assert listing["tenants"] == {"rival": "low"}
         assert listing["sessions"] == [{"tenant": "acme", "session_id": "vip", "priority": "high"}]
@@ -373,9 +390,9 @@ async def test_the_sdk_debounces_typing_sends_agent_hints_and_sets_priorities(
         await intruder.close()
 
 
-async def test_the_cli_sets_and_lists_priorities(make_node: MakeNode, engine: FakeEngine,
-                                                 start_scheduler: StartScheduler,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+async def test_the_cli_sets_and_lists_priorities(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, capsys: pytest.CaptureFixture[str]
+) -> None:
     url, state = await start_scheduler([await make_node(engine.url)], admin_token="s3cret")
     base = ["--url", url, "--token", "s3cret"]
     assert await asyncio.to_thread(main, ["admin", "priority", "set", "low", "--tenant", "acme", *base]) == 0
@@ -395,8 +412,13 @@ async def test_the_load_generator_replays_users_through_the_scheduler(
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client, 2)
     conversations = load_sharegpt(SHAREGPT_SAMPLE, limit=3)
-    generator = LoadGenerator(url, "m", conversations, HumanTiming(time_scale=0.001),
-                              LoadSettings(users=2, duration_s=3.0, max_answer_tokens=8))
+    generator = LoadGenerator(
+        url,
+        "m",
+        conversations,
+        HumanTiming(time_scale=0.001),
+        LoadSettings(users=2, duration_s=3.0, max_answer_tokens=8),
+    )
     records = await generator.run()
     assert records and all(r.ok and r.node in ("node-a", "node-b") for r in records)
     # Each user's conversations, one after another (how many fit in 3 s depends on the host's speed).
@@ -406,8 +428,10 @@ async def test_the_load_generator_replays_users_through_the_scheduler(
     assert any(r.turn > 0 for r in records) and all(r.advised and r.advisory_ms > 0 for r in records)
     # Each turn carried the conversation so far: the user's messages and the answers ("onetwothree").
     turns = [body for body in engine.requests if body["messages"][-1]["role"] == "user"]
-    assert any(len(body["messages"]) >= 3 and body["messages"][1] == {"role": "assistant", "content": "onetwothree"}
-               for body in turns)
+    assert any(
+        len(body["messages"]) >= 3 and body["messages"][1] == {"role": "assistant", "content": "onetwothree"}
+        for body in turns
+    )
     async with httpx.AsyncClient(base_url=url) as client:
         metrics = (await client.get("/metrics")).text
     assert _metric(metrics, 'symphony_advisories_total{kind="typing",outcome="routed"}') == len(records)

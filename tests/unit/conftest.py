@@ -23,12 +23,23 @@ def ssd_dir(tmp_path: Path) -> Path:
 def make_store(ssd_dir: Path) -> Iterator[MakeStore]:
     stores: list[TieredStore] = []
 
-    def make(*, hbm_pages: int = 16, dram_pages: int = 64, ssd_bytes: int = 4 << 20, directory: Path | None = None,
-             geometry: KVGeometry = GEOMETRY, **overrides: object) -> TieredStore:
-        config = StoreConfig(hbm_bytes=hbm_pages * geometry.page_bytes, dram_bytes=dram_pages * geometry.page_bytes,
-                             ssd_bytes=ssd_bytes, ssd_dir=directory or ssd_dir,
-                             arena_name=f"symphony-test-{uuid4().hex[:8]}",
-                             **{"model": TEST_MODEL, **overrides})  # type: ignore[arg-type]
+    def make(
+        *,
+        hbm_pages: int = 16,
+        dram_pages: int = 64,
+        ssd_bytes: int = 4 << 20,
+        directory: Path | None = None,
+        geometry: KVGeometry = GEOMETRY,
+        **overrides: object,
+    ) -> TieredStore:
+        config = StoreConfig(
+            hbm_bytes=hbm_pages * geometry.page_bytes,
+            dram_bytes=dram_pages * geometry.page_bytes,
+            ssd_bytes=ssd_bytes,
+            ssd_dir=directory or ssd_dir,
+            arena_name=f"symphony-test-{uuid4().hex[:8]}",
+            **{"model": TEST_MODEL, **overrides},
+        )  # type: ignore[arg-type]
         store = TieredStore(geometry, config)
         stores.append(store)
         return store

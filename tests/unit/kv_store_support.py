@@ -30,15 +30,30 @@ def tokens(num_blocks: int, base: int = 1000, tail: int = 0, block_size: int = B
 def page_data(num_blocks: int, seed: int, geometry: KVGeometry = GEOMETRY) -> list[torch.Tensor]:
     """Per layer, [num_blocks, page_words] int64 of random (seeded, never SENTINEL-filled) words."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(-2**62, 2**62, (num_blocks, geometry.page_words), generator=generator, dtype=torch.int64)
-            for _ in range(geometry.num_layers)]
+    return [
+        torch.randint(-(2**62), 2**62, (num_blocks, geometry.page_words), generator=generator, dtype=torch.int64)
+        for _ in range(geometry.num_layers)
+    ]
 
 
-def save_session(store: TieredStore, session: str, num_blocks: int, seed: int, *, tenant: str = "acme",
-                 base: int | None = None, priority: Priority | None = None,
-                 layers: list[int] | None = None, flush_each: bool = False) -> list[torch.Tensor]:
-    store.put_session(tenant, session, tokens(num_blocks, base if base is not None else seed * 10_000,
-                                              block_size=store.geometry.block_size), priority)
+def save_session(
+    store: TieredStore,
+    session: str,
+    num_blocks: int,
+    seed: int,
+    *,
+    tenant: str = "acme",
+    base: int | None = None,
+    priority: Priority | None = None,
+    layers: list[int] | None = None,
+    flush_each: bool = False,
+) -> list[torch.Tensor]:
+    store.put_session(
+        tenant,
+        session,
+        tokens(num_blocks, base if base is not None else seed * 10_000, block_size=store.geometry.block_size),
+        priority,
+    )
     data = page_data(num_blocks, seed, store.geometry)
     for layer in range(store.geometry.num_layers) if layers is None else layers:
         kept = store.save_layer(tenant, session, layer, 0, data[layer]).result(TIMEOUT)

@@ -9,16 +9,39 @@ import pytest
 
 from symphony.cli import main
 
-VALIDATE = {"policy": "recompute", "live": {"ttft_ms_mean": 100.0, "tpot_ms_mean": 20.0, "output_tokens_per_s": 50.0},
-            "simulated": {"ttft_ms_mean": 110.0, "tpot_ms_mean": 19.0, "output_tokens_per_s": 52.0},
-            "relative_error": {"ttft_ms_mean": 0.1, "tpot_ms_mean": 0.05, "output_tokens_per_s": 0.04},
-            "sim_vs_live_error": 0.1, "targets": {"sim_vs_live_error_le_0.2": True}}
+VALIDATE = {
+    "policy": "recompute",
+    "live": {"ttft_ms_mean": 100.0, "tpot_ms_mean": 20.0, "output_tokens_per_s": 50.0},
+    "simulated": {"ttft_ms_mean": 110.0, "tpot_ms_mean": 19.0, "output_tokens_per_s": 52.0},
+    "relative_error": {"ttft_ms_mean": 0.1, "tpot_ms_mean": 0.05, "output_tokens_per_s": 0.04},
+    "sim_vs_live_error": 0.1,
+    "targets": {"sim_vs_live_error_le_0.2": True},
+}
 
 
 def test_a_directory_of_results_becomes_one_page_with_plots(tmp_path: Path) -> None:
     for scenario in ("imbalance", "missed_advisories"):
-        assert main(["bench", "sim", "--scenario", scenario, "--out", str(tmp_path / f"{scenario}.json"),
-                     "--nodes", "2", "--users", "4", "--duration", "30", "--time-scale", "0.05"]) == 0
+        assert (
+            main(
+                [
+                    "bench",
+                    "sim",
+                    "--scenario",
+                    scenario,
+                    "--out",
+                    str(tmp_path / f"{scenario}.json"),
+                    "--nodes",
+                    "2",
+                    "--users",
+                    "4",
+                    "--duration",
+                    "30",
+                    "--time-scale",
+                    "0.05",
+                ]
+            )
+            == 0
+        )
     (tmp_path / "validate.json").write_text(json.dumps(VALIDATE))
     (tmp_path / "notes.json").write_text('{"hello": 1}')
     (tmp_path / "broken.json").write_text("{")

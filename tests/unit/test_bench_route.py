@@ -32,8 +32,27 @@ def test_each_policy_is_timed_and_its_state_measured(policy: str) -> None:
 
 def test_the_cli_writes_json_with_targets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "route.json"
-    assert main(["bench", "route", "--out", str(out), "--nodes", "4", "--sessions", "200", "--requests", "200",
-                 "--policies", "symphony,prefix_trie", "--plot", str(tmp_path / "route.png")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "route",
+                "--out",
+                str(out),
+                "--nodes",
+                "4",
+                "--sessions",
+                "200",
+                "--requests",
+                "200",
+                "--policies",
+                "symphony,prefix_trie",
+                "--plot",
+                str(tmp_path / "route.png"),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert set(result["policies"]) == {"symphony", "prefix_trie"}
     assert set(result["targets"]) == {"symphony_p99_le_500us", "prefix_trie_p99_le_1000us"}

@@ -22,8 +22,9 @@ def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     monkeypatch.setenv("SYMPHONY_HOME", str(tmp_path / "home"))
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    loggers = {name: logging.getLogger(name).level
-               for name in ("symphony", "scheduler", "node_manager", "client_sdk", "eval")}
+    loggers = {
+        name: logging.getLogger(name).level for name in ("symphony", "scheduler", "node_manager", "client_sdk", "eval")
+    }
     access_disabled = logging.getLogger("uvicorn.access").disabled
     yield
     root.handlers[:] = handlers
@@ -44,8 +45,9 @@ def test_up_with_bad_node_count_is_a_usage_error(capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.parametrize("value", ["-1", "81", "many"])
-def test_bench_resume_conversations_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str],
-                                                                 value: str) -> None:
+def test_bench_resume_conversations_out_of_range_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], value: str
+) -> None:
     with pytest.raises(SystemExit) as excinfo:
         main(["bench", "resume", "--out", "r.json", "--conversations", value])
     assert excinfo.value.code == 2
@@ -74,8 +76,9 @@ def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
     assert "COMMAND" in capsys.readouterr().err
 
 
-def test_config_show_with_invalid_toml_returns_2_naming_the_file(capsys: pytest.CaptureFixture[str],
-                                                                 tmp_path: Path) -> None:
+def test_config_show_with_invalid_toml_returns_2_naming_the_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     bad = tmp_path / "broken.toml"
     bad.write_text("[scheduler\nport = 1\n")
     assert main(["config", "show", "--config", str(bad)]) == 2
@@ -89,8 +92,9 @@ def test_config_show_with_missing_file_returns_2(capsys: pytest.CaptureFixture[s
     assert "absent.toml" in capsys.readouterr().err
 
 
-def test_config_show_applies_env_overrides(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-                                           tmp_path: Path) -> None:
+def test_config_show_applies_env_overrides(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("SYMPHONY_SCHEDULER_PORT", "9001")
     assert main(["config", "show"]) == 0
     out = capsys.readouterr().out
@@ -100,8 +104,9 @@ def test_config_show_applies_env_overrides(capsys: pytest.CaptureFixture[str], m
     assert shown["home"] == str(tmp_path / "home")
 
 
-def test_config_show_reports_bad_env_value_naming_the_var(capsys: pytest.CaptureFixture[str],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_show_reports_bad_env_value_naming_the_var(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("SYMPHONY_SCHEDULER_PORT", "ninety")
     assert main(["config", "show"]) == 2
     err = capsys.readouterr().err
@@ -117,8 +122,9 @@ def test_config_show_reads_the_config_file(capsys: pytest.CaptureFixture[str], t
 
 
 @pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_bench_tiers_runs_openmp_passive_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                               preset: str | None, expected: str) -> None:
+def test_bench_tiers_runs_openmp_passive_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, preset: str | None, expected: str
+) -> None:
     """The bench's memcpy bound must not leave OpenMP threads spinning on the cores the store's copy
     lanes are timed on next; a policy the user set wins."""
     import eval.bench_tiers

@@ -17,15 +17,22 @@ class Clock:
 
 
 def status(node_id: str, **fields: object) -> node_pb2.NodeStatus:
-    return node_pb2.NodeStatus(node_id=node_id, engine_state=node_pb2.ENGINE_STATE_READY,
-                               engine_url="http://e:1", served_model="m", max_model_len=4096, **fields)
+    return node_pb2.NodeStatus(
+        node_id=node_id,
+        engine_state=node_pb2.ENGINE_STATE_READY,
+        engine_url="http://e:1",
+        served_model="m",
+        max_model_len=4096,
+        **fields,
+    )
 
 
 def test_fresh_load_figures_are_taken() -> None:
     cluster = Cluster(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
     node = cluster.nodes[0]
-    cluster.apply_status(node, status("node-0", num_requests_running=3, num_requests_waiting=2,
-                                      kv_cache_usage=0.5, metrics_age_ms=80))
+    cluster.apply_status(
+        node, status("node-0", num_requests_running=3, num_requests_waiting=2, kv_cache_usage=0.5, metrics_age_ms=80)
+    )
     assert (node.node_id, node.running, node.waiting, node.kv_usage) == ("node-0", 3, 2, 0.5)
     assert node.reported
 

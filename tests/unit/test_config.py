@@ -49,7 +49,9 @@ def test_symphony_home_env_sets_home(tmp_path: Path) -> None:
 
 
 def test_toml_file_values_replace_defaults(tmp_path: Path) -> None:
-    path = write_toml(tmp_path, """
+    path = write_toml(
+        tmp_path,
+        """
 home = "/srv/symphony"
 
 [cluster]
@@ -63,7 +65,8 @@ node_addresses = ["10.0.0.1:50051", "10.0.0.2:50051"]
 [engine]
 enforce_eager = false
 extra_args = ["--seed", "7"]
-""")
+""",
+    )
     config = load_config(path, env={})
     assert config.home == "/srv/symphony"
     assert config.cluster.nodes == 3
@@ -180,8 +183,13 @@ def test_wrong_type_from_env_names_the_env_var(var: str, value: str) -> None:
 
 
 def test_env_values_are_coerced_to_field_types() -> None:
-    config = load_config(env={"SYMPHONY_SCHEDULER_PORT": " 9001 ", "SYMPHONY_SCHEDULER_CONNECT_TIMEOUT_S": "0.5",
-                              "SYMPHONY_CLUSTER_NODES": "4"})
+    config = load_config(
+        env={
+            "SYMPHONY_SCHEDULER_PORT": " 9001 ",
+            "SYMPHONY_SCHEDULER_CONNECT_TIMEOUT_S": "0.5",
+            "SYMPHONY_CLUSTER_NODES": "4",
+        }
+    )
     assert config.scheduler.port == 9001
     assert config.scheduler.connect_timeout_s == 0.5
     assert config.cluster.nodes == 4
@@ -189,8 +197,18 @@ def test_env_values_are_coerced_to_field_types() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("true", True), ("TRUE", True), ("1", True), ("yes", True), ("on", True),
-     ("false", False), ("False", False), ("0", False), ("no", False), (" off ", False)],
+    [
+        ("true", True),
+        ("TRUE", True),
+        ("1", True),
+        ("yes", True),
+        ("on", True),
+        ("false", False),
+        ("False", False),
+        ("0", False),
+        ("no", False),
+        (" off ", False),
+    ],
 )
 def test_bool_from_env(text: str, expected: bool) -> None:
     config = load_config(env={"SYMPHONY_ENGINE_ENFORCE_EAGER": text})
@@ -309,14 +327,24 @@ def test_dump_then_load_gives_equal_default_config(tmp_path: Path) -> None:
 
 
 def test_dump_then_load_gives_equal_config_with_every_kind_of_value(tmp_path: Path) -> None:
-    base = load_config(env={}, overrides={
-        "cluster": {"nodes": 3},
-        "scheduler": {"node_addresses": ["10.0.0.1:50051", "[::1]:50052"], "connect_timeout_s": 0.25,
-                      "advisory_ttl_s": 1e-3},
-        "engine": {"model": "/models/my \"quoted\" model", "served_model_name": "modèle-ünï \\ tab\t",
-                   "enforce_eager": False, "extra_args": ["--seed", "7", "--json={\"a\": [1, 2]}"]},
-        "logging": {"level": "debug", "format": "json"},
-    })
+    base = load_config(
+        env={},
+        overrides={
+            "cluster": {"nodes": 3},
+            "scheduler": {
+                "node_addresses": ["10.0.0.1:50051", "[::1]:50052"],
+                "connect_timeout_s": 0.25,
+                "advisory_ttl_s": 1e-3,
+            },
+            "engine": {
+                "model": '/models/my "quoted" model',
+                "served_model_name": "modèle-ünï \\ tab\t",
+                "enforce_eager": False,
+                "extra_args": ["--seed", "7", '--json={"a": [1, 2]}'],
+            },
+            "logging": {"level": "debug", "format": "json"},
+        },
+    )
     config = dataclasses.replace(base, home=str(tmp_path / "home with space"))
     path = write_toml(tmp_path, dump_toml(config), "effective.toml")
     loaded = load_config(path, env={})
@@ -326,8 +354,9 @@ def test_dump_then_load_gives_equal_config_with_every_kind_of_value(tmp_path: Pa
 
 # -- helpers ----------------------------------------------------------------------------------------
 def test_node_grpc_address_and_engine_port_offset_by_index() -> None:
-    config = load_config(env={}, overrides={"node": {"host": "10.1.2.3", "grpc_port_base": 6000,
-                                                     "engine_port_base": 7000}})
+    config = load_config(
+        env={}, overrides={"node": {"host": "10.1.2.3", "grpc_port_base": 6000, "engine_port_base": 7000}}
+    )
     assert config.node_grpc_address(0) == "10.1.2.3:6000"
     assert config.node_grpc_address(2) == "10.1.2.3:6002"
     assert config.engine_port(0) == 7000
@@ -340,8 +369,7 @@ def test_scheduler_node_addresses_derived_from_cluster_when_not_listed() -> None
 
 
 def test_scheduler_node_addresses_explicit_list_wins_and_is_a_copy() -> None:
-    config = load_config(env={}, overrides={"cluster": {"nodes": 3},
-                                            "scheduler": {"node_addresses": ["a:1", "b:2"]}})
+    config = load_config(env={}, overrides={"cluster": {"nodes": 3}, "scheduler": {"node_addresses": ["a:1", "b:2"]}})
     addresses = config.scheduler_node_addresses()
     assert addresses == ["a:1", "b:2"]
     addresses.append("c:3")

@@ -10,16 +10,19 @@ BS = 4
 KEYS = (b"k0", b"k1", b"k2")  # stand-ins for the held blocks' keys: loads name their last block's
 
 
-@pytest.mark.parametrize(("held", "local", "num_tokens", "expected"), [
-    (0, 0, 20, 0),  # nothing held
-    (12, 0, 20, 12),  # three whole blocks
-    (12, 8, 20, 4),  # vLLM already has two of them
-    (20, 0, 20, 19),  # all 20 tokens held: the last one is still computed
-    (20, 0, 21, 20),
-    (8, 12, 20, 0),  # vLLM's own hit is longer than ours
-    (14, 0, 20, 14),  # three whole blocks and a partial one of two tokens
-    (14, 8, 14, 5),  # the prompt is the held history: all but its last token
-])
+@pytest.mark.parametrize(
+    ("held", "local", "num_tokens", "expected"),
+    [
+        (0, 0, 20, 0),  # nothing held
+        (12, 0, 20, 12),  # three whole blocks
+        (12, 8, 20, 4),  # vLLM already has two of them
+        (20, 0, 20, 19),  # all 20 tokens held: the last one is still computed
+        (20, 0, 21, 20),
+        (8, 12, 20, 0),  # vLLM's own hit is longer than ours
+        (14, 0, 20, 14),  # three whole blocks and a partial one of two tokens
+        (14, 8, 14, 5),  # the prompt is the held history: all but its last token
+    ],
+)
 def test_external_tokens(held: int, local: int, num_tokens: int, expected: int) -> None:
     assert external_tokens(held, local, num_tokens) == expected
 
@@ -31,9 +34,11 @@ def test_a_resumed_turn_loads_then_saves_its_new_blocks() -> None:
     tokens = list(range(100, 114))  # 14 tokens: 3 full blocks held + 2 new tokens... then more
     assert planner.matched(state, local_tokens=4, num_tokens=len(tokens)) == 8
     assert planner.allocated("r1", [10, 11, 12, 13], external=8, prompt_tokens=14) == {
-        "engine_cache": 4, "symphony": 8, "computed": 2}
-    plan = planner.step(new=[("r1", [10, 11, 12, 13])], cached=[], computed_after={"r1": 14},
-                        tokens_of={"r1": tokens})
+        "engine_cache": 4,
+        "symphony": 8,
+        "computed": 2,
+    }
+    plan = planner.step(new=[("r1", [10, 11, 12, 13])], cached=[], computed_after={"r1": 14}, tokens_of={"r1": tokens})
     assert plan.loads == [LoadSpec("acme", "s", 1, (11, 12), b"k2")]
     assert plan.saves == []  # blocks 0-2 are the store's already; 14 tokens fill no new block
     # Two decode steps later the fourth block is full: saved once, with the tokens that key it.
@@ -41,8 +46,7 @@ def test_a_resumed_turn_loads_then_saves_its_new_blocks() -> None:
     plan = planner.step(new=[], cached=[("r1", None, False)], computed_after={"r1": 16}, tokens_of={"r1": tokens})
     assert plan.loads == []
     assert plan.saves == [SaveSpec("acme", "s", 3, (13,), tuple(tokens))]
-    plan = planner.step(new=[], cached=[("r1", [14], False)], computed_after={"r1": 17},
-                        tokens_of={"r1": [*tokens, 9]})
+    plan = planner.step(new=[], cached=[("r1", [14], False)], computed_after={"r1": 17}, tokens_of={"r1": [*tokens, 9]})
     assert plan.saves == []
 
 
@@ -52,7 +56,10 @@ def test_a_resumed_preempted_request_replaces_its_block_list() -> None:
     state.held_keys = ()
     planner.matched(state, 0, 9)
     assert planner.allocated("r1", [1, 2, 3], external=0, prompt_tokens=9) == {
-        "engine_cache": 0, "symphony": 0, "computed": 9}
+        "engine_cache": 0,
+        "symphony": 0,
+        "computed": 9,
+    }
     tokens = list(range(9))
     plan = planner.step(new=[("r1", [1, 2, 3])], cached=[], computed_after={"r1": 8}, tokens_of={"r1": tokens})
     assert plan.saves == [SaveSpec("acme", "s", 0, (1, 2), tuple(tokens[:8]))]
@@ -129,9 +136,13 @@ def test_a_held_tail_is_loaded_by_its_key_and_its_block_saved_once_full() -> Non
     tokens = list(range(100, 118))  # 18 tokens: the fourth block's last 2 are new
     assert planner.matched(state, local_tokens=4, num_tokens=len(tokens)) == 10
     assert planner.allocated("r2", [10, 11, 12, 13, 14], external=10, prompt_tokens=18) == {
-        "engine_cache": 4, "symphony": 10, "computed": 4}
-    plan = planner.step(new=[("r2", [10, 11, 12, 13, 14])], cached=[], computed_after={"r2": 18},
-                        tokens_of={"r2": tokens})
+        "engine_cache": 4,
+        "symphony": 10,
+        "computed": 4,
+    }
+    plan = planner.step(
+        new=[("r2", [10, 11, 12, 13, 14])], cached=[], computed_after={"r2": 18}, tokens_of={"r2": tokens}
+    )
     assert plan.loads == [LoadSpec("acme", "s", 1, (11, 12), b"k2"), LoadSpec("acme", "s", 3, (13,), b"t3", 2)]
     # The partial page filled the fourth block's first half; now it is full and saved as a full block.
     assert plan.saves == [SaveSpec("acme", "s", 3, (13,), tuple(tokens[:16]))]
@@ -144,6 +155,7 @@ def test_a_prompt_that_ends_inside_the_held_tail_loads_all_but_its_last_token() 
     state.held_tail = 3
     assert planner.matched(state, local_tokens=0, num_tokens=14) == 13
     planner.allocated("r3", [1, 2, 3, 4], external=13, prompt_tokens=14)
-    plan = planner.step(new=[("r3", [1, 2, 3, 4])], cached=[], computed_after={"r3": 14},
-                        tokens_of={"r3": list(range(14))})
+    plan = planner.step(
+        new=[("r3", [1, 2, 3, 4])], cached=[], computed_after={"r3": 14}, tokens_of={"r3": list(range(14))}
+    )
     assert plan.loads == [LoadSpec("acme", "s", 0, (1, 2, 3), b"k2"), LoadSpec("acme", "s", 3, (4,), b"t3", 3)]

@@ -21,8 +21,9 @@ def option(argv: list[str], flag: str) -> str:
 
 
 def launch(engine: EngineConfig | None = None, base_env: dict[str, str] | None = None) -> EngineLaunch:
-    return engine_launch(engine or EngineConfig(), MODEL, "10.0.0.7", 8123, base_env={} if base_env is None
-                         else base_env)
+    return engine_launch(
+        engine or EngineConfig(), MODEL, "10.0.0.7", 8123, base_env={} if base_env is None else base_env
+    )
 
 
 def test_argv_runs_the_openai_api_server_module_with_this_python() -> None:
@@ -56,7 +57,7 @@ def test_enforce_eager_flag_only_when_configured(enforce_eager: bool, present: b
 def test_extra_args_are_appended_last_in_order() -> None:
     extra = ["--seed", "7", "--max-num-seqs", "8"]
     argv = launch(EngineConfig(extra_args=extra)).argv
-    assert argv[-len(extra):] == extra
+    assert argv[-len(extra) :] == extra
     assert argv.index("--enforce-eager") < len(argv) - len(extra)
 
 
@@ -76,8 +77,9 @@ def test_env_keeps_base_env_entries_and_does_not_mutate_it() -> None:
 
 
 def test_env_overrides_conflicting_base_entries() -> None:
-    env = launch(EngineConfig(kv_cache_space_gib=2), base_env={"VLLM_CPU_KVCACHE_SPACE": "99",
-                                                               "HF_HUB_OFFLINE": "0"}).env
+    env = launch(
+        EngineConfig(kv_cache_space_gib=2), base_env={"VLLM_CPU_KVCACHE_SPACE": "99", "HF_HUB_OFFLINE": "0"}
+    ).env
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["HF_HUB_OFFLINE"] == "1"
 
@@ -97,21 +99,25 @@ def test_url_is_http_host_port() -> None:
     assert launch().url == "http://10.0.0.7:8123"
 
 
-@pytest.mark.parametrize(("setting", "nodes", "cpus", "expected"), [
-    ("auto", 2, 2, ["0", "1"]),  # one core each, where vLLM would put both on core 0
-    ("auto", 2, 16, ["0-7", "8-15"]),
-    ("auto", 3, 2, ["0", "1", "0"]),  # more engines than cores: shared round the cores
-    ("auto", 1, 8, [""]),  # one engine: vLLM's own choice (it reserves a core for its frontend)
-    ("vllm", 2, 2, ["", ""]),
-    ("0-3|4-7", 2, 8, ["0-3", "4-7"]),
-])
+@pytest.mark.parametrize(
+    ("setting", "nodes", "cpus", "expected"),
+    [
+        ("auto", 2, 2, ["0", "1"]),  # one core each, where vLLM would put both on core 0
+        ("auto", 2, 16, ["0-7", "8-15"]),
+        ("auto", 3, 2, ["0", "1", "0"]),  # more engines than cores: shared round the cores
+        ("auto", 1, 8, [""]),  # one engine: vLLM's own choice (it reserves a core for its frontend)
+        ("vllm", 2, 2, ["", ""]),
+        ("0-3|4-7", 2, 8, ["0-3", "4-7"]),
+    ],
+)
 def test_cpu_engines_get_cores_of_their_own(setting: str, nodes: int, cpus: int, expected: list[str]) -> None:
     assert [engine_cpu_cores(setting, i, nodes, cpus) for i in range(nodes)] == expected
 
 
 def test_cpu_cores_reach_vllm_only_when_chosen() -> None:
-    assert engine_launch(EngineConfig(), MODEL, "h", 1, base_env={}, cpu_cores="1").env[
-        "VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert (
+        engine_launch(EngineConfig(), MODEL, "h", 1, base_env={}, cpu_cores="1").env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    )
     assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_launch(EngineConfig(), MODEL, "h", 1, base_env={}).env
 
 

@@ -31,9 +31,7 @@ vllm:prompt_tokens_total{engine="0",model_name="smollm2"} 98765.0
 
 
 def gauges(running: str = "0", waiting: str = "0", kv: str = "0") -> str:
-    return (f"vllm:num_requests_running {running}\n"
-            f"vllm:num_requests_waiting {waiting}\n"
-            f"vllm:kv_cache_usage_perc {kv}\n")
+    return f"vllm:num_requests_running {running}\nvllm:num_requests_waiting {waiting}\nvllm:kv_cache_usage_perc {kv}\n"
 
 
 def test_parses_realistic_vllm_exposition() -> None:
@@ -48,12 +46,14 @@ def test_waiting_by_reason_is_not_counted_as_waiting() -> None:
 
 
 def test_label_sets_of_one_gauge_are_summed() -> None:
-    text = ('vllm:num_requests_running{engine="0"} 1\n'
-            'vllm:num_requests_running{engine="1"} 2\n'
-            'vllm:num_requests_waiting{engine="0"} 3\n'
-            'vllm:num_requests_waiting{engine="1"} 4\n'
-            'vllm:kv_cache_usage_perc{engine="0"} 0.1\n'
-            'vllm:kv_cache_usage_perc{engine="1"} 0.2\n')
+    text = (
+        'vllm:num_requests_running{engine="0"} 1\n'
+        'vllm:num_requests_running{engine="1"} 2\n'
+        'vllm:num_requests_waiting{engine="0"} 3\n'
+        'vllm:num_requests_waiting{engine="1"} 4\n'
+        'vllm:kv_cache_usage_perc{engine="0"} 0.1\n'
+        'vllm:kv_cache_usage_perc{engine="1"} 0.2\n'
+    )
     load = parse_engine_load(text)
     assert (load.running, load.waiting) == (3, 7)
     assert load.kv_usage == pytest.approx(0.3)
@@ -86,15 +86,19 @@ def test_missing_gauge_is_named(name: str) -> None:
 
 
 def test_help_and_type_lines_alone_do_not_count_as_gauges() -> None:
-    text = ("# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
-            "vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n")
+    text = (
+        "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
+        "vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
+    )
     with pytest.raises(MetricsFormatError, match="vllm:num_requests_running"):
         parse_engine_load(text)
 
 
 def test_waiting_by_reason_does_not_stand_in_for_missing_waiting() -> None:
-    text = ('vllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n'
-            'vllm:num_requests_waiting_by_reason{reason="capacity"} 1\n')
+    text = (
+        "vllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n"
+        'vllm:num_requests_waiting_by_reason{reason="capacity"} 1\n'
+    )
     with pytest.raises(MetricsFormatError, match="vllm:num_requests_waiting"):
         parse_engine_load(text)
 

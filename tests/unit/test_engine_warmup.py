@@ -30,11 +30,13 @@ class _EngineState:
     load: EngineLoad | None = None
 
 
-def _warmer(engine: _EngineState, handler: httpx.MockTransport | None = None,
-            max_kv_usage: float = 0.8) -> tuple[EngineWarmer, KVMetrics]:
+def _warmer(
+    engine: _EngineState, handler: httpx.MockTransport | None = None, max_kv_usage: float = 0.8
+) -> tuple[EngineWarmer, KVMetrics]:
     metrics = KVMetrics()
-    return EngineWarmer(engine, "smol", metrics, max_kv_usage=max_kv_usage, timeout_s=TIMEOUT,
-                        transport=handler), metrics
+    return EngineWarmer(
+        engine, "smol", metrics, max_kv_usage=max_kv_usage, timeout_s=TIMEOUT, transport=handler
+    ), metrics
 
 
 def _count(metrics: KVMetrics, outcome: str) -> float:
@@ -54,23 +56,36 @@ async def test_a_warm_up_sends_the_history_for_one_token_under_the_salt() -> Non
     outcome = await warmer.warm("acme", "chat", list(range(70)), "tenant-salt", Priority.HIGH)
     await warmer.aclose()
     assert outcome == WarmOutcome(64)
-    assert sent == [{"model": "smol", "prompt": [*range(70), 69], "max_tokens": 1, "temperature": 0,
-                     "kv_transfer_params": {"tenant": "acme", "session_id": "chat", WARMUP_PARAM: True,
-                                            WARMUP_PRIORITY_PARAM: int(Priority.HIGH)},
-                     "cache_salt": "tenant-salt"}]
+    assert sent == [
+        {
+            "model": "smol",
+            "prompt": [*range(70), 69],
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {
+                "tenant": "acme",
+                "session_id": "chat",
+                WARMUP_PARAM: True,
+                WARMUP_PRIORITY_PARAM: int(Priority.HIGH),
+            },
+            "cache_salt": "tenant-salt",
+        }
+    ]
     assert _count(metrics, "cached") == 1
     assert metrics.registry.get_sample_value("symphony_engine_warmup_cached_tokens_total") == 64
 
 
-@pytest.mark.parametrize(("engine", "max_kv_usage", "reason"), [
-    (_EngineState(state=node_pb2.ENGINE_STATE_STARTING, load=EngineLoad(0, 0, 0.0)), 0.8, "not ready"),
-    (_EngineState(load=None), 0.8, "not known"),
-    (_EngineState(load=EngineLoad(2, 1, 0.1)), 0.8, "1 requests are waiting"),
-    (_EngineState(load=EngineLoad(4, 0, 0.85)), 0.8, "85% used"),
-    (_EngineState(load=EngineLoad(0, 0, 0.0)), 0.0, "off"),
-])
-async def test_a_busy_or_absent_engine_gets_no_warm_up(engine: _EngineState, max_kv_usage: float,
-                                                       reason: str) -> None:
+@pytest.mark.parametrize(
+    ("engine", "max_kv_usage", "reason"),
+    [
+        (_EngineState(state=node_pb2.ENGINE_STATE_STARTING, load=EngineLoad(0, 0, 0.0)), 0.8, "not ready"),
+        (_EngineState(load=None), 0.8, "not known"),
+        (_EngineState(load=EngineLoad(2, 1, 0.1)), 0.8, "1 requests are waiting"),
+        (_EngineState(load=EngineLoad(4, 0, 0.85)), 0.8, "85% used"),
+        (_EngineState(load=EngineLoad(0, 0, 0.0)), 0.0, "off"),
+    ],
+)
+async def test_a_busy_or_absent_engine_gets_no_warm_up(engine: _EngineState, max_kv_usage: float, reason: str) -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise AssertionError("no request may reach a busy engine")
 
@@ -81,11 +96,14 @@ async def test_a_busy_or_absent_engine_gets_no_warm_up(engine: _EngineState, max
     assert _count(metrics, "skipped") == 1
 
 
-@pytest.mark.parametrize("answer", [
-    lambda request: httpx.Response(400, json={"error": {"message": "prompt too long"}}),
-    lambda request: httpx.Response(200, content=b"not json"),
-    lambda request: (_ for _ in ()).throw(httpx.ConnectError("engine gone")),
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda request: httpx.Response(400, json={"error": {"message": "prompt too long"}}),
+        lambda request: httpx.Response(200, content=b"not json"),
+        lambda request: (_ for _ in ()).throw(httpx.ConnectError("engine gone")),
+    ],
+)
 async def test_a_failed_warm_up_is_reported_not_raised(answer: object) -> None:
     warmer, metrics = _warmer(_EngineState(load=EngineLoad(0, 0, 0.0)), httpx.MockTransport(answer))  # type: ignore[arg-type]
     outcome = await warmer.warm("acme", "chat", [1, 2, 3], "")

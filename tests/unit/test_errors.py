@@ -31,8 +31,9 @@ def test_error_type_follows_status(status: int, error_type: str) -> None:
 
 def test_error_body_has_openai_shape() -> None:
     body = error_body(400, "bad thing", param="max_tokens", code="too_big")
-    assert body == {"error": {"message": "bad thing", "type": "invalid_request_error", "param": "max_tokens",
-                              "code": "too_big"}}
+    assert body == {
+        "error": {"message": "bad thing", "type": "invalid_request_error", "param": "max_tokens", "code": "too_big"}
+    }
 
 
 def test_error_body_defaults_param_and_code_to_null() -> None:

@@ -37,11 +37,12 @@ TOKENS = [101, 7, 65535, 0, 2**32 - 1, 42, 42, 42, 9, 8, 7, 6, 5]  # 3 full bloc
 
 def _hand_chain(model: bytes, tenant: str, tokens: list[int], block_size: int) -> list[bytes]:
     """The documented rule, written out independently of the module."""
-    parent = hashlib.sha256(b"symphony-kv-block-key-v2" + b"\x00model\x00" + model + b"\x00tenant\x00"
-                            + tenant.encode()).digest()
+    parent = hashlib.sha256(
+        b"symphony-kv-block-key-v2" + b"\x00model\x00" + model + b"\x00tenant\x00" + tenant.encode()
+    ).digest()
     keys = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = tokens[start:start + block_size]
+        block = tokens[start : start + block_size]
         parent = hashlib.sha256(parent + struct.pack(f"<{len(block)}I", *block)).digest()
         keys.append(parent)
     return keys
@@ -50,13 +51,18 @@ def _hand_chain(model: bytes, tenant: str, tokens: list[int], block_size: int) -
 def test_golden_value_matches_the_documented_rule() -> None:
     blocks = chain_block_keys(MODEL, "acme", TOKENS, 4)
     assert list(blocks.block_keys) == _hand_chain(MODEL, "acme", TOKENS, 4)
-    assert tenant_root(MODEL, "acme") == hashlib.sha256(
-        b"symphony-kv-block-key-v2\x00model\x00" + MODEL + b"\x00tenant\x00acme").digest()
+    assert (
+        tenant_root(MODEL, "acme")
+        == hashlib.sha256(b"symphony-kv-block-key-v2\x00model\x00" + MODEL + b"\x00tenant\x00acme").digest()
+    )
     # A literal pin, so a change of seed or rule that also changed the helper above is still caught.
     assert chain_block_keys(MODEL, "acme", [1, 2, 3, 4], 4).block_keys[0].hex() == (
-        "92d8ab3fa8c4c2307f43cea16339c1bc306d231cc73dac03add779e725c9af39")
-    assert block_key(tenant_root(MODEL, "t"), [1, 2]) == hashlib.sha256(
-        tenant_root(MODEL, "t") + b"\x01\x00\x00\x00\x02\x00\x00\x00").digest()
+        "92d8ab3fa8c4c2307f43cea16339c1bc306d231cc73dac03add779e725c9af39"
+    )
+    assert (
+        block_key(tenant_root(MODEL, "t"), [1, 2])
+        == hashlib.sha256(tenant_root(MODEL, "t") + b"\x01\x00\x00\x00\x02\x00\x00\x00").digest()
+    )
 
 
 def test_keys_are_32_byte_digests_and_deterministic() -> None:
@@ -78,8 +84,15 @@ def test_same_keys_in_another_process_with_another_hash_seed() -> None:
     outputs = []
     for seed in ("1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)}
-        done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=60, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         outputs.append(done.stdout.split("\n"))
     here = [k.hex() for k in chain_block_keys(MODEL, "acme", TOKENS, 4).block_keys]
     assert outputs[0][1] != outputs[1][1], "the two processes should really have different str hashes"
@@ -135,21 +148,23 @@ def test_tail_tokens_are_not_keyed(count: int, blocks: int, tail: int) -> None:
     tokens = list(range(100, 100 + count))
     result = chain_block_keys(MODEL, "acme", tokens, 4)
     assert result.num_blocks == blocks
-    assert result.tail_tokens == tuple(tokens[blocks * 4:])
+    assert result.tail_tokens == tuple(tokens[blocks * 4 :])
     assert len(result.tail_tokens) == tail
     assert result.tenant == "acme" and result.block_size == 4
 
 
 def test_tail_does_not_affect_full_block_keys() -> None:
-    assert (chain_block_keys(MODEL, "acme", TOKENS[:12], 4).block_keys
-            == chain_block_keys(MODEL, "acme", TOKENS, 4).block_keys)
+    assert (
+        chain_block_keys(MODEL, "acme", TOKENS[:12], 4).block_keys
+        == chain_block_keys(MODEL, "acme", TOKENS, 4).block_keys
+    )
 
 
 def test_a_tail_key_names_its_parent_length_and_tokens_in_its_first_eight_bytes() -> None:
     # The block index keeps a key's first 8 bytes (little-endian): for a tail, its parent's mark in
     # the low 32 bits, 16 bits of the tokens' hash and the length on top (see `tail_key`).
     parent = chain_block_keys(MODEL, "acme", TOKENS, 4).block_keys[1]
-    keys = {n: tail_key(parent, TOKENS[8:8 + n]) for n in (1, 2, 3)}
+    keys = {n: tail_key(parent, TOKENS[8 : 8 + n]) for n in (1, 2, 3)}
     for n, key in keys.items():
         head = int.from_bytes(key[:8], "little")
         assert len(key) == 32 and tail_length(head) == n and tail_mark_of(head) == tail_mark(parent)

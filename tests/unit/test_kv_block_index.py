@@ -80,8 +80,10 @@ def test_deleting_inside_a_collision_cluster_keeps_every_other_key_reachable(ind
     # Keys homed on the last slots wrap around the table's end into the first ones; deleting any
     # of them must shift the rest back so that none sits behind an empty slot.
     rng = random.Random(5)
-    keys = [_key(home, tag) for tag, home in enumerate([MIN_SLOTS - 2, MIN_SLOTS - 2, MIN_SLOTS - 1, 0, 0, 1,
-                                                        MIN_SLOTS - 2, 2, 1])]
+    keys = [
+        _key(home, tag)
+        for tag, home in enumerate([MIN_SLOTS - 2, MIN_SLOTS - 2, MIN_SLOTS - 1, 0, 0, 1, MIN_SLOTS - 2, 2, 1])
+    ]
     for _ in range(50):
         index.add(keys)
         present = set(keys)
@@ -130,8 +132,11 @@ def test_holds_and_the_run_at_a_home_slot_agree_with_find(index: BlockIndex) -> 
                 assert reader.holds(key) == (key in index)
                 # Every held key sharing this key's home is in the run read from that home.
                 run = reader.run_at_home_of(fingerprint(key))
-                assert {fingerprint(k) for k in keys if k in index and fingerprint(k) % MIN_SLOTS
-                        == fingerprint(key) % MIN_SLOTS} <= set(run)
+                assert {
+                    fingerprint(k)
+                    for k in keys
+                    if k in index and fingerprint(k) % MIN_SLOTS == fingerprint(key) % MIN_SLOTS
+                } <= set(run)
                 assert 0 not in run
             for key in keys:
                 index.discard(key)
@@ -163,10 +168,12 @@ def test_a_reader_refuses_a_file_that_is_not_an_index(tmp_path: Path) -> None:
 def test_another_process_reads_the_same_index(index: BlockIndex) -> None:
     keys = chain_block_keys(TEST_MODEL, "acme", list(range(4 * 8)), 4).block_keys
     index.add(keys[:5])
-    script = ("import sys; from node_manager.kv.block_index import BlockIndexReader; "
-              "from symphony.kv_addressing import chain_block_keys; from tests.helpers import TEST_MODEL; "
-              f"r = BlockIndexReader({index.name!r}); "
-              "print(r.leading(chain_block_keys(TEST_MODEL, 'acme', list(range(32)), 4).block_keys))")
+    script = (
+        "import sys; from node_manager.kv.block_index import BlockIndexReader; "
+        "from symphony.kv_addressing import chain_block_keys; from tests.helpers import TEST_MODEL; "
+        f"r = BlockIndexReader({index.name!r}); "
+        "print(r.leading(chain_block_keys(TEST_MODEL, 'acme', list(range(32)), 4).block_keys))"
+    )
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "5"
 
@@ -203,8 +210,9 @@ def test_a_block_leaves_the_index_with_the_last_copy_of_a_page(make_store: MakeS
     assert _indexed(store, "s") == 1 == store.loadable_prefix_blocks("acme", "s")
 
 
-def test_a_restarted_store_indexes_what_is_on_disk_and_drops_corrupt_pages(make_store: MakeStore,
-                                                                          ssd_dir: Path) -> None:
+def test_a_restarted_store_indexes_what_is_on_disk_and_drops_corrupt_pages(
+    make_store: MakeStore, ssd_dir: Path
+) -> None:
     first = make_store()
     save_session(first, "s", 3, seed=3, base=0)
     bad_key = first.session("acme", "s").blocks.block_keys[2]
@@ -227,9 +235,11 @@ def test_an_address_of_another_history_is_refused(make_store: MakeStore) -> None
     mine = store.session("acme", "s").blocks.block_keys
     pin = store.pin_dram("acme", "s", 0, 3, range(LAYERS), last_key=mine[2])
     store.unpin_dram(pin)
-    for call in (lambda: store.pin_dram("acme", "s", 0, 3, range(LAYERS), last_key=other[2]),
-                 lambda: store.load("acme", "s", 0, 3, target=Tier.DRAM, last_key=other[2]),
-                 lambda: store.reserve_pages("acme", "s", 0, 1, 2, last_key=other[2])):
+    for call in (
+        lambda: store.pin_dram("acme", "s", 0, 3, range(LAYERS), last_key=other[2]),
+        lambda: store.load("acme", "s", 0, 3, target=Tier.DRAM, last_key=other[2]),
+        lambda: store.reserve_pages("acme", "s", 0, 1, 2, last_key=other[2]),
+    ):
         with pytest.raises(HistoryChanged):
             call()
     assert store.pinned_pages() == 0

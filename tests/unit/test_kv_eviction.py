@@ -42,6 +42,7 @@ def fill(policy, items: list[int], layer: int = 0) -> None:
 
 # ---- the contract every policy keeps --------------------------------------------------------------
 
+
 def test_empty_policy(policy) -> None:
     assert len(policy) == 0
     assert policy.victims(1, anything) is None
@@ -114,6 +115,7 @@ def test_tuple_items(policy) -> None:
 
 # ---- LRU ------------------------------------------------------------------------------------------
 
+
 def test_lru_evicts_least_recently_inserted_first() -> None:
     lru = LRUPolicy()
     for item in (10, 20, 30, 40):
@@ -139,6 +141,7 @@ def test_lru_skips_pinned_but_keeps_order() -> None:
 
 
 # ---- priority LRU ---------------------------------------------------------------------------------
+
 
 def test_priority_lru_equal_age_low_then_normal_then_high() -> None:
     policy = PriorityLRUPolicy()
@@ -195,6 +198,7 @@ def test_priority_lru_reinsert_changes_priority() -> None:
 
 # ---- top-tier yield -------------------------------------------------------------------------------
 
+
 def test_top_tier_lower_priority_goes_first() -> None:
     policy = TopTierYieldPolicy(lambda session: 1)
     policy.insert("high-l3", PageMeta(3, "s", Priority.HIGH))
@@ -224,15 +228,21 @@ def test_top_tier_full_order() -> None:
     sizes = {"a": 2, "b": 1}
     policy = TopTierYieldPolicy(sizes.__getitem__)
     pages = [
-        ("a", 0, Priority.NORMAL), ("b", 0, Priority.NORMAL), ("a", 1, Priority.NORMAL),
-        ("b", 1, Priority.NORMAL), ("a", 0, Priority.LOW), ("b", 1, Priority.HIGH),
+        ("a", 0, Priority.NORMAL),
+        ("b", 0, Priority.NORMAL),
+        ("a", 1, Priority.NORMAL),
+        ("b", 1, Priority.NORMAL),
+        ("a", 0, Priority.LOW),
+        ("b", 1, Priority.HIGH),
     ]
     for session, layer, priority in pages:
         policy.insert((session, layer, int(priority)), PageMeta(layer, session, priority))
     assert policy.victims(6, anything) == [
         ("a", 0, 0),  # low first
-        ("b", 1, 1), ("a", 1, 1),  # normal, layer 1, smaller session first
-        ("b", 0, 1), ("a", 0, 1),  # normal, layer 0
+        ("b", 1, 1),
+        ("a", 1, 1),  # normal, layer 1, smaller session first
+        ("b", 0, 1),
+        ("a", 0, 1),  # normal, layer 0
         ("b", 1, 2),  # high last
     ]
 

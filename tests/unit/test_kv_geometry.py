@@ -59,8 +59,14 @@ def write_config(directory: Path, **cfg: object) -> Path:
 
 
 def test_geometry_from_model_dir(tmp_path: Path) -> None:
-    model = write_config(tmp_path, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         hidden_size=576, torch_dtype="bfloat16")
+    model = write_config(
+        tmp_path,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        torch_dtype="bfloat16",
+    )
     assert geometry_from_model_dir(model, 32, "auto") == smollm2_geometry(32)
 
 
@@ -95,8 +101,9 @@ def test_page_checksum_covers_key_layer_and_bytes() -> None:
 def test_run_checksums_equal_page_checksums_one_by_one() -> None:
     keys = [tenant_root(TEST_MODEL, f"t{i}") for i in range(5)]
     data = memoryview(bytes(range(256)) * 5)  # five 256-byte pages back to back
-    assert run_checksums(keys, 3, data, 256) == [page_checksum(key, 3, data[i * 256:(i + 1) * 256])
-                                                 for i, key in enumerate(keys)]
+    assert run_checksums(keys, 3, data, 256) == [
+        page_checksum(key, 3, data[i * 256 : (i + 1) * 256]) for i, key in enumerate(keys)
+    ]
     assert run_checksums([], 0, memoryview(b""), 256) == []
     assert run_checksums([], 0, memoryview(b""), 0) == []  # an empty batch: page size unknown
 

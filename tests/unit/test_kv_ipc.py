@@ -93,8 +93,9 @@ def _sent(lookup: HistoryLookup, client: NodeKVClient) -> None:
     _handled(client)
 
 
-def test_match_registers_tokens_and_counts_held_blocks(store: TieredStore, client: NodeKVClient,
-                                                       lookup: HistoryLookup) -> None:
+def test_match_registers_tokens_and_counts_held_blocks(
+    store: TieredStore, client: NodeKVClient, lookup: HistoryLookup
+) -> None:
     assert lookup.match("acme", "fresh", tokens(3)).blocks == 0
     assert lookup.match("acme", "fresh2", tokens(2)).blocks == 0
     _handled(client)
@@ -117,8 +118,9 @@ def test_match_registers_tokens_and_counts_held_blocks(store: TieredStore, clien
     assert held.keys == store.session("acme", "long").blocks.block_keys[:40]
 
 
-def test_match_hashes_only_what_the_tiers_could_load(store: TieredStore, lookup: HistoryLookup,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_match_hashes_only_what_the_tiers_could_load(
+    store: TieredStore, lookup: HistoryLookup, monkeypatch: pytest.MonkeyPatch
+) -> None:
     save_session(store, "s", 3, seed=9)
     history = tokens(3, base=90_000)
     hashed: list[bytes] = []
@@ -173,8 +175,9 @@ def test_match_follows_evictions_and_a_restarted_node_manager(make_store: MakeSt
         server.close()
 
 
-def test_a_node_manager_gone_between_match_and_send_makes_the_next_match_ask_again(make_store: MakeStore,
-                                                                                   tmp_path: Path) -> None:
+def test_a_node_manager_gone_between_match_and_send_makes_the_next_match_ask_again(
+    make_store: MakeStore, tmp_path: Path
+) -> None:
     store = make_store(hbm_pages=0)
     save_session(store, "s", BLOCKS, seed=12)
     path = tmp_path / "gone.sock"
@@ -222,8 +225,7 @@ def test_load_from_dram_pins_until_release(store: TieredStore, client: NodeKVCli
         arena.close()
 
 
-def test_load_promotes_ssd_pages_and_marks_unknown_items(make_store: MakeStore, ssd_dir: Path,
-                                                         tmp_path: Path) -> None:
+def test_load_promotes_ssd_pages_and_marks_unknown_items(make_store: MakeStore, ssd_dir: Path, tmp_path: Path) -> None:
     first = make_store(hbm_pages=0)
     data = save_session(first, "s", BLOCKS, seed=3)
     first.close()
@@ -233,8 +235,10 @@ def test_load_promotes_ssd_pages_and_marks_unknown_items(make_store: MakeStore, 
     client = NodeKVClient(server.path, timeout_s=TIMEOUT)
     arena = _arena(client)
     try:
-        items = [{"tenant": "acme", "session": "s", "first_block": 0, "count": BLOCKS},
-                 {"tenant": "acme", "session": "nobody", "first_block": 0, "count": 2}]
+        items = [
+            {"tenant": "acme", "session": "s", "first_block": 0, "count": BLOCKS},
+            {"tenant": "acme", "session": "nobody", "first_block": 0, "count": 2},
+        ]
         load_id, layers = _read_load(client, items)
         for layer, slots in layers:
             assert len(slots) == BLOCKS + 2
@@ -255,10 +259,9 @@ def test_load_promotes_ssd_pages_and_marks_unknown_items(make_store: MakeStore, 
         server.close()
 
 
-def test_a_load_waits_for_its_registration_and_never_serves_another_history(store: TieredStore,
-                                                                            server: LocalKVServer,
-                                                                            client: NodeKVClient,
-                                                                            lookup: HistoryLookup) -> None:
+def test_a_load_waits_for_its_registration_and_never_serves_another_history(
+    store: TieredStore, server: LocalKVServer, client: NodeKVClient, lookup: HistoryLookup
+) -> None:
     data = save_session(store, "s", BLOCKS, seed=8)
     assert store.flush(TIMEOUT)
     history = tokens(BLOCKS, base=80_000)
@@ -292,7 +295,7 @@ def test_reserve_fill_commit_saves_pages(store: TieredStore, client: NodeKVClien
     data = page_data(2, seed=4)
     arena = _arena_rw(client)
     try:
-        reservation, slots = client.reserve("acme", "s", 1, 2, history[:3 * BLOCK])
+        reservation, slots = client.reserve("acme", "s", 1, 2, history[: 3 * BLOCK])
         assert slots.shape == (LAYERS, 2) and (slots >= 0).all()
         for layer in range(LAYERS):
             arena.pages[torch.from_numpy(slots[layer].copy())] = data[layer]
@@ -305,15 +308,15 @@ def test_reserve_fill_commit_saves_pages(store: TieredStore, client: NodeKVClien
     assert all(torch.equal(dest[layer], data[layer]) for layer in range(LAYERS))
 
 
-def test_a_turns_partial_tail_is_saved_found_by_the_next_turn_and_loaded(store: TieredStore, server: LocalKVServer,
-                                                                         client: NodeKVClient,
-                                                                         lookup: HistoryLookup) -> None:
+def test_a_turns_partial_tail_is_saved_found_by_the_next_turn_and_loaded(
+    store: TieredStore, server: LocalKVServer, client: NodeKVClient, lookup: HistoryLookup
+) -> None:
     history = tokens(2, base=60_000, tail=BLOCK - 1)  # a turn that ended one token short of a block
     data = page_data(3, seed=12)
     arena = _arena_rw(client)
     worker = NodeKVClient(server.path, timeout_s=TIMEOUT)
     try:
-        full, full_slots = client.reserve("acme", "s", 0, 2, history[:2 * BLOCK])
+        full, full_slots = client.reserve("acme", "s", 0, 2, history[: 2 * BLOCK])
         tail, tail_slots = client.reserve("acme", "s", 2, 1, history)  # past the full blocks: the tail
         for layer in range(LAYERS):
             arena.pages[torch.from_numpy(full_slots[layer].copy())] = data[layer][:2]
@@ -325,10 +328,16 @@ def test_a_turns_partial_tail_is_saved_found_by_the_next_turn_and_loaded(store: 
         assert (held.blocks, held.tail_tokens) == (3, BLOCK - 1)
         _sent(lookup, client)
         keys = store.session("acme", "s").blocks.block_keys  # the new turn's history
-        assert held.keys == (*keys[:2], tail_key(keys[1], history[2 * BLOCK:]))
+        assert held.keys == (*keys[:2], tail_key(keys[1], history[2 * BLOCK :]))
         assert held.keys[-1] != keys[2]  # not the full block the new turn's tokens fill
-        item = {"tenant": "acme", "session": "s", "first_block": 0, "count": 3, "key": held.keys[-1].hex(),
-                "tail_tokens": BLOCK - 1}
+        item = {
+            "tenant": "acme",
+            "session": "s",
+            "first_block": 0,
+            "count": 3,
+            "key": held.keys[-1].hex(),
+            "tail_tokens": BLOCK - 1,
+        }
         load_id, layers = worker.load([item], timeout_s=TIMEOUT)
         for layer, slots in layers:
             assert torch.equal(arena.pages[torch.from_numpy(slots.copy())], data[layer])
@@ -364,16 +373,24 @@ def test_a_closed_connection_releases_pins_and_reservations(store: TieredStore, 
     client.reserve("acme", "s2", 0, 2, tokens(2, base=50_000))
     assert store.pinned_pages() == BLOCKS * LAYERS and store._dram_slots.free == free_before - 2 * LAYERS
     client.close()  # a worker killed mid-step
-    wait_until(lambda: store.pinned_pages() == 0 and store._dram_slots.free == free_before, TIMEOUT,
-               "pins and reservations released")
+    wait_until(
+        lambda: store.pinned_pages() == 0 and store._dram_slots.free == free_before,
+        TIMEOUT,
+        "pins and reservations released",
+    )
 
 
 def test_bad_requests_get_errors_and_the_server_keeps_serving(server: LocalKVServer, client: NodeKVClient) -> None:
     with pytest.raises(KVChannelError, match="invalid_argument"):
         client._call({"op": "teleport"})
     with pytest.raises(KVChannelError, match="invalid_argument"):
-        client._call({"op": "load", "id": 1, "items": [{"tenant": "acme", "session": "s", "first_block": 0,
-                                                         "count": 1, "key": "zz"}]})
+        client._call(
+            {
+                "op": "load",
+                "id": 1,
+                "items": [{"tenant": "acme", "session": "s", "first_block": 0, "count": 1, "key": "zz"}],
+            }
+        )
     with pytest.raises(KVChannelError, match="invalid_argument"):
         client.reserve("acme", "s", 3, 2, tokens(2))  # blocks beyond the tokens given
     with pytest.raises(KVChannelError, match="invalid_argument"):
@@ -391,11 +408,17 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server: LocalKVSer
 
 
 def test_reports_feed_the_connector_metrics(store: TieredStore, client: NodeKVClient) -> None:
-    client.report(prompt_tokens={"engine_cache": 64, "symphony": 2048, "computed": 40}, load_error_blocks=2,
-                  layer_waits_s=[0.0, 0.002, 0.5])
+    client.report(
+        prompt_tokens={"engine_cache": 64, "symphony": 2048, "computed": 40},
+        load_error_blocks=2,
+        layer_waits_s=[0.0, 0.002, 0.5],
+    )
     client.report(prompt_tokens={"computed": 10})
-    wait_until(lambda: _sample(store, "symphony_connector_prompt_tokens_total", source="computed") == 50, TIMEOUT,
-               "the reports to be counted")
+    wait_until(
+        lambda: _sample(store, "symphony_connector_prompt_tokens_total", source="computed") == 50,
+        TIMEOUT,
+        "the reports to be counted",
+    )
     assert _sample(store, "symphony_connector_prompt_tokens_total", source="symphony") == 2048
     assert _sample(store, "symphony_connector_prompt_tokens_total", source="engine_cache") == 64
     assert _sample(store, "symphony_connector_load_error_blocks_total") == 2
@@ -403,16 +426,18 @@ def test_reports_feed_the_connector_metrics(store: TieredStore, client: NodeKVCl
     assert _sample(store, "symphony_connector_layer_wait_seconds_bucket", le="0.0025") == 2
 
 
-@pytest.mark.parametrize("report", [
-    {"prompt_tokens": {"computed": -1}},
-    {"prompt_tokens": [1, 2]},
-    {"load_error_blocks": "many"},
-    {"layer_waits_s": [-0.1]},
-    {"layer_waits_s": "slow"},
-    {"layer_waits_s": [0.0] * 5000},
-])
-def test_bad_reports_are_refused_and_count_nothing(store: TieredStore, client: NodeKVClient,
-                                                   report: dict) -> None:
+@pytest.mark.parametrize(
+    "report",
+    [
+        {"prompt_tokens": {"computed": -1}},
+        {"prompt_tokens": [1, 2]},
+        {"load_error_blocks": "many"},
+        {"layer_waits_s": [-0.1]},
+        {"layer_waits_s": "slow"},
+        {"layer_waits_s": [0.0] * 5000},
+    ],
+)
+def test_bad_reports_are_refused_and_count_nothing(store: TieredStore, client: NodeKVClient, report: dict) -> None:
     client._call({"op": "report", **report}, reply=False)
     # No reply, not even an error: the next call on the connection gets its own answer.
     assert client.hello()["num_layers"] == LAYERS
@@ -430,10 +455,9 @@ class _OnePrefetch:
         return self.jobs.pop(session, None)
 
 
-def test_a_request_for_a_prefetched_session_counts_whether_its_kv_was_ready(store: TieredStore,
-                                                                          server: LocalKVServer,
-                                                                          client: NodeKVClient,
-                                                                          lookup: HistoryLookup) -> None:
+def test_a_request_for_a_prefetched_session_counts_whether_its_kv_was_ready(
+    store: TieredStore, server: LocalKVServer, client: NodeKVClient, lookup: HistoryLookup
+) -> None:
     save_session(store, "ready", 2, seed=5)
     server.prefetches = _OnePrefetch(("acme", "ready"), Tier.DRAM)  # type: ignore[assignment]
     assert lookup.match("acme", "ready", tokens(2, base=50_000, tail=3)).blocks == 2
@@ -447,8 +471,9 @@ def test_a_request_for_a_prefetched_session_counts_whether_its_kv_was_ready(stor
     assert _sample(store, "symphony_kv_prefetch_arrivals_total", ready="no") == 1
 
 
-def test_an_engine_warm_up_is_not_the_prefetched_sessions_arrival(store: TieredStore, server: LocalKVServer,
-                                                                  client: NodeKVClient, lookup: HistoryLookup) -> None:
+def test_an_engine_warm_up_is_not_the_prefetched_sessions_arrival(
+    store: TieredStore, server: LocalKVServer, client: NodeKVClient, lookup: HistoryLookup
+) -> None:
     save_session(store, "warm", 2, seed=7)
     server.prefetches = _OnePrefetch(("acme", "warm"), Tier.HBM)  # type: ignore[assignment]
     assert lookup.match("acme", "warm", tokens(2, base=70_000), warmup=True).blocks == 2

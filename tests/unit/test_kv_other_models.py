@@ -40,6 +40,7 @@ def _reopen(make_store: MakeStore, model: bytes, **overrides: object) -> TieredS
 
 # ---- the SSD rebuild ------------------------------------------------------------------------------
 
+
 def test_segments_of_another_model_are_dropped_at_rebuild(make_store: MakeStore, ssd_dir: Path) -> None:
     """The issue's reproduction at the store: a bfloat16 node's history on SSD, then a float16 node
     (same page size) on the same directory. Nothing of it is loadable, the files are gone, and the
@@ -61,8 +62,9 @@ def test_segments_of_another_model_are_dropped_at_rebuild(make_store: MakeStore,
     assert all(r.failed == tuple(range(BLOCKS)) for r in results)
 
 
-def test_kept_segments_stay_unloaded_count_against_capacity_and_serve_a_rollback(make_store: MakeStore,
-                                                                                 ssd_dir: Path) -> None:
+def test_kept_segments_stay_unloaded_count_against_capacity_and_serve_a_rollback(
+    make_store: MakeStore, ssd_dir: Path
+) -> None:
     first = make_store()
     data = save_session(first, "s", BLOCKS, seed=2, base=0)
     first.close()
@@ -122,13 +124,19 @@ def test_kept_segments_are_the_first_to_go_when_room_is_needed(make_store: MakeS
 
 # ---- peers ----------------------------------------------------------------------------------------
 
+
 class _UncheckedService(KVStoreService):
     """A sender that hands out pages without checking the requester's model (an older or a hostile
     node): the receiver must refuse them by itself."""
 
     async def FetchPages(self, request, context):  # type: ignore[no-untyped-def,override]
-        async for batch in stream_pages(self.store, request.session.tenant, request.session.session_id,
-                                        request.first_block, request.num_blocks or None):
+        async for batch in stream_pages(
+            self.store,
+            request.session.tenant,
+            request.session.session_id,
+            request.first_block,
+            request.num_blocks or None,
+        ):
             yield batch
 
 
@@ -153,8 +161,9 @@ async def sender(make_store: MakeStore, tmp_path: Path) -> AsyncIterator[tuple[T
 
 
 @pytest.mark.parametrize("connected", [True, False], ids=["page-stream", "grpc"])
-async def test_a_peer_of_another_model_gets_no_pages_and_gives_none(sender: tuple[TieredStore, str],
-                                                                   make_store: MakeStore, connected: bool) -> None:
+async def test_a_peer_of_another_model_gets_no_pages_and_gives_none(
+    sender: tuple[TieredStore, str], make_store: MakeStore, connected: bool
+) -> None:
     store, address = sender
     save_session(store, "s", BLOCKS, seed=6)
     receiver = make_store(model=OTHER_MODEL)
@@ -200,8 +209,10 @@ async def test_fetch_pages_needs_the_requesters_model(sender: tuple[TieredStore,
         stub = kv_pb2_grpc.KVStoreStub(channel)
         for fingerprint in (b"", OTHER_MODEL):
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                _ = [b async for b in stub.FetchPages(kv_pb2.FetchPagesRequest(session=ref,
-                                                                                model_fingerprint=fingerprint))]
+                _ = [
+                    b
+                    async for b in stub.FetchPages(kv_pb2.FetchPagesRequest(session=ref, model_fingerprint=fingerprint))
+                ]
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         got = [b async for b in stub.FetchPages(kv_pb2.FetchPagesRequest(session=ref, model_fingerprint=TEST_MODEL))]
         assert len(got) == LAYERS
@@ -223,6 +234,7 @@ def test_check_model_names_both_models(make_store: MakeStore) -> None:
 
 
 # ---- the connector --------------------------------------------------------------------------------
+
 
 def test_the_connector_refuses_a_node_manager_of_another_model() -> None:
     check_hello_model({"model_fingerprint": TEST_MODEL.hex()}, TEST_MODEL)

@@ -30,8 +30,12 @@ def server(make_store: MakeStore) -> Iterator[PageStreamServer]:
 
 
 def _request(session: str, first_block: int = 0, num_blocks: int = 0) -> kv_pb2.FetchPagesRequest:
-    return kv_pb2.FetchPagesRequest(session=kv_pb2.SessionRef(tenant="acme", session_id=session),
-                                    first_block=first_block, num_blocks=num_blocks, model_fingerprint=TEST_MODEL)
+    return kv_pb2.FetchPagesRequest(
+        session=kv_pb2.SessionRef(tenant="acme", session_id=session),
+        first_block=first_block,
+        num_blocks=num_blocks,
+        model_fingerprint=TEST_MODEL,
+    )
 
 
 def _receiver(make_store: MakeStore, session: str, seed: int) -> TieredStore:
@@ -46,9 +50,9 @@ def _dram_pages(store: TieredStore, session: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("install_batch_bytes", [1, page_stream.INSTALL_BATCH_BYTES])
-def test_a_session_in_dram_arrives_whole_and_verified(server: PageStreamServer, make_store: MakeStore,
-                                                      monkeypatch: pytest.MonkeyPatch,
-                                                      install_batch_bytes: int) -> None:
+def test_a_session_in_dram_arrives_whole_and_verified(
+    server: PageStreamServer, make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, install_batch_bytes: int
+) -> None:
     # 1 byte: every frame is installed on its own, mid-stream; the default: all at the END frame.
     monkeypatch.setattr(page_stream, "INSTALL_BATCH_BYTES", install_batch_bytes)
     data = save_session(server._store, "s", BLOCKS, seed=1)
@@ -79,8 +83,9 @@ def test_pages_only_on_ssd_are_loaded_then_sent(make_store: MakeStore, ssd_dir: 
         assert torch.equal(receiver.dram.pages[slots[layer][2:5]], data[layer][2:5])
 
 
-def test_unknown_session_and_bad_ranges_end_the_stream_with_a_reason(server: PageStreamServer,
-                                                                     make_store: MakeStore) -> None:
+def test_unknown_session_and_bad_ranges_end_the_stream_with_a_reason(
+    server: PageStreamServer, make_store: MakeStore
+) -> None:
     receiver = _receiver(make_store, "s", seed=3)
     missing = fetch_pages(receiver, "127.0.0.1", server.port, _request("s"), TIMEOUT)
     assert missing.stored == 0 and "no session" in missing.error.lower()
@@ -89,20 +94,22 @@ def test_unknown_session_and_bad_ranges_end_the_stream_with_a_reason(server: Pag
     assert beyond.stored == 0 and "beyond" in beyond.error
 
 
-def test_garbage_request_gets_an_end_frame_and_the_server_keeps_serving(server: PageStreamServer,
-                                                                        make_store: MakeStore) -> None:
+def test_garbage_request_gets_an_end_frame_and_the_server_keeps_serving(
+    server: PageStreamServer, make_store: MakeStore
+) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
         reply = sock.recv(4096)
     kind, *_rest, length = struct.unpack_from("<BxxxIIII", reply)
-    assert kind == page_stream.END and b"not a Symphony page stream" in reply[20:20 + length]
+    assert kind == page_stream.END and b"not a Symphony page stream" in reply[20 : 20 + length]
     save_session(server._store, "s", BLOCKS, seed=4)
     outcome = fetch_pages(_receiver(make_store, "s", seed=4), "127.0.0.1", server.port, _request("s"), TIMEOUT)
     assert outcome.stored == BLOCKS * LAYERS and not outcome.error
 
 
-def test_a_request_with_session_gets_the_status_first_and_then_the_planned_range(server: PageStreamServer,
-                                                                                 make_store: MakeStore) -> None:
+def test_a_request_with_session_gets_the_status_first_and_then_the_planned_range(
+    server: PageStreamServer, make_store: MakeStore
+) -> None:
     data = save_session(server._store, "s", BLOCKS, seed=9)
     receiver = make_store()
     seen: list[kv_pb2.SessionStatus] = []
@@ -112,8 +119,7 @@ def test_a_request_with_session_gets_the_status_first_and_then_the_planned_range
         receiver.put_session("acme", "s", list(status.token_ids))
         return _request("s", first_block=1, num_blocks=2)
 
-    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True,
-                                       model_fingerprint=TEST_MODEL)
+    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True, model_fingerprint=TEST_MODEL)
     outcome = fetch_pages(receiver, "127.0.0.1", server.port, opening, TIMEOUT, plan=plan)
     assert (outcome.received, outcome.stored, outcome.error) == (2 * LAYERS, 2 * LAYERS, "")
     assert outcome.status is not None and seen == [outcome.status]
@@ -125,29 +131,31 @@ def test_a_request_with_session_gets_the_status_first_and_then_the_planned_range
         assert torch.equal(receiver.dram.pages[slots[layer][1:3]], data[layer][1:3])
 
 
-def test_a_receiver_that_needs_no_pages_hangs_up_and_the_server_goes_on(server: PageStreamServer,
-                                                                         make_store: MakeStore) -> None:
+def test_a_receiver_that_needs_no_pages_hangs_up_and_the_server_goes_on(
+    server: PageStreamServer, make_store: MakeStore
+) -> None:
     save_session(server._store, "s", BLOCKS, seed=10)
-    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True,
-                                       model_fingerprint=TEST_MODEL)
+    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True, model_fingerprint=TEST_MODEL)
     quiet = fetch_pages(make_store(), "127.0.0.1", server.port, opening, TIMEOUT, plan=lambda status: None)
     assert quiet.status is not None and (quiet.received, quiet.error) == (0, "")
-    missing = fetch_pages(make_store(), "127.0.0.1", server.port,
-                          kv_pb2.FetchPagesRequest(session=_request("gone").session, with_session=True,
-                                       model_fingerprint=TEST_MODEL),
-                          TIMEOUT, plan=lambda status: None)
+    missing = fetch_pages(
+        make_store(),
+        "127.0.0.1",
+        server.port,
+        kv_pb2.FetchPagesRequest(session=_request("gone").session, with_session=True, model_fingerprint=TEST_MODEL),
+        TIMEOUT,
+        plan=lambda status: None,
+    )
     assert missing.status is None and "no session" in missing.error.lower()
     outcome = fetch_pages(_receiver(make_store, "s", seed=10), "127.0.0.1", server.port, _request("s"), TIMEOUT)
     assert outcome.stored == BLOCKS * LAYERS and not outcome.error
     wait_until(lambda: server._slots._value == 8, TIMEOUT, "every stream's slot to come back")
 
 
-def test_a_range_for_another_session_than_described_is_refused(server: PageStreamServer,
-                                                               make_store: MakeStore) -> None:
+def test_a_range_for_another_session_than_described_is_refused(server: PageStreamServer, make_store: MakeStore) -> None:
     save_session(server._store, "s", BLOCKS, seed=11)
     save_session(server._store, "t", BLOCKS, seed=12)
-    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True,
-                                       model_fingerprint=TEST_MODEL)
+    opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True, model_fingerprint=TEST_MODEL)
     receiver = _receiver(make_store, "t", seed=12)
     outcome = fetch_pages(receiver, "127.0.0.1", server.port, opening, TIMEOUT, plan=lambda status: _request("t"))
     assert outcome.stored == 0 and "the range request must name the session just described" in outcome.error
@@ -177,14 +185,17 @@ def _frame(layer: int, first_block: int, pages: torch.Tensor, checksums: list[in
     return header + struct.pack(f"<{len(checksums)}Q", *checksums) + pages.numpy().tobytes()
 
 
-def test_a_flipped_byte_and_a_cut_stream_keep_only_verified_pages(server: PageStreamServer,
-                                                                  make_store: MakeStore) -> None:
+def test_a_flipped_byte_and_a_cut_stream_keep_only_verified_pages(
+    server: PageStreamServer, make_store: MakeStore
+) -> None:
     data = save_session(server._store, "s", BLOCKS, seed=5)
     checksums = server._store.page_checksums("acme", "s", 0, BLOCKS)
     corrupt = data[0].clone()
     corrupt[1, 3] ^= 1
-    frames = (_frame(0, 0, corrupt, checksums[:, 0].tolist(), GEOMETRY.page_bytes)
-              + _frame(1, 0, data[1], checksums[:, 1].tolist(), GEOMETRY.page_bytes)[:-10])  # cut mid-page
+    frames = (
+        _frame(0, 0, corrupt, checksums[:, 0].tolist(), GEOMETRY.page_bytes)
+        + _frame(1, 0, data[1], checksums[:, 1].tolist(), GEOMETRY.page_bytes)[:-10]
+    )  # cut mid-page
     sender = _FakeSender(frames)
     receiver = _receiver(make_store, "s", seed=5)
     outcome = fetch_pages(receiver, "127.0.0.1", sender.port, _request("s"), TIMEOUT)
@@ -198,11 +209,14 @@ def test_a_flipped_byte_and_a_cut_stream_keep_only_verified_pages(server: PageSt
     sender.thread.join(TIMEOUT)
 
 
-@pytest.mark.parametrize("frame", [
-    struct.pack("<BxxxIIII", page_stream.PAGES, 0, 0, 1, GEOMETRY.page_bytes * 2),  # pages of another size
-    struct.pack("<BxxxIIII", page_stream.PAGES, 0, 0, 1, GEOMETRY.page_bytes),  # block 0, but 2.. was asked for
-    struct.pack("<BxxxIIII", 7, 0, 2, 1, GEOMETRY.page_bytes),  # no such frame kind
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        struct.pack("<BxxxIIII", page_stream.PAGES, 0, 0, 1, GEOMETRY.page_bytes * 2),  # pages of another size
+        struct.pack("<BxxxIIII", page_stream.PAGES, 0, 0, 1, GEOMETRY.page_bytes),  # block 0, but 2.. was asked for
+        struct.pack("<BxxxIIII", 7, 0, 2, 1, GEOMETRY.page_bytes),  # no such frame kind
+    ],
+)
 def test_frames_that_break_the_protocol_are_refused(make_store: MakeStore, frame: bytes) -> None:
     sender = _FakeSender(frame)
     outcome = fetch_pages(_receiver(make_store, "s", seed=6), "127.0.0.1", sender.port, _request("s", 2), TIMEOUT)
@@ -215,7 +229,7 @@ def test_a_malformed_request_body_gets_a_reason(server: PageStreamServer) -> Non
         sock.sendall(page_stream.MAGIC + struct.pack("<I", 3) + b"\xff\xff\xff")
         reply = sock.recv(4096)
     kind, *_rest, length = struct.unpack_from("<BxxxIIII", reply)
-    assert kind == page_stream.END and b"malformed request" in reply[20:20 + length]
+    assert kind == page_stream.END and b"malformed request" in reply[20 : 20 + length]
 
 
 def test_streams_beyond_the_bound_are_told_busy(make_store: MakeStore) -> None:
@@ -245,7 +259,7 @@ def test_reserved_pages_are_invisible_until_committed(make_store: MakeStore) -> 
     reservation = store.reserve_pages("acme", "s", 0, 0, 2)
     assert reservation is not None and store.dram_slots("acme", "s")[0] == [-1, -1]
     for view in store.reserved_views(reservation):
-        view[:] = memoryview(data[0].numpy()).cast("B")[:len(view)]
+        view[:] = memoryview(data[0].numpy()).cast("B")[: len(view)]
     with pytest.raises(InvalidRequest):
         store.commit_pages(reservation, [1])  # one checksum for two pages
     with pytest.raises(InvalidRequest):
@@ -260,13 +274,12 @@ def _fill(store: TieredStore, layer: int, pages: torch.Tensor, first_block: int 
     offset = 0
     raw = memoryview(pages.numpy()).cast("B")
     for view in store.reserved_views(reservation):
-        view[:] = raw[offset:offset + len(view)]
+        view[:] = raw[offset : offset + len(view)]
         offset += len(view)
     return reservation
 
 
-def test_committing_layers_together_equals_committing_them_one_by_one(make_store: MakeStore,
-                                                                      tmp_path: Path) -> None:
+def test_committing_layers_together_equals_committing_them_one_by_one(make_store: MakeStore, tmp_path: Path) -> None:
     reference = make_store(directory=tmp_path / "reference")  # the checksums a sender would send
     data = save_session(reference, "s", BLOCKS, seed=11)
     want = reference.page_checksums("acme", "s", 0, BLOCKS)
@@ -279,8 +292,10 @@ def test_committing_layers_together_equals_committing_them_one_by_one(make_store
     expected = [want[:, 0].tolist(), bad, want[:, 2].tolist(), want[:, 3].tolist()]
     batch = [(_fill(together, layer, data[layer]), expected[layer]) for layer in range(LAYERS)]
     assert together.commit_many(batch) == BLOCKS * LAYERS - 1
-    assert sum(one_by_one.commit_pages(_fill(one_by_one, layer, data[layer]), expected[layer])
-               for layer in range(LAYERS)) == BLOCKS * LAYERS - 1
+    assert (
+        sum(one_by_one.commit_pages(_fill(one_by_one, layer, data[layer]), expected[layer]) for layer in range(LAYERS))
+        == BLOCKS * LAYERS - 1
+    )
     for store in (together, one_by_one):
         slots = store.dram_slots("acme", "s")
         assert slots[1][3] == -1 and sum(slot == -1 for layer in slots for slot in layer) == 1
@@ -324,8 +339,11 @@ def test_write_behind_waits_for_a_foreground_transfer_within_its_bound(make_stor
         save_session(held, "s", BLOCKS, seed=11)
         wait_until(lambda: held.stats()["write_behind_held"] == 1, TIMEOUT, "the write-behind to hold off")
         assert held.stats()["write_queue"] == BLOCKS * LAYERS  # nothing persisted while the transfer runs
-    wait_until(lambda: held.stats()["write_queue"] == 0 and held.pinned_pages() == 0, TIMEOUT,
-               "the write-behind to go once the transfer ended")
+    wait_until(
+        lambda: held.stats()["write_queue"] == 0 and held.pinned_pages() == 0,
+        TIMEOUT,
+        "the write-behind to go once the transfer ended",
+    )
     flushed = make_store(dram_pages=256, write_behind_max_delay_s=60.0)
     with flushed.foreground_transfer():
         save_session(flushed, "s", BLOCKS, seed=12)
@@ -334,5 +352,8 @@ def test_write_behind_waits_for_a_foreground_transfer_within_its_bound(make_stor
     hasty = make_store(dram_pages=256, write_behind_max_delay_s=0.05)
     with hasty.foreground_transfer():
         save_session(hasty, "s", BLOCKS, seed=13)
-        wait_until(lambda: hasty.stats()["write_queue"] == 0 and hasty.pinned_pages() == 0, TIMEOUT,
-                   "the write-behind to go after its bounded delay")
+        wait_until(
+            lambda: hasty.stats()["write_queue"] == 0 and hasty.pinned_pages() == 0,
+            TIMEOUT,
+            "the write-behind to go after its bounded delay",
+        )

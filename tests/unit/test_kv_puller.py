@@ -31,8 +31,9 @@ class _CountingService(KVStoreService):
 
     status_calls = 0
 
-    async def GetSessionStatus(self, request: kv_pb2.SessionStatusRequest, context: grpc.aio.ServicerContext
-                               ) -> kv_pb2.SessionStatus:
+    async def GetSessionStatus(
+        self, request: kv_pb2.SessionStatusRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.SessionStatus:
         self.status_calls += 1
         return await super().GetSessionStatus(request, context)
 
@@ -50,8 +51,13 @@ async def peer(make_store: MakeStore, tmp_path: Path) -> AsyncIterator[_Peer]:
     store = make_store(directory=tmp_path / "peer")  # its own SSD: what a receiver holds comes from the pull
     stream = PageStreamServer(store, "127.0.0.1", 0, timeout_s=TIMEOUT)
     own_puller = PeerPuller(store, TIMEOUT)
-    service = _CountingService("peer", store, PrefetchQueue(store, store.metrics, own_puller, max_pending=4,
-                                                            concurrency=1), own_puller, stream.port)
+    service = _CountingService(
+        "peer",
+        store,
+        PrefetchQueue(store, store.metrics, own_puller, max_pending=4, concurrency=1),
+        own_puller,
+        stream.port,
+    )
     server = grpc.aio.server()
     kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -87,15 +93,18 @@ async def test_a_connected_pull_takes_the_status_from_the_page_stream(peer: _Pee
         reply = await puller.pull("acme", "s", peer.address)
     finally:
         await puller.close()
-    assert (reply.complete, reply.pages_expected, reply.pages_received, reply.error) == \
-        (True, BLOCKS * LAYERS, BLOCKS * LAYERS, "")
+    assert (reply.complete, reply.pages_expected, reply.pages_received, reply.error) == (
+        True,
+        BLOCKS * LAYERS,
+        BLOCKS * LAYERS,
+        "",
+    )
     assert peer.service.status_calls == 0
     assert receiver.session("acme", "s").token_ids.tolist() == peer.store.session("acme", "s").token_ids.tolist()
     assert all(torch.equal(got, want) for got, want in zip(_pages(receiver, "s"), data, strict=True))
 
 
-async def test_a_first_pull_asks_grpc_for_the_status_and_later_ones_do_not(peer: _Peer,
-                                                                            make_store: MakeStore) -> None:
+async def test_a_first_pull_asks_grpc_for_the_status_and_later_ones_do_not(peer: _Peer, make_store: MakeStore) -> None:
     save_session(peer.store, "a", BLOCKS, seed=2)
     save_session(peer.store, "b", BLOCKS, seed=3)
     puller = PeerPuller(make_store(), timeout_s=TIMEOUT)
@@ -128,16 +137,18 @@ async def test_a_pull_only_fetches_the_blocks_it_lacks(peer: _Peer, make_store: 
 
 
 @pytest.mark.parametrize("stream", [True, False])
-async def test_a_pull_brings_the_peers_partial_tail_after_the_full_blocks(peer: _Peer, make_store: MakeStore,
-                                                                           stream: bool) -> None:
+async def test_a_pull_brings_the_peers_partial_tail_after_the_full_blocks(
+    peer: _Peer, make_store: MakeStore, stream: bool
+) -> None:
     data = save_session(peer.store, "s", BLOCKS, seed=7)
     history = peer.store.session("acme", "s").token_ids.tolist()
     tail_tokens = BLOCK - 1
     peer.store.put_session("acme", "s", [*history, *range(5, 5 + tail_tokens)])  # the turn ended mid-block
     tail = page_data(1, seed=8)
     for layer in range(LAYERS):
-        assert peer.store.save_layer("acme", "s", layer, BLOCKS, tail[layer], tail_tokens=tail_tokens).result(
-            TIMEOUT) == 1
+        assert (
+            peer.store.save_layer("acme", "s", layer, BLOCKS, tail[layer], tail_tokens=tail_tokens).result(TIMEOUT) == 1
+        )
     assert peer.store.loadable_tail_tokens("acme", "s") == tail_tokens
     receiver = make_store()
     puller = PeerPuller(receiver, timeout_s=TIMEOUT, use_page_stream=stream)
@@ -146,13 +157,18 @@ async def test_a_pull_brings_the_peers_partial_tail_after_the_full_blocks(peer: 
         again = await puller.pull("acme", "s", peer.address)  # all held here now: nothing to fetch
     finally:
         await puller.close()
-    assert (reply.complete, reply.pages_expected, reply.pages_received, reply.error) == \
-        (True, (BLOCKS + 1) * LAYERS, (BLOCKS + 1) * LAYERS, "")
+    assert (reply.complete, reply.pages_expected, reply.pages_received, reply.error) == (
+        True,
+        (BLOCKS + 1) * LAYERS,
+        (BLOCKS + 1) * LAYERS,
+        "",
+    )
     assert (again.complete, again.pages_expected) == (True, 0)
     assert receiver.loadable_tail_tokens("acme", "s") == tail_tokens
     dest = [torch.zeros(BLOCKS + 1, WORDS, dtype=torch.int64) for _ in range(LAYERS)]
-    results = receiver.load("acme", "s", 0, BLOCKS + 1, RowTarget(dest, list(range(BLOCKS + 1))),
-                            tail_tokens=tail_tokens).wait_all(TIMEOUT)
+    results = receiver.load(
+        "acme", "s", 0, BLOCKS + 1, RowTarget(dest, list(range(BLOCKS + 1))), tail_tokens=tail_tokens
+    ).wait_all(TIMEOUT)
     assert all(not r.failed for r in results)
     assert all(torch.equal(dest[layer], torch.cat([data[layer], tail[layer]])) for layer in range(LAYERS))
 
@@ -165,8 +181,9 @@ async def test_a_second_pull_of_a_session_under_way_joins_it(peer: _Peer, make_s
     puller = PeerPuller(receiver, timeout_s=TIMEOUT)
     try:
         await puller.connect(peer.address)
-        first, second = await asyncio.gather(puller.pull("acme", "s", peer.address),
-                                             puller.pull("acme", "s", peer.address))
+        first, second = await asyncio.gather(
+            puller.pull("acme", "s", peer.address), puller.pull("acme", "s", peer.address)
+        )
         later = await puller.pull("acme", "s", peer.address)
     finally:
         await puller.close()

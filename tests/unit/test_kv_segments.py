@@ -46,7 +46,7 @@ def test_header_round_trip(count: int) -> None:
     assert header.entries == tuple(written)
     assert header.model == TEST_MODEL
     assert header.header_len == len(data)
-    assert decode_header(data[:fixed_header_size()]) == (count, len(data))
+    assert decode_header(data[: fixed_header_size()]) == (count, len(data))
 
 
 @pytest.mark.parametrize("count", [0, 1, 3, 92, 93, 200, 1000])
@@ -124,7 +124,7 @@ def test_flipped_table_crc() -> None:
 def test_the_crc_covers_the_model_fingerprint(offset: int) -> None:
     """A damaged fingerprint is damage, not another model: the segment is dropped as damaged."""
     data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
-    assert data[CRC_AT + 8:CRC_AT + 40] == TEST_MODEL  # the last 32 bytes of the fixed header
+    assert data[CRC_AT + 8 : CRC_AT + 40] == TEST_MODEL  # the last 32 bytes of the fixed header
     data[CRC_AT + 8 + offset] ^= 0x01
     with pytest.raises(SegmentFormatError, match="checksum"):
         parse_header(bytes(data))
@@ -140,7 +140,7 @@ def test_a_version_2_header_is_outdated() -> None:
     though its fixed header is shorter than this format's."""
     v2 = struct.pack("<8sHHIIQIIQ", MAGIC, 2, 0, 64, 1, 1, 4096, 0, 0).ljust(4096, b"\x00")
     with pytest.raises(OutdatedSegment):
-        decode_header(v2[:fixed_header_size()])
+        decode_header(v2[: fixed_header_size()])
 
 
 def test_inconsistent_header_length() -> None:

@@ -18,11 +18,14 @@ from symphony.kv_geometry import KVGeometry
 GEOMETRY = KVGeometry(num_layers=2, kv_heads=1, head_size=4, block_size=4)
 
 
-@pytest.mark.parametrize("dst_rows, src_rows", [
-    ([0, 1, 2, 3], [4, 5, 6, 7]),          # one run: a slice copy
-    ([7, 0, 5, 2, 3], [0, 1, 2, 3, 4]),    # scattered: gather + scatter
-    ([2, 3, 0, 1], [6, 7, 1, 2]),          # two runs
-])
+@pytest.mark.parametrize(
+    "dst_rows, src_rows",
+    [
+        ([0, 1, 2, 3], [4, 5, 6, 7]),  # one run: a slice copy
+        ([7, 0, 5, 2, 3], [0, 1, 2, 3, 4]),  # scattered: gather + scatter
+        ([2, 3, 0, 1], [6, 7, 1, 2]),  # two runs
+    ],
+)
 def test_copy_rows_places_every_row(dst_rows: list[int], src_rows: list[int]) -> None:
     src = torch.arange(8 * 3, dtype=torch.int64).view(8, 3)
     dst = torch.full((8, 3), -1, dtype=torch.int64)
@@ -105,6 +108,7 @@ def test_arena_pages_are_mapped_for_writing_when_created(monkeypatch: pytest.Mon
 
 def test_arena_that_cannot_be_allocated_says_so_and_leaves_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
     """/dev/shm filling up between the free-space check and the allocation (another process)."""
+
     def no_memory(mapping: object, *, write: bool, required: bool) -> None:
         raise OSError(errno.EFAULT, "Bad address")
 
@@ -133,13 +137,16 @@ def test_copy_rows_refuses_mismatched_row_lists() -> None:
         copy_rows(src.clone(), [0, 1, 2], src, [0, 1])
 
 
-@pytest.mark.parametrize(("slots", "runs"), [
-    ([], []),
-    ([7], [(0, 1)]),
-    ([3, 4, 5], [(0, 3)]),
-    ([3, 4, 9, 10, 2], [(0, 2), (2, 4), (4, 5)]),
-    ([5, 4], [(0, 1), (1, 2)]),  # descending slots are not a run
-])
+@pytest.mark.parametrize(
+    ("slots", "runs"),
+    [
+        ([], []),
+        ([7], [(0, 1)]),
+        ([3, 4, 5], [(0, 3)]),
+        ([3, 4, 9, 10, 2], [(0, 2), (2, 4), (4, 5)]),
+        ([5, 4], [(0, 1), (1, 2)]),  # descending slots are not a run
+    ],
+)
 def test_consecutive_runs_split_where_slots_stop_counting_up(slots: list[int], runs: list[tuple[int, int]]) -> None:
     assert consecutive_runs(slots) == runs
     assert consecutive_runs(np.array(slots, dtype=np.int64)) == runs  # arrays take the general path

@@ -41,12 +41,21 @@ from tests.unit.kv_store_support import (
 )
 
 
-def load_rows(store: TieredStore, session: str, num_blocks: int, *, tenant: str = "acme", first_block: int = 0,
-              rows: list[int] | None = None) -> tuple[list[torch.Tensor], list[LayerResult]]:
+def load_rows(
+    store: TieredStore,
+    session: str,
+    num_blocks: int,
+    *,
+    tenant: str = "acme",
+    first_block: int = 0,
+    rows: list[int] | None = None,
+) -> tuple[list[torch.Tensor], list[LayerResult]]:
     rows = list(range(num_blocks)) if rows is None else rows
     height = max(rows) + 1 if rows else 1
-    tensors = [torch.full((height, store.geometry.page_words), SENTINEL, dtype=torch.int64)
-               for _ in range(store.geometry.num_layers)]
+    tensors = [
+        torch.full((height, store.geometry.page_words), SENTINEL, dtype=torch.int64)
+        for _ in range(store.geometry.num_layers)
+    ]
     handle = store.load(tenant, session, first_block, num_blocks, target=RowTarget(tensors, rows))
     return tensors, handle.wait_all(TIMEOUT)
 
@@ -87,6 +96,7 @@ def none_true(grid: list[list[bool]]) -> bool:
 
 
 # ---- save and load --------------------------------------------------------------------------------
+
 
 def test_save_then_load_into_rows_is_byte_identical(make_store: MakeStore) -> None:
     store = make_store()
@@ -171,7 +181,8 @@ def test_layer_futures_resolve_in_layer_order(make_store: MakeStore) -> None:
         observed: list[tuple[int, list[bool]]] = []
         for layer in range(12):
             handle.layers[layer].add_done_callback(
-                lambda _, layer=layer, handle=handle, observed=observed: record(handle, layer, observed, lock))
+                lambda _, layer=layer, handle=handle, observed=observed: record(handle, layer, observed, lock)
+            )
         results = handle.wait_all(TIMEOUT)
         assert [r.layer for r in results] == list(range(12))
         assert sorted(layer for layer, _ in observed) == list(range(12)), attempt
@@ -233,6 +244,7 @@ def test_load_only_selected_layers(make_store: MakeStore) -> None:
 
 
 # ---- restart and SSD integrity ---------------------------------------------------------------------
+
 
 def test_index_rebuild_serves_pages_from_ssd(make_store: MakeStore, ssd_dir: Path) -> None:
     first = make_store()
@@ -343,8 +355,7 @@ def test_leftover_tmp_segment_is_deleted_at_rebuild(make_store: MakeStore, ssd_d
 
 
 @pytest.mark.parametrize("change", ["flipped-entry-table", "older-format"])
-def test_a_segment_that_cannot_be_read_is_dropped_at_rebuild(make_store: MakeStore, ssd_dir: Path,
-                                                             change: str) -> None:
+def test_a_segment_that_cannot_be_read_is_dropped_at_rebuild(make_store: MakeStore, ssd_dir: Path, change: str) -> None:
     """A damaged header and a segment of an older format both leave at the rebuild, and their pages
     are reported missing; only damage counts as damaged (an older format is an upgrade)."""
     first = make_store()
@@ -368,6 +379,7 @@ def test_a_segment_that_cannot_be_read_is_dropped_at_rebuild(make_store: MakeSto
 
 
 # ---- capacity -----------------------------------------------------------------------------------
+
 
 def test_dram_eviction_is_lru_and_pages_stay_loadable_from_ssd(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0, dram_pages=2 * LAYERS)
@@ -469,8 +481,9 @@ def test_low_priority_pages_go_before_older_normal_ones(make_store: MakeStore) -
     assert none_true(store.residency("acme", "cheap")[Tier.DRAM])
 
 
-def test_save_degrades_when_dram_is_full_of_unpersisted_pages(make_store: MakeStore,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_save_degrades_when_dram_is_full_of_unpersisted_pages(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = make_store(hbm_pages=0, dram_pages=LAYERS)
     gate = _hold_ssd_writes(store, monkeypatch)
     save_session(store, "a", 1, seed=29)  # fills DRAM; the pages stay pinned until written
@@ -576,8 +589,9 @@ def test_ssd_capacity_evicts_oldest_segments_and_counts_lost_pages(make_store: M
         assert torch.equal(tensors[layer], data[layer])
 
 
-def test_ssd_write_failure_keeps_pages_in_dram(make_store: MakeStore, ssd_dir: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ssd_write_failure_keeps_pages_in_dram(
+    make_store: MakeStore, ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = make_store()
     real_write = store.ssd.write
     calls = []
@@ -642,8 +656,9 @@ def test_page_aligned_segments_survive_a_restart_byte_for_byte(make_store: MakeS
     assert all(torch.equal(tensors[layer], data[layer]) for layer in range(ALIGNED.num_layers))
 
 
-def test_refused_o_direct_falls_back_to_buffered_writes(make_store: MakeStore, ssd_dir: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refused_o_direct_falls_back_to_buffered_writes(
+    make_store: MakeStore, ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import node_manager.kv.ssd_tier as ssd_tier
 
     real_open = os.open
@@ -681,6 +696,7 @@ def test_close_flushes_pending_writes(make_store: MakeStore, ssd_dir: Path) -> N
 
 # ---- bad input ----------------------------------------------------------------------------------
 
+
 def test_unknown_session(make_store: MakeStore) -> None:
     store = make_store()
     store.put_session("acme", "s1", tokens(1))
@@ -704,14 +720,18 @@ def test_layer_out_of_range(make_store: MakeStore, layer: int) -> None:
         store.save_layer("acme", "s1", layer, 0, page_data(1, seed=1)[0])
 
 
-@pytest.mark.parametrize("pages", [
-    torch.zeros(1, WORDS - 1, dtype=torch.int64),
-    torch.zeros(1, WORDS + 1, dtype=torch.int64),
-    torch.zeros(1, WORDS, dtype=torch.float64),
-    torch.zeros(1, WORDS, dtype=torch.int32),
-    torch.zeros(1, 2, WORDS // 2, dtype=torch.int64),
-    torch.zeros((), dtype=torch.int64),
-], ids=["narrow", "wide", "float64", "int32", "3d", "scalar"])
+@pytest.mark.parametrize(
+    "pages",
+    [
+        torch.zeros(1, WORDS - 1, dtype=torch.int64),
+        torch.zeros(1, WORDS + 1, dtype=torch.int64),
+        torch.zeros(1, WORDS, dtype=torch.float64),
+        torch.zeros(1, WORDS, dtype=torch.int32),
+        torch.zeros(1, 2, WORDS // 2, dtype=torch.int64),
+        torch.zeros((), dtype=torch.int64),
+    ],
+    ids=["narrow", "wide", "float64", "int32", "3d", "scalar"],
+)
 def test_wrong_tensor_shape_or_dtype(make_store: MakeStore, pages: torch.Tensor) -> None:
     store = make_store()
     store.put_session("acme", "s1", tokens(1))
@@ -748,14 +768,19 @@ def test_bad_load_targets(make_store: MakeStore) -> None:
         store.load("acme", "s1", target=Tier.SSD)
 
 
-@pytest.mark.parametrize(("rows", "height", "dtype", "words"), [
-    ([0, 2], 2, torch.int64, WORDS),  # row 2 is past a 2-row tensor
-    ([-1, 0], 2, torch.int64, WORDS),
-    ([0, 1], 2, torch.int32, WORDS),
-    ([0, 1], 2, torch.int64, WORDS - 1),
-], ids=["row-past-end", "negative-row", "int32", "narrow"])
-def test_row_target_outside_its_tensors_is_refused(make_store: MakeStore, rows: list[int], height: int,
-                                                   dtype: torch.dtype, words: int) -> None:
+@pytest.mark.parametrize(
+    ("rows", "height", "dtype", "words"),
+    [
+        ([0, 2], 2, torch.int64, WORDS),  # row 2 is past a 2-row tensor
+        ([-1, 0], 2, torch.int64, WORDS),
+        ([0, 1], 2, torch.int32, WORDS),
+        ([0, 1], 2, torch.int64, WORDS - 1),
+    ],
+    ids=["row-past-end", "negative-row", "int32", "narrow"],
+)
+def test_row_target_outside_its_tensors_is_refused(
+    make_store: MakeStore, rows: list[int], height: int, dtype: torch.dtype, words: int
+) -> None:
     """Loads copy into destination rows by address: a row outside a tensor must never be written."""
     store = make_store()
     save_session(store, "s1", 2, seed=53)
@@ -787,8 +812,14 @@ def test_empty_names_and_oversized_history(make_store: MakeStore) -> None:
 
 @pytest.mark.parametrize(("hbm", "dram", "ssd"), [(128, 64, 1024), (0, 2048, 1024), (-64, 0, 0), (64, 64, 0)])
 def test_config_capacities_must_be_ordered(tmp_path: Path, hbm: int, dram: int, ssd: int) -> None:
-    config = StoreConfig(hbm_bytes=hbm, dram_bytes=dram, ssd_bytes=ssd, ssd_dir=tmp_path,
-                         arena_name=f"symphony-test-{uuid4().hex[:8]}", model=TEST_MODEL)
+    config = StoreConfig(
+        hbm_bytes=hbm,
+        dram_bytes=dram,
+        ssd_bytes=ssd,
+        ssd_dir=tmp_path,
+        arena_name=f"symphony-test-{uuid4().hex[:8]}",
+        model=TEST_MODEL,
+    )
     with pytest.raises(ValueError, match="hbm_bytes <= dram_bytes <= ssd_bytes"):
         config.validate()
     with pytest.raises(ValueError):
@@ -796,26 +827,32 @@ def test_config_capacities_must_be_ordered(tmp_path: Path, hbm: int, dram: int, 
     assert not (Path("/dev/shm") / config.arena_name).exists()
 
 
-@pytest.mark.parametrize("field", ["io_threads", "max_inflight_jobs", "segment_max_bytes", "ssd_writers",
-                                   "max_sessions", "max_session_tokens"])
+@pytest.mark.parametrize(
+    "field",
+    ["io_threads", "max_inflight_jobs", "segment_max_bytes", "ssd_writers", "max_sessions", "max_session_tokens"],
+)
 def test_config_counts_must_be_positive(tmp_path: Path, field: str) -> None:
-    config = StoreConfig(hbm_bytes=0, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused",
-                         model=TEST_MODEL, **{field: 0})  # type: ignore[arg-type]
+    config = StoreConfig(
+        hbm_bytes=0, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused", model=TEST_MODEL, **{field: 0}
+    )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=field):
         config.validate()
 
 
 def test_valid_config_passes(tmp_path: Path) -> None:
-    StoreConfig(hbm_bytes=0, dram_bytes=0, ssd_bytes=0, ssd_dir=tmp_path, arena_name="unused",
-                model=TEST_MODEL).validate()
-    StoreConfig(hbm_bytes=64, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused",
-                model=TEST_MODEL).validate()
+    StoreConfig(
+        hbm_bytes=0, dram_bytes=0, ssd_bytes=0, ssd_dir=tmp_path, arena_name="unused", model=TEST_MODEL
+    ).validate()
+    StoreConfig(
+        hbm_bytes=64, dram_bytes=64, ssd_bytes=64, ssd_dir=tmp_path, arena_name="unused", model=TEST_MODEL
+    ).validate()
 
 
 def test_a_model_fingerprint_is_32_bytes(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="32 bytes"):
-        StoreConfig(hbm_bytes=0, dram_bytes=0, ssd_bytes=0, ssd_dir=tmp_path, arena_name="unused",
-                    model=TEST_MODEL[:8]).validate()  # type: ignore[arg-type]
+        StoreConfig(
+            hbm_bytes=0, dram_bytes=0, ssd_bytes=0, ssd_dir=tmp_path, arena_name="unused", model=TEST_MODEL[:8]
+        ).validate()  # type: ignore[arg-type]
 
 
 def test_one_layer_served_from_hbm_and_dram_across_lanes(make_store: MakeStore) -> None:
@@ -832,7 +869,8 @@ def test_one_layer_served_from_hbm_and_dram_across_lanes(make_store: MakeStore) 
 
 
 def test_a_layer_whose_planning_fails_is_reported_and_the_rest_still_load(
-        make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = make_store(hbm_pages=LAYERS)
     data = save_session(store, "s1", 2, seed=43)
     # Block 0 also in HBM: a load of mixed sources, planned layer by layer (not the DRAM-only path).
@@ -856,9 +894,9 @@ def test_a_layer_whose_planning_fails_is_reported_and_the_rest_still_load(
     assert store.pinned_pages() == 0
 
 
-
 def test_a_dram_load_layer_whose_copy_fails_is_reported_and_the_rest_still_load(
-        make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The DRAM-only path (`MemoryLoad`): a failed copy fails its layer only, and the load still
     releases every pin and in-flight slot."""
     store = make_store()
@@ -942,8 +980,7 @@ def test_dram_load_of_chosen_layers_in_any_order(make_store: MakeStore, order: l
     _load_chosen_layers_and_check(store, data, order, Tier.DRAM)
 
 
-def _load_chosen_layers_and_check(store: TieredStore, data: list[torch.Tensor], order: list[int],
-                                  source: Tier) -> None:
+def _load_chosen_layers_and_check(store: TieredStore, data: list[torch.Tensor], order: list[int], source: Tier) -> None:
     """Load layers `order` of session "s1" (3 blocks, all held in `source`): each chosen layer lands,
     the others stay untouched, every layer resolves and no pin is left."""
     tensors = [torch.full((3, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
@@ -985,6 +1022,7 @@ def test_load_rejects_repeated_or_unknown_layers(make_store: MakeStore, layers: 
 
 # ---- loads wholly from SSD (`SsdLoad`) ---------------------------------------------------------------
 
+
 def _restarted_with(make_store: MakeStore, num_blocks: int, seed: int) -> tuple[TieredStore, list[torch.Tensor]]:
     """A store whose only copy of session "s1" is on SSD: saved by a first store, rebuilt by a second."""
     first = make_store()
@@ -997,13 +1035,16 @@ def _restarted_with(make_store: MakeStore, num_blocks: int, seed: int) -> tuple[
 
 def _no_layer_planning(store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if the load falls back to the general path, which plans layer by layer."""
+
     def planned(*_: object) -> None:
         raise AssertionError("an SSD-only load was planned layer by layer")
+
     monkeypatch.setattr(store, "_plan_layer", planned)
 
 
 def test_ssd_only_load_is_planned_once_lands_in_scattered_rows_and_releases_every_pin(
-        make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store, data = _restarted_with(make_store, 4, seed=71)
     _no_layer_planning(store, monkeypatch)
     rows = [5, 0, 3, 1]
@@ -1019,15 +1060,17 @@ def test_ssd_only_load_is_planned_once_lands_in_scattered_rows_and_releases_ever
 
 
 @pytest.mark.parametrize("order", [[2], [3, 1], [2, 0, 3, 1]], ids=["one", "subset", "permuted"])
-def test_ssd_only_load_of_chosen_layers_in_any_order(make_store: MakeStore, monkeypatch: pytest.MonkeyPatch,
-                                                      order: list[int]) -> None:
+def test_ssd_only_load_of_chosen_layers_in_any_order(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, order: list[int]
+) -> None:
     store, data = _restarted_with(make_store, 3, seed=73)
     _no_layer_planning(store, monkeypatch)
     _load_chosen_layers_and_check(store, data, order, Tier.SSD)
 
 
 def test_ssd_only_load_with_a_short_segment_fails_those_pages_and_loads_the_rest(
-        make_store: MakeStore, ssd_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_store: MakeStore, ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A segment cut short (a read error): the pages it can no longer supply fail as io errors, rows
     of failed blocks never keep partial bytes, the copies are dropped and no pin is left."""
     first = make_store()
@@ -1050,7 +1093,8 @@ def test_ssd_only_load_with_a_short_segment_fails_those_pages_and_loads_the_rest
 
 
 def test_ssd_only_load_layer_that_raises_is_reported_and_the_rest_still_load(
-        make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store, data = _restarted_with(make_store, 2, seed=77)
     read_layer = SsdLoad._read_layer
 
@@ -1067,8 +1111,9 @@ def test_ssd_only_load_layer_that_raises_is_reported_and_the_rest_still_load(
     assert store.pinned_pages() == 0 and store.flush(TIMEOUT)
 
 
-def test_cancelled_ssd_only_load_skips_the_layers_not_started(make_store: MakeStore,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cancelled_ssd_only_load_skips_the_layers_not_started(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store, data = _restarted_with(make_store, 2, seed=79)
     reading, release = threading.Event(), threading.Event()
     read_layer = SsdLoad._read_layer

@@ -47,15 +47,24 @@ def test_the_fingerprint_changes_with_each_of_its_inputs(tmp_path: Path) -> None
     base, _ = _identify(model, tmp_path)
     assert len(base.fingerprint) == 32 and base.short == base.fingerprint.hex()[:12]
     assert _identify(model, tmp_path)[0] == base  # deterministic
-    changed = {name: _identify(model, tmp_path, **{name: value})[0].fingerprint
-               for name, value in (("dtype", "float16"), ("kv_cache_dtype", "fp8"), ("block_size", 64),
-                                   ("page_layout", "cpu/amx/[x]"), ("engine_args", ("--quantization", "fp8")))}
-    edits = {"weights": ("model-00001-of-00002.safetensors", b"weights-v2"),
-             "a second shard": ("model-00002-of-00002.safetensors", b"second shard, fine-tuned"),
-             "config": ("config.json", json.dumps({"num_hidden_layers": 2, "rope_theta": 500000.0}).encode()),
-             "tokenizer": ("tokenizer.json", b'{"vocab": {"b": 0}}'),
-             "chat template": ("chat_template.jinja", b"{{ other }}"),
-             "remote code": ("modeling_custom.py", b"class Model: ...")}
+    changed = {
+        name: _identify(model, tmp_path, **{name: value})[0].fingerprint
+        for name, value in (
+            ("dtype", "float16"),
+            ("kv_cache_dtype", "fp8"),
+            ("block_size", 64),
+            ("page_layout", "cpu/amx/[x]"),
+            ("engine_args", ("--quantization", "fp8")),
+        )
+    }
+    edits = {
+        "weights": ("model-00001-of-00002.safetensors", b"weights-v2"),
+        "a second shard": ("model-00002-of-00002.safetensors", b"second shard, fine-tuned"),
+        "config": ("config.json", json.dumps({"num_hidden_layers": 2, "rope_theta": 500000.0}).encode()),
+        "tokenizer": ("tokenizer.json", b'{"vocab": {"b": 0}}'),
+        "chat template": ("chat_template.jinja", b"{{ other }}"),
+        "remote code": ("modeling_custom.py", b"class Model: ..."),
+    }
     for what, (name, content) in edits.items():
         path = model / name
         original = path.read_bytes() if path.exists() else None
@@ -120,19 +129,23 @@ def test_a_folder_without_weights_cannot_be_fingerprinted(tmp_path: Path) -> Non
         _identify(tmp_path / "empty", tmp_path)
 
 
-@pytest.mark.parametrize(("dtype", "block", "head", "amx_allowed", "amx", "machine", "isa"), [
-    ("bfloat16", 32, 64, False, True, "x86_64", "vec"),  # Symphony's default: AMX steered away
-    ("bfloat16", 32, 64, True, True, "x86_64", "amx"),
-    ("float16", 32, 64, True, True, "x86_64", "vec"),  # AMX only for bfloat16
-    ("bfloat16", 32, 64, True, False, "x86_64", "vec"),
-    ("bfloat16", 16, 64, False, False, "x86_64", "vec16"),
-    ("bfloat16", 32, 80, False, False, "x86_64", "vec16"),  # head size a multiple of 16, not 32
-    ("bfloat16", 32, 64, False, False, "aarch64", "neon"),
-    ("bfloat16", 32, 64, False, False, "s390x", "vxe"),
-    ("bfloat16", 32, 64, False, False, "sparc64", "sparc64"),  # unknown: the connector refuses it
-])
-def test_cpu_attention_isa_follows_vllms_choice(dtype: str, block: int, head: int, amx_allowed: bool, amx: bool,
-                                                machine: str, isa: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "block", "head", "amx_allowed", "amx", "machine", "isa"),
+    [
+        ("bfloat16", 32, 64, False, True, "x86_64", "vec"),  # Symphony's default: AMX steered away
+        ("bfloat16", 32, 64, True, True, "x86_64", "amx"),
+        ("float16", 32, 64, True, True, "x86_64", "vec"),  # AMX only for bfloat16
+        ("bfloat16", 32, 64, True, False, "x86_64", "vec"),
+        ("bfloat16", 16, 64, False, False, "x86_64", "vec16"),
+        ("bfloat16", 32, 80, False, False, "x86_64", "vec16"),  # head size a multiple of 16, not 32
+        ("bfloat16", 32, 64, False, False, "aarch64", "neon"),
+        ("bfloat16", 32, 64, False, False, "s390x", "vxe"),
+        ("bfloat16", 32, 64, False, False, "sparc64", "sparc64"),  # unknown: the connector refuses it
+    ],
+)
+def test_cpu_attention_isa_follows_vllms_choice(
+    dtype: str, block: int, head: int, amx_allowed: bool, amx: bool, machine: str, isa: str
+) -> None:
     assert cpu_attention_isa(dtype, block, head, amx_allowed=amx_allowed, amx_supported=amx, machine=machine) == isa
 
 
@@ -151,8 +164,14 @@ def test_the_served_layout_follows_the_engine_settings() -> None:
     assert "/amx/" not in layout  # engine.cpu_amx_attention is off by default, on any host
 
 
-@pytest.mark.parametrize(("args", "dtype"), [([], "auto"), (["--kv-cache-dtype", "fp8"], "fp8"),
-                                             (["--enforce-eager", "--kv-cache-dtype=fp8_e5m2"], "fp8_e5m2")])
+@pytest.mark.parametrize(
+    ("args", "dtype"),
+    [
+        ([], "auto"),
+        (["--kv-cache-dtype", "fp8"], "fp8"),
+        (["--enforce-eager", "--kv-cache-dtype=fp8_e5m2"], "fp8_e5m2"),
+    ],
+)
 def test_the_kv_cache_dtype_comes_from_the_engines_arguments(args: list[str], dtype: str) -> None:
     assert kv_cache_dtype(args) == dtype
 
@@ -161,17 +180,30 @@ def test_the_cost_probe_measures_three_kinds_of_start_of_one_fingerprint(tmp_pat
     from eval.fingerprint_cost import KINDS, measure
 
     model = _model(tmp_path)
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2,
-                                                   "num_key_value_heads": 1, "hidden_size": 128}))
+    (model / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 128})
+    )
     result = measure(model, rounds=2)
     assert set(result["ms"]) == set(KINDS) and all(len(runs) == 2 for runs in result["ms"].values())
-    assert result["bytes"] == sum(p.stat().st_size for p in model.iterdir()
-                                  if p.suffix == ".safetensors" or p.name == "config.json")
+    assert result["bytes"] == sum(
+        p.stat().st_size for p in model.iterdir() if p.suffix == ".safetensors" or p.name == "config.json"
+    )
     assert len(bytes.fromhex(result["fingerprint"])) == 32
 
 
 def test_engine_arguments_count_unless_known_to_leave_kv_alone() -> None:
-    args = ["--num-gpu-blocks-override", "512", "--quantization", "fp8", "--disable-log-stats",
-            "--max-num-seqs=8", "--rope-theta", "500000", "--enforce-eager", "--revision", "v2"]
+    args = [
+        "--num-gpu-blocks-override",
+        "512",
+        "--quantization",
+        "fp8",
+        "--disable-log-stats",
+        "--max-num-seqs=8",
+        "--rope-theta",
+        "500000",
+        "--enforce-eager",
+        "--revision",
+        "v2",
+    ]
     assert kv_relevant_args(args) == ("--quantization", "fp8", "--rope-theta", "500000", "--revision", "v2")
     assert kv_relevant_args(["--max-num-seqs", "8", "--num-gpu-blocks-override", "64"]) == ()

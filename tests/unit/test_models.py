@@ -28,8 +28,12 @@ from symphony.models import (
 LLAMA_CONFIG: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2}
 
 
-def hf_dir(path: Path, *, config: str | None = '{"architectures": ["LlamaForCausalLM"]}',
-           weights: str | None = "model.safetensors") -> Path:
+def hf_dir(
+    path: Path,
+    *,
+    config: str | None = '{"architectures": ["LlamaForCausalLM"]}',
+    weights: str | None = "model.safetensors",
+) -> Path:
     path.mkdir(parents=True)
     if config is not None:
         (path / "config.json").write_text(config)
@@ -38,8 +42,9 @@ def hf_dir(path: Path, *, config: str | None = '{"architectures": ["LlamaForCaus
     return path
 
 
-def prepared_model(folder: Path, source: Path, *, config: dict[str, Any] | None = None, layers: int = 2,
-                   dtype: type = np.float16) -> Path:
+def prepared_model(
+    folder: Path, source: Path, *, config: dict[str, Any] | None = None, layers: int = 2, dtype: type = np.float16
+) -> Path:
     """A tiny converted-model folder (config.json, safetensors, tokenizer file) plus its manifest."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(LLAMA_CONFIG if config is None else config))
@@ -237,14 +242,16 @@ def test_source_gguf_is_found_next_to_the_module(monkeypatch: pytest.MonkeyPatch
     assert locate_source_gguf() == tmp_path / SOURCE_GGUF
 
 
-@pytest.mark.parametrize(("config", "window"), [
-    ({"max_position_embeddings": 8192}, 8192),
-    ({}, None),  # the config does not say
-    ({"max_position_embeddings": "8k"}, None),
-    ({"max_position_embeddings": 0}, None),
-])
-def test_context_window_reads_the_models_config(tmp_path: Path, config: dict[str, object],
-                                                window: int | None) -> None:
+@pytest.mark.parametrize(
+    ("config", "window"),
+    [
+        ({"max_position_embeddings": 8192}, 8192),
+        ({}, None),  # the config does not say
+        ({"max_position_embeddings": "8k"}, None),
+        ({"max_position_embeddings": 0}, None),
+    ],
+)
+def test_context_window_reads_the_models_config(tmp_path: Path, config: dict[str, object], window: int | None) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert context_window(tmp_path) == window
 

@@ -18,13 +18,29 @@ from scheduler.routing import NodeSnapshot, RouteRequest
 from symphony.config import ConfigError, SchedulerConfig
 
 
-def node(node_id: str, *, available: bool = True, running: int = 0, waiting: int = 0, inflight: int = 0,
-         kv_usage: float = 0.0, high: int = 0, prefilling: int = 0) -> NodeSnapshot:
+def node(
+    node_id: str,
+    *,
+    available: bool = True,
+    running: int = 0,
+    waiting: int = 0,
+    inflight: int = 0,
+    kv_usage: float = 0.0,
+    high: int = 0,
+    prefilling: int = 0,
+) -> NodeSnapshot:
     return NodeSnapshot(node_id, available, running, waiting, inflight, kv_usage, 0, high, prefilling)
 
 
-def request(session: str | None = "s", *, tenant: str = "t", priority: str = "normal", history: int = 0,
-            kv: dict[str, int] | None = None, text: str = "") -> RouteRequest:
+def request(
+    session: str | None = "s",
+    *,
+    tenant: str = "t",
+    priority: str = "normal",
+    history: int = 0,
+    kv: dict[str, int] | None = None,
+    text: str = "",
+) -> RouteRequest:
     return RouteRequest(tenant, session, "m", priority, history, kv or {}, text)
 
 
@@ -99,8 +115,7 @@ def test_consistent_hash_without_a_session_keys_on_the_prompts_start() -> None:
     conversations = [f"user: question {i} " + "x" * 300 for i in range(400)]
     first = [policy.choose(request(None, text=c), nodes).node_id for c in conversations]
     # A later turn (the same start, more text) meets its first turn; different prompts spread.
-    assert [policy.choose(request(None, text=c + "\nassistant: answer"), nodes).node_id
-            for c in conversations] == first
+    assert [policy.choose(request(None, text=c + "\nassistant: answer"), nodes).node_id for c in conversations] == first
     assert len(set(first)) == 4
     # Tenants hash apart: the same prompt from another tenant is another key.
     other = [policy.choose(request(None, tenant="u", text=c), nodes).node_id for c in conversations]
@@ -213,7 +228,8 @@ def test_symphony_moves_a_request_off_a_node_busy_with_a_prefill_when_its_kv_mov
     decision = policy.choose(request(history=1000, kv={"a": 1000}), busy)
     assert decision.node_id == "b"
     assert decision.scores["a"] - decision.scores["b"] == pytest.approx(
-        CostModel().prefill_ms - 1000 * CostModel().move_ms_per_token)
+        CostModel().prefill_ms - 1000 * CostModel().move_ms_per_token
+    )
     # A history that costs more to move than the prefill's wait stays.
     assert policy.choose(request(history=40_000, kv={"a": 40_000}), busy).node_id == "a"
     # Both nodes prefilling: the KV's node.
@@ -226,8 +242,10 @@ def test_symphony_queues_when_every_node_has_requests_waiting() -> None:
     decision = policy.choose(request(), [node("a", running=4, waiting=1), node("b", running=4, waiting=2)])
     assert decision.queue and decision.node_id is None
     assert policy.choose(request(), [node("a", waiting=1), node("b", running=8)]).node_id == "b"
-    assert SymphonyPolicy(selective_push=False).choose(request(), [node("a", waiting=1),
-                                                                   node("b", waiting=2)]).node_id == "a"
+    assert (
+        SymphonyPolicy(selective_push=False).choose(request(), [node("a", waiting=1), node("b", waiting=2)]).node_id
+        == "a"
+    )
 
 
 def test_symphony_spreads_high_priority_sessions() -> None:

@@ -8,10 +8,19 @@ from symphony.rpc import node_pb2, node_pb2_grpc
 
 def test_node_status_round_trips_through_bytes() -> None:
     status = node_pb2.NodeStatus(
-        node_id="node-3", engine_state=node_pb2.ENGINE_STATE_READY, engine_url="http://10.0.0.7:8103",
-        served_model="SmolLM2-135M-Instruct", max_model_len=8192, block_size=32, num_requests_running=5,
-        num_requests_waiting=2, kv_cache_usage=0.375, metrics_age_ms=80, engine_restarts=1,
-        last_engine_error="killed by SIGKILL")
+        node_id="node-3",
+        engine_state=node_pb2.ENGINE_STATE_READY,
+        engine_url="http://10.0.0.7:8103",
+        served_model="SmolLM2-135M-Instruct",
+        max_model_len=8192,
+        block_size=32,
+        num_requests_running=5,
+        num_requests_waiting=2,
+        kv_cache_usage=0.375,
+        metrics_age_ms=80,
+        engine_restarts=1,
+        last_engine_error="killed by SIGKILL",
+    )
     decoded = node_pb2.NodeStatus.FromString(status.SerializeToString())
     assert decoded == status
     assert decoded.kv_cache_usage == 0.375 and decoded.engine_state == node_pb2.ENGINE_STATE_READY
@@ -31,8 +40,14 @@ def test_health_response_round_trip() -> None:
 def test_engine_state_names_are_stable() -> None:
     # The scheduler shows these names (lower-cased, prefix dropped) in /readyz and `symphony status`.
     names = [node_pb2.EngineState.Name(v) for v in node_pb2.EngineState.values()]
-    assert names == ["ENGINE_STATE_UNSPECIFIED", "ENGINE_STATE_STARTING", "ENGINE_STATE_READY",
-                     "ENGINE_STATE_RESTARTING", "ENGINE_STATE_FAILED", "ENGINE_STATE_STOPPED"]
+    assert names == [
+        "ENGINE_STATE_UNSPECIFIED",
+        "ENGINE_STATE_STARTING",
+        "ENGINE_STATE_READY",
+        "ENGINE_STATE_RESTARTING",
+        "ENGINE_STATE_FAILED",
+        "ENGINE_STATE_STOPPED",
+    ]
 
 
 def test_service_exposes_health_and_status() -> None:

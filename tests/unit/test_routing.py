@@ -11,8 +11,17 @@ from scheduler.routing import NodeSnapshot, RouteRequest, advisory_holds, kv_sou
 REQUEST = RouteRequest(tenant="t", session_id=None, model="m")
 
 
-def node(node_id: str, *, available: bool = True, running: int = 0, waiting: int = 0, inflight: int = 0,
-         kv_usage: float = 0.0, announced: int = 0, prefilling: int = 0) -> NodeSnapshot:
+def node(
+    node_id: str,
+    *,
+    available: bool = True,
+    running: int = 0,
+    waiting: int = 0,
+    inflight: int = 0,
+    kv_usage: float = 0.0,
+    announced: int = 0,
+    prefilling: int = 0,
+) -> NodeSnapshot:
     return NodeSnapshot(node_id, available, running, waiting, inflight, kv_usage, announced, prefilling=prefilling)
 
 
@@ -84,8 +93,9 @@ def test_empty_node_list_gives_no_decision() -> None:
 
 
 def test_scores_list_only_available_nodes_with_their_load() -> None:
-    decision = LeastLoadPolicy().choose(REQUEST, [node("a", running=2, announced=1), node("b", available=False),
-                                                  node("c", inflight=4)])
+    decision = LeastLoadPolicy().choose(
+        REQUEST, [node("a", running=2, announced=1), node("b", available=False), node("c", inflight=4)]
+    )
     assert decision.scores == {"a": 3.0, "c": 4.0}
     assert decision.node_id == "a"
 
@@ -142,7 +152,6 @@ def test_kv_is_pulled_from_the_reachable_node_holding_the_most_beyond_a_margin()
     assert kv_source(held, "b") is None  # nobody holds more than b
     assert kv_source(held, "c", at_least=401) is None and kv_source(held, "c", at_least=400) == ("b", 900)
     assert kv_source({}, "a") is None
-
 
 
 # -- advisory_holds ---------------------------------------------------------------------------------

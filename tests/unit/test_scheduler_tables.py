@@ -154,8 +154,10 @@ async def test_the_queue_wakes_higher_tiers_first_and_fifo_within_a_tier() -> No
         assert await queue.wait(priority, 5.0)
         order.append(name)
 
-    tasks = [asyncio.create_task(waiter(name, priority)) for name, priority in
-             [("n1", "normal"), ("l1", "low"), ("h1", "high"), ("n2", "normal")]]
+    tasks = [
+        asyncio.create_task(waiter(name, priority))
+        for name, priority in [("n1", "normal"), ("l1", "low"), ("h1", "high"), ("n2", "normal")]
+    ]
     await _until_queued(queue, 4)
     assert queue.wake(2) == 2
     await asyncio.sleep(0)
@@ -247,12 +249,15 @@ def test_keys_name_tenants_and_anything_else_is_refused() -> None:
         assert excinfo.value.status == 401
 
 
-@pytest.mark.parametrize(("token", "header", "status"), [
-    ("", "Bearer x", 403),  # the admin API is off
-    ("s3cret", None, 401),
-    ("s3cret", "Bearer wrong", 403),
-    ("s3cret", "Bearer s3cre", 403),
-])
+@pytest.mark.parametrize(
+    ("token", "header", "status"),
+    [
+        ("", "Bearer x", 403),  # the admin API is off
+        ("s3cret", None, 401),
+        ("s3cret", "Bearer wrong", 403),
+        ("s3cret", "Bearer s3cre", 403),
+    ],
+)
 def test_admin_calls_need_the_admin_token(token: str, header: str | None, status: int) -> None:
     with pytest.raises(ApiError) as excinfo:
         Authenticator([], token).check_admin(header)

@@ -20,8 +20,9 @@ from scheduler.policies.symphony import CostModel, SymphonyPolicy
 from symphony.cli import main
 
 # Step = 10 ms + 1 ms per prefilled token + 2 ms per decoding request; blocks of 32 tokens.
-ENGINE = EngineModel(step_ms=10, prefill_ms_per_token=1, decode_ms_per_seq=2, decode_ms_per_kilotoken=0,
-                     kv_blocks=100, block_size=32)
+ENGINE = EngineModel(
+    step_ms=10, prefill_ms_per_token=1, decode_ms_per_seq=2, decode_ms_per_kilotoken=0, kv_blocks=100, block_size=32
+)
 LINK = LinkModel(kv_bytes_per_token=1_000_000, bandwidth_gbps=1.0, rtt_ms=5.0)  # 1 ms per token moved, + 5 ms
 
 
@@ -84,17 +85,25 @@ def test_a_next_turn_on_the_same_node_prefills_only_what_is_new() -> None:
     assert second.ttft_ms == 10 + 49  # one step: the new tokens and that last answer token
 
 
-@pytest.mark.parametrize(("advisory_ms", "wait_ms", "cached", "ttft_ms"),
-                         [(500, 3000, 102, 10 + 48), (990, 3000, 102, 97 + 10 + 48), (990, 50, 0, 50 + 10 + 150)])
+@pytest.mark.parametrize(
+    ("advisory_ms", "wait_ms", "cached", "ttft_ms"),
+    [(500, 3000, 102, 10 + 48), (990, 3000, 102, 97 + 10 + 48), (990, 50, 0, 50 + 10 + 150)],
+)
 def test_an_advisory_moves_the_history_to_the_node_it_picks_and_a_turn_waits_for_a_move_under_way(
-        advisory_ms: int, wait_ms: int, cached: int, ttft_ms: int) -> None:
+    advisory_ms: int, wait_ms: int, cached: int, ttft_ms: int
+) -> None:
     """Session s holds 102 tokens on n0, which is busy with a long prefill (3,010 ms from t=0), so the
     advisory picks n1 (a request's wait outweighs moving the KV) and moves them: 5 + 102 = 107 ms.
     Sent 500 ms ahead, the KV lands before the turn. Sent 10 ms ahead, the move ends at 1,097: the
     turn waits the 97 ms left (its pull joins the move) and prefills only its new tokens; when the
     scheduler waits at most 50 ms, it goes after 50 ms with nothing and recomputes its history."""
-    sim = ClusterSim(make_policy("symphony"), {"n0": ENGINE, "n1": ENGINE}, LINK, route_pull_wait_ms=wait_ms,
-                     route_pull_min_tokens=32)
+    sim = ClusterSim(
+        make_policy("symphony"),
+        {"n0": ENGINE, "n1": ENGINE},
+        LINK,
+        route_pull_wait_ms=wait_ms,
+        route_pull_min_tokens=32,
+    )
     sim.seed_kv("s", "n0", 102)
     result = sim.run([Turn("long", 0, 3000, 2), Turn("s", 1000, 150, 1, advisory_ms=advisory_ms)])
     turn, long = by_session(result)["s"], by_session(result)["long"]
@@ -104,13 +113,19 @@ def test_an_advisory_moves_the_history_to_the_node_it_picks_and_a_turn_waits_for
 
 
 @pytest.mark.parametrize(("wait_ms", "cached", "ttft_ms"), [(3000, 102, 107 + 10 + 48), (50, 0, 50 + 10 + 150)])
-def test_a_turn_routed_away_from_its_kv_without_an_advisory_waits_for_the_pull(wait_ms: int, cached: int,
-                                                                             ttft_ms: int) -> None:
+def test_a_turn_routed_away_from_its_kv_without_an_advisory_waits_for_the_pull(
+    wait_ms: int, cached: int, ttft_ms: int
+) -> None:
     """As above, with no advisory: the turn goes to n1 and waits for its 102 tokens to be pulled
     (107 ms) before its engine sees it. When the scheduler waits at most 50 ms, the turn goes after
     50 ms with nothing and recomputes its whole prompt."""
-    sim = ClusterSim(make_policy("symphony"), {"n0": ENGINE, "n1": ENGINE}, LINK, route_pull_wait_ms=wait_ms,
-                     route_pull_min_tokens=32)
+    sim = ClusterSim(
+        make_policy("symphony"),
+        {"n0": ENGINE, "n1": ENGINE},
+        LINK,
+        route_pull_wait_ms=wait_ms,
+        route_pull_min_tokens=32,
+    )
     sim.seed_kv("s", "n0", 102)
     result = sim.run([Turn("long", 0, 3000, 2), Turn("s", 1000, 150, 1)])
     turn = by_session(result)["s"]
@@ -135,8 +150,9 @@ def test_the_engines_prefix_cache_holds_whole_blocks_only() -> None:
     """recompute: no tiers, only vLLM's prefix cache, which finds whole blocks of 32. Turn 1's
     computed KV is 100 + 2 - 1 = 101 tokens: 3 whole blocks, 96 tokens, for turn 2 (150) to find;
     it prefills the other 54: 10 + 54 = 64 ms."""
-    result = ClusterSim(make_policy("recompute"), {"n0": ENGINE}, LINK).run([Turn("s", 0, 100, 2),
-                                                                            Turn("s", 1000, 150, 1)])
+    result = ClusterSim(make_policy("recompute"), {"n0": ENGINE}, LINK).run(
+        [Turn("s", 0, 100, 2), Turn("s", 1000, 150, 1)]
+    )
     second = next(r for r in result.requests if r.arrival_ms == 1000)
     assert (second.cached_tokens, second.prefilled_tokens, second.ttft_ms) == (96, 54, 64)
 
@@ -160,8 +176,9 @@ def test_prefill_attention_grows_with_the_positions_of_the_prefilled_tokens() ->
     200 x 100 / 1000 x 0.5 = 10 ms more, first token at 10 + 200 + 10 = 220. Its next turn (400
     tokens, 201 cached) prefills 199 tokens at positions 201..400: 199 x 300.5 / 1000 x 0.5 = 29.89975."""
     engine = dataclasses.replace(ENGINE, prefill_ms_per_token_kilotoken=0.5)
-    result = ClusterSim(make_policy("sticky"), {"n0": engine}, LINK).run([Turn("s", 0, 200, 2),
-                                                                          Turn("s", 1000, 400, 1)])
+    result = ClusterSim(make_policy("sticky"), {"n0": engine}, LINK).run(
+        [Turn("s", 0, 200, 2), Turn("s", 1000, 400, 1)]
+    )
     first, second = sorted(result.requests, key=lambda r: r.arrival_ms)
     assert first.ttft_ms == 220
     assert second.cached_tokens == 201 and second.ttft_ms == pytest.approx(10 + 199 + 29.89975)
@@ -170,8 +187,14 @@ def test_prefill_attention_grows_with_the_positions_of_the_prefilled_tokens() ->
 def test_without_free_blocks_the_newest_request_is_preempted_and_still_finishes() -> None:
     """4 blocks of 32: A (60 tokens) and B (60) take 2 each; A's 5th token needs a 3rd block, none
     is free, so B (the newest) is preempted, recomputed later, and both still finish."""
-    small = EngineModel(step_ms=1, prefill_ms_per_token=0.1, decode_ms_per_seq=0.1, decode_ms_per_kilotoken=0,
-                        kv_blocks=4, block_size=32)
+    small = EngineModel(
+        step_ms=1,
+        prefill_ms_per_token=0.1,
+        decode_ms_per_seq=0.1,
+        decode_ms_per_kilotoken=0,
+        kv_blocks=4,
+        block_size=32,
+    )
     sim = ClusterSim(make_policy("least_load"), {"n0": small}, LINK)
     result = sim.run([Turn("a", 0, 60, 10), Turn("b", 0, 60, 10)])
     a, b = by_session(result)["a"], by_session(result)["b"]
@@ -181,17 +204,22 @@ def test_without_free_blocks_the_newest_request_is_preempted_and_still_finishes(
 
 
 def test_a_prompt_larger_than_the_whole_cache_is_refused() -> None:
-    tiny = EngineModel(step_ms=1, prefill_ms_per_token=1, decode_ms_per_seq=1, decode_ms_per_kilotoken=0,
-                       kv_blocks=2, block_size=32)
+    tiny = EngineModel(
+        step_ms=1, prefill_ms_per_token=1, decode_ms_per_seq=1, decode_ms_per_kilotoken=0, kv_blocks=2, block_size=32
+    )
     result = ClusterSim(make_policy("least_load"), {"n0": tiny}, LINK).run([Turn("a", 0, 100, 1)])
     assert [r.session for r in result.refused] == ["a"] and result.requests[0].first_token_ms is None
 
 
-@pytest.mark.parametrize("policy", ["symphony", "recompute", "sticky", "least_load", "consistent_hash",
-                                    "prefix_trie", "round_robin"])
+@pytest.mark.parametrize(
+    "policy", ["symphony", "recompute", "sticky", "least_load", "consistent_hash", "prefix_trie", "round_robin"]
+)
 def test_every_real_policy_drives_the_simulator_to_completion(policy: str) -> None:
-    turns = [Turn(f"s{s}", t * 2000 + s * 37, 200 + 150 * t, 20, advisory_ms=t * 2000 + s * 37 - 300)
-             for s in range(12) for t in range(3)]
+    turns = [
+        Turn(f"s{s}", t * 2000 + s * 37, 200 + 150 * t, 20, advisory_ms=t * 2000 + s * 37 - 300)
+        for s in range(12)
+        for t in range(3)
+    ]
     engines = {f"n{i}": ENGINE for i in range(3)}
     result = ClusterSim(make_policy(policy), engines, LINK).run(turns)
     assert len(result.requests) == 36 and not result.refused
@@ -246,33 +274,61 @@ def test_a_turns_work_is_its_prefill_and_its_share_of_the_decode_steps_as_comput
     model = dataclasses.replace(ENGINE, decode_ms_per_kilotoken=4, prefill_ms_per_token_kilotoken=0.5)
     turn = SimRequest(1, "a", 0, prompt_tokens=1000, output_tokens=10, generated=10, prefilled_tokens=200)
     assert turn_work_ms(turn, model) == pytest.approx(290 + 60.2)
-    points = {"symphony": {64: {"work_ms_per_turn_mean": 50.0}, 128: {"work_ms_per_turn_mean": 10.0}},
-              "recompute": {64: {"work_ms_per_turn_mean": 150.0}, 128: {"work_ms_per_turn_mean": 10.0}}}
+    points = {
+        "symphony": {64: {"work_ms_per_turn_mean": 50.0}, 128: {"work_ms_per_turn_mean": 10.0}},
+        "recompute": {64: {"work_ms_per_turn_mean": 150.0}, 128: {"work_ms_per_turn_mean": 10.0}},
+    }
     assert work_ratio(points, "symphony") == 3.0  # at the fewest users
 
 
 def test_the_users_scenario_runs_every_policy_and_reports_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
-    assert main(["bench", "sim", "--scenario", "users", "--out", str(out), "--nodes", "2", "--users", "2,4",
-                 "--duration", "60", "--time-scale", "0.05", "--plot", str(tmp_path / "sim.png")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "sim",
+                "--scenario",
+                "users",
+                "--out",
+                str(out),
+                "--nodes",
+                "2",
+                "--users",
+                "2,4",
+                "--duration",
+                "60",
+                "--time-scale",
+                "0.05",
+                "--plot",
+                str(tmp_path / "sim.png"),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert set(result["points"]) == {"symphony", "recompute", "sticky"}
     for rows in result["points"].values():
-        assert set(rows) == {"2", "4"} and all(row["completed"] > 0 and row["tpot_ms_mean"] > 0
-                                               for row in rows.values())
+        assert set(rows) == {"2", "4"} and all(
+            row["completed"] > 0 and row["tpot_ms_mean"] > 0 for row in rows.values()
+        )
     assert result["users_ratio_at_equal_tpot"] is not None and "users_ratio_ge_8" in result["targets"]
     assert result["work_ratio_at_fewest_users"] > 1  # recompute prefills the histories Symphony keeps
     assert result["tpot_bound_ms"] == pytest.approx(1.15 * result["points"]["recompute"]["2"]["tpot_ms_mean"])
     assert (tmp_path / "sim.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--scenario", "nope"], "--scenario 'nope'"),
-    (["--scenario", "users", "--users", "8,x"], "--users '8,x'"),
-    (["--scenario", "users", "--preset", "h100"], "--preset 'h100'"),
-])
-def test_bad_bench_sim_flags_are_named(args: list[str], message: str, tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--scenario", "nope"], "--scenario 'nope'"),
+        (["--scenario", "users", "--users", "8,x"], "--users '8,x'"),
+        (["--scenario", "users", "--preset", "h100"], "--preset 'h100'"),
+    ],
+)
+def test_bad_bench_sim_flags_are_named(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["bench", "sim", "--out", str(tmp_path / "x.json"), *args]) == 2
     assert message in capsys.readouterr().err
 
@@ -280,23 +336,51 @@ def test_bad_bench_sim_flags_are_named(args: list[str], message: str, tmp_path: 
 def test_a_request_that_outgrows_the_whole_cache_alone_is_refused_not_stalled() -> None:
     """2 blocks of 32: the answer's 35th token needs a 3rd block; the request preempts itself, and
     readmitted it no longer fits the cache at all, so it is refused (the loop ends)."""
-    tiny = EngineModel(step_ms=1, prefill_ms_per_token=0.1, decode_ms_per_seq=0.1, decode_ms_per_kilotoken=0,
-                       kv_blocks=2, block_size=32)
+    tiny = EngineModel(
+        step_ms=1,
+        prefill_ms_per_token=0.1,
+        decode_ms_per_seq=0.1,
+        decode_ms_per_kilotoken=0,
+        kv_blocks=2,
+        block_size=32,
+    )
     result = ClusterSim(make_policy("least_load"), {"n0": tiny}, LINK).run([Turn("a", 0, 30, 100)])
     (request,) = result.refused
     assert request.preemptions == 1 and request.finished_ms is None and request.first_token_ms is not None
 
 
-@pytest.mark.parametrize(("scenario", "keys"), [
-    ("missed_advisories", {"latency_increase_at_10pct"}),
-    ("imbalance", {"sticky_max_over_median", "symphony_max_over_median"}),
-    ("priority", {"high_tpot_ratio_vs_recompute"}),
-    ("agents", {"makespan_ratio_vs_recompute"}),
-])
+@pytest.mark.parametrize(
+    ("scenario", "keys"),
+    [
+        ("missed_advisories", {"latency_increase_at_10pct"}),
+        ("imbalance", {"sticky_max_over_median", "symphony_max_over_median"}),
+        ("priority", {"high_tpot_ratio_vs_recompute"}),
+        ("agents", {"makespan_ratio_vs_recompute"}),
+    ],
+)
 def test_the_one_point_scenarios_report_their_keys(scenario: str, keys: set[str], tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
-    assert main(["bench", "sim", "--scenario", scenario, "--out", str(out), "--nodes", "2", "--users", "6",
-                 "--duration", "60", "--time-scale", "0.05"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "sim",
+                "--scenario",
+                scenario,
+                "--out",
+                str(out),
+                "--nodes",
+                "2",
+                "--users",
+                "6",
+                "--duration",
+                "60",
+                "--time-scale",
+                "0.05",
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["users"] == 6 and keys <= set(result) and all(result[k] is not None for k in keys)
     assert all(row["completed"] > 0 for row in result["points"].values())
@@ -323,8 +407,7 @@ def test_priority_scheduling_admits_the_high_turn_first_and_preempts_the_lowest_
     five = dataclasses.replace(ENGINE, kv_blocks=5)
     turns = [Turn("l", 0, 64, 20, priority="low"), Turn("n", 1, 60, 2), Turn("h", 2, 60, 2, priority="high")]
     for priority_scheduling, first in ((True, "h"), (False, "n")):
-        sim = ClusterSim(make_policy("least_load"), {"n0": five}, LINK,
-                         engine_priority_scheduling=priority_scheduling)
+        sim = ClusterSim(make_policy("least_load"), {"n0": five}, LINK, engine_priority_scheduling=priority_scheduling)
         sessions = by_session(sim.run(turns))
         assert sessions[first].first_token_ms == 146  # type: ignore[attr-defined]
         other = sessions["n" if first == "h" else "h"]
@@ -333,8 +416,7 @@ def test_priority_scheduling_admits_the_high_turn_first_and_preempts_the_lowest_
     # a 3rd block. Priority scheduling preempts the lowest priority (L itself); FCFS the latest admitted (H).
     tight = dataclasses.replace(ENGINE, kv_blocks=4)
     for priority_scheduling, victim in ((True, "l"), (False, "h")):
-        sim = ClusterSim(make_policy("least_load"), {"n0": tight}, LINK,
-                         engine_priority_scheduling=priority_scheduling)
+        sim = ClusterSim(make_policy("least_load"), {"n0": tight}, LINK, engine_priority_scheduling=priority_scheduling)
         result = by_session(sim.run([Turn("l", 0, 60, 10, priority="low"), Turn("h", 1, 60, 10, priority="high")]))
         spared = "h" if victim == "l" else "l"
         assert result[victim].preemptions >= 1 and result[spared].preemptions == 0  # type: ignore[attr-defined]
@@ -344,8 +426,17 @@ def test_an_agent_project_runs_its_steps_in_dependency_order_as_computed_by_hand
     """One engineer, one review. Architect: prompt 20, 5 tokens: 10 + 20 = 30, then 4 decodes of 12 -> 78.
     Engineer from 78: prompt 20 + 5 = 25, 4 tokens: 35 + 3 x 12 -> 149. QA from 149: prompt 20 + 4 = 24,
     3 tokens: 34 + 2 x 12 -> 207, the makespan."""
-    project = AgentProject("p", 0.0, engineers=1, rounds=1, system_tokens=10, task_tokens=10, design_tokens=5,
-                           code_tokens=4, review_tokens=3)
+    project = AgentProject(
+        "p",
+        0.0,
+        engineers=1,
+        rounds=1,
+        system_tokens=10,
+        task_tokens=10,
+        design_tokens=5,
+        code_tokens=4,
+        review_tokens=3,
+    )
     sim = ClusterSim(make_policy("recompute"), {"n0": ENGINE}, LINK)
     run = ProjectRun(sim, project, hints=False)
     run.start()

@@ -17,9 +17,17 @@ from eval.sim.engine import EngineModel
 from eval.sim.presets import Preset
 from scheduler.policies import make_policy
 
-TRUE = EngineModel(step_ms=20, prefill_ms_per_token=0.5, decode_ms_per_seq=1.5, decode_ms_per_kilotoken=4,
-                   kv_blocks=500, block_size=32, max_batch=256, request_overhead_ms=12,
-                   prefill_ms_per_token_kilotoken=0.2)
+TRUE = EngineModel(
+    step_ms=20,
+    prefill_ms_per_token=0.5,
+    decode_ms_per_seq=1.5,
+    decode_ms_per_kilotoken=4,
+    kv_blocks=500,
+    block_size=32,
+    max_batch=256,
+    request_overhead_ms=12,
+    prefill_ms_per_token_kilotoken=0.2,
+)
 LINK = LinkModel(kv_bytes_per_token=1000, bandwidth_gbps=1.0, rtt_ms=0.5)
 
 
@@ -29,12 +37,25 @@ def _samples(noise: float = 0.0, seed: int = 0) -> tuple[list[PrefillSample], li
     def jitter(value: float) -> float:
         return value * (1 + rng.uniform(-noise, noise))
 
-    prefill = [PrefillSample(n, jitter(TRUE.request_overhead_ms + TRUE.step_ms + TRUE.prefill_ms_per_token * n
-                                       + TRUE.prefill_ms_per_token_kilotoken * n * n / 2000))
-               for n in (64, 256, 512, 1024) for _ in range(2)]
-    decode = [DecodeSample(b, b * c, jitter(TRUE.step_ms + TRUE.decode_ms_per_seq * b
-                                            + TRUE.decode_ms_per_kilotoken * b * c / 1000))
-              for b, c in ((1, 56), (2, 56), (4, 56), (8, 56), (1, 536), (1, 1048), (4, 280))]
+    prefill = [
+        PrefillSample(
+            n,
+            jitter(
+                TRUE.request_overhead_ms
+                + TRUE.step_ms
+                + TRUE.prefill_ms_per_token * n
+                + TRUE.prefill_ms_per_token_kilotoken * n * n / 2000
+            ),
+        )
+        for n in (64, 256, 512, 1024)
+        for _ in range(2)
+    ]
+    decode = [
+        DecodeSample(
+            b, b * c, jitter(TRUE.step_ms + TRUE.decode_ms_per_seq * b + TRUE.decode_ms_per_kilotoken * b * c / 1000)
+        )
+        for b, c in ((1, 56), (2, 56), (4, 56), (8, 56), (1, 536), (1, 1048), (4, 280))
+    ]
     return prefill, decode
 
 
@@ -72,8 +93,10 @@ def test_too_few_samples_are_refused() -> None:
 def test_samples_beside_busy_neighbours_give_the_slowdown_of_their_steps() -> None:
     """Steps 30% longer beside busy neighbours; a prefill's request overhead is not stretched."""
     prefill, decode = _samples()
-    busy_prefill = [PrefillSample(s.prompt_tokens, TRUE.request_overhead_ms
-                                  + 1.3 * (s.ttft_ms - TRUE.request_overhead_ms)) for s in prefill]
+    busy_prefill = [
+        PrefillSample(s.prompt_tokens, TRUE.request_overhead_ms + 1.3 * (s.ttft_ms - TRUE.request_overhead_ms))
+        for s in prefill
+    ]
     busy_decode = [dataclasses.replace(s, tpot_ms=1.3 * s.tpot_ms) for s in decode]
     assert fit_slowdown(TRUE, busy_prefill, busy_decode) == pytest.approx(0.3)
     assert fit_slowdown(TRUE, prefill, decode) == pytest.approx(0.0, abs=1e-9)
@@ -95,15 +118,31 @@ def test_a_request_reaches_the_engine_after_its_overhead() -> None:
     assert result.requests[0].ttft_ms == pytest.approx(83)
 
 
-def _record(session: str, turn: int, sent: float, ttft: float, e2e: float, prompt: int, output: int,
-            advised: bool = False) -> RequestRecord:
-    return RequestRecord(0, session, turn, sent, advised, 0.5 if advised else 0.0, node="n0", ok=True,
-                         ttft_s=ttft, e2e_s=e2e, prompt_tokens=prompt, output_tokens=output)
+def _record(
+    session: str, turn: int, sent: float, ttft: float, e2e: float, prompt: int, output: int, advised: bool = False
+) -> RequestRecord:
+    return RequestRecord(
+        0,
+        session,
+        turn,
+        sent,
+        advised,
+        0.5 if advised else 0.0,
+        node="n0",
+        ok=True,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        prompt_tokens=prompt,
+        output_tokens=output,
+    )
 
 
 def test_the_live_requests_replay_open_loop_and_compare_figure_by_figure() -> None:
-    records = [_record("a", 0, 1.0, 0.1, 0.5, 100, 9), _record("a", 1, 3.0, 0.2, 0.6, 220, 5, advised=True),
-               dataclasses.replace(_record("b", 0, 2.0, 0.1, 0.1, 50, 1), ok=False)]
+    records = [
+        _record("a", 0, 1.0, 0.1, 0.5, 100, 9),
+        _record("a", 1, 3.0, 0.2, 0.6, 220, 5, advised=True),
+        dataclasses.replace(_record("b", 0, 2.0, 0.1, 0.1, 50, 1), ok=False),
+    ]
     turns = replay_turns(records)
     assert turns == [Turn("a", 1000.0, 100, 9), Turn("a", 3000.0, 220, 5, advisory_ms=2500.0)]
     live = live_figures(records)

@@ -38,8 +38,9 @@ def completion(**fields: Any) -> bytes:
     return encode({**COMPLETION, **fields})
 
 
-def inference(endpoint: str, raw: bytes, header: str | None = None,
-              served: dict[str, int] | None = None) -> InferenceRequest:
+def inference(
+    endpoint: str, raw: bytes, header: str | None = None, served: dict[str, int] | None = None
+) -> InferenceRequest:
     return validate_inference(endpoint, raw, header, SERVED if served is None else served, MAX_SESSION)
 
 
@@ -112,8 +113,18 @@ def test_valid_messages_pass(messages: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize(
     "prompt",
     [None, 5, [], [True, False], [1, True], [[1, 2], [True]], [[]], ["a", 1], [1.5], {"text": "x"}],
-    ids=["missing", "int", "empty-list", "bools", "bool-in-tokens", "bool-in-nested", "empty-nested", "mixed",
-         "float-token", "object"],
+    ids=[
+        "missing",
+        "int",
+        "empty-list",
+        "bools",
+        "bool-in-tokens",
+        "bool-in-nested",
+        "empty-nested",
+        "mixed",
+        "float-token",
+        "object",
+    ],
 )
 def test_bad_prompts_are_400_on_prompt(prompt: Any) -> None:
     body = {"model": "m"} if prompt is None else {"model": "m", "prompt": prompt}
@@ -134,8 +145,13 @@ def test_bad_cache_salt_is_400(salt: Any) -> None:
 
 
 def test_engine_cache_salt_separates_tenants_and_client_salts() -> None:
-    salts = {engine_cache_salt("a"), engine_cache_salt("b"), engine_cache_salt("a", "u1"),
-             engine_cache_salt("a", "u2"), engine_cache_salt("b", "u1")}
+    salts = {
+        engine_cache_salt("a"),
+        engine_cache_salt("b"),
+        engine_cache_salt("a", "u1"),
+        engine_cache_salt("a", "u2"),
+        engine_cache_salt("b", "u1"),
+    }
     assert len(salts) == 5
     assert engine_cache_salt("a", "u1") == engine_cache_salt("a", "u1")  # stable: warm-ups must match
     # No tenant/client split collides: "a" + salt "b\0c" is not "a\0b" + salt "c".
@@ -270,8 +286,10 @@ def test_body_with_null_model_is_forwarded_with_the_served_model() -> None:
 
 
 def test_history_is_estimated_and_routing_text_covers_every_message() -> None:
-    messages = [{"role": "system", "content": "x" * 400}, {"role": "user", "content": [{"type": "text",
-                                                                                        "text": "y" * 40}]}]
+    messages = [
+        {"role": "system", "content": "x" * 400},
+        {"role": "user", "content": [{"type": "text", "text": "y" * 40}]},
+    ]
     result = inference("chat", encode({"model": "m", "messages": messages}))
     assert result.history_tokens == 100 + 10 + 2 * 4  # text, then each message's template
     assert result.routing_text() == "system: " + "x" * 400 + "\nuser: " + "y" * 40 + "\n"
@@ -341,8 +359,11 @@ def test_advisory_with_no_served_models_is_503() -> None:
     assert rejected(advisory, encode({"session_id": "s", "kind": "typing"}), served={}).status == 503
 
 
-@pytest.mark.parametrize("raw", [b'{"max_tokens": ' + b"9" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000],
-                         ids=["huge-integer", "deep-nesting"])
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"max_tokens": ' + b"9" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000],
+    ids=["huge-integer", "deep-nesting"],
+)
 def test_pathological_json_is_a_400_not_a_crash(raw: bytes) -> None:
     with pytest.raises(ApiError) as info:
         parse_json_object(raw)
@@ -350,42 +371,46 @@ def test_pathological_json_is_a_400_not_a_crash(raw: bytes) -> None:
 
 
 # -- wrong types, field by field --------------------------------------------------------------------
-@pytest.mark.parametrize(("field", "value", "param"), [
-    ("messages", [{"role": {}, "content": "hi"}], "messages"),  # was a 500: "unhashable type"
-    ("messages", [{"role": ["user"], "content": "hi"}], "messages"),
-    ("messages", [{"role": "user", "content": "hi", "name": 7}], "messages"),
-    ("messages", [{"role": "user", "content": [1, 2]}], "messages"),
-    ("max_tokens", "16", "max_tokens"),
-    ("max_tokens", [16], "max_tokens"),
-    ("temperature", "hot", "temperature"),
-    ("temperature", True, "temperature"),
-    ("temperature", {}, "temperature"),
-    ("top_p", "0.9", "top_p"),
-    ("top_k", 1.5, "top_k"),
-    ("n", "2", "n"),
-    ("seed", 1.0, "seed"),
-    ("stop", 5, "stop"),
-    ("stop", ["ok", 5], "stop"),
-    ("stop", {"a": 1}, "stop"),
-    ("presence_penalty", "0", "presence_penalty"),
-    ("frequency_penalty", [], "frequency_penalty"),
-    ("logit_bias", {"50256": "x"}, "logit_bias"),
-    ("logit_bias", [1], "logit_bias"),
-    ("logprobs", 1, "logprobs"),  # a chat's logprobs is true/false
-    ("top_logprobs", "2", "top_logprobs"),
-    ("user", 12, "user"),
-    ("stream_options", "yes", "stream_options"),
-    ("session_id", {}, "session_id"),
-    ("session_id", 3.5, "session_id"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "param"),
+    [
+        ("messages", [{"role": {}, "content": "hi"}], "messages"),  # was a 500: "unhashable type"
+        ("messages", [{"role": ["user"], "content": "hi"}], "messages"),
+        ("messages", [{"role": "user", "content": "hi", "name": 7}], "messages"),
+        ("messages", [{"role": "user", "content": [1, 2]}], "messages"),
+        ("max_tokens", "16", "max_tokens"),
+        ("max_tokens", [16], "max_tokens"),
+        ("temperature", "hot", "temperature"),
+        ("temperature", True, "temperature"),
+        ("temperature", {}, "temperature"),
+        ("top_p", "0.9", "top_p"),
+        ("top_k", 1.5, "top_k"),
+        ("n", "2", "n"),
+        ("seed", 1.0, "seed"),
+        ("stop", 5, "stop"),
+        ("stop", ["ok", 5], "stop"),
+        ("stop", {"a": 1}, "stop"),
+        ("presence_penalty", "0", "presence_penalty"),
+        ("frequency_penalty", [], "frequency_penalty"),
+        ("logit_bias", {"50256": "x"}, "logit_bias"),
+        ("logit_bias", [1], "logit_bias"),
+        ("logprobs", 1, "logprobs"),  # a chat's logprobs is true/false
+        ("top_logprobs", "2", "top_logprobs"),
+        ("user", 12, "user"),
+        ("stream_options", "yes", "stream_options"),
+        ("session_id", {}, "session_id"),
+        ("session_id", 3.5, "session_id"),
+    ],
+)
 def test_a_chat_field_of_the_wrong_type_is_a_400_naming_it(field: str, value: Any, param: str) -> None:
     error = rejected(inference, "chat", chat(**{field: value}))
     assert (error.status, error.param) == (400, param)
     assert error.message.startswith(param)  # the path to the bad value: "messages[0].role: ..."
 
 
-@pytest.mark.parametrize(("field", "value"), [("logprobs", True), ("echo", "yes"), ("best_of", "2"),
-                                              ("suffix", 1), ("temperature", "0")])
+@pytest.mark.parametrize(
+    ("field", "value"), [("logprobs", True), ("echo", "yes"), ("best_of", "2"), ("suffix", 1), ("temperature", "0")]
+)
 def test_a_completion_field_of_the_wrong_type_is_a_400_naming_it(field: str, value: Any) -> None:
     error = rejected(inference, "completions", completion(**{field: value}))
     assert (error.status, error.param) == (400, field)
@@ -397,20 +422,40 @@ def test_the_message_names_the_bad_element_and_what_came() -> None:
     assert error.message.startswith("messages[1].role: ") and "{}" in error.message
 
 
-@pytest.mark.parametrize("fields", [
-    {"temperature": 0, "top_p": 1, "n": 1, "stop": ["\n"], "seed": 7, "logprobs": True, "top_logprobs": 2,
-     "stream_options": {"include_usage": True}, "user": "u", "logit_bias": {"1": -100}},
-    {"temperature": 0.7, "stop": "END", "presence_penalty": -0.5, "frequency_penalty": 1},
-    {"some_future_openai_field": {"any": "thing"}, "tools": [{"type": "function"}]},  # passed through
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {
+            "temperature": 0,
+            "top_p": 1,
+            "n": 1,
+            "stop": ["\n"],
+            "seed": 7,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "stream_options": {"include_usage": True},
+            "user": "u",
+            "logit_bias": {"1": -100},
+        },
+        {"temperature": 0.7, "stop": "END", "presence_penalty": -0.5, "frequency_penalty": 1},
+        {"some_future_openai_field": {"any": "thing"}, "tools": [{"type": "function"}]},  # passed through
+    ],
+)
 def test_well_typed_sampling_fields_pass_and_are_forwarded_as_sent(fields: dict[str, Any]) -> None:
     result = inference("chat", chat(**fields))
     assert all(result.body[name] == value for name, value in fields.items())
 
 
-@pytest.mark.parametrize(("kind", "arrival", "param"), [
-    ("typing", "soon", "expected_arrival_ms"), ("typing", True, "expected_arrival_ms"),
-    ("typing", [1], "expected_arrival_ms"), ({}, None, "kind"), (["typing"], None, "kind")])
+@pytest.mark.parametrize(
+    ("kind", "arrival", "param"),
+    [
+        ("typing", "soon", "expected_arrival_ms"),
+        ("typing", True, "expected_arrival_ms"),
+        ("typing", [1], "expected_arrival_ms"),
+        ({}, None, "kind"),
+        (["typing"], None, "kind"),
+    ],
+)
 def test_an_advisory_field_of_the_wrong_type_is_a_400(kind: Any, arrival: Any, param: str) -> None:
     body: dict[str, Any] = {"session_id": "s", "kind": kind}
     if arrival is not None:
@@ -419,13 +464,19 @@ def test_an_advisory_field_of_the_wrong_type_is_a_400(kind: Any, arrival: Any, p
     assert (error.status, error.param) == (400, param)
 
 
-@pytest.mark.parametrize(("endpoint", "fields", "message"), [
-    ("completions", {"prompt": [[1, "a"]]}, "prompt[0][1]: Input should be a valid integer, got 'a'"),
-    ("chat", {"messages": [{"role": "user", "content": [1]}]},
-     "messages[0].content[0]: Input should be a valid dictionary, got 1"),
-    ("chat", {"logit_bias": {"int": "x"}}, "logit_bias.int: Input should be a valid number, got 'x'"),  # a key
-    ("chat", {"messages": [{"content": "x"}]}, "messages[0].role: is required"),
-])
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "message"),
+    [
+        ("completions", {"prompt": [[1, "a"]]}, "prompt[0][1]: Input should be a valid integer, got 'a'"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [1]}]},
+            "messages[0].content[0]: Input should be a valid dictionary, got 1",
+        ),
+        ("chat", {"logit_bias": {"int": "x"}}, "logit_bias.int: Input should be a valid number, got 'x'"),  # a key
+        ("chat", {"messages": [{"content": "x"}]}, "messages[0].role: is required"),
+    ],
+)
 def test_the_message_points_at_the_deepest_bad_value(endpoint: str, fields: dict[str, Any], message: str) -> None:
     body = {**(CHAT if endpoint == "chat" else COMPLETION), **fields}
     assert rejected(inference, endpoint, encode(body)).message == message
@@ -438,18 +489,43 @@ def test_non_finite_numbers_are_a_400(raw_value: str) -> None:
     assert (error.status, error.param) == (400, "temperature")
 
 
-_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                  max_size=4),
-                     max_leaves=12)
-_VALID = {"chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
-          "completions": {"model": "m", "prompt": "hi", "max_tokens": 8},
-          "advisory": {"session_id": "s", "kind": "typing", "expected_arrival_ms": 100}}
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_VALID = {
+    "chat": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+    "completions": {"model": "m", "prompt": "hi", "max_tokens": 8},
+    "advisory": {"session_id": "s", "kind": "typing", "expected_arrival_ms": 100},
+}
 # Where one value of a valid body may be replaced: every field the scheduler or a policy reads.
-_PLACES = ["model", "messages", "prompt", "stream", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-           "n", "stop", "seed", "session_id", "cache_salt", "logprobs", "top_logprobs", "stream_options", "user",
-           "logit_bias", "kind", "expected_arrival_ms", "messages.0", "messages.0.role", "messages.0.content",
-           "messages.0.name"]
+_PLACES = [
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "session_id",
+    "cache_salt",
+    "logprobs",
+    "top_logprobs",
+    "stream_options",
+    "user",
+    "logit_bias",
+    "kind",
+    "expected_arrival_ms",
+    "messages.0",
+    "messages.0.role",
+    "messages.0.content",
+    "messages.0.name",
+]
 
 
 def _with(body: dict[str, Any], place: str, value: Any) -> dict[str, Any]:
@@ -488,7 +564,6 @@ def test_any_value_in_any_field_is_accepted_or_a_4xx_never_a_crash(endpoint: str
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(endpoint=st.sampled_from(sorted(_VALID)), body=st.dictionaries(st.sampled_from(_PLACES[:20]), _JSON,
-                                                                       max_size=6))
+@given(endpoint=st.sampled_from(sorted(_VALID)), body=st.dictionaries(st.sampled_from(_PLACES[:20]), _JSON, max_size=6))
 def test_any_json_object_is_accepted_or_a_4xx_never_a_crash(endpoint: str, body: dict[str, Any]) -> None:
     _answered(endpoint, body)

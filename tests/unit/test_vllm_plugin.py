@@ -42,8 +42,9 @@ def test_symphony_engines_get_the_vector_kernel(amx_host: None, monkeypatch: pyt
 
 
 @pytest.mark.parametrize("setting", [None, "1"])
-def test_other_vllm_processes_are_left_alone(amx_host: None, monkeypatch: pytest.MonkeyPatch,
-                                             setting: str | None) -> None:
+def test_other_vllm_processes_are_left_alone(
+    amx_host: None, monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
     if setting is None:
         monkeypatch.delenv(AMX_ATTENTION_ENV, raising=False)
     else:
@@ -54,10 +55,12 @@ def test_other_vllm_processes_are_left_alone(amx_host: None, monkeypatch: pytest
 
 # ---- the page layout the model fingerprint covers -------------------------------------------------
 
+
 @pytest.mark.parametrize("amx_supported", [True, False], ids=["amx-host", "other-host"])
 @pytest.mark.parametrize("allowed", [True, False], ids=["amx-allowed", "amx-steered"])
-def test_the_declared_layout_is_the_one_vllm_packs(monkeypatch: pytest.MonkeyPatch, amx_supported: bool,
-                                                   allowed: bool) -> None:
+def test_the_declared_layout_is_the_one_vllm_packs(
+    monkeypatch: pytest.MonkeyPatch, amx_supported: bool, allowed: bool
+) -> None:
     """The node manager declares the layout without vLLM; the connector reads it off vLLM. They must
     agree on every host and setting, or the engine refuses to start."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx_supported)
@@ -68,21 +71,29 @@ def test_the_declared_layout_is_the_one_vllm_packs(monkeypatch: pytest.MonkeyPat
     for dtype in (torch.bfloat16, torch.float16):
         kv = torch.zeros(2, geometry.kv_heads, geometry.block_size, 2 * geometry.head_size, dtype=dtype)
         served = replace(geometry, dtype=str(dtype).removeprefix("torch."))
-        assert cache_page_layout(kv, served, "auto") == served_page_layout(EngineConfig(cpu_amx_attention=allowed),
-                                                                           served)
+        assert cache_page_layout(kv, served, "auto") == served_page_layout(
+            EngineConfig(cpu_amx_attention=allowed), served
+        )
 
 
 def test_a_worker_attaches_only_to_its_models_store_and_a_cache_in_the_declared_layout(
-        make_store: MakeStore, tmp_path: Path) -> None:
+    make_store: MakeStore, tmp_path: Path
+) -> None:
     server = LocalKVServer(make_store(hbm_pages=0), tmp_path / "kv.sock")
-    cache = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, GEOMETRY.kv_heads, GEOMETRY.block_size,
-                                                            2 * GEOMETRY.head_size, dtype=torch.bfloat16)
-             for i in range(GEOMETRY.num_layers)}
+    cache = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(
+            8, GEOMETRY.kv_heads, GEOMETRY.block_size, 2 * GEOMETRY.head_size, dtype=torch.bfloat16
+        )
+        for i in range(GEOMETRY.num_layers)
+    }
     declared = cache_page_layout(cache["model.layers.0.self_attn.attn"], GEOMETRY, "auto")
     half = {name: kv.to(torch.float16) for name, kv in cache.items()}  # same bytes per page, other values
     try:
-        for model, kv_caches, refusal in ((TEST_MODEL, cache, None), (TEST_MODEL, half, "laid out as"),
-                                          (OTHER_MODEL, cache, "tiers are not used")):
+        for model, kv_caches, refusal in (
+            (TEST_MODEL, cache, None),
+            (TEST_MODEL, half, "laid out as"),
+            (OTHER_MODEL, cache, "tiers are not used"),
+        ):
             worker = WorkerSide(str(server.path), 1.0, model, declared)
             try:
                 if refusal is None:

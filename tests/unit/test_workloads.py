@@ -21,16 +21,24 @@ def test_the_vendored_sample_loads_as_multi_turn_conversations() -> None:
 
 
 def test_replay_skips_leading_answers_and_system_messages_and_cuts_long_messages(tmp_path: Path) -> None:
-    record = {"id": "x", "conversations": [
-        {"from": "gpt", "value": "an excerpt that starts mid-conversation"},
-        {"from": "system", "value": "be nice"},
-        {"from": "human", "value": "one two three four five"},
-        {"from": "gpt", "value": "a b c"},
-        {"from": "human", "value": "again"},
-        {"from": "human", "value": "and again"}]}
+    record = {
+        "id": "x",
+        "conversations": [
+            {"from": "gpt", "value": "an excerpt that starts mid-conversation"},
+            {"from": "system", "value": "be nice"},
+            {"from": "human", "value": "one two three four five"},
+            {"from": "gpt", "value": "a b c"},
+            {"from": "human", "value": "again"},
+            {"from": "human", "value": "and again"},
+        ],
+    }
     path = tmp_path / "c.jsonl"
-    path.write_text(json.dumps(record) + "\n" + json.dumps({"id": "short", "conversations": [
-        {"from": "human", "value": "hi"}]}) + "\n")
+    path.write_text(
+        json.dumps(record)
+        + "\n"
+        + json.dumps({"id": "short", "conversations": [{"from": "human", "value": "hi"}]})
+        + "\n"
+    )
     [conversation] = load_sharegpt(path, max_message_words=3)
     assert conversation.turns == (Turn("one two three", 3), Turn("again", 0), Turn("and again", 0))
     (tmp_path / "list.json").write_text(json.dumps([record]))
@@ -72,17 +80,21 @@ def test_answer_length_follows_the_original_within_bounds() -> None:
     assert answer_tokens(Turn("q", 0), cap=8) == 8  # the cap wins over the floor
 
 
-def _record(session: str, turn: int, node: str, *, prompt: int, cached: int, out: int = 10, e2e: float = 1.0,
-            ok: bool = True) -> RequestRecord:
-    return RequestRecord(0, session, turn, 0.0, True, 0.0, node, ok, "" if ok else "boom", 0.1, e2e, prompt,
-                         cached, out)
+def _record(
+    session: str, turn: int, node: str, *, prompt: int, cached: int, out: int = 10, e2e: float = 1.0, ok: bool = True
+) -> RequestRecord:
+    return RequestRecord(
+        0, session, turn, 0.0, True, 0.0, node, ok, "" if ok else "boom", 0.1, e2e, prompt, cached, out
+    )
 
 
 def test_summaries_count_work_balance_and_kv_readiness() -> None:
-    records = [_record("s", 0, "a", prompt=100, cached=0, out=50, e2e=2.0),
-               _record("s", 1, "b", prompt=200, cached=160, e2e=1.0),  # 160 >= 0.9 * 150 - 32: ready
-               _record("s", 2, "b", prompt=300, cached=32, e2e=1.0),  # far from its 210-token history
-               _record("t", 0, "a", prompt=10, cached=0, ok=False, e2e=3.0)]
+    records = [
+        _record("s", 0, "a", prompt=100, cached=0, out=50, e2e=2.0),
+        _record("s", 1, "b", prompt=200, cached=160, e2e=1.0),  # 160 >= 0.9 * 150 - 32: ready
+        _record("s", 2, "b", prompt=300, cached=32, e2e=1.0),  # far from its 210-token history
+        _record("t", 0, "a", prompt=10, cached=0, ok=False, e2e=3.0),
+    ]
     summary = summarize(records, ["a", "b", "c"])
     assert (summary["completed"], summary["errors"]) == (3, 1)
     assert summary["busy_s_by_node"] == {"a": 5.0, "b": 2.0, "c": 0.0}
@@ -95,8 +107,9 @@ def test_summaries_count_work_balance_and_kv_readiness() -> None:
 
 def test_summaries_tell_the_schedulers_share_of_the_wait() -> None:
     records = [_record("s", turn, "a", prompt=10, cached=0) for turn in range(3)]
-    for record, (reason, routed_ms) in zip(records, [("least_load", 1.0), ("advised", 2.0), ("advised", 900.0)],
-                                           strict=True):
+    for record, (reason, routed_ms) in zip(
+        records, [("least_load", 1.0), ("advised", 2.0), ("advised", 900.0)], strict=True
+    ):
         record.route, record.routed_ms = reason, routed_ms
     summary = summarize(records, ["a"])
     assert summary["routes"] == {"advised": 2, "least_load": 1}
@@ -104,22 +117,39 @@ def test_summaries_tell_the_schedulers_share_of_the_wait() -> None:
 
 
 def test_targets_compare_symphony_with_the_baselines() -> None:
-    symphony = {"errors": 0, "prefill_tokens_computed": 5, "prefill_tokens_total": 100, "ttft_ms_p95": 100.0,
-                "max_over_mean_load": 1.1}
-    result = {"policies": {"symphony": symphony, "recompute": {"ttft_ms_p95": 150.0},
-                           "sticky": {"ttft_ms_p95": 120.0, "max_over_mean_load": 1.5}}}
-    assert targets(result) == {"symphony_errors_zero": True, "symphony_prefill_computed_le_0.1": True,
-                               "symphony_ttft_p95_le_half_recompute": False, "symphony_ttft_p95_le_sticky": True,
-                               "symphony_load_balance_le_sticky": True}
+    symphony = {
+        "errors": 0,
+        "prefill_tokens_computed": 5,
+        "prefill_tokens_total": 100,
+        "ttft_ms_p95": 100.0,
+        "max_over_mean_load": 1.1,
+    }
+    result = {
+        "policies": {
+            "symphony": symphony,
+            "recompute": {"ttft_ms_p95": 150.0},
+            "sticky": {"ttft_ms_p95": 120.0, "max_over_mean_load": 1.5},
+        }
+    }
+    assert targets(result) == {
+        "symphony_errors_zero": True,
+        "symphony_prefill_computed_le_0.1": True,
+        "symphony_ttft_p95_le_half_recompute": False,
+        "symphony_ttft_p95_le_sticky": True,
+        "symphony_load_balance_le_sticky": True,
+    }
 
 
-@pytest.mark.parametrize(("header", "expected"), [
-    ("route;dur=12.5", 12.5),
-    ("db;dur=3, route;desc=\"routing\";dur=0.4", 0.4),
-    ("route", 0.0),
-    ("route;dur=fast", 0.0),
-    ("", 0.0),
-    ("other;dur=9", 0.0),
-])
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        ("route;dur=12.5", 12.5),
+        ('db;dur=3, route;desc="routing";dur=0.4', 0.4),
+        ("route", 0.0),
+        ("route;dur=fast", 0.0),
+        ("", 0.0),
+        ("other;dur=9", 0.0),
+    ],
+)
 def test_server_timing_durations_are_read_by_name(header: str, expected: float) -> None:
     assert server_timing_ms(header, "route") == expected
