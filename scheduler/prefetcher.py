@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import grpc
 
@@ -19,11 +20,11 @@ from scheduler.auth import engine_cache_salt
 from scheduler.metrics import SchedulerMetrics
 from scheduler.sessions import SessionKey
 from symphony.logs import get_logger
+from symphony.priority import Priority
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 log = get_logger("scheduler.prefetch")
 
-_PRIORITY = {"low": kv_pb2.PRIORITY_LOW, "normal": kv_pb2.PRIORITY_NORMAL, "high": kv_pb2.PRIORITY_HIGH}
 _TARGETS = {"hbm": kv_pb2.TIER_HBM, "dram": kv_pb2.TIER_DRAM}
 _FINAL = {
     kv_pb2.PREFETCH_STATE_DONE,
@@ -79,9 +80,9 @@ class Prefetcher:
         node_id: str,
         source_address: str,
         deadline_ms: int,
-        priority: str,
+        priority: Priority,
         history_tokens: int,
-        target: str = "hbm",
+        target: Literal["hbm", "dram"] = "hbm",
     ) -> Prefetch | None:
         """Ask `node_id` to bring the session's KV into its `target` tier (pulling what it lacks from
         the node manager at `source_address`, if given) by `deadline_ms` from now. Returns at once.
@@ -99,7 +100,7 @@ class Prefetcher:
             session=kv_pb2.SessionRef(tenant=session[0], session_id=session[1]),
             target_tier=_TARGETS[target],
             deadline_ms=deadline_ms,
-            priority=_PRIORITY[priority],
+            priority=priority.proto,
             source_peer=source_address,
         )
         if target == "hbm":

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from scheduler.routing import PRIORITIES
+from symphony.priority import PRIORITIES, Priority
 
-DEFAULT = "normal"
+DEFAULT = Priority.NORMAL
 
 
 class PriorityTable:
@@ -15,8 +15,8 @@ class PriorityTable:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
         self.max_entries = max_entries
-        self._tenants: dict[str, str] = {}
-        self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._tenants: dict[str, Priority] = {}
+        self._sessions: OrderedDict[tuple[str, str], Priority] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._tenants) + len(self._sessions)
@@ -25,18 +25,19 @@ class PriorityTable:
         """Raises ValueError for an unknown tier, OverflowError when the table is full."""
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+        tier = Priority(priority)
         table: dict = self._tenants if session_id is None else self._sessions
         key = tenant if session_id is None else (tenant, session_id)
-        if priority == DEFAULT:
+        if tier == DEFAULT:
             table.pop(key, None)
             return
         if key not in table and len(self) >= self.max_entries:
             raise OverflowError(
                 f"the priority table holds {self.max_entries} settings already; reset some to normal first"
             )
-        table[key] = priority
+        table[key] = tier
 
-    def of(self, tenant: str, session_id: str | None) -> str:
+    def of(self, tenant: str, session_id: str | None) -> Priority:
         if session_id is not None:
             tier = self._sessions.get((tenant, session_id))
             if tier is not None:

@@ -13,8 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-PRIORITIES = ("low", "normal", "high")  # in rank order
-PRIORITY_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
+from symphony.priority import PRIORITIES, Priority
+
+PRIORITY_RANK: dict[str, int] = {p: p.rank for p in PRIORITIES}  # also by plain name: members equal them
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,7 @@ class RouteRequest:
     tenant: str
     session_id: str | None
     model: str
-    priority: str = "normal"  # one of PRIORITIES
+    priority: Priority = Priority.NORMAL
     history_tokens: int = 0  # estimated tokens of history the request carries (its prompt)
     kv_tokens: Mapping[str, int] = field(default_factory=dict)  # node id -> history tokens its tiers hold
     routing_text: str = ""  # the prompt's leading text, for prefix-aware policies (bounded)

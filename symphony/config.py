@@ -17,9 +17,16 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ENV_PREFIX = "SYMPHONY_"
+
+# The enumerated keys' values; load_config refuses any other and names these.
+PolicyName = Literal["symphony", "recompute", "sticky", "round_robin", "least_load", "consistent_hash", "prefix_trie"]
+DataPlane = Literal["tcp", "grpc"]
+EngineDtype = Literal["bfloat16", "float16", "float32", "auto"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["text", "json"]
 
 
 class ConfigError(ValueError):
@@ -38,7 +45,7 @@ class SchedulerConfig:
     # gRPC addresses of the node managers ("host:port"). Empty: the local cluster's
     # node.host:node.grpc_port_base+i for i < cluster.nodes.
     node_addresses: list[str] = field(default_factory=list)
-    policy: str = "symphony"  # symphony | recompute | sticky | round_robin | least_load | consistent_hash | prefix_trie
+    policy: PolicyName = "symphony"  # scheduler.policies.POLICIES holds one policy per name
     poll_interval_ms: int = 100  # Status poll period per node
     node_down_after_ms: int = 1000  # no successful Status for this long -> node unroutable
     connect_timeout_s: float = 2.0  # to an engine; a dead engine must fail fast, not hang
@@ -81,7 +88,7 @@ class EngineConfig:
     enabled: bool = True  # false: the node manager runs only its KV store (storage-only nodes, tests)
     model: str = ""  # local HF model directory; empty: SmolLM2-135M-Instruct from `symphony model fetch`
     served_model_name: str = ""  # name clients pass as `model`; empty: the model directory's name
-    dtype: str = "bfloat16"
+    dtype: EngineDtype = "bfloat16"
     block_size: int = 32  # vLLM CPU needs a multiple of 32
     max_model_len: int = 8192
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU builds
@@ -132,7 +139,7 @@ class KVConfig:
     peer_timeout_s: float = 30.0  # a node-to-node page stream that stalls this long is abandoned
     # Node-to-node page pulls: "tcp" (a raw page stream; gRPC's FetchPages when the peer has none) or
     # "grpc" (FetchPages only, e.g. where only the gRPC port is open between nodes).
-    data_plane: str = "tcp"
+    data_plane: DataPlane = "tcp"
     data_port_base: int = 0  # node i's page stream listens on base + i; 0: a free port, advertised in status
     metrics_port_base: int = 9300  # node i serves Prometheus /metrics on base + i; 0 disables
     # A TIER_HBM prefetch ends with a warm-up request that puts the history in vLLM's own prefix
@@ -148,8 +155,8 @@ class KVConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    level: str = "info"
-    format: str = "text"  # "text" (key=value) or "json"
+    level: LogLevel = "info"  # any case in the file or environment
+    format: LogFormat = "text"  # text: key=value
 
 
 @dataclass(frozen=True)
@@ -341,6 +348,14 @@ def _coerce(where: str, expected: Any, raw: Any, source: str) -> Any:
         elif isinstance(raw, int | float) and not isinstance(raw, bool):
             return float(raw)
         raise ConfigError(f"{where}: expected a number, got {raw!r}")
+    if origin is Literal:
+        choices = typing.get_args(expected)
+        if isinstance(raw, str):
+            for value in (str(raw), str(raw).strip().lower()):
+                if value in choices:
+                    return value
+        shown = str(raw) if isinstance(raw, str) else raw
+        raise ConfigError(f"{where}: expected one of {', '.join(choices)}, got {shown!r}")
     if expected is str:
         if isinstance(raw, str):
             return str(raw)
@@ -427,11 +442,6 @@ def _validate(config: SymphonyConfig) -> None:
         "engine.cpu_cores",
         f"{e.cpu_cores!r} is not auto, vllm, or core lists like 0-3|4-7",
     )
-    check(
-        e.dtype in ("bfloat16", "float16", "float32", "auto"),
-        "engine.dtype",
-        f"{e.dtype!r} is not one of bfloat16, float16, float32, auto",
-    )
     check(e.max_restarts >= 0, "engine.max_restarts", "must be >= 0")
     check(0 <= e.nice <= 19, "engine.nice", f"{e.nice} is not a niceness in 0..19")
     for name in (
@@ -471,17 +481,9 @@ def _validate(config: SymphonyConfig) -> None:
     if kv.metrics_port_base:
         port("kv.metrics_port_base", kv.metrics_port_base)
         port("kv.metrics_port_base + cluster.nodes - 1", kv.metrics_port_base + config.cluster.nodes - 1)
-    check(kv.data_plane in ("tcp", "grpc"), "kv.data_plane", f"{kv.data_plane!r} is not tcp or grpc")
     if kv.data_port_base:
         port("kv.data_port_base", kv.data_port_base)
         port("kv.data_port_base + cluster.nodes - 1", kv.data_port_base + config.cluster.nodes - 1)
-    lg = config.logging
-    check(
-        lg.level.lower() in ("debug", "info", "warning", "error"),
-        "logging.level",
-        f"{lg.level!r} is not one of debug, info, warning, error",
-    )
-    check(lg.format in ("text", "json"), "logging.format", f"{lg.format!r} is not text or json")
     ports = [s.port] + [n.grpc_port_base + i for i in range(config.cluster.nodes)]
     ports += [n.engine_port_base + i for i in range(config.cluster.nodes)]
     if kv.metrics_port_base:

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import xxhash
 
 from symphony.kv_addressing import BlockKey
+from symphony.priority import PRIORITIES
+from symphony.priority import Priority as SessionPriority
 
 PageId = tuple[BlockKey, int]  # (block key, layer)
 
@@ -22,18 +24,35 @@ class Tier(enum.IntEnum):
 
 
 class Priority(enum.IntEnum):
-    """Session priority tier. Higher values keep their KV in fast tiers longer."""
+    """The store's view of a session's tier (`symphony.priority.Priority`, same ranks): an int, so
+    eviction can order by it. Higher values keep their KV in fast tiers longer."""
 
     LOW = 0
     NORMAL = 1
     HIGH = 2
 
     @classmethod
+    def of(cls, tier: SessionPriority) -> Priority:
+        return cls(tier.rank)
+
+    @property
+    def tier(self) -> SessionPriority:
+        return PRIORITIES[self.value]
+
+    @property
+    def proto(self) -> int:
+        """The `symphony.v1.Priority` value."""
+        return self.tier.proto
+
+    @classmethod
+    def from_proto(cls, value: int) -> Priority | None:
+        """None for PRIORITY_UNSPECIFIED or an unknown value."""
+        tier = SessionPriority.from_proto(value)
+        return None if tier is None else cls.of(tier)
+
+    @classmethod
     def parse(cls, name: str) -> Priority:
-        try:
-            return cls[name.upper()]
-        except KeyError:
-            raise ValueError(f"priority {name!r} is not one of high, normal, low") from None
+        return cls.of(SessionPriority.parse(name))
 
 
 _LAYER = struct.Struct("<I")

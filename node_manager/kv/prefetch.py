@@ -21,15 +21,34 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import Priority, Tier
 from node_manager.kv.store import KVStoreError, SessionKey, StoreBusy, TieredStore
 from symphony.logs import get_logger
+from symphony.rpc import kv_pb2
 
 log = get_logger("node_manager.kv.prefetch")
 
-QUEUED, RUNNING, DONE, PARTIAL, CANCELLED, FAILED = "queued", "running", "done", "partial", "cancelled", "failed"
+
+class PrefetchState(StrEnum):
+    """A job's life: QUEUED -> RUNNING -> one of the finished states (or QUEUED -> CANCELLED)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"  # every page of the session is in the target tier
+    PARTIAL = "partial"  # some are: the rest were missing, rejected or had no room
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def proto(self) -> int:
+        """The `symphony.v1.PrefetchState` value."""
+        return int(kv_pb2.PrefetchState.Value(f"PREFETCH_STATE_{self.name}"))
+
+
+QUEUED, RUNNING, DONE, PARTIAL, CANCELLED, FAILED = PrefetchState
 FINISHED = frozenset({DONE, PARTIAL, CANCELLED, FAILED})
 
 
@@ -63,7 +82,7 @@ class PrefetchJob:
     priority: Priority
     source_peer: str = ""
     engine_salt: str = ""  # the cache_salt of the session's next request, for the engine's prefix cache
-    state: str = QUEUED
+    state: PrefetchState = QUEUED
     pages_in_target: int = 0
     pages_failed: int = 0
     pages_from_peer: int = 0

@@ -17,9 +17,10 @@ import threading
 import grpc
 
 from node_manager.kv.page_stream import Plan, StreamOutcome, fetch_pages
+from node_manager.kv.pages import Priority
 from node_manager.kv.prefetch import PullOutcome
 from node_manager.kv.store import KVStoreError, TieredStore
-from node_manager.kv.transfer import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD, PRIORITY_FROM_PROTO, submit_batch
+from node_manager.kv.transfer import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD, submit_batch
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
@@ -124,7 +125,7 @@ class PeerPuller:
         tenant, session_id = ref.tenant, ref.session_id
         # Before the session is registered here: another model's token history and pages stay out.
         self._store.check_model(remote.model_fingerprint, "receiver")
-        priority = PRIORITY_FROM_PROTO.get(remote.priority)
+        priority = Priority.from_proto(remote.priority)
         record = self._store.put_session(tenant, session_id, list(remote.token_ids), priority)
         start = self._store.loadable_prefix_blocks(tenant, session_id)
         first = min(start, remote.loadable_prefix_blocks)

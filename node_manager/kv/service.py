@@ -15,20 +15,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from node_manager.kv.pages import Priority, Tier
-from node_manager.kv.prefetch import (
-    CANCELLED,
-    DONE,
-    FAILED,
-    PARTIAL,
-    QUEUED,
-    RUNNING,
-    PrefetchJob,
-    PrefetchQueue,
-    PrefetchQueueFull,
-)
+from node_manager.kv.prefetch import PrefetchJob, PrefetchQueue, PrefetchQueueFull
 from node_manager.kv.puller import PeerPuller
 from node_manager.kv.store import InvalidRequest, ModelMismatch, SessionNotFound, StoreBusy, TieredStore
-from node_manager.kv.transfer import PRIORITY_FROM_PROTO, session_status, store_batch, stream_pages
+from node_manager.kv.transfer import session_status, store_batch, stream_pages
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 MAX_ID_LEN = 256
@@ -36,14 +26,6 @@ MAX_DEADLINE_MS = 24 * 3600 * 1000
 MAX_SALT_CHARS = 256  # a cache_salt names a tenant or user; anything longer is a mistake
 DEMOTE_FLUSH_TIMEOUT_S = 30.0
 _PEER = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
-_STATE_TO_PROTO = {
-    QUEUED: kv_pb2.PREFETCH_STATE_QUEUED,
-    RUNNING: kv_pb2.PREFETCH_STATE_RUNNING,
-    DONE: kv_pb2.PREFETCH_STATE_DONE,
-    PARTIAL: kv_pb2.PREFETCH_STATE_PARTIAL,
-    CANCELLED: kv_pb2.PREFETCH_STATE_CANCELLED,
-    FAILED: kv_pb2.PREFETCH_STATE_FAILED,
-}
 _TIER_FROM_PROTO = {kv_pb2.TIER_HBM: Tier.HBM, kv_pb2.TIER_DRAM: Tier.DRAM, kv_pb2.TIER_SSD: Tier.SSD}
 _TIER_TO_PROTO = {v: k for k, v in _TIER_FROM_PROTO.items()}
 
@@ -64,9 +46,10 @@ def _session(ref: kv_pb2.SessionRef) -> tuple[str, str]:
 def _priority(value: int) -> Priority | None:
     if value == kv_pb2.PRIORITY_UNSPECIFIED:
         return None
-    if value not in PRIORITY_FROM_PROTO:
+    priority = Priority.from_proto(value)
+    if priority is None:
         raise _Invalid(f"unknown priority {value}")
-    return PRIORITY_FROM_PROTO[value]
+    return priority
 
 
 def _peer(value: str) -> str:
@@ -269,7 +252,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
                 await asyncio.wait_for(job.finished.wait(), min(wait_ms, MAX_DEADLINE_MS) / 1000)
         return kv_pb2.PrefetchStatus(
             prefetch_id=job.id,
-            state=_STATE_TO_PROTO[job.state],
+            state=job.state.proto,
             pages_in_target=job.pages_in_target,
             pages_failed=job.pages_failed,
             pages_from_peer=job.pages_from_peer,

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import torch
 
 from node_manager.kv.loader import LayerResult, LayerwiseLoad, RowTarget
-from node_manager.kv.pages import Priority, run_checksums
+from node_manager.kv.pages import run_checksums
 from node_manager.kv.store import InvalidRequest, SessionRecord, TieredStore, addressed_keys
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
@@ -29,13 +29,6 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MESSAGE_OVERHEAD = 64 * 1024  # room for the session ref, checksums and framing
 # Blocks staged per round of the outgoing stream, bounding the memory one stream holds.
 _STAGE_BYTES = 64 * 1024 * 1024
-
-PRIORITY_TO_PROTO = {
-    Priority.LOW: kv_pb2.PRIORITY_LOW,
-    Priority.NORMAL: kv_pb2.PRIORITY_NORMAL,
-    Priority.HIGH: kv_pb2.PRIORITY_HIGH,
-}
-PRIORITY_FROM_PROTO = {v: k for k, v in PRIORITY_TO_PROTO.items()}
 
 
 def pages_per_message(page_bytes: int) -> int:
@@ -84,7 +77,7 @@ def session_status(
         session=kv_pb2.SessionRef(tenant=tenant, session_id=session_id),
         num_tokens=len(record.token_ids),
         num_blocks=record.blocks.num_blocks,
-        priority=PRIORITY_TO_PROTO[record.priority],
+        priority=record.priority.proto,
         loadable_prefix_blocks=store.loadable_prefix_blocks(tenant, session_id),
         loadable_tail_tokens=store.loadable_tail_tokens(tenant, session_id),
         data_port=data_port,

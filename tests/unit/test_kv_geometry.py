@@ -115,3 +115,21 @@ def test_tier_and_priority_values() -> None:
     assert Priority.parse("low") is Priority.LOW
     with pytest.raises(ValueError, match="priority"):
         Priority.parse("urgent")
+
+
+def test_priority_is_defined_once_and_maps_to_store_and_wire() -> None:
+    from symphony.priority import PRIORITIES
+    from symphony.priority import Priority as SessionPriority
+    from symphony.v1 import kv_pb2
+
+    assert [p.value for p in PRIORITIES] == ["low", "normal", "high"]
+    assert [Priority.of(p) for p in PRIORITIES] == [Priority.LOW, Priority.NORMAL, Priority.HIGH]
+    assert [Priority.of(p).tier for p in PRIORITIES] == list(PRIORITIES)
+    wire = [kv_pb2.PRIORITY_LOW, kv_pb2.PRIORITY_NORMAL, kv_pb2.PRIORITY_HIGH]
+    assert [p.proto for p in PRIORITIES] == wire
+    assert [Priority.from_proto(v) for v in wire] == [Priority.LOW, Priority.NORMAL, Priority.HIGH]
+    assert Priority.from_proto(kv_pb2.PRIORITY_UNSPECIFIED) is None
+    assert Priority.from_proto(99) is None
+    assert SessionPriority.HIGH == "high" and SessionPriority.parse("High") is SessionPriority.HIGH
+    with pytest.raises(ValueError, match="low, normal, high"):
+        SessionPriority.parse("urgent")

@@ -58,3 +58,13 @@ def test_service_exposes_health_and_status() -> None:
 
 def test_stubs_on_disk_match_the_proto_sources() -> None:
     assert protogen.stale_stubs() == []
+
+
+def test_every_prefetch_state_has_its_wire_value() -> None:
+    from node_manager.kv.prefetch import PrefetchState
+    from symphony.rpc import kv_pb2
+
+    wire = {state.proto for state in PrefetchState}
+    assert len(wire) == len(PrefetchState)
+    assert kv_pb2.PREFETCH_STATE_UNSPECIFIED not in wire
+    assert PrefetchState.PARTIAL.proto == kv_pb2.PREFETCH_STATE_PARTIAL
