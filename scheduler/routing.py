@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Self
 
+from symphony.config import SchedulerConfig
 from symphony.priority import PRIORITIES, Priority
 
 PRIORITY_RANK: dict[str, int] = {p: p.rank for p in PRIORITIES}  # also by plain name: members equal them
@@ -90,6 +91,23 @@ class RoutingPolicy(Protocol):
     def observe(self, request: RouteRequest, node_id: str) -> None:
         """The request was sent to `node_id` (policies that learn from traffic update here)."""
         ...
+
+
+class PolicyClass(Protocol):
+    """A policy's class, as `scheduler.policies.POLICIES` holds it: its name, and how it builds
+    itself from the scheduler's configuration (the bounds of its tables, its settings)."""
+
+    name: str
+
+    def from_config(self, config: SchedulerConfig) -> RoutingPolicy: ...
+
+
+class NoSettings:
+    """For policies that take nothing from the configuration."""
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> Self:
+        return cls()
 
 
 def available(nodes: Sequence[NodeSnapshot]) -> list[NodeSnapshot]:

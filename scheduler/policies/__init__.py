@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from scheduler.policies.consistent_hash import ConsistentHashPolicy
 from scheduler.policies.least_load import LeastLoadPolicy, RecomputePolicy, RoundRobinPolicy
-from scheduler.policies.prefix_trie import PrefixTriePolicy, PrefixTrieSettings
+from scheduler.policies.prefix_trie import PrefixTriePolicy
 from scheduler.policies.sticky import StickyPolicy
 from scheduler.policies.symphony import CostModel, SymphonyPolicy
-from scheduler.routing import RoutingPolicy
+from scheduler.routing import PolicyClass, RoutingPolicy
 from symphony.config import ConfigError, SchedulerConfig
 
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
+POLICIES: dict[str, PolicyClass] = {
     SymphonyPolicy.name: SymphonyPolicy,
     RecomputePolicy.name: RecomputePolicy,
     StickyPolicy.name: StickyPolicy,
@@ -30,9 +28,4 @@ def make_policy(name: str, config: SchedulerConfig | None = None) -> RoutingPoli
     """The policy `name`, with the bounds of its tables from `config` (defaults without one)."""
     if name not in POLICIES:
         raise ConfigError(f"scheduler.policy: unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})")
-    config = config or SchedulerConfig()
-    if name == StickyPolicy.name:
-        return StickyPolicy(max_sessions=config.max_sessions)
-    if name == PrefixTriePolicy.name:
-        return PrefixTriePolicy(PrefixTrieSettings(max_chars=config.prefix_trie_max_chars))
-    return POLICIES[name]()
+    return POLICIES[name].from_config(config or SchedulerConfig())

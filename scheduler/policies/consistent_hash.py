@@ -7,7 +7,7 @@ import bisect
 import hashlib
 from collections.abc import Sequence
 
-from scheduler.routing import NO_NODE, NodeSnapshot, PolicyTraits, RouteDecision, RouteRequest
+from scheduler.routing import NO_NODE, NodeSnapshot, NoSettings, PolicyTraits, RouteDecision, RouteRequest
 
 VIRTUAL_NODES = 160  # points per node: keeps shares within a few percent of even at 2..64 nodes
 # Without a session, the prompt's first characters are the key: a conversation's later turns start
@@ -19,7 +19,7 @@ def _point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-class ConsistentHashPolicy:
+class ConsistentHashPolicy(NoSettings):
     name = "consistent_hash"
     traits = PolicyTraits(needs_routing_text=True)
 

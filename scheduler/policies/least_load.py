@@ -6,7 +6,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from scheduler.routing import NO_NODE, NodeSnapshot, PolicyTraits, RouteDecision, RouteRequest, available, kv_usage
+from scheduler.routing import (
+    NO_NODE,
+    NodeSnapshot,
+    NoSettings,
+    PolicyTraits,
+    RouteDecision,
+    RouteRequest,
+    available,
+    kv_usage,
+)
 
 
 def least_loaded(candidates: Sequence[NodeSnapshot], rotation: int) -> NodeSnapshot:
@@ -19,7 +28,7 @@ def least_loaded(candidates: Sequence[NodeSnapshot], rotation: int) -> NodeSnaps
     return tied[rotation % len(tied)]
 
 
-class LeastLoadPolicy:
+class LeastLoadPolicy(NoSettings):
     name = "least_load"
     traits = PolicyTraits()
 
@@ -45,7 +54,7 @@ class RecomputePolicy(LeastLoadPolicy):
     traits = PolicyTraits(uses_tiers=False)
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(NoSettings):
     name = "round_robin"
     traits = PolicyTraits()
 

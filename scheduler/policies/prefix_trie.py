@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from scheduler.policies.least_load import least_loaded
 from scheduler.policies.prefix_tree import PrefixTree
 from scheduler.routing import NO_NODE, NodeSnapshot, PolicyTraits, RouteDecision, RouteRequest, available
+from symphony.config import SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,10 @@ class PrefixTriePolicy:
         self.settings = settings or PrefixTrieSettings()
         self.tree = PrefixTree(self.settings.max_chars)
         self._rotation = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> PrefixTriePolicy:
+        return cls(PrefixTrieSettings(max_chars=config.prefix_trie_max_chars))
 
     def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:
         candidates = available(nodes)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from scheduler.policies.least_load import least_loaded
 from scheduler.routing import NO_NODE, NodeSnapshot, PolicyTraits, RouteDecision, RouteRequest, available
+from symphony.config import SchedulerConfig
 
 MAX_PINNED_SESSIONS = 100_000
 
@@ -21,6 +22,10 @@ class StickyPolicy:
         self.max_sessions = max_sessions
         self._pinned: OrderedDict[tuple[str, str], str] = OrderedDict()  # LRU-bounded
         self._rotation = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> StickyPolicy:
+        return cls(max_sessions=config.max_sessions)
 
     def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:
         candidates = available(nodes)

@@ -19,6 +19,7 @@ from scheduler.routing import (
     available,
     kv_usage,
 )
+from symphony.config import SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,10 @@ class SymphonyPolicy:
         self.cost = cost or CostModel()
         self.selective_push = selective_push
         self._rotation = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> SymphonyPolicy:
+        return cls()
 
     def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:
         candidates = available(nodes)

@@ -88,6 +88,13 @@ def test_policy_tables_take_their_bounds_from_the_config() -> None:
     assert isinstance(trie, PrefixTriePolicy) and trie.tree.max_chars == 500
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_builds_itself_from_the_config(name: str) -> None:
+    policy = POLICIES[name].from_config(SchedulerConfig())
+    assert policy.name == name and type(policy) is POLICIES[name]
+    assert type(make_policy(name)) is POLICIES[name]
+
+
 # -- consistent hashing ------------------------------------------------------------------------------
 def test_consistent_hash_keeps_a_session_on_one_node_and_spreads_sessions() -> None:
     policy = ConsistentHashPolicy()
