@@ -43,7 +43,7 @@ from eval.results import write_result
 from eval.stats import percentile
 from eval.workloads import Conversation, HumanTiming
 from symphony.config import SymphonyConfig, dump_toml
-from symphony.launcher import Cluster
+from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 
 T = TypeVar("T")
@@ -250,7 +250,7 @@ async def measure_policies(
 
 async def on_private_cluster(config: SymphonyConfig, model: ModelInfo, work: Callable[[], Awaitable[T]]) -> T:
     """Start the cluster `config` describes, run `work` once it is ready, shut the cluster down."""
-    cluster = Cluster(config, model, sys.stderr)
+    cluster = LocalCluster(config, model, sys.stderr)
     cluster.spawn()
     try:
         if not await cluster.wait_ready(asyncio.Event()):

@@ -31,7 +31,7 @@ from eval.ports import free_port
 from eval.results import write_result
 from eval.stats import percentile
 from symphony.config import SymphonyConfig
-from symphony.launcher import Cluster
+from symphony.launcher import LocalCluster
 from symphony.models import fetch_default_model, resolve_model
 
 PROMPTS = [
@@ -159,7 +159,7 @@ async def _with_private_cluster(config: SymphonyConfig, **kwargs: Any) -> dict[s
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
-    cluster = Cluster(config, model, sys.stderr)
+    cluster = LocalCluster(config, model, sys.stderr)
     cluster.spawn()
     try:
         if not await cluster.wait_ready(asyncio.Event()):

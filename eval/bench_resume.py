@@ -61,7 +61,7 @@ from eval.resume_runner import (
 )
 from eval.stats import histogram_quantile, percentile
 from symphony.config import SymphonyConfig
-from symphony.launcher import Cluster
+from symphony.launcher import LocalCluster
 from symphony.models import ModelError, ModelInfo, context_window, fetch_default_model, resolve_model
 from symphony.rpc import kv_pb2_grpc
 
@@ -182,7 +182,7 @@ async def _with_private_cluster(
     conversations: int,
 ) -> dict[str, Any]:
     config = _bench_config(config, context_tokens, home, window)
-    cluster = Cluster(config, model, sys.stderr)
+    cluster = LocalCluster(config, model, sys.stderr)
     cluster.spawn()
     channels = []
     try:

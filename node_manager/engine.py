@@ -22,7 +22,7 @@ from symphony.models import ModelInfo
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy
 from symphony.rpc import node_pb2
 
-log = get_logger("node_manager.engine")
+log = get_logger(__name__)
 # prometheus_client's filter: only the gauges the scheduler routes on (see Engine._read_load).
 _LOAD_GAUGE_QUERY = [("name[]", name) for name in (RUNNING, WAITING, KV_USAGE)]
 

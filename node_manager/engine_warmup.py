@@ -33,7 +33,7 @@ from node_manager.kv.prefetch import WarmOutcome
 from symphony.logs import get_logger
 from symphony.rpc import node_pb2
 
-log = get_logger("node_manager.engine_warmup")
+log = get_logger(__name__)
 
 
 class EngineView(Protocol):

@@ -17,7 +17,7 @@ from symphony.kv_geometry import KVGeometry, cpu_attention_isa, page_layout
 from symphony.logs import get_logger
 from symphony.model_identity import FingerprintCost, ModelIdentity, identify_model
 
-log = get_logger("node_manager.identity")
+log = get_logger(__name__)
 
 
 def kv_cache_dtype(extra_args: Sequence[str]) -> str:

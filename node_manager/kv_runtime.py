@@ -23,7 +23,7 @@ from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2_grpc
 
-log = get_logger("node_manager.kv")
+log = get_logger(__name__)
 
 # Room above the 4 MiB page batches for framing; both directions of node-to-node streams.
 GRPC_OPTIONS = [

@@ -19,7 +19,7 @@ from symphony.loop_watchdog import LoopWatchdog
 from symphony.models import ModelInfo
 from symphony.rpc import node_pb2_grpc
 
-log = get_logger("node_manager")
+log = get_logger(__name__)
 
 
 async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None:

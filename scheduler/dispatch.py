@@ -20,9 +20,9 @@ from fastapi.responses import Response
 
 from scheduler.advisories import AdvisoryTable
 from scheduler.auth import engine_cache_salt
-from scheduler.cluster import Cluster, NodeView
 from scheduler.errors import ApiError, error_response
 from scheduler.metrics import SchedulerMetrics
+from scheduler.node_monitor import NodeMonitor, NodeView
 from scheduler.prefetcher import Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
 from scheduler.push_queue import PushQueue, QueueFull
@@ -35,7 +35,7 @@ from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2_grpc
 
-log = get_logger("scheduler.dispatch")
+log = get_logger(__name__)
 
 ENGINE_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 NODE_HEADER = "X-Symphony-Node"
@@ -69,7 +69,7 @@ class Route:
 class Dispatcher:
     def __init__(
         self,
-        cluster: Cluster,
+        cluster: NodeMonitor,
         policy: RoutingPolicy,
         advisories: AdvisoryTable,
         metrics: SchedulerMetrics,

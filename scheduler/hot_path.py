@@ -20,7 +20,7 @@ from scheduler.state import SchedulerState
 from scheduler.validation import validate_advisory, validate_inference
 from symphony.logs import get_logger
 
-log = get_logger("scheduler.http")
+log = get_logger(__name__)
 
 INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 ADVISORY_PATH = "/v1/advisories"

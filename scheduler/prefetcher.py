@@ -23,7 +23,7 @@ from symphony.logs import get_logger
 from symphony.priority import Priority
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
-log = get_logger("scheduler.prefetch")
+log = get_logger(__name__)
 
 _TARGETS = {"hbm": kv_pb2.TIER_HBM, "dram": kv_pb2.TIER_DRAM}
 _FINAL = {

@@ -20,7 +20,7 @@ from scheduler.errors import error_response, sse_error_event
 from scheduler.metrics import SchedulerMetrics
 from symphony.logs import get_logger
 
-log = get_logger("scheduler.relay")
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

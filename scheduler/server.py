@@ -8,7 +8,7 @@ from scheduler.app import create_app
 from symphony.config import SymphonyConfig
 from symphony.logs import get_logger
 
-log = get_logger("scheduler")
+log = get_logger(__name__)
 
 
 def serve(config: SymphonyConfig) -> None:

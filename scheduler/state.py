@@ -8,9 +8,9 @@ import time
 
 from scheduler.advisories import AdvisoryTable
 from scheduler.auth import Authenticator
-from scheduler.cluster import Cluster
 from scheduler.dispatch import Dispatcher
 from scheduler.metrics import SchedulerMetrics
+from scheduler.node_monitor import NodeMonitor
 from scheduler.policies import make_policy
 from scheduler.priorities import PriorityTable
 from scheduler.sessions import SessionTable
@@ -24,7 +24,7 @@ class SchedulerState:
         self.config = config
         sc = config.scheduler
         self.metrics = SchedulerMetrics()
-        self.cluster = Cluster(
+        self.cluster = NodeMonitor(
             config.scheduler_node_addresses(),
             poll_interval_s=sc.poll_interval_ms / 1000,
             down_after_s=sc.node_down_after_ms / 1000,

@@ -20,7 +20,7 @@ from symphony.models import ModelInfo
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy
 from symphony.rpc import node_pb2, node_pb2_grpc
 
-log = get_logger("symphony.up")
+log = get_logger(__name__)
 
 # Node managers and the scheduler are light; if one dies, restart it quickly a few times.
 CHILD_RESTARTS = RestartPolicy(max_restarts=3, backoff_s=0.5, backoff_max_s=5.0, stable_after_s=60.0)
@@ -69,7 +69,10 @@ class _NodeHealthProbe:
         await self._channel.close()
 
 
-class Cluster:
+class LocalCluster:
+    """The processes of a cluster on this host: the scheduler and N node managers (each starting
+    its engine), started, probed for readiness and stopped together."""
+
     def __init__(self, config: SymphonyConfig, model: ModelInfo, out: TextIO) -> None:
         # Children get the model already resolved, so they neither re-verify nor re-fetch it.
         self.config = dataclasses.replace(
@@ -230,7 +233,7 @@ async def run_cluster(config: SymphonyConfig, model: ModelInfo, out: TextIO = sy
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    cluster = Cluster(config, model, out)
+    cluster = LocalCluster(config, model, out)
     cluster.spawn()
     try:
         if not await cluster.wait_ready(stop):

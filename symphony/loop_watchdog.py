@@ -18,7 +18,7 @@ import traceback
 
 from symphony.logs import get_logger
 
-log = get_logger("symphony.loop_watchdog")
+log = get_logger(__name__)
 
 STACK_FRAMES = 6  # innermost frames of each thread logged per stall
 # Innermost frames of a thread that is waiting, not running: not logged.

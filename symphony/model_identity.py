@@ -32,7 +32,7 @@ from symphony.kv_addressing import ModelFingerprint
 from symphony.logs import get_logger
 from symphony.models import sha256_file
 
-log = get_logger("symphony.model_identity")
+log = get_logger(__name__)
 
 FORMAT = 1
 CACHE_NAME = ".symphony-fingerprint.json"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from symphony.logs import get_logger
 
-log = get_logger("symphony.process")
+log = get_logger(__name__)
 
 _SHM_DIR = "/dev/shm/"
 _MAX_LOG_BYTES = 64 * 1024 * 1024

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = get_logger("node_manager.connector")
+log = get_logger(__name__)
 
 DEFAULT_TENANT = "default"
 

@@ -29,7 +29,7 @@ from node_manager.kv.eviction import session_yield_key
 from node_manager.kv.pages import Priority
 from symphony.logs import get_logger
 
-log = get_logger("node_manager.connector.warm_order")
+log = get_logger(__name__)
 
 
 class Block(Protocol):

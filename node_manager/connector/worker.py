@@ -37,7 +37,7 @@ from symphony.kv_addressing import ModelFingerprint
 from symphony.kv_geometry import KVGeometry, page_layout
 from symphony.logs import get_logger
 
-log = get_logger("node_manager.connector")
+log = get_logger(__name__)
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 MAX_PENDING_COMMITS = 64

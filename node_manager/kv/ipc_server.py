@@ -49,7 +49,7 @@ from node_manager.kv.store import (
 from symphony.kv_addressing import BLOCK_KEY_BYTES
 from symphony.logs import get_logger
 
-log = get_logger("node_manager.kv.ipc")
+log = get_logger(__name__)
 
 MAX_CONNECTIONS = 64
 MAX_OUTSTANDING = 1024  # loads plus reservations one connection may hold at once

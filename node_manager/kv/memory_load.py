@@ -33,7 +33,7 @@ from node_manager.kv.slots import copy_rows, paired_runs
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 
-log = get_logger("node_manager.kv.memory_load")
+log = get_logger(__name__)
 
 
 @dataclass(slots=True)

@@ -51,7 +51,7 @@ from node_manager.kv.transfer import (
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2
 
-log = get_logger("node_manager.kv.page_stream")
+log = get_logger(__name__)
 
 MAGIC = b"SKV1"
 _REQUEST = struct.Struct("<4sI")

@@ -29,7 +29,7 @@ from node_manager.kv.store import KVStoreError, SessionKey, StoreBusy, TieredSto
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2
 
-log = get_logger("node_manager.kv.prefetch")
+log = get_logger(__name__)
 
 
 class PrefetchState(StrEnum):

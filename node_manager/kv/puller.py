@@ -24,7 +24,7 @@ from node_manager.kv.transfer import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD, submit
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
-log = get_logger("node_manager.kv.puller")
+log = get_logger(__name__)
 
 
 class PeerPuller:

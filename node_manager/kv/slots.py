@@ -22,7 +22,7 @@ import torch
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
 
-log = get_logger("node_manager.kv.slots")
+log = get_logger(__name__)
 
 _SHM_DIR = Path("/dev/shm")
 # Linux's madvise advices (5.14+); Python 3.11's mmap module does not name them.

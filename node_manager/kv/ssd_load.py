@@ -32,7 +32,7 @@ from node_manager.kv.ssd_tier import Segment, SsdTier
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 
-log = get_logger("node_manager.kv.ssd_load")
+log = get_logger(__name__)
 
 
 @dataclass(slots=True)

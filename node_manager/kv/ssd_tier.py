@@ -34,7 +34,7 @@ from node_manager.kv.segments import (
 from symphony.kv_addressing import ModelFingerprint
 from symphony.logs import get_logger
 
-log = get_logger("node_manager.kv.ssd")
+log = get_logger(__name__)
 
 
 def _aligned_copy(data: bytes) -> mmap.mmap:

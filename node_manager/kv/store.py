@@ -55,7 +55,7 @@ from symphony.kv_addressing import (
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
 
-log = get_logger("node_manager.kv.store")
+log = get_logger(__name__)
 
 # Bounds the deferred recency updates: replaying them costs ~0.3 us per page, paid by the next
 # eviction (or the load that overflows the bound), so this caps that pause at ~20 ms.

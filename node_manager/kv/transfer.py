@@ -23,7 +23,7 @@ from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2
 
-log = get_logger("node_manager.kv.transfer")
+log = get_logger(__name__)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MESSAGE_OVERHEAD = 64 * 1024  # room for the session ref, checksums and framing

@@ -32,3 +32,17 @@ def test_exception_logs_fields_and_traceback(formatter: logging.Formatter) -> No
         assert payload["layer"] == 7 and payload["event"] == "lane failed" and "ValueError: boom 42" in payload["exc"]
     else:
         assert "layer=7" in line and "ValueError: boom 42" in line
+
+
+def test_module_loggers_are_named_from_the_module() -> None:
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    fixed = [
+        f"{path.relative_to(root)}: {match.group(0)}"
+        for package in ("symphony", "scheduler", "node_manager", "client_sdk", "eval")
+        for path in (root / package).rglob("*.py")
+        for match in re.finditer(r"get_logger\(\s*[\"'][^\"']*[\"']\s*\)", path.read_text())
+    ]
+    assert fixed == [], "name loggers get_logger(__name__): " + "; ".join(fixed)

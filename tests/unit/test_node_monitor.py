@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from scheduler.cluster import Cluster
+from scheduler.node_monitor import NodeMonitor
 from symphony.rpc import node_pb2
 
 
@@ -28,7 +28,7 @@ def status(node_id: str, **fields: object) -> node_pb2.NodeStatus:
 
 
 def test_fresh_load_figures_are_taken() -> None:
-    cluster = Cluster(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
+    cluster = NodeMonitor(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
     node = cluster.nodes[0]
     cluster.apply_status(
         node, status("node-0", num_requests_running=3, num_requests_waiting=2, kv_cache_usage=0.5, metrics_age_ms=80)
@@ -38,7 +38,7 @@ def test_fresh_load_figures_are_taken() -> None:
 
 
 def test_stale_load_figures_are_not_routed_on() -> None:
-    cluster = Cluster(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
+    cluster = NodeMonitor(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
     node = cluster.nodes[0]
     cluster.apply_status(node, status("node-0", num_requests_running=3, metrics_age_ms=80))
     cluster.apply_status(node, status("node-0", num_requests_running=7, metrics_age_ms=5000))
@@ -47,7 +47,7 @@ def test_stale_load_figures_are_not_routed_on() -> None:
 
 
 def test_duplicate_names_are_made_unique_by_address() -> None:
-    cluster = Cluster(["a:1", "b:2"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
+    cluster = NodeMonitor(["a:1", "b:2"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
     first, second = cluster.nodes
     cluster.apply_status(first, status("node-0"))
     cluster.apply_status(second, status("node-0"))
@@ -56,7 +56,7 @@ def test_duplicate_names_are_made_unique_by_address() -> None:
 
 
 def test_node_that_never_answered_is_unreachable_and_unreported() -> None:
-    cluster = Cluster(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
+    cluster = NodeMonitor(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
     assert not cluster.nodes[0].reported
     assert cluster.states() == {"a:1": "unreachable"}
     assert cluster.served_models() == {}
@@ -64,7 +64,7 @@ def test_node_that_never_answered_is_unreachable_and_unreported() -> None:
 
 def test_late_nodes_are_routed_to_only_when_none_is_up_to_date_and_never_once_refused() -> None:
     clock = Clock()
-    cluster = Cluster(["a:1", "b:2"], poll_interval_s=0.1, down_after_s=1.0, clock=clock)
+    cluster = NodeMonitor(["a:1", "b:2"], poll_interval_s=0.1, down_after_s=1.0, clock=clock)
     a, b = cluster.nodes
     cluster.apply_status(a, status("node-0"))
     cluster.apply_status(b, status("node-1"))

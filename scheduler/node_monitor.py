@@ -14,7 +14,7 @@ from scheduler.routing import NodeSnapshot
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2_grpc, node_pb2, node_pb2_grpc
 
-log = get_logger("scheduler.cluster")
+log = get_logger(__name__)
 
 READY = node_pb2.ENGINE_STATE_READY
 # How long nodes whose status replies are late (not refused) are still routed to when no node is
@@ -84,7 +84,7 @@ class NodeView:
         return node_pb2.EngineState.Name(self.engine_state).removeprefix("ENGINE_STATE_").lower()
 
 
-class Cluster:
+class NodeMonitor:
     """Owns the node views and one polling task per node."""
 
     def __init__(
