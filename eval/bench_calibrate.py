@@ -72,14 +72,15 @@ class ProbePlan:
 
 FULL_PLAN = ProbePlan()
 TOKEN_ID_RANGE = (1_000, 40_000)  # ordinary vocabulary entries of SmolLM2 (49,152), no special tokens
-# Node-to-node KV moves in the local preset: what `bench tiers` measures for a peer pull here.
+# Node-to-node KV moves in the local preset: of the order of a `bench tiers` peer pull on one host
+# (docs/benchmarks.md#bench-calibrate-and-bench-validate).
 LOCAL_LINK_GBPS = 1.0
 LOCAL_LINK_RTT_MS = 0.2
 VALIDATION_BOUND = 0.2  # the issue's bar: within 20% of the live cluster
 MAX_NUM_SEQS = 128  # vLLM CPU's default max_num_seqs for its OpenAI server (GPUs: 256), which `symphony up` keeps
 BACKGROUND_REQUESTS = 2  # a neighbour's decoding while an engine is probed beside it
-# Short enough that a neighbour finishes its batch soon after it is told to stop (about 3 s here):
-# an aborted stream kept its engine busy into the next alone probe, which then ran up to 2x slow.
+# Short enough that a neighbour finishes its batch soon after it is told to stop: an aborted stream
+# keeps its engine busy into the next alone probe (docs/benchmarks.md#bench-calibrate-and-bench-validate).
 BACKGROUND_TOKENS = 64
 
 
@@ -133,9 +134,9 @@ class _EngineProbe:
 
     async def stream(self, tokens: int, max_tokens: int) -> _Streamed:
         """One probe, timed from its own send. The engine's server closes a keep-alive connection
-        idle for 5 s; a probe sent on one as it closed failed with a read error before the server
-        saw it (seen once here), so a probe whose connection fails is sent again, once,
-        on a fresh prompt and a fresh clock."""
+        idle for 5 s; a probe sent on one as it closes fails with a read error before the server
+        sees it, so a probe whose connection fails is sent again, once, on a fresh prompt and a
+        fresh clock."""
         try:
             return await _stream(self.client, self.model, self.prompt(tokens), max_tokens)
         except openai.APIConnectionError as exc:
@@ -143,9 +144,9 @@ class _EngineProbe:
             return await _stream(self.client, self.model, self.prompt(tokens), max_tokens)
 
     async def warm(self, plan: ProbePlan) -> None:
-        """Run each probe's prompt length and the largest batch once, unmeasured: after only a tiny
-        warm-up request, an engine's first probes here ran up to 2x slower than the same probes later
-        (one-time allocations and kernel choices for new shapes)."""
+        """Run each probe's prompt length and the largest batch once, unmeasured: an engine's first
+        probes of a new shape pay one-time allocations and kernel choices
+        (docs/benchmarks.md#bench-calibrate-and-bench-validate)."""
         for tokens in plan.prefill_tokens:
             await self.stream(tokens, 1)
         await asyncio.gather(*[self.stream(32, 2) for _ in range(max(batch for batch, _ in plan.decode_points))])
@@ -204,14 +205,11 @@ async def calibrate(
       the model predicts is its `neighbour_slowdown`, which the simulator applies to a step in
       proportion to the other engines busy when it starts.
 
-    A model fitted on either condition alone missed the 2-node validation run by 20-60%, one way
-    or the other: a live cluster's engines are busy together only part of the time.
-
+    Both conditions are needed: a live cluster's engines are busy together only part of the time.
     The slowdown is a ratio of two conditions measured minutes apart on a shared, drifting host, so
     the conditions take turns, round by round, and the drift falls on both; and the neighbours'
-    load is the same steady background for every busy probe. With the busy decodes probed on all
-    engines at once instead, each engine's neighbours were at another point of the plan, or done,
-    and the fitted slowdown ranged 0.15-0.49 between runs on the same code."""
+    load is the same steady background for every busy probe
+    (docs/benchmarks.md#bench-calibrate-and-bench-validate)."""
     urls = [f"http://{config.node.host}:{config.engine_port(i)}" for i in range(config.cluster.nodes)]
     engines = [_EngineProbe(url, served_model, seed=i) for i, url in enumerate(urls)]
     prefill_alone: list[PrefillSample] = []

@@ -4,10 +4,10 @@ Rounds of `concurrency` streaming chats sent at once to one engine, either all s
 through the scheduler in front of it, in ABBA order (direct, via, via, direct, ...). After a warm-up
 every prompt is in the engine's prefix cache, so TTFT is short and the hop is not buried under
 prefill. Both paths are never mixed within a round: requests racing for the same engine step would
-turn a 1 ms hop into a missed step (tens of ms on this CPU), which measures the race, not the hop.
+turn a hop into a missed step, which measures the race, not the hop.
 
-On 2 shared cores the engine's step time swings by tens of milliseconds from round to round, far
-more than a local HTTP hop costs. The overhead is therefore the median, over adjacent round pairs,
+The engine's step time swings from round to round far more than a local HTTP hop costs
+(docs/benchmarks.md#bench-proxy). The overhead is therefore the median, over adjacent round pairs,
 of (via round median - direct round median), reported with a bootstrap 95% interval; more rounds
 narrow it.
 """

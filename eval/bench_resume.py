@@ -18,7 +18,8 @@ in an order shuffled per trial, so the drift of this shared machine falls on all
 Between the turn that leaves the history and the resumed turn, every path waits the same gap
 (`gap_s`, 1 s by default): a user reading and typing, during which the advisory's prefetch runs
 and the nodes' write-behind to SSD drains. With no gap the resumed turn would race the background
-writes of the turn before it on this 2-core machine, which measures that race, not the path.
+writes of the turn before it on a small host, which measures that race, not the path
+(docs/benchmarks.md#bench-resume).
 
 Isolation: vLLM's prefix cache is keyed by token content and `cache_salt`, Symphony's tiers by
 tenant. Every (trial, path) is its own tenant and salt, and every resumed turn except

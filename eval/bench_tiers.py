@@ -58,9 +58,8 @@ BENCH_MODEL = ModelFingerprint(hashlib.sha256(b"symphony-bench-tiers").digest())
 @contextlib.contextmanager
 def _single_threaded_torch() -> Iterator[None]:
     """The bench's own tensor work (zeroing destinations, checking bytes) on this thread only. Run
-    on torch's OpenMP team, it leaves that team spinning for a while after each op, holding one of
-    this machine's two cores while the next measurement starts (measured: the SSD load's first
-    layer took 3.3-10.8 ms after a check, 3.0-4.9 ms with a passive team)."""
+    on torch's OpenMP team, it leaves that team spinning for a while after each op, holding a core
+    while the next measurement starts (docs/benchmarks.md#bench-tiers)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -186,8 +185,7 @@ def measure_store_paths(
     try:
         store.put_session(TENANT, "s", token_ids)
         # The write bound just before left an unlinked file and journal work behind; without a sync
-        # the device is still busy with them when the save starts (measured: the ratio of the two
-        # swung between 0.3 and 2 from one trial to the next, and settled with it).
+        # the device is still busy with them when the save starts (docs/benchmarks.md#bench-tiers).
         os.sync()
         started = time.perf_counter()
         futures = [store.save_layer(TENANT, "s", layer, 0, pages[layer]) for layer in range(geometry.num_layers)]
@@ -200,9 +198,9 @@ def measure_store_paths(
         dest = [torch.empty(blocks, geometry.page_words, dtype=torch.int64) for _ in range(geometry.num_layers)]
         rows = list(range(blocks))
         store.load(TENANT, "s", target=RowTarget(dest, rows)).wait_all(60)  # warm the destination
-        # Each load is paired with a bound taken right before it (this machine's memory bandwidth
-        # moves with its neighbours' load from one moment to the next), several pairs per trial:
-        # one copy of 47 MB takes ~6 ms, less than one scheduler hiccup here.
+        # Each load is paired with a bound taken right before it (a shared host's memory bandwidth
+        # moves with its neighbours' load from one moment to the next), several pairs per trial: one
+        # copy is shorter than a scheduler hiccup (docs/benchmarks.md#bench-tiers).
         bounds, loads = [], []
         for _ in range(MEMORY_PAIRS):
             bounds.append(measure_memcpy(pages))
@@ -328,8 +326,8 @@ async def measure_peer_fetch(
         nbytes = len(keys) * geometry.block_bytes
         rates: dict[str, list[float]] = {"loopback_bound_gbps": [], "peer_fetch_gbps": []}
         for trial in range(trials):
-            # Several pairs per trial, as for DRAM loads: one loopback pass of 47 MB takes ~15 ms,
-            # and either side of a single pair can land on a moment a neighbour has the CPU.
+            # Several pairs per trial, as for DRAM loads: one loopback pass is short, and either side
+            # of a single pair can land on a moment a neighbour has the CPU.
             bounds, pulls = [], []
             for pair in range(PEER_PAIRS):
                 bounds.append(measure_loopback(nbytes))

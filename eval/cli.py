@@ -456,9 +456,8 @@ def cmd_bench_resume(args: argparse.Namespace) -> int:
 def cmd_bench_tiers(args: argparse.Namespace) -> int:
     # Before torch loads its OpenMP runtime, which reads this once: by default the team that ran the
     # memcpy bound spins on the other core for milliseconds after it, and the store's copy lanes that
-    # the bench times next got one core out of two (measured on 2 cores: two lanes of 47 MB of layer
-    # copies at 5.0-5.9 GB/s right after a torch copy, 10-12 GB/s with a passive team; the torch copy
-    # itself 7.9-9.6 GB/s, and no slower passive: 9.4-11.5). An OMP_WAIT_POLICY already set is kept.
+    # the bench times next get one core out of two (docs/benchmarks.md#bench-tiers). An
+    # OMP_WAIT_POLICY already set is kept.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from eval.bench_tiers import run_tiers_bench
 

@@ -7,8 +7,8 @@ cluster it supervises) would otherwise take the GIL from it and be counted as it
 
 Besides wall time, each match's CPU time (this thread's, which excludes the time the vCPU was
 taken away) and the share of the machine's CPU time the hypervisor stole during the probe are
-kept: on a shared 2-vCPU VM a 0.1 ms match is the victim of a 2-10 ms steal often enough to set the
-wall-clock p99, and the two tell the connector's own cost apart from the host's.
+kept: on a shared VM, steal can set the wall-clock p99 (docs/benchmarks.md#bench-resume), and the
+two tell the connector's own cost apart from the host's.
 """
 
 from __future__ import annotations

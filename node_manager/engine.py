@@ -215,8 +215,8 @@ class Engine:
 
     async def _read_load(self, filtered: bool) -> EngineLoad:
         """The engine's load gauges. Filtered, vLLM renders only them (prometheus_client's `name[]`
-        query, served under /metrics/): measured 1.3 ms and 0.6 KB a read against 13 ms and 55 KB
-        for the whole page, ten times a second per engine on the engine's own CPU."""
+        query, served under /metrics/), a small fraction of the whole page's cost, paid ten times a
+        second per engine on the engine's own CPU (docs/design-notes.md#engine-load-scrape)."""
         if filtered:
             response = await self._client.get(self.url + "/metrics/", params=_LOAD_GAUGE_QUERY)
         else:

@@ -2,11 +2,10 @@
 each of its processes (API server, engine core, workers); it acts only in the engines Symphony
 launches, which set AMX_ATTENTION_ENV.
 
-What it does: keeps vLLM's CPU attention off its AMX kernel. vLLM 0.32 picks that kernel by itself on
-CPUs with AMX (Sapphire Rapids and later) for bfloat16 with blocks of 32. There, SmolLM2-135M answered
-"What is the capital of France?" at temperature 0 with "L'Étoile, la Marseillaise, la femme, ...",
-while the same engine on vLLM's vector kernel, and transformers in bfloat16 and float32, answered
-"The capital of France is Paris." The vector kernel serves the same dtype, block size and KV cache.
+What it does: keeps vLLM's CPU attention off its AMX kernel, which vLLM 0.32 picks by itself on CPUs
+with AMX (Sapphire Rapids and later) for bfloat16 with blocks of 32, and which gave wrong greedy
+answers there (docs/design-notes.md#amx-attention). The vector kernel serves the same dtype, block
+size and KV cache.
 """
 
 from __future__ import annotations

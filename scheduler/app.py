@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-# Starlette loads anyio's asyncio backend lazily, on first use of its task groups or thread pool
-# (~0.3 s on this machine); importing it here keeps that cost out of the first request's latency.
+# Starlette loads anyio's asyncio backend lazily, on first use of its task groups or thread pool;
+# importing it here keeps that cost out of the first request's latency
+# (docs/design-notes.md#scheduler-http-path).
 import anyio._backends._asyncio  # noqa: F401
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response

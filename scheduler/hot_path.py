@@ -1,10 +1,9 @@
 """The scheduler's POST endpoints as plain ASGI, ahead of FastAPI.
 
-Measured on this 2-core machine with 16 concurrent streams: the scheduler spent ~0.65 ms of CPU per
-request, of which ~0.17 ms was FastAPI/Starlette's middleware and routing stack. In a burst that cost
-is paid in series, so it lands directly in TTFT. The inference and advisory endpoints therefore skip
-the stack; FastAPI keeps the GET endpoints (models, health, metrics), where it costs nothing that
-matters.
+The inference and advisory endpoints skip FastAPI/Starlette's middleware and routing stack, whose
+per-request CPU is paid in series in a burst and so lands in TTFT
+(docs/design-notes.md#scheduler-http-path); FastAPI keeps the GET endpoints (models, health,
+metrics), where it costs nothing that matters.
 """
 
 from __future__ import annotations

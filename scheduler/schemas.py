@@ -1,6 +1,6 @@
 """The shapes of the request bodies the scheduler accepts, as pydantic models (as vLLM's own protocol
 classes are), checked strictly: a field of the wrong type is a 400 naming it, never a 500 from code
-that trusted it (`{"role": {}}` once reached a set lookup and raised "unhashable type").
+that trusted it (docs/model-identity.md#request-validation).
 
 Only types and the bounds the scheduler itself depends on are checked here; finer sampling-parameter
 rules stay with vLLM, whose 400s pass through. Unknown fields pass through to vLLM untouched

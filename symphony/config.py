@@ -101,13 +101,11 @@ class EngineConfig:
     # Scheduling niceness of the engine process (0-19; 0: as the node manager), set for its whole
     # session's autogroup too (symphony.pdeathsig_exec). On a CPU host the engine's forward passes
     # would otherwise take every core from the scheduler and the node managers, whose work is short
-    # but on every request's path (measured on 2 cores: advisory answers' p99 80-240 ms behind
-    # engine warm-ups at 0; node managers' event loops stalled 0.4-2.5 s while the niceness did not
-    # reach across sessions). On a GPU host the engine needs little CPU.
+    # but on every request's path (docs/design-notes.md#engine-niceness). On a GPU host the engine
+    # needs little CPU.
     nice: int = 5
-    # vLLM's AMX attention kernel on CPUs that have AMX (bfloat16, blocks of 32). Off: on one such
-    # host it gave wrong greedy answers where its vector kernel agreed with transformers
-    # (node_manager/vllm_plugin.py).
+    # vLLM's AMX attention kernel on CPUs that have AMX (bfloat16, blocks of 32). Off: its vector
+    # kernel serves instead (node_manager/vllm_plugin.py; docs/design-notes.md#amx-attention).
     cpu_amx_attention: bool = False
     extra_args: list[str] = field(default_factory=list)  # appended to the vLLM server command line
     startup_timeout_s: float = 300.0

@@ -92,7 +92,8 @@ def tail_key(parent: BlockKey, token_ids: Sequence[int] | np.ndarray) -> BlockKe
     tokens, loads it instead of recomputing up to a block of tokens.
 
     The next turn's lookup does not know the earlier turn's tail length, and hashing every candidate
-    length cost it ~30 us of vLLM's scheduling step. So the key's first 8 bytes, which the block
+    length would cost vLLM's scheduling step too much (docs/design-notes.md#tail-keys). So the key's
+    first 8 bytes, which the block
     index keeps (its fingerprint, little-endian), are laid out for that lookup: `tail_mark(parent)`
     in the low 32 bits (every tail after `parent` has the same home slot in an index of fewer than
     2**32 slots), 16 bits of the hash over the tokens, and the token count in the top 16 bits. One

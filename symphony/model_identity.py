@@ -11,8 +11,8 @@ The fingerprint is sha256 over a canonical JSON of
   the connector copies (`symphony.kv_geometry.page_layout`), and the engine's other arguments save
   those known to leave KV alone (quantization, rope overrides, a revision, adapters all count).
 
-Hashing the weights costs a read of every byte (~0.2 s per 270 MB here, a minute or more for 100 GB),
-so each file's sha256 is cached beside the model (`.symphony-fingerprint.json`) with its size and
+Hashing the weights costs a read of every byte (docs/model-identity.md#cost-at-start), so each
+file's sha256 is cached beside the model (`.symphony-fingerprint.json`) with its size and
 mtime, and only a file whose size or mtime changed is hashed again. Where the model folder is read
 only, the cache lives under `<home>/models/fingerprints/`. A file rewritten in place with the same
 size and mtime is not noticed (as `make` would not notice it).

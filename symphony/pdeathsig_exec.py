@@ -3,15 +3,14 @@ SIGTERM when its parent dies, optionally at niceness N.
 
 Supervised children are started through this instead of with a `preexec_fn`: running Python code
 between fork and exec in a process that has gRPC threads runs gRPC's at-fork handlers in the child,
-which here aborted a freshly forked vLLM engine (SIGABRT, "epoll_wait error: Bad file descriptor").
-This costs one interpreter start per child, against an engine start of ~30 s.
+which can abort a freshly forked vLLM engine (docs/design-notes.md#supervised-children). This
+costs one interpreter start per child, against an engine start of ~30 s.
 
 Niceness is set twice, because a supervised child leads a session of its own (its process group
 is what gets stopped). With the kernel's autogroup scheduling on (the default of most desktop and
 many VM kernels), every session is one scheduling group: CPU is shared between groups first, and a
-process's niceness only weighs against others of its session. Measured on this 2-core host: a
-busy loop at niceness 19 in a session of its own got the same CPU as one at 0 in another (2.9 s
-each of 6 s). So the session's own group gets the niceness too (`/proc/self/autogroup`, writable
+process's niceness only weighs against others of its session (docs/design-notes.md#engine-niceness).
+So the session's own group gets the niceness too (`/proc/self/autogroup`, writable
 by the owner to lower priority); where there is no autogroup the file is absent and plain niceness
 is what counts.
 """

@@ -43,8 +43,8 @@ class EngineModel:
     # local CPU engine; 0 in the GPU presets, whose figures cover only the engine.
     request_overhead_ms: float = 0.0
     # Prefill attention, which grows with context: a prefilled token at position j costs this much
-    # more per 1,000 tokens of j (so an N-token prompt adds N^2 / 2000 of it). Seen on the CPU
-    # engine, where a 1,024-token prefill took ~40% longer than the linear fit of shorter ones.
+    # more per 1,000 tokens of j (so an N-token prompt adds N^2 / 2000 of it). Fitted by `bench
+    # calibrate` for the CPU engine (docs/benchmarks.md#bench-calibrate-and-bench-validate).
     prefill_ms_per_token_kilotoken: float = 0.0
     # Engines that share one host's cores and memory bandwidth (the local CPU cluster) slow each
     # other down: a step that starts while the host's other engines are stepping takes this much

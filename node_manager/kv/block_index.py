@@ -2,8 +2,7 @@
 
 For every new request, vLLM's scheduler asks the connector how many leading blocks of the request's
 history the node's tiers can load. Asked over the node-local channel, that question costs a wake-up
-of a node manager thread in the middle of vLLM's scheduling step: on the VMs we run on, 0.7 ms at the
-median and 4-5 ms at p99 with nothing else running (a client spinning for the reply did not help).
+of a node manager thread in the middle of vLLM's scheduling step (docs/design-notes.md#block-index).
 So the node manager publishes the set of complete blocks here, and the connector maps it and looks
 its request's block keys up itself (it computes them with the same chained hash).
 
@@ -212,8 +211,8 @@ class BlockIndexReader:
         return os.fstat(self._table.reader_fd).st_nlink == 0
 
     def leading(self, keys: Sequence[BlockKey]) -> int:
-        """How many of `keys`, from the first, the index holds. Many keys are looked up together:
-        measured ~1.1 us per key one by one, and ~20 us plus ~0.3 us per key together."""
+        """How many of `keys`, from the first, the index holds. Many keys are looked up together, as
+        one array operation with a fixed cost (docs/design-notes.md#block-index)."""
         if len(keys) < _BATCH_LOOKUP_MIN:
             find = self._table.find
             for count, key in enumerate(keys):

@@ -1,9 +1,8 @@
 """The page directory: for every (block, layer) page, which tiers hold a copy and where.
 
 One row per block key, one column per layer, in numpy tables. A load asks about ~64 blocks x 30
-layers at once; answering with whole-array operations costs microseconds per layer, where a dict of
-per-page objects cost ~50 us per layer to plan and as much again to finish, which was most of a
-DRAM load's time (the copies themselves run at memcpy speed). Pure bookkeeping: no locks, no I/O;
+layers at once; answering with whole-array operations costs microseconds per layer, far less than
+per-page objects (docs/design-notes.md#page-directory). Pure bookkeeping: no locks, no I/O;
 the store calls it under its lock.
 
 Bounded: a row lives only while some layer of its block has a copy in a tier (or is pinned), so

@@ -7,7 +7,7 @@ stripe, so a layer is ready as soon as every lane has passed it and both cores c
 
 Why lanes and not one thread per layer: on CPU, `torch` copies fan out over OpenMP, and a second
 thread starting OpenMP regions gives the process two thread teams on two cores; each region then
-pays a futex wake-up (measured: per-layer copies 1.5-2x slower). Lanes run torch single-threaded
+pays a futex wake-up (docs/design-notes.md#copy-lanes). Lanes run torch single-threaded
 (`single_threaded_torch`) and supply the parallelism themselves, which keeps layer copies at memcpy
 speed whatever the engine's own threads do.
 """

@@ -2,16 +2,16 @@
 
 `TieredStore` plans and pins such a load for all its layers at once (`PreparedDramLoad`); this
 module copies it. Each lane claims the next layer no lane has claimed yet, so a lane whose thread
-wakes late (0.1-0.3 ms here, against ~0.2 ms for one layer's copy) copies fewer layers instead of
-finishing last; a layer is delivered as soon as its copy is done, in layer order (`LayerwiseLoad`).
+wakes late copies fewer layers instead of finishing last; a layer is delivered as soon as its copy is
+done, in layer order (`LayerwiseLoad`).
 
 Why a path of its own: a resume from DRAM is bound by Python per layer, not by bytes. The general
 path (`StripedLoad`) builds a plan object, takes a lock twice and updates metrics for every layer,
-~80 us a layer on this machine; for 30 layers that is a third of the time a plain copy of the whole
-session takes. Here a layer costs one copy call and one future: every per-layer decision (runs of
-consecutive rows, byte addresses, results) is made up front or once per load, metrics are updated
-once per load, and CPU-to-CPU runs are copied with `memmove` on raw addresses (no tensor views;
-`ctypes` releases the GIL during the call, so both lanes copy at once).
+which over a session's layers adds a large fraction of a plain copy's time
+(docs/design-notes.md#dram-fast-path). Here a layer costs one copy call and one future: every
+per-layer decision (runs of consecutive rows, byte addresses, results) is made up front or once per
+load, metrics are updated once per load, and CPU-to-CPU runs are copied with `memmove` on raw
+addresses (no tensor views; `ctypes` releases the GIL during the call, so both lanes copy at once).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Raw TCP page stream between node managers: the data plane beside gRPC's control plane.
 
 gRPC's FetchPages carries pages in protobuf messages; each 4 MiB batch is serialized, framed by
-HTTP/2, and copied several times on both sides, which caps it near 0.3 GB/s on this kind of host.
+HTTP/2, and copied several times on both sides, which caps its throughput
+(docs/design-notes.md#page-stream).
 This stream carries the same content (pages in layer order, each with its xxh3 checksum) as fixed
 binary frames, so the sender writes staged pages straight from their tensors and the receiver reads
 them straight into tensors (`recv_into`), one kernel copy each way. gRPC stays the fallback: a peer
@@ -65,8 +66,8 @@ MAX_ERROR_BYTES = 4096
 _CONNECT_TIMEOUT_S = 2.0
 # Asked of the kernel for the receiving socket (it caps the request at net.core.rmem_max). The
 # receiver checksums and installs each frame before reading the next; with the default buffer the
-# sender stalls during that, with a few frames' room it keeps sending (measured on loopback: a 47 MB
-# pull's stream 32 -> 26 ms). Set before connecting, since TCP fixes its window scale at the handshake.
+# sender stalls during that, with a few frames' room it keeps sending (docs/design-notes.md#page-stream).
+# Set before connecting, since TCP fixes its window scale at the handshake.
 RECEIVE_BUFFER_BYTES = 16 << 20
 # Pages received before they are installed together: about eight SmolLM2 layers of a 2,048-token
 # session. Larger batches install no faster; smaller ones pay the per-install cost more often.
@@ -381,7 +382,7 @@ def _receive(
     stop: threading.Event,
 ) -> str:
     """Read frames into reserved DRAM slots until the sender's END. Each frame's pages are
-    checksummed as soon as they are in (still in the CPU cache: measured ~15% faster than later)
+    checksummed as soon as they are in, still in the CPU cache (docs/design-notes.md#page-stream),
     and installed a few layers at a time (one install for the layers of a block range costs about
     what one layer alone did). Whatever arrived whole is installed even when the stream breaks, so
     a cut transfer leaves a partial result and never a half-written page."""
@@ -442,8 +443,8 @@ def _receive_frames(
             raise
         outcome.received += count
         pending_pages += count
-        # Installed here, not on another thread: measured no faster on 2 cores (the GIL and the
-        # sender want the same CPUs), and while it runs the socket buffer keeps the sender going.
+        # Installed here: another thread gains nothing while the GIL and the sender want the same
+        # CPUs (docs/design-notes.md#page-stream), and meanwhile the socket buffer keeps the sender going.
         if pending_pages >= install_pages:
             _install(store, verified, outcome)
             pending_pages = 0
@@ -452,9 +453,8 @@ def _receive_frames(
 
 def _recv_checksummed(sock: socket.socket, store: TieredStore, reservation: PageReservation) -> list[int]:
     """Receive a reservation's pages into its DRAM slots and checksum each page as soon as it is
-    whole, while the bytes just written are likelier to be in the CPU cache. Measured on a 47 MB
-    pull: the checksums took 10-13 ms when run after each 4 MiB frame and 5-9 ms this way (noisy
-    host; the read size, 64 KiB to 4 MiB, made no difference beyond that noise)."""
+    whole, while the bytes just written are likelier to be in the CPU cache
+    (docs/design-notes.md#page-stream)."""
     page_bytes = store.geometry.page_bytes
     checksums: list[int] = []
     for view in store.reserved_views(reservation):

@@ -65,8 +65,8 @@ def _page_seed(block_key: BlockKey, layer: int) -> int:
 def page_checksum(block_key: BlockKey, layer: int, data: bytes | memoryview) -> int:
     """xxh3-64 of the page's bytes, seeded by a hash of (key, layer): a page copied to the wrong key or
     layer fails the check as surely as a flipped bit does. One-shot, not a streaming digest fed the
-    key, layer and bytes: the streaming path hashed 24 KiB pages at 7.3 GB/s here, the one-shot at
-    12.9 GB/s, and every SSD read and peer transfer checksums each page it delivers.
+    key, layer and bytes, which is slower (docs/design-notes.md#page-checksums), and every SSD read
+    and peer transfer checksums each page it delivers.
     `run_checksums` hashes runs of pages the same way (a test holds the two equal)."""
     return xxhash.xxh3_64_intdigest(data, _page_seed(block_key, layer))
 

@@ -106,9 +106,9 @@ def _populate(mapping: mmap.mmap, *, write: bool, required: bool) -> None:
     """Map every page of `mapping` into this process now, writable if `write`.
 
     Writable matters: pages populated for reading (what MAP_POPULATE does to a shared mapping) still
-    cost the first write to each of them (measured on a 64 MiB copy into /dev/shm: 13.8 ms against
-    7.2 ms once MADV_POPULATE_WRITE had mapped them). Kernels before 5.14 lack those advices; an
-    arena we create then gets one write per page instead (`required`), an attached one nothing.
+    cost the first write to each of them (docs/design-notes.md#dram-arena-population). Kernels
+    before 5.14 lack those advices; an arena we create then gets one write per page instead
+    (`required`), an attached one nothing.
     """
     advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
     try:
@@ -185,7 +185,7 @@ class DramArena:
                 ) from None
         else:
             # This process's own page tables: without them its first pass over each page faults
-            # (measured: a 64 MiB copy took 51 ms instead of 7).
+            # (docs/design-notes.md#dram-arena-population).
             _populate(self._mmap, write=writable, required=False)
         self._owner = create
         buffer = self._mmap if create or writable else memoryview(self._mmap)

@@ -3,9 +3,8 @@ session it holds only on disk to a peer (`transfer`), or any caller loading rows
 
 `TieredStore` plans and pins such a load for all its layers at once (`PreparedSsdLoad`); this module
 reads it. Why a path of its own, as `memory_load` is for DRAM: the general path (`StripedLoad`)
-plans, pins and finishes every layer under the store lock, and on this 2-core machine the lanes then
-spent about as long in that Python (waiting on the GIL the other lane held) as in their reads:
-profiled, ~0.3 ms of planning and finishing per layer of a 47 MB session, while the disk sat idle.
+plans, pins and finishes every layer under the store lock, and its lanes then wait on each other's
+GIL while the disk sits idle (docs/design-notes.md#ssd-load-path).
 
 Here a layer costs its reads, its checksums and one future. The first layer is read alone, so a
 consumer waiting on it does not share the disk with the rest of the session; once it is delivered

@@ -283,9 +283,8 @@ class SsdTier:
 
         Pages go to the device with O_DIRECT where the file system takes it: a buffered write first
         copies every byte into the page cache and then waits for writeback at fsync, which costs a
-        core on this 2-core host while the DRAM saves it trails need both (measured: 7 buffered
-        segments of a 47 MB session took 76 ms against 50 ms for one plain write + fsync, the same
-        segments with O_DIRECT 50 ms). A file system that refuses it (tmpfs) gets buffered writes."""
+        core that the DRAM saves it trails need too (docs/design-notes.md#ssd-direct-io). A file
+        system that refuses it (tmpfs) gets buffered writes."""
         final = self.directory / segment_name(seq)
         tmp = final.with_suffix(TMP_SUFFIX)
         header = encode_header(seq, self.page_bytes, self.model, entries)
