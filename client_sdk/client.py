@@ -22,9 +22,10 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 SESSION_HEADER = "X-Session-ID"
@@ -39,6 +40,11 @@ class Advisory:
     node: str | None  # None under a policy that ignores advisories
     expected_arrival_ms: int | None
     expires_in_ms: int
+
+
+def _message_params(messages: Iterable[dict[str, Any]]) -> list[ChatCompletionMessageParam]:
+    """Plain message dicts as openai's typed params; openai and the scheduler check their content."""
+    return cast("list[ChatCompletionMessageParam]", list(messages))
 
 
 def _api_root(base_url: str) -> str:
@@ -128,8 +134,8 @@ class SymphonyClient:
         headers = _session_headers(kwargs, session_id)
         self._typing.forget(session_id)
         return self.openai.chat.completions.create(
-            messages=list(messages),
-            stream=stream,  # type: ignore[call-overload]
+            messages=_message_params(messages),
+            stream=stream,
             extra_headers=headers,
             **kwargs,
         )
@@ -207,8 +213,8 @@ class AsyncSymphonyClient:
         headers = _session_headers(kwargs, session_id)
         self._typing.forget(session_id)
         return await self.openai.chat.completions.create(
-            messages=list(messages),
-            stream=stream,  # type: ignore[call-overload]
+            messages=_message_params(messages),
+            stream=stream,
             extra_headers=headers,
             **kwargs,
         )
@@ -265,14 +271,15 @@ class AdminClient:
 
     def set_priority(self, tenant: str, priority: str, *, session_id: str | None = None) -> dict[str, Any]:
         """priority: "high", "normal" or "low"; for the whole tenant, or one of its sessions."""
-        return self.openai.put(
+        reply = self.openai.put(
             "/priorities",
-            cast_to=object,  # type: ignore[return-value]
+            cast_to=object,
             body={"tenant": tenant, "session_id": session_id, "priority": priority},
         )
+        return cast("dict[str, Any]", reply)
 
     def priorities(self) -> dict[str, Any]:
-        return self.openai.get("/priorities", cast_to=object)  # type: ignore[return-value]
+        return cast("dict[str, Any]", self.openai.get("/priorities", cast_to=object))
 
     def close(self) -> None:
         self.openai.close()
@@ -287,14 +294,15 @@ class AsyncAdminClient:
         self.openai = openai.AsyncOpenAI(**kwargs)
 
     async def set_priority(self, tenant: str, priority: str, *, session_id: str | None = None) -> dict[str, Any]:
-        return await self.openai.put(
+        reply = await self.openai.put(
             "/priorities",
-            cast_to=object,  # type: ignore[return-value]
+            cast_to=object,
             body={"tenant": tenant, "session_id": session_id, "priority": priority},
         )
+        return cast("dict[str, Any]", reply)
 
     async def priorities(self) -> dict[str, Any]:
-        return await self.openai.get("/priorities", cast_to=object)  # type: ignore[return-value]
+        return cast("dict[str, Any]", await self.openai.get("/priorities", cast_to=object))
 
     async def close(self) -> None:
         await self.openai.close()

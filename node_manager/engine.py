@@ -24,9 +24,9 @@ from symphony.rpc import node_pb2
 
 log = get_logger(__name__)
 # prometheus_client's filter: only the gauges the scheduler routes on (see Engine._read_load).
-_LOAD_GAUGE_QUERY = [("name[]", name) for name in (RUNNING, WAITING, KV_USAGE)]
+_LOAD_GAUGE_QUERY = httpx.QueryParams([("name[]", name) for name in (RUNNING, WAITING, KV_USAGE)])
 
-_STATE_TO_PROTO = {
+_STATE_TO_PROTO: dict[ProcessState, node_pb2.EngineState] = {
     ProcessState.STARTING: node_pb2.ENGINE_STATE_STARTING,
     ProcessState.READY: node_pb2.ENGINE_STATE_READY,
     ProcessState.RESTARTING: node_pb2.ENGINE_STATE_RESTARTING,
@@ -163,7 +163,7 @@ class Engine:
         self._scrape_task: asyncio.Task[None] | None = None
 
     @property
-    def state(self) -> int:
+    def state(self) -> node_pb2.EngineState:
         return _STATE_TO_PROTO[self.process.state]
 
     def metrics_age_ms(self) -> int:

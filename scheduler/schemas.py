@@ -116,7 +116,7 @@ def _path(body: Any, loc: tuple[str | int, ...]) -> list[str | int]:
             isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)
         )
         if inside:
-            value = value[part]  # type: ignore[index]
+            value = value[part]
         elif not (i == len(loc) - 1 and isinstance(value, dict) and isinstance(part, str) and not _names_a_form(part)):
             continue  # a union member's name, not a step into the value
         # (else: a required field the client left out, named though absent)

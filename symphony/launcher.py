@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 import httpx
@@ -127,11 +127,14 @@ class LocalCluster:
         except httpx.HTTPError:
             return False
 
-    async def _readiness(self) -> dict[str, object] | None:
+    async def _node_readiness(self) -> dict[str, dict[str, Any]] | None:
+        """/readyz's per-node part; None while the scheduler does not answer it."""
         try:
-            return (await self._http.get(self.config.scheduler_url + "/readyz")).json()
+            ready = (await self._http.get(self.config.scheduler_url + "/readyz")).json()
         except (httpx.HTTPError, ValueError):
             return None
+        nodes = ready.get("nodes") if isinstance(ready, dict) else None
+        return nodes if isinstance(nodes, dict) else {}
 
     async def wait_ready(self, stop: asyncio.Event) -> bool:
         """Wait until every node's engine is ready, drawing a progress line; False if it cannot be."""
@@ -145,9 +148,8 @@ class LocalCluster:
             if failed:
                 self.say(f"\n{', '.join(failed)} failed to start; see logs in {self.logs_dir}")
                 return False
-            ready = await self._readiness()
-            states = ready.get("nodes", {}) if ready else {}
-            node_states = {name: info.get("state", "?") for name, info in states.items()}  # type: ignore[union-attr]
+            states = await self._node_readiness() or {}
+            node_states = {name: info.get("state", "?") for name, info in states.items()}
             ready_count = sum(1 for s in node_states.values() if s == "ready")
             if ready_count == self.config.cluster.nodes:
                 if tty:
@@ -202,8 +204,7 @@ class LocalCluster:
         """While up: report node engine state changes (restarts) until asked to stop."""
         last: dict[str, tuple[object, object]] = {}
         while not stop.is_set():
-            ready = await self._readiness()
-            for name, info in (ready or {}).get("nodes", {}).items():  # type: ignore[union-attr]
+            for name, info in (await self._node_readiness() or {}).items():
                 current = (info.get("state"), info.get("engine_restarts"))
                 if name in last and current != last[name]:
                     error = info.get("last_engine_error") or ""

@@ -233,7 +233,7 @@ def _convert(gguf: Path, out_dir: Path, progress: Progress) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
     # transformers refuses to save a model loaded through the GGUF quantizer until it is detached;
     # the weights are already dequantized to bf16 at this point.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # declared without None; None is what it checks
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     progress(f"  loaded in {time.monotonic() - started:.0f}s; writing {out_dir.name}")

@@ -25,7 +25,7 @@ class Priority(StrEnum):
         return _RANK[self]
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> kv_pb2.Priority:
         """The `symphony.v1.Priority` value."""
         return _TO_PROTO[self]
 
@@ -46,9 +46,9 @@ class Priority(StrEnum):
 PRIORITIES: tuple[Priority, ...] = tuple(Priority)  # in rank order
 NAMES: tuple[str, ...] = tuple(p.value for p in PRIORITIES)
 _RANK = {p: rank for rank, p in enumerate(PRIORITIES)}
-_TO_PROTO = {
+_TO_PROTO: dict[Priority, kv_pb2.Priority] = {
     Priority.LOW: kv_pb2.PRIORITY_LOW,
     Priority.NORMAL: kv_pb2.PRIORITY_NORMAL,
     Priority.HIGH: kv_pb2.PRIORITY_HIGH,
 }
-_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
+_FROM_PROTO: dict[int, Priority] = {v: k for k, v in _TO_PROTO.items()}

@@ -29,7 +29,7 @@ def proto_sources(proto_root: Path = PROTO_ROOT) -> list[Path]:
 def generate(output_root: Path = OUTPUT_ROOT, proto_root: Path = PROTO_ROOT) -> list[Path]:
     """Compile every .proto under proto_root; return the generated files."""
     try:
-        from grpc_tools import protoc
+        from grpc_tools import protoc  # type: ignore[import-untyped]  # grpcio-tools ships no types
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("grpcio-tools is required to generate the gRPC stubs: pip install grpcio-tools") from exc
     import grpc_tools

@@ -101,9 +101,9 @@ class HistoryLookup:
                     break
                 held.append(key)
         self._remember(tenant, session, tokens[: len(held) * self._block_size], tuple(held))
-        tail, key = self._held_tail(index, tenant, tokens, held)
-        if key is not None:
-            return HeldHistory(len(held) + 1, (*held, key), tail)
+        tail, tail_key = self._held_tail(index, tenant, tokens, held)
+        if tail_key is not None:
+            return HeldHistory(len(held) + 1, (*held, tail_key), tail)
         return HeldHistory(len(held), tuple(held))
 
     def _held_tail(

@@ -15,7 +15,7 @@ from the middle of a block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -140,8 +140,8 @@ class ConnectorPlanner:
         self,
         new: Sequence[tuple[str, Sequence[int]]],
         cached: Sequence[tuple[str, Sequence[int] | None, bool]],
-        computed_after: dict[str, int],
-        tokens_of: dict[str, Sequence[int]],
+        computed_after: Mapping[str, int],
+        tokens_of: Mapping[str, Sequence[int]],
     ) -> StepPlan:
         """The loads and saves of one scheduled step.
 

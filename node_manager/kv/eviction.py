@@ -11,13 +11,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from node_manager.kv.pages import Priority
 
-Evictable = Callable[[Hashable], bool]
+K = TypeVar("K", bound=Hashable)  # what a tier evicts: a page id, a segment number
+Evictable = Callable[[K], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +30,13 @@ class PageMeta:
     priority: Priority = Priority.NORMAL
 
 
-class EvictionPolicy(Protocol):
-    def insert(self, item: Hashable, meta: PageMeta) -> None: ...
-    def insert_many(self, items: list[Hashable], meta: PageMeta) -> None: ...
-    def touch(self, item: Hashable) -> None: ...
-    def touch_many(self, items: list[Hashable]) -> None: ...
-    def remove(self, item: Hashable) -> None: ...
-    def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None: ...
+class EvictionPolicy(Protocol[K]):
+    def insert(self, item: K, meta: PageMeta) -> None: ...
+    def insert_many(self, items: Sequence[K], meta: PageMeta) -> None: ...
+    def touch(self, item: K) -> None: ...
+    def touch_many(self, items: Sequence[K]) -> None: ...
+    def remove(self, item: K) -> None: ...
+    def victims(self, count: int, evictable: Evictable[K]) -> list[K] | None: ...
     def __len__(self) -> int: ...
 
 
@@ -46,40 +47,40 @@ def session_yield_key(priority: Priority, size: int) -> tuple[int, int]:
     return int(priority), size
 
 
-def _take(candidates: Iterator[Hashable], count: int, evictable: Evictable) -> list[Hashable] | None:
+def _take(candidates: Iterator[K], count: int, evictable: Evictable[K]) -> list[K] | None:
     chosen = list(itertools.islice((c for c in candidates if evictable(c)), count))
     return chosen if len(chosen) == count else None
 
 
-class LRUPolicy:
+class LRUPolicy(Generic[K]):
     """Least recently used first (the SSD tier, per segment)."""
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._order: OrderedDict[K, None] = OrderedDict()
 
-    def insert(self, item: Hashable, meta: PageMeta | None = None) -> None:
+    def insert(self, item: K, meta: PageMeta | None = None) -> None:
         self._order[item] = None
         self._order.move_to_end(item)
 
-    def insert_many(self, items: list[Hashable], meta: PageMeta | None = None) -> None:
+    def insert_many(self, items: Sequence[K], meta: PageMeta | None = None) -> None:
         for item in items:
             self.insert(item, meta)
 
-    def touch(self, item: Hashable) -> None:
+    def touch(self, item: K) -> None:
         if item in self._order:
             self._order.move_to_end(item)
 
-    def touch_many(self, items: list[Hashable]) -> None:
+    def touch_many(self, items: Sequence[K]) -> None:
         for item in items:
             self.touch(item)
 
-    def remove(self, item: Hashable) -> None:
+    def remove(self, item: K) -> None:
         self._order.pop(item, None)
 
-    def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None:
+    def victims(self, count: int, evictable: Evictable[K]) -> list[K] | None:
         return _take(iter(self._order), count, evictable)
 
-    def oldest_first(self) -> list[Hashable]:
+    def oldest_first(self) -> list[K]:
         """A snapshot, least recently used first (for callers that evict by size, not count)."""
         return list(self._order)
 
@@ -87,7 +88,7 @@ class LRUPolicy:
         return len(self._order)
 
 
-class PriorityLRUPolicy:
+class PriorityLRUPolicy(Generic[K]):
     """LRU weighted by priority tier (the DRAM tier).
 
     A page's eviction age is its last use minus a per-priority credit: a high-priority page is
@@ -98,16 +99,16 @@ class PriorityLRUPolicy:
 
     def __init__(self, credit: dict[Priority, int] | None = None) -> None:
         self._credit = credit or {Priority.LOW: 0, Priority.NORMAL: 10_000, Priority.HIGH: 40_000}
-        self._lists: dict[Priority, OrderedDict[Hashable, int]] = {p: OrderedDict() for p in Priority}
-        self._priority_of: dict[Hashable, Priority] = {}
+        self._lists: dict[Priority, OrderedDict[K, int]] = {p: OrderedDict() for p in Priority}
+        self._priority_of: dict[K, Priority] = {}
         self._clock = itertools.count()
 
-    def insert(self, item: Hashable, meta: PageMeta) -> None:
+    def insert(self, item: K, meta: PageMeta) -> None:
         self.remove(item)
         self._priority_of[item] = meta.priority
         self._lists[meta.priority][item] = next(self._clock)
 
-    def insert_many(self, items: list[Hashable], meta: PageMeta) -> None:
+    def insert_many(self, items: Sequence[K], meta: PageMeta) -> None:
         """`insert` for each item in order; a save inserts a layer's ~64 pages, so the lookups are hoisted."""
         priority_of, lists, clock = self._priority_of, self._lists, self._clock
         entries = lists[meta.priority]
@@ -118,14 +119,14 @@ class PriorityLRUPolicy:
             priority_of[item] = meta.priority
             entries[item] = next(clock)
 
-    def touch(self, item: Hashable) -> None:
+    def touch(self, item: K) -> None:
         priority = self._priority_of.get(item)
         if priority is not None:
             entries = self._lists[priority]
             entries[item] = next(self._clock)
             entries.move_to_end(item)
 
-    def touch_many(self, items: list[Hashable]) -> None:
+    def touch_many(self, items: Sequence[K]) -> None:
         """`touch` for each item in order; a load touches ~64 pages per layer, so the lookups are hoisted."""
         priority_of, lists, clock = self._priority_of.get, self._lists, self._clock
         for item in items:
@@ -135,30 +136,30 @@ class PriorityLRUPolicy:
                 entries[item] = next(clock)
                 entries.move_to_end(item)
 
-    def remove(self, item: Hashable) -> None:
+    def remove(self, item: K) -> None:
         priority = self._priority_of.pop(item, None)
         if priority is not None:
             del self._lists[priority][item]
 
     @staticmethod
-    def _credited(entries: OrderedDict[Hashable, int], credit: int) -> Iterator[tuple[int, Hashable]]:
+    def _credited(entries: OrderedDict[K, int], credit: int) -> Iterator[tuple[int, K]]:
         # A function, not a generator expression in a comprehension: the credit must bind per list now,
         # not when heapq.merge first pulls from the stream (by then the loop variable is the last priority).
         return ((tick + credit, item) for item, tick in entries.items())
 
-    def _oldest_first(self) -> Iterator[Hashable]:
+    def _oldest_first(self) -> Iterator[K]:
         streams = [self._credited(entries, self._credit[p]) for p, entries in self._lists.items()]
         for _, item in heapq.merge(*streams, key=lambda pair: pair[0]):
             yield item
 
-    def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None:
+    def victims(self, count: int, evictable: Evictable[K]) -> list[K] | None:
         return _take(self._oldest_first(), count, evictable)
 
     def __len__(self) -> int:
         return len(self._priority_of)
 
 
-class TopTierYieldPolicy:
+class TopTierYieldPolicy(Generic[K]):
     """Symphony's yielding order for staged top-tier KV.
 
     Lower priority tiers go before higher ones; within a priority, later layers before earlier ones
@@ -170,26 +171,26 @@ class TopTierYieldPolicy:
 
     def __init__(self, session_size: Callable[[Hashable], int]) -> None:
         self._session_size = session_size
-        self._buckets: dict[tuple[Priority, int], dict[Hashable, dict[Hashable, None]]] = {}
-        self._meta: dict[Hashable, PageMeta] = {}
+        self._buckets: dict[tuple[Priority, int], dict[Hashable, dict[K, None]]] = {}
+        self._meta: dict[K, PageMeta] = {}
 
-    def insert(self, item: Hashable, meta: PageMeta) -> None:
+    def insert(self, item: K, meta: PageMeta) -> None:
         self.remove(item)
         self._meta[item] = meta
         bucket = self._buckets.setdefault((meta.priority, meta.layer), {})
         bucket.setdefault(meta.session, {})[item] = None
 
-    def insert_many(self, items: list[Hashable], meta: PageMeta) -> None:
+    def insert_many(self, items: Sequence[K], meta: PageMeta) -> None:
         for item in items:
             self.insert(item, meta)
 
-    def touch(self, item: Hashable) -> None:
+    def touch(self, item: K) -> None:
         """Recency plays no part in this order."""
 
-    def touch_many(self, items: list[Hashable]) -> None:
+    def touch_many(self, items: Sequence[K]) -> None:
         """Recency plays no part in this order."""
 
-    def remove(self, item: Hashable) -> None:
+    def remove(self, item: K) -> None:
         meta = self._meta.pop(item, None)
         if meta is None:
             return
@@ -202,14 +203,14 @@ class TopTierYieldPolicy:
             if not sessions:
                 del self._buckets[key]
 
-    def _in_order(self) -> Iterator[Hashable]:
+    def _in_order(self) -> Iterator[K]:
         for key in sorted(self._buckets, key=lambda k: (k[0], -k[1])):
             sessions = self._buckets.get(key, {})
             priority = key[0]
             for session in sorted(sessions, key=lambda s: session_yield_key(priority, self._session_size(s))):
                 yield from list(sessions.get(session, ()))
 
-    def victims(self, count: int, evictable: Evictable) -> list[Hashable] | None:
+    def victims(self, count: int, evictable: Evictable[K]) -> list[K] | None:
         return _take(self._in_order(), count, evictable)
 
     def __len__(self) -> int:

@@ -13,7 +13,7 @@ import array
 import json
 import socket
 import struct
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -59,10 +59,15 @@ def recv(sock: socket.socket) -> tuple[dict[str, Any], bytes] | None:
         raise ProtocolError(f"frame header is not JSON: {exc}") from None
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise ProtocolError("frame header has no 'op'")
-    return message, payload  # type: ignore[return-value]
+    return message, payload
 
 
+@overload
+def _recv_exact(sock: socket.socket, count: int, allow_eof: Literal[False] = False) -> bytes: ...
+@overload
+def _recv_exact(sock: socket.socket, count: int, allow_eof: bool) -> bytes | None: ...
 def _recv_exact(sock: socket.socket, count: int, allow_eof: bool = False) -> bytes | None:
+    """`count` bytes; None only with `allow_eof`, for a peer that closed before sending any."""
     buffer = bytearray(count)
     view = memoryview(buffer)
     got = 0

@@ -149,13 +149,12 @@ class PageStreamServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            request = _read_request(conn)
+            asked = _read_request(conn)
             # Before anything of the session goes out.
-            self._store.check_model(request.model_fingerprint, "sender")
-            if request.with_session:
-                request = self._describe_session(conn, request)
-                if request is None:
-                    return  # the receiver needed no pages
+            self._store.check_model(asked.model_fingerprint, "sender")
+            request = self._describe_session(conn, asked) if asked.with_session else asked
+            if request is None:
+                return  # the receiver needed no pages
             self._send_pages(conn, request)
             conn.sendall(_end_frame(""))
         except (KVStoreError, ProtocolError, ValueError, TimeoutError, concurrent.futures.TimeoutError) as exc:
@@ -228,7 +227,7 @@ class PageStreamServer:
         try:
             for layer in range(store.geometry.num_layers):
                 result = handle.layer_ready(layer).result(self._timeout_s)
-                data = memoryview(staging[layer].numpy()).cast("B")
+                data = staging[layer].numpy().data.cast("B")
                 for start, stop in loaded_runs(result, chunk_start, count, per_message):
                     self._send_header(conn, layer, chunk_start + start, checksums[start:stop, layer])
                     conn.sendall(data[start * page_bytes : stop * page_bytes])
@@ -328,9 +327,10 @@ def fetch_pages(
             outcome.status, outcome.error = _read_session(sock)
             if outcome.status is None:
                 return outcome
-            request = plan(outcome.status)
-            if request is None:
+            planned = plan(outcome.status)
+            if planned is None:
                 return outcome  # closing the socket tells the sender
+            request = planned
             _send_request(sock, request)
         outcome.error = _receive(sock, store, request, outcome, stop or threading.Event())
     except (OSError, ProtocolError, KVStoreError, ValueError) as exc:

@@ -11,6 +11,7 @@ import xxhash
 from symphony.kv_addressing import BlockKey
 from symphony.priority import PRIORITIES
 from symphony.priority import Priority as SessionPriority
+from symphony.rpc import kv_pb2
 
 PageId = tuple[BlockKey, int]  # (block key, layer)
 
@@ -40,7 +41,7 @@ class Priority(enum.IntEnum):
         return PRIORITIES[self.value]
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> kv_pb2.Priority:
         """The `symphony.v1.Priority` value."""
         return self.tier.proto
 

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import cast
 
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import Priority, Tier
@@ -43,9 +44,9 @@ class PrefetchState(StrEnum):
     FAILED = "failed"
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> kv_pb2.PrefetchState:
         """The `symphony.v1.PrefetchState` value."""
-        return int(kv_pb2.PrefetchState.Value(f"PREFETCH_STATE_{self.name}"))
+        return cast("kv_pb2.PrefetchState", kv_pb2.PrefetchState.Value(f"PREFETCH_STATE_{self.name}"))
 
 
 QUEUED, RUNNING, DONE, PARTIAL, CANCELLED, FAILED = PrefetchState
@@ -253,7 +254,7 @@ class PrefetchQueue:
         outcome = await self._warm(tenant, session_id, record.token_ids.tolist(), job.engine_salt, record.priority)
         job.engine_cached_tokens, job.engine_note = outcome.cached_tokens, outcome.note
 
-    def _finish(self, job: PrefetchJob, state: str) -> None:
+    def _finish(self, job: PrefetchJob, state: PrefetchState) -> None:
         job.state = state
         now = time.monotonic()
         job.lead_time_s = job.deadline - now

@@ -120,7 +120,7 @@ class SsdTier:
         self.other_model_segments = 0  # kept segments of other models on disk (not loaded)
         self.segments: dict[int, Segment] = {}
         self.used_bytes = 0  # bytes of committed segments plus reservations
-        self._lru = LRUPolicy()
+        self._lru: LRUPolicy[int] = LRUPolicy()  # segment numbers
         self._next_seq = 1
         self._direct = direct_io and page_bytes % ALIGN == 0 and hasattr(os, "O_DIRECT")
         self.directory.mkdir(parents=True, exist_ok=True)
