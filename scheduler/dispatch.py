@@ -13,21 +13,22 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import aiohttp
 from fastapi.responses import Response
 
 from scheduler.advisories import AdvisoryTable
 from scheduler.auth import engine_cache_salt
+from scheduler.decisions import PullRule, QueueFull, Routing, advisory_choice, rooms
 from scheduler.errors import ApiError, error_response
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor, NodeView
 from scheduler.prefetcher import Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
-from scheduler.push_queue import PushQueue, QueueFull
+from scheduler.push_queue import PushQueue
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
-from scheduler.routing import NodeSnapshot, RouteDecision, RouteRequest, RoutingPolicy, advisory_holds, kv_source
+from scheduler.routing import NodeSnapshot, RouteRequest, RoutingPolicy, kv_source
 from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
@@ -52,12 +53,6 @@ _UNREACHABLE_HOLD_S = 1.0
 # for the same history within it moves nothing. Short, because the node may evict the KV later
 # (the request then loads it from a lower tier, as without an advisory).
 MOVE_FRESH_S = 10.0
-
-
-def _unqueued(policy: RoutingPolicy, request: RouteRequest, nodes: list[NodeSnapshot]) -> RouteDecision:
-    """The policy's choice with selective pushing set aside (an advisory reserves no slot)."""
-    pretend = [replace(n, waiting=0) for n in nodes]
-    return policy.choose(request, pretend)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +82,7 @@ class Dispatcher:
         self.sessions = sessions if sessions is not None else SessionTable(config.max_sessions, config.session_ttl_s)
         self.priorities = priorities if priorities is not None else PriorityTable(config.max_priority_settings)
         self.queue = PushQueue(config.max_queued_requests)
+        self.pulls = PullRule(config.route_pull_wait_ms, config.route_pull_min_tokens)
         self.prefetcher = Prefetcher(self._kv_stub, metrics, config.max_prefetches, self._moved)
         self.prefetches: OrderedDict[SessionKey, Prefetch] = OrderedDict()  # the latest per advised session
         self.inflight_total = 0
@@ -166,27 +162,22 @@ class Dispatcher:
     async def _route(
         self, request: RouteRequest, exclude: set[str], advised_node: str | None, wait_until: float
     ) -> Route:
-        """The node for `request`: its advised node if that can serve, else the policy's choice. When
-        the policy holds it back (selective pushing), it waits for room until `wait_until`."""
-        requeued = rerouted = False
+        """The node for `request` (`Routing.attempt`). When the policy holds it back (selective
+        pushing), it waits for room until `wait_until`."""
+        routing = Routing(request, advised_node)
+        requeued = False
         while True:
             if not requeued and self.queue.ahead_of(request.priority):
                 # Held requests of this tier or above go first (FIFO within a tier): a newcomer
                 # must not take the node that frees up for them.
                 await self._wait_for_room(request.priority, wait_until, requeued)
                 requeued = True
-            nodes = self._snapshot(request.model, exclude)
-            if advised_node is not None:
-                if advisory_holds(advised_node, nodes):
-                    self.metrics.advisory_followups.labels("honored").inc()
-                    return Route(self._node(advised_node), "advisory")
-                self.metrics.advisory_followups.labels("rerouted").inc()
-                advised_node, rerouted = None, True
-            decision = self.policy.choose(request, nodes)
-            if decision.node_id is not None:
-                reason = f"{decision.reason}_after_advisory" if rerouted else decision.reason
-                return Route(self._node(decision.node_id), reason)
-            if not decision.queue:
+            placement = routing.attempt(self.policy, self._snapshot(request.model, exclude))
+            if placement.followup is not None:
+                self.metrics.advisory_followups.labels(placement.followup).inc()
+            if placement.node_id is not None:
+                return Route(self._node(placement.node_id), placement.reason)
+            if not placement.queue:
                 raise self._no_engine(request.model)
             await self._wait_for_room(request.priority, wait_until, requeued)
             requeued = True
@@ -224,10 +215,8 @@ class Dispatcher:
         again as there are nodes with nothing waiting."""
         if not len(self.queue):
             return
-        free = sum(
-            1 for n in self.cluster.nodes if n.available(time.monotonic(), self.cluster.down_after_s) and n.waiting == 0
-        )
-        self.queue.wake(free)
+        now = time.monotonic()
+        self.queue.wake(rooms(n.snapshot(now, self.cluster.down_after_s) for n in self.cluster.nodes))
 
     def _node(self, node_id: str | None) -> NodeView:
         node = self.cluster.by_id(node_id) if node_id is not None else None
@@ -244,25 +233,16 @@ class Dispatcher:
             # A baseline without advisories: accepted (clients need not know the policy), no effect.
             self.metrics.advisories.labels(advisory.kind, "ignored").inc()
             return self._advisory_reply(advisory, None, self.config.advisory_ttl_s * 1000)
-        route = self._route_now(request)
-        if previous is not None and previous.node_id != route.node.node_id:
-            log.debug(
-                "advisory moved session", session=advisory.session_id, old=previous.node_id, new=route.node.node_id
-            )
-        entry = self.advisories.put(key, advisory.kind, route.node.node_id, advisory.expected_arrival_ms)
-        self.metrics.advisories.labels(advisory.kind, "routed").inc()
-        self._prefetch(key, request, route.node.node_id, advisory.expected_arrival_ms)
-        return self._advisory_reply(advisory, route.node.node_id, (entry.expires_at - entry.created_at) * 1000)
-
-    def _route_now(self, request: RouteRequest) -> Route:
-        """An advisory's node: it reserves no slot, so selective pushing does not hold it back."""
-        nodes = self._snapshot(request.model, set())
-        decision = self.policy.choose(request, nodes)
-        if decision.queue:
-            decision = _unqueued(self.policy, request, nodes)
+        decision = advisory_choice(self.policy, request, self._snapshot(request.model, set()))
         if decision.node_id is None:
             raise self._no_engine(request.model)
-        return Route(self._node(decision.node_id), decision.reason)
+        node_id = self._node(decision.node_id).node_id
+        if previous is not None and previous.node_id != node_id:
+            log.debug("advisory moved session", session=advisory.session_id, old=previous.node_id, new=node_id)
+        entry = self.advisories.put(key, advisory.kind, node_id, advisory.expected_arrival_ms)
+        self.metrics.advisories.labels(advisory.kind, "routed").inc()
+        self._prefetch(key, request, node_id, advisory.expected_arrival_ms)
+        return self._advisory_reply(advisory, node_id, (entry.expires_at - entry.created_at) * 1000)
 
     def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, expected_arrival_ms: int | None) -> bool:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
@@ -394,28 +374,16 @@ class Dispatcher:
         raise ApiError(503, f"the engine could not be reached ({last_error}); retry shortly", code="engine_unreachable")
 
     async def _pull_for_request(self, key: SessionKey, request: RouteRequest, node_id: str) -> None:
-        """The request goes to a node holding less of its session's KV than another node does: no
-        advisory moved it there (none came, or the advised node got a queue), or the advisory's move
-        is still under way (an advisory that came moments before its request; measured: a turn sent
-        0.4 s after its advisory recomputed its whole 949-token history while the move ran). Pull the
-        KV over first, waiting at most `route_pull_wait_ms`; the node joins a pull of the session that
-        is already running (`PeerPuller.pull`). Recomputing the history would cost the engine far
-        more (~10 ms per token on a CPU engine, against ~0.05 ms to pull it). A pull that fails or
-        runs late costs only the wait: the engine recomputes whatever did not arrive."""
-        wait_ms = self.config.route_pull_wait_ms
-        if not self.policy.traits.prefetch_on_advisory or wait_ms <= 0:
+        """Wait for the pull `self.pulls` plans for a request routed to `node_id` (from a reachable node
+        serving the same model); the node joins a pull of the session already running
+        (`PeerPuller.pull`). A pull that fails or runs late costs only the wait: the engine
+        recomputes whatever did not arrive."""
+        copies = self._same_model_copies(request.kv_tokens, node_id)
+        pull = self.pulls.plan(self.policy.traits, copies, node_id, self._reachable)
+        if pull is None:
             return
-        source = kv_source(
-            self._same_model_copies(request.kv_tokens, node_id),
-            node_id,
-            self.config.route_pull_min_tokens,
-            self._reachable,
-        )
-        if source is None:
-            return
-        prefetch = self.prefetcher.start(
-            key, node_id, self._node(source[0]).address, wait_ms, request.priority, source[1], target="dram"
-        )
+        address, wait_ms = self._node(pull.source).address, int(pull.wait_ms)
+        prefetch = self.prefetcher.start(key, node_id, address, wait_ms, request.priority, pull.tokens, target="dram")
         if prefetch is None or prefetch.task is None:
             self.metrics.route_pulls.labels("not_started").inc()
             return

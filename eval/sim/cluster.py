@@ -9,9 +9,11 @@ on that node: history a move brought, or its last turn left there. As in the sch
 sent to a node that lacks its KV (no advisory moved it there, or the advisory's move is still under
 way) first waits for a pull (bounded), which joins the move if one runs.
 
-Selective pushing: a decision that says "queue" parks the request in the scheduler's queue (FIFO
-within a priority tier, as the scheduler's `PushQueue`); parked requests are routed again whenever
-an engine step ends.
+Every decision the scheduler makes is made here by the same code, `scheduler.decisions`: the
+advisory's node, where a request goes, the pull it waits for, and the held-back queue of selective
+pushing, whose requests get another try (one per node with nothing waiting, as the scheduler wakes
+them) whenever an engine step ends. The snapshots those decisions read also count what the
+scheduler counts: announced advisories and each node's high-priority sessions.
 
 Kept simple on purpose, and said so: a node's tiers keep every session's KV that reached it (assumed
 large enough), a move's time is the history's bytes over the link's bandwidth plus its RTT, and KV
@@ -25,20 +27,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
-from scheduler.routing import (
-    PRIORITIES,
-    PRIORITY_RANK,
-    NodeSnapshot,
-    RouteRequest,
-    RoutingPolicy,
-    advisory_holds,
-    kv_source,
-)
+from scheduler.decisions import HeldQueue, PullRule, QueueFull, Routing, advisory_choice, rooms
+from scheduler.routing import PRIORITY_RANK, NodeSnapshot, RouteRequest, RoutingPolicy, kv_source
 from symphony.config import SchedulerConfig
 
 _SCHEDULER = SchedulerConfig()  # the scheduler's defaults, which the simulated one follows
@@ -93,6 +88,15 @@ class Script:
     after: Script | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A request on its way to a node (held back, or being routed)."""
+
+    request: SimRequest
+    turn: Turn
+    routing: Routing
+
+
 @dataclass(slots=True)
 class SimResult:
     requests: list[SimRequest]
@@ -110,10 +114,10 @@ class ClusterSim:
         engine_priority_scheduling: bool = False,
         route_pull_wait_ms: float = _SCHEDULER.route_pull_wait_ms,
         route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens,
+        max_queued_requests: int = _SCHEDULER.max_queued_requests,
     ) -> None:
         self.policy = policy
-        self.route_pull_wait_ms = route_pull_wait_ms
-        self.route_pull_min_tokens = route_pull_min_tokens
+        self.pulls = PullRule(route_pull_wait_ms, route_pull_min_tokens)
         self.engines = {
             node_id: SimEngine(node_id, model, engine_priority_scheduling) for node_id, model in engines.items()
         }
@@ -128,9 +132,12 @@ class ClusterSim:
         self._advised: dict[str, str] = {}  # session -> node its advisory picked
         # (session, node) -> when an advisory's move there ends; bounded by the moves under way
         self._moves_due: dict[tuple[str, str], float] = {}
-        self._queue: deque[tuple[SimRequest, Turn]] = deque()
+        self._queue: HeldQueue[_Held] = HeldQueue(max_queued_requests)
         self._inflight: dict[str, int] = dict.fromkeys(self.engines, 0)
         self._announced: dict[str, int] = dict.fromkeys(self.engines, 0)
+        # As the scheduler's session table: high-priority sessions per node their last turn went to.
+        self._high_node: dict[str, str] = {}  # session -> node, while its last turn ran at high priority
+        self._high_sessions: Counter[str] = Counter()
         self._stepping: set[str] = set()
         self._step_ends: dict[str, float] = {}  # node -> when its current step ends
         self.requests: list[SimRequest] = []
@@ -194,6 +201,7 @@ class ClusterSim:
                 self._inflight[node_id],
                 engine.kv_usage,
                 announced=self._announced[node_id],
+                high_sessions=self._high_sessions[node_id],
                 prefilling=engine.prefilling,
             )
             for node_id, engine in self.engines.items()
@@ -211,9 +219,10 @@ class ClusterSim:
         if request_id is not None:
             self._on_done[request_id] = on_done
 
-    def advise(self, turn: Turn) -> None:
-        """An advisory for `turn` now (an agent framework's predecessor hint)."""
-        self._advise(turn)
+    def advise(self, turn: Turn) -> str | None:
+        """An advisory for `turn` now (an agent framework's predecessor hint). Returns its node (None:
+        the policy does not act on advisories)."""
+        return self._advise(turn)
 
     def _schedule(self, turn: Turn) -> int | None:
         if self._until_ms is not None and turn.arrival_ms > self._until_ms:
@@ -265,14 +274,15 @@ class ClusterSim:
             )
         )
 
-    def _advise(self, turn: Turn) -> None:
+    def _advise(self, turn: Turn) -> str | None:
+        previous = self._advised.pop(turn.session, None)  # replaced: no longer load about to land
+        if previous is not None:
+            self._announced[previous] -= 1
         if not self.policy.traits.prefetch_on_advisory:
-            return  # as the scheduler: a baseline without advisories accepts them, to no effect
-        request = self._route_request(turn)
-        decision = self.policy.choose(request, self._snapshots())
-        node_id = decision.node_id
-        if node_id is None:  # queued: an advisory reserves no slot, so the least loaded takes it
-            node_id = min(self._snapshots(), key=lambda n: (n.load, n.node_id)).node_id
+            return None  # as the scheduler: a baseline without advisories accepts them, to no effect
+        node_id = advisory_choice(self.policy, self._route_request(turn), self._snapshots()).node_id
+        if node_id is None:
+            return None
         self._advised[turn.session] = node_id
         self._announced[node_id] += 1
         held = self._kv.get(turn.session, {})
@@ -290,6 +300,7 @@ class ClusterSim:
                     del self._moves_due[move]
 
             self.at(due, moved)
+        return node_id
 
     def _arrive(self, request_id: int, turn: Turn) -> None:
         request = SimRequest(
@@ -304,21 +315,39 @@ class ClusterSim:
         advised = self._advised.pop(turn.session, None)
         if advised is not None:
             self._announced[advised] -= 1
-            if advisory_holds(advised, self._snapshots()):
-                self._dispatch(request, turn, advised)
-                return
-        self._route(request, turn)
-
-    def _route(self, request: SimRequest, turn: Turn) -> None:
-        rank = PRIORITIES.index(turn.priority)
-        if any(PRIORITIES.index(queued.priority) >= rank for _, queued in self._queue):
-            self._park(request, turn)  # no jumping the queue of its own tier or a higher one
-            return
-        decision = self.policy.choose(self._route_request(turn), self._snapshots())
-        if decision.node_id is None:
-            self._park(request, turn)
+        held = _Held(request, turn, Routing(self._route_request(turn), advised))
+        if self._queue.ahead_of(turn.priority):
+            self._hold(held)  # no jumping the queue of its own tier or a higher one
         else:
-            self._dispatch(request, turn, decision.node_id)
+            self._attempt(held, front=False)
+
+    def _attempt(self, held: _Held, front: bool) -> None:
+        """Route `held` now, or hold it back (`front`: at the head of its tier, as a request the
+        scheduler woke that found no room again)."""
+        placement = held.routing.attempt(self.policy, self._snapshots())
+        if placement.node_id is not None:
+            self._dispatch(held, placement.node_id)
+        elif placement.queue:
+            self._hold(held, front)
+        else:
+            self._refuse(held.request)  # no node serves it: the scheduler answers 503
+
+    def _hold(self, held: _Held, front: bool = False) -> None:
+        try:
+            self._queue.push(held, held.turn.priority, front=front)
+        except QueueFull:
+            self._refuse(held.request)  # the scheduler answers 429
+
+    def _wake_held(self) -> None:
+        """Room may have opened: as many held-back requests as there are nodes with nothing waiting
+        try again, in the queue's order."""
+        if len(self._queue):
+            for held in self._queue.take(rooms(self._snapshots())):
+                self._attempt(held, front=True)
+
+    def _refuse(self, request: SimRequest) -> None:
+        self.refused.append(request)
+        self._scripts.pop(request.session, None)  # its user gets an error and leaves
 
     def _cache(self, node_id: str, session: str, tokens: int) -> None:
         cache = self._engine_cache[node_id]
@@ -330,48 +359,47 @@ class ClusterSim:
             total -= cache.popitem(last=False)[1]
         self._engine_cache_tokens[node_id] = total
 
-    def _park(self, request: SimRequest, turn: Turn) -> None:
-        """The scheduler's queue: higher priority tiers first, FIFO within a tier."""
-        rank = PRIORITIES.index(turn.priority)
-        at = len(self._queue)
-        for index, (_, queued) in enumerate(self._queue):
-            if PRIORITIES.index(queued.priority) < rank:
-                at = index
-                break
-        self._queue.insert(at, (request, turn))
-
-    def _dispatch(self, request: SimRequest, turn: Turn, node_id: str) -> None:
-        self.policy.observe(self._route_request(turn), node_id)
-        delay_ms = self.engines[node_id].model.request_overhead_ms + self._pull_for_request(turn.session, node_id)
-        held = self._engine_cache[node_id].get(turn.session, 0)
+    def _dispatch(self, held: _Held, node_id: str) -> None:
+        request, session = held.request, held.turn.session
+        delay_ms = self.engines[node_id].model.request_overhead_ms + self._pull_wait(held.routing.request, node_id)
+        self.policy.observe(held.routing.request, node_id)
+        self._served(session, node_id, high=held.turn.priority == "high")
+        cached = self._engine_cache[node_id].get(session, 0)
         if self.policy.traits.uses_tiers:
-            held = max(held, self._kv.get(turn.session, {}).get(node_id, 0))
-        request.cached_tokens = min(held, request.prompt_tokens)
+            cached = max(cached, self._kv.get(session, {}).get(node_id, 0))
+        request.cached_tokens = min(cached, request.prompt_tokens)
         self._inflight[node_id] += 1
         if delay_ms:
             self.at(self.now_ms + delay_ms, lambda: self._enqueue(request, node_id))
         else:
             self._enqueue(request, node_id)
 
-    def _pull_for_request(self, session: str, node_id: str) -> float:
-        """As the scheduler's dispatcher: a request sent to a node holding less of its session's KV than
-        another one (no advisory moved it there, or the move is still under way) waits for the KV to be
-        pulled over, at most route_pull_wait_ms (a pull later than that brings nothing in time). A
-        move under way ends when it was due, as the node's pull joins it. Returns the wait."""
-        if not self.policy.traits.prefetch_on_advisory or self.route_pull_wait_ms <= 0:
+    def _served(self, session: str, node_id: str, high: bool) -> None:
+        """As the scheduler's session table: a session counts as high on the node of its last turn
+        while that turn ran at high priority."""
+        previous = self._high_node.pop(session, None)
+        if previous is not None:
+            self._high_sessions[previous] -= 1
+        if high:
+            self._high_node[session] = node_id
+            self._high_sessions[node_id] += 1
+
+    def _pull_wait(self, request: RouteRequest, node_id: str) -> float:
+        """How long `request` waits, routed to `node_id`, for the pull the scheduler's `PullRule`
+        plans (from the session's KV as routing saw it). It takes the move time of what the node
+        lacks; a move there under way ends when it was due, as the node's pull joins it. A pull that
+        lands in time brings the node's copy up to the source's."""
+        pull = self.pulls.plan(self.policy.traits, request.kv_tokens, node_id)
+        if pull is None or request.session_id is None:
             return 0.0
-        kv = self._kv.get(session, {})
-        source = kv_source(kv, node_id, self.route_pull_min_tokens)
-        if source is None:
-            return 0.0
-        pull_ms = self.link.move_ms(source[1] - kv.get(node_id, 0))
-        due = self._moves_due.get((session, node_id))
+        kv = self._kv.setdefault(request.session_id, {})
+        pull_ms = self.link.move_ms(max(0, pull.tokens - kv.get(node_id, 0)))
+        due = self._moves_due.get((request.session_id, node_id))
         if due is not None:  # an advisory's move there is under way: the node's pull joins it
             pull_ms = min(pull_ms, due - self.now_ms)
-        if pull_ms > self.route_pull_wait_ms:
-            return self.route_pull_wait_ms
-        kv[node_id] = source[1]
-        return pull_ms
+        if pull.lands(pull_ms):
+            kv[node_id] = max(kv.get(node_id, 0), pull.tokens)
+        return pull.waited_ms(pull_ms)
 
     def _enqueue(self, request: SimRequest, node_id: str) -> None:
         self.engines[node_id].add(request)
@@ -385,8 +413,7 @@ class ClusterSim:
         plan = engine.step()
         for refused in plan.refused:
             self._inflight[node_id] -= 1
-            self.refused.append(refused)
-            self._scripts.pop(refused.session, None)  # its user gets an error and leaves
+            self._refuse(refused)
         if not plan.first_tokens and not plan.decoded:
             return  # nothing could run: what waits needs blocks that only a finishing request frees
         slowdown = engine.model.neighbour_slowdown
@@ -415,12 +442,6 @@ class ClusterSim:
             callback = self._on_done.pop(request.request_id, None)
             if callback is not None:
                 callback(request)
-        while self._queue:  # the scheduler's queue, head first, until its head finds no room
-            request, turn = self._queue[0]
-            decision = self.policy.choose(self._route_request(turn), self._snapshots())
-            if decision.node_id is None:
-                break
-            self._queue.popleft()
-            self._dispatch(request, turn, decision.node_id)
+        self._wake_held()
         for other in self.engines:
             self._kick(other)

@@ -1,0 +1,182 @@
+"""The dispatcher's decisions as plain functions and small classes: which node an advisory picks,
+where a request goes (its advisory's node, the policy's choice, or held back), whether and how long
+it waits for its session's KV to be pulled, and the order in which held-back requests get another
+try.
+
+No I/O, no clocks, no asyncio: callers pass the cluster as they see it (`NodeSnapshot`s) and any
+time as a number. The scheduler's dispatcher (`scheduler.dispatch`) and the cluster simulator
+(`eval.sim.cluster`) both decide through this module, so the simulator measures the rules the
+scheduler runs; `tests/unit/test_decision_parity.py` checks that they decide alike.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
+
+from scheduler.routing import (
+    PRIORITIES,
+    PRIORITY_RANK,
+    NodeSnapshot,
+    PolicyTraits,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+    advisory_holds,
+    kv_source,
+)
+
+T = TypeVar("T")
+
+
+# -- advisories -------------------------------------------------------------------------------------
+def advisory_choice(policy: RoutingPolicy, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:
+    """The node an advisory picks for the session's next request. An advisory reserves no slot, so
+    selective pushing does not hold it back: when the policy would queue the request, it chooses
+    again as if no node had requests waiting (every other cost, the KV move's included, still
+    counts). `node_id` None: no node serves the model."""
+    decision = policy.choose(request, nodes)
+    if decision.queue:
+        decision = policy.choose(request, [replace(n, waiting=0) for n in nodes])
+    return decision
+
+
+# -- routing a request ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """One routing attempt's outcome."""
+
+    node_id: str | None  # None: held back (`queue`) or no node serves the model
+    reason: str
+    queue: bool = False  # selective pushing: wait for room in the held-back queue, then try again
+    followup: str | None = None  # "honored" | "rerouted": what this attempt made of the advisory
+
+
+@dataclass(slots=True)
+class Routing:
+    """One request on its way to a node, over as many attempts as it is held back. Its advisory's
+    node binds while `advisory_holds` says so; the first attempt where it does not drops it, and
+    every later choice is the policy's (its reason marked `_after_advisory`)."""
+
+    request: RouteRequest
+    advised_node: str | None = None
+    rerouted: bool = False
+
+    def attempt(self, policy: RoutingPolicy, nodes: Sequence[NodeSnapshot]) -> Placement:
+        followup = None
+        if self.advised_node is not None:
+            if advisory_holds(self.advised_node, nodes):
+                return Placement(self.advised_node, "advisory", followup="honored")
+            self.advised_node, self.rerouted, followup = None, True, "rerouted"
+        decision = policy.choose(self.request, nodes)
+        reason = f"{decision.reason}_after_advisory" if self.rerouted else decision.reason
+        return Placement(decision.node_id, reason, decision.queue, followup)
+
+
+def rooms(nodes: Iterable[NodeSnapshot]) -> int:
+    """How many held-back requests get another try when room may have opened: one per available
+    node with nothing waiting in its engine."""
+    return sum(1 for n in nodes if n.available and n.waiting == 0)
+
+
+# -- pulling a request's KV before it is sent -------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Bring `node_id`'s copy of the session's KV up to `tokens` history tokens from `source`."""
+
+    source: str
+    tokens: int  # history tokens `source` holds
+    wait_ms: float  # the longest the request waits for it before it is sent
+
+    def lands(self, pull_ms: float) -> bool:
+        """Whether a pull taking `pull_ms` arrives before the request goes (else the engine
+        recomputes what did not arrive)."""
+        return pull_ms <= self.wait_ms
+
+    def waited_ms(self, pull_ms: float) -> float:
+        """How long the request waits for a pull taking `pull_ms`."""
+        return min(pull_ms, self.wait_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class PullRule:
+    """A request sent to a node holding less of its session's KV than another node does (no advisory
+    moved it there, or the move is still under way) first waits for the KV to be pulled over, at most
+    `wait_ms`: recomputing the history costs the engine far more than pulling it. Less than
+    `min_tokens` more elsewhere is recomputed rather than pulled."""
+
+    wait_ms: float  # milliseconds; 0 or less: never wait
+    min_tokens: int
+
+    def plan(
+        self,
+        traits: PolicyTraits,
+        kv_tokens: Mapping[str, int],
+        node_id: str,
+        usable: Callable[[str], bool] = lambda _node: True,
+    ) -> Pull | None:
+        """The pull a request routed to `node_id` waits for, if any. `kv_tokens`: node -> history
+        tokens of the session it holds; `usable`: whether a node's copy may be pulled (reachable,
+        same model). Only policies that move KV on advisories pull."""
+        if not traits.prefetch_on_advisory or self.wait_ms <= 0:
+            return None
+        source = kv_source(kv_tokens, node_id, self.min_tokens, usable)
+        return Pull(source[0], source[1], self.wait_ms) if source is not None else None
+
+
+# -- the held-back queue ----------------------------------------------------------------------------
+class QueueFull(Exception):
+    pass
+
+
+class HeldQueue(Generic[T]):
+    """Requests held back by selective pushing: higher priority tiers first, FIFO within a tier.
+    Bounded: a newcomer beyond `max_waiting` raises QueueFull; a request going back to the head of
+    its tier (`front`, it was woken but found no room) always gets its place."""
+
+    def __init__(self, max_waiting: int) -> None:
+        if max_waiting <= 0:
+            raise ValueError("max_waiting must be positive")
+        self.max_waiting = max_waiting
+        self._tiers: dict[str, deque[T]] = {p: deque() for p in PRIORITIES}
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._tiers.values())
+
+    def waiting(self, priority: str) -> int:
+        return len(self._tiers[priority])
+
+    def ahead_of(self, priority: str) -> bool:
+        """Whether a request of `priority` arriving now has others to wait behind (same or higher
+        tier): it must not take a node that frees up before them."""
+        return any(self._tiers[p] for p in PRIORITIES[PRIORITY_RANK[priority] :])
+
+    def push(self, item: T, priority: str, *, front: bool = False) -> None:
+        if not front and len(self) >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are waiting for a node already")
+        if front:
+            self._tiers[priority].appendleft(item)
+        else:
+            self._tiers[priority].append(item)
+
+    def pop(self) -> T | None:
+        """The next to try: the oldest of the highest tier; None when empty."""
+        for priority in reversed(PRIORITIES):
+            if self._tiers[priority]:
+                return self._tiers[priority].popleft()
+        return None
+
+    def take(self, count: int) -> list[T]:
+        """The next `count` to try (fewer if fewer wait), in order."""
+        taken: list[T] = []
+        while len(taken) < count and (item := self.pop()) is not None:
+            taken.append(item)
+        return taken
+
+    def remove(self, item: T, priority: str) -> None:
+        """Drop `item` (it gave up) if it still waits."""
+        tier = self._tiers[priority]
+        if item in tier:
+            tier.remove(item)
