@@ -90,8 +90,8 @@ class Dispatcher:
         cluster.on_status = self.wake_queued
 
     async def start(self) -> None:
-        # aiohttp rather than httpx: httpx's pool walks every connection per request, which cost
-        # ~2 ms of CPU per request at 16 concurrent streams and showed up directly in TTFT.
+        # aiohttp rather than httpx: httpx's pool walks every connection per request, a CPU cost
+        # that lands in TTFT (docs/design-notes.md#scheduler-http-path).
         # Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM's server) would close them
         # under us, which would turn a reused connection into a spurious "engine unreachable".
         connector = aiohttp.TCPConnector(limit=self.config.max_inflight_requests + 16, keepalive_timeout=4.0)
@@ -377,7 +377,8 @@ class Dispatcher:
         """Wait for the pull `self.pulls` plans for a request routed to `node_id` (from a reachable node
         serving the same model); the node joins a pull of the session already running
         (`PeerPuller.pull`). A pull that fails or runs late costs only the wait: the engine
-        recomputes whatever did not arrive."""
+        recomputes whatever did not arrive, which costs far more than pulling it
+        (docs/design-notes.md#route-pull)."""
         copies = self._same_model_copies(request.kv_tokens, node_id)
         pull = self.pulls.plan(self.policy.traits, copies, node_id, self._reachable)
         if pull is None:

@@ -18,7 +18,7 @@ scheduler counts: announced advisories and each node's high-priority sessions.
 Kept simple on purpose, and said so: a node's tiers keep every session's KV that reached it (assumed
 large enough), a move's time is the history's bytes over the link's bandwidth plus its RTT, and KV
 loaded from a node's own tiers is as good as cached (the connector loads it layer by layer under the
-forward pass; bench resume measures that within 1.15x of a prefix-cache hit). Policies without the
+forward pass: docs/benchmarks.md#bench-resume). Policies without the
 tiers (`recompute`) find only the engine's own prefix cache: finished requests' KV in whole blocks,
 least recently used first out, within the engine's KV capacity.
 """
