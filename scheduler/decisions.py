@@ -21,6 +21,7 @@ from scheduler.routing import (
     PRIORITY_RANK,
     NodeSnapshot,
     PolicyTraits,
+    Priority,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
@@ -140,20 +141,20 @@ class HeldQueue(Generic[T]):
         if max_waiting <= 0:
             raise ValueError("max_waiting must be positive")
         self.max_waiting = max_waiting
-        self._tiers: dict[str, deque[T]] = {p: deque() for p in PRIORITIES}
+        self._tiers: dict[Priority, deque[T]] = {p: deque() for p in PRIORITIES}
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._tiers.values())
 
-    def waiting(self, priority: str) -> int:
+    def waiting(self, priority: Priority) -> int:
         return len(self._tiers[priority])
 
-    def ahead_of(self, priority: str) -> bool:
+    def ahead_of(self, priority: Priority) -> bool:
         """Whether a request of `priority` arriving now has others to wait behind (same or higher
         tier): it must not take a node that frees up before them."""
         return any(self._tiers[p] for p in PRIORITIES[PRIORITY_RANK[priority] :])
 
-    def push(self, item: T, priority: str, *, front: bool = False) -> None:
+    def push(self, item: T, priority: Priority, *, front: bool = False) -> None:
         if not front and len(self) >= self.max_waiting:
             raise QueueFull(f"{self.max_waiting} requests are waiting for a node already")
         if front:
@@ -175,7 +176,7 @@ class HeldQueue(Generic[T]):
             taken.append(item)
         return taken
 
-    def remove(self, item: T, priority: str) -> None:
+    def remove(self, item: T, priority: Priority) -> None:
         """Drop `item` (it gave up) if it still waits."""
         tier = self._tiers[priority]
         if item in tier:

@@ -34,6 +34,7 @@ from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
 from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
 from symphony.logs import get_logger
+from symphony.priority import Priority
 from symphony.rpc import kv_pb2_grpc
 
 log = get_logger(__name__)
@@ -182,7 +183,7 @@ class Dispatcher:
             await self._wait_for_room(request.priority, wait_until, requeued)
             requeued = True
 
-    async def _wait_for_room(self, priority: str, wait_until: float, requeued: bool) -> None:
+    async def _wait_for_room(self, priority: Priority, wait_until: float, requeued: bool) -> None:
         remaining = wait_until - time.monotonic()
         if remaining <= 0:
             raise self._queue_timeout()
@@ -422,7 +423,7 @@ class Dispatcher:
         return json.dumps({**request.body, "kv_transfer_params": params, "cache_salt": salt}).encode()
 
     async def _send(
-        self, route: Route, request: InferenceRequest, body: bytes, received_at: float, priority: str
+        self, route: Route, request: InferenceRequest, body: bytes, received_at: float, priority: Priority
     ) -> UpstreamRelay | Response:
         """Open the exchange with the engine; raises a _NOT_STARTED error if it never began."""
         assert self._session is not None, "Dispatcher.start() was not awaited"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from scheduler.decisions import HeldQueue, QueueFull
+from symphony.priority import Priority
 
 __all__ = ["PushQueue", "QueueFull"]
 
@@ -24,13 +25,13 @@ class PushQueue:
     def __len__(self) -> int:
         return len(self._held)
 
-    def waiting(self, priority: str) -> int:
+    def waiting(self, priority: Priority) -> int:
         return self._held.waiting(priority)
 
-    def ahead_of(self, priority: str) -> bool:
+    def ahead_of(self, priority: Priority) -> bool:
         return self._held.ahead_of(priority)
 
-    async def wait(self, priority: str, timeout_s: float, *, front: bool = False) -> bool:
+    async def wait(self, priority: Priority, timeout_s: float, *, front: bool = False) -> bool:
         """Wait for a turn to try the nodes again: True when woken, False when `timeout_s` passed.
         `front`: a request woken before that found no room again keeps its place at the head.
         Raises QueueFull when a newcomer finds the queue full."""

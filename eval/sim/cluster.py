@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
 from scheduler.decisions import HeldQueue, PullRule, QueueFull, Routing, advisory_choice, rooms
-from scheduler.routing import PRIORITY_RANK, NodeSnapshot, RouteRequest, RoutingPolicy, kv_source
+from scheduler.routing import PRIORITY_RANK, NodeSnapshot, Priority, RouteRequest, RoutingPolicy, kv_source
 from symphony.config import SchedulerConfig
 
 _SCHEDULER = SchedulerConfig()  # the scheduler's defaults, which the simulated one follows
@@ -61,7 +61,7 @@ class Turn:
     output_tokens: int
     advisory_ms: float | None = None
     tenant: str = "default"
-    priority: str = "normal"
+    priority: Priority = Priority.NORMAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ class Script:
     start_ms: float  # the first turn's arrival
     steps: tuple[Step, ...]
     tenant: str = "default"
-    priority: str = "normal"
+    priority: Priority = Priority.NORMAL
     # The same user's next conversation (a new session): its first turn arrives its first step's
     # think time after this one's last answer.
     after: Script | None = None
@@ -363,7 +363,7 @@ class ClusterSim:
         request, session = held.request, held.turn.session
         delay_ms = self.engines[node_id].model.request_overhead_ms + self._pull_wait(held.routing.request, node_id)
         self.policy.observe(held.routing.request, node_id)
-        self._served(session, node_id, high=held.turn.priority == "high")
+        self._served(session, node_id, high=held.turn.priority == Priority.HIGH)
         cached = self._engine_cache[node_id].get(session, 0)
         if self.policy.traits.uses_tiers:
             cached = max(cached, self._kv.get(session, {}).get(node_id, 0))

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from eval.sim.cluster import Script, Step
 from eval.workloads import TOKENS_PER_WORD, Conversation, HumanTiming, UserTiming, answer_tokens
+from symphony.priority import Priority
 
 
 def _words(text: str) -> int:
@@ -22,7 +23,7 @@ def _script(
     start_ms: float,
     max_answer_tokens: int,
     after: Script | None,
-    priority: str,
+    priority: Priority,
 ) -> Script:
     steps = []
     previous_answer_words = 0
@@ -64,7 +65,13 @@ def sharegpt_users(
         for k in reversed(range(conversations_per_user)):
             conversation = conversations[(u * conversations_per_user + k) % len(conversations)]
             chain = _script(
-                conversation, f"u{u}-c{k}", user, start_ms, max_answer_tokens, chain, "high" if u in high else "normal"
+                conversation,
+                f"u{u}-c{k}",
+                user,
+                start_ms,
+                max_answer_tokens,
+                chain,
+                Priority.HIGH if u in high else Priority.NORMAL,
             )
         assert chain is not None
         scripts.append(chain)
