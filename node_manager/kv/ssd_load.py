@@ -28,7 +28,8 @@ import torch
 
 from node_manager.kv.loader import LayerResult, LayerwiseLoad, read_verified_pages, row_views
 from node_manager.kv.pages import Tier
-from node_manager.kv.ssd_tier import Segment, SsdTier
+from node_manager.kv.ssd_tier import Segment
+from node_manager.kv.tiers import SegmentTier
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 
@@ -71,7 +72,7 @@ class SsdLoad:
         self,
         handle: LayerwiseLoad,
         prepared: PreparedSsdLoad,
-        ssd: SsdTier,
+        ssd: SegmentTier,
         executor: concurrent.futures.Executor,
         lanes: int,
         page_bytes: int,

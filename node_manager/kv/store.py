@@ -42,6 +42,7 @@ from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator, consecutive_runs, copy_rows
 from node_manager.kv.ssd_load import BadPage, PreparedSsdLoad, SsdLoad
 from node_manager.kv.ssd_tier import Segment, SsdFullError, SsdLocation, SsdTier
+from node_manager.kv.tiers import ArenaTier, SegmentTier, SlotTier
 from symphony.kv_addressing import (
     FINGERPRINT_BYTES,
     BlockKey,
@@ -185,10 +186,12 @@ class TieredStore:
         self._lock = threading.RLock()
         self._sessions: OrderedDict[SessionKey, SessionRecord] = OrderedDict()
         self._directory = PageDirectory(geometry.num_layers)
-        self.hbm = DevicePool(geometry, config.hbm_bytes, config.device)
-        self.dram = DramArena(config.arena_name, geometry, config.dram_bytes, pin_for_cuda=config.device != "cpu")
+        self.hbm: SlotTier = DevicePool(geometry, config.hbm_bytes, config.device)
+        self.dram: ArenaTier = DramArena(
+            config.arena_name, geometry, config.dram_bytes, pin_for_cuda=config.device != "cpu"
+        )
         # The arena's pages are page-aligned, so the write-behind may use O_DIRECT straight from them.
-        self.ssd = SsdTier(
+        self.ssd: SegmentTier = SsdTier(
             config.ssd_dir,
             geometry.page_bytes,
             config.ssd_bytes,
