@@ -1,4 +1,4 @@
-"""Layer-wise loads: the data-movement half of `TieredStore.load`.
+"""Layer-wise loads: the data-movement half of the general load path (`loads`, `load_plan`).
 
 The store decides under its lock what each layer needs (a `LayerPlan`: which pages come from which
 tier into which rows, all pinned); this module moves the bytes and delivers layers in order. Every

@@ -1,7 +1,7 @@
 """A load whose every page sits only on SSD, read straight into the caller's rows: a node sending a
 session it holds only on disk to a peer (`transfer`), or any caller loading rows from a cold store.
 
-`TieredStore` plans and pins such a load for all its layers at once (`PreparedSsdLoad`); this module
+`load_plan` plans and pins such a load for all its layers at once (`PreparedSsdLoad`); this module
 reads it. Why a path of its own, as `memory_load` is for DRAM: the general path (`StripedLoad`)
 plans, pins and finishes every layer under the store lock, and on this 2-core machine the lanes then
 spent about as long in that Python (waiting on the GIL the other lane held) as in their reads:
@@ -39,7 +39,7 @@ log = get_logger("node_manager.kv.ssd_load")
 @dataclass(slots=True)
 class PreparedSsdLoad:
     """A load whose every page sits only on SSD, planned and pinned for all its layers at once (see
-    `TieredStore._plan_load_from_ssd`): `[blocks, columns]` arrays, column `c` being layer `order[c]`."""
+    `LoadPlanner.plan_from_ssd`): `[blocks, columns]` arrays, column `c` being layer `order[c]`."""
 
     keys: Sequence[BlockKey]
     tensors: Sequence[torch.Tensor]  # CPU, contiguous: read into by byte offset

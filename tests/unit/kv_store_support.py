@@ -48,7 +48,7 @@ def save_session(
     layers: list[int] | None = None,
     flush_each: bool = False,
 ) -> list[torch.Tensor]:
-    store.put_session(
+    store.sessions.put(
         tenant,
         session,
         tokens(num_blocks, base if base is not None else seed * 10_000, block_size=store.geometry.block_size),
@@ -56,8 +56,8 @@ def save_session(
     )
     data = page_data(num_blocks, seed, store.geometry)
     for layer in range(store.geometry.num_layers) if layers is None else layers:
-        kept = store.save_layer(tenant, session, layer, 0, data[layer]).result(TIMEOUT)
+        kept = store.ingest.save_layer(tenant, session, layer, 0, data[layer]).result(TIMEOUT)
         assert kept == num_blocks
         if flush_each:
-            assert store.flush(TIMEOUT)
+            assert store.write_behind.flush(TIMEOUT)
     return data

@@ -12,19 +12,14 @@ from uuid import uuid4
 import pytest
 import torch
 
+from node_manager.kv.errors import InvalidRequest, SessionNotFound
+from node_manager.kv.loader import LayerResult, LayerwiseLoad, RowTarget
 from node_manager.kv.memory_load import MemoryLoad
 from node_manager.kv.pages import Priority, Tier
 from node_manager.kv.segments import SUFFIX, TMP_SUFFIX, VERSION, parse_header
 from node_manager.kv.ssd_load import SsdLoad
-from node_manager.kv.store import (
-    InvalidRequest,
-    LayerResult,
-    LayerwiseLoad,
-    RowTarget,
-    SessionNotFound,
-    StoreConfig,
-    TieredStore,
-)
+from node_manager.kv.store import TieredStore
+from node_manager.kv.store_config import StoreConfig
 from symphony.kv_geometry import KVGeometry
 from tests.helpers import TEST_MODEL
 from tests.unit.kv_store_support import (
@@ -56,7 +51,7 @@ def load_rows(
         torch.full((height, store.geometry.page_words), SENTINEL, dtype=torch.int64)
         for _ in range(store.geometry.num_layers)
     ]
-    handle = store.load(tenant, session, first_block, num_blocks, target=RowTarget(tensors, rows))
+    handle = store.loads.into_rows(tenant, session, first_block, num_blocks, target=RowTarget(tensors, rows))
     return tensors, handle.wait_all(TIMEOUT)
 
 
@@ -126,11 +121,11 @@ def test_load_honours_row_mapping_and_block_range(make_store: MakeStore) -> None
 
 def test_partial_save_reports_missing_blocks(make_store: MakeStore) -> None:
     store = make_store()
-    store.put_session("acme", "s1", tokens(3))
+    store.sessions.put("acme", "s1", tokens(3))
     data = page_data(3, seed=3)
     for layer in range(LAYERS):
-        assert store.save_layer("acme", "s1", layer, 0, data[layer][:1]).result(TIMEOUT) == 1
-        assert store.save_layer("acme", "s1", layer, 2, data[layer][2:]).result(TIMEOUT) == 1
+        assert store.ingest.save_layer("acme", "s1", layer, 0, data[layer][:1]).result(TIMEOUT) == 1
+        assert store.ingest.save_layer("acme", "s1", layer, 2, data[layer][2:]).result(TIMEOUT) == 1
     tensors, results = load_rows(store, "s1", 3)
     for layer in range(LAYERS):
         assert results[layer].failed == (1,)
@@ -144,11 +139,11 @@ def test_partial_save_reports_missing_blocks(make_store: MakeStore) -> None:
 def test_sessions_share_prefix_pages_within_a_tenant_only(make_store: MakeStore) -> None:
     store = make_store()
     data = save_session(store, "s1", 2, seed=4, base=500)
-    store.put_session("acme", "s2", tokens(2, base=500, tail=3))  # same history, different session
+    store.sessions.put("acme", "s2", tokens(2, base=500, tail=3))  # same history, different session
     tensors, results = load_rows(store, "s2", 2)
     assert all(r.failed == () for r in results)
     assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS))
-    store.put_session("other-tenant", "s1", tokens(2, base=500))
+    store.sessions.put("other-tenant", "s1", tokens(2, base=500))
     _, results = load_rows(store, "s1", 2, tenant="other-tenant")
     assert all(r.failed == (0, 1) and r.loaded == 0 for r in results)
 
@@ -156,15 +151,15 @@ def test_sessions_share_prefix_pages_within_a_tenant_only(make_store: MakeStore)
 def test_extending_a_session_keeps_saved_blocks(make_store: MakeStore) -> None:
     store = make_store()
     data = save_session(store, "s1", 2, seed=5, base=0)
-    before = store.session("acme", "s1").blocks.block_keys
-    record = store.put_session("acme", "s1", tokens(3, base=0))
+    before = store.sessions.get("acme", "s1").blocks.block_keys
+    record = store.sessions.put("acme", "s1", tokens(3, base=0))
     assert record.blocks.block_keys[:2] == before
     tensors, results = load_rows(store, "s1", 2)
     assert all(r.failed == () for r in results)
     assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS))
     edited = tokens(3, base=0)
     edited[0] = 99_999  # an edited conversation: every key changes, nothing is found
-    store.put_session("acme", "s1", edited)
+    store.sessions.put("acme", "s1", edited)
     _, results = load_rows(store, "s1", 3)
     assert all(r.failed == (0, 1, 2) for r in results)
 
@@ -173,11 +168,11 @@ def test_layer_futures_resolve_in_layer_order(make_store: MakeStore) -> None:
     geometry = KVGeometry(num_layers=12, kv_heads=1, head_size=4, block_size=4)
     store = make_store(geometry=geometry, hbm_pages=0, dram_pages=256, io_threads=4)
     data = save_session(store, "s1", 8, seed=6)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     lock = threading.Lock()
     for attempt in range(20):
         tensors = [torch.full((8, geometry.page_words), SENTINEL, dtype=torch.int64) for _ in range(12)]
-        handle = store.load("acme", "s1", target=RowTarget(tensors, list(range(8))))
+        handle = store.loads.into_rows("acme", "s1", target=RowTarget(tensors, list(range(8))))
         observed: list[tuple[int, list[bool]]] = []
         for layer in range(12):
             handle.layers[layer].add_done_callback(
@@ -235,7 +230,7 @@ def test_load_only_selected_layers(make_store: MakeStore) -> None:
     store = make_store()
     data = save_session(store, "s1", 2, seed=7)
     tensors = [torch.full((2, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
-    results = store.load("acme", "s1", target=RowTarget(tensors, [0, 1]), layers=[2]).wait_all(TIMEOUT)
+    results = store.loads.into_rows("acme", "s1", target=RowTarget(tensors, [0, 1]), layers=[2]).wait_all(TIMEOUT)
     assert torch.equal(tensors[2], data[2])
     assert results[2].loaded == 2
     for layer in (0, 1, 3):
@@ -249,7 +244,7 @@ def test_load_only_selected_layers(make_store: MakeStore) -> None:
 def test_index_rebuild_serves_pages_from_ssd(make_store: MakeStore, ssd_dir: Path) -> None:
     first = make_store()
     data = save_session(first, "s1", 2, seed=8, base=0)
-    keys = first.session("acme", "s1").blocks.block_keys
+    keys = first.sessions.get("acme", "s1").blocks.block_keys
     first.close()
     assert segment_files(ssd_dir)
 
@@ -257,8 +252,8 @@ def test_index_rebuild_serves_pages_from_ssd(make_store: MakeStore, ssd_dir: Pat
     assert second.stats()["pages"] == 2 * LAYERS
     assert second.stats()["ssd_pages"] == 2 * LAYERS
     with pytest.raises(SessionNotFound):
-        second.session("acme", "s1")  # sessions are not persisted, pages are
-    record = second.put_session("acme", "s1", tokens(2, base=0))
+        second.sessions.get("acme", "s1")  # sessions are not persisted, pages are
+    record = second.sessions.put("acme", "s1", tokens(2, base=0))
     assert record.blocks.block_keys == keys
     residency = second.residency("acme", "s1")
     assert all_true(residency[Tier.SSD]) and none_true(residency[Tier.DRAM]) and none_true(residency[Tier.HBM])
@@ -274,13 +269,13 @@ def test_index_rebuild_serves_pages_from_ssd(make_store: MakeStore, ssd_dir: Pat
 def test_flipped_byte_on_ssd_is_detected_and_never_served(make_store: MakeStore, ssd_dir: Path) -> None:
     first = make_store()
     data = save_session(first, "s1", 2, seed=9, base=0)
-    bad_key = first.session("acme", "s1").blocks.block_keys[1]
+    bad_key = first.sessions.get("acme", "s1").blocks.block_keys[1]
     first.close()
     path, offset = locate_page(ssd_dir, bad_key, layer=2)
     flip_bits(path, offset + 13, 0x10)
 
     second = make_store()
-    second.put_session("acme", "s1", tokens(2, base=0))
+    second.sessions.put("acme", "s1", tokens(2, base=0))
     tensors, results = load_rows(second, "s1", 2)
     for layer in range(LAYERS):
         if layer == 2:
@@ -309,13 +304,13 @@ def test_failed_row_never_holds_the_corrupt_bytes(make_store: MakeStore, ssd_dir
     straight into the caller's row clears it, a staged read never copies it."""
     first = make_store()
     save_session(first, "s1", 2, seed=10, base=0)
-    bad_key = first.session("acme", "s1").blocks.block_keys[0]
+    bad_key = first.sessions.get("acme", "s1").blocks.block_keys[0]
     first.close()
     path, offset = locate_page(ssd_dir, bad_key, layer=1)
     flip_bits(path, offset, 0xFF)
 
     second = make_store()
-    second.put_session("acme", "s1", tokens(2, base=0))
+    second.sessions.put("acme", "s1", tokens(2, base=0))
     tensors, results = load_rows(second, "s1", 2)
     assert results[1].failed == (0,)
     assert results[1].loaded == 0
@@ -327,9 +322,9 @@ def test_failed_row_never_holds_the_corrupt_bytes(make_store: MakeStore, ssd_dir
 def test_leftover_tmp_segment_is_deleted_at_rebuild(make_store: MakeStore, ssd_dir: Path) -> None:
     first = make_store()
     kept = save_session(first, "kept", 1, seed=11, base=0)
-    assert first.flush(TIMEOUT)
+    assert first.write_behind.flush(TIMEOUT)
     save_session(first, "torn", 1, seed=12, base=50_000)
-    torn_key = first.session("acme", "torn").blocks.block_keys[0]
+    torn_key = first.sessions.get("acme", "torn").blocks.block_keys[0]
     first.close()
     # Turn every segment holding the second session into an interrupted write (whole contents, .tmp name).
     torn_paths = {locate_page(ssd_dir, torn_key, layer)[0] for layer in range(LAYERS)}
@@ -344,11 +339,11 @@ def test_leftover_tmp_segment_is_deleted_at_rebuild(make_store: MakeStore, ssd_d
     assert list(ssd_dir.glob(f"*{TMP_SUFFIX}")) == []
     assert second.stats()["pages"] == LAYERS
     assert metric(second, "symphony_kv_ssd_segments_damaged_total") == 0
-    second.put_session("acme", "torn", tokens(1, base=50_000))
+    second.sessions.put("acme", "torn", tokens(1, base=50_000))
     assert none_true(second.residency("acme", "torn")[Tier.SSD])
     _, results = load_rows(second, "torn", 1)
     assert all(r.failed == (0,) for r in results)
-    second.put_session("acme", "kept", tokens(1, base=0))
+    second.sessions.put("acme", "kept", tokens(1, base=0))
     tensors, results = load_rows(second, "kept", 1)
     assert all(r.failed == () for r in results)
     assert all(torch.equal(tensors[layer], kept[layer]) for layer in range(LAYERS))
@@ -360,7 +355,7 @@ def test_a_segment_that_cannot_be_read_is_dropped_at_rebuild(make_store: MakeSto
     are reported missing; only damage counts as damaged (an older format is an upgrade)."""
     first = make_store()
     save_session(first, "s1", 1, seed=13, base=0)
-    key = first.session("acme", "s1").blocks.block_keys[0]
+    key = first.sessions.get("acme", "s1").blocks.block_keys[0]
     first.close()
     path, _ = locate_page(ssd_dir, key, layer=0)
     if change == "flipped-entry-table":
@@ -373,7 +368,7 @@ def test_a_segment_that_cannot_be_read_is_dropped_at_rebuild(make_store: MakeSto
     second = make_store()
     assert metric(second, "symphony_kv_ssd_segments_damaged_total") == (change == "flipped-entry-table")
     assert not path.exists()
-    second.put_session("acme", "s1", tokens(1, base=0))
+    second.sessions.put("acme", "s1", tokens(1, base=0))
     _, results = load_rows(second, "s1", 1)
     assert results[0].failed == (0,)
 
@@ -384,13 +379,13 @@ def test_a_segment_that_cannot_be_read_is_dropped_at_rebuild(make_store: MakeSto
 def test_dram_eviction_is_lru_and_pages_stay_loadable_from_ssd(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0, dram_pages=2 * LAYERS)
     a = save_session(store, "a", 1, seed=20)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     b = save_session(store, "b", 1, seed=21)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     load_rows(store, "a", 1)  # a is now more recently used than b
-    assert store._pending_touches, "loads defer their recency update; the eviction below must still see it"
+    assert len(store.touches), "loads defer their recency update; the eviction below must still see it"
     c = save_session(store, "c", 1, seed=22)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
 
     assert all_true(store.residency("acme", "a")[Tier.DRAM])
     assert none_true(store.residency("acme", "b")[Tier.DRAM])
@@ -423,7 +418,7 @@ def test_demote_drops_dram_copies_that_ssd_holds_and_keeps_pinned_ones(make_stor
     store = make_store(hbm_pages=0)
     data = save_session(store, "a", 2, seed=30)
     other = save_session(store, "b", 1, seed=31)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     held = store.pin_dram("acme", "a", 0, 1, [0])  # a page a load holds stays where it is
     assert store.demote("acme", "a", Tier.DRAM) == 2 * LAYERS - 1
     store.unpin_dram(held)
@@ -450,7 +445,7 @@ def test_demote_keeps_pages_not_yet_on_ssd(make_store: MakeStore, monkeypatch: p
     assert store.demote("acme", "a", Tier.DRAM) == 0  # DRAM holds the only copy until the write lands
     assert all_true(store.residency("acme", "a")[Tier.DRAM])
     gate.set()
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     assert store.demote("acme", "a", Tier.DRAM) == LAYERS
     assert metric(store, "symphony_kv_last_copy_dropped_total", reason="demoted") == 0
 
@@ -458,11 +453,11 @@ def test_demote_keeps_pages_not_yet_on_ssd(make_store: MakeStore, monkeypatch: p
 def test_dram_eviction_keeps_high_priority_pages_over_newer_normal_ones(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0, dram_pages=2 * LAYERS)
     save_session(store, "vip", 1, seed=23, priority=Priority.HIGH)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     save_session(store, "normal", 1, seed=24)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     save_session(store, "newest", 1, seed=25)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     assert all_true(store.residency("acme", "vip")[Tier.DRAM]), "the high-priority session was evicted first"
     assert none_true(store.residency("acme", "normal")[Tier.DRAM])
     assert all_true(store.residency("acme", "newest")[Tier.DRAM])
@@ -471,12 +466,12 @@ def test_dram_eviction_keeps_high_priority_pages_over_newer_normal_ones(make_sto
 def test_low_priority_pages_go_before_older_normal_ones(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0, dram_pages=2 * LAYERS)
     save_session(store, "normal", 1, seed=26)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     save_session(store, "cheap", 1, seed=27)
-    assert store.flush(TIMEOUT)
-    store.set_priority("acme", "cheap", Priority.LOW)
+    assert store.write_behind.flush(TIMEOUT)
+    store.sessions.set_priority("acme", "cheap", Priority.LOW)
     save_session(store, "newest", 1, seed=28)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     assert all_true(store.residency("acme", "normal")[Tier.DRAM]), "set_priority(LOW) did not make pages go first"
     assert none_true(store.residency("acme", "cheap")[Tier.DRAM])
 
@@ -487,25 +482,25 @@ def test_save_degrades_when_dram_is_full_of_unpersisted_pages(
     store = make_store(hbm_pages=0, dram_pages=LAYERS)
     gate = _hold_ssd_writes(store, monkeypatch)
     save_session(store, "a", 1, seed=29)  # fills DRAM; the pages stay pinned until written
-    store.put_session("acme", "b", tokens(1, base=77_000))
-    assert store.save_layer("acme", "b", 0, 0, page_data(1, seed=30)[0]).result(TIMEOUT) == 0
+    store.sessions.put("acme", "b", tokens(1, base=77_000))
+    assert store.ingest.save_layer("acme", "b", 0, 0, page_data(1, seed=30)[0]).result(TIMEOUT) == 0
     assert metric(store, "symphony_kv_save_degraded_total", reason="dram_full") == 1
     gate.set()
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     assert all_true(store.residency("acme", "a")[Tier.SSD])
 
 
 def test_promotion_to_hbm(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=LAYERS, dram_pages=4 * LAYERS)
     data = save_session(store, "s1", 1, seed=31)
-    assert store.flush(TIMEOUT)
-    results = store.load("acme", "s1", target=Tier.HBM).wait_all(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
+    results = store.loads.promote("acme", "s1", tier=Tier.HBM).wait_all(TIMEOUT)
     assert all(r.failed == () and r.loaded == 1 and r.by_tier == {Tier.DRAM: 1} for r in results)
     residency = store.residency("acme", "s1")
     assert all_true(residency[Tier.HBM]) and all_true(residency[Tier.DRAM])
     assert store.stats()["hbm_pages"] == LAYERS
     # Promoting again is a no-op that counts the pages as already there.
-    again = store.load("acme", "s1", target=Tier.HBM).wait_all(TIMEOUT)
+    again = store.loads.promote("acme", "s1", tier=Tier.HBM).wait_all(TIMEOUT)
     assert all(r.by_tier == {Tier.HBM: 1} and r.failed == () for r in again)
     tensors, results = load_rows(store, "s1", 1)
     assert all(r.by_tier == {Tier.HBM: 1} for r in results)
@@ -517,8 +512,8 @@ def test_promotion_from_ssd_to_dram(make_store: MakeStore, ssd_dir: Path) -> Non
     data = save_session(first, "s1", 1, seed=32, base=0)
     first.close()
     second = make_store()
-    second.put_session("acme", "s1", tokens(1, base=0))
-    results = second.load("acme", "s1", target=Tier.DRAM).wait_all(TIMEOUT)
+    second.sessions.put("acme", "s1", tokens(1, base=0))
+    results = second.loads.promote("acme", "s1", tier=Tier.DRAM).wait_all(TIMEOUT)
     assert all(r.by_tier == {Tier.SSD: 1} and r.failed == () for r in results)
     assert all_true(second.residency("acme", "s1")[Tier.DRAM])
     tensors, results = load_rows(second, "s1", 1)
@@ -530,14 +525,14 @@ def test_hbm_yields_later_layers_first(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=LAYERS, dram_pages=4 * LAYERS)
     save_session(store, "a", 1, seed=33)
     save_session(store, "b", 1, seed=34)
-    assert store.flush(TIMEOUT)
-    store.load("acme", "a", target=Tier.HBM).wait_all(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
+    store.loads.promote("acme", "a", tier=Tier.HBM).wait_all(TIMEOUT)
     assert store.residency("acme", "a")[Tier.HBM] == [[True]] * LAYERS
 
-    results = store.load("acme", "b", target=Tier.HBM, layers=[0]).wait_all(TIMEOUT)
+    results = store.loads.promote("acme", "b", tier=Tier.HBM, layers=[0]).wait_all(TIMEOUT)
     assert results[0].loaded == 1 and results[0].failed == ()
     assert store.residency("acme", "a")[Tier.HBM] == [[True], [True], [True], [False]]
-    store.load("acme", "b", target=Tier.HBM, layers=[1]).wait_all(TIMEOUT)
+    store.loads.promote("acme", "b", tier=Tier.HBM, layers=[1]).wait_all(TIMEOUT)
     assert store.residency("acme", "a")[Tier.HBM] == [[True], [True], [False], [False]]
     assert store.residency("acme", "b")[Tier.HBM] == [[True], [True], [False], [False]]
     assert metric(store, "symphony_kv_evictions_total", tier="HBM", reason="capacity") == 2
@@ -548,7 +543,7 @@ def test_hbm_yields_later_layers_first(make_store: MakeStore) -> None:
 def test_hbm_promotion_beyond_capacity_promotes_what_fits(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=2, dram_pages=4 * LAYERS)
     save_session(store, "s1", 3, seed=35)
-    results = store.load("acme", "s1", target=Tier.HBM, layers=[0]).wait_all(TIMEOUT)
+    results = store.loads.promote("acme", "s1", tier=Tier.HBM, layers=[0]).wait_all(TIMEOUT)
     assert results[0].loaded == 2
     assert results[0].failed == (2,)
     assert store.residency("acme", "s1")[Tier.HBM][0] == [True, True, False]
@@ -558,11 +553,11 @@ def test_ssd_capacity_evicts_oldest_segments_and_counts_lost_pages(make_store: M
     segment = 4096 + PAGE  # one page per segment: each save_layer of a 1-block session is flushed alone
     store = make_store(hbm_pages=0, dram_pages=3, ssd_bytes=2 * segment)
     data = page_data(1, seed=36)
-    store.put_session("acme", "s1", tokens(1))
+    store.sessions.put("acme", "s1", tokens(1))
 
     def save(layer: int) -> None:
-        assert store.save_layer("acme", "s1", layer, 0, data[layer]).result(TIMEOUT) == 1
-        assert store.flush(TIMEOUT)
+        assert store.ingest.save_layer("acme", "s1", layer, 0, data[layer]).result(TIMEOUT) == 1
+        assert store.write_behind.flush(TIMEOUT)
 
     save(0)
     save(1)
@@ -602,9 +597,9 @@ def test_ssd_write_failure_keeps_pages_in_dram(
 
     monkeypatch.setattr(store.ssd, "write", full_disk)
     data = save_session(store, "s1", 2, seed=37)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     assert calls
-    assert store.ssd_degraded
+    assert store.write_behind.degraded
     assert metric(store, "symphony_kv_save_degraded_total", reason="ssd_full") == 2 * LAYERS
     assert segment_files(ssd_dir) == []
     assert store.stats()["ssd_bytes"] == 0  # the reservation was given back
@@ -616,8 +611,8 @@ def test_ssd_write_failure_keeps_pages_in_dram(
 
     monkeypatch.setattr(store.ssd, "write", real_write)  # the disk has room again
     save_session(store, "s2", 1, seed=38)
-    assert store.flush(TIMEOUT)
-    assert not store.ssd_degraded
+    assert store.write_behind.flush(TIMEOUT)
+    assert not store.write_behind.degraded
     assert all_true(store.residency("acme", "s2")[Tier.SSD])
 
 
@@ -629,7 +624,7 @@ def test_other_ssd_errors_are_counted_separately(make_store: MakeStore, monkeypa
 
     monkeypatch.setattr(store.ssd, "write", broken)
     save_session(store, "s1", 1, seed=39)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     assert metric(store, "symphony_kv_save_degraded_total", reason="ssd_error") == LAYERS
     assert metric(store, "symphony_kv_save_degraded_total", reason="ssd_full") == 0
 
@@ -640,7 +635,7 @@ ALIGNED = KVGeometry(num_layers=3, kv_heads=1, head_size=64, block_size=16)  # 4
 def _reload_from_ssd(make_store: MakeStore, blocks: int, seed: int) -> tuple[list[torch.Tensor], list[LayerResult]]:
     """A fresh store on the same directory, loading `save_session`'s session "s1" (saved with `seed`)."""
     store = make_store(geometry=ALIGNED)
-    store.put_session("acme", "s1", tokens(blocks, base=seed * 10_000, block_size=ALIGNED.block_size))
+    store.sessions.put("acme", "s1", tokens(blocks, base=seed * 10_000, block_size=ALIGNED.block_size))
     return load_rows(store, "s1", blocks)
 
 
@@ -673,11 +668,11 @@ def test_refused_o_direct_falls_back_to_buffered_writes(
     monkeypatch.setattr(ssd_tier.os, "open", no_direct_open)
     first = make_store(geometry=ALIGNED, ssd_writers=1)
     data = save_session(first, "s1", 2, seed=42)
-    assert first.flush(TIMEOUT)
+    assert first.write_behind.flush(TIMEOUT)
     save_session(first, "s2", 3, seed=43)  # later segments go straight to buffered writes
-    assert first.flush(TIMEOUT)
+    assert first.write_behind.flush(TIMEOUT)
     assert len(direct_opens) == 1
-    assert not first.ssd_degraded
+    assert not first.write_behind.degraded
     assert metric(first, "symphony_kv_save_degraded_total", reason="ssd_error") == 0
     first.close()
     monkeypatch.undo()
@@ -699,25 +694,25 @@ def test_close_flushes_pending_writes(make_store: MakeStore, ssd_dir: Path) -> N
 
 def test_unknown_session(make_store: MakeStore) -> None:
     store = make_store()
-    store.put_session("acme", "s1", tokens(1))
+    store.sessions.put("acme", "s1", tokens(1))
     with pytest.raises(SessionNotFound):
-        store.load("acme", "nope")
+        store.loads.promote("acme", "nope", tier=Tier.HBM)
     with pytest.raises(SessionNotFound):
-        store.load("other", "s1")  # sessions are per tenant
+        store.loads.promote("other", "s1", tier=Tier.HBM)  # sessions are per tenant
     with pytest.raises(SessionNotFound):
-        store.save_layer("acme", "nope", 0, 0, page_data(1, seed=1)[0])
+        store.ingest.save_layer("acme", "nope", 0, 0, page_data(1, seed=1)[0])
     with pytest.raises(SessionNotFound):
         store.residency("acme", "nope")
     with pytest.raises(SessionNotFound):
-        store.set_priority("acme", "nope", Priority.HIGH)
+        store.sessions.set_priority("acme", "nope", Priority.HIGH)
 
 
 @pytest.mark.parametrize("layer", [-1, LAYERS, 100])
 def test_layer_out_of_range(make_store: MakeStore, layer: int) -> None:
     store = make_store()
-    store.put_session("acme", "s1", tokens(1))
+    store.sessions.put("acme", "s1", tokens(1))
     with pytest.raises(InvalidRequest, match="layer"):
-        store.save_layer("acme", "s1", layer, 0, page_data(1, seed=1)[0])
+        store.ingest.save_layer("acme", "s1", layer, 0, page_data(1, seed=1)[0])
 
 
 @pytest.mark.parametrize(
@@ -734,38 +729,38 @@ def test_layer_out_of_range(make_store: MakeStore, layer: int) -> None:
 )
 def test_wrong_tensor_shape_or_dtype(make_store: MakeStore, pages: torch.Tensor) -> None:
     store = make_store()
-    store.put_session("acme", "s1", tokens(1))
+    store.sessions.put("acme", "s1", tokens(1))
     with pytest.raises(InvalidRequest):
-        store.save_layer("acme", "s1", 0, 0, pages)
+        store.ingest.save_layer("acme", "s1", 0, 0, pages)
     assert store.stats()["pages"] == 0
 
 
 @pytest.mark.parametrize(("first_block", "count"), [(0, 3), (1, 2), (2, 1), (-1, 1)])
 def test_save_block_range_beyond_session(make_store: MakeStore, first_block: int, count: int) -> None:
     store = make_store()
-    store.put_session("acme", "s1", tokens(2, tail=3))  # 2 full blocks; the tail is not storable
+    store.sessions.put("acme", "s1", tokens(2, tail=3))  # 2 full blocks; the tail is not storable
     with pytest.raises(InvalidRequest, match="blocks"):
-        store.save_layer("acme", "s1", 0, first_block, torch.zeros(count, WORDS, dtype=torch.int64))
+        store.ingest.save_layer("acme", "s1", 0, first_block, torch.zeros(count, WORDS, dtype=torch.int64))
 
 
 @pytest.mark.parametrize(("first_block", "count"), [(0, 3), (3, None), (1, 2), (-1, 1), (0, -1)])
 def test_load_block_range_beyond_session(make_store: MakeStore, first_block: int, count: int | None) -> None:
     store = make_store()
-    store.put_session("acme", "s1", tokens(2, tail=3))
+    store.sessions.put("acme", "s1", tokens(2, tail=3))
     with pytest.raises(InvalidRequest):
-        store.load("acme", "s1", first_block, count, target=Tier.DRAM)
+        store.loads.promote("acme", "s1", first_block, count, tier=Tier.DRAM)
 
 
 def test_bad_load_targets(make_store: MakeStore) -> None:
     store = make_store()
-    store.put_session("acme", "s1", tokens(2))
+    store.sessions.put("acme", "s1", tokens(2))
     tensors = [torch.zeros(2, WORDS, dtype=torch.int64) for _ in range(LAYERS)]
     with pytest.raises(InvalidRequest):
-        store.load("acme", "s1", target=RowTarget(tensors, [0]))  # one row for two blocks
+        store.loads.into_rows("acme", "s1", target=RowTarget(tensors, [0]))  # one row for two blocks
     with pytest.raises(InvalidRequest):
-        store.load("acme", "s1", target=RowTarget(tensors[:-1], [0, 1]))  # a layer short
+        store.loads.into_rows("acme", "s1", target=RowTarget(tensors[:-1], [0, 1]))  # a layer short
     with pytest.raises(InvalidRequest):
-        store.load("acme", "s1", target=Tier.SSD)
+        store.loads.promote("acme", "s1", tier=Tier.SSD)
 
 
 @pytest.mark.parametrize(
@@ -786,8 +781,8 @@ def test_row_target_outside_its_tensors_is_refused(
     save_session(store, "s1", 2, seed=53)
     tensors = [torch.zeros(height, words, dtype=dtype) for _ in range(LAYERS)]
     with pytest.raises(InvalidRequest, match="row target"):
-        store.load("acme", "s1", target=RowTarget(tensors, rows))
-    assert store.flush(TIMEOUT), "a refused load kept an in-flight slot"
+        store.loads.into_rows("acme", "s1", target=RowTarget(tensors, rows))
+    assert store.write_behind.flush(TIMEOUT), "a refused load kept an in-flight slot"
     assert store.pinned_pages() == 0
 
 
@@ -795,19 +790,19 @@ def test_row_target_outside_its_tensors_is_refused(
 def test_bad_token_ids(make_store: MakeStore, history: list[int]) -> None:
     store = make_store()
     with pytest.raises(InvalidRequest):
-        store.put_session("acme", "s1", history)
+        store.sessions.put("acme", "s1", history)
     with pytest.raises(SessionNotFound):
-        store.session("acme", "s1")
+        store.sessions.get("acme", "s1")
 
 
 def test_empty_names_and_oversized_history(make_store: MakeStore) -> None:
     store = make_store(max_session_tokens=8)
     with pytest.raises(InvalidRequest):
-        store.put_session("", "s1", tokens(1))
+        store.sessions.put("", "s1", tokens(1))
     with pytest.raises(InvalidRequest):
-        store.put_session("acme", "", tokens(1))
+        store.sessions.put("acme", "", tokens(1))
     with pytest.raises(InvalidRequest, match="max_session_tokens"):
-        store.put_session("acme", "s1", tokens(3))
+        store.sessions.put("acme", "s1", tokens(3))
 
 
 @pytest.mark.parametrize(("hbm", "dram", "ssd"), [(128, 64, 1024), (0, 2048, 1024), (-64, 0, 0), (64, 64, 0)])
@@ -859,7 +854,7 @@ def test_one_layer_served_from_hbm_and_dram_across_lanes(make_store: MakeStore) 
     """Blocks 0-3 promoted to HBM, 4-7 only in DRAM: each layer's stripes mix sources and rows."""
     store = make_store(hbm_pages=4 * LAYERS, dram_pages=8 * LAYERS)
     data = save_session(store, "s1", 8, seed=41)
-    promoted = store.load("acme", "s1", 0, 4, target=Tier.HBM).wait_all(TIMEOUT)
+    promoted = store.loads.promote("acme", "s1", 0, 4, tier=Tier.HBM).wait_all(TIMEOUT)
     assert all(r.failed == () for r in promoted)
     rows = [7, 6, 5, 4, 3, 2, 1, 0]
     tensors, results = load_rows(store, "s1", 8, rows=rows)
@@ -874,23 +869,23 @@ def test_a_layer_whose_planning_fails_is_reported_and_the_rest_still_load(
     store = make_store(hbm_pages=LAYERS)
     data = save_session(store, "s1", 2, seed=43)
     # Block 0 also in HBM: a load of mixed sources, planned layer by layer (not the DRAM-only path).
-    assert all(r.failed == () for r in store.load("acme", "s1", 0, 1, target=Tier.HBM).wait_all(TIMEOUT))
-    plan_layer = store._plan_layer
+    assert all(r.failed == () for r in store.loads.promote("acme", "s1", 0, 1, tier=Tier.HBM).wait_all(TIMEOUT))
+    plan_layer = store.loads.planner.plan_rows_layer
 
-    def failing(handle: LayerwiseLoad, record: object, layer: int, *rest: object) -> object:
+    def failing(handle: LayerwiseLoad, layer: int, *rest: object) -> object:
         if layer == 1:
             raise RuntimeError("injected planning fault")
-        return plan_layer(handle, record, layer, *rest)  # type: ignore[arg-type]
+        return plan_layer(handle, layer, *rest)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(store, "_plan_layer", failing)
+    monkeypatch.setattr(store.loads.planner, "plan_rows_layer", failing)
     tensors = [torch.full((2, GEOMETRY.page_words), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
-    handle = store.load("acme", "s1", target=RowTarget(tensors, [0, 1]))
+    handle = store.loads.into_rows("acme", "s1", target=RowTarget(tensors, [0, 1]))
     with pytest.raises(RuntimeError, match="injected"):
         handle.layer_ready(1).result(TIMEOUT)
     for layer in (0, *range(2, LAYERS)):
         assert handle.layer_ready(layer).result(TIMEOUT).failed == ()
         assert torch.equal(tensors[layer], data[layer])
-    assert store.flush(TIMEOUT), "the failed layer's in-flight slot was never returned"
+    assert store.write_behind.flush(TIMEOUT), "the failed layer's in-flight slot was never returned"
     assert store.pinned_pages() == 0
 
 
@@ -914,7 +909,7 @@ def test_a_dram_load_layer_whose_copy_fails_is_reported_and_the_rest_still_load(
     for layer in (0, *range(2, LAYERS)):
         assert results[layer].failed == () and results[layer].by_tier == {Tier.DRAM: 2}
         assert torch.equal(tensors[layer], data[layer])
-    assert store.flush(TIMEOUT), "the load's in-flight slots were never returned"
+    assert store.write_behind.flush(TIMEOUT), "the load's in-flight slots were never returned"
     assert store.pinned_pages() == 0
 
 
@@ -930,7 +925,7 @@ def test_a_dram_load_into_scattered_rows_or_strided_tensors(make_store: MakeStor
     else:
         rows = [0, 1, 2, 3]
         tensors = [torch.full((4, 2 * WORDS), SENTINEL, dtype=torch.int64)[:, WORDS:] for _ in range(LAYERS)]
-    results = store.load("acme", "s1", target=RowTarget(tensors, rows)).wait_all(TIMEOUT)
+    results = store.loads.into_rows("acme", "s1", target=RowTarget(tensors, rows)).wait_all(TIMEOUT)
     assert all(r.failed == () and r.by_tier == {Tier.DRAM: 4} for r in results)
     for layer in range(LAYERS):
         assert torch.equal(tensors[layer][rows], data[layer])
@@ -944,13 +939,13 @@ def test_a_consumer_cancelling_its_wait_does_not_stall_the_load(make_store: Make
     store = make_store()
     data = save_session(store, "s1", 2, seed=47)
     tensors = [torch.full((2, GEOMETRY.page_words), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
-    handle = store.load("acme", "s1", target=RowTarget(tensors, [0, 1]))
+    handle = store.loads.into_rows("acme", "s1", target=RowTarget(tensors, [0, 1]))
     cancelled = [layer for layer in range(LAYERS) if handle.layer_ready(layer).cancel()]
     for layer in range(LAYERS):
         if layer not in cancelled:
             assert handle.layer_ready(layer).result(TIMEOUT).failed == ()
             assert torch.equal(tensors[layer], data[layer])
-    assert store.flush(TIMEOUT), "an in-flight slot leaked"
+    assert store.write_behind.flush(TIMEOUT), "an in-flight slot leaked"
     assert store.pinned_pages() == 0
 
 
@@ -959,7 +954,7 @@ def test_dram_load_with_scattered_rows_releases_every_pin(make_store: MakeStore)
     the pins hold while it runs (eviction cannot take its pages) and all go when it is done."""
     store = make_store(hbm_pages=0, dram_pages=4 * LAYERS)
     data = save_session(store, "s1", 4, seed=51)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     assert store.pinned_pages() == 0
     rows = [3, 0, 2, 1]
     tensors, results = load_rows(store, "s1", 4, rows=rows)
@@ -967,7 +962,7 @@ def test_dram_load_with_scattered_rows_releases_every_pin(make_store: MakeStore)
     for layer in range(LAYERS):
         for block, row in enumerate(rows):
             assert torch.equal(tensors[layer][row], data[layer][block])
-    assert store.flush(TIMEOUT) and store.pinned_pages() == 0
+    assert store.write_behind.flush(TIMEOUT) and store.pinned_pages() == 0
     assert metric(store, "symphony_kv_load_hits_total", tier="DRAM") == 4 * LAYERS
 
 
@@ -984,13 +979,13 @@ def _load_chosen_layers_and_check(store: TieredStore, data: list[torch.Tensor], 
     """Load layers `order` of session "s1" (3 blocks, all held in `source`): each chosen layer lands,
     the others stay untouched, every layer resolves and no pin is left."""
     tensors = [torch.full((3, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
-    results = store.load("acme", "s1", target=RowTarget(tensors, [0, 1, 2]), layers=order).wait_all(TIMEOUT)
+    results = store.loads.into_rows("acme", "s1", target=RowTarget(tensors, [0, 1, 2]), layers=order).wait_all(TIMEOUT)
     for layer in range(LAYERS):
         if layer in order:
             assert results[layer].by_tier == {source: 3} and torch.equal(tensors[layer], data[layer])
         else:
             assert results[layer].loaded == 0 and bool((tensors[layer] == SENTINEL).all())
-    assert store.flush(TIMEOUT) and store.pinned_pages() == 0
+    assert store.write_behind.flush(TIMEOUT) and store.pinned_pages() == 0
 
 
 def test_wait_all_times_out_while_a_layer_is_pending() -> None:
@@ -1007,7 +1002,7 @@ def test_repeated_loads_do_not_grow_the_deferred_recency_queue(make_store: MakeS
     save_session(store, "s1", 2, seed=52)
     for _ in range(50):
         load_rows(store, "s1", 2)
-    assert len(store._pending_touches) <= 2, "the same session resumed again must reuse its recency batch"
+    assert len(store.touches) <= 2, "the same session resumed again must reuse its recency batch"
 
 
 @pytest.mark.parametrize("layers", [[0, 0], [LAYERS], [-1]])
@@ -1016,8 +1011,8 @@ def test_load_rejects_repeated_or_unknown_layers(make_store: MakeStore, layers: 
     save_session(store, "s1", 1, seed=53)
     tensors = [torch.zeros(1, WORDS, dtype=torch.int64) for _ in range(LAYERS)]
     with pytest.raises(InvalidRequest, match="layers"):
-        store.load("acme", "s1", target=RowTarget(tensors, [0]), layers=layers)
-    assert store.flush(TIMEOUT), "a rejected load must not hold an in-flight slot"
+        store.loads.into_rows("acme", "s1", target=RowTarget(tensors, [0]), layers=layers)
+    assert store.write_behind.flush(TIMEOUT), "a rejected load must not hold an in-flight slot"
 
 
 # ---- loads wholly from SSD (`SsdLoad`) ---------------------------------------------------------------
@@ -1029,7 +1024,7 @@ def _restarted_with(make_store: MakeStore, num_blocks: int, seed: int) -> tuple[
     data = save_session(first, "s1", num_blocks, seed=seed, base=0)
     first.close()
     second = make_store()
-    second.put_session("acme", "s1", tokens(num_blocks, base=0))
+    second.sessions.put("acme", "s1", tokens(num_blocks, base=0))
     return second, data
 
 
@@ -1039,7 +1034,7 @@ def _no_layer_planning(store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> N
     def planned(*_: object) -> None:
         raise AssertionError("an SSD-only load was planned layer by layer")
 
-    monkeypatch.setattr(store, "_plan_layer", planned)
+    monkeypatch.setattr(store.loads.planner, "plan_rows_layer", planned)
 
 
 def test_ssd_only_load_is_planned_once_lands_in_scattered_rows_and_releases_every_pin(
@@ -1055,7 +1050,7 @@ def test_ssd_only_load_is_planned_once_lands_in_scattered_rows_and_releases_ever
             assert torch.equal(tensors[layer][row], data[layer][block])
         assert bool((tensors[layer][[2, 4]] == SENTINEL).all())
     assert store.pinned_pages() == 0
-    assert store.flush(TIMEOUT), "the load's in-flight slots were never returned"
+    assert store.write_behind.flush(TIMEOUT), "the load's in-flight slots were never returned"
     assert metric(store, "symphony_kv_load_hits_total", tier="SSD") == 4 * LAYERS
 
 
@@ -1075,10 +1070,10 @@ def test_ssd_only_load_with_a_short_segment_fails_those_pages_and_loads_the_rest
     of failed blocks never keep partial bytes, the copies are dropped and no pin is left."""
     first = make_store()
     data = save_session(first, "s1", 2, seed=75, base=0, flush_each=True)  # a segment per layer
-    key = first.session("acme", "s1").blocks.block_keys[0]
+    key = first.sessions.get("acme", "s1").blocks.block_keys[0]
     first.close()
     store = make_store()
-    store.put_session("acme", "s1", tokens(2, base=0))
+    store.sessions.put("acme", "s1", tokens(2, base=0))
     _no_layer_planning(store, monkeypatch)
     path, offset = locate_page(ssd_dir, key, layer=2)
     os.truncate(path, offset + 100)
@@ -1089,7 +1084,7 @@ def test_ssd_only_load_with_a_short_segment_fails_those_pages_and_loads_the_rest
         assert results[layer].failed == () and torch.equal(tensors[layer], data[layer])
     assert metric(store, "symphony_kv_load_errors_total", reason="io_error") == 2
     assert not any(store.residency("acme", "s1")[Tier.SSD][2])
-    assert store.pinned_pages() == 0 and store.flush(TIMEOUT)
+    assert store.pinned_pages() == 0 and store.write_behind.flush(TIMEOUT)
 
 
 def test_ssd_only_load_layer_that_raises_is_reported_and_the_rest_still_load(
@@ -1108,7 +1103,7 @@ def test_ssd_only_load_layer_that_raises_is_reported_and_the_rest_still_load(
     assert results[1].failed == (0, 1) and results[1].loaded == 0 and bool((tensors[1] == 0).all())
     for layer in (0, 2, 3):
         assert results[layer].failed == () and torch.equal(tensors[layer], data[layer])
-    assert store.pinned_pages() == 0 and store.flush(TIMEOUT)
+    assert store.pinned_pages() == 0 and store.write_behind.flush(TIMEOUT)
 
 
 def test_cancelled_ssd_only_load_skips_the_layers_not_started(
@@ -1126,7 +1121,7 @@ def test_cancelled_ssd_only_load_skips_the_layers_not_started(
 
     monkeypatch.setattr(SsdLoad, "_read_layer", held_first)
     tensors = [torch.full((2, WORDS), SENTINEL, dtype=torch.int64) for _ in range(LAYERS)]
-    handle = store.load("acme", "s1", target=RowTarget(tensors, [0, 1]))
+    handle = store.loads.into_rows("acme", "s1", target=RowTarget(tensors, [0, 1]))
     assert reading.wait(TIMEOUT)
     handle.cancel()
     release.set()
@@ -1134,4 +1129,4 @@ def test_cancelled_ssd_only_load_skips_the_layers_not_started(
     assert results[0].failed == () and torch.equal(tensors[0], data[0])  # started before the cancel
     for layer in range(1, LAYERS):
         assert results[layer].loaded == 0 and bool((tensors[layer] == SENTINEL).all())
-    assert store.pinned_pages() == 0 and store.flush(TIMEOUT)
+    assert store.pinned_pages() == 0 and store.write_behind.flush(TIMEOUT)
