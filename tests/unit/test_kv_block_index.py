@@ -16,8 +16,17 @@ from node_manager.kv.pages import Tier
 from node_manager.kv.store import TieredStore
 from symphony.kv_addressing import BlockKey, chain_block_keys
 from tests.helpers import TEST_MODEL
-from tests.unit.kv_store_support import BLOCK, LAYERS, TIMEOUT, MakeStore, save_session, tokens
-from tests.unit.test_kv_store import flip_bits, load_rows, locate_page
+from tests.unit.kv_store_support import (
+    BLOCK,
+    LAYERS,
+    TIMEOUT,
+    MakeStore,
+    flip_bits,
+    load_rows,
+    locate_page,
+    save_session,
+    tokens,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,8 +25,16 @@ from node_manager.kv.store import TieredStore
 from node_manager.kv.transfer import stream_pages
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.helpers import OTHER_MODEL, TEST_MODEL
-from tests.unit.kv_store_support import LAYERS, TIMEOUT, MakeStore, save_session, tokens
-from tests.unit.test_kv_store import load_rows, metric, segment_files
+from tests.unit.kv_store_support import (
+    LAYERS,
+    TIMEOUT,
+    MakeStore,
+    load_rows,
+    metric,
+    save_session,
+    segment_files,
+    tokens,
+)
 
 BLOCKS = 3
 

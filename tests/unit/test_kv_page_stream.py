@@ -336,29 +336,3 @@ def test_pinned_dram_pages_hold_only_when_dram_has_them_all(make_store: MakeStor
         assert slots.shape == checksums.shape == (BLOCKS, LAYERS)
         assert store.pinned_pages() == BLOCKS * LAYERS
     assert store.pinned_pages() == 0
-
-
-def test_write_behind_waits_for_a_foreground_transfer_within_its_bound(make_store: MakeStore) -> None:
-    held = make_store(dram_pages=256, write_behind_max_delay_s=60.0)  # the queue stays under a quarter of DRAM
-    with held.write_behind.foreground_transfer():
-        save_session(held, "s", BLOCKS, seed=11)
-        wait_until(lambda: held.stats()["write_behind_held"] == 1, TIMEOUT, "the write-behind to hold off")
-        assert held.stats()["write_queue"] == BLOCKS * LAYERS  # nothing persisted while the transfer runs
-    wait_until(
-        lambda: held.stats()["write_queue"] == 0 and held.pinned_pages() == 0,
-        TIMEOUT,
-        "the write-behind to go once the transfer ended",
-    )
-    flushed = make_store(dram_pages=256, write_behind_max_delay_s=60.0)
-    with flushed.write_behind.foreground_transfer():
-        save_session(flushed, "s", BLOCKS, seed=12)
-        wait_until(lambda: flushed.stats()["write_behind_held"] == 1, TIMEOUT, "the write-behind to hold off")
-        assert flushed.write_behind.flush(TIMEOUT)  # a flush never waits on the transfer
-    hasty = make_store(dram_pages=256, write_behind_max_delay_s=0.05)
-    with hasty.write_behind.foreground_transfer():
-        save_session(hasty, "s", BLOCKS, seed=13)
-        wait_until(
-            lambda: hasty.stats()["write_queue"] == 0 and hasty.pinned_pages() == 0,
-            TIMEOUT,
-            "the write-behind to go after its bounded delay",
-        )
