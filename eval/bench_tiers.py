@@ -35,7 +35,8 @@ from eval.results import write_result
 from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Tier
 from node_manager.kv.puller import PeerPuller
-from node_manager.kv.store import StoreConfig, TieredStore
+from node_manager.kv.store import TieredStore
+from node_manager.kv.store_config import StoreConfig
 from node_manager.kv.transfer import page_batch
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.kv_geometry import KVGeometry, hf_config_for, smollm2_geometry
@@ -183,21 +184,21 @@ def measure_store_paths(
     out: dict[str, float] = {}
     store = _store(geometry, ssd_dir, f"a{trial}", nbytes, device)
     try:
-        store.put_session(TENANT, "s", token_ids)
+        store.sessions.put(TENANT, "s", token_ids)
         # The write bound just before left an unlinked file and journal work behind; without a sync
         # the device is still busy with them when the save starts (docs/benchmarks.md#bench-tiers).
         os.sync()
         started = time.perf_counter()
-        futures = [store.save_layer(TENANT, "s", layer, 0, pages[layer]) for layer in range(geometry.num_layers)]
+        futures = [store.ingest.save_layer(TENANT, "s", layer, 0, pages[layer]) for layer in range(geometry.num_layers)]
         kept = sum(f.result(60) for f in futures)
         out["dram_store_gbps"] = _gbps(nbytes, time.perf_counter() - started)
-        if not store.flush(120):
+        if not store.write_behind.flush(120):
             raise RuntimeError("write-behind did not drain")
         out["ssd_write_gbps"] = _gbps(nbytes, time.perf_counter() - started)
         assert kept == blocks * geometry.num_layers, f"only {kept} pages kept"
         dest = [torch.empty(blocks, geometry.page_words, dtype=torch.int64) for _ in range(geometry.num_layers)]
         rows = list(range(blocks))
-        store.load(TENANT, "s", target=RowTarget(dest, rows)).wait_all(60)  # warm the destination
+        store.loads.into_rows(TENANT, "s", target=RowTarget(dest, rows)).wait_all(60)  # warm the destination
         # Each load is paired with a bound taken right before it (a shared host's memory bandwidth
         # moves with its neighbours' load from one moment to the next), several pairs per trial: one
         # copy is shorter than a scheduler hiccup (docs/benchmarks.md#bench-tiers).
@@ -205,7 +206,7 @@ def measure_store_paths(
         for _ in range(MEMORY_PAIRS):
             bounds.append(measure_memcpy(pages))
             started = time.perf_counter()
-            results = store.load(TENANT, "s", target=RowTarget(dest, rows)).wait_all(60)
+            results = store.loads.into_rows(TENANT, "s", target=RowTarget(dest, rows)).wait_all(60)
             loads.append(_gbps(nbytes, time.perf_counter() - started))
             assert all(not r.failed for r in results)
         assert _same_bytes(dest, pages), "DRAM load returned wrong bytes"
@@ -215,12 +216,12 @@ def measure_store_paths(
     # A fresh store on the same directory: DRAM is empty, so every page comes from SSD (uncached).
     store = _store(geometry, ssd_dir, f"b{trial}", nbytes, device)
     try:
-        store.put_session(TENANT, "s", token_ids)
+        store.sessions.put(TENANT, "s", token_ids)
         store.ssd.drop_cache()
         with _single_threaded_torch():
             dest = [torch.zeros(blocks, geometry.page_words, dtype=torch.int64) for _ in range(geometry.num_layers)]
         started = time.perf_counter()
-        handle = store.load(TENANT, "s", target=RowTarget(dest, list(range(blocks))))
+        handle = store.loads.into_rows(TENANT, "s", target=RowTarget(dest, list(range(blocks))))
         handle.layer_ready(0).result(60)
         first = time.perf_counter() - started
         results = handle.wait_all(60)
@@ -236,7 +237,7 @@ def measure_store_paths(
                 for _ in range(geometry.num_layers)
             ]
             started = time.perf_counter()
-            store.load(TENANT, "s", target=RowTarget(dev, list(range(blocks)))).wait_all(60)
+            store.loads.into_rows(TENANT, "s", target=RowTarget(dev, list(range(blocks)))).wait_all(60)
             out["dram_to_device_gbps"] = _gbps(nbytes, time.perf_counter() - started)
     finally:
         store.close()

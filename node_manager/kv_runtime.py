@@ -15,7 +15,8 @@ from node_manager.kv.page_stream import PageStreamServer
 from node_manager.kv.prefetch import PrefetchQueue
 from node_manager.kv.puller import PeerPuller
 from node_manager.kv.service import KVStoreService
-from node_manager.kv.store import StoreConfig, TieredStore
+from node_manager.kv.store import TieredStore
+from node_manager.kv.store_config import StoreConfig
 from node_manager.kv.transfer import MAX_MESSAGE_BYTES
 from symphony.config import SymphonyConfig
 from symphony.kv_addressing import ModelFingerprint

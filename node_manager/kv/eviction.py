@@ -3,7 +3,8 @@
 Each policy tracks the pages one tier holds and, asked for `count` victims, returns them all or
 None (nothing changes on None; the caller's state stays consistent). Pages the caller must not evict
 (under I/O) are skipped through `evictable`, so eviction never waits on I/O. The same objects serve
-the node manager and the simulator.
+the node manager and the simulator. `DeferredTouches` queues the recency updates of loads and
+replays them into a store's policies before it evicts.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from node_manager.kv.pages import Priority
+from node_manager.kv.pages import Priority, Tier
 
 K = TypeVar("K", bound=Hashable)  # what a tier evicts: a page id, a segment number
 Evictable = Callable[[K], bool]
@@ -215,3 +216,47 @@ class TopTierYieldPolicy(Generic[K]):
 
     def __len__(self) -> int:
         return len(self._meta)
+
+
+TouchBatch = tuple[Tier, tuple[Hashable, ...], tuple[int, ...]]  # (tier, keys, layers): pages keys x layers
+
+
+class DeferredTouches:
+    """Recency updates for pages a load used, queued and replayed into the policies in order
+    (`apply`) before the next eviction decision: an LRU update per page costs as much as copying the
+    page, on the load's path. A batch repeated (the same session resumed again) only moves to the
+    back, as only a page's last use orders it. Recency stays exact relative to other touches; a page
+    inserted meanwhile may look older than it is by that short window.
+
+    Bounded: at most `max_pages` pages wait; the batch that overflows the bound replays them all,
+    which bounds the pause the next eviction pays. No lock of its own: the caller's."""
+
+    def __init__(self, policies: Mapping[Tier, EvictionPolicy], max_pages: int = 65_536) -> None:
+        self._policies = policies
+        self._max_pages = max_pages
+        self._batches: OrderedDict[TouchBatch, None] = OrderedDict()
+        self._pages = 0
+
+    def __len__(self) -> int:
+        """Batches waiting."""
+        return len(self._batches)
+
+    def add(self, tier: Tier, keys: tuple[Hashable, ...], layers: tuple[int, ...]) -> None:
+        """Pages (key, layer) of `tier`, every key by every layer, were used."""
+        if not keys:
+            return
+        batch = (tier, keys, layers)
+        if batch in self._batches:
+            self._batches.move_to_end(batch)
+            return
+        self._batches[batch] = None
+        self._pages += len(keys) * len(layers)
+        if self._pages > self._max_pages:
+            self.apply()
+
+    def apply(self) -> None:
+        """Replay every waiting batch, oldest first."""
+        while self._batches:
+            (tier, keys, layers), _ = self._batches.popitem(last=False)
+            self._policies[tier].touch_many([(key, layer) for layer in layers for key in keys])
+        self._pages = 0

@@ -36,16 +36,11 @@ from typing import Any
 import numpy as np
 
 from node_manager.kv import ipc_wire
+from node_manager.kv.errors import InvalidRequest, KVStoreError, SessionNotFound
+from node_manager.kv.ingest import PageReservation
 from node_manager.kv.pages import Tier
 from node_manager.kv.prefetch import PrefetchQueue
-from node_manager.kv.store import (
-    DramPin,
-    InvalidRequest,
-    KVStoreError,
-    PageReservation,
-    SessionNotFound,
-    TieredStore,
-)
+from node_manager.kv.store import DramPin, TieredStore
 from symphony.kv_addressing import BLOCK_KEY_BYTES
 from symphony.logs import get_logger
 
@@ -195,7 +190,7 @@ class LocalKVServer:
             )
         elif op == "register":
             tenant, session = _str(message, "tenant"), _str(message, "session")
-            self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
+            self.store.sessions.put(tenant, session, ipc_wire.tokens_from(payload))
             with self._registered:
                 self._registered.notify_all()
             if not message.get("warmup"):  # a warm-up is the prefetch's own last step, not the arrival
@@ -211,7 +206,7 @@ class LocalKVServer:
             reservations = conn.reservations.pop(_int(message, "id"), None)
             if reservations is None:
                 raise InvalidRequest(f"no reservation {message['id']}")
-            kept = self.store.commit_many([(r, None) for r in reservations if r is not None])
+            kept = self.store.ingest.commit_many([(r, None) for r in reservations if r is not None])
             tail = conn.tails.pop(message["id"], 0)
             if tail and kept == len(reservations):  # every layer of the one partial block kept
                 self.store.metrics.connector_tail_tokens_saved.inc(tail)
@@ -301,8 +296,8 @@ class LocalKVServer:
                 whole[index] = pin.slots
                 continue
             try:
-                promoting[index] = self.store.load(
-                    tenant, session, first, count, target=Tier.DRAM, last_key=key, tail_tokens=tail
+                promoting[index] = self.store.loads.promote(
+                    tenant, session, first, count, tier=Tier.DRAM, last_key=key, tail_tokens=tail
                 )
             except KVStoreError:
                 whole[index] = np.full((count, len(layers)), -1, np.int64)
@@ -346,13 +341,13 @@ class LocalKVServer:
         tail_tokens: int,
         deadline: float,
     ) -> None:
-        """Wait until the session is registered with blocks first.. (`TieredStore.addresses`), or
+        """Wait until the session is registered with blocks first.. (`SessionRegistry.addresses`), or
         until `deadline`. The scheduler side registers a request's history on its own connection
         without waiting for an answer, so the worker's load of it can come first. Past the deadline
         the load goes ahead: what the store cannot match is recomputed."""
 
         def registered() -> bool:
-            return self.store.addresses(tenant, session, first, count, last_key, tail_tokens)
+            return self.store.sessions.addresses(tenant, session, first, count, last_key, tail_tokens)
 
         with self._registered:
             if registered():
@@ -379,7 +374,7 @@ class LocalKVServer:
         self._check_room(conn, request_id)
         tenant, session = _str(message, "tenant"), _str(message, "session")
         first, count = _int(message, "first_block"), _int(message, "count")
-        record = self.store.put_session(tenant, session, ipc_wire.tokens_from(payload))
+        record = self.store.sessions.put(tenant, session, ipc_wire.tokens_from(payload))
         # Pinned to this history: a registration of another one in the meantime must not get these pages.
         keys = record.blocks.block_keys
         last_key = keys[first + count - 1] if count and first + count <= len(keys) else None
@@ -390,7 +385,7 @@ class LocalKVServer:
         try:
             for layer in range(self.store.geometry.num_layers):
                 reservations.append(
-                    self.store.reserve_pages(tenant, session, layer, first, count, last_key, tail_tokens=tail)
+                    self.store.ingest.reserve_pages(tenant, session, layer, first, count, last_key, tail_tokens=tail)
                 )
         except BaseException:
             self._release(reservations)
@@ -404,7 +399,7 @@ class LocalKVServer:
     def _release(self, reservations: list[PageReservation | None]) -> None:
         for reservation in reservations:
             if reservation is not None:
-                self.store.release_pages(reservation)
+                self.store.ingest.release_pages(reservation)
 
     def close(self) -> None:
         self._closed = True

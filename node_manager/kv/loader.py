@@ -1,4 +1,4 @@
-"""Layer-wise loads: the data-movement half of `TieredStore.load`.
+"""Layer-wise loads: the data-movement half of the general load path (`loads`, `load_plan`).
 
 The store decides under its lock what each layer needs (a `LayerPlan`: which pages come from which
 tier into which rows, all pinned); this module moves the bytes and delivers layers in order. Every
@@ -29,7 +29,8 @@ import torch
 
 from node_manager.kv.pages import Tier, page_checksum
 from node_manager.kv.slots import copy_rows
-from node_manager.kv.ssd_tier import Segment, SsdTier
+from node_manager.kv.ssd_tier import Segment
+from node_manager.kv.tiers import SegmentTier
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 
@@ -160,7 +161,7 @@ def row_views(tensor: torch.Tensor, rows: Sequence[int], row_bytes: int) -> list
 
 
 def read_verified_pages(
-    ssd: SsdTier,
+    ssd: SegmentTier,
     segments: Mapping[int, Segment],
     layer: int,
     keys: Sequence[BlockKey],
@@ -253,7 +254,7 @@ class StripedLoad:
         lanes: concurrent.futures.Executor,
         stripes: int,
         pools: dict[Tier, torch.Tensor],
-        ssd: SsdTier,
+        ssd: SegmentTier,
         page_words: int,
         plan: Callable[[int], LayerPlan],
         finalize: Callable[[LayerPlan], LayerResult],

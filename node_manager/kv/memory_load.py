@@ -1,6 +1,6 @@
 """The common resume, moved: a load whose every page sits in one memory pool (the DRAM arena).
 
-`TieredStore` plans and pins such a load for all its layers at once (`PreparedDramLoad`); this
+`load_plan` plans and pins such a load for all its layers at once (`PreparedDramLoad`); this
 module copies it. Each lane claims the next layer no lane has claimed yet, so a lane whose thread
 wakes late copies fewer layers instead of finishing last; a layer is delivered as soon as its copy is
 done, in layer order (`LayerwiseLoad`).
@@ -39,7 +39,7 @@ log = get_logger(__name__)
 @dataclass(slots=True)
 class PreparedDramLoad:
     """A load whose every page sits in DRAM, planned and pinned for all its layers at once (see
-    `TieredStore._plan_load_from_dram`): `[blocks, columns]` arrays, column `c` being layer `order[c]`."""
+    `LoadPlanner.plan_from_dram`): `[blocks, columns]` arrays, column `c` being layer `order[c]`."""
 
     keys: Sequence[BlockKey]
     tensors: Sequence[torch.Tensor]
@@ -48,7 +48,7 @@ class PreparedDramLoad:
     slots: np.ndarray  # [blocks, columns] DRAM slot of each page
     rows: np.ndarray  # destination row of each block
     consecutive: list[bool]  # per column: rows and slots both consecutive (one run)
-    plain_rows: bool  # every tensor plain CPU memory laid out row by row (`TieredStore._target_rows`)
+    plain_rows: bool  # every tensor plain CPU memory laid out row by row (`Loads._target_rows`)
     started: float = field(default_factory=time.perf_counter)
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from node_manager.kv.pages import Tier
 
 _IO_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # deadline - completion: positive = finished ahead of the request, negative = late.
@@ -136,3 +140,31 @@ class KVMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TierMeters:
+    """The per-tier series of one store that every load and save updates, looked up once: a labelled
+    child costs a lock and a dict lookup, on every layer of a load. Thread-safe; no store lock needed."""
+
+    def __init__(self, metrics: KVMetrics, page_bytes: int) -> None:
+        self._page_bytes = page_bytes
+        self._hits = {tier: metrics.hits.labels(tier.name) for tier in Tier}
+        self._io = {
+            (tier, direction): (
+                metrics.io_bytes.labels(tier.name, direction),
+                metrics.io_seconds.labels(tier.name, direction),
+            )
+            for tier in Tier
+            for direction in ("read", "write")
+        }
+
+    def count_hits(self, tier: Tier, pages: int) -> None:
+        """`pages` a load found in `tier`."""
+        self._hits[tier].inc(pages)
+
+    def observe_io(self, tier: Tier, direction: str, pages: int, started: float) -> None:
+        """`pages` read or written in `tier` (direction "read" | "write") as one batch, begun at
+        `time.perf_counter()` == `started`."""
+        nbytes, seconds = self._io[tier, direction]
+        nbytes.inc(pages * self._page_bytes)
+        seconds.observe(time.perf_counter() - started)

@@ -20,7 +20,7 @@ Wire format (little-endian):
   learns the session and gets its pages over one connection, without a gRPC round trip first.
 
 The receiver reads each frame's pages straight into reserved DRAM slots, checks every page against
-its checksum there (`TieredStore.verify_reserved`, then `install_verified`), and derives the block
+its checksum there (`PageIngest.verify_reserved`, then `install_verified`), and derives the block
 keys from its own copy of the token ids, so a page is kept only if it matches its own key and layer.
 A stream that breaks midway leaves the verified pages stored and the rest missing: a partial
 result, never a bad page.
@@ -39,8 +39,11 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from node_manager.kv.errors import KVStoreError
+from node_manager.kv.ingest import PageReservation, VerifiedPages
+from node_manager.kv.sessions import SessionRecord
 from node_manager.kv.slots import consecutive_runs
-from node_manager.kv.store import KVStoreError, PageReservation, SessionRecord, TieredStore, VerifiedPages
+from node_manager.kv.store import TieredStore
 from node_manager.kv.transfer import (
     loaded_runs,
     pages_per_message,
@@ -396,7 +399,7 @@ def _receive(
 def _install(store: TieredStore, verified: list[VerifiedPages], outcome: StreamOutcome) -> None:
     batch = verified[:]
     verified.clear()
-    outcome.stored += store.install_verified(batch)
+    outcome.stored += store.ingest.install_verified(batch)
 
 
 def _receive_frames(
@@ -430,16 +433,16 @@ def _receive_frames(
             raise ProtocolError(f"bad frame: blocks {first_block}..{first_block + count - 1} were not asked for")
         checksums = np.frombuffer(_recv_bytes(sock, count * 8), "<u8").tolist()
         # The pages go straight into reserved DRAM slots.
-        reservation = store.reserve_pages(tenant, session_id, layer, first_block, count)
+        reservation = store.ingest.reserve_pages(tenant, session_id, layer, first_block, count)
         if reservation is None:  # no room in DRAM: read past the pages
             _discard(sock, count * page_bytes)
             outcome.received += count
             continue
         try:
             actual = _recv_checksummed(sock, store, reservation)
-            verified.append(store.verify_reserved(reservation, checksums, actual))
+            verified.append(store.ingest.verify_reserved(reservation, checksums, actual))
         except BaseException:
-            store.release_pages(reservation)
+            store.ingest.release_pages(reservation)
             raise
         outcome.received += count
         pending_pages += count
@@ -457,7 +460,7 @@ def _recv_checksummed(sock: socket.socket, store: TieredStore, reservation: Page
     (docs/design-notes.md#page-stream)."""
     page_bytes = store.geometry.page_bytes
     checksums: list[int] = []
-    for view in store.reserved_views(reservation):
+    for view in store.ingest.reserved_views(reservation):
         got = checked = 0
         while got < len(view):
             n = sock.recv_into(view[got : got + RECEIVE_CHUNK_BYTES])
@@ -466,7 +469,7 @@ def _recv_checksummed(sock: socket.socket, store: TieredStore, reservation: Page
             got += n
             whole = got - got % page_bytes
             if whole > checked:
-                checksums += store.reserved_checksums(reservation, len(checksums), view[checked:whole])
+                checksums += store.ingest.reserved_checksums(reservation, len(checksums), view[checked:whole])
                 checked = whole
     return checksums
 

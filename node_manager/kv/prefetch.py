@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import cast
 
+from node_manager.kv.directory import SessionKey
+from node_manager.kv.errors import KVStoreError, StoreBusy
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import Priority, Tier
-from node_manager.kv.store import KVStoreError, SessionKey, StoreBusy, TieredStore
+from node_manager.kv.store import TieredStore
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2
 
@@ -222,7 +224,7 @@ class PrefetchQueue:
             self._finish(job, CANCELLED)
             return
         try:
-            handle = self._store.load(tenant, session_id, target=job.target)
+            handle = self._store.loads.promote(tenant, session_id, tier=job.target)
         except StoreBusy:
             await asyncio.sleep(0.01)  # back-pressure from the I/O pool: yield, then try again in order
             job.state = QUEUED
@@ -250,7 +252,7 @@ class PrefetchQueue:
             job.engine_note = "not every page reached the top tier"
             return
         tenant, session_id = job.session
-        record = self._store.session(tenant, session_id)
+        record = self._store.sessions.get(tenant, session_id)
         outcome = await self._warm(tenant, session_id, record.token_ids.tolist(), job.engine_salt, record.priority)
         job.engine_cached_tokens, job.engine_note = outcome.cached_tokens, outcome.note
 

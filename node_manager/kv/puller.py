@@ -16,10 +16,11 @@ import threading
 
 import grpc
 
+from node_manager.kv.errors import KVStoreError
 from node_manager.kv.page_stream import Plan, StreamOutcome, fetch_pages
 from node_manager.kv.pages import Priority
 from node_manager.kv.prefetch import PullOutcome
-from node_manager.kv.store import KVStoreError, TieredStore
+from node_manager.kv.store import TieredStore
 from node_manager.kv.transfer import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD, submit_batch
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2, kv_pb2_grpc
@@ -91,7 +92,7 @@ class PeerPuller:
         ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
         reply = kv_pb2.PullReply()
         tail: list[kv_pb2.FetchPagesRequest] = []  # the peer's partial last block, if `_plan` wants it
-        with self._store.foreground_transfer():  # the write-behind waits: a request may be waiting on this
+        with self._store.write_behind.foreground_transfer():  # the write-behind waits: a request may be waiting on this
             if not await self._pull_with_session(peer, ref, reply, tail):
                 await self._pull_after_status(peer, ref, reply, tail)
             if tail and not reply.error:
@@ -126,7 +127,7 @@ class PeerPuller:
         # Before the session is registered here: another model's token history and pages stay out.
         self._store.check_model(remote.model_fingerprint, "receiver")
         priority = Priority.from_proto(remote.priority)
-        record = self._store.put_session(tenant, session_id, list(remote.token_ids), priority)
+        record = self._store.sessions.put(tenant, session_id, list(remote.token_ids), priority)
         start = self._store.loadable_prefix_blocks(tenant, session_id)
         first = min(start, remote.loadable_prefix_blocks)
         wanted = remote.loadable_prefix_blocks - first

@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from node_manager.kv.errors import InvalidRequest, ModelMismatch, SessionNotFound, StoreBusy
 from node_manager.kv.pages import Priority, Tier
 from node_manager.kv.prefetch import PrefetchJob, PrefetchQueue, PrefetchQueueFull
 from node_manager.kv.puller import PeerPuller
-from node_manager.kv.store import InvalidRequest, ModelMismatch, SessionNotFound, StoreBusy, TieredStore
+from node_manager.kv.store import TieredStore
 from node_manager.kv.transfer import session_status, store_batch, stream_pages
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
@@ -108,7 +109,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
     ) -> kv_pb2.SessionStatus:
         try:
             tenant, session_id = _session(request.session)
-            self.store.put_session(tenant, session_id, list(request.token_ids), _priority(request.priority))
+            self.store.sessions.put(tenant, session_id, list(request.token_ids), _priority(request.priority))
             return self._status(tenant, session_id, False, False)
         except _CLIENT_ERRORS as exc:
             await _abort_for(context, exc)
@@ -132,9 +133,9 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             tier = _TIER_FROM_PROTO.get(request.tier)
             if tier is None or tier is Tier.SSD:
                 raise _Invalid("tier must be TIER_HBM or TIER_DRAM")
-            self.store.session(tenant, session_id)  # NOT_FOUND before waiting on the write-behind
+            self.store.sessions.get(tenant, session_id)  # NOT_FOUND before waiting on the write-behind
             # Pages saved moments ago may still be on their way to SSD; only SSD-held copies drop.
-            await asyncio.to_thread(self.store.flush, DEMOTE_FLUSH_TIMEOUT_S)
+            await asyncio.to_thread(self.store.write_behind.flush, DEMOTE_FLUSH_TIMEOUT_S)
             self.store.demote(tenant, session_id, tier)
             return self._status(tenant, session_id, False, False)
         except _CLIENT_ERRORS as exc:
@@ -214,7 +215,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             if len(salt) > MAX_SALT_CHARS:
                 raise _Invalid(f"engine_cache_salt is longer than {MAX_SALT_CHARS} characters")
             if not peer:
-                self.store.session(tenant, session_id)  # NOT_FOUND now rather than a failed job later
+                self.store.sessions.get(tenant, session_id)  # NOT_FOUND now rather than a failed job later
             job = self.prefetches.submit(
                 (tenant, session_id),
                 target,

@@ -1,7 +1,7 @@
 """A load whose every page sits only on SSD, read straight into the caller's rows: a node sending a
 session it holds only on disk to a peer (`transfer`), or any caller loading rows from a cold store.
 
-`TieredStore` plans and pins such a load for all its layers at once (`PreparedSsdLoad`); this module
+`load_plan` plans and pins such a load for all its layers at once (`PreparedSsdLoad`); this module
 reads it. Why a path of its own, as `memory_load` is for DRAM: the general path (`StripedLoad`)
 plans, pins and finishes every layer under the store lock, and its lanes then wait on each other's
 GIL while the disk sits idle (docs/design-notes.md#ssd-load-path).
@@ -27,7 +27,8 @@ import torch
 
 from node_manager.kv.loader import LayerResult, LayerwiseLoad, read_verified_pages, row_views
 from node_manager.kv.pages import Tier
-from node_manager.kv.ssd_tier import Segment, SsdTier
+from node_manager.kv.ssd_tier import Segment
+from node_manager.kv.tiers import SegmentTier
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 
@@ -37,7 +38,7 @@ log = get_logger(__name__)
 @dataclass(slots=True)
 class PreparedSsdLoad:
     """A load whose every page sits only on SSD, planned and pinned for all its layers at once (see
-    `TieredStore._plan_load_from_ssd`): `[blocks, columns]` arrays, column `c` being layer `order[c]`."""
+    `LoadPlanner.plan_from_ssd`): `[blocks, columns]` arrays, column `c` being layer `order[c]`."""
 
     keys: Sequence[BlockKey]
     tensors: Sequence[torch.Tensor]  # CPU, contiguous: read into by byte offset
@@ -70,7 +71,7 @@ class SsdLoad:
         self,
         handle: LayerwiseLoad,
         prepared: PreparedSsdLoad,
-        ssd: SsdTier,
+        ssd: SegmentTier,
         executor: concurrent.futures.Executor,
         lanes: int,
         page_bytes: int,

@@ -16,9 +16,11 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 
+from node_manager.kv.errors import InvalidRequest
 from node_manager.kv.loader import LayerResult, LayerwiseLoad, RowTarget
 from node_manager.kv.pages import run_checksums
-from node_manager.kv.store import InvalidRequest, SessionRecord, TieredStore, addressed_keys
+from node_manager.kv.sessions import SessionRecord, addressed_keys
+from node_manager.kv.store import TieredStore
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2
@@ -49,7 +51,9 @@ def staged_load(
     """Start loading `count` blocks into fresh staging tensors (one per layer), from whichever tiers hold them."""
     geometry = store.geometry
     staging = [torch.empty(count, geometry.page_words, dtype=torch.int64) for _ in range(geometry.num_layers)]
-    handle = store.load(record.key[0], record.key[1], first_block, count, RowTarget(staging, list(range(count))))
+    handle = store.loads.into_rows(
+        record.key[0], record.key[1], first_block, count, target=RowTarget(staging, list(range(count)))
+    )
     return staging, handle
 
 
@@ -72,7 +76,7 @@ def session_status(
 ) -> kv_pb2.SessionStatus:
     """What a puller needs of a session before asking for its pages: its length, priority, the
     blocks every layer can deliver, and (with `token_ids`) the ids its block keys derive from."""
-    record = store.session(tenant, session_id)
+    record = store.sessions.get(tenant, session_id)
     status = kv_pb2.SessionStatus(
         session=kv_pb2.SessionRef(tenant=tenant, session_id=session_id),
         num_tokens=len(record.token_ids),
@@ -92,7 +96,7 @@ def stream_end(
     store: TieredStore, tenant: str, session_id: str, first_block: int, num_blocks: int | None
 ) -> tuple[SessionRecord, int]:
     """The session and the end of the block range a fetch asks for (0 or None blocks: to the end)."""
-    record = store.session(tenant, session_id)
+    record = store.sessions.get(tenant, session_id)
     if first_block > record.blocks.num_blocks:
         raise InvalidRequest(f"first_block {first_block} beyond the session's {record.blocks.num_blocks}")
     if not num_blocks:
@@ -129,11 +133,13 @@ async def stream_pages(
 async def _stream_tail(
     store: TieredStore, tenant: str, session_id: str, first_block: int, num_blocks: int | None, tail_tokens: int
 ) -> AsyncIterator[kv_pb2.PageBatch]:
-    record = store.session(tenant, session_id)
+    record = store.sessions.get(tenant, session_id)
     if first_block != record.blocks.num_blocks or num_blocks not in (None, 1):
         raise InvalidRequest(f"a partial tail is the one block after the session's {record.blocks.num_blocks}")
     staging = [torch.empty(1, store.geometry.page_words, dtype=torch.int64) for _ in range(store.geometry.num_layers)]
-    handle = store.load(tenant, session_id, first_block, 1, RowTarget(staging, [0]), tail_tokens=tail_tokens)
+    handle = store.loads.into_rows(
+        tenant, session_id, first_block, 1, target=RowTarget(staging, [0]), tail_tokens=tail_tokens
+    )
     key = addressed_keys(record, first_block, 1, None, tail_tokens)[0]  # the load above checked the range
     ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
     for layer in range(store.geometry.num_layers):
@@ -167,7 +173,7 @@ def submit_batch(store: TieredStore, batch: kv_pb2.PageBatch) -> tuple[concurren
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only bytes: the save only reads them
         pages = torch.frombuffer(batch.data, dtype=torch.int64).view(count, -1)
-    future = store.save_layer(
+    future = store.ingest.save_layer(
         batch.session.tenant,
         batch.session.session_id,
         batch.layer,

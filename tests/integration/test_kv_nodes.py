@@ -474,22 +474,25 @@ async def test_peer_stream_cut_mid_transfer_keeps_only_verified_pages(stubs: lis
 _WRITER = """
 import sys, random, torch
 from pathlib import Path
-from node_manager.kv.store import TieredStore, StoreConfig
+from node_manager.kv.store import TieredStore
+from node_manager.kv.store_config import StoreConfig
 from symphony.kv_geometry import KVGeometry, hf_config_for
 g = KVGeometry(6, 3, 64, 32)
 store = TieredStore(g, StoreConfig(hbm_bytes=0, dram_bytes=64 << 20, ssd_bytes=1 << 30, ssd_dir=Path(sys.argv[1]),
                                    arena_name=sys.argv[2], model=bytes.fromhex(sys.argv[3]),
                                    segment_max_bytes=1 << 20))
 for n in range(10_000):
-    store.put_session("t", f"s{n}", [random.randrange(1000) for _ in range(256)])
+    store.sessions.put("t", f"s{n}", [random.randrange(1000) for _ in range(256)])
     for layer in range(6):
-        store.save_layer("t", f"s{n}", layer, 0, torch.full((8, g.page_words), n * 10 + layer, dtype=torch.int64))
-    store.flush()
+        pages = torch.full((8, g.page_words), n * 10 + layer, dtype=torch.int64)
+        store.ingest.save_layer("t", f"s{n}", layer, 0, pages)
+    store.write_behind.flush()
 """
 
 
 def test_kill_9_during_writes_leaves_no_torn_page(tmp_path: Path) -> None:
-    from node_manager.kv.store import StoreConfig, TieredStore
+    from node_manager.kv.store import TieredStore
+    from node_manager.kv.store_config import StoreConfig
 
     ssd = tmp_path / "ssd"
     arena = f"symphony-test-kill-{os.getpid()}"
@@ -524,7 +527,7 @@ def test_kill_9_during_writes_leaves_no_torn_page(tmp_path: Path) -> None:
         stats = store.stats()
         assert stats["ssd_pages"] >= 20 * 6
         # Every page the rebuilt index lists reads back and passes its checksum.
-        pages = list(store._directory.ssd_copies())
+        pages = list(store.directory.ssd_copies())
         assert len(pages) == stats["ssd_pages"]
         staging = [torch.empty(1, geometry.page_words, dtype=torch.int64) for _ in range(6)]
         bad = 0

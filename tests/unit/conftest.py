@@ -8,7 +8,8 @@ from uuid import uuid4
 
 import pytest
 
-from node_manager.kv.store import StoreConfig, TieredStore
+from node_manager.kv.store import TieredStore
+from node_manager.kv.store_config import StoreConfig
 from symphony.kv_geometry import KVGeometry
 from tests.helpers import TEST_MODEL
 from tests.unit.kv_store_support import GEOMETRY, TIMEOUT, MakeStore
@@ -46,7 +47,7 @@ def make_store(ssd_dir: Path) -> Iterator[MakeStore]:
 
     yield make
     for store in stores:
-        if not store._closed:
+        if not store.closed:
             store.close(flush_timeout=TIMEOUT)
         assert not store.dram.path.exists(), "close() must remove the shared-memory arena"
         assert not store.block_index.path.exists(), "close() must remove the block index"

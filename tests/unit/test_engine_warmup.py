@@ -130,7 +130,7 @@ async def test_only_a_top_tier_prefetch_ends_in_the_engine(make_store: MakeStore
             await _finished(job)
     finally:
         await queue.close()
-    assert calls == [("acme", "top", store.session("acme", "top").token_ids.tolist(), "next-turn")]
+    assert calls == [("acme", "top", store.sessions.get("acme", "top").token_ids.tolist(), "next-turn")]
     assert (top.state, top.engine_cached_tokens, top.engine_note) == (DONE, len(calls[0][2]) - 1, "")
     assert (mid.state, mid.engine_cached_tokens) == (DONE, 0)
 

@@ -11,12 +11,22 @@ from uuid import uuid4
 import pytest
 
 from node_manager.kv.block_index import MIN_SLOTS, BlockIndex, BlockIndexReader, fingerprint, slots_for
+from node_manager.kv.errors import HistoryChanged
 from node_manager.kv.pages import Tier
-from node_manager.kv.store import HistoryChanged, TieredStore
+from node_manager.kv.store import TieredStore
 from symphony.kv_addressing import BlockKey, chain_block_keys
 from tests.helpers import TEST_MODEL
-from tests.unit.kv_store_support import BLOCK, LAYERS, TIMEOUT, MakeStore, save_session, tokens
-from tests.unit.test_kv_store import flip_bits, load_rows, locate_page
+from tests.unit.kv_store_support import (
+    BLOCK,
+    LAYERS,
+    TIMEOUT,
+    MakeStore,
+    flip_bits,
+    load_rows,
+    locate_page,
+    save_session,
+    tokens,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -184,7 +194,7 @@ def test_another_process_reads_the_same_index(index: BlockIndex) -> None:
 def _indexed(store: TieredStore, session: str) -> int:
     reader = BlockIndexReader(store.block_index.name)
     try:
-        return reader.leading(store.session("acme", session).blocks.block_keys)
+        return reader.leading(store.sessions.get("acme", session).blocks.block_keys)
     finally:
         reader.close()
 
@@ -200,13 +210,13 @@ def test_saved_blocks_enter_the_index_once_every_layer_is_in(make_store: MakeSto
 def test_a_block_leaves_the_index_with_the_last_copy_of_a_page(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0)
     save_session(store, "s", 3, seed=2)
-    assert store.flush(TIMEOUT)
-    key = store.session("acme", "s").blocks.block_keys[1]
-    with store._lock:
-        store._drop_copy(key, 2, Tier.DRAM, "capacity")  # SSD still has it: still complete
+    assert store.write_behind.flush(TIMEOUT)
+    key = store.sessions.get("acme", "s").blocks.block_keys[1]
+    with store.lock:
+        store.drop_copy(key, 2, Tier.DRAM, "capacity")  # SSD still has it: still complete
     assert _indexed(store, "s") == 3
-    with store._lock:
-        store._drop_copy(key, 2, Tier.SSD, "capacity")
+    with store.lock:
+        store.drop_copy(key, 2, Tier.SSD, "capacity")
     assert _indexed(store, "s") == 1 == store.loadable_prefix_blocks("acme", "s")
 
 
@@ -215,12 +225,12 @@ def test_a_restarted_store_indexes_what_is_on_disk_and_drops_corrupt_pages(
 ) -> None:
     first = make_store()
     save_session(first, "s", 3, seed=3, base=0)
-    bad_key = first.session("acme", "s").blocks.block_keys[2]
+    bad_key = first.sessions.get("acme", "s").blocks.block_keys[2]
     first.close()
     path, offset = locate_page(ssd_dir, bad_key, layer=1)
     flip_bits(path, offset + 5, 0x01)
     second = make_store()
-    second.put_session("acme", "s", tokens(3, base=0))
+    second.sessions.put("acme", "s", tokens(3, base=0))
     assert _indexed(second, "s") == 3  # on disk; the damage is found when the page is read
     _, results = load_rows(second, "s", 3)
     assert results[1].failed == (2,)
@@ -230,15 +240,15 @@ def test_a_restarted_store_indexes_what_is_on_disk_and_drops_corrupt_pages(
 def test_an_address_of_another_history_is_refused(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0)
     save_session(store, "s", 3, seed=4)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     other = chain_block_keys(TEST_MODEL, "acme", tokens(3, base=99_000), BLOCK).block_keys
-    mine = store.session("acme", "s").blocks.block_keys
+    mine = store.sessions.get("acme", "s").blocks.block_keys
     pin = store.pin_dram("acme", "s", 0, 3, range(LAYERS), last_key=mine[2])
     store.unpin_dram(pin)
     for call in (
         lambda: store.pin_dram("acme", "s", 0, 3, range(LAYERS), last_key=other[2]),
-        lambda: store.load("acme", "s", 0, 3, target=Tier.DRAM, last_key=other[2]),
-        lambda: store.reserve_pages("acme", "s", 0, 1, 2, last_key=other[2]),
+        lambda: store.loads.promote("acme", "s", 0, 3, tier=Tier.DRAM, last_key=other[2]),
+        lambda: store.ingest.reserve_pages("acme", "s", 0, 1, 2, last_key=other[2]),
     ):
         with pytest.raises(HistoryChanged):
             call()

@@ -17,11 +17,12 @@ import torch
 from node_manager.connector import lookup as lookup_module
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
 from node_manager.connector.lookup import HistoryLookup
+from node_manager.kv.errors import SessionNotFound
 from node_manager.kv.ipc_server import LocalKVServer
 from node_manager.kv.loader import RowTarget
 from node_manager.kv.pages import Tier
 from node_manager.kv.slots import DramArena
-from node_manager.kv.store import SessionNotFound, TieredStore
+from node_manager.kv.store import TieredStore
 from symphony.kv_addressing import tail_key
 from tests.helpers import TEST_MODEL, wait_until
 from tests.unit.kv_store_support import (
@@ -100,22 +101,22 @@ def test_match_registers_tokens_and_counts_held_blocks(
     assert lookup.match("acme", "fresh2", tokens(2)).blocks == 0
     _handled(client)
     with pytest.raises(SessionNotFound):  # queued, not sent: the match waited on no one
-        store.session("acme", "fresh")
+        store.sessions.get("acme", "fresh")
     _sent(lookup, client)  # both in one write
-    assert store.session("acme", "fresh").blocks.num_blocks == 3
-    assert store.session("acme", "fresh2").blocks.num_blocks == 2
+    assert store.sessions.get("acme", "fresh").blocks.num_blocks == 3
+    assert store.sessions.get("acme", "fresh2").blocks.num_blocks == 2
     save_session(store, "s", BLOCKS, seed=1)
     history = tokens(BLOCKS, base=10_000)
     # The next turn: the stored history plus a new message; only the stored blocks are loadable.
     held = lookup.match("acme", "s", [*history, *range(7, 7 + 2 * BLOCK + 1)])
     assert held.blocks == BLOCKS == store.loadable_prefix_blocks("acme", "s")
-    assert held.keys == store.session("acme", "s").blocks.block_keys[:BLOCKS]
+    assert held.keys == store.sessions.get("acme", "s").blocks.block_keys[:BLOCKS]
     # Same tokens under another tenant: keys are namespaced, nothing is shared.
     assert lookup.match("other", "s", history).blocks == 0
     # A long held history, partly on SSD, is found whole.
     save_session(store, "long", 40, seed=2, flush_each=True)  # on SSD: more than DRAM holds
     held = lookup.match("acme", "long", [*tokens(40, base=20_000), *range(3, 3 + 5 * BLOCK)])
-    assert held.keys == store.session("acme", "long").blocks.block_keys[:40]
+    assert held.keys == store.sessions.get("acme", "long").blocks.block_keys[:40]
 
 
 def test_match_hashes_only_what_the_tiers_could_load(
@@ -146,7 +147,7 @@ def test_match_hashes_only_what_the_tiers_could_load(
 def test_match_follows_evictions_and_a_restarted_node_manager(make_store: MakeStore, tmp_path: Path) -> None:
     store = make_store(hbm_pages=0)
     save_session(store, "s", BLOCKS, seed=11)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     path = tmp_path / "restart.sock"
     server = LocalKVServer(store, path)
     client = NodeKVClient(path, timeout_s=TIMEOUT)
@@ -154,10 +155,10 @@ def test_match_follows_evictions_and_a_restarted_node_manager(make_store: MakeSt
     history = tokens(BLOCKS, base=110_000)
     try:
         assert lookup.match("acme", "s", history).blocks == BLOCKS
-        with store._lock:  # block 2 loses its only copy of layer 1 (its SSD copy; DRAM's went first)
-            key = store.session("acme", "s").blocks.block_keys[2]
+        with store.lock:  # block 2 loses its only copy of layer 1 (its SSD copy; DRAM's went first)
+            key = store.sessions.get("acme", "s").blocks.block_keys[2]
             for tier in Tier:
-                store._drop_copy(key, 1, tier, "capacity")
+                store.drop_copy(key, 1, tier, "capacity")
         assert lookup.match("acme", "s", history).blocks == 2
         server.close()
         store.close()
@@ -209,7 +210,7 @@ def _send_fails(lookup: HistoryLookup, history: list[int]) -> bool:
 
 def test_load_from_dram_pins_until_release(store: TieredStore, client: NodeKVClient) -> None:
     data = save_session(store, "s", BLOCKS, seed=2)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     arena = _arena(client)
     try:
         load_id, layers = _read_load(client, [{"tenant": "acme", "session": "s", "first_block": 1, "count": 3}])
@@ -230,7 +231,7 @@ def test_load_promotes_ssd_pages_and_marks_unknown_items(make_store: MakeStore, 
     data = save_session(first, "s", BLOCKS, seed=3)
     first.close()
     store = make_store(hbm_pages=0)  # same directory: everything is on SSD only
-    store.put_session("acme", "s", tokens(BLOCKS, base=30_000))
+    store.sessions.put("acme", "s", tokens(BLOCKS, base=30_000))
     server = LocalKVServer(store, tmp_path / "kv2.sock")
     client = NodeKVClient(server.path, timeout_s=TIMEOUT)
     arena = _arena(client)
@@ -263,10 +264,10 @@ def test_a_load_waits_for_its_registration_and_never_serves_another_history(
     store: TieredStore, server: LocalKVServer, client: NodeKVClient, lookup: HistoryLookup
 ) -> None:
     data = save_session(store, "s", BLOCKS, seed=8)
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     history = tokens(BLOCKS, base=80_000)
-    key = store.session("acme", "s").blocks.block_keys[-1].hex()
-    store.put_session("acme", "s", tokens(BLOCKS, base=5))  # meanwhile: another history, same session id
+    key = store.sessions.get("acme", "s").blocks.block_keys[-1].hex()
+    store.sessions.put("acme", "s", tokens(BLOCKS, base=5))  # meanwhile: another history, same session id
     item = {"tenant": "acme", "session": "s", "first_block": 0, "count": BLOCKS, "key": key}
     worker = NodeKVClient(server.path, timeout_s=TIMEOUT)  # the worker's own connection
     arena = _arena(client)
@@ -280,7 +281,7 @@ def test_a_load_waits_for_its_registration_and_never_serves_another_history(
             assert torch.equal(arena.pages[torch.from_numpy(slots.copy())], data[layer])
         worker.release(load_id)
         # Re-registered with the other history and nothing more coming: never its pages, a recompute.
-        store.put_session("acme", "s", tokens(BLOCKS, base=5))
+        store.sessions.put("acme", "s", tokens(BLOCKS, base=5))
         server.registration_wait_s = 0.05
         load_id, layers = worker.load([item], timeout_s=TIMEOUT)
         assert all((slots == -1).all() for _, slots in layers)
@@ -303,7 +304,7 @@ def test_reserve_fill_commit_saves_pages(store: TieredStore, client: NodeKVClien
     finally:
         arena.close()
     dest = [torch.zeros(2, WORDS, dtype=torch.int64) for _ in range(LAYERS)]
-    results = store.load("acme", "s", 1, 2, target=RowTarget(dest, [0, 1])).wait_all(TIMEOUT)
+    results = store.loads.into_rows("acme", "s", 1, 2, target=RowTarget(dest, [0, 1])).wait_all(TIMEOUT)
     assert all(r.failed == () for r in results)
     assert all(torch.equal(dest[layer], data[layer]) for layer in range(LAYERS))
 
@@ -327,7 +328,7 @@ def test_a_turns_partial_tail_is_saved_found_by_the_next_turn_and_loaded(
         held = lookup.match("acme", "s", [*history, *range(5, 5 + BLOCK + 2)])
         assert (held.blocks, held.tail_tokens) == (3, BLOCK - 1)
         _sent(lookup, client)
-        keys = store.session("acme", "s").blocks.block_keys  # the new turn's history
+        keys = store.sessions.get("acme", "s").blocks.block_keys  # the new turn's history
         assert held.keys == (*keys[:2], tail_key(keys[1], history[2 * BLOCK :]))
         assert held.keys[-1] != keys[2]  # not the full block the new turn's tokens fill
         item = {
@@ -366,15 +367,15 @@ def _arena_rw(client: NodeKVClient) -> DramArena:
 
 def test_a_closed_connection_releases_pins_and_reservations(store: TieredStore, server: LocalKVServer) -> None:
     save_session(store, "s", BLOCKS, seed=5)
-    assert store.flush(TIMEOUT)
-    free_before = store._dram_slots.free
+    assert store.write_behind.flush(TIMEOUT)
+    used_before = store.stats()["dram_pages"]
     client = NodeKVClient(server.path, timeout_s=TIMEOUT)
     _read_load(client, [{"tenant": "acme", "session": "s", "first_block": 0, "count": BLOCKS}])
     client.reserve("acme", "s2", 0, 2, tokens(2, base=50_000))
-    assert store.pinned_pages() == BLOCKS * LAYERS and store._dram_slots.free == free_before - 2 * LAYERS
+    assert store.pinned_pages() == BLOCKS * LAYERS and store.stats()["dram_pages"] == used_before + 2 * LAYERS
     client.close()  # a worker killed mid-step
     wait_until(
-        lambda: store.pinned_pages() == 0 and store._dram_slots.free == free_before,
+        lambda: store.pinned_pages() == 0 and store.stats()["dram_pages"] == used_before,
         TIMEOUT,
         "pins and reservations released",
     )

@@ -14,18 +14,27 @@ import pytest
 import torch
 
 from node_manager.connector.lookup import check_hello_model
+from node_manager.kv.errors import ModelMismatch, SessionNotFound
 from node_manager.kv.page_stream import PageStreamServer
 from node_manager.kv.pages import Tier
 from node_manager.kv.prefetch import PrefetchQueue
 from node_manager.kv.puller import PeerPuller
 from node_manager.kv.segments import parse_header
 from node_manager.kv.service import KVStoreService
-from node_manager.kv.store import ModelMismatch, SessionNotFound, TieredStore
+from node_manager.kv.store import TieredStore
 from node_manager.kv.transfer import stream_pages
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.helpers import OTHER_MODEL, TEST_MODEL
-from tests.unit.kv_store_support import LAYERS, TIMEOUT, MakeStore, save_session, tokens
-from tests.unit.test_kv_store import load_rows, metric, segment_files
+from tests.unit.kv_store_support import (
+    LAYERS,
+    TIMEOUT,
+    MakeStore,
+    load_rows,
+    metric,
+    save_session,
+    segment_files,
+    tokens,
+)
 
 BLOCKS = 3
 
@@ -56,7 +65,7 @@ def test_segments_of_another_model_are_dropped_at_rebuild(make_store: MakeStore,
     assert not any(path.exists() for path in files)
     assert metric(other, "symphony_kv_ssd_segments_other_model_total", action="dropped") == len(files)
     assert metric(other, "symphony_kv_ssd_segments_damaged_total") == 0  # another model is not damage
-    other.put_session("acme", "mid-1", tokens(BLOCKS, base=0))
+    other.sessions.put("acme", "mid-1", tokens(BLOCKS, base=0))
     assert other.loadable_prefix_blocks("acme", "mid-1") == 0
     _, results = load_rows(other, "mid-1", BLOCKS)
     assert all(r.failed == tuple(range(BLOCKS)) for r in results)
@@ -76,15 +85,15 @@ def test_kept_segments_stay_unloaded_count_against_capacity_and_serve_a_rollback
     assert other.stats()["pages"] == 0 and other.stats()["ssd_bytes"] == kept_bytes
     assert metric(other, "symphony_kv_ssd_segments_other_model_total", action="kept") == len(files)
     assert metric(other, "symphony_kv_ssd_other_model_segments") == len(files)
-    other.put_session("acme", "s", tokens(BLOCKS, base=0))
+    other.sessions.put("acme", "s", tokens(BLOCKS, base=0))
     assert other.loadable_prefix_blocks("acme", "s") == 0  # on disk, not loaded
     save_session(other, "new", 1, seed=3, base=50_000)  # its own segment takes a name none of those has
-    assert other.flush(TIMEOUT)
+    assert other.write_behind.flush(TIMEOUT)
     assert all(path.exists() for path in files) and len(segment_files(ssd_dir)) > len(files)
     other.close()
 
     rollback = _reopen(make_store, TEST_MODEL)  # the old model again: its pages load, byte for byte
-    rollback.put_session("acme", "s", tokens(BLOCKS, base=0))
+    rollback.sessions.put("acme", "s", tokens(BLOCKS, base=0))
     tensors, results = load_rows(rollback, "s", BLOCKS)
     assert all(r.failed == () for r in results)
     assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS))
@@ -111,13 +120,13 @@ def test_kept_segments_are_the_first_to_go_when_room_is_needed(make_store: MakeS
     # Room for both and one more save: a second save of this model needs the room of one session.
     back = _reopen(make_store, TEST_MODEL, ssd_keep_other_models=True, ssd_bytes=3 * session_bytes)
     save_session(back, "new", BLOCKS, seed=6, base=120_000, flush_each=True)
-    assert back.flush(TIMEOUT)
+    assert back.write_behind.flush(TIMEOUT)
     assert all(path.exists() for path in kept + own)  # there was room: nothing went
     save_session(back, "newer", BLOCKS, seed=7, base=150_000, flush_each=True)
-    assert back.flush(TIMEOUT)
+    assert back.write_behind.flush(TIMEOUT)
     assert not any(path.exists() for path in kept)  # the other model's segments went...
     assert all(path.exists() for path in own)  # ...not this model's older ones
-    back.put_session("acme", "mine", tokens(BLOCKS, base=0))
+    back.sessions.put("acme", "mine", tokens(BLOCKS, base=0))
     assert all(all(layer) for layer in back.residency("acme", "mine")[Tier.SSD])
     assert metric(back, "symphony_kv_ssd_other_model_segments") == 0
 
@@ -177,7 +186,7 @@ async def test_a_peer_of_another_model_gets_no_pages_and_gives_none(
     assert (reply.complete, reply.pages_received) == (False, 0)
     assert "model" in reply.error
     with pytest.raises(SessionNotFound):
-        receiver.session("acme", "s")  # not even its token history was registered
+        receiver.sessions.get("acme", "s")  # not even its token history was registered
     assert receiver.stats()["pages"] == 0
     refused_by = "sender" if connected else "receiver"  # the stream refuses first; gRPC's status reaches the receiver
     owner = store if connected else receiver
@@ -198,7 +207,7 @@ async def test_a_receiver_refuses_a_sender_that_does_not_check(make_store: MakeS
     assert reply.pages_received == 0 and "the peer serves model" in reply.error
     assert metric(receiver, "symphony_kv_peer_refused_total", side="receiver") == 1
     with pytest.raises(SessionNotFound):
-        receiver.session("acme", "s")
+        receiver.sessions.get("acme", "s")
 
 
 async def test_fetch_pages_needs_the_requesters_model(sender: tuple[TieredStore, str]) -> None:

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from node_manager.kv import page_stream
+from node_manager.kv.errors import InvalidRequest
+from node_manager.kv.ingest import PageReservation
 from node_manager.kv.page_stream import PageStreamServer, fetch_pages
-from node_manager.kv.store import InvalidRequest, PageReservation, TieredStore
+from node_manager.kv.store import TieredStore
 from symphony.rpc import kv_pb2
 from tests.helpers import TEST_MODEL, wait_until
 from tests.unit.kv_store_support import GEOMETRY, LAYERS, TIMEOUT, MakeStore, save_session, tokens
@@ -40,7 +42,7 @@ def _request(session: str, first_block: int = 0, num_blocks: int = 0) -> kv_pb2.
 
 def _receiver(make_store: MakeStore, session: str, seed: int) -> TieredStore:
     store = make_store()
-    store.put_session("acme", session, tokens(BLOCKS, seed * 10_000))
+    store.sessions.put("acme", session, tokens(BLOCKS, seed * 10_000))
     return store
 
 
@@ -68,7 +70,7 @@ def test_pages_only_on_ssd_are_loaded_then_sent(make_store: MakeStore, ssd_dir: 
     data = save_session(writer, "s", BLOCKS, seed=2)
     writer.close(flush_timeout=TIMEOUT)
     sender = make_store(directory=ssd_dir)  # a restarted node: its index rebuilt, nothing in DRAM
-    sender.put_session("acme", "s", tokens(BLOCKS, 20_000))
+    sender.sessions.put("acme", "s", tokens(BLOCKS, 20_000))
     assert all(slot == -1 for layer in sender.dram_slots("acme", "s") for slot in layer)
     stream = PageStreamServer(sender, "127.0.0.1", 0, timeout_s=TIMEOUT)
     try:
@@ -116,14 +118,14 @@ def test_a_request_with_session_gets_the_status_first_and_then_the_planned_range
 
     def plan(status: kv_pb2.SessionStatus) -> kv_pb2.FetchPagesRequest:
         seen.append(status)
-        receiver.put_session("acme", "s", list(status.token_ids))
+        receiver.sessions.put("acme", "s", list(status.token_ids))
         return _request("s", first_block=1, num_blocks=2)
 
     opening = kv_pb2.FetchPagesRequest(session=_request("s").session, with_session=True, model_fingerprint=TEST_MODEL)
     outcome = fetch_pages(receiver, "127.0.0.1", server.port, opening, TIMEOUT, plan=plan)
     assert (outcome.received, outcome.stored, outcome.error) == (2 * LAYERS, 2 * LAYERS, "")
     assert outcome.status is not None and seen == [outcome.status]
-    assert list(outcome.status.token_ids) == server._store.session("acme", "s").token_ids.tolist()
+    assert list(outcome.status.token_ids) == server._store.sessions.get("acme", "s").token_ids.tolist()
     assert outcome.status.loadable_prefix_blocks == BLOCKS
     slots = receiver.dram_slots("acme", "s")
     for layer in range(LAYERS):
@@ -255,25 +257,25 @@ def test_no_listener_raises_so_the_caller_can_fall_back(make_store: MakeStore) -
 def test_reserved_pages_are_invisible_until_committed(make_store: MakeStore) -> None:
     store = make_store()
     data = save_session(make_store(), "s", 2, seed=9)
-    store.put_session("acme", "s", tokens(2, 90_000))
-    reservation = store.reserve_pages("acme", "s", 0, 0, 2)
+    store.sessions.put("acme", "s", tokens(2, 90_000))
+    reservation = store.ingest.reserve_pages("acme", "s", 0, 0, 2)
     assert reservation is not None and store.dram_slots("acme", "s")[0] == [-1, -1]
-    for view in store.reserved_views(reservation):
+    for view in store.ingest.reserved_views(reservation):
         view[:] = memoryview(data[0].numpy()).cast("B")[: len(view)]
     with pytest.raises(InvalidRequest):
-        store.commit_pages(reservation, [1])  # one checksum for two pages
+        store.ingest.commit_pages(reservation, [1])  # one checksum for two pages
     with pytest.raises(InvalidRequest):
-        store.verify_reserved(reservation, None, actual=[1])  # one computed checksum for two pages
-    assert store.commit_pages(reservation, None) == 2
+        store.ingest.verify_reserved(reservation, None, actual=[1])  # one computed checksum for two pages
+    assert store.ingest.commit_pages(reservation, None) == 2
     assert torch.equal(store.dram.pages[store.dram_slots("acme", "s")[0]], data[0])
 
 
 def _fill(store: TieredStore, layer: int, pages: torch.Tensor, first_block: int = 0) -> PageReservation:
-    reservation = store.reserve_pages("acme", "s", layer, first_block, pages.shape[0])
+    reservation = store.ingest.reserve_pages("acme", "s", layer, first_block, pages.shape[0])
     assert reservation is not None
     offset = 0
     raw = memoryview(pages.numpy()).cast("B")
-    for view in store.reserved_views(reservation):
+    for view in store.ingest.reserved_views(reservation):
         view[:] = raw[offset : offset + len(view)]
         offset += len(view)
     return reservation
@@ -285,15 +287,18 @@ def test_committing_layers_together_equals_committing_them_one_by_one(make_store
     want = reference.page_checksums("acme", "s", 0, BLOCKS)
     together, one_by_one = make_store(directory=tmp_path / "together"), make_store(directory=tmp_path / "one")
     for store in (together, one_by_one):
-        store.put_session("acme", "s", tokens(BLOCKS, 110_000))
-        store.save_layer("acme", "s", 2, 0, data[2][:2]).result(TIMEOUT)  # layer 2 already holds blocks 0-1
+        store.sessions.put("acme", "s", tokens(BLOCKS, 110_000))
+        store.ingest.save_layer("acme", "s", 2, 0, data[2][:2]).result(TIMEOUT)  # layer 2 already holds blocks 0-1
     bad = want[:, 1].tolist()
     bad[3] ^= 1  # one page of layer 1 fails its check
     expected = [want[:, 0].tolist(), bad, want[:, 2].tolist(), want[:, 3].tolist()]
     batch = [(_fill(together, layer, data[layer]), expected[layer]) for layer in range(LAYERS)]
-    assert together.commit_many(batch) == BLOCKS * LAYERS - 1
+    assert together.ingest.commit_many(batch) == BLOCKS * LAYERS - 1
     assert (
-        sum(one_by_one.commit_pages(_fill(one_by_one, layer, data[layer]), expected[layer]) for layer in range(LAYERS))
+        sum(
+            one_by_one.ingest.commit_pages(_fill(one_by_one, layer, data[layer]), expected[layer])
+            for layer in range(LAYERS)
+        )
         == BLOCKS * LAYERS - 1
     )
     for store in (together, one_by_one):
@@ -304,18 +309,18 @@ def test_committing_layers_together_equals_committing_them_one_by_one(make_store
             assert torch.equal(store.dram.pages[[slots[layer][b] for b in kept]], data[layer][kept])
         assert store.stats()["dram_pages"] == BLOCKS * LAYERS - 1  # the duplicates' and bad page's slots went back
         assert store.loadable_prefix_blocks("acme", "s") == 3  # block 3 lacks layer 1
-        assert store.flush(TIMEOUT) and store.pinned_pages() == 0
+        assert store.write_behind.flush(TIMEOUT) and store.pinned_pages() == 0
     assert together.residency("acme", "s") == one_by_one.residency("acme", "s")
 
 
 def test_released_reservations_give_their_slots_back(make_store: MakeStore) -> None:
     store = make_store(hbm_pages=0, dram_pages=4)
-    store.put_session("acme", "s", tokens(2))
-    first = store.reserve_pages("acme", "s", 0, 0, 2)
-    assert first is not None and store.reserve_pages("acme", "s", 1, 0, 2) is not None
-    assert store.reserve_pages("acme", "s", 2, 0, 2) is None  # full of reservations, nothing evictable
-    store.release_pages(first)
-    assert store.reserve_pages("acme", "s", 2, 0, 2) is not None
+    store.sessions.put("acme", "s", tokens(2))
+    first = store.ingest.reserve_pages("acme", "s", 0, 0, 2)
+    assert first is not None and store.ingest.reserve_pages("acme", "s", 1, 0, 2) is not None
+    assert store.ingest.reserve_pages("acme", "s", 2, 0, 2) is None  # full of reservations, nothing evictable
+    store.ingest.release_pages(first)
+    assert store.ingest.reserve_pages("acme", "s", 2, 0, 2) is not None
 
 
 def test_pinned_dram_pages_hold_only_when_dram_has_them_all(make_store: MakeStore) -> None:
@@ -324,36 +329,10 @@ def test_pinned_dram_pages_hold_only_when_dram_has_them_all(make_store: MakeStor
     with store.pinned_dram_pages("acme", "s", 0, BLOCKS) as held:
         assert held is None  # layers 2 and 3 were never saved
     save_session(store, "s", BLOCKS, seed=10, layers=[2, 3])
-    assert store.flush(TIMEOUT)
+    assert store.write_behind.flush(TIMEOUT)
     with store.pinned_dram_pages("acme", "s", 0, BLOCKS) as held:
         assert held is not None
         slots, checksums = held
         assert slots.shape == checksums.shape == (BLOCKS, LAYERS)
         assert store.pinned_pages() == BLOCKS * LAYERS
     assert store.pinned_pages() == 0
-
-
-def test_write_behind_waits_for_a_foreground_transfer_within_its_bound(make_store: MakeStore) -> None:
-    held = make_store(dram_pages=256, write_behind_max_delay_s=60.0)  # the queue stays under a quarter of DRAM
-    with held.foreground_transfer():
-        save_session(held, "s", BLOCKS, seed=11)
-        wait_until(lambda: held.stats()["write_behind_held"] == 1, TIMEOUT, "the write-behind to hold off")
-        assert held.stats()["write_queue"] == BLOCKS * LAYERS  # nothing persisted while the transfer runs
-    wait_until(
-        lambda: held.stats()["write_queue"] == 0 and held.pinned_pages() == 0,
-        TIMEOUT,
-        "the write-behind to go once the transfer ended",
-    )
-    flushed = make_store(dram_pages=256, write_behind_max_delay_s=60.0)
-    with flushed.foreground_transfer():
-        save_session(flushed, "s", BLOCKS, seed=12)
-        wait_until(lambda: flushed.stats()["write_behind_held"] == 1, TIMEOUT, "the write-behind to hold off")
-        assert flushed.flush(TIMEOUT)  # a flush never waits on the transfer
-    hasty = make_store(dram_pages=256, write_behind_max_delay_s=0.05)
-    with hasty.foreground_transfer():
-        save_session(hasty, "s", BLOCKS, seed=13)
-        wait_until(
-            lambda: hasty.stats()["write_queue"] == 0 and hasty.pinned_pages() == 0,
-            TIMEOUT,
-            "the write-behind to go after its bounded delay",
-        )

@@ -100,7 +100,9 @@ async def test_a_connected_pull_takes_the_status_from_the_page_stream(peer: _Pee
         "",
     )
     assert peer.service.status_calls == 0
-    assert receiver.session("acme", "s").token_ids.tolist() == peer.store.session("acme", "s").token_ids.tolist()
+    assert (
+        receiver.sessions.get("acme", "s").token_ids.tolist() == peer.store.sessions.get("acme", "s").token_ids.tolist()
+    )
     assert all(torch.equal(got, want) for got, want in zip(_pages(receiver, "s"), data, strict=True))
 
 
@@ -123,9 +125,9 @@ async def test_a_first_pull_asks_grpc_for_the_status_and_later_ones_do_not(peer:
 async def test_a_pull_only_fetches_the_blocks_it_lacks(peer: _Peer, make_store: MakeStore) -> None:
     data = save_session(peer.store, "s", BLOCKS, seed=4)
     receiver = make_store()
-    receiver.put_session("acme", "s", tokens(2, 40_000))  # the first two blocks already here
+    receiver.sessions.put("acme", "s", tokens(2, 40_000))  # the first two blocks already here
     for layer in range(LAYERS):
-        assert receiver.save_layer("acme", "s", layer, 0, data[layer][:2]).result(TIMEOUT) == 2
+        assert receiver.ingest.save_layer("acme", "s", layer, 0, data[layer][:2]).result(TIMEOUT) == 2
     puller = PeerPuller(receiver, timeout_s=TIMEOUT)
     try:
         await puller.connect(peer.address)
@@ -141,13 +143,16 @@ async def test_a_pull_brings_the_peers_partial_tail_after_the_full_blocks(
     peer: _Peer, make_store: MakeStore, stream: bool
 ) -> None:
     data = save_session(peer.store, "s", BLOCKS, seed=7)
-    history = peer.store.session("acme", "s").token_ids.tolist()
+    history = peer.store.sessions.get("acme", "s").token_ids.tolist()
     tail_tokens = BLOCK - 1
-    peer.store.put_session("acme", "s", [*history, *range(5, 5 + tail_tokens)])  # the turn ended mid-block
+    peer.store.sessions.put("acme", "s", [*history, *range(5, 5 + tail_tokens)])  # the turn ended mid-block
     tail = page_data(1, seed=8)
     for layer in range(LAYERS):
         assert (
-            peer.store.save_layer("acme", "s", layer, BLOCKS, tail[layer], tail_tokens=tail_tokens).result(TIMEOUT) == 1
+            peer.store.ingest.save_layer("acme", "s", layer, BLOCKS, tail[layer], tail_tokens=tail_tokens).result(
+                TIMEOUT
+            )
+            == 1
         )
     assert peer.store.loadable_tail_tokens("acme", "s") == tail_tokens
     receiver = make_store()
@@ -166,8 +171,8 @@ async def test_a_pull_brings_the_peers_partial_tail_after_the_full_blocks(
     assert (again.complete, again.pages_expected) == (True, 0)
     assert receiver.loadable_tail_tokens("acme", "s") == tail_tokens
     dest = [torch.zeros(BLOCKS + 1, WORDS, dtype=torch.int64) for _ in range(LAYERS)]
-    results = receiver.load(
-        "acme", "s", 0, BLOCKS + 1, RowTarget(dest, list(range(BLOCKS + 1))), tail_tokens=tail_tokens
+    results = receiver.loads.into_rows(
+        "acme", "s", 0, BLOCKS + 1, target=RowTarget(dest, list(range(BLOCKS + 1))), tail_tokens=tail_tokens
     ).wait_all(TIMEOUT)
     assert all(not r.failed for r in results)
     assert all(torch.equal(dest[layer], torch.cat([data[layer], tail[layer]])) for layer in range(LAYERS))
