@@ -12,7 +12,7 @@ PROTOS := $(wildcard proto/symphony/v1/*.proto)
 run: model
 	$(BIN)/symphony up
 
-test: model lint layers
+test: model lint layers typecheck
 	$(BIN)/python -m symphony.protogen --check
 	$(BIN)/pytest
 

@@ -32,10 +32,10 @@ def without_amx(choose_isa: Callable[..., str]) -> Callable[..., str]:
                 "Symphony: CPU attention on vLLM's vector kernel, not AMX (engine.cpu_amx_attention "
                 "= false): vLLM 0.32's AMX kernel gave wrong answers (node_manager/vllm_plugin.py)"
             )
-            choose.warned = True  # type: ignore[attr-defined]
+            choose.warned = True  # type: ignore[attr-defined]  # a mark on the function: warn once
         return "vec"
 
-    choose.wraps_without_amx = True  # type: ignore[attr-defined]
+    choose.wraps_without_amx = True  # type: ignore[attr-defined]  # a mark: steering is installed once
     return choose
 
 

@@ -9,7 +9,7 @@ rules stay with vLLM, whose 400s pass through. Unknown fields pass through to vL
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -17,8 +17,10 @@ from scheduler.errors import ApiError
 
 MAX_MESSAGES = 10_000
 MAX_CACHE_SALT_CHARS = 256
-MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-ADVISORY_KINDS = ("typing", "predecessor")
+MessageRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+AdvisoryKind = Literal["typing", "predecessor"]
+MESSAGE_ROLES: tuple[str, ...] = get_args(MessageRole)
+ADVISORY_KINDS: tuple[str, ...] = get_args(AdvisoryKind)
 
 # JSON numbers, integers included (strict floats take ints): never booleans, numeric strings, NaN or
 # infinities (which Python's json accepts). Only checked: the body goes on as the client sent it.
@@ -31,7 +33,7 @@ class _Body(BaseModel):
 
 
 class ChatMessage(_Body):
-    role: Literal[MESSAGE_ROLES]  # type: ignore[valid-type]
+    role: MessageRole
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
 
@@ -81,7 +83,7 @@ class CompletionBody(_Sampling):
 
 
 class AdvisoryBody(_Body):
-    kind: Literal[ADVISORY_KINDS]  # type: ignore[valid-type]
+    kind: AdvisoryKind
     expected_arrival_ms: Number | None = None
 
 

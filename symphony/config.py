@@ -136,9 +136,11 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
 class _EnvString(str):
     """A raw env value, remembered as such so list fields may be given as JSON or comma-separated."""
 
+    var: str  # the environment variable it came from
+
     def __new__(cls, var: str, value: str) -> _EnvString:
         obj = super().__new__(cls, value)
-        obj.var = var  # type: ignore[attr-defined]
+        obj.var = var
         return obj
 
 
@@ -149,7 +151,7 @@ def _build_section(name: str, section_type: type, values: dict[str, tuple[str, A
     for key, (source, raw) in values.items():
         if key not in known:
             raise ConfigError(f"{source}: unknown key {name}.{key} (known: {', '.join(sorted(known))})")
-        where = raw.var if isinstance(raw, _EnvString) else f"{source}: {name}.{key}"  # type: ignore[attr-defined]
+        where = raw.var if isinstance(raw, _EnvString) else f"{source}: {name}.{key}"
         kwargs[key] = _coerce(where, hints[key], raw, source)
     return section_type(**kwargs)
 

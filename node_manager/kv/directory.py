@@ -93,7 +93,7 @@ class PageDirectory:
             return False
         if self.pins[row].any() or self.persisting[row].any():
             return False
-        del self._row_of[self.keys[row]]  # type: ignore[arg-type]
+        del self._row_of[self.keys[row]]  # type: ignore[arg-type]  # an object array of BlockKey
         self.keys[row] = None
         self.owners[row] = _NO_OWNER
         self.checksum[row] = 0

@@ -108,7 +108,7 @@ class PageIngest:
         with self._front.lock:
             self._front.jobs_done(1)
         if done.exception() is not None:
-            future.set_exception(done.exception())  # type: ignore[arg-type]
+            future.set_exception(done.exception())
         else:
             future.set_result(done.result())
 
@@ -277,7 +277,7 @@ class PageIngest:
         rows = d.rows(keys)  # looked up now: settling copies may have released a row
         for at in np.flatnonzero(rows < 0).tolist():  # blocks new to the directory
             rows[at] = d.ensure_row(keys[at], record.key, record.priority)
-        cells = np.ix_(rows, layers)
+        cells = np.ix_(rows, np.asarray(layers, dtype=np.intp))
         d.checksum[cells] = checksums.T
         d.dram[cells] = slots.T
         d.priority[rows] = record.priority

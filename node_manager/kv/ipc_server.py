@@ -41,7 +41,7 @@ from node_manager.kv.ingest import PageReservation
 from node_manager.kv.pages import Tier
 from node_manager.kv.prefetch import PrefetchQueue
 from node_manager.kv.store import DramPin, TieredStore
-from symphony.kv_addressing import BLOCK_KEY_BYTES
+from symphony.kv_addressing import BLOCK_KEY_BYTES, BlockKey
 from symphony.logs import get_logger
 
 log = get_logger(__name__)
@@ -337,7 +337,7 @@ class LocalKVServer:
         session: str,
         first: int,
         count: int,
-        last_key: bytes | None,
+        last_key: BlockKey | None,
         tail_tokens: int,
         deadline: float,
     ) -> None:
@@ -421,7 +421,7 @@ def _str(message: dict[str, Any], name: str) -> str:
     return value
 
 
-def _block_key(item: dict[str, Any]) -> bytes | None:
+def _block_key(item: dict[str, Any]) -> BlockKey | None:
     """A load item's optional `key`: the hex block key of its last block."""
     value = item.get("key")
     if value is None:
@@ -429,7 +429,7 @@ def _block_key(item: dict[str, Any]) -> bytes | None:
     if not isinstance(value, str) or len(value) != 2 * BLOCK_KEY_BYTES:
         raise InvalidRequest(f"'key' must be a block key in {2 * BLOCK_KEY_BYTES} hex digits")
     try:
-        return bytes.fromhex(value)
+        return BlockKey(bytes.fromhex(value))
     except ValueError:
         raise InvalidRequest("'key' is not hexadecimal") from None
 

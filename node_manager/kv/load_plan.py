@@ -151,7 +151,7 @@ class LoadPlanner:
         if len(order) == self._front.geometry.num_layers:
             self._front.directory.pins[ids] += delta
         else:
-            self._front.directory.pins[np.ix_(ids, order)] += delta
+            self._front.directory.pins[np.ix_(ids, np.asarray(order, dtype=np.intp))] += delta
 
     # ---- the general path, layer by layer ---------------------------------------------------------
 

@@ -156,7 +156,7 @@ class LayerPlan:
 def row_views(tensor: torch.Tensor, rows: Sequence[int], row_bytes: int) -> list[memoryview]:
     """Byte views of rows of a contiguous CPU tensor, as slices of one view of the whole tensor: a
     view per row through `tensor[row].numpy()` costs ~5 us, a third of a page's read from a warm disk."""
-    flat = memoryview(tensor.numpy()).cast("B")
+    flat = tensor.numpy().data.cast("B")
     return [flat[row * row_bytes : (row + 1) * row_bytes] for row in rows]
 
 
@@ -208,7 +208,7 @@ def single_threaded_torch() -> None:
 @functools.cache
 def _openmp_libraries() -> list[ctypes.CDLL]:
     """The OpenMP runtimes this process has loaded (torch ships its own libgomp)."""
-    found = []
+    found: list[ctypes.CDLL] = []
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +56,7 @@ class SessionRegistry:
         return len(self._records)
 
     def put(
-        self, tenant: str, session_id: str, token_ids: Sequence[int], priority: Priority | None = None
+        self, tenant: str, session_id: str, token_ids: Sequence[int] | np.ndarray, priority: Priority | None = None
     ) -> SessionRecord:
         """Register a session's token history (or extend it). A history that does not extend the
         stored one (an edited conversation) replaces it; its keys are recomputed."""
@@ -132,10 +132,10 @@ class SessionRegistry:
             record.priority = priority
             self._on_priority_change(record)
 
-    def blocks_of(self, key: object) -> int:
+    def blocks_of(self, key: Hashable) -> int:
         """Full blocks of the session registered under `key`, 0 if none (the HBM eviction order).
         Caller holds the lock."""
-        record = self._records.get(key)  # type: ignore[arg-type]
+        record = self._records.get(key) if isinstance(key, tuple) else None
         return record.blocks.num_blocks if record else 0
 
 

@@ -75,7 +75,7 @@ class SsdLoad:
         executor: concurrent.futures.Executor,
         lanes: int,
         page_bytes: int,
-        after_first: Callable[[], None],
+        after_first: Callable[[], object],
         on_read: Callable[[int, list[BadPage]], None],
     ) -> None:
         self.handle = handle

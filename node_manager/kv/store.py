@@ -36,7 +36,7 @@ from node_manager.kv.ingest import PageIngest
 from node_manager.kv.loader import copy_lanes
 from node_manager.kv.loads import Loads
 from node_manager.kv.metrics import KVMetrics, TierMeters
-from node_manager.kv.pages import Tier
+from node_manager.kv.pages import PageId, Tier
 from node_manager.kv.sessions import SessionRecord, SessionRegistry, addressed_keys, check_range
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator
 from node_manager.kv.ssd_tier import SsdTier
@@ -93,7 +93,7 @@ class TieredStore:
         total_pages = (config.hbm_bytes + config.dram_bytes + config.ssd_bytes) // geometry.page_bytes
         self.block_index = BlockIndex(f"{config.arena_name}-blocks", total_pages // geometry.num_layers + 1)
         self._slots = {Tier.HBM: SlotAllocator(self.hbm.num_slots), Tier.DRAM: SlotAllocator(self.dram.num_slots)}
-        self._policies: dict[Tier, EvictionPolicy] = {
+        self._policies: dict[Tier, EvictionPolicy[PageId]] = {
             Tier.HBM: TopTierYieldPolicy(self.sessions.blocks_of),
             Tier.DRAM: PriorityLRUPolicy(),
         }
@@ -335,15 +335,15 @@ class TieredStore:
             self.touches.apply()
             d = self.directory
 
-            def evictable(page: object) -> bool:
-                key, layer = page  # type: ignore[misc]
+            def evictable(page: PageId) -> bool:
+                key, layer = page
                 row = d.row(key)
                 return row is not None and not d.pins[row, layer] and d.owners[row] != protect
 
             victims = self._policies[tier].victims(shortfall, evictable)
             if victims is None:
                 return None
-            for key, layer in victims:  # type: ignore[misc]
+            for key, layer in victims:
                 self.drop_copy(key, layer, tier, "capacity")
         return allocator.allocate(count)
 
@@ -379,7 +379,7 @@ class TieredStore:
         d = self.directory
         if d.held(row, layer):
             return
-        self.block_index.discard(d.keys[row])  # type: ignore[arg-type]
+        self.block_index.discard(d.keys[row])  # type: ignore[arg-type]  # an object array of BlockKey
         if reason != "superseded":
             self.metrics.last_copy_dropped.labels(reason).inc()
         d.release_if_empty(row)
@@ -387,7 +387,7 @@ class TieredStore:
     def publish_complete(self, rows: np.ndarray) -> None:
         # Blocks leave the index in `after_copy_dropped`, when a page loses its last copy.
         keys = self.directory.keys
-        self.block_index.add(keys[row] for row in rows[self.directory.complete_rows(rows)].tolist())  # type: ignore[misc]
+        self.block_index.add(keys[row] for row in rows[self.directory.complete_rows(rows)].tolist())
 
     def _reprioritize(self, record: SessionRecord) -> None:
         """The session's priority changed: its pages take it, in the directory and in both
