@@ -303,18 +303,10 @@ def _validate(config: SymphonyConfig) -> None:
     ):
         check(getattr(e, name) > 0, f"engine.{name}", "must be positive")
     kv = config.kv
-    check(
-        0 <= kv.hbm_bytes <= kv.dram_bytes <= kv.ssd_bytes,
-        "kv.hbm_bytes/dram_bytes/ssd_bytes",
-        f"need 0 <= hbm_bytes <= dram_bytes <= ssd_bytes, got {kv.hbm_bytes}, {kv.dram_bytes}, {kv.ssd_bytes}",
-    )
+    capacities = tier_capacities_error(kv.hbm_bytes, kv.dram_bytes, kv.ssd_bytes)
+    check(capacities is None, "kv.hbm_bytes/dram_bytes/ssd_bytes", f"need {capacities}")
     for name in (
-        "io_threads",
-        "max_inflight_jobs",
-        "segment_max_bytes",
-        "ssd_writers",
-        "max_sessions",
-        "max_session_tokens",
+        *STORE_POSITIVE_KEYS,
         "max_pending_prefetches",
         "prefetch_concurrency",
         "peer_timeout_s",
@@ -340,6 +332,24 @@ def _validate(config: SymphonyConfig) -> None:
     if kv.data_port_base:
         ports += [kv.data_port_base + i for i in range(config.cluster.nodes)]
     check(len(set(ports)) == len(ports), "ports", f"scheduler, node and engine ports overlap: {sorted(ports)}")
+
+
+# The KV store's keys that must be positive; the store checks them again when built without a config.
+STORE_POSITIVE_KEYS = (
+    "io_threads",
+    "max_inflight_jobs",
+    "segment_max_bytes",
+    "ssd_writers",
+    "max_sessions",
+    "max_session_tokens",
+)
+
+
+def tier_capacities_error(hbm_bytes: int, dram_bytes: int, ssd_bytes: int) -> str | None:
+    """What is wrong with per-node tier capacities (each lower tier at least the one above), or None."""
+    if 0 <= hbm_bytes <= dram_bytes <= ssd_bytes:
+        return None
+    return f"0 <= hbm_bytes <= dram_bytes <= ssd_bytes, got {hbm_bytes}, {dram_bytes}, {ssd_bytes}"
 
 
 def dump_toml(config: SymphonyConfig) -> str:

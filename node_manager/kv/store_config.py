@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from symphony.config import STORE_POSITIVE_KEYS, tier_capacities_error
 from symphony.kv_addressing import FINGERPRINT_BYTES, ModelFingerprint
 
 
@@ -28,19 +29,10 @@ class StoreConfig:
     ssd_keep_other_models: bool = False  # keep other models' segments on disk, unloaded (`SsdTier`)
 
     def validate(self) -> None:
-        if not 0 <= self.hbm_bytes <= self.dram_bytes <= self.ssd_bytes:
-            raise ValueError(
-                "KV tier capacities must satisfy 0 <= hbm_bytes <= dram_bytes <= ssd_bytes "
-                f"(got {self.hbm_bytes}, {self.dram_bytes}, {self.ssd_bytes})"
-            )
-        for name in (
-            "io_threads",
-            "max_inflight_jobs",
-            "segment_max_bytes",
-            "ssd_writers",
-            "max_sessions",
-            "max_session_tokens",
-        ):
+        capacities = tier_capacities_error(self.hbm_bytes, self.dram_bytes, self.ssd_bytes)
+        if capacities is not None:
+            raise ValueError(f"KV tier capacities must satisfy {capacities}")
+        for name in STORE_POSITIVE_KEYS:
             if getattr(self, name) <= 0:
                 raise ValueError(f"KV store: {name} must be positive")
         if self.write_behind_max_delay_s < 0:

@@ -115,6 +115,24 @@ def locate_page(directory: Path, key: bytes, layer: int) -> tuple[Path, int]:
     raise AssertionError("page not found in any segment")
 
 
+def reopen_with_a_flipped_page(
+    make_store: MakeStore, ssd_dir: Path, session: str, num_blocks: int, seed: int, bad: tuple[int, int, int, int]
+) -> tuple[TieredStore, list[torch.Tensor]]:
+    """Save `session` (blocks from token 0), close the store, flip `mask` at byte `offset` of page
+    (block, layer) on disk (`bad` = (block, layer, offset, mask)), and reopen it with the session
+    registered again: the restarted store and the saved data."""
+    block, layer, offset, mask = bad
+    first = make_store()
+    data = save_session(first, session, num_blocks, seed=seed, base=0)
+    bad_key = first.sessions.get("acme", session).blocks.block_keys[block]
+    first.close()
+    path, at = locate_page(ssd_dir, bad_key, layer=layer)
+    flip_bits(path, at + offset, mask)
+    second = make_store()
+    second.sessions.put("acme", session, tokens(num_blocks, base=0))
+    return second, data
+
+
 def all_true(grid: list[list[bool]]) -> bool:
     return all(all(row) for row in grid)
 

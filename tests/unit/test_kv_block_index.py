@@ -21,9 +21,8 @@ from tests.unit.kv_store_support import (
     LAYERS,
     TIMEOUT,
     MakeStore,
-    flip_bits,
     load_rows,
-    locate_page,
+    reopen_with_a_flipped_page,
     save_session,
     tokens,
 )
@@ -223,14 +222,7 @@ def test_a_block_leaves_the_index_with_the_last_copy_of_a_page(make_store: MakeS
 def test_a_restarted_store_indexes_what_is_on_disk_and_drops_corrupt_pages(
     make_store: MakeStore, ssd_dir: Path
 ) -> None:
-    first = make_store()
-    save_session(first, "s", 3, seed=3, base=0)
-    bad_key = first.sessions.get("acme", "s").blocks.block_keys[2]
-    first.close()
-    path, offset = locate_page(ssd_dir, bad_key, layer=1)
-    flip_bits(path, offset + 5, 0x01)
-    second = make_store()
-    second.sessions.put("acme", "s", tokens(3, base=0))
+    second, _ = reopen_with_a_flipped_page(make_store, ssd_dir, "s", 3, seed=3, bad=(2, 1, 5, 0x01))
     assert _indexed(second, "s") == 3  # on disk; the damage is found when the page is read
     _, results = load_rows(second, "s", 3)
     assert results[1].failed == (2,)

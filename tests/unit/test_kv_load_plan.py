@@ -26,6 +26,7 @@ from tests.unit.kv_store_support import (
     load_rows,
     locate_page,
     metric,
+    reopen_with_a_flipped_page,
     save_session,
     tokens,
 )
@@ -89,15 +90,7 @@ def test_a_consumer_cancelling_its_wait_does_not_stall_the_load(make_store: Make
 
 
 def test_flipped_byte_on_ssd_is_detected_and_never_served(make_store: MakeStore, ssd_dir: Path) -> None:
-    first = make_store()
-    data = save_session(first, "s1", 2, seed=9, base=0)
-    bad_key = first.sessions.get("acme", "s1").blocks.block_keys[1]
-    first.close()
-    path, offset = locate_page(ssd_dir, bad_key, layer=2)
-    flip_bits(path, offset + 13, 0x10)
-
-    second = make_store()
-    second.sessions.put("acme", "s1", tokens(2, base=0))
+    second, data = reopen_with_a_flipped_page(make_store, ssd_dir, "s1", 2, seed=9, bad=(1, 2, 13, 0x10))
     tensors, results = load_rows(second, "s1", 2)
     for layer in range(LAYERS):
         if layer == 2:
