@@ -11,7 +11,7 @@ import openai
 
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.e2e.conftest import LiveCluster
-from tests.e2e.test_01b_connector import BLOCK, _assert_logprobs_close, _loadable_blocks, _questions
+from tests.e2e.test_connector import BLOCK, _assert_logprobs_close, _loadable_blocks, _questions
 from tests.helpers import wait_until
 
 ANSWER_TOKENS = 96

@@ -19,7 +19,7 @@ from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.kv_geometry import smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.e2e.conftest import LiveCluster, reset_engine_cache
-from tests.e2e.test_01b_connector import _questions
+from tests.e2e.test_connector import _questions
 
 NODE = 1
 BLOCK = 32

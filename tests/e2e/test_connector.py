@@ -116,7 +116,7 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(
     assert loaded.usage.prompt_tokens_details.cached_tokens >= len(history) - 1, "history was not all loaded"
     # Loaded pages are turn 1's bytes: the same tokens and logprobs as vLLM's own cache hit. (A
     # recompute builds the answer's KV in one prefill where turn 1 decoded it token by token; how
-    # far that parts from both is vLLM's numerics, which test_01d reports.)
+    # far that parts from both is vLLM's numerics, which test_resume_correctness.py reports.)
     assert loaded.choices[0].token_ids == engine_cache.choices[0].token_ids
     _assert_logprobs_close(loaded, engine_cache)
 

@@ -14,7 +14,7 @@ import pytest
 
 from symphony.process import group_members
 from tests.e2e.conftest import LiveCluster
-from tests.e2e.test_02_engine_crash import _engine_pid
+from tests.e2e.test_engine_crash import _engine_pid
 from tests.helpers import async_wait_until, wait_until
 
 pytestmark = pytest.mark.e2e
