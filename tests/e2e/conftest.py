@@ -1,18 +1,30 @@
 """A real local cluster for the end-to-end suites: `symphony up --nodes 2` with real vLLM CPU engines
-serving SmolLM2, started once per test session (engines take ~30-60 s to start here)."""
+serving SmolLM2 (engines take ~30-60 s to start here), shared by the suites, and the order they run in.
+
+No test depends on the tests run before it. The shared cluster is started when a test first asks for
+it (`live_cluster`) and handed to each test with every node ready and idle: a test that crashed an
+engine or a node manager waits for it to come back, and if it does not, the next test gets a new
+cluster. A test that starts engines of its own has the shared cluster stopped first (`own_engines`,
+so that at most two engines run at once); one that shuts a cluster down takes the shared one for
+itself (`taken_cluster`). Which order the tests run in only decides how often the shared cluster
+starts: by default those that start their own engines run first and those that take it last, so it
+starts once (`--e2e-order` runs them in the order given, reversed or shuffled, for checking that)."""
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,6 +34,10 @@ from tests.helpers import free_port, free_port_run, wait_until
 
 NODES = 2
 STARTUP_TIMEOUT_S = 420
+# How long a test's successor waits for the shared cluster to be ready and idle again (an engine
+# restarted after a crash test, a node manager after a failover test) before starting a new one.
+RECOVERY_TIMEOUT_S = 300
+HERE = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -56,6 +72,38 @@ class LiveCluster:
 
     def output_tail(self, lines: int = 40) -> str:
         return "\n".join(self.output.read_text(errors="replace").splitlines()[-lines:])
+
+    def settled(self) -> bool:
+        """Every node ready, and nothing running, queued or in flight on any of them."""
+        try:
+            nodes = self.readyz()["nodes"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        return len(nodes) == len(self.engine_ports) and all(
+            node["state"] == "ready" and node["running"] == node["waiting"] == node["inflight"] == 0
+            for node in nodes.values()
+        )
+
+    def engine_pid(self, index: int) -> int:
+        """The vLLM API server of node `index`."""
+        port = str(self.engine_ports[index])
+        return self._descendant(lambda argv: "vllm.entrypoints.openai.api_server" in argv and port in argv)
+
+    def node_manager_pid(self, index: int) -> int:
+        def is_node(argv: list[str]) -> bool:
+            return "node" in argv and "--index" in argv and argv[argv.index("--index") + 1] == str(index)
+
+        return self._descendant(is_node)
+
+    def _descendant(self, matches: Callable[[list[str]], bool]) -> int:
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            try:
+                argv = child.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if matches(argv):
+                return child.pid
+        raise AssertionError(f"no such process under `symphony up`:\n{self.output_tail()}")
 
 
 def reset_engine_cache(engine_url: str) -> None:
@@ -179,11 +227,143 @@ def stop_cluster(cluster: LiveCluster) -> None:
             process.wait()
 
 
+class SharedCluster:
+    """The session's shared 2-node cluster: started on first use, checked before each use."""
+
+    def __init__(self, homes: pytest.TempPathFactory) -> None:
+        self._homes = homes
+        self._cluster: LiveCluster | None = None
+
+    def get(self) -> LiveCluster:
+        """The cluster with every node ready and idle: the running one once it has settled (a test
+        before may have killed an engine or a node manager, which `symphony up` restarts), else a
+        new one."""
+        cluster = self._cluster
+        if cluster is not None and not _settles(cluster):
+            warnings.warn(
+                f"the shared cluster did not recover from the test before; starting a new one:\n"
+                f"{cluster.output_tail()}",
+                stacklevel=2,
+            )
+            self.stop()
+        if self._cluster is None:
+            model_dir = fetch_default_model(default_home(), progress=lambda _: None)
+            self._cluster = start_cluster(self._homes.mktemp("symphony-home"), model_dir)
+        return self._cluster
+
+    def take(self) -> LiveCluster:
+        """The cluster, handed over for good: the caller stops it, the next test gets a new one."""
+        cluster = self.get()
+        self._cluster = None
+        return cluster
+
+    def stop(self) -> None:
+        cluster, self._cluster = self._cluster, None
+        if cluster is not None:
+            stop_cluster(cluster)
+
+
+def _settles(cluster: LiveCluster) -> bool:
+    try:
+        wait_until(
+            lambda: cluster.process.poll() is not None or cluster.settled(),
+            RECOVERY_TIMEOUT_S,
+            "the shared cluster to be ready and idle",
+            interval_s=0.5,
+        )
+    except AssertionError:
+        return False
+    return cluster.process.poll() is None
+
+
 @pytest.fixture(scope="session")
-def live_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluster]:
-    model_dir = fetch_default_model(default_home(), progress=lambda _: None)
-    cluster = start_cluster(tmp_path_factory.mktemp("symphony-home"), model_dir)
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedCluster]:
+    shared = SharedCluster(tmp_path_factory)
+    try:
+        yield shared
+    finally:
+        shared.stop()
+
+
+@pytest.fixture
+def live_cluster(shared_cluster: SharedCluster) -> LiveCluster:
+    """The shared cluster, every node ready and idle. A test may break it if it restores it (kill an
+    engine and wait for its restart). Tests use sessions and tenants of their own and read metrics
+    as differences, so what one leaves in the cluster is no other's input."""
+    return shared_cluster.get()
+
+
+@pytest.fixture
+def own_engines(shared_cluster: SharedCluster) -> None:
+    """For a test that starts engines of its own: the shared cluster is stopped first (the next test
+    that needs it starts it again), so that no more than two engines run at once."""
+    shared_cluster.stop()
+
+
+@pytest.fixture
+def taken_cluster(shared_cluster: SharedCluster) -> Iterator[LiveCluster]:
+    """A 2-node cluster the test may break beyond repair (shut it down): the shared one, which no
+    later test sees again, or a new one."""
+    cluster = shared_cluster.take()
     try:
         yield cluster
     finally:
         stop_cluster(cluster)
+
+
+# ---- the order the e2e tests run in ----------------------------------------------------------------
+
+ORDERS = ("grouped", "given", "reverse", "shuffle")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("symphony e2e")
+    group.addoption(
+        "--e2e-order",
+        choices=ORDERS,
+        default="grouped",
+        help="order of the e2e tests: grouped (default: those that start engines of their own first, "
+        "those that take the shared cluster last, else as given; the shared cluster starts once), "
+        "given (as collected), reverse (every test, within files too), shuffle (files, and tests "
+        "within each file; --e2e-seed repeats one)",
+    )
+    group.addoption("--e2e-seed", type=int, default=None, help="seed of --e2e-order=shuffle (default: random)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("e2e_seed", None) is None and config.getoption("e2e_order", "grouped") == "shuffle":
+        config.option.e2e_seed = random.randrange(1 << 32)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    order = config.getoption("e2e_order", "grouped")
+    return f"e2e order: {order}" + (f" (--e2e-seed {config.getoption('e2e_seed')})" if order == "shuffle" else "")
+
+
+def _group(item: pytest.Item) -> int:
+    names = getattr(item, "fixturenames", ())
+    return 0 if "own_engines" in names else 2 if "taken_cluster" in names else 1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Reorders the e2e tests among themselves (in the places they were collected into): correctness
+    never depends on it, only how many times the shared cluster starts."""
+    slots = [i for i, item in enumerate(items) if item.path.resolve().is_relative_to(HERE)]
+    tests = [items[i] for i in slots]
+    order = config.getoption("e2e_order", "grouped")
+    if order == "grouped":
+        tests.sort(key=_group)
+    elif order == "reverse":
+        tests.reverse()
+    elif order == "shuffle":
+        rng = random.Random(config.getoption("e2e_seed", None))
+        files: dict[Path, list[pytest.Item]] = {}
+        for item in tests:
+            files.setdefault(item.path, []).append(item)
+        shuffled = list(files.values())
+        rng.shuffle(shuffled)
+        for file_tests in shuffled:
+            rng.shuffle(file_tests)
+        tests = [item for file_tests in shuffled for item in file_tests]
+    for slot, item in zip(slots, tests, strict=True):
+        items[slot] = item

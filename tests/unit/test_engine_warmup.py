@@ -1,6 +1,6 @@
 """Top-tier prefetches ending in the engine's prefix cache: the prefetch queue's hook, and the
-warmer's gate and request (the engine's answers injected here; tests/e2e/test_01e_engine_warmup.py
-runs the real thing against vLLM)."""
+warmer's gate and request (the engine's answers injected here;
+tests/e2e/test_prefetch_to_engine_cache.py runs the real thing against vLLM)."""
 
 from __future__ import annotations
 

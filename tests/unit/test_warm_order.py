@@ -1,7 +1,7 @@
 """node_manager.connector.warm_order: warmed sessions' blocks filed in Symphony's yielding order.
 
 The free queue here is a list with vLLM's two operations (head = next to be handed out), so the
-ordering logic runs without importing vLLM (seconds); tests/e2e/test_01f_cooperative_memory.py runs
+ordering logic runs without importing vLLM (seconds); tests/e2e/test_cooperative_memory.py runs
 it on vLLM's own queue."""
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""A crashed engine: the scheduler routes around it, the node manager restarts it and says so."""
+"""A crashed engine: the scheduler routes around it, the node manager restarts it and says so.
+
+The engine is one of the shared cluster's: the test ends once it is back (and the next test waits
+until every node is ready and idle, or gets a new cluster if this one never recovers)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import signal
 from pathlib import Path
 
 import openai
-import psutil
 import pytest
 
 from symphony.process import group_members
@@ -15,17 +17,6 @@ from tests.e2e.conftest import LiveCluster
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
-
-
-def _engine_pid(cluster: LiveCluster, port: int) -> int:
-    for child in psutil.Process(cluster.process.pid).children(recursive=True):
-        try:
-            cmdline = child.cmdline()
-        except psutil.NoSuchProcess:
-            continue
-        if "vllm.entrypoints.openai.api_server" in cmdline and str(port) in cmdline:
-            return child.pid
-    raise AssertionError(f"no engine process listening on {port}")
 
 
 def _shm_of_group(pgid: int) -> set[Path]:
@@ -40,7 +31,7 @@ def _shm_of_group(pgid: int) -> set[Path]:
 
 
 def test_killed_engine_is_routed_around_and_restarted(live_cluster: LiveCluster) -> None:
-    engine_pid = _engine_pid(live_cluster, live_cluster.engine_ports[1])
+    engine_pid = live_cluster.engine_pid(1)
     # Not necessarily 0: an engine whose port was taken at start-up was restarted already.
     restarts_before = live_cluster.node_state("node-1")["engine_restarts"]
     shm_before = _shm_of_group(os.getpgid(engine_pid))
@@ -74,6 +65,6 @@ def test_killed_engine_is_routed_around_and_restarted(live_cluster: LiveCluster)
     assert {p.name.endswith("-blocks") for p in own} == {True, False} and len(own) == 2, shm_before
     assert not [p for p in shm_before - own if p.exists()]
     assert all(p.exists() for p in own)
-    restarted = _engine_pid(live_cluster, live_cluster.engine_ports[1])
+    restarted = live_cluster.engine_pid(1)
     assert own <= _shm_of_group(os.getpgid(restarted)), "the restarted engine maps the arena and index again"
     assert "node-1: engine restarting" in live_cluster.output.read_text()

@@ -10,6 +10,7 @@ import uuid
 import grpc
 import httpx
 import openai
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -19,10 +20,10 @@ from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.kv_geometry import smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.e2e.conftest import LiveCluster, reset_engine_cache
-from tests.e2e.test_01b_connector import _questions
+from tests.e2e.kv_support import BLOCK, questions
 
+pytestmark = pytest.mark.e2e
 NODE = 1
-BLOCK = 32
 SESSION_BLOCKS = 64  # 2,048 tokens a prefetched session
 BURST = 6  # concurrent requests in the burst
 OUTPUT_TOKENS = 32
@@ -89,10 +90,10 @@ def _prefetched_session(
 def _burst(client: openai.OpenAI, model: str, run: str) -> list[int]:
     """BURST concurrent requests of ~700-token prompts (their own salts: nothing shared), each
     OUTPUT_TOKENS long; the completion tokens each got."""
-    questions = [" ".join(turns) for turns in _questions(80)]
+    prompts = [" ".join(turns) for turns in questions(80)]
 
     def one(index: int) -> int:
-        prompt = "\n".join(questions[(index * 13 + k) % len(questions)] for k in range(12))
+        prompt = "\n".join(prompts[(index * 13 + k) % len(prompts)] for k in range(12))
         reply = client.completions.create(
             model=model,
             prompt=prompt,

@@ -6,7 +6,8 @@ without complaint), and then by another model of the same geometry (SmolLM2 with
 made here). Each time the second turn must load nothing old and answer token for token as a clean
 engine does. Two nodes serving the two models side by side must never move a session between them.
 
-Runs before the suites that share the 2-node cluster, so at most two engines run at once."""
+The clusters here are the tests' own: the shared one is stopped first (`own_engines`), so that at
+most two engines run at once."""
 
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ def _second_turn_is_clean(cluster: LiveCluster, model: str, messages: list[dict[
 
 
 def test_a_new_dtype_or_new_weights_on_the_same_home_load_nothing_old(
-    smollm2: Path, perturbed: Path, tmp_path: Path
+    own_engines: None, smollm2: Path, perturbed: Path, tmp_path: Path
 ) -> None:
     home = tmp_path / "home"
     home.mkdir()
@@ -285,7 +286,7 @@ class _TwoModels:
 
 
 @pytest.fixture
-def two_models(smollm2: Path, perturbed: Path, tmp_path: Path) -> Iterator[_TwoModels]:
+def two_models(own_engines: None, smollm2: Path, perturbed: Path, tmp_path: Path) -> Iterator[_TwoModels]:
     cluster = _TwoModels(tmp_path, smollm2, perturbed)
     try:
         wait_until(cluster.ready, STARTUP_TIMEOUT_S, "both nodes of the two-model cluster", interval_s=0.5)

@@ -195,19 +195,53 @@ def test_scheduler_serves_after_bad_inputs(live_cluster: LiveCluster) -> None:
 
 
 def test_metrics_count_requests_ttft_and_routing(live_cluster: LiveCluster) -> None:
-    text = live_cluster.metrics()
-    assert _metric(text, 'symphony_requests_total{endpoint="chat",status="200"}') >= 10
-    assert _metric(text, 'symphony_requests_total{endpoint="chat",status="400"}') >= 1
-    assert _metric(text, 'symphony_requests_total{endpoint="chat",status="404"}') >= 1
-    assert _metric(text, 'symphony_ttft_seconds_count{endpoint="chat",priority="normal"}') >= 1
-    assert _metric(text, 'symphony_e2e_seconds_count{endpoint="chat",stream="false"}') >= 1
-    routed = {
-        node: sum(float(v) for v in re.findall(rf'symphony_routed_total{{node="{node}",[^}}]*}} (\S+)', text))
-        for node in ("node-0", "node-1")
-    }
-    assert routed["node-0"] > 0 and routed["node-1"] > 0, routed  # least-load spreads requests
-    assert _metric(text, 'symphony_node_up{node="node-0"}') == 1.0
-    assert _metric(text, 'symphony_advisories_total{kind="typing",outcome="routed"}') >= 4
+    # The test's own traffic, counted as differences: the metrics owe nothing to the tests before.
+    before = live_cluster.metrics()
+    client = _client(live_cluster)
+    question = [{"role": "user", "content": "Say hi."}]
+    # A streamed turn held generating on one node: least load sends a turn meanwhile to the other.
+    raw = client.chat.completions.with_raw_response.create(
+        model=live_cluster.model,
+        messages=question,
+        max_tokens=64,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Session-ID": "e2e-metrics-held"},
+    )
+    chunks = iter(raw.parse())
+    next(c for c in chunks if c.choices and c.choices[0].delta.content)  # its first token: a TTFT
+    _, _, headers = _ask(client, live_cluster.model, "e2e-metrics-beside", question, stream=False)
+    assert {raw.headers["x-symphony-node"], headers["x-symphony-node"]} == {"node-0", "node-1"}
+    assert sum(1 for _ in chunks) > 0  # the held turn runs to its end
+    bad = httpx.post(live_cluster.url + "/v1/chat/completions", json={"max_tokens": 5}, timeout=30)
+    unknown = httpx.post(
+        live_cluster.url + "/v1/chat/completions", json={"model": "gpt-17", "messages": question}, timeout=30
+    )
+    assert (bad.status_code, unknown.status_code) == (400, 404)
+    advised = SymphonyClient(live_cluster.url, model=live_cluster.model).typing_started("e2e-metrics-advised")
+    _, _, headers = _ask(client, live_cluster.model, "e2e-metrics-advised", question, stream=False)
+    assert headers["x-symphony-node"] == advised.node
+
+    after = live_cluster.metrics()
+
+    def grew(sample: str) -> float:
+        return _metric(after, sample) - _metric(before, sample)
+
+    assert grew('symphony_requests_total{endpoint="chat",status="200"}') >= 2
+    assert grew('symphony_requests_total{endpoint="chat",status="400"}') >= 1
+    assert grew('symphony_requests_total{endpoint="chat",status="404"}') >= 1
+    assert grew('symphony_ttft_seconds_count{endpoint="chat",priority="normal"}') >= 1
+    assert grew('symphony_e2e_seconds_count{endpoint="chat",stream="false"}') >= 2
+    for node in ("node-0", "node-1"):
+        assert _routed(after, node) - _routed(before, node) >= 1, node
+    assert _metric(after, 'symphony_node_up{node="node-0"}') == 1.0
+    assert _metric(after, 'symphony_node_up{node="node-1"}') == 1.0
+    assert grew('symphony_advisories_total{kind="typing",outcome="routed"}') >= 1
+
+
+def _routed(text: str, node: str) -> float:
+    """Requests routed to `node`, whatever the reason."""
+    return sum(float(v) for v in re.findall(rf'symphony_routed_total{{node="{node}",[^}}]*}} (\S+)', text))
 
 
 def test_readme_sdk_examples_run(live_cluster: LiveCluster) -> None:

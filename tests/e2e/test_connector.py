@@ -5,27 +5,18 @@ hit of that history."""
 
 from __future__ import annotations
 
-import json
 import uuid
-from pathlib import Path
 
-import grpc
 import openai
 import pytest
 
-from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.e2e.conftest import LiveCluster, reset_engine_cache
+from tests.e2e.kv_support import BLOCK, assert_logprobs_close, loadable_blocks, questions
 from tests.helpers import wait_until
 
-MTBENCH = Path(__file__).resolve().parents[2] / "eval" / "data" / "mtbench" / "mt_bench_question.jsonl"
-BLOCK = 32
+pytestmark = pytest.mark.e2e
 LAYERS = 30  # SmolLM2-135M
 ANSWER_TOKENS = 96  # turn 1's answer: with the question, a few full blocks of history to load
-
-
-def _questions(count: int) -> list[list[str]]:
-    lines = MTBENCH.read_text().splitlines()[:count]
-    return [json.loads(line)["turns"] for line in lines]
 
 
 def _complete(
@@ -46,19 +37,11 @@ def _complete(
     )
 
 
-def _loadable_blocks(grpc_port: int, tenant: str, session: str) -> int:
-    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-        status = kv_pb2_grpc.KVStoreStub(channel).GetSessionStatus(
-            kv_pb2.SessionStatusRequest(session=kv_pb2.SessionRef(tenant=tenant, session_id=session)), timeout=5
-        )
-    return status.loadable_prefix_blocks
-
-
 @pytest.mark.parametrize("conversation", range(3))
 def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(
     live_cluster: LiveCluster, conversation: int
 ) -> None:
-    first, second = _questions(3)[conversation]
+    first, second = questions(3)[conversation]
     engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[0]}"
     client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     tenant, session = f"conn-{uuid.uuid4().hex[:8]}", f"mt-{conversation}"
@@ -73,7 +56,7 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(
     # Saves are committed right after the step that computed them, the partial last block in the
     # step after the request finished; wait for them, not a guess.
     wait_until(
-        lambda: _loadable_blocks(live_cluster.grpc_ports[0], tenant, session) >= history_blocks,
+        lambda: loadable_blocks(live_cluster.grpc_ports[0], tenant, session) >= history_blocks,
         30,
         "turn 1's KV saved to the node's tiers",
     )
@@ -116,12 +99,6 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(
     assert loaded.usage.prompt_tokens_details.cached_tokens >= len(history) - 1, "history was not all loaded"
     # Loaded pages are turn 1's bytes: the same tokens and logprobs as vLLM's own cache hit. (A
     # recompute builds the answer's KV in one prefill where turn 1 decoded it token by token; how
-    # far that parts from both is vLLM's numerics, which test_01d reports.)
+    # far that parts from both is vLLM's numerics, which test_resume_correctness.py reports.)
     assert loaded.choices[0].token_ids == engine_cache.choices[0].token_ids
-    _assert_logprobs_close(loaded, engine_cache)
-
-
-def _assert_logprobs_close(a: openai.types.Completion, b: openai.types.Completion) -> None:
-    a_lp, b_lp = a.choices[0].logprobs.token_logprobs, b.choices[0].logprobs.token_logprobs
-    assert len(a_lp) == len(b_lp)
-    assert max(abs(x - y) for x, y in zip(a_lp, b_lp, strict=True)) <= 1e-2
+    assert_logprobs_close(loaded, engine_cache)

@@ -8,12 +8,14 @@ import uuid
 
 import grpc
 import openai
+import pytest
 
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.e2e.conftest import LiveCluster
-from tests.e2e.test_01b_connector import BLOCK, _assert_logprobs_close, _loadable_blocks, _questions
+from tests.e2e.kv_support import BLOCK, assert_logprobs_close, loadable_blocks, questions
 from tests.helpers import wait_until
 
+pytestmark = pytest.mark.e2e
 ANSWER_TOKENS = 96
 
 
@@ -36,7 +38,7 @@ def _complete(
 
 
 def test_a_top_tier_prefetch_makes_the_next_turn_a_prefix_cache_hit(live_cluster: LiveCluster) -> None:
-    first, second = _questions(4)[3]
+    first, second = questions(4)[3]
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{live_cluster.engine_ports[0]}/v1", api_key="unused", max_retries=0, timeout=120
     )
@@ -48,7 +50,7 @@ def test_a_top_tier_prefetch_makes_the_next_turn_a_prefix_cache_hit(live_cluster
     history_tokens = (len(history) - 1) // BLOCK * BLOCK  # what a prefix-cache hit can cover
     tail = len(history) - 1 - history_tokens  # the partial last block, which vLLM's cache never holds
     wait_until(
-        lambda: _loadable_blocks(live_cluster.grpc_ports[0], tenant, "chat") * BLOCK >= history_tokens,
+        lambda: loadable_blocks(live_cluster.grpc_ports[0], tenant, "chat") * BLOCK >= history_tokens,
         30,
         "turn 1's KV saved to the node's tiers",
     )
@@ -102,4 +104,4 @@ def test_a_top_tier_prefetch_makes_the_next_turn_a_prefix_cache_hit(live_cluster
 
     reference = _complete(client, live_cluster.model, prompt, tenant, built_salt, 24)  # turn 1's own cache
     assert warmed.choices[0].token_ids == reference.choices[0].token_ids
-    _assert_logprobs_close(warmed, reference)
+    assert_logprobs_close(warmed, reference)

@@ -1,6 +1,7 @@
 """SIGTERM to `symphony up` stops every process it started and leaves no shared memory behind.
 
-Runs last (file order): it stops the session's cluster."""
+The cluster is the test's own to stop (`taken_cluster`): the shared one, which no later test sees
+again, or a new one."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_stops_everything(live_cluster: LiveCluster) -> None:
-    tree = psutil.Process(live_cluster.process.pid).children(recursive=True)
+def test_sigterm_stops_everything(taken_cluster: LiveCluster) -> None:
+    tree = psutil.Process(taken_cluster.process.pid).children(recursive=True)
     names = " ".join(p.name() for p in tree)
     assert len(tree) >= 2 + 2 + 1 + 2 * 3, f"scheduler, 2 node managers, 2 engines with their workers: {names}"
     shm = set()
@@ -34,12 +35,12 @@ def test_sigterm_stops_everything(live_cluster: LiveCluster) -> None:
         except psutil.Error:
             continue
 
-    live_cluster.process.send_signal(signal.SIGTERM)
-    assert live_cluster.process.wait(timeout=120) == 0
+    taken_cluster.process.send_signal(signal.SIGTERM)
+    assert taken_cluster.process.wait(timeout=120) == 0
     left = [(p.pid, p.name()) for p in tree if _alive(p.pid)]
     assert not left, f"processes left behind: {left}"
     assert not [p for p in shm if p.exists()], "shared memory left behind"
-    assert "stopped." in live_cluster.output.read_text()
-    port = int(live_cluster.url.rsplit(":", 1)[1])
+    assert "stopped." in taken_cluster.output.read_text()
+    port = int(taken_cluster.url.rsplit(":", 1)[1])
     with socket.socket() as sock, pytest.raises(ConnectionRefusedError):
         sock.connect(("127.0.0.1", port))  # nothing listens on the scheduler's port any more
