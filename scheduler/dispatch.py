@@ -24,7 +24,7 @@ from scheduler.decisions import PullRule, QueueFull, Routing, advisory_choice, r
 from scheduler.errors import ApiError, error_response
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor, NodeView
-from scheduler.prefetcher import Prefetch, Prefetcher
+from scheduler.prefetcher import MoveState, Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
 from scheduler.push_queue import PushQueue
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
@@ -254,7 +254,7 @@ class Dispatcher:
         history = source[1] if source is not None else copies.get(node_id, 0)
         current = self.prefetches.get(key)
         if current is not None and current.node_id == node_id:
-            if current.state == "pending":
+            if current.state == MoveState.PENDING:
                 return True  # a repeated advisory (a user still typing): the move is already under way
             if (
                 current.ready
@@ -267,7 +267,7 @@ class Dispatcher:
                 # re-advises every few seconds), and on a busy host that work delays everyone.
                 self.metrics.prefetches.labels("unchanged").inc()
                 return True
-        if current is not None and current.state == "pending":
+        if current is not None and current.state == MoveState.PENDING:
             self.prefetcher.cancel(current)  # the session was re-advised elsewhere
         if not history:
             return False

@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal
 
 import grpc
@@ -36,6 +37,24 @@ FOLLOW_WAIT_MS = 30_000  # one GetPrefetch long-poll
 FOLLOW_GRACE_S = 30.0  # past a prefetch's deadline, how long it is still followed
 
 
+class MoveState(StrEnum):
+    """A followed move: PENDING, then one of the others. DONE and PARTIAL moved KV (the session
+    table learns of it); the node's own final states keep their names."""
+
+    PENDING = "pending"
+    DONE = "done"
+    PARTIAL = "partial"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"  # no final state by the deadline (plus grace): the node is told to drop it
+    NOT_FOUND = "not_found"  # neither the node nor the peer knows the session: nothing to move
+
+    @classmethod
+    def of_node(cls, state: int) -> MoveState:
+        """The node's final `symphony.v1.PrefetchState`."""
+        return cls(kv_pb2.PrefetchState.Name(state).removeprefix("PREFETCH_STATE_").lower())
+
+
 @dataclass(slots=True)
 class Prefetch:
     """One session's move to one node, as the scheduler follows it."""
@@ -45,13 +64,13 @@ class Prefetch:
     history_tokens: int  # of the session's history, what the move was asked for
     started_at: float
     finished_at: float | None = None
-    state: str = "pending"  # pending, then done | partial | failed | cancelled | timed_out | not_found
+    state: MoveState = MoveState.PENDING
     prefetch_id: str = ""  # the node's id for the move, once it answered
     task: asyncio.Task[None] | None = None  # what follows it
 
     @property
     def ready(self) -> bool:
-        return self.state == "done"
+        return self.state == MoveState.DONE
 
 
 class Prefetcher:
@@ -126,7 +145,7 @@ class Prefetcher:
                         kv_pb2.PrefetchRef(prefetch_id=status.prefetch_id, wait_ms=FOLLOW_WAIT_MS),
                         timeout=FOLLOW_WAIT_MS / 1000 + 10,
                     )
-            state = kv_pb2.PrefetchState.Name(status.state).removeprefix("PREFETCH_STATE_").lower()
+            state = MoveState.of_node(status.state)
             if status.error:
                 log.debug(
                     "prefetch ended",
@@ -136,12 +155,12 @@ class Prefetcher:
                     error=status.error,
                 )
         except TimeoutError:
-            state = "timed_out"
+            state = MoveState.TIMED_OUT
             self._cancel_at_node(stub, prefetch)
         except grpc.aio.AioRpcError as exc:
             # NOT_FOUND: neither the node nor the peer knows the session (a first turn): nothing to move.
-            state = "not_found" if exc.code() == grpc.StatusCode.NOT_FOUND else "failed"
-            if state == "failed":
+            state = MoveState.NOT_FOUND if exc.code() == grpc.StatusCode.NOT_FOUND else MoveState.FAILED
+            if state == MoveState.FAILED:
                 log.info(
                     "prefetch failed",
                     session=prefetch.session[1],
@@ -149,7 +168,7 @@ class Prefetcher:
                     error=f"{exc.code().name}: {exc.details()}",
                 )
         except asyncio.CancelledError:
-            self._finish(prefetch, "cancelled")
+            self._finish(prefetch, MoveState.CANCELLED)
             raise
         except Exception as exc:  # a follower must end with a state, whatever went wrong
             log.warning(
@@ -158,14 +177,14 @@ class Prefetcher:
                 node=prefetch.node_id,
                 error=f"{type(exc).__name__}: {exc}",
             )
-            state = "failed"
+            state = MoveState.FAILED
         self._finish(prefetch, state)
 
-    def _finish(self, prefetch: Prefetch, state: str) -> None:
+    def _finish(self, prefetch: Prefetch, state: MoveState) -> None:
         prefetch.state = state
         prefetch.finished_at = self._clock()
         self._metrics.prefetches.labels(state).inc()
-        if state in ("done", "partial"):
+        if state in (MoveState.DONE, MoveState.PARTIAL):
             self._on_moved(prefetch.session, prefetch.node_id, prefetch.history_tokens)
 
     def cancel(self, prefetch: Prefetch) -> None:
