@@ -9,7 +9,7 @@ rules stay with vLLM, whose 400s pass through. Unknown fields pass through to vL
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -19,8 +19,6 @@ MAX_MESSAGES = 10_000
 MAX_CACHE_SALT_CHARS = 256
 MessageRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 AdvisoryKind = Literal["typing", "predecessor"]
-MESSAGE_ROLES: tuple[str, ...] = get_args(MessageRole)
-ADVISORY_KINDS: tuple[str, ...] = get_args(AdvisoryKind)
 
 # JSON numbers, integers included (strict floats take ints): never booleans, numeric strings, NaN or
 # infinities (which Python's json accepts). Only checked: the body goes on as the client sent it.

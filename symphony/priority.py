@@ -35,7 +35,7 @@ class Priority(StrEnum):
         try:
             return cls(text.lower())
         except (ValueError, AttributeError):
-            raise ValueError(f"priority must be one of {', '.join(NAMES)}, got {text!r}") from None
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {text!r}") from None
 
     @classmethod
     def from_proto(cls, value: int) -> Priority | None:
@@ -44,7 +44,6 @@ class Priority(StrEnum):
 
 
 PRIORITIES: tuple[Priority, ...] = tuple(Priority)  # in rank order
-NAMES: tuple[str, ...] = tuple(p.value for p in PRIORITIES)
 _RANK = {p: rank for rank, p in enumerate(PRIORITIES)}
 _TO_PROTO: dict[Priority, kv_pb2.Priority] = {
     Priority.LOW: kv_pb2.PRIORITY_LOW,

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from scheduler.routing import (
     NO_NODE,
     NodeSnapshot,
+    NoSettings,
     PolicyTraits,
     RouteDecision,
     RouteRequest,
     available,
     kv_usage,
 )
-from symphony.config import SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ class CostModel:
     high_spread: float = 0.5  # high-priority sessions already on a node, in requests: spreads them out
 
 
-class SymphonyPolicy:
+class SymphonyPolicy(NoSettings):
     name = "symphony"
     traits = PolicyTraits(prefetch_on_advisory=True)
 
@@ -43,10 +43,6 @@ class SymphonyPolicy:
         self.cost = cost or CostModel()
         self.selective_push = selective_push
         self._rotation = itertools.count()
-
-    @classmethod
-    def from_config(cls, config: SchedulerConfig) -> SymphonyPolicy:
-        return cls()
 
     def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:
         candidates = available(nodes)
