@@ -9,7 +9,11 @@ turn a hop into a missed step, which measures the race, not the hop.
 The engine's step time swings from round to round far more than a local HTTP hop costs
 (docs/benchmarks.md#bench-proxy). The overhead is therefore the median, over adjacent round pairs,
 of (via round median - direct round median), reported with a bootstrap 95% interval; more rounds
-narrow it.
+narrow it. Each prompt is a question after about `prompt_tokens` tokens of context, so the
+scheduler parses, validates and routes requests of a realistic size.
+
+Then the scheduler's own CPU per request is measured apart, against a node that answers instantly
+(`eval.scheduler_cpu`): on the live engine, the scheduler's CPU would be mixed with the engine's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tqdm import tqdm
 from eval.plots import plot_proxy
 from eval.ports import free_port
 from eval.results import write_result
+from eval.scheduler_cpu import CpuSettings, measure_scheduler_cpu
 from eval.stats import percentile
 from symphony.config import SymphonyConfig
 from symphony.launcher import LocalCluster
@@ -55,6 +60,11 @@ PROMPTS = [
 
 TARGET_OVERHEAD_MS_P50 = 3.0
 TARGET_P99_RATIO = 1.10
+TARGET_SCHEDULER_CPU_MS = 0.3
+CONTEXT_SENTENCE = (
+    "Background for the question that follows: a cluster of model servers keeps each conversation's "
+    "attention cache in memory tiers and moves it between machines ahead of the next request. "
+)
 
 
 async def _ttft_ms(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, session: str) -> float:
@@ -90,10 +100,27 @@ def _bootstrap_median_ci(values: list[float], resamples: int = 2000, seed: int =
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
+def proxy_prompts(concurrency: int, prompt_tokens: int) -> list[str]:
+    """One prompt per stream: about `prompt_tokens` tokens of context (its own per stream, so no
+    stream's prefix-cache hit comes from another's), then a short question."""
+    repeats = max(0, round(prompt_tokens / 40))  # CONTEXT_SENTENCE is about 40 tokens
+    prompts = []
+    for i in range(concurrency):
+        question = PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" (#{i})")
+        prompts.append((f"[{i}] " + CONTEXT_SENTENCE * repeats if repeats else "") + question)
+    return prompts
+
+
 async def measure(
-    scheduler_url: str, engine_url: str, model: str, concurrency: int, rounds: int, max_tokens: int
+    scheduler_url: str,
+    engine_url: str,
+    model: str,
+    concurrency: int,
+    rounds: int,
+    max_tokens: int,
+    prompt_tokens: int,
 ) -> dict[str, Any]:
-    prompts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" (#{i})") for i in range(concurrency)]
+    prompts = proxy_prompts(concurrency, prompt_tokens)
     clients = {
         "direct": openai.AsyncOpenAI(base_url=engine_url.rstrip("/") + "/v1", api_key="bench", max_retries=0),
         "via_scheduler": openai.AsyncOpenAI(base_url=scheduler_url.rstrip("/") + "/v1", api_key="bench", max_retries=0),
@@ -131,7 +158,9 @@ async def measure(
         "pooled_p50_difference_ms": percentile(via, 50) - percentile(direct, 50),
         "p99_ratio": percentile(via, 99) / percentile(direct, 99),
         "samples_per_path": len(direct),
+        "model": model,
         "concurrency": concurrency,
+        "prompt_tokens": prompt_tokens,
         "rounds_per_path": rounds,
         "max_tokens": max_tokens,
         "definitions": {
@@ -170,6 +199,11 @@ async def _with_private_cluster(config: SymphonyConfig, **kwargs: Any) -> dict[s
         await cluster.shutdown()
 
 
+def _scheduler_env(config: SymphonyConfig) -> dict[str, str]:
+    """The benchmark's scheduler settings that matter to its CPU, for the no-op node's scheduler."""
+    return {"SYMPHONY_SCHEDULER_POLICY": config.scheduler.policy}
+
+
 def _print_table(result: dict[str, Any]) -> None:
     print(f"{'path':<15}{'TTFT p50 ms':>14}{'TTFT p99 ms':>14}")
     for label, key in (("direct", "direct"), ("via scheduler", "via_scheduler")):
@@ -179,6 +213,11 @@ def _print_table(result: dict[str, Any]) -> None:
         f"overhead p50: {result['overhead_ms_p50']:.2f} ms (95% CI {low:.2f} .. {high:.2f})   "
         f"p99 ratio: {result['p99_ratio']:.3f}"
     )
+    if "scheduler_cpu_ms_per_request" in result:
+        print(
+            f"scheduler CPU per request (no-op engine): {result['scheduler_cpu_ms_per_request']:.3f} ms   "
+            f"no-op TTFT p50: {result['scheduler_cpu']['noop_ttft_ms_p50']:.2f} ms"
+        )
     for name, ok in result["targets"].items():
         print(f"  target {name}: {'met' if ok else 'NOT met'}")
 
@@ -190,11 +229,13 @@ def run_proxy_bench(
     concurrency: int,
     rounds: int,
     max_tokens: int,
+    prompt_tokens: int,
+    cpu_requests: int,
     scheduler_url: str | None,
     engine_url: str | None,
     plot: Path | None = None,
 ) -> int:
-    kwargs = {"concurrency": concurrency, "rounds": rounds, "max_tokens": max_tokens}
+    kwargs = {"concurrency": concurrency, "rounds": rounds, "max_tokens": max_tokens, "prompt_tokens": prompt_tokens}
     if scheduler_url:
         assert engine_url, "the CLI requires --engine-url with --scheduler-url"
         import httpx
@@ -203,5 +244,13 @@ def run_proxy_bench(
         result = asyncio.run(measure(scheduler_url, engine_url, model, **kwargs))
     else:
         result = asyncio.run(_with_private_cluster(config, **kwargs))
+    if cpu_requests:
+        settings = CpuSettings(concurrency=concurrency, prompt_tokens=prompt_tokens, requests=cpu_requests)
+        cpu = asyncio.run(measure_scheduler_cpu(settings, result.get("model", "noop-model"), _scheduler_env(config)))
+        result["scheduler_cpu"] = cpu
+        result["scheduler_cpu_ms_per_request"] = cpu["scheduler_cpu_ms_per_request"]
+        result["targets"][f"scheduler_cpu_ms_per_request<={TARGET_SCHEDULER_CPU_MS}"] = (
+            cpu["scheduler_cpu_ms_per_request"] <= TARGET_SCHEDULER_CPU_MS
+        )
     write_result(result, out, table=_print_table, plot=plot, plotter=plot_proxy)
     return 0

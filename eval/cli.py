@@ -29,6 +29,15 @@ def register(sub: Any) -> None:
     proxy.add_argument("--concurrency", type=positive_int, default=16, help="concurrent streaming chats (16)")
     proxy.add_argument("--rounds", type=positive_int, default=100, help="rounds per path (100)")
     proxy.add_argument("--max-tokens", type=positive_int, default=4, help="tokens per answer (4)")
+    proxy.add_argument(
+        "--prompt-tokens", type=int_between(0), default=2000, help="context before each question, in tokens (2000)"
+    )
+    proxy.add_argument(
+        "--cpu-requests",
+        type=int_between(0),
+        default=2000,
+        help="requests for the scheduler's CPU per request against a no-op engine (2000; 0: skip)",
+    )
     proxy.add_argument("--scheduler-url", help="use a running scheduler instead of starting a 1-node cluster")
     proxy.add_argument("--engine-url", help="the engine behind --scheduler-url (required with it)")
     proxy.set_defaults(func=cmd_bench_proxy)
@@ -228,6 +237,8 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         rounds=args.rounds,
         max_tokens=args.max_tokens,
+        prompt_tokens=args.prompt_tokens,
+        cpu_requests=args.cpu_requests,
         scheduler_url=args.scheduler_url,
         engine_url=args.engine_url,
         plot=args.plot,

@@ -1,0 +1,187 @@
+"""The scheduler's own CPU per request, against a node that answers instantly (`eval.noop_node`).
+
+A real `symphony scheduler` process (the one `symphony up` runs, with its default policy) fronts
+the no-op node. `concurrency` clients each hold a multi-turn conversation whose first user message
+is about `prompt_tokens` tokens long and whose later turns add a short answer and question, as a
+chat frontend sends them (the whole history every turn). After a warm-up, the scheduler process's
+user + system CPU time over `requests` streamed requests, divided by their number, is
+`scheduler_cpu_ms_per_request`. The no-op engine spends nothing, so the client-side time to the
+first token is the scheduler hop alone (`noop_ttft_ms_p50`), under the load the clients put on the
+same cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from eval.noop_node import NoopNode
+from eval.ports import free_port
+from eval.stats import percentile
+from symphony.process import proc_stat_fields
+
+READY_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 60.0
+# Plain English words: about 1.3 tokens each under SmolLM2's tokenizer (and most BPE vocabularies).
+_VOCABULARY = (
+    "the of and to in is that for it as with was on be by at this from have or an are not but which "
+    "one all were when there can more if has their about would what some into time only other than "
+    "its also after first two new years could these most made over such where many through before "
+    "system model memory network request session cache token layer store node region policy"
+)
+_WORDS = _VOCABULARY.split()
+TOKENS_PER_WORD = 1.3
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSettings:
+    concurrency: int = 16
+    prompt_tokens: int = 2000  # the first user message, approximately
+    turns: int = 4  # per conversation; then a new conversation starts on the same stream
+    requests: int = 640  # measured, after the warm-up
+    warmup_requests: int = 64
+    max_tokens: int = 8
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(max(1, round(tokens / TOKENS_PER_WORD))))
+
+
+def scheduler_cpu_seconds(pid: int) -> float:
+    fields = proc_stat_fields(pid)
+    if fields is None:
+        raise RuntimeError(f"the scheduler (pid {pid}) exited")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], session: str) -> float:
+    started = time.perf_counter()
+    first: float | None = None
+    async with http.post(url, json=body, headers={"X-Session-ID": session}) as response:
+        if response.status != 200:
+            raise RuntimeError(f"the scheduler answered {response.status}: {await response.text()}")
+        async for _ in response.content.iter_any():
+            if first is None:
+                first = (time.perf_counter() - started) * 1000.0
+    if first is None:
+        raise RuntimeError("the scheduler streamed nothing")
+    return first
+
+
+async def _drive(scheduler_url: str, model: str, settings: CpuSettings, count: int, tag: str) -> list[float]:
+    """`count` requests over `settings.concurrency` streams; returns their times to first byte (ms)."""
+    url = scheduler_url + "/v1/chat/completions"
+    remaining = [count]
+    ttfts: list[float] = []
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+
+        async def stream(index: int) -> None:
+            rng = random.Random(f"{tag}-{index}")
+            conversation = 0
+            while remaining[0] > 0:
+                session = f"cpu-{tag}-{index}-{conversation}"
+                messages = [{"role": "user", "content": _text(rng, settings.prompt_tokens)}]
+                for _ in range(settings.turns):
+                    if remaining[0] <= 0:
+                        return
+                    remaining[0] -= 1
+                    body = {"model": model, "messages": messages, "max_tokens": settings.max_tokens, "stream": True}
+                    ttfts.append(await _stream(http, url, body, session))
+                    messages = [
+                        *messages,
+                        {"role": "assistant", "content": _text(rng, 40)},
+                        {"role": "user", "content": _text(rng, 30)},
+                    ]
+                conversation += 1
+
+        await asyncio.gather(*(stream(i) for i in range(settings.concurrency)))
+    return ttfts
+
+
+async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while time.monotonic() < deadline:
+            if process.returncode is not None:
+                raise RuntimeError(f"the scheduler exited with {process.returncode}")
+            try:
+                async with http.get(scheduler_url + "/readyz") as response:
+                    if response.status == 200 and (await response.json()).get("ready_nodes") == 1:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"the scheduler did not see the no-op node as ready within {READY_TIMEOUT_S:.0f} s")
+
+
+async def measure_scheduler_cpu(
+    settings: CpuSettings, model: str, scheduler_env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Start the no-op node and a scheduler process in front of it; measure; stop both.
+    `scheduler_env` adds SYMPHONY_* settings for the scheduler (a tokenizer, a policy)."""
+    host = "127.0.0.1"
+    node = NoopNode(host, free_port(), free_port(), model)
+    port = free_port()
+    scheduler_url = f"http://{host}:{port}"
+    await node.start()
+    with tempfile.TemporaryDirectory(prefix="symphony-cpu-") as home:
+        env = {
+            **os.environ,
+            "SYMPHONY_HOME": home,
+            "SYMPHONY_SCHEDULER_HOST": host,
+            "SYMPHONY_SCHEDULER_PORT": str(port),
+            "SYMPHONY_SCHEDULER_NODE_ADDRESSES": node.address,
+            "SYMPHONY_LOGGING_LEVEL": "warning",
+            **(scheduler_env or {}),
+        }
+        log_path = Path(home) / "scheduler.log"
+        with log_path.open("wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "symphony.cli", "scheduler", env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+            try:
+                await _wait_ready(scheduler_url, process)
+                await _drive(scheduler_url, model, settings, settings.warmup_requests, "warm")
+                cpu_before, wall_before = scheduler_cpu_seconds(process.pid), time.perf_counter()
+                ttfts = await _drive(scheduler_url, model, settings, settings.requests, "run")
+                cpu_after, wall_after = scheduler_cpu_seconds(process.pid), time.perf_counter()
+            except BaseException:
+                tail = log_path.read_text(errors="replace")[-4000:]
+                print(f"scheduler log (tail):\n{tail}", file=sys.stderr)
+                raise
+            finally:
+                process.terminate()
+                try:
+                    await asyncio.wait_for(process.wait(), 15)
+                except TimeoutError:
+                    process.kill()
+                    await process.wait()
+                await node.stop()
+    wall_s = wall_after - wall_before
+    return {
+        "scheduler_cpu_ms_per_request": (cpu_after - cpu_before) * 1000.0 / settings.requests,
+        "noop_ttft_ms_p50": statistics.median(ttfts),
+        "noop_ttft_ms_p99": percentile(ttfts, 99),
+        "noop_requests_per_s": settings.requests / wall_s,
+        "noop_engine_requests": node.engine.requests,
+        "settings": {
+            "concurrency": settings.concurrency,
+            "prompt_tokens": settings.prompt_tokens,
+            "turns": settings.turns,
+            "requests": settings.requests,
+            "warmup_requests": settings.warmup_requests,
+            "max_tokens": settings.max_tokens,
+        },
+    }
