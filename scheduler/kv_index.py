@@ -183,7 +183,6 @@ class ClusterKVIndex:
         (""): its entries stay, though the caller must treat them as stale until it does."""
         node = self._nodes[node_id]
         if node.in_snapshot:
-            node.in_snapshot = False
             self._out_of_sync(node, "snapshot_cut")
             return "snapshot_cut"
         return ""
@@ -193,7 +192,6 @@ class ClusterKVIndex:
         (another model) or it is no longer watched."""
         node = self._nodes[node_id]
         self.table.clear(node.slot, list(IndexTier))
-        node.in_snapshot = False
         self._out_of_sync(node, reason)
 
     # -- applying a node's batches ----------------------------------------------------------------
@@ -227,7 +225,6 @@ class ClusterKVIndex:
         try:
             evicted, blocks = self._apply_events(node, batch.events)
         except ValueError:  # a key that is not 32 bytes: the stream cannot be trusted
-            node.in_snapshot = False
             return self._resync(node, "malformed")
         done = batch.snapshot_end and node.in_snapshot
         if done:
@@ -262,7 +259,7 @@ class ClusterKVIndex:
         return Applied(Outcome.RESYNC, reason=reason)
 
     def _out_of_sync(self, node: NodeSync, reason: str) -> None:
-        node.state = SyncState.RESYNCING
+        node.state, node.in_snapshot = SyncState.RESYNCING, False
         self._count_resync(node, reason)
 
     @staticmethod

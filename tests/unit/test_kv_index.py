@@ -195,6 +195,14 @@ def test_a_stream_lost_mid_snapshot_needs_a_new_one(index: ClusterKVIndex) -> No
     assert a.apply(BlockBatch("e", 4, snapshot_end=True)) is Outcome.RESYNC, "the end of a cut snapshot is refused"
 
 
+def test_a_snapshot_of_two_epochs_is_one_resync(index: ClusterKVIndex) -> None:
+    a = Node(index, "a")
+    a.apply(BlockBatch("e", 4, (ev(STORED, DRAM, chain(2)),), snapshot_begin=True))
+    assert a.apply(BlockBatch("f", 4, snapshot_end=True)) is Outcome.RESYNC
+    assert index.stream_lost("a") == "", "the resync was counted once, when the other epoch came"
+    assert index.node("a").reasons == {"epoch": 1}
+
+
 def test_a_new_epoch_means_the_node_restarted(index: ClusterKVIndex) -> None:
     a = Node(index, "a")
     before = chain(5, seed=3)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.kv_index import ClusterKVIndex
-from scheduler.kv_table import EMPTY_TICK, MAX_CLEARS, BlockTable, index_keys, mask_dtype
+from scheduler.kv_table import EMPTY_TICK, MAX_CLEARS, SWEEP_SLOTS, BlockTable, index_keys, mask_dtype
 
 DRAM, SSD = 2, 3
 
@@ -125,7 +125,7 @@ def test_clears_are_applied_when_touched_and_by_the_sweep() -> None:
     while table.pending_clears:
         table.sweep_step()
         steps += 1
-    assert steps == -(-table.slots // 32768), "one full pass ends the clears logged before it"
+    assert steps == -(-table.slots // SWEEP_SLOTS), "one full pass ends the clears logged before it"
     assert table.count == 10 + 2 + 100, "blocks no node holds any more left with the sweep"
     assert (recount(table) == table.tier_counts).all()
     assert table.tier_counts[DRAM].tolist() == [2, 100, 0, 0]
