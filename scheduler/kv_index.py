@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum, StrEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -89,10 +90,10 @@ class Applied:
     resynced: str = ""  # a snapshot began while SYNCED: "restart" (new epoch) or "expired" (seq gone)
 
 
-@dataclass(frozen=True, slots=True)
-class NodePrefix:
+class NodePrefix(NamedTuple):
     """How much of a chain of block keys one node holds: `blocks` leading blocks (contiguous from
-    the first), of which `engine`, `hbm`, `dram` and `ssd` have that tier as their fastest there."""
+    the first), of which `engine`, `hbm`, `dram` and `ssd` have that tier as their fastest there.
+    (A named tuple: built for every holder on every lookup, ~3x cheaper than a frozen dataclass.)"""
 
     blocks: int
     engine: int = 0
@@ -278,12 +279,13 @@ class ClusterKVIndex:
         counts = self.table.prefix_counts(index_keys(b"".join(keys)))
         if counts is None:
             return {}
-        totals = counts.sum(axis=0)
-        result = {}
-        for slot in np.flatnonzero(totals[: len(self._ids)]).tolist():
-            engine, hbm, dram, ssd = counts[:, slot].tolist()
-            result[self._ids[slot]] = NodePrefix(engine + hbm + dram + ssd, engine, hbm, dram, ssd)
-        return result
+        holders = np.flatnonzero(counts[:, : len(self._ids)].any(axis=0))
+        ids = self._ids
+        # One conversion to Python ints for all the holders, not one per node.
+        return {
+            ids[slot]: NodePrefix(sum(tiers), *tiers)
+            for slot, tiers in zip(holders.tolist(), counts[:, holders].T.tolist(), strict=True)
+        }
 
     def tier_blocks(self, node_id: str) -> dict[str, int]:
         """Blocks the node holds per tier, as the index knows them."""
