@@ -15,8 +15,9 @@ tier t) and an LRU tick (4 bytes): 44 bytes per slot at 64 nodes (uint64 masks),
 (uint8). Sized so that `max_blocks` fill at most `LOAD` of the slots: ~49 bytes per block at 64
 nodes. A key lives in one of two buckets (from its low and high 32 bits), the emptier one when it
 is inserted: a lookup reads both in one vectorised gather, whatever the table's size, and deleting
-is clearing a slot. When both buckets are full (odds ~1e-4 per insert at full load) the least
-recently used of their slots is evicted for it ("conflict" evictions).
+is clearing a slot. When both buckets are full (~1% of inserts at full load) one of their keys
+whose other bucket has room moves there; only when none can does the least recently used of their
+slots go ("conflict" evictions: none in 600k inserts at full load in the tests).
 
 LRU. Every operation takes the next tick (a counter, not a clock); a store or a lookup stamps the
 blocks it touches. When an insert would pass `max_blocks`, the oldest blocks go, about

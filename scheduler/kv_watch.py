@@ -255,11 +255,13 @@ class KVWatch:
                 if reason:
                     return reason
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and link.last_error != "unimplemented":
-                log.info("node sends no block events; its KV hints come from the session table", node=link.node_id)
-            elif exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                log.info("block stream failed", node=link.node_id, error=f"{exc.code().name}: {exc.details()}")
-            return exc.code().name.lower()
+            reason = exc.code().name.lower()
+            if reason != link.last_error:  # once per run of the same failure: a down node retries quietly
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("node sends no block events; its KV hints come from the session table", node=link.node_id)
+                else:
+                    log.info("block stream failed", node=link.node_id, error=f"{exc.code().name}: {exc.details()}")
+            return reason
         finally:
             call.cancel()
 
@@ -267,7 +269,7 @@ class KVWatch:
         """Apply one batch; returns a reason to resubscribe, or ""."""
         node_id = link.node_id
         if message.model_fingerprint != link.view.model_fingerprint:
-            log.warning(
+            (log.warning if link.last_error != "fingerprint" else log.debug)(
                 "block events of another model refused",
                 node=node_id,
                 batch_model=message.model_fingerprint.hex()[:12],
