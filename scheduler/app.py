@@ -60,12 +60,22 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
     async def readyz() -> JSONResponse:
         nodes = state.cluster.describe()
         ready = sum(1 for n in nodes.values() if n["state"] == "ready")
-        body = {
+        body: dict[str, object] = {
             "status": "ready" if ready else "not_ready",
             "ready_nodes": ready,
             "nodes": nodes,
             "models": sorted(state.cluster.served_models()),
         }
+        if state.kv_watch is not None and state.kv_index is not None:
+            for node_id, detail in state.kv_watch.describe().items():
+                if node_id in nodes:
+                    nodes[node_id]["kv_index"] = detail
+            body["kv_index"] = {
+                "blocks": state.kv_index.blocks,
+                "max_blocks": state.kv_index.table.max_blocks,
+                "bytes": state.kv_index.approx_bytes(),
+                "evictions": state.kv_index.evictions,
+            }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")

@@ -7,6 +7,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Seconds; spans a local prefix-cache hit on a GPU (~10 ms) to a long CPU prefill (~1 min).
 # An advisory is answered in well under the 5 ms it is allowed.
 ADVISORY_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
+# Seconds from a node publishing a block event batch to the scheduler applying it.
+KV_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+# Seconds to apply a node's whole snapshot (a restarted scheduler rebuilds its index from them).
+KV_SNAPSHOT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
@@ -110,6 +114,62 @@ class SchedulerMetrics:
         self.node_kv_usage = Gauge("symphony_node_kv_cache_usage", "Engine KV cache usage, 0..1", ["node"], registry=r)
         self.node_engine_restarts = Gauge(
             "symphony_node_engine_restarts", "Engine restarts reported by the node", ["node"], registry=r
+        )
+
+        self._kv_index_metrics(r)
+
+    def _kv_index_metrics(self, r: CollectorRegistry) -> None:
+        """The cluster KV index (scheduler.kv_index) and the block event streams feeding it."""
+        self.kv_index_blocks = Gauge(
+            "symphony_kv_index_blocks",
+            "Blocks the cluster KV index holds (at most scheduler.kv_index_max_blocks)",
+            registry=r,
+        )
+        self.kv_index_bytes = Gauge(
+            "symphony_kv_index_bytes", "Estimated bytes of the cluster KV index (allocated at start)", registry=r
+        )
+        self.kv_index_evictions = Counter(
+            "symphony_kv_index_evictions", "Blocks the cluster KV index evicted, least recently used first", registry=r
+        )
+        self.kv_index_events = Counter(
+            "symphony_kv_index_events", "Block events applied, by kind and tier", ["kind", "tier"], registry=r
+        )
+        self.kv_index_event_blocks = Counter(
+            "symphony_kv_index_event_blocks",
+            "Block keys named by the events applied, by kind and tier",
+            ["kind", "tier"],
+            registry=r,
+        )
+        self.kv_index_resyncs = Counter(
+            "symphony_kv_index_resyncs",
+            "Times a node's index entries had to be rebuilt from a snapshot, by reason (gap, heartbeat_ahead, "
+            "out_of_order, epoch, not_synced, malformed, snapshot_cut, fingerprint, restart, expired)",
+            ["reason"],
+            registry=r,
+        )
+        self.kv_index_lag = Histogram(
+            "symphony_kv_index_lag_seconds",
+            "Block event batches: arrival at the scheduler minus the node's published time (clocks of two hosts)",
+            buckets=KV_LAG_BUCKETS,
+            registry=r,
+        )
+        self.kv_index_snapshot = Histogram(
+            "symphony_kv_index_snapshot_seconds",
+            "Time from a node's snapshot's first batch to its last one applied",
+            buckets=KV_SNAPSHOT_BUCKETS,
+            registry=r,
+        )
+        self.kv_index_fallback = Gauge(
+            "symphony_kv_index_fallback",
+            "1 while the node's block stream is down or out of sync: routing uses the session table's hints for it",
+            ["node"],
+            registry=r,
+        )
+        self.kv_watch_reconnects = Counter(
+            "symphony_kv_watch_reconnects",
+            "Block event streams ended and resubscribed, by reason (timeout, ended, an RPC status, a resync reason)",
+            ["reason"],
+            registry=r,
         )
 
     def count_request(self, endpoint: str, status: int) -> None:

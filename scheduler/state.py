@@ -5,16 +5,20 @@ changes it; nothing here knows HTTP."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from scheduler.advisories import AdvisoryTable
 from scheduler.auth import Authenticator
 from scheduler.dispatch import Dispatcher
+from scheduler.kv_index import ClusterKVIndex, NodePrefix
+from scheduler.kv_watch import KVWatch
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor
 from scheduler.policies import make_policy
 from scheduler.priorities import PriorityTable
 from scheduler.sessions import SessionTable
 from symphony.config import SymphonyConfig
+from symphony.kv_addressing import BlockKey
 
 
 class SchedulerState:
@@ -37,6 +41,18 @@ class SchedulerState:
         self.auth = Authenticator(sc.api_keys, sc.admin_token)
         self.sessions = SessionTable(sc.max_sessions, sc.session_ttl_s)
         self.priorities = PriorityTable(sc.max_priority_settings)
+        # The cluster KV index, fed by the nodes' block event streams; None when turned off.
+        self.kv_index: ClusterKVIndex | None = None
+        self.kv_watch: KVWatch | None = None
+        if sc.kv_index_enabled:
+            self.kv_index = ClusterKVIndex(sc.kv_index_max_blocks, max(1, len(self.cluster.nodes)))
+            self.kv_watch = KVWatch(
+                self.cluster,
+                self.kv_index,
+                self.metrics,
+                timeout_s=sc.kv_watch_timeout_ms / 1000,
+                backoff_max_s=sc.kv_watch_backoff_max_ms / 1000,
+            )
         self.dispatcher = Dispatcher(
             self.cluster,
             make_policy(sc.policy, sc),
@@ -46,6 +62,16 @@ class SchedulerState:
             sessions=self.sessions,
             priorities=self.priorities,
         )
+
+    def kv_prefix(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:
+        """Per node whose index entries are in sync: how many leading blocks of `keys` (a request's
+        block key chain, which names its tenant and model) it holds, in which fastest tiers. Nodes
+        absent hold none or are in fallback (`kv_synced`); {} when the index is off."""
+        return self.kv_watch.prefix(keys) if self.kv_watch is not None else {}
+
+    def kv_synced(self, node_id: str) -> bool:
+        """Whether the index is current for the node; False: use the session table's hints for it."""
+        return self.kv_watch is not None and self.kv_watch.synced(node_id)
 
     def export_gauges(self) -> None:
         """Refresh the gauges from live state; done when /metrics is scraped, not on every change."""
@@ -62,11 +88,17 @@ class SchedulerState:
             m.node_inflight.labels(node.node_id).set(node.inflight)
             m.node_kv_usage.labels(node.node_id).set(node.kv_usage)
             m.node_engine_restarts.labels(node.node_id).set(node.engine_restarts)
+        if self.kv_watch is not None:
+            self.kv_watch.export_gauges()
 
     async def start(self) -> None:
         await self.dispatcher.start()
         await self.cluster.start()
+        if self.kv_watch is not None:
+            await self.kv_watch.start()  # on the monitor's channels, open now
 
     async def stop(self) -> None:
+        if self.kv_watch is not None:
+            await self.kv_watch.stop()  # before the channels close under it
         await self.cluster.stop()
         await self.dispatcher.stop()

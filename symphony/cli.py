@@ -106,9 +106,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(
             f"  {name:<8} {info['state']:<18} running={info['running']} waiting={info['waiting']} "
             f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} restarts={info['engine_restarts']} "
-            f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}"
+            f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}{_kv_index_text(info)}"
         )
     return 0 if body.get("status") == "ready" else 1
+
+
+def _kv_index_text(info: dict[str, Any]) -> str:
+    """The node's cluster KV index state in `symphony status` ("" from a scheduler without one)."""
+    kv = info.get("kv_index")
+    if not isinstance(kv, dict):
+        return ""
+    state = f"fallback({kv.get('state')})" if kv.get("fallback") else kv.get("state")
+    return f" index={state} lag={kv.get('lag_ms', 0):.0f}ms resyncs={kv.get('resyncs', 0)}"
 
 
 def cmd_admin_priority(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from symphony.config_schema import (
 
 __all__ = [
     "ENV_PREFIX",
+    "KV_INDEX_MAX_NODES",
     "SECTIONS",
     "ClusterConfig",
     "ConfigError",
@@ -54,6 +55,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "SYMPHONY_"
+# Nodes the scheduler's KV index can hold: one bit each in a 64-bit mask (scheduler.kv_index.MAX_NODES).
+KV_INDEX_MAX_NODES = 64
 
 
 class ConfigError(ValueError):
@@ -242,6 +245,9 @@ def _validate(config: SymphonyConfig) -> None:
         "max_priority_settings",
         "max_queued_requests",
         "queue_timeout_s",
+        "kv_index_max_blocks",
+        "kv_watch_timeout_ms",
+        "kv_watch_backoff_max_ms",
     ):
         check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
     for name in ("route_pull_wait_ms", "route_pull_min_tokens"):
@@ -250,6 +256,11 @@ def _validate(config: SymphonyConfig) -> None:
         s.node_down_after_ms >= s.poll_interval_ms,
         "scheduler.node_down_after_ms",
         "must be at least scheduler.poll_interval_ms",
+    )
+    check(
+        not s.kv_index_enabled or len(config.scheduler_node_addresses()) <= KV_INDEX_MAX_NODES,
+        "scheduler.kv_index_enabled",
+        f"the KV index holds up to {KV_INDEX_MAX_NODES} nodes; turn it off for more",
     )
     tenants_by_key: dict[str, str] = {}
     for entry in s.api_keys:

@@ -53,6 +53,16 @@ class SchedulerConfig:
     prefix_trie_max_chars: int = 4_000_000  # prefix_trie's tree of served prompts (~1M tokens of text)
     session_ttl_s: float = 3600.0  # a session unused this long is forgotten
     max_priority_settings: int = 100_000  # tenant and session priority tiers an admin may set
+    # The cluster KV index (scheduler/kv_index.py): which node holds which blocks in which tier,
+    # from each node's stream of block events (KVStore.WatchBlocks). Off: no streams, no index.
+    kv_index_enabled: bool = True
+    # Blocks indexed (least recently used beyond): ~49 bytes each at 64 nodes, ~18 at up to 8,
+    # allocated at start.
+    kv_index_max_blocks: int = 1_000_000
+    # A node's stream that brings no batch or heartbeat for this long is reconnected (the nodes
+    # send a heartbeat about once a second).
+    kv_watch_timeout_ms: int = 3000
+    kv_watch_backoff_max_ms: int = 5000  # longest wait between a node's resubscriptions (doubling from 100 ms)
     max_queued_requests: int = 1024  # requests held back by selective pushing; beyond: 429
     queue_timeout_s: float = 60.0  # a held-back request that finds no room by then: 503
     # Tenants' API keys, "tenant:key" each; empty: no authentication, every request is tenant "default".

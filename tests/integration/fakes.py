@@ -27,6 +27,25 @@ class FakeKVStore(kv_pb2_grpc.KVStoreServicer):
         self.final_state = kv_pb2.PREFETCH_STATE_DONE
         self.release = asyncio.Event()
         self.release.set()
+        # WatchBlocks: None answers UNIMPLEMENTED (a node manager without block events); else a
+        # snapshot of these blocks in DRAM, then a heartbeat every HEARTBEAT_S.
+        self.blocks: list[bytes] | None = None
+        self.fingerprint = b""
+        self.watch_requests: list[tuple[str, int]] = []
+
+    HEARTBEAT_S = 0.2
+
+    async def WatchBlocks(self, request, context):
+        if self.blocks is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no block events here")
+        self.watch_requests.append((request.epoch, request.after_seq))
+        stored = kv_pb2.BlockEvent(kind=kv_pb2.BLOCK_EVENT_STORED, tier=kv_pb2.TIER_DRAM, block_keys=self.blocks)
+        batch = kv_pb2.BlockEventBatch(model_fingerprint=self.fingerprint, epoch="boot", seq=1, events=[stored])
+        batch.snapshot_begin = batch.snapshot_end = True
+        yield batch
+        while True:
+            await asyncio.sleep(self.HEARTBEAT_S)  # the node's cadence, not a wait for the test
+            yield kv_pb2.BlockEventBatch(model_fingerprint=self.fingerprint, epoch="boot", seq=1)
 
     async def Prefetch(self, request, context):
         self.prefetches.append(request)
@@ -50,6 +69,7 @@ class FakeNodeManager(node_pb2_grpc.NodeManagerServicer):
         self.port = free_port()
         self.server: grpc.aio.Server | None = None
         self.kv = FakeKVStore()
+        self.kv.fingerprint = status.model_fingerprint
 
     @property
     def address(self) -> str:

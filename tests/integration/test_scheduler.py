@@ -10,6 +10,9 @@ import httpx
 import pytest
 
 from eval.loadgen import server_timing_ms
+from scheduler.kv_index import NodePrefix
+from symphony.cli import _kv_index_text
+from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.rpc import node_pb2
 from tests.helpers import async_wait_until, free_port
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
@@ -407,3 +410,46 @@ async def test_expired_advisories_stop_counting_as_load(
 
         await async_wait_until(drained, 10, "expired advisories to be dropped")
         assert 'symphony_advisories_dropped_total{reason="expired"} 6.0' in (await client.get("/metrics")).text
+
+
+async def test_the_kv_index_follows_each_nodes_block_stream(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    streaming = await make_node(engine.url, "node-0")
+    silent = await make_node(engine.url, "node-1")  # a node manager without block events
+    model = ModelFingerprint(streaming.status.model_fingerprint)
+    keys = list(chain_block_keys(model, "default", list(range(96)), 32).block_keys)
+    streaming.kv.blocks = keys
+    url, state = await start_scheduler([streaming, silent])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client, 2)
+        await async_wait_until(lambda: state.kv_synced("node-0"), 10, "node-0's snapshot in the index")
+        assert streaming.kv.watch_requests[0] == ("", 0), "a scheduler starts from each node's snapshot"
+        assert state.kv_prefix(keys) == {"node-0": NodePrefix(3, dram=3)}
+        assert not state.kv_synced("node-1")
+        body = (await client.get("/readyz")).json()
+        assert body["nodes"]["node-0"]["kv_index"]["state"] == "synced"
+        assert body["nodes"]["node-0"]["kv_index"]["fallback"] is False
+        assert body["nodes"]["node-1"]["kv_index"]["fallback"] is True
+        assert body["kv_index"]["blocks"] == 3 and body["kv_index"]["max_blocks"] == 1_000_000
+        assert _kv_index_text(body["nodes"]["node-0"]).startswith(" index=synced lag=")
+        assert _kv_index_text(body["nodes"]["node-1"]).startswith(" index=fallback(no_events) ")
+        metrics = (await client.get("/metrics")).text
+        assert 'symphony_kv_index_fallback{node="node-0"} 0.0' in metrics
+        assert 'symphony_kv_index_fallback{node="node-1"} 1.0' in metrics
+        assert "symphony_kv_index_blocks 3.0" in metrics
+        assert 'symphony_kv_watch_reconnects_total{reason="unimplemented"}' in metrics
+
+
+async def test_the_kv_index_can_be_turned_off(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node = await make_node(engine.url)
+    node.kv.blocks = []
+    url, state = await start_scheduler([node], kv_index_enabled=False)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        body = (await client.get("/readyz")).json()
+    assert "kv_index" not in body and "kv_index" not in body["nodes"]["node-0"]
+    assert state.kv_prefix([]) == {} and not state.kv_synced("node-0")
+    assert node.kv.watch_requests == []

@@ -264,6 +264,10 @@ def test_malformed_json_list_from_env_is_a_config_error_naming_the_var() -> None
         ({"kv": {"ssd_writers": 0}}, "kv.ssd_writers"),
         ({"kv": {"data_port_base": 70000}}, "kv.data_port_base"),
         ({"kv": {"data_port_base": 50051}}, "ports"),  # on top of node 0's gRPC port
+        ({"scheduler": {"kv_index_max_blocks": 0}}, "scheduler.kv_index_max_blocks"),
+        ({"scheduler": {"kv_watch_timeout_ms": 0}}, "scheduler.kv_watch_timeout_ms"),
+        ({"scheduler": {"kv_watch_backoff_max_ms": 0}}, "scheduler.kv_watch_backoff_max_ms"),
+        ({"scheduler": {"node_addresses": [f"h:{1000 + i}" for i in range(65)]}}, "scheduler.kv_index_enabled"),
     ],
 )
 def test_invalid_values_are_rejected_naming_the_key(overrides: dict[str, dict[str, Any]], key: str) -> None:
@@ -281,6 +285,8 @@ def test_invalid_values_are_rejected_naming_the_key(overrides: dict[str, dict[st
         {"cluster": {"nodes": 64}},
         {"engine": {"max_restarts": 0}},
         {"kv": {"data_plane": "grpc", "data_port_base": 9400}},
+        {"scheduler": {"node_addresses": [f"h:{1000 + i}" for i in range(64)], "kv_index_max_blocks": 1}},
+        {"scheduler": {"node_addresses": [f"h:{1000 + i}" for i in range(65)], "kv_index_enabled": False}},
     ],
 )
 def test_boundary_values_are_accepted(overrides: dict[str, dict[str, Any]]) -> None:

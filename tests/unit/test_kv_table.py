@@ -1,0 +1,170 @@
+"""The cluster KV index's table (scheduler.kv_table): the LRU bound, lazy clears, its memory."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.kv_index import ClusterKVIndex
+from scheduler.kv_table import EMPTY_TICK, MAX_CLEARS, SWEEP_SLOTS, BlockTable, index_keys, mask_dtype
+
+DRAM, SSD = 2, 3
+
+
+def keys(*values: int) -> np.ndarray:
+    return np.array(values, np.uint64)
+
+
+def present(table: BlockTable, wanted: np.ndarray) -> set[int]:
+    return {int(k) for k, slot in zip(wanted, table.lookup(wanted), strict=True) if slot >= 0}
+
+
+def recount(table: BlockTable) -> np.ndarray:
+    """tier_counts from the masks themselves (every clear applied)."""
+    table.normalise_all()
+    occupied = np.flatnonzero(table._ticks != EMPTY_TICK)
+    return table._bit_counts(table._masks[occupied])
+
+
+def test_index_keys_are_the_first_eight_bytes_and_never_zero() -> None:
+    blob = (5).to_bytes(8, "little") + b"x" * 24 + bytes(32)
+    assert index_keys(blob).tolist() == [5, 1]
+    with pytest.raises(ValueError):
+        index_keys(b"x" * 33)
+
+
+def test_mask_type_is_the_narrowest_that_fits() -> None:
+    assert [mask_dtype(n).itemsize for n in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
+    with pytest.raises(ValueError):
+        mask_dtype(65)
+
+
+def test_the_least_recently_used_blocks_go_first_and_are_counted() -> None:
+    table = BlockTable(4, 2, evict_fraction=0)
+    for value in (1, 2, 3, 4):
+        table.store(keys(value), 0, DRAM)
+    assert table.prefix_counts(keys(1)) is not None  # a lookup refreshes block 1
+    table.store(keys(2), 1, SSD)  # a store refreshes block 2
+    assert table.store(keys(5, 6), 0, DRAM) == 2
+    assert present(table, keys(1, 2, 3, 4, 5, 6)) == {1, 2, 5, 6}
+    assert (table.count, table.evictions) == (4, 2)
+    assert table.tier_counts[DRAM].tolist() == [4, 0] and table.tier_counts[SSD].tolist() == [0, 1]
+    assert (recount(table) == table.tier_counts).all()
+
+
+def test_a_full_table_evicts_a_fraction_at_once() -> None:
+    table = BlockTable(1000, 2, evict_fraction=0.1)
+    table.store(np.arange(1, 1001, dtype=np.uint64), 0, DRAM)
+    assert table.count == 1000 and table.evictions == 0
+    table.store(keys(5000), 0, DRAM)
+    assert table.evictions == 101, "one needed plus a tenth of max_blocks"
+    assert table.count == 900 and 5000 in present(table, keys(5000))
+
+
+def test_a_store_larger_than_the_table_keeps_its_last_blocks() -> None:
+    """Stored in chunks of max_blocks, each younger than the one before (ties within one: any go)."""
+    table = BlockTable(10, 1, evict_fraction=0)
+    table.store(np.arange(1, 26, dtype=np.uint64), 0, DRAM)
+    assert table.count == 10
+    kept = present(table, np.arange(1, 26, dtype=np.uint64))
+    assert set(range(21, 26)) <= kept <= set(range(11, 26)) and len(kept) == 10
+    assert (recount(table) == table.tier_counts).all()
+
+
+def test_a_large_table_stays_within_its_bound_through_sampled_evictions() -> None:
+    table = BlockTable(200_000, 64)
+    rng = np.random.default_rng(1)
+    for batch in range(150):
+        table.store(rng.integers(1, 2**63, 4000, dtype=np.uint64), batch % 64, batch % 4)
+        assert table.count <= 200_000
+    assert table.evictions >= 600_000 - 200_000
+    assert table.conflict_evictions == 0, "moving a resident to its other bucket should make room"
+    assert (recount(table) == table.tier_counts).all()
+    newest = rng.integers(1, 2**63, 3000, dtype=np.uint64)
+    table.store(newest, 0, DRAM)
+    assert len(present(table, newest)) == 3000, "the newest blocks are never the ones evicted"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 30)), min_size=1, max_size=120))
+def test_eviction_order_matches_an_lru_model(ops: list[tuple[bool, int]]) -> None:
+    """Single-key stores and lookups (one tick each): the table keeps exactly an LRU's blocks."""
+    table = BlockTable(12, 1, evict_fraction=0)  # 2 buckets of 16: a key always finds room
+    model: list[int] = []
+    for is_lookup, value in ops:
+        if is_lookup:
+            table.prefix_counts(keys(value))
+            if value in model:
+                model.remove(value)
+                model.append(value)
+        else:
+            table.store(keys(value), 0, DRAM)
+            if value in model:
+                model.remove(value)
+            model.append(value)
+            del model[:-12]
+    assert present(table, np.arange(1, 31, dtype=np.uint64)) == set(model)
+
+
+def test_clears_are_applied_when_touched_and_by_the_sweep() -> None:
+    table = BlockTable(50_000, 4)
+    first, second = np.arange(1, 20_001, dtype=np.uint64), np.arange(30_001, 30_101, dtype=np.uint64)
+    table.store(first, 0, DRAM)
+    table.store(first[:10], 1, SSD)
+    table.store(second, 1, DRAM)
+    table.clear(0, [DRAM])
+    assert table.tier_counts[DRAM].tolist() == [0, 100, 0, 0] and table.pending_clears == 1
+    counts = table.prefix_counts(first[:10])
+    assert counts is not None and counts[SSD].tolist() == [0, 10, 0, 0] and counts[DRAM].sum() == 0
+    table.store(first[10:12], 0, DRAM)  # stored again after the clear
+    steps = 0
+    while table.pending_clears:
+        table.sweep_step()
+        steps += 1
+    assert steps == -(-table.slots // SWEEP_SLOTS), "one full pass ends the clears logged before it"
+    assert table.count == 10 + 2 + 100, "blocks no node holds any more left with the sweep"
+    assert (recount(table) == table.tier_counts).all()
+    assert table.tier_counts[DRAM].tolist() == [2, 100, 0, 0]
+
+
+def test_too_many_pending_clears_are_applied_at_once() -> None:
+    table = BlockTable(1000, 2)
+    table.store(keys(1, 2, 3), 0, DRAM)
+    for _ in range(MAX_CLEARS + 1):
+        table.clear(1, [SSD])
+    assert table.pending_clears == 0
+    assert present(table, keys(1, 2, 3)) == {1, 2, 3}
+
+
+def test_ticks_are_renumbered_in_order_when_they_run_out() -> None:
+    table = BlockTable(3, 1, evict_fraction=0, tick_limit=20)
+    for value in range(1, 4):
+        table.store(keys(value), 0, DRAM)
+    table.clear(0, [SSD])  # pending across the renumbering
+    for _ in range(30):  # refresh block 1 over and over: past the limit, twice
+        table.prefix_counts(keys(1))
+    assert int(table._ticks.max(where=table._ticks != EMPTY_TICK, initial=0)) <= 20
+    table.store(keys(4), 0, DRAM)
+    assert present(table, keys(1, 2, 3, 4)) == {1, 3, 4}, "2 was the least recently used"
+
+
+def test_memory_estimate_matches_tracemalloc() -> None:
+    ClusterKVIndex(10, 2)  # numpy's first-use allocations out of the measurement
+    tracemalloc.start()
+    try:
+        for max_blocks, nodes in ((200_000, 64), (200_000, 8), (50_000, 20)):
+            before = tracemalloc.get_traced_memory()[0]
+            index = ClusterKVIndex(max_blocks, nodes)
+            for i in range(nodes):
+                index.add_node(f"node-{i}")
+            index.table.store(np.arange(1, max_blocks + 1, dtype=np.uint64), 0, DRAM)
+            measured = tracemalloc.get_traced_memory()[0] - before
+            assert abs(index.approx_bytes() - measured) <= 0.05 * measured, (max_blocks, nodes, measured)
+            del index
+    finally:
+        tracemalloc.stop()
+    assert 45 <= ClusterKVIndex(1_000_000, 64).approx_bytes() / 1_000_000 <= 52, "bytes per block at 64 nodes"
