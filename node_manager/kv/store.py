@@ -413,8 +413,9 @@ class TieredStore:
         other = sum(report.other_models.values())
         self.metrics.segments_other_model.labels("kept" if report.kept_other_models else "dropped").inc(other)
         d = self.directory
-        for (key, layer), location, checksum in pages:
-            row = d.ensure_row(key)
+        for (key, layer), location, checksum, tail in pages:
+            row = d.ensure_row(key, tail=tail)
+            d.tail[row] |= tail  # the newest segment may be the first to say (version 3 segments do not)
             older = d.ssd_location(row, layer)
             if older is not None:
                 self.ssd.drop_page(older)  # an older copy; the newest segment wins

@@ -175,9 +175,10 @@ class WriteBehind:
         with front.lock:
             checksums = d.checksum[rows, layers]
             slots = d.dram[rows, layers]
+            tails = d.tail[rows]
         entries = [
-            SegmentEntry(key, layer, checksum)
-            for (key, layer, _), checksum in zip(batch, checksums.tolist(), strict=True)
+            SegmentEntry(key, layer, checksum, tail)
+            for (key, layer, _), checksum, tail in zip(batch, checksums.tolist(), tails.tolist(), strict=True)
         ]
         # One buffer per run of consecutive slots (a save's slots mostly are): fewer, longer writes.
         views = [front.dram.run_view(int(slots[start]), stop - start) for start, stop in consecutive_runs(slots)]
