@@ -207,8 +207,11 @@ class WriteBehind:
             current = d.checksum[rows, layers] == checksums
             current &= np.fromiter((keys[row] == key for key, _, row in batch), np.bool_, len(batch))
             written = np.flatnonzero(current)
+            blocks = np.fromiter(dict.fromkeys(rows[written].tolist()), np.int64)
+            before = front.holdings.complete(Tier.SSD, blocks)
             d.ssd_seq[rows[written], layers[written]] = seq
             d.ssd_page[rows[written], layers[written]] = written
+            front.holdings.stored(Tier.SSD, blocks, before)
             for index in np.flatnonzero(~current).tolist():
                 ssd.drop_page(SsdLocation(seq, index))
             if self._degraded:
@@ -227,6 +230,7 @@ class WriteBehind:
                 row = d.row(entry_meta.block_key)
                 layer = entry_meta.layer
                 if row is not None and d.ssd_location(row, layer) == SsdLocation(segment.seq, index):
+                    front.holdings.removing(Tier.SSD, row)
                     d.set_ssd(row, layer, None)
                     front.metrics.evictions.labels(Tier.SSD.name, "capacity").inc()
                     front.after_copy_dropped(row, layer, "capacity")
