@@ -22,6 +22,8 @@ from node_manager.kv.block_events import (
 from node_manager.kv.block_watch import StreamHeader, _live, chunk_snapshot
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import Tier
+from node_manager.kv_runtime import block_event_settings
+from symphony.config import load_config
 from symphony.kv_addressing import BlockKey
 from symphony.rpc import kv_pb2
 
@@ -352,3 +354,25 @@ def test_a_snapshot_is_chunked_into_bounded_batches_of_one_seq(sizes: list[int])
     got = {(tier, k) for _, tier, ks in flat(batches) for k in ks}
     assert got == {(tier, k) for tier, ks in held for k in ks}
     assert len(got) == sum(len(ks) for _, ks in held), "every key once"
+
+
+# ---- settings --------------------------------------------------------------------------------------
+
+
+def test_the_node_config_defaults_are_the_logs_defaults() -> None:
+    assert block_event_settings(load_config(env={})) == BlockEventSettings()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"batch_entries": 1},
+        {"ring_batches": 0},
+        {"heartbeat_s": 0.0},
+        {"ring_batches": 4, "subscriber_backlog": 5},
+        {"ring_entries": 10, "batch_entries": 11},
+    ],
+)
+def test_settings_a_log_cannot_honour_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="block events"):
+        BlockEventLog(BlockEventSettings(**bad))  # type: ignore[arg-type]
