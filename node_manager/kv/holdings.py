@@ -4,8 +4,8 @@ A tier holds a block when it holds every layer of it (a load from that tier alon
 it stops holding it when any layer leaves. Partial tail blocks (`PageDirectory.tail`) are never
 named. Every write to a tier's directory table that can change this goes through `BlockHoldings`
 in the same critical section, under the store's lock:
-- a write that adds copies takes `complete(tier, rows)` before it and calls `stored(tier, rows,
-  before)` after it: rows newly whole there publish STORED;
+- a write that adds copies takes `complete(tier, rows)` before it (unless each row lacked a copy
+  there) and calls `stored(tier, rows, before)` after it: rows newly whole there publish STORED;
 - a copy about to be cleared calls `removing(tier, row)` first (`removing_keys` for many blocks,
   each about to lose a copy there): a block the tier holds whole publishes REMOVED.
 So the events published so far for a tier always add up to `snapshot()[tier]`, which is what
@@ -34,10 +34,13 @@ class BlockHoldings:
         d = self._directory
         return (d.table(tier)[rows] >= 0).all(axis=1) & ~d.tail[rows]
 
-    def stored(self, tier: Tier, rows: np.ndarray, before: np.ndarray) -> None:
-        """Copies were added to `tier` in `rows` (distinct; `before`: `complete` just before): STORED
-        for the blocks it now holds whole and did not."""
-        now = self.complete(tier, rows) & ~before
+    def stored(self, tier: Tier, rows: np.ndarray, before: np.ndarray | None) -> None:
+        """Copies were added to `tier` in `rows` (distinct; `before`: `complete` just before, None
+        when each row lacked a copy there before, so none was whole): STORED for the blocks it now
+        holds whole and did not."""
+        now = self.complete(tier, rows)
+        if before is not None:
+            now &= ~before
         if now.any():
             self.events.publish(BlockEventKind.STORED, tier, self._keys(rows[now]))
 

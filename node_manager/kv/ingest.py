@@ -313,7 +313,6 @@ class PageIngest:
         for at in np.flatnonzero(rows < 0).tolist():  # blocks new to the directory
             rows[at] = d.ensure_row(keys[at], record.key, record.priority, keys[at] == tail_key)
         cells = np.ix_(rows, np.asarray(layers, dtype=np.intp))
-        before = front.holdings.complete(Tier.DRAM, rows)
         d.checksum[cells] = checksums.T
         d.dram[cells] = slots.T
         d.priority[rows] = record.priority
@@ -329,7 +328,9 @@ class PageIngest:
             policy.insert_many(pages, PageMeta(layer, record.key, record.priority))
             self._write_behind.queue(itertools.compress(pages, owed[:, j].tolist()))
         front.publish_complete(rows)
-        front.holdings.stored(Tier.DRAM, rows, before)
+        # The cells filled held no DRAM copy (`_install_saved` settles held pages first): no row was
+        # whole in DRAM before.
+        front.holdings.stored(Tier.DRAM, rows, None)
 
     def _keep_saved_copy(self, key: BlockKey, layer: int, slot: int, checksum: int) -> bool:
         """A saved page that some tier already holds: True if its new DRAM copy should be installed

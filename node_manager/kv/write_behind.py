@@ -225,15 +225,17 @@ class WriteBehind:
         front = self._front
         d = front.directory
         for segment in segments:
+            gone: list[tuple[BlockKey, int, int]] = []  # (key, layer, row) whose SSD copy is this one
             for index in list(segment.live):
                 entry_meta = segment.header.entries[index]
                 row = d.row(entry_meta.block_key)
-                layer = entry_meta.layer
-                if row is not None and d.ssd_location(row, layer) == SsdLocation(segment.seq, index):
-                    front.holdings.removing(Tier.SSD, row)
-                    d.set_ssd(row, layer, None)
-                    front.metrics.evictions.labels(Tier.SSD.name, "capacity").inc()
-                    front.after_copy_dropped(row, layer, "capacity")
+                if row is not None and d.ssd_location(row, entry_meta.layer) == SsdLocation(segment.seq, index):
+                    gone.append((entry_meta.block_key, entry_meta.layer, row))
+            front.holdings.removing_keys(Tier.SSD, [key for key, _, _ in gone])
+            for _, layer, row in gone:  # a row keeps a copy of each layer still to clear: none is released early
+                d.set_ssd(row, layer, None)
+                front.metrics.evictions.labels(Tier.SSD.name, "capacity").inc()
+                front.after_copy_dropped(row, layer, "capacity")
 
     def _degrade(self, batch: list[WritePending], reason: str, exc: BaseException) -> None:
         front = self._front
