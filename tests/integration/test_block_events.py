@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from node_manager.kv.pages import Tier
 from node_manager.kv.transfer import page_batch
 from node_manager.kv_runtime import GRPC_OPTIONS, KVRuntime, start_kv
 from symphony.config import load_config
@@ -212,3 +213,39 @@ async def test_subscribers_past_the_limit_are_refused_and_streams_end_cleanly_wh
         while (batch := await _read(call)) is not grpc.aio.EOF:
             assert not batch.events  # heartbeats at most
         assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_the_schedulers_index_stays_in_sync_with_the_nodes_stream(node: Node) -> None:
+    """The node's stream applied to the scheduler's own cluster index (`scheduler.kv_index`): the
+    snapshot and every live batch apply in order, a resume continues it, and the index knows which
+    tier holds each of a session's blocks."""
+    from scheduler.kv_index import ClusterKVIndex, NodePrefix, Outcome
+    from scheduler.kv_watch import to_batch
+
+    index = ClusterKVIndex(max_blocks=1024)
+    index.add_node("node-0")
+    stub, runtime = node.stub, node.runtime
+
+    async def follow(until: Callable[[], bool]) -> None:
+        epoch, after_seq = index.resume_point("node-0")
+        call = stub.WatchBlocks(kv_pb2.WatchBlocksRequest(epoch=epoch, after_seq=after_seq), timeout=60)
+        try:
+            while not (index.synced("node-0") and until()):
+                message = await _read(call)
+                assert message is not grpc.aio.EOF
+                applied = index.apply("node-0", to_batch(message), now_s=0.0, now_unix_ms=0)
+                assert applied.outcome is Outcome.APPLIED, applied
+        finally:
+            call.cancel()
+            await async_wait_until(lambda: runtime.events.subscribers == 0, READ_TIMEOUT_S, "the stream to unsubscribe")
+        assert index.stream_lost("node-0") == ""
+
+    first = await upload(stub, "first", 3, seed=7)
+    await follow(lambda: index.prefix(first).get("node-0") == NodePrefix(3, dram=3))
+    await asyncio.to_thread(runtime.store.write_behind.flush, READ_TIMEOUT_S)
+    second = await upload(stub, "second", 2, seed=8)
+    await asyncio.to_thread(runtime.store.write_behind.flush, READ_TIMEOUT_S)
+    await asyncio.to_thread(runtime.store.demote, TENANT, "first", Tier.DRAM)
+    await follow(lambda: index.prefix(first).get("node-0") == NodePrefix(3, ssd=3))  # resumed, not a snapshot
+    assert index.node("node-0").restarts == 0 and index.node("node-0").resyncs == 0
+    assert index.prefix(second)["node-0"] == NodePrefix(2, dram=2)
