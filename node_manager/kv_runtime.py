@@ -9,6 +9,7 @@ import grpc
 from prometheus_client import start_http_server
 
 from node_manager.engine_warmup import EngineView, EngineWarmer
+from node_manager.kv.block_events import BlockEventLog, BlockEventSettings
 from node_manager.kv.ipc_server import LocalKVServer
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.page_stream import PageStreamServer
@@ -43,7 +44,18 @@ class KVRuntime:
     local_channel: LocalKVServer
     warmer: EngineWarmer | None = None
 
+    @property
+    def events(self) -> BlockEventLog:
+        """The node's block event log (WatchBlocks; `engine_emitter()` for the engine tier)."""
+        return self.store.events
+
+    def end_streams(self) -> None:
+        """End the WatchBlocks streams cleanly: before the gRPC server stops, so that they finish
+        with OK rather than being cancelled. `close` does it too."""
+        self.store.events.close()
+
     async def close(self) -> None:
+        self.end_streams()
         await asyncio.to_thread(self.local_channel.close)
         await self.prefetches.close()
         if self.warmer is not None:
@@ -52,6 +64,19 @@ class KVRuntime:
         if self.page_stream is not None:
             await asyncio.to_thread(self.page_stream.close)
         await asyncio.to_thread(self.store.close)
+
+
+def block_event_settings(config: SymphonyConfig) -> BlockEventSettings:
+    kv = config.kv
+    return BlockEventSettings(
+        ring_batches=kv.block_events_ring_batches,
+        ring_entries=kv.block_events_ring_entries,
+        batch_entries=kv.block_events_batch_entries,
+        subscriber_backlog=kv.block_events_subscriber_backlog,
+        max_subscribers=kv.block_events_max_subscribers,
+        engine_keys=kv.block_events_engine_keys,
+        heartbeat_s=kv.block_events_heartbeat_s,
+    )
 
 
 def store_config(config: SymphonyConfig, index: int, model: ModelFingerprint) -> StoreConfig:
@@ -91,8 +116,10 @@ async def start_kv(
     port = config.kv_metrics_port(index)
     if port:  # bound before the store exists: a port in use then fails the start without leaving its arena
         start_http_server(port, addr=config.node.host, registry=metrics.registry)
+    # One log per start: a new epoch, so every subscriber begins with a snapshot of what it rebuilt.
+    events = BlockEventLog(block_event_settings(config), metrics)
     # Rebuilding the index reads every segment header: off the event loop.
-    store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index, model), metrics)
+    store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index, model), metrics, events)
     tcp = config.kv.data_plane == "tcp"
     try:
         page_stream = (

@@ -89,5 +89,6 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
         )
         await watchdog.stop()
         await engine.stop()
+        kv.end_streams()  # WatchBlocks streams end with OK, not cancelled by the server's stop
         await server.stop(grace=1.0)
         await kv.close()

@@ -330,6 +330,26 @@ def _validate(config: SymphonyConfig) -> None:
         f"{kv.engine_warmup_max_kv_usage} is not a fraction in [0, 1]",
     )
     check(kv.engine_warmup_timeout_s > 0, "kv.engine_warmup_timeout_s", "must be positive")
+    for name in (
+        "block_events_ring_batches",
+        "block_events_ring_entries",
+        "block_events_subscriber_backlog",
+        "block_events_max_subscribers",
+        "block_events_engine_keys",
+        "block_events_heartbeat_s",
+    ):
+        check(getattr(kv, name) > 0, f"kv.{name}", "must be positive")
+    check(kv.block_events_batch_entries >= 2, "kv.block_events_batch_entries", "must be at least 2")
+    check(
+        kv.block_events_subscriber_backlog <= kv.block_events_ring_batches,
+        "kv.block_events_subscriber_backlog",
+        "must not exceed kv.block_events_ring_batches (a backlog is read from the ring)",
+    )
+    check(
+        kv.block_events_batch_entries <= kv.block_events_ring_entries,
+        "kv.block_events_batch_entries",
+        "must not exceed kv.block_events_ring_entries",
+    )
     if kv.metrics_port_base:
         port("kv.metrics_port_base", kv.metrics_port_base)
         port("kv.metrics_port_base + cluster.nodes - 1", kv.metrics_port_base + config.cluster.nodes - 1)

@@ -144,6 +144,15 @@ class KVConfig:
     # size or page layout) are never loaded. false: they are deleted; true: kept on disk for a
     # rollback to that model, counted against ssd_bytes and evicted first when room is needed.
     ssd_keep_other_models: bool = False
+    # Block events (KVStore.WatchBlocks: the scheduler's cluster KV index follows them). An entry is
+    # a block key or an event; a batch holds at most block_events_batch_entries of them.
+    block_events_ring_batches: int = 4096  # recent batches kept for a subscriber resuming after a seq
+    block_events_ring_entries: int = 1_048_576  # ... and their entries, all together
+    block_events_batch_entries: int = 1024  # per batch, live or snapshot (>= 2)
+    block_events_subscriber_backlog: int = 1024  # batches a subscriber may lag before it is dropped
+    block_events_max_subscribers: int = 8  # beyond: RESOURCE_EXHAUSTED
+    block_events_engine_keys: int = 1_048_576  # engine-held blocks remembered for snapshots
+    block_events_heartbeat_s: float = 1.0  # an idle stream sends a heartbeat this often
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Modules, from pure to I/O:
 - names and bookkeeping, no I/O, no store lock: `pages` (tiers, page ids, checksums), `eviction`
   (victim order, deferred recency), `directory` (which tier holds which copy of every page),
-  `segments` (the SSD file format), `errors`, `store_config`, `metrics`;
+  `holdings` (which full blocks each tier holds whole, as block events), `segments` (the SSD file
+  format), `errors`, `store_config`, `metrics`;
 - storage, one kind of tier each, their contracts in `tiers`: `slots` (slot allocator, DRAM arena,
   device pool), `ssd_tier` (segment files, their index and space); and `block_index` (the blocks
   held in every layer, shared with the vLLM connector);
@@ -13,6 +14,7 @@ Modules, from pure to I/O:
   on SSD), `loads` and `load_plan` (loads and promotions, and where each page comes from), `loader`,
   `memory_load` and `ssd_load` (moving a load's bytes: the general, DRAM and SSD paths);
 - around it: `prefetch` (deadline-ordered moves between tiers), `transfer`, `page_stream` and
-  `puller` (node to node), `service` (gRPC), `ipc_server` and `ipc_wire` (the vLLM connector's
-  node-local channel).
+  `puller` (node to node), `block_events` (the node's numbered log of block events, its own small
+  lock) and `block_watch` (its WatchBlocks stream: snapshot, replay, live, heartbeats), `service`
+  (gRPC), `ipc_server` and `ipc_wire` (the vLLM connector's node-local channel).
 """

@@ -29,7 +29,8 @@ class PageDirectory:
     segment and page index of the SSD copy, `checksum` the page's checksum (valid while any copy
     exists), `pins` the I/O in progress on the page (eviction skips pinned pages) and `persisting`
     whether the write-behind still owes it an SSD copy. Per row: the block key, the session that
-    last saved it (`owners`) and that session's priority."""
+    last saved it (`owners`), that session's priority, and whether the key is a partial tail
+    block's (`tail`, `kv_addressing.tail_key`: never named by block events)."""
 
     def __init__(self, num_layers: int, rows: int = 256) -> None:
         self.num_layers = num_layers
@@ -38,6 +39,7 @@ class PageDirectory:
         self.owners: list[SessionKey] = []
         self._free: list[int] = []
         self.priority = np.empty(0, np.int8)
+        self.tail = np.empty(0, np.bool_)
         self.hbm = self.dram = self.ssd_seq = self.ssd_page = np.empty((0, num_layers), np.int64)
         self.checksum = np.empty((0, num_layers), np.uint64)
         self.pins = np.empty((0, num_layers), np.int32)
@@ -60,6 +62,7 @@ class PageDirectory:
         self.checksum, self.pins = extend(self.checksum, 0), extend(self.pins, 0)
         self.persisting = extend(self.persisting, False)
         self.priority = extend(self.priority, Priority.NORMAL)
+        self.tail = extend(self.tail, False)
         self.keys.extend([None] * added)
         self.owners.extend([_NO_OWNER] * added)
         self._free.extend(range(rows - 1, old - 1, -1))  # lowest rows first: they stay dense
@@ -74,7 +77,11 @@ class PageDirectory:
         get = self._row_of.get
         return np.fromiter((get(key, NO_COPY) for key in keys), np.int64, len(keys))
 
-    def ensure_row(self, key: BlockKey, owner: SessionKey = _NO_OWNER, priority: Priority = Priority.NORMAL) -> int:
+    def ensure_row(
+        self, key: BlockKey, owner: SessionKey = _NO_OWNER, priority: Priority = Priority.NORMAL, tail: bool = False
+    ) -> int:
+        """The key's row, made for it if it has none (`tail`: the key is a partial tail block's; a
+        known row keeps what it was made with)."""
         row = self._row_of.get(key)
         if row is not None:
             return row
@@ -85,6 +92,7 @@ class PageDirectory:
         self.keys[row] = key
         self.owners[row] = owner
         self.priority[row] = priority
+        self.tail[row] = tail
         return row
 
     def release_if_empty(self, row: int) -> bool:
@@ -97,6 +105,7 @@ class PageDirectory:
         self.keys[row] = None
         self.owners[row] = _NO_OWNER
         self.checksum[row] = 0
+        self.tail[row] = False
         self._free.append(row)
         return True
 
@@ -118,6 +127,10 @@ class PageDirectory:
     def slots(self, tier: Tier) -> np.ndarray:
         """The slot table of a slot-backed tier (HBM or DRAM)."""
         return self.hbm if tier is Tier.HBM else self.dram
+
+    def table(self, tier: Tier) -> np.ndarray:
+        """The table of any tier whose entries are >= 0 where it holds a copy: slots, or SSD segments."""
+        return self.ssd_seq if tier is Tier.SSD else self.slots(tier)
 
     def ssd_location(self, row: int, layer: int) -> SsdLocation | None:
         seq = int(self.ssd_seq[row, layer])

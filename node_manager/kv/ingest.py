@@ -39,12 +39,14 @@ from symphony.kv_addressing import BlockKey
 class PageReservation:
     """DRAM slots set aside for pages of one layer that a caller fills itself (a peer's stream read
     straight into the arena): slot `slots[i]` will hold block `keys[i]`. Invisible to loads and
-    eviction until committed; a reservation must end in `commit_pages` or `release_pages`."""
+    eviction until committed; a reservation must end in `commit_pages` or `release_pages`.
+    `tail_key`: the one of `keys` that is a partial tail block's (the last), None if none is."""
 
     record: SessionRecord
     layer: int
     keys: list[BlockKey]
     slots: list[int]
+    tail_key: BlockKey | None = None
 
 
 @dataclass(slots=True)
@@ -58,6 +60,7 @@ class VerifiedPages:
     slots: list[int]
     checksums: list[int]
     rejected_slots: list[int]
+    tail_key: BlockKey | None = None
 
 
 class PageIngest:
@@ -100,7 +103,9 @@ class PageIngest:
             front.metrics.save_degraded.labels("io_backpressure").inc(len(keys))
             future.set_result(0)
             return future
-        job = front.io.submit(self._save_pages, record, layer, list(keys), pages, expected_checksums)
+        job = front.io.submit(
+            self._save_pages, record, layer, list(keys), pages, expected_checksums, keys[-1] if tail_tokens else None
+        )
         job.add_done_callback(lambda done: self._chain(done, future))
         return future
 
@@ -113,9 +118,15 @@ class PageIngest:
             future.set_result(done.result())
 
     def _save_pages(
-        self, record: SessionRecord, layer: int, keys: list, pages: torch.Tensor, expected: Sequence[int] | None
+        self,
+        record: SessionRecord,
+        layer: int,
+        keys: list,
+        pages: torch.Tensor,
+        expected: Sequence[int] | None,
+        tail_key: BlockKey | None,
     ) -> int:
-        reservation = self._reserve(record, layer, keys)
+        reservation = self._reserve(record, layer, keys, tail_key)
         if reservation is None:
             return 0
         started = time.perf_counter()
@@ -138,15 +149,18 @@ class PageIngest:
         `tail_tokens`: see `addressed_keys`."""
         record = self._front.sessions.get(tenant, session_id)
         check_range(self._front.geometry, record, layer, first_block, count, tail_tokens)
-        return self._reserve(record, layer, list(addressed_keys(record, first_block, count, last_key, tail_tokens)))
+        keys = list(addressed_keys(record, first_block, count, last_key, tail_tokens))
+        return self._reserve(record, layer, keys, keys[-1] if tail_tokens else None)
 
-    def _reserve(self, record: SessionRecord, layer: int, keys: list[BlockKey]) -> PageReservation | None:
+    def _reserve(
+        self, record: SessionRecord, layer: int, keys: list[BlockKey], tail_key: BlockKey | None
+    ) -> PageReservation | None:
         with self._front.lock:
             slots = self._front.allocate(Tier.DRAM, len(keys))
         if slots is None:
             self._front.metrics.save_degraded.labels("dram_full").inc(len(keys))
             return None
-        return PageReservation(record, layer, keys, slots)
+        return PageReservation(record, layer, keys, slots, tail_key)
 
     def reserved_views(self, reservation: PageReservation) -> list[memoryview]:
         """Writable byte views covering the reserved slots in page order, one per run of consecutive
@@ -189,7 +203,7 @@ class PageIngest:
             raise InvalidRequest(f"{len(actual)} computed checksums for {len(keys)} pages")
         checksums = actual if actual is not None else self._checksums_in_dram(reservation)
         if expected is None or checksums == list(expected):
-            return VerifiedPages(reservation.record, layer, keys, slots, checksums, [])
+            return VerifiedPages(reservation.record, layer, keys, slots, checksums, [], reservation.tail_key)
         bad = {i for i, (got, want) in enumerate(zip(checksums, expected, strict=True)) if got != want}
         self._front.metrics.save_degraded.labels("checksum_mismatch").inc(len(bad))
         keep = [i for i in range(len(keys)) if i not in bad]
@@ -200,6 +214,7 @@ class PageIngest:
             [slots[i] for i in keep],
             [checksums[i] for i in keep],
             [slots[i] for i in sorted(bad)],
+            reservation.tail_key,
         )
 
     def _checksums_in_dram(self, reservation: PageReservation) -> list[int]:
@@ -226,6 +241,7 @@ class PageIngest:
                     np.array([pages.slots for pages in group], np.int64),
                     np.array([pages.checksums for pages in group], np.uint64),
                     first.record,
+                    first.tail_key,
                 )
             self._write_behind.wake()  # the writers, not only a waiting flush
         return sum(len(pages.keys) for pages in verified)
@@ -236,7 +252,13 @@ class PageIngest:
             self._front.release_slots(Tier.DRAM, reservation.slots)
 
     def _install_saved(
-        self, keys: list[BlockKey], layers: list[int], slots: np.ndarray, checksums: np.ndarray, record: SessionRecord
+        self,
+        keys: list[BlockKey],
+        layers: list[int],
+        slots: np.ndarray,
+        checksums: np.ndarray,
+        record: SessionRecord,
+        tail_key: BlockKey | None,
     ) -> None:
         """Give saved pages their DRAM copies: slot `slots[j, i]` holds page (keys[i], layers[j]).
         Pages no tier holds yet, a new turn's blocks being the common save, are installed with
@@ -247,12 +269,18 @@ class PageIngest:
         known = ids[ids >= 0]
         if len(known) and any(d.held_rows(known, layer).any() for layer in layers):
             for j, layer in enumerate(layers):
-                self._install_layer_over_copies(keys, layer, slots[j].tolist(), checksums[j].tolist(), record)
+                self._install_layer_over_copies(keys, layer, slots[j].tolist(), checksums[j].tolist(), record, tail_key)
             return
-        self._install_new(keys, layers, slots, checksums, record)
+        self._install_new(keys, layers, slots, checksums, record, tail_key)
 
     def _install_layer_over_copies(
-        self, keys: list[BlockKey], layer: int, slots: list[int], checksums: list[int], record: SessionRecord
+        self,
+        keys: list[BlockKey],
+        layer: int,
+        slots: list[int],
+        checksums: list[int],
+        record: SessionRecord,
+        tail_key: BlockKey | None,
     ) -> None:
         d = self._front.directory
         ids = d.rows(keys)
@@ -266,17 +294,24 @@ class PageIngest:
             np.array([[slots[i] for i in kept]], np.int64),
             np.array([[checksums[i] for i in kept]], np.uint64),
             record,
+            tail_key,
         )
 
     def _install_new(
-        self, keys: list[BlockKey], layers: list[int], slots: np.ndarray, checksums: np.ndarray, record: SessionRecord
+        self,
+        keys: list[BlockKey],
+        layers: list[int],
+        slots: np.ndarray,
+        checksums: np.ndarray,
+        record: SessionRecord,
+        tail_key: BlockKey | None,
     ) -> None:
         """Install pages that no tier holds (see `_install_saved`). Caller holds the lock."""
         front = self._front
         d = front.directory
         rows = d.rows(keys)  # looked up now: settling copies may have released a row
         for at in np.flatnonzero(rows < 0).tolist():  # blocks new to the directory
-            rows[at] = d.ensure_row(keys[at], record.key, record.priority)
+            rows[at] = d.ensure_row(keys[at], record.key, record.priority, keys[at] == tail_key)
         cells = np.ix_(rows, np.asarray(layers, dtype=np.intp))
         d.checksum[cells] = checksums.T
         d.dram[cells] = slots.T
@@ -293,6 +328,9 @@ class PageIngest:
             policy.insert_many(pages, PageMeta(layer, record.key, record.priority))
             self._write_behind.queue(itertools.compress(pages, owed[:, j].tolist()))
         front.publish_complete(rows)
+        # The cells filled held no DRAM copy (`_install_saved` settles held pages first): no row was
+        # whole in DRAM before.
+        front.holdings.stored(Tier.DRAM, rows, None)
 
     def _keep_saved_copy(self, key: BlockKey, layer: int, slot: int, checksum: int) -> bool:
         """A saved page that some tier already holds: True if its new DRAM copy should be installed

@@ -328,6 +328,7 @@ class LoadPlanner:
         d, layer = front.directory, plan.layer
         policy = front.policy(tier)
         table = d.slots(tier)
+        before = front.holdings.complete(tier, plan.block_rows)  # the rows are distinct
         unused: list[int] = []
         for position, (index, row, slot, checksum) in enumerate(
             zip(plan.index.tolist(), plan.block_rows.tolist(), plan.rows.tolist(), plan.checksums.tolist(), strict=True)
@@ -345,6 +346,7 @@ class LoadPlanner:
             table[row, layer] = slot
             policy.insert((key, layer), PageMeta(layer, record.key, record.priority))
         front.release_slots(tier, unused)
+        front.holdings.stored(tier, plan.block_rows, before)
 
     def _unpin(self, plan: LayerPlan) -> None:
         self._front.directory.pins[plan.block_rows, plan.layer] -= 1

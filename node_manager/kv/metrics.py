@@ -138,6 +138,37 @@ class KVMetrics:
             registry=r,
         )
 
+        # Block events (`block_events`, `block_watch`): the stream the scheduler's cluster KV index reads.
+        self.block_events = Counter(
+            "symphony_kv_block_events_total",
+            "Block keys named by published block events (a CLEARED event counts 1), by kind and tier",
+            ["kind", "tier"],
+            registry=r,
+        )
+        self.block_event_batches = Counter(
+            "symphony_kv_block_event_batches_total", "Live block event batches sealed (given a seq)", registry=r
+        )
+        self.block_event_subscriptions = Counter(
+            "symphony_kv_block_event_subscriptions_total",
+            "WatchBlocks streams, by how they started: replay (resumed from the ring), snapshot, or refused "
+            "(kv.block_events_max_subscribers reached)",
+            ["start"],
+            registry=r,
+        )
+        self.block_event_subscribers = Gauge(
+            "symphony_kv_block_event_subscribers", "WatchBlocks streams open", registry=r
+        )
+        self.block_event_dropped = Counter(
+            "symphony_kv_block_event_subscribers_dropped_total",
+            "WatchBlocks streams ended because their reader fell behind (it resubscribes)",
+            registry=r,
+        )
+        self.block_event_engine_overflow = Counter(
+            "symphony_kv_block_event_engine_overflow_total",
+            "Engine-tier block keys neither remembered nor published: kv.block_events_engine_keys were held",
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -2,7 +2,8 @@
 
     [fixed header][entry × count][pad to 4 KiB][page 0][page 1]...
 
-Every entry names its page (block key, layer) and carries the page's checksum; the fixed header
+Every entry names its page (block key, layer, and whether the block is a partial tail: the layer
+field's top bit) and carries the page's checksum; the fixed header
 names the model the pages belong to (its fingerprint, `symphony.model_identity`) and carries a
 checksum of the fingerprint and the entry table. A segment is written to `seg-<seq>.tmp`, fsynced, then renamed
 to `seg-<seq>.kvseg`, so a reader (or a restart) sees a whole segment or none: a writer killed with -9
@@ -24,7 +25,11 @@ MAGIC = b"SYMKVSG1"
 # segment's checksums would fail every read, so the index rebuild drops such segments.
 # 3: the header names the model fingerprint, and block keys hang off it; a version 2 segment's
 # pages may be another model's (nothing said whose), so the rebuild drops them too.
-VERSION = 3
+# 4: an entry's layer field has the partial-tail flag in its top bit (block events never name
+# tails). Version 3 segments are still read, every entry taken for a full block's.
+VERSION = 4
+MIN_READ_VERSION = 3
+_TAIL_BIT = 1 << 31
 ALIGN = 4096
 SUFFIX = ".kvseg"
 TMP_SUFFIX = ".tmp"
@@ -47,6 +52,7 @@ class SegmentEntry:
     block_key: BlockKey
     layer: int
     checksum: int
+    tail: bool = False  # the block is a partial tail (`kv_addressing.tail_key`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +83,7 @@ def header_length(count: int) -> int:
 def encode_header(seq: int, page_bytes: int, model: ModelFingerprint, entries: list[SegmentEntry]) -> bytes:
     if len(model) != FINGERPRINT_BYTES:
         raise ValueError(f"a model fingerprint is {FINGERPRINT_BYTES} bytes, got {len(model)}")
-    table = b"".join(_ENTRY.pack(e.block_key, e.layer, e.checksum) for e in entries)
+    table = b"".join(_ENTRY.pack(e.block_key, e.layer | (_TAIL_BIT if e.tail else 0), e.checksum) for e in entries)
     length = header_length(len(entries))
     fixed = _FIXED.pack(
         MAGIC, VERSION, 0, page_bytes, len(entries), seq, length, 0, xxhash.xxh3_64_intdigest(model + table), model
@@ -96,9 +102,9 @@ def decode_header(prefix: bytes) -> tuple[int, int]:
         magic, version = _VERSION_AT.unpack_from(prefix)
         if magic != MAGIC:
             raise SegmentFormatError("not a Symphony KV segment (bad magic)")
-        if version < VERSION:
-            raise OutdatedSegment(f"segment format version {version} predates {VERSION}")
-        if version != VERSION:
+        if version < MIN_READ_VERSION:
+            raise OutdatedSegment(f"segment format version {version} predates {MIN_READ_VERSION}")
+        if version > VERSION:
             raise SegmentFormatError(f"segment format version {version} is not {VERSION}")
     if len(prefix) < _FIXED.size:
         raise SegmentFormatError("file shorter than a segment header")
@@ -112,9 +118,13 @@ def parse_header(data: bytes) -> SegmentHeader:
     count, header_len = decode_header(data)
     if len(data) < _FIXED.size + count * _ENTRY.size:
         raise SegmentFormatError("truncated entry table")
-    _, _, _, page_bytes, _, seq, _, _, table_crc, model = _FIXED.unpack_from(data)
+    _, version, _, page_bytes, _, seq, _, _, table_crc, model = _FIXED.unpack_from(data)
     table = data[_FIXED.size : _FIXED.size + count * _ENTRY.size]
     if xxhash.xxh3_64_intdigest(model + table) != table_crc:
         raise SegmentFormatError("entry table checksum mismatch")
-    entries = tuple(SegmentEntry(BlockKey(key), layer, crc) for key, layer, crc in _ENTRY.iter_unpack(table))
+    tail_bit = _TAIL_BIT if version >= 4 else 0
+    entries = tuple(
+        SegmentEntry(BlockKey(key), layer & ~tail_bit, crc, bool(layer & tail_bit))
+        for key, layer, crc in _ENTRY.iter_unpack(table)
+    )
     return SegmentHeader(seq, page_bytes, header_len, ModelFingerprint(model), entries)

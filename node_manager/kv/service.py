@@ -1,8 +1,9 @@
 """gRPC KVStore service: the store, prefetch queue and peer transfer behind validated requests.
 
 Errors map to gRPC codes a client can act on: NOT_FOUND (unknown session or prefetch),
-INVALID_ARGUMENT (malformed request), RESOURCE_EXHAUSTED (queues full, retry later). Nothing a client
-sends produces UNKNOWN/INTERNAL.
+INVALID_ARGUMENT (malformed request), RESOURCE_EXHAUSTED (queues full, too many block event
+subscribers: retry later), ABORTED (a block event subscriber fell behind: resubscribe), UNAVAILABLE
+(the node is stopping). Nothing a client sends produces UNKNOWN/INTERNAL.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from node_manager.kv.block_events import SubscriptionEnded, TooManySubscribers
+from node_manager.kv.block_watch import StreamHeader, watch_blocks
 from node_manager.kv.errors import InvalidRequest, ModelMismatch, SessionNotFound, StoreBusy
 from node_manager.kv.pages import Priority, Tier
 from node_manager.kv.prefetch import PrefetchJob, PrefetchQueue, PrefetchQueueFull
@@ -238,6 +241,23 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
         self, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext
     ) -> kv_pb2.PrefetchStatus:
         return await self._report_known(self.prefetches.cancel(request.prefetch_id), request, context)
+
+    async def WatchBlocks(
+        self, request: kv_pb2.WatchBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kv_pb2.BlockEventBatch]:
+        store = self.store
+        header = StreamHeader(self.node_id, store.model, store.geometry.block_size, store.events.epoch)
+        try:
+            async for batch in watch_blocks(store, header, request.epoch, request.after_seq):
+                yield batch
+        except TooManySubscribers as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except SubscriptionEnded as exc:
+            if exc.reason == "lagging":
+                await context.abort(
+                    grpc.StatusCode.ABORTED, "fell behind the node's block events; resubscribe after the last seq"
+                )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the node is stopping")
 
     async def _report_known(
         self, job: PrefetchJob | None, request: kv_pb2.PrefetchRef, context: grpc.aio.ServicerContext

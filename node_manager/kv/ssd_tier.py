@@ -88,7 +88,8 @@ class SsdLocation:
 class RebuildReport:
     """What `SsdTier.rebuild` found: the pages it indexed and the segments it did not load."""
 
-    pages: list[tuple[PageId, SsdLocation, int]]  # (page, location, checksum), oldest segment first
+    # (page, location, checksum, partial tail block), oldest segment first
+    pages: list[tuple[PageId, SsdLocation, int, bool]]
     damaged: int = 0  # unreadable or inconsistent segments, deleted
     outdated: int = 0  # segments of an older format, deleted
     other_models: dict[ModelFingerprint, int] = field(default_factory=dict)  # segments per foreign fingerprint
@@ -188,7 +189,8 @@ class SsdTier:
         for header, path in sorted(headers, key=lambda hp: hp[0].seq):
             self._add(Segment(header, path, live=set(range(len(header.entries)))))
             for index, entry in enumerate(header.entries):
-                report.pages.append(((entry.block_key, entry.layer), SsdLocation(header.seq, index), entry.checksum))
+                location = SsdLocation(header.seq, index)
+                report.pages.append(((entry.block_key, entry.layer), location, entry.checksum, entry.tail))
         return report
 
     def _add(self, segment: Segment) -> None:

@@ -14,7 +14,9 @@ use (`StoreFront`: allocate, drop, publish, touch). The parts move bytes:
 Invariants: a page with no SSD copy is pinned in DRAM until the write-behind has written it (unless
 the SSD tier degrades: counted, logged once), so a copy in a tier above SSD can always be dropped
 without loss; a pinned page is never evicted or replaced; a block enters `block_index` once some
-tier holds every one of its layers, and leaves it when one of its pages loses its last copy.
+tier holds every one of its layers, and leaves it when one of its pages loses its last copy; the
+block events (`holdings`) name each full block a tier comes to hold whole or stops holding, under
+the lock, with the directory change they describe.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from typing import Literal
 
 import numpy as np
 
+from node_manager.kv.block_events import BlockEventLog
 from node_manager.kv.block_index import BlockIndex
 from node_manager.kv.directory import NO_COPY, PageDirectory, SessionKey
 from node_manager.kv.errors import InvalidRequest, ModelMismatch
 from node_manager.kv.eviction import DeferredTouches, EvictionPolicy, PageMeta, PriorityLRUPolicy, TopTierYieldPolicy
+from node_manager.kv.holdings import BlockHoldings
 from node_manager.kv.ingest import PageIngest
 from node_manager.kv.loader import copy_lanes
 from node_manager.kv.loads import Loads
@@ -67,13 +71,23 @@ class TieredStore:
     """The front (see the module docstring). Its parts: `ingest`, `write_behind`, `loads`; what
     they use of it, and under which lock, is `StoreFront`'s to say."""
 
-    def __init__(self, geometry: KVGeometry, config: StoreConfig, metrics: KVMetrics | None = None) -> None:
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        config: StoreConfig,
+        metrics: KVMetrics | None = None,
+        events: BlockEventLog | None = None,
+    ) -> None:
+        """`events`: the node's block event log (a private one if None). The pages found on SSD at
+        start publish nothing: a subscriber learns of them from its first snapshot."""
         config.validate()
         self.geometry = geometry
         self.config = config
         self.metrics = metrics or KVMetrics()
         self.lock = threading.RLock()
         self.directory = PageDirectory(geometry.num_layers)
+        self.events = events if events is not None else BlockEventLog(metrics=self.metrics)
+        self.holdings = BlockHoldings(self.directory, self.events)
         self.sessions = SessionRegistry(self.lock, geometry, config, self._reprioritize)
         self.hbm: SlotTier = DevicePool(geometry, config.hbm_bytes, config.device)
         self.dram: ArenaTier = DramArena(
@@ -343,8 +357,9 @@ class TieredStore:
             victims = self._policies[tier].victims(shortfall, evictable)
             if victims is None:
                 return None
+            self.holdings.removing_keys(tier, [key for key, _ in victims])
             for key, layer in victims:
-                self.drop_copy(key, layer, tier, "capacity")
+                self.drop_copy(key, layer, tier, "capacity", announce=False)
         return allocator.allocate(count)
 
     def release_slots(self, tier: Tier, slots: list[int]) -> None:
@@ -353,7 +368,7 @@ class TieredStore:
     def policy(self, tier: Tier) -> EvictionPolicy:
         return self._policies[tier]
 
-    def drop_copy(self, key: BlockKey, layer: int, tier: Tier, reason: str) -> None:
+    def drop_copy(self, key: BlockKey, layer: int, tier: Tier, reason: str, *, announce: bool = True) -> None:
         d = self.directory
         row = d.row(key)
         if row is None:
@@ -362,6 +377,8 @@ class TieredStore:
             location = d.ssd_location(row, layer)
             if location is None:
                 return
+            if announce:
+                self.holdings.removing(tier, row)
             self.ssd.drop_page(location)
             d.set_ssd(row, layer, None)
         else:
@@ -369,6 +386,8 @@ class TieredStore:
             slot = int(table[row, layer])
             if slot < 0:
                 return
+            if announce:
+                self.holdings.removing(tier, row)
             self._slots[tier].release([slot])
             self._policies[tier].remove((key, layer))
             table[row, layer] = NO_COPY
@@ -413,8 +432,9 @@ class TieredStore:
         other = sum(report.other_models.values())
         self.metrics.segments_other_model.labels("kept" if report.kept_other_models else "dropped").inc(other)
         d = self.directory
-        for (key, layer), location, checksum in pages:
-            row = d.ensure_row(key)
+        for (key, layer), location, checksum, tail in pages:
+            row = d.ensure_row(key, tail=tail)
+            d.tail[row] |= tail  # the newest segment may be the first to say (version 3 segments do not)
             older = d.ssd_location(row, layer)
             if older is not None:
                 self.ssd.drop_page(older)  # an older copy; the newest segment wins

@@ -16,6 +16,7 @@ import numpy as np
 
 from node_manager.kv.directory import PageDirectory, SessionKey
 from node_manager.kv.eviction import DeferredTouches, EvictionPolicy
+from node_manager.kv.holdings import BlockHoldings
 from node_manager.kv.metrics import KVMetrics, TierMeters
 from node_manager.kv.pages import Tier
 from node_manager.kv.sessions import SessionRegistry
@@ -38,6 +39,8 @@ class StoreFront(Protocol):
     io: concurrent.futures.ThreadPoolExecutor  # the copy lanes: saves, and the stripes of every load
     touches: DeferredTouches  # recency of pages loads used, for the policies (caller holds the lock)
     meters: TierMeters  # per-tier hit and I/O series (no lock)
+    # Block events: every write to a tier's directory table reports through it (caller holds the lock).
+    holdings: BlockHoldings
 
     # ---- I/O jobs (kv.max_inflight_jobs) ----------------------------------------------------------
 
@@ -74,8 +77,9 @@ class StoreFront(Protocol):
         """The eviction order of `tier`'s pages (HBM or DRAM), to insert a page given a slot."""
         ...
 
-    def drop_copy(self, key: BlockKey, layer: int, tier: Tier, reason: str) -> None:
-        """Remove one tier's copy of a page (counted); a page left with no copy leaves the directory."""
+    def drop_copy(self, key: BlockKey, layer: int, tier: Tier, reason: str, *, announce: bool = True) -> None:
+        """Remove one tier's copy of a page (counted); a page left with no copy leaves the directory.
+        `announce=False`: the caller already reported the copy's removal (`holdings.removing_keys`)."""
         ...
 
     def after_copy_dropped(self, row: int, layer: int, reason: str) -> None:

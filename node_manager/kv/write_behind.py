@@ -175,9 +175,10 @@ class WriteBehind:
         with front.lock:
             checksums = d.checksum[rows, layers]
             slots = d.dram[rows, layers]
+            tails = d.tail[rows]
         entries = [
-            SegmentEntry(key, layer, checksum)
-            for (key, layer, _), checksum in zip(batch, checksums.tolist(), strict=True)
+            SegmentEntry(key, layer, checksum, tail)
+            for (key, layer, _), checksum, tail in zip(batch, checksums.tolist(), tails.tolist(), strict=True)
         ]
         # One buffer per run of consecutive slots (a save's slots mostly are): fewer, longer writes.
         views = [front.dram.run_view(int(slots[start]), stop - start) for start, stop in consecutive_runs(slots)]
@@ -206,8 +207,11 @@ class WriteBehind:
             current = d.checksum[rows, layers] == checksums
             current &= np.fromiter((keys[row] == key for key, _, row in batch), np.bool_, len(batch))
             written = np.flatnonzero(current)
+            blocks = np.fromiter(dict.fromkeys(rows[written].tolist()), np.int64)
+            before = front.holdings.complete(Tier.SSD, blocks)
             d.ssd_seq[rows[written], layers[written]] = seq
             d.ssd_page[rows[written], layers[written]] = written
+            front.holdings.stored(Tier.SSD, blocks, before)
             for index in np.flatnonzero(~current).tolist():
                 ssd.drop_page(SsdLocation(seq, index))
             if self._degraded:
@@ -221,14 +225,17 @@ class WriteBehind:
         front = self._front
         d = front.directory
         for segment in segments:
+            gone: list[tuple[BlockKey, int, int]] = []  # (key, layer, row) whose SSD copy is this one
             for index in list(segment.live):
                 entry_meta = segment.header.entries[index]
                 row = d.row(entry_meta.block_key)
-                layer = entry_meta.layer
-                if row is not None and d.ssd_location(row, layer) == SsdLocation(segment.seq, index):
-                    d.set_ssd(row, layer, None)
-                    front.metrics.evictions.labels(Tier.SSD.name, "capacity").inc()
-                    front.after_copy_dropped(row, layer, "capacity")
+                if row is not None and d.ssd_location(row, entry_meta.layer) == SsdLocation(segment.seq, index):
+                    gone.append((entry_meta.block_key, entry_meta.layer, row))
+            front.holdings.removing_keys(Tier.SSD, [key for key, _, _ in gone])
+            for _, layer, row in gone:  # a row keeps a copy of each layer still to clear: none is released early
+                d.set_ssd(row, layer, None)
+                front.metrics.evictions.labels(Tier.SSD.name, "capacity").inc()
+                front.after_copy_dropped(row, layer, "capacity")
 
     def _degrade(self, batch: list[WritePending], reason: str, exc: BaseException) -> None:
         front = self._front

@@ -4,6 +4,7 @@ that dies mid-stream, and kill -9 during SSD writes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -284,6 +285,31 @@ async def test_demote_leaves_a_session_on_ssd_only(stubs: list[kv_pb2_grpc.KVSto
     assert _tier(status, kv_pb2.TIER_SSD).complete_prefix_blocks == 16
     assert status.loadable_prefix_blocks == 16
     assert await _download(stubs[0], ref) == _expected(pages)
+
+
+async def test_a_running_node_serves_its_block_events(stubs: list[kv_pb2_grpc.KVStoreStub]) -> None:
+    """WatchBlocks on a `symphony node` process: a snapshot, then the blocks an upload stores."""
+    stub = stubs[0]
+    watch = stub.WatchBlocks(kv_pb2.WatchBlocksRequest(), timeout=60)
+    try:
+        batch = await asyncio.wait_for(watch.read(), 10)
+        assert batch.snapshot_begin and batch.node_id == "node-0" and batch.epoch
+        while not batch.snapshot_end:
+            batch = await asyncio.wait_for(watch.read(), 10)
+        ref, token_ids, pages = _session("watched", 128, seed=6)
+        await _upload(stub, ref, token_ids, pages)
+        keys = set(chain_block_keys(await _model(stub), TENANT, token_ids, GEOMETRY.block_size).block_keys)
+        stored: set[bytes] = set()
+        while not keys <= stored:
+            batch = await asyncio.wait_for(watch.read(), 10)
+            stored.update(
+                key
+                for event in batch.events
+                if event.kind == kv_pb2.BLOCK_EVENT_STORED and event.tier == kv_pb2.TIER_DRAM
+                for key in event.block_keys
+            )
+    finally:
+        watch.cancel()
 
 
 async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]) -> None:

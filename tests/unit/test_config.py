@@ -268,6 +268,17 @@ def test_malformed_json_list_from_env_is_a_config_error_naming_the_var() -> None
         ({"scheduler": {"kv_watch_timeout_ms": 0}}, "scheduler.kv_watch_timeout_ms"),
         ({"scheduler": {"kv_watch_backoff_max_ms": 0}}, "scheduler.kv_watch_backoff_max_ms"),
         ({"scheduler": {"node_addresses": [f"h:{1000 + i}" for i in range(65)]}}, "scheduler.kv_index_enabled"),
+        ({"kv": {"block_events_batch_entries": 1}}, "kv.block_events_batch_entries"),
+        ({"kv": {"block_events_heartbeat_s": 0.0}}, "kv.block_events_heartbeat_s"),
+        ({"kv": {"block_events_max_subscribers": 0}}, "kv.block_events_max_subscribers"),
+        (
+            {"kv": {"block_events_ring_batches": 100, "block_events_subscriber_backlog": 101}},
+            "kv.block_events_subscriber_backlog",
+        ),
+        (
+            {"kv": {"block_events_ring_entries": 100, "block_events_batch_entries": 101}},
+            "kv.block_events_batch_entries",
+        ),
     ],
 )
 def test_invalid_values_are_rejected_naming_the_key(overrides: dict[str, dict[str, Any]], key: str) -> None:
@@ -287,6 +298,7 @@ def test_invalid_values_are_rejected_naming_the_key(overrides: dict[str, dict[st
         {"kv": {"data_plane": "grpc", "data_port_base": 9400}},
         {"scheduler": {"node_addresses": [f"h:{1000 + i}" for i in range(64)], "kv_index_max_blocks": 1}},
         {"scheduler": {"node_addresses": [f"h:{1000 + i}" for i in range(65)], "kv_index_enabled": False}},
+        {"kv": {"block_events_batch_entries": 2, "block_events_ring_batches": 5, "block_events_subscriber_backlog": 5}},
     ],
 )
 def test_boundary_values_are_accepted(overrides: dict[str, dict[str, Any]]) -> None:

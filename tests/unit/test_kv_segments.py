@@ -10,6 +10,7 @@ import pytest
 from node_manager.kv.segments import (
     ALIGN,
     MAGIC,
+    MIN_READ_VERSION,
     SUFFIX,
     VERSION,
     OutdatedSegment,
@@ -97,9 +98,25 @@ def test_bad_version() -> None:
 
 def test_older_version_is_outdated_not_damaged() -> None:
     data = bytearray(encode_header(1, 64, TEST_MODEL, entries(2)))
-    struct.pack_into("<H", data, 8, VERSION - 1)
+    struct.pack_into("<H", data, 8, MIN_READ_VERSION - 1)
     with pytest.raises(OutdatedSegment, match="predates"):
         parse_header(bytes(data))
+
+
+def test_partial_tail_flags_round_trip_without_touching_the_layer() -> None:
+    written = [SegmentEntry(key(i), layer=7 - i, checksum=i, tail=i % 2 == 1) for i in range(4)]
+    header = parse_header(encode_header(1, 64, TEST_MODEL, written))
+    assert list(header.entries) == written
+    assert [entry.layer for entry in header.entries] == [7, 6, 5, 4]
+
+
+def test_a_version_3_segment_is_read_with_every_entry_a_full_block() -> None:
+    """Version 3 had no tail flag: its entries are read as they were written, none a tail (the
+    table checksum does not cover the version field, so relabelling a header is enough here)."""
+    data = bytearray(encode_header(1, 64, TEST_MODEL, entries(3)))
+    struct.pack_into("<H", data, 8, 3)
+    header = parse_header(bytes(data))
+    assert list(header.entries) == entries(3) and not any(entry.tail for entry in header.entries)
 
 
 @pytest.mark.parametrize("offset_in_table", [0, 31, 32, 36, 44, 87])

@@ -12,7 +12,7 @@ import torch
 
 from node_manager.kv.errors import InvalidRequest, SessionNotFound
 from node_manager.kv.pages import Priority, Tier
-from node_manager.kv.segments import TMP_SUFFIX, VERSION
+from node_manager.kv.segments import MIN_READ_VERSION, TMP_SUFFIX
 from node_manager.kv.store import TieredStore
 from node_manager.kv.store_config import StoreConfig
 from tests.helpers import TEST_MODEL
@@ -170,7 +170,7 @@ def test_a_segment_that_cannot_be_read_is_dropped_at_rebuild(make_store: MakeSto
     else:
         with path.open("r+b") as fh:  # the version field follows the 8-byte magic
             fh.seek(8)
-            fh.write(struct.pack("<H", VERSION - 1))
+            fh.write(struct.pack("<H", MIN_READ_VERSION - 1))
 
     second = make_store()
     assert metric(second, "symphony_kv_ssd_segments_damaged_total") == (change == "flipped-entry-table")
