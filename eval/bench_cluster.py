@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -203,10 +204,12 @@ async def measure_repeats(
     settings: LoadSettings,
     workload: LiveWorkload,
     records_dir: Path | None = None,
+    after_repeat: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """`repeats` runs of every policy (`measure_policies`), repeat k in order `rotation(policies)[k]`
-    with seed `settings.seed + k`: [{repeat, order, seed, workload, policies: {policy: summary}}]."""
-    runs = []
+    with seed `settings.seed + k`: [{repeat, order, seed, workload, policies: {policy: summary}}].
+    `after_repeat` gets the runs so far after each repeat."""
+    runs: list[dict[str, Any]] = []
     for k, order in enumerate(rotation(policies, repeats)):
         seeded = dataclasses.replace(settings, seed=settings.seed + k)
         prepared = workload.prepare(seeded)
@@ -216,6 +219,8 @@ async def measure_repeats(
         runs.append(
             {"repeat": k, "order": order, "seed": seeded.seed, "workload": prepared.info, "policies": by_policy}
         )
+        if after_repeat is not None:
+            after_repeat(runs)
     return runs
 
 
@@ -284,12 +289,20 @@ def run_cluster_bench(
     if records_dir is not None:
         records_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    header = {**header, "workload_kind": workload.kind}
+
+    def keep(runs: list[dict[str, Any]]) -> None:
+        """The repeats so far, written as they end: a run cut short keeps every finished repeat."""
+        partial = {**cluster_result(runs, policies, header), "complete": False}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(partial, indent=2) + "\n")
+
     try:
         private = bench_cluster_config(config, home)
 
         async def work() -> list[dict[str, Any]]:
             return await measure_repeats(
-                private, model.served_name, home, policies, repeats, settings, workload, records_dir
+                private, model.served_name, home, policies, repeats, settings, workload, records_dir, keep
             )
 
         runs = asyncio.run(on_private_cluster(private, model, work))
@@ -297,7 +310,6 @@ def run_cluster_bench(
         print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
         raise
     shutil.rmtree(home, ignore_errors=True)
-    result = cluster_result(runs, policies, {**header, "workload_kind": workload.kind})
-    result["run_s"] = time.monotonic() - started
+    result = {**cluster_result(runs, policies, header), "complete": True, "run_s": time.monotonic() - started}
     write_result(result, out, table=print_table, plot=plot, plotter=plot_cluster)
     return 0
