@@ -71,7 +71,7 @@ def existed_tokens(
     known: set[int] = set()
     out = [0] * len(prompts)
     for i in sorted(range(len(prompts)), key=lambda i: sent_s[i]):
-        while pending and pending[0][0] <= sent_s[i]:
+        while pending and pending[0][0] < sent_s[i]:  # strictly: a request never finds itself
             known.update(chains[heapq.heappop(pending)[1]])
         shared = next((n for n, key in enumerate(chains[i]) if key not in known), len(chains[i]))
         out[i] = reusable_tokens(shared * block, len(prompts[i]), block)
