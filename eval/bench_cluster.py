@@ -285,7 +285,6 @@ def run_cluster_bench(
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     home = config.home_path / "bench" / f"cluster-{uuid.uuid4().hex[:8]}"
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the engines' /reset_prefix_cache, between policies
-    settings = dataclasses.replace(settings, kv_block_tokens=config.engine.block_size)
     if records_dir is not None:
         records_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()

@@ -71,8 +71,8 @@ class RequestRecord:
     advisory_ms: float = 0.0  # the advisory's round trip as the client saw it (0 without one)
     route: str = ""  # why the scheduler chose the node (its X-Symphony-Route header)
     routed_ms: float = 0.0  # time in the scheduler before the request went out (Server-Timing "route")
-    # Prompt tokens whose KV existed somewhere in the cluster when the request was sent, in whole KV
-    # blocks and at most all but the prompt's last token (what a cache could have served).
+    # Prompt tokens whose KV existed somewhere in the cluster when the request was sent (at most all
+    # but the prompt's last token: what a cache could have served; eval.open_loop.reusable_tokens).
     existed_tokens: int = 0
 
     @property
@@ -92,7 +92,6 @@ class LoadSettings:
     advisories: bool = True
     seed: int = 7
     request_timeout_s: float = 600.0
-    kv_block_tokens: int = 32  # the engines' KV block: the grain of `RequestRecord.existed_tokens`
 
 
 class LoadGenerator:
@@ -185,7 +184,7 @@ class LoadGenerator:
                 progress.update()
                 if answer is None:
                     break  # the conversation cannot go on without its answer
-                record.existed_tokens = reusable_tokens(history, record.prompt_tokens, self.settings.kv_block_tokens)
+                record.existed_tokens = reusable_tokens(history, record.prompt_tokens)
                 history = record.prompt_tokens + record.output_tokens - 1
                 messages.append({"role": "assistant", "content": answer})
                 previous_words = len(answer.split())
@@ -309,7 +308,6 @@ class OpenLoopGenerator:
             [r.prompt for r in self.requests],
             [rec.sent_at_s for rec in records],
             [rec.sent_at_s + rec.ttft_s if rec.ok else None for rec in records],
-            self.settings.kv_block_tokens,
         )
         for record, tokens in zip(records, existed, strict=True):
             record.existed_tokens = tokens

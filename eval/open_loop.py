@@ -20,6 +20,7 @@ Token ids are drawn from `eval.traces.TOKEN_ID_RANGE` (ordinary vocabulary entri
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import math
@@ -41,40 +42,38 @@ class OpenRequest:
     group: int = 0  # the shared prefix's group (0 for a trace)
 
 
-def reusable_tokens(existing: int, prompt_tokens: int, block: int) -> int:
-    """Of `existing` leading prompt tokens whose KV exists, what a cache can serve: whole blocks,
-    and never the prompt's last token (an engine always computes it, to sample from it)."""
-    return max(0, min(existing, prompt_tokens - 1)) // block * block
+def reusable_tokens(existing: int, prompt_tokens: int) -> int:
+    """Of `existing` leading prompt tokens whose KV exists, what a cache could serve: never the
+    prompt's last token (an engine always computes it, to sample from it). Token-exact, not in
+    blocks: KV of a partial block that existed and was recomputed counts as a miss."""
+    return max(0, min(existing, prompt_tokens - 1))
 
 
-def _block_chain(prompt: Sequence[int], block: int) -> list[int]:
-    """A key per whole block of `prompt` that names the block and everything before it (like vLLM's
-    prefix-cache block hashes): two prompts share the first n keys iff they share n whole blocks."""
-    keys, key = [], 0
-    for start in range(0, len(prompt) - block + 1, block):
-        key = hash((key, tuple(prompt[start : start + block])))
-        keys.append(key)
-    return keys
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the common prefix of `a` and `b`."""
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def existed_tokens(
-    prompts: Sequence[Sequence[int]], sent_s: Sequence[float], ready_s: Sequence[float | None], block: int
+    prompts: Sequence[Sequence[int]], sent_s: Sequence[float], ready_s: Sequence[float | None]
 ) -> list[int]:
-    """Per request, the leading prompt tokens whose KV existed somewhere when it was sent: the whole
-    blocks it shares with an earlier request whose prefill was done by then (`ready_s`: when that
+    """Per request, the leading prompt tokens whose KV existed somewhere when it was sent: its longest
+    common prefix with an earlier request whose prefill was done by then (`ready_s`: when that
     request's first token came; None for a request that failed, which leaves no KV), counted by
     `reusable_tokens`. Evictions are ignored on purpose: KV that existed and was dropped still
-    counts, so cached/existed measures how much of the reusable KV the cluster kept and found."""
-    chains = [_block_chain(p, block) for p in prompts]
+    counts, so cached/existed measures how much of the reusable KV the cluster kept and found.
+    The longest common prefix with a set is with one of the query's neighbours in sorted order."""
     pending = [(ready, i) for i, ready in enumerate(ready_s) if ready is not None]
     heapq.heapify(pending)
-    known: set[int] = set()
+    done: list[tuple[int, ...]] = []  # the prompts prefilled so far, sorted
     out = [0] * len(prompts)
     for i in sorted(range(len(prompts)), key=lambda i: sent_s[i]):
         while pending and pending[0][0] < sent_s[i]:  # strictly: a request never finds itself
-            known.update(chains[heapq.heappop(pending)[1]])
-        shared = next((n for n, key in enumerate(chains[i]) if key not in known), len(chains[i]))
-        out[i] = reusable_tokens(shared * block, len(prompts[i]), block)
+            bisect.insort(done, tuple(prompts[heapq.heappop(pending)[1]]))
+        query = tuple(prompts[i])
+        at = bisect.bisect_left(done, query)
+        shared = max((_common(query, done[j]) for j in (at - 1, at) if 0 <= j < len(done)), default=0)
+        out[i] = reusable_tokens(shared, len(query))
     return out
 
 

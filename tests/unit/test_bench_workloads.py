@@ -95,7 +95,7 @@ def _replay(timing: HumanTiming, seen: list[dict[str, Any]], duration_s: float =
         "m",
         [CONVERSATION],
         timing,
-        LoadSettings(users=1, duration_s=duration_s, kv_block_tokens=32),
+        LoadSettings(users=1, duration_s=duration_s),
         http_client=_fake_endpoint(seen),
         clock=clock,
         sleep=clock.sleep,
@@ -139,40 +139,49 @@ def test_missed_advisories_have_no_lead_and_do_not_count() -> None:
     assert summary["advisory_leads"] == 0 and math.isnan(summary["advisory_lead_ms_p50"])
 
 
-def test_a_chat_turn_found_its_previous_turn_whole_blocks_as_existing_kv() -> None:
+def test_a_chat_turn_found_its_previous_turn_as_existing_kv() -> None:
     seen: list[dict[str, Any]] = []
     records = _replay(HumanTiming(time_scale=0.05), seen)
     first, second = records[:2]
     # Turn 0: nothing existed. Turn 1 (3 messages, 120 tokens): turn 0's 40 prompt tokens and all but
-    # the last of its 2 answer tokens existed, 41 tokens: one whole 32-token block.
-    assert (first.existed_tokens, second.existed_tokens) == (0, 32)
+    # the last of its 2 answer tokens existed: 41 tokens.
+    assert (first.existed_tokens, second.existed_tokens) == (0, 41)
     summary = summarize(records, ["node-0"])
     assert summary["prefix_tokens_existed"] == sum(r.existed_tokens for r in records)
-    assert summary["prefix_hit_frac"] == 1.0  # the fake caches 32 tokens of every prompt
+    # The fake caches 32 tokens of every prompt: 32 of each 41 that existed, and 32 that did not.
+    resumed = sum(r.existed_tokens > 0 for r in records)
+    assert summary["prefix_tokens_cached"] == 32 * resumed and summary["prefix_hit_frac"] == pytest.approx(32 / 41)
     assert summary["prefix_cached_beyond_existed_tokens"] == 32 * sum(r.existed_tokens == 0 for r in records)
     assert {s["session_id"] for s in seen if s["path"].endswith("/advisories")} == {r.session for r in records}
 
 
-def test_reusable_kv_is_whole_blocks_and_never_the_last_prompt_token() -> None:
-    assert reusable_tokens(100, 1000, 32) == 96
-    assert reusable_tokens(1000, 97, 32) == 96  # the whole prompt existed: all but its last token
-    assert reusable_tokens(1000, 96, 32) == 64
-    assert reusable_tokens(0, 50, 32) == 0 and reusable_tokens(-5, 50, 32) == 0
+def test_reusable_kv_is_never_the_last_prompt_token() -> None:
+    assert reusable_tokens(100, 1000) == 100
+    assert reusable_tokens(1000, 97) == 96  # the whole prompt existed: all but its last token
+    assert reusable_tokens(0, 50) == 0 and reusable_tokens(-5, 50) == 0
 
 
 def test_existing_kv_is_what_earlier_requests_had_prefilled_when_a_request_was_sent() -> None:
-    prefix = list(range(100, 164))  # two 32-token blocks
-    prompts = [prefix + [1] * 40, prefix + [2] * 40, prefix + [3] * 40, prefix[:40] + [4] * 40, prefix + [5] * 40]
-    sent = [0.0, 0.5, 2.0, 3.0, 4.0]
-    ready = [1.0, None, 2.5, 3.5, 4.5]  # request 1 failed: it left no KV
-    assert existed_tokens(prompts, sent, ready, 32) == [
+    prefix = list(range(100, 160))
+    prompts = [
+        prefix + [1] * 40,
+        prefix + [2] * 40,
+        prefix + [1, 1, 3] + [3] * 37,
+        prefix[:40] + [4] * 40,
+        prefix + [5] * 40,
+        [7] * 10,
+    ]
+    sent = [0.0, 0.5, 2.0, 3.0, 4.0, 5.0]
+    ready = [1.0, None, 2.5, 3.5, 4.5, 5.5]  # request 1 failed: it left no KV
+    assert existed_tokens(prompts, sent, ready) == [
         0,  # the first
         0,  # sent before request 0's prefill was done
-        64,  # request 0's two prefix blocks (its third block, [1] * 32, is not shared)
-        32,  # only its first block is the prefix
-        64,
+        62,  # request 0's prefix and its next two tokens
+        40,  # only its first 40 tokens are the prefix
+        60,  # the prefix, whichever earlier request carried it
+        0,  # nothing in common
     ]
-    assert existed_tokens([prefix, prefix], [0.0, 1.0], [0.5, 1.5], 32) == [0, 32]  # never the last token
+    assert existed_tokens([prefix, prefix], [0.0, 1.0], [0.5, 1.5]) == [0, 59]  # never the last token
 
 
 def test_skewed_users_are_a_few_fast_long_sessions_among_short_slow_ones() -> None:
@@ -250,7 +259,7 @@ def test_a_mooncake_trace_maps_hash_ids_to_shared_prefixes_on_a_scaled_clock() -
     assert (first.max_tokens, second.max_tokens, third.max_tokens) == (40, 64, 5)
     cut, _ = trace_requests(_trace(), settings, duration_s=100.0, max_tokens=64, seed=1)
     assert len(cut[3].prompt) == 300 and _["prompts_cut"] == 1
-    assert existed_tokens([r.prompt for r in requests], [0.0, 1.0, 2.0], [0.5, 1.5, 2.5], 32) == [0, 128, 0]
+    assert existed_tokens([r.prompt for r in requests], [0.0, 1.0, 2.0], [0.5, 1.5, 2.5]) == [0, 128, 0]
 
 
 def test_sessions_are_sampled_to_the_rate_asked(tmp_path: Path) -> None:
@@ -290,6 +299,6 @@ def test_the_open_loop_generator_sends_token_ids_and_accounts_for_existing_kv() 
     assert [r.sent_at_s >= q.arrival_s for r, q in zip(records, requests, strict=True)] == [True] * 3
     # Whatever the timing was, the accounting is the rule applied to what happened.
     expected = existed_tokens(
-        [q.prompt for q in requests], [r.sent_at_s for r in records], [r.sent_at_s + r.ttft_s for r in records], 32
+        [q.prompt for q in requests], [r.sent_at_s for r in records], [r.sent_at_s + r.ttft_s for r in records]
     )
     assert [r.existed_tokens for r in records] == expected and records[2].existed_tokens == 0
