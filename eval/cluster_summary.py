@@ -121,7 +121,6 @@ COLUMNS = (
     "max_over_mean_load",
     "kv_ready_at_arrival_frac",
     "prefix_hit_frac",
-    "advisory_lead_ms_p50",
 )
 
 
@@ -144,13 +143,16 @@ def print_table(result: dict[str, Any]) -> None:
         rates = ", ".join(f"{run['workload']['rate_per_s']:.2f}" for run in result["runs"])
         load = f"open loop, arrivals per second by repeat: {rates}"
     print(f"{kind}: {load}; {result['duration_s']:.0f} s per policy run, {result['repeats']} repeat(s)")
-    header = f"{'run':<5}{'policy':<14}" + "".join(f"{c[:13]:>14}" for c in COLUMNS) + f"{'computed/total':>16}"
-    print(header)
+    header = f"{'run':<5}{'policy':<14}" + "".join(f"{c[:13]:>14}" for c in COLUMNS)
+    print(header + f"{'computed/total':>16}  advisory leads ms p10/p50/p90 (count)")
     for run in result["runs"]:
         for policy in run["order"]:
             s = run["policies"][policy]
             share = s["prefill_tokens_computed"] / (s["prefill_tokens_total"] or math.nan)
-            print(f"{run['repeat']:<5}{policy:<14}" + "".join(_cell(s[c]) for c in COLUMNS) + f"{share:>16.3f}")
+            leads = "/".join(f"{s[f'advisory_lead_ms_p{q}']:.0f}" for q in (10, 50, 90)) + f" ({s['advisory_leads']})"
+            print(
+                f"{run['repeat']:<5}{policy:<14}" + "".join(_cell(s[c]) for c in COLUMNS) + f"{share:>16.3f}  {leads}"
+            )
     print(f"over repeats (median, 95% interval of the geometric mean over {result['repeats']} repeat(s)):")
     for policy, s in result["policies"].items():
         print(
