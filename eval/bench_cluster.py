@@ -2,28 +2,28 @@
 
 One 2-node cluster (real vLLM engines with Symphony's connector) is started once. Each policy then
 gets a scheduler of its own (`symphony scheduler` with that policy, on a free port), and the same
-users replay the same ShareGPT conversations through it with human reading and typing time and a
-typing advisory per turn (`eval.loadgen`). Policies run one after the other on a clean slate: every
-policy is its own tenant (API key), so no policy finds another's KV in Symphony's tiers, and both
-engines' prefix caches are emptied before each.
+workload (`eval.live_workloads`: ShareGPT users with human timing and typing advisories, skewed
+users, shared-prefix groups or a Mooncake trace) replays through it. Policies run one after the
+other on a clean slate: every (policy, repeat) is its own tenant (API key), so no run finds another's
+KV in Symphony's tiers, and both engines' prefix caches are emptied before each.
 
-Keys per policy: TTFT p50/p95, mean TPOT, mean normalized latency (end-to-end time per output token),
-requests completed and failed, `max_over_mean_load` (per node busy time: the sum of its requests'
-durations, busiest over mean), prompt tokens computed and in total, and `kv_ready_at_arrival_frac`
-(resumed turns that found at least 90% of their history cached when they arrived), and the typing
-advisories' round trips as the load generator saw them (`advisory_ms_p50`, `advisory_ms_p99`) and
-the scheduler's own time to answer them (`advisory_server_ms_p99_bound`: the histogram bucket bound
-under which 99% fell), and the CPU seconds the cluster's engines, node managers and the policy's
-scheduler spent meanwhile (`cpu_s_by_role`).
+With `repeats` R, the whole comparison runs R times, each time in another order of the policies
+(`eval.protocol.rotation`) and with the next seed (every policy of a repeat replays the same
+workload); the result keeps every run (`runs`), each policy's figures over the repeats (`policies`)
+and every pair's per-repeat ratios with their interval and verdict (`comparisons`). The figures of
+one run are `eval.cluster_summary.summarize`'s, plus the CPU seconds the cluster's engines, node
+managers and the policy's scheduler spent meanwhile (`cpu_s_by_role`) and the scheduler's own time
+to answer advisories (`advisory_server_ms_p99_bound`: the histogram bucket bound under which 99%
+fell).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -35,90 +35,28 @@ from typing import Any, TypeVar
 import httpx
 
 from eval.child_process import stop_child
-from eval.loadgen import LoadGenerator, LoadSettings, RequestRecord, write_records
+from eval.cluster_summary import INDEX_LAG_NOTE, print_table, summarize, targets
+from eval.live_workloads import ChatWorkload, LiveWorkload, Prepared
+from eval.loadgen import LoadSettings, RequestRecord, write_records
 from eval.plots import plot_cluster
 from eval.ports import free_port_run
 from eval.process_cpu import cpu_seconds_between, cpu_seconds_by_role
+from eval.protocol import aggregate, comparisons, order_balance, rotation
 from eval.results import write_result
-from eval.stats import percentile
 from eval.workloads import Conversation, HumanTiming
 from symphony.config import SymphonyConfig, dump_toml
 from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 
 T = TypeVar("T")
-READY_FRACTION = 0.9  # of a resumed turn's history, cached at arrival, to count as "ready"
-BLOCK_SLACK_TOKENS = 32  # the history's last block may not be reusable (the answer's end re-templated)
-
-
-def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
-    ok = [r for r in records if r.ok]
-    busy = {node: 0.0 for node in nodes}
-    for r in records:
-        if r.node in busy:
-            busy[r.node] += r.e2e_s
-    mean_busy = statistics.fmean(busy.values()) if busy else 0.0
-    advisory_ms = [r.advisory_ms for r in records if r.advisory_ms > 0]
-    ready, resumed, new_tokens = 0, 0, 0
-    history: dict[str, int] = {}  # session -> tokens its last turn left (prompt + answer)
-    for r in sorted(ok, key=lambda r: (r.session, r.turn)):
-        if r.session in history:
-            resumed += 1
-            ready += r.cached_tokens >= READY_FRACTION * history[r.session] - BLOCK_SLACK_TOKENS
-        new_tokens += max(0, r.prompt_tokens - history.get(r.session, 0))
-        history[r.session] = r.prompt_tokens + r.output_tokens
-    return {
-        "ttft_ms_p50": percentile([r.ttft_s * 1000 for r in ok], 50),
-        "ttft_ms_p95": percentile([r.ttft_s * 1000 for r in ok], 95),
-        "tpot_ms_mean": statistics.fmean(r.tpot_s * 1000 for r in ok) if ok else float("nan"),
-        "norm_latency_ms_per_token_mean": (
-            statistics.fmean(r.e2e_s * 1000 / max(1, r.output_tokens) for r in ok) if ok else float("nan")
-        ),
-        "completed": len(ok),
-        "errors": len(records) - len(ok),
-        "busy_s_by_node": busy,
-        "max_over_mean_load": max(busy.values()) / mean_busy if mean_busy else float("nan"),
-        "prefill_tokens_computed": sum(r.computed_tokens for r in ok),
-        "prefill_tokens_total": sum(r.prompt_tokens for r in ok),
-        # What no cache can hold: first turns' prompts, later turns' new messages. Its share of the
-        # total is the floor of computed/total for the workload as this policy's run replayed it.
-        "prefill_tokens_new": new_tokens,
-        "kv_ready_at_arrival_frac": ready / resumed if resumed else float("nan"),
-        "resumed_turns": resumed,
-        # Client-side round trips (an upper bound on the scheduler's own time to answer).
-        "advisory_ms_p50": percentile(advisory_ms, 50) if advisory_ms else float("nan"),
-        "advisory_ms_p99": percentile(advisory_ms, 99) if advisory_ms else float("nan"),
-        "requests_by_node": {node: sum(1 for r in ok if r.node == node) for node in nodes},
-        # The scheduler's share of TTFT: routing, the push queue, waiting for a pull of the KV.
-        "routed_ms_p50": percentile([r.routed_ms for r in ok], 50) if ok else float("nan"),
-        "routed_ms_p95": percentile([r.routed_ms for r in ok], 95) if ok else float("nan"),
-        "routes": {reason: sum(1 for r in ok if r.route == reason) for reason in sorted({r.route for r in ok})},
-    }
-
-
-def targets(result: dict[str, Any]) -> dict[str, bool]:
-    """Issue 5's bars, for the policies the run measured."""
-    by = result["policies"]
-    out: dict[str, bool] = {}
-    if "symphony" not in by:
-        return out
-    s = by["symphony"]
-    out["symphony_errors_zero"] = s["errors"] == 0
-    out["symphony_prefill_computed_le_0.1"] = s["prefill_tokens_computed"] <= 0.1 * s["prefill_tokens_total"]
-    if "recompute" in by:
-        out["symphony_ttft_p95_le_half_recompute"] = s["ttft_ms_p95"] <= 0.5 * by["recompute"]["ttft_ms_p95"]
-    if "sticky" in by:
-        out["symphony_ttft_p95_le_sticky"] = s["ttft_ms_p95"] <= by["sticky"]["ttft_ms_p95"]
-        out["symphony_load_balance_le_sticky"] = s["max_over_mean_load"] <= by["sticky"]["max_over_mean_load"]
-    return out
 
 
 class _PolicyScheduler:
     """`symphony scheduler` with one policy, in front of the cluster's nodes; one tenant's key."""
 
-    def __init__(self, config: SymphonyConfig, policy: str, home: Path, key: str) -> None:
+    def __init__(self, config: SymphonyConfig, policy: str, home: Path, key: str, repeat: int = 0) -> None:
         self.port = free_port_run(1)
-        self.tenant = f"bench-{policy}"
+        self.tenant = f"bench-{policy}-r{repeat}"
         scheduler = dataclasses.replace(
             config.scheduler,
             port=self.port,
@@ -126,10 +64,10 @@ class _PolicyScheduler:
             node_addresses=config.scheduler_node_addresses(),
             api_keys=[f"{self.tenant}:{key}"],
         )
-        path = home / "run" / f"scheduler-{policy}.toml"
+        path = home / "run" / f"scheduler-{policy}-r{repeat}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dump_toml(dataclasses.replace(config, scheduler=scheduler)))
-        log_path = home / "logs" / f"scheduler-{policy}.log"
+        log_path = home / "logs" / f"scheduler-{policy}-r{repeat}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = log_path.open("wb")
         self.process = subprocess.Popen(
@@ -215,22 +153,30 @@ async def measure_policies(
     conversations: list[Conversation],
     records_dir: Path | None = None,
     records_by_policy: dict[str, list[RequestRecord]] | None = None,
+    *,
+    prepared: Prepared | None = None,
+    repeat: int = 0,
 ) -> dict[str, Any]:
-    """Each policy in turn, on the running cluster `config` describes (its engines must serve
-    /reset_prefix_cache: VLLM_SERVER_DEV_MODE=1): {policy: summary}. Each policy's per-request
-    records go to `records_dir` (files) and `records_by_policy`, when given."""
+    """Each policy in turn, in the order given, on the running cluster `config` describes (its
+    engines must serve /reset_prefix_cache: VLLM_SERVER_DEV_MODE=1): {policy: summary}. The
+    workload is `prepared` (one repeat's), or else the ShareGPT replay of `conversations` with
+    `timing`. Each policy's per-request records go to `records_dir` (files `<policy>-r<repeat>.json`
+    and `.csv`) and `records_by_policy`, when given."""
     nodes = [config.node_id(i) for i in range(config.cluster.nodes)]
+    if prepared is None:
+        prepared = ChatWorkload(conversations, timing).prepare(settings)
     results: dict[str, Any] = {}
     for policy in policies:
         await _reset_prefix_caches(config)
         key = uuid.uuid4().hex
-        scheduler = _PolicyScheduler(config, policy, home, key)
+        scheduler = _PolicyScheduler(config, policy, home, key, repeat)
         try:
             await scheduler.ready(config.cluster.nodes)
-            print(f"policy {policy}: {settings.users} users for {settings.duration_s:.0f} s", file=sys.stderr)
-            generator = LoadGenerator(
-                scheduler.url, model, conversations, timing, settings, api_key=key, session_prefix=f"{policy}-{key[:6]}"
+            print(
+                f"repeat {repeat}, policy {policy}: {prepared.info['kind']}, {settings.duration_s:.0f} s",
+                file=sys.stderr,
             )
+            generator = prepared.make(scheduler.url, model, key, f"{policy}-{key[:6]}")
             cpu_before = cpu_seconds_by_role()
             records = await generator.run()
             summary = summarize(records, nodes)
@@ -242,10 +188,58 @@ async def measure_policies(
             if records_by_policy is not None:
                 records_by_policy[policy] = records
             if records_dir is not None:
-                write_records(records, records_dir / f"{policy}.json", records_dir / f"{policy}.csv")
+                stem = f"{policy}-r{repeat}"
+                write_records(records, records_dir / f"{stem}.json", records_dir / f"{stem}.csv")
         finally:
             scheduler.stop()
     return results
+
+
+async def measure_repeats(
+    config: SymphonyConfig,
+    model: str,
+    home: Path,
+    policies: list[str],
+    repeats: int,
+    settings: LoadSettings,
+    workload: LiveWorkload,
+    records_dir: Path | None = None,
+    after_repeat: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """`repeats` runs of every policy (`measure_policies`), repeat k in order `rotation(policies)[k]`
+    with seed `settings.seed + k`: [{repeat, order, seed, workload, policies: {policy: summary}}].
+    `after_repeat` gets the runs so far after each repeat."""
+    runs: list[dict[str, Any]] = []
+    for k, order in enumerate(rotation(policies, repeats)):
+        seeded = dataclasses.replace(settings, seed=settings.seed + k)
+        prepared = workload.prepare(seeded)
+        by_policy = await measure_policies(
+            config, model, home, order, seeded, HumanTiming(), [], records_dir, prepared=prepared, repeat=k
+        )
+        runs.append(
+            {"repeat": k, "order": order, "seed": seeded.seed, "workload": prepared.info, "policies": by_policy}
+        )
+        if after_repeat is not None:
+            after_repeat(runs)
+    return runs
+
+
+def cluster_result(runs: list[dict[str, Any]], policies: list[str], header: dict[str, Any]) -> dict[str, Any]:
+    """The result file's content: `header` (the run's settings), every run, each policy over the
+    repeats (in the order given), the pairwise comparisons and the targets."""
+    by_policy_runs = {p: [run["policies"][p] for run in runs] for p in policies}
+    result: dict[str, Any] = {
+        **header,
+        "repeats": len(runs),
+        "orders": [run["order"] for run in runs],
+        "order_balance": order_balance([run["order"] for run in runs]),
+        "policies": {p: aggregate(by_policy_runs[p]) for p in policies},
+        "comparisons": comparisons(by_policy_runs),
+        "runs": runs,
+        "notes": {"index_lag_ms_p99": INDEX_LAG_NOTE},
+    }
+    result["targets"] = targets(result)
+    return result
 
 
 async def on_private_cluster(config: SymphonyConfig, model: ModelInfo, work: Callable[[], Awaitable[T]]) -> T:
@@ -277,76 +271,44 @@ def run_cluster_bench(
     *,
     out: Path,
     policies: list[str],
-    users: int,
-    duration_s: float,
-    time_scale: float,
-    max_answer_tokens: int,
-    workload: Path,
-    conversations: list[Conversation],
-    miss_rate: float = 0.0,
+    repeats: int,
+    settings: LoadSettings,
+    workload: LiveWorkload,
+    header: dict[str, Any],
     plot: Path | None = None,
     records_dir: Path | None = None,
 ) -> int:
+    """Start the private cluster, measure every policy `repeats` times, write the result (`header`:
+    the settings to record at its top)."""
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     home = config.home_path / "bench" / f"cluster-{uuid.uuid4().hex[:8]}"
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the engines' /reset_prefix_cache, between policies
-    settings = LoadSettings(users=users, duration_s=duration_s, max_answer_tokens=max_answer_tokens)
-    timing = HumanTiming(time_scale=time_scale, advisory_miss_rate=miss_rate)
     if records_dir is not None:
         records_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    header = {**header, "workload_kind": workload.kind}
+
+    def keep(runs: list[dict[str, Any]]) -> None:
+        """The repeats so far, written as they end: a run cut short keeps every finished repeat."""
+        partial = {**cluster_result(runs, policies, header), "complete": False}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(partial, indent=2) + "\n")
+
     try:
         private = bench_cluster_config(config, home)
 
-        async def work() -> dict[str, Any]:
-            return await measure_policies(
-                private, model.served_name, home, policies, settings, timing, conversations, records_dir
+        async def work() -> list[dict[str, Any]]:
+            return await measure_repeats(
+                private, model.served_name, home, policies, repeats, settings, workload, records_dir, keep
             )
 
-        by_policy = asyncio.run(on_private_cluster(private, model, work))
+        runs = asyncio.run(on_private_cluster(private, model, work))
     except BaseException:
         print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
         raise
     shutil.rmtree(home, ignore_errors=True)
-    result: dict[str, Any] = {
-        "users": users,
-        "duration_s": duration_s,
-        "time_scale": time_scale,
-        "max_answer_tokens": max_answer_tokens,
-        "advisory_miss_rate": miss_rate,
-        "workload": str(workload),
-        "conversations": len(conversations),
-        "run_s": time.monotonic() - started,
-        "policies": by_policy,
-    }
-    result["targets"] = targets(result)
-    write_result(result, out, table=_print_table, plot=plot, plotter=plot_cluster)
+    result = {**cluster_result(runs, policies, header), "complete": True, "run_s": time.monotonic() - started}
+    write_result(result, out, table=print_table, plot=plot, plotter=plot_cluster)
     return 0
-
-
-def _print_table(result: dict[str, Any]) -> None:
-    print(f"{result['users']} users, {result['duration_s']:.0f} s per policy, time scale {result['time_scale']:g}")
-    columns = (
-        "ttft_ms_p50",
-        "ttft_ms_p95",
-        "tpot_ms_mean",
-        "norm_latency_ms_per_token_mean",
-        "completed",
-        "errors",
-        "max_over_mean_load",
-        "kv_ready_at_arrival_frac",
-    )
-    print(
-        f"{'policy':<14}" + "".join(f"{c[:16]:>18}" for c in columns) + f"{'computed/total':>16}" + f"{'new/total':>11}"
-    )
-    for policy, s in result["policies"].items():
-        total = s["prefill_tokens_total"] or float("nan")
-        print(
-            f"{policy:<14}"
-            + "".join(f"{s[c]:>18.2f}" if isinstance(s[c], float) else f"{s[c]:>18}" for c in columns)
-            + f"{s['prefill_tokens_computed'] / total:>16.3f}{s['prefill_tokens_new'] / total:>11.3f}"
-        )
-    for name, ok in result["targets"].items():
-        print(f"  target {name}: {'met' if ok else 'NOT met'}")

@@ -8,9 +8,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eval.bench_args import (
+    add_bench_cluster_args,
+    add_replay_args,
+    check_human_timing,
+    load_conversations,
+    policy_names,
+    workload_file,
+)
+from eval.cli_cluster import add_cluster_parser
 from symphony.cli_args import (
     CliError,
-    add_config_args,
     engine_overrides,
     int_between,
     load_from_args,
@@ -23,7 +31,7 @@ def register(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks (write JSON)")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     proxy = bench_sub.add_parser("proxy", help="TTFT through the scheduler vs straight to the engine")
-    _add_bench_cluster_args(proxy)
+    add_bench_cluster_args(proxy)
     proxy.add_argument("--out", type=Path, required=True, help="JSON results file")
     proxy.add_argument("--plot", type=Path, metavar="PNG", help="also draw TTFT distributions to this PNG")
     proxy.add_argument("--concurrency", type=positive_int, default=16, help="concurrent streaming chats (16)")
@@ -52,7 +60,7 @@ def register(sub: Any) -> None:
     resume = bench_sub.add_parser(
         "resume", help="TTFT of a resumed turn by where its history's KV is (starts a private 2-node cluster)"
     )
-    _add_bench_cluster_args(resume)
+    add_bench_cluster_args(resume)
     resume.add_argument("--out", type=Path, required=True, help="JSON results file")
     resume.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
     resume.add_argument(
@@ -76,29 +84,7 @@ def register(sub: Any) -> None:
         "every path must give the same greedy tokens, logprobs within 1e-2 (0: skip)",
     )
     resume.set_defaults(func=cmd_bench_resume)
-    cluster = bench_sub.add_parser(
-        "cluster", help="routing policies on a live 2-node cluster replaying ShareGPT users with typing advisories"
-    )
-    _add_bench_cluster_args(cluster)
-    cluster.add_argument("--out", type=Path, required=True, help="JSON results file")
-    cluster.add_argument("--plot", type=Path, metavar="PNG", help="also draw the comparison to this PNG")
-    cluster.add_argument("--records", type=Path, metavar="DIR", help="also write every request (JSON, CSV) here")
-    cluster.add_argument(
-        "--policies",
-        default=",".join(_cluster_defaults()),
-        help="comma-separated, run in this order (default: %(default)s)",
-    )
-    _add_replay_args(
-        cluster, users=8, duration=90, duration_is="seconds of load per policy", max_tokens=64, miss_rate=True
-    )
-    cluster.add_argument(
-        "--min-turns",
-        type=positive_int,
-        default=2,
-        help="replay only conversations with at least this many user turns (2)",
-    )
-    cluster.add_argument("--max-turns", type=positive_int, default=8, help="cut conversations to this many turns (8)")
-    cluster.set_defaults(func=cmd_bench_cluster)
+    add_cluster_parser(bench_sub)
     route = bench_sub.add_parser("route", help="cost of one routing decision per policy at fleet scale (no cluster)")
     route.add_argument("--out", type=Path, required=True, help="JSON results file")
     route.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")
@@ -117,7 +103,7 @@ def register(sub: Any) -> None:
         "calibrate",
         help="fit the simulator's engine model to this host's live engine (starts a private 2-node cluster)",
     )
-    _add_bench_cluster_args(calibrate)
+    add_bench_cluster_args(calibrate)
     calibrate.add_argument("--out", type=Path, required=True, help="JSON results file (samples and fit)")
     calibrate.add_argument(
         "--preset-out",
@@ -130,7 +116,7 @@ def register(sub: Any) -> None:
     validate = bench_sub.add_parser(
         "validate", help="the simulator against the live 2-node cluster on the same requests: sim_vs_live_error"
     )
-    _add_bench_cluster_args(validate)
+    add_bench_cluster_args(validate)
     validate.add_argument("--out", type=Path, required=True, help="JSON results file")
     validate.add_argument(
         "--preset-file",
@@ -149,9 +135,7 @@ def register(sub: Any) -> None:
         "--records", type=Path, metavar="DIR", help="also write the live run's requests (JSON, CSV) here"
     )
     validate.add_argument("--policy", default="recompute", help="the routing policy both runs use (recompute)")
-    _add_replay_args(
-        validate, users=4, duration=120, duration_is="seconds of live load", max_tokens=32, miss_rate=False
-    )
+    add_replay_args(validate, users=4, duration=120, duration_is="seconds of live load", max_tokens=32, miss_rate=False)
     validate.set_defaults(func=cmd_bench_validate)
     report = bench_sub.add_parser("report", help="a Markdown summary with PNG plots of every result file in DIR")
     report.add_argument("directory", type=Path, metavar="DIR", help="where the bench ... --out JSON files are")
@@ -193,38 +177,6 @@ def register(sub: Any) -> None:
     sim.set_defaults(func=cmd_bench_sim)
 
 
-def _add_replay_args(
-    parser: argparse.ArgumentParser, *, users: int, duration: int, duration_is: str, max_tokens: int, miss_rate: bool
-) -> None:
-    """The replay of ShareGPT users on a live cluster that `bench cluster` and `bench validate` share
-    (`--miss-rate` hidden where the comparison needs every advisory)."""
-    parser.add_argument("--users", type=positive_int, default=users, help=f"simulated users ({users})")
-    parser.add_argument("--duration", type=positive_int, default=duration, help=f"{duration_is} ({duration})")
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=0.05,
-        help="human reading and typing time, scaled (0.05: a minute becomes 3 s)",
-    )
-    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens, help=f"answer length cap ({max_tokens})")
-    parser.add_argument(
-        "--miss-rate",
-        type=float,
-        default=0.0,
-        help="share of turns without an advisory (0)" if miss_rate else argparse.SUPPRESS,
-    )
-    parser.add_argument(
-        "--workload", type=Path, help="ShareGPT-format conversations (default: the vendored sample, eval/data/sharegpt)"
-    )
-
-
-def _add_bench_cluster_args(parser: argparse.ArgumentParser) -> None:
-    """What every benchmark that starts a private cluster takes: its configuration and model."""
-    add_config_args(parser)
-    parser.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
-    parser.add_argument("--served-model-name", help=argparse.SUPPRESS)
-
-
 def cmd_bench_proxy(args: argparse.Namespace) -> int:
     from eval.bench_proxy import run_proxy_bench
 
@@ -245,77 +197,6 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
     )
 
 
-def _cluster_defaults() -> tuple[str, ...]:
-    return ("symphony", "recompute", "sticky", "least_load", "prefix_trie")
-
-
-def _policy_names(text: str) -> tuple[str, ...]:
-    """--policies: comma-separated names of routing policies, all known."""
-    from scheduler.policies import POLICIES
-
-    policies = tuple(p.strip() for p in text.split(",") if p.strip())
-    unknown = [p for p in policies if p not in POLICIES]
-    if not policies or unknown:
-        raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
-    return policies
-
-
-def _check_human_timing(args: argparse.Namespace) -> None:
-    if not 0 < args.time_scale <= 10:
-        raise CliError(f"--time-scale {args.time_scale}: expected a number in (0, 10]")
-    if not 0 <= args.miss_rate <= 1:
-        raise CliError(f"--miss-rate {args.miss_rate}: expected a share in [0, 1]")
-
-
-def _workload_file(args: argparse.Namespace) -> Path:
-    """--workload, or the vendored ShareGPT sample; it must exist."""
-    from eval.workloads import SHAREGPT_SAMPLE
-
-    workload: Path = args.workload or SHAREGPT_SAMPLE
-    if not workload.is_file():
-        raise CliError(f"--workload {workload}: no such file")
-    return workload
-
-
-def _conversations(args: argparse.Namespace, *, min_turns: int, max_turns: int) -> tuple[Path, list[Any]]:
-    """The --workload file and its conversations of min_turns..max_turns user turns (cut to max_turns)."""
-    from eval.workloads import load_sharegpt
-
-    workload = _workload_file(args)
-    try:
-        conversations = load_sharegpt(workload, min_turns=min_turns, max_turns=max_turns)
-    except ValueError as exc:
-        raise CliError(f"--workload {exc}") from None
-    if not conversations:
-        raise CliError(f"--workload {workload}: no conversation has {min_turns} user turns or more")
-    return workload, conversations
-
-
-def cmd_bench_cluster(args: argparse.Namespace) -> int:
-    from eval.bench_cluster import run_cluster_bench
-
-    policies = list(_policy_names(args.policies))
-    _check_human_timing(args)
-    if args.min_turns > args.max_turns:
-        raise CliError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}")
-    workload, conversations = _conversations(args, min_turns=args.min_turns, max_turns=args.max_turns)
-    config = load_from_args(args, engine_overrides(args))
-    return run_cluster_bench(
-        config,
-        out=args.out,
-        policies=policies,
-        users=args.users,
-        duration_s=args.duration,
-        time_scale=args.time_scale,
-        max_answer_tokens=args.max_tokens,
-        workload=workload,
-        conversations=conversations,
-        miss_rate=args.miss_rate,
-        plot=args.plot,
-        records_dir=args.records,
-    )
-
-
 def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     from eval.bench_calibrate import run_calibrate_bench
 
@@ -330,13 +211,13 @@ def cmd_bench_validate(args: argparse.Namespace) -> int:
 
     if args.policy not in POLICIES:
         raise CliError(f"--policy {args.policy!r}: known policies are {', '.join(POLICIES)}")
-    _check_human_timing(args)
+    check_human_timing(args)
     if args.preset_file is not None:
         try:
             load_preset(args.preset_file)
         except ValueError as exc:
             raise CliError(f"--preset-file {exc}") from None
-    workload, conversations = _conversations(args, min_turns=2, max_turns=8)
+    workload, conversations = load_conversations(args, min_turns=2, max_turns=8)
     config = load_from_args(args, engine_overrides(args))
     return run_validate_bench(
         config,
@@ -366,7 +247,7 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
 def cmd_bench_route(args: argparse.Namespace) -> int:
     from eval.bench_route import run_route_bench
 
-    policies = _policy_names(args.policies)
+    policies = policy_names(args.policies)
     run_route_bench(
         out=args.out,
         nodes=args.nodes,
@@ -396,22 +277,22 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
         preset = PRESETS[args.preset]
     else:
         raise CliError(f"--preset {args.preset!r}: known presets are {', '.join(PRESETS)}")
-    policies = _policy_names(args.policies)
+    policies = policy_names(args.policies)
     try:
         users = tuple(int(u) for u in args.users.split(",") if u.strip())
     except ValueError:
         raise CliError(f"--users {args.users!r}: expected comma-separated whole numbers") from None
     if not users or min(users) < 1:
         raise CliError(f"--users {args.users!r}: expected positive user counts")
-    _check_human_timing(args)
+    check_human_timing(args)
     trace = None
     if args.scenario == "trace":
         if args.workload is None:
             raise CliError("--scenario trace needs --workload: a Mooncake trace (.jsonl) or Azure's (.csv)")
-        workload, conversations = _workload_file(args), []
+        workload, conversations = workload_file(args), []
         trace = _trace(workload, args.time_scale)
     else:
-        workload, conversations = _conversations(args, min_turns=2, max_turns=8)
+        workload, conversations = load_conversations(args, min_turns=2, max_turns=8)
     run_sim_bench(
         out=args.out,
         scenario=args.scenario,

@@ -95,28 +95,61 @@ def plot_resume(result: dict[str, Any], path: Path) -> None:
 
 
 def plot_cluster(result: dict[str, Any], path: Path) -> None:
-    """Per policy: TTFT p50 and p95 (left), computed share of prompt tokens and node imbalance (right)."""
+    """Per policy: every repeat's TTFT p50 and p95 (dots), their median (bar) and 95% interval (left);
+    each pair's per-repeat p50 and p95 ratios with their interval, log scale (middle); the computed
+    share of prompt tokens and the node imbalance, medians over repeats (right). A result without
+    repeats (written before them) draws as one repeat."""
     plt = _pyplot()
     policies = list(result["policies"])
     stats = result["policies"]
-    fig, (ttft, other) = plt.subplots(1, 2, figsize=(11, 4))
-    x = range(len(policies))
-    ttft.bar([i - 0.2 for i in x], [stats[p]["ttft_ms_p50"] for p in policies], width=0.4, label="p50")
-    ttft.bar([i + 0.2 for i in x], [stats[p]["ttft_ms_p95"] for p in policies], width=0.4, label="p95")
-    ttft.set_xticks(list(x), policies, rotation=20)
+    fig, (ttft, ratios, other) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for offset, key, colour in ((-0.18, "ttft_ms_p50", "tab:blue"), (0.18, "ttft_ms_p95", "tab:orange")):
+        for i, policy in enumerate(policies):
+            runs = stats[policy].get(f"{key}_runs", [stats[policy][key]])
+            ttft.bar(
+                i + offset, stats[policy][key], width=0.34, color=colour, alpha=0.35, label=key[8:] if i == 0 else None
+            )
+            ttft.scatter([i + offset] * len(runs), runs, color=colour, s=14, zorder=3)
+            interval = stats[policy].get(f"{key}_ci95")
+            if interval:
+                ttft.plot([i + offset] * 2, interval, color="black", linewidth=1)
+    ttft.set_xticks(range(len(policies)), policies, rotation=20)
     ttft.set_ylabel("TTFT (ms)")
+    ttft.set_title("TTFT per repeat (dots), median (bar), 95% interval")
     ttft.legend()
+    pairs = list(result.get("comparisons", {}))
+    for offset, key, colour in ((-0.15, "ttft_ms_p50", "tab:blue"), (0.15, "ttft_ms_p95", "tab:orange")):
+        for i, pair in enumerate(pairs):
+            c = result["comparisons"][pair][key]
+            ratios.scatter(
+                [i + offset] * len(c["ratios"]), c["ratios"], color=colour, s=14, label=key[8:] if i == 0 else None
+            )
+            if c["ci95"]:
+                ratios.plot([i + offset] * 2, c["ci95"], color="black", linewidth=1)
+    ratios.axhline(1.0, color="grey", linestyle="--")
+    ratios.set_yscale("log")
+    plain = plt.FuncFormatter(lambda value, _: f"{value:g}")
+    ratios.yaxis.set_major_formatter(plain)
+    ratios.yaxis.set_minor_formatter(plain)
+    ratios.set_xticks(range(len(pairs)), pairs, rotation=30, ha="right")
+    ratios.set_ylabel("TTFT ratio, same repeat")
+    ratios.set_title("pairs: below 1 the first is faster; verdict needs the interval off 1")
+    if pairs:
+        ratios.legend()
+    x = range(len(policies))
     share = [stats[p]["prefill_tokens_computed"] / max(1, stats[p]["prefill_tokens_total"]) for p in policies]
     other.bar([i - 0.2 for i in x], share, width=0.4, label="prompt tokens computed / total")
     other.bar(
         [i + 0.2 for i in x],
         [stats[p]["max_over_mean_load"] - 1 for p in policies],
         width=0.4,
-        label="busiest node over mean - 1",
+        label="busiest node over mean - 1 (median)",
     )
     other.set_xticks(list(x), policies, rotation=20)
     other.legend()
-    fig.suptitle(f"{result['users']} users, {result['duration_s']:.0f} s per policy")
+    repeats = result.get("repeats", 1)
+    kind = result.get("workload_kind", "sharegpt")
+    fig.suptitle(f"{kind}, {result['duration_s']:.0f} s per policy run, {repeats} repeat(s)")
     _save(plt, fig, path, dpi=110)
 
 

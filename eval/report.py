@@ -77,6 +77,7 @@ def _resume(result: Result) -> list[str]:
 
 
 def _cluster(result: Result) -> list[str]:
+    """Each policy over the repeats (medians; the p95's 95% interval), then every pair's verdict."""
     columns = (
         "ttft_ms_p50",
         "ttft_ms_p95",
@@ -85,9 +86,27 @@ def _cluster(result: Result) -> list[str]:
         "errors",
         "max_over_mean_load",
         "kv_ready_at_arrival_frac",
+        "prefix_hit_frac",
     )
-    rows = [[policy, *[row.get(c) for c in columns]] for policy, row in result["policies"].items()]
-    return _table(["policy", *columns], rows)
+    rows = [
+        [policy, *[row.get(c) for c in columns], _interval(row.get("ttft_ms_p95_ci95"))]
+        for policy, row in result["policies"].items()
+    ]
+    lines = _table(["policy", *columns, "ttft_ms_p95 95% interval"], rows)
+    comparisons = result.get("comparisons") or {}
+    if comparisons:
+        pairs = [
+            [pair, *[f"{c[k]['ratio_geomean']:.2f} {_interval(c[k]['ci95'])} {c[k]['verdict']}" for k in sorted(c)]]
+            for pair, c in comparisons.items()
+        ]
+        keys = sorted(next(iter(comparisons.values())))
+        lines += ["", f"Over {result.get('repeats')} repeats, ratio (geometric mean) [95% interval] verdict:", ""]
+        lines += _table(["pair", *keys], pairs)
+    return lines
+
+
+def _interval(bounds: list[float] | None) -> str:
+    return f"[{bounds[0]:.3g}, {bounds[1]:.3g}]" if bounds else "-"
 
 
 def _route(result: Result) -> list[str]:

@@ -1,4 +1,4 @@
-"""eval.workloads (ShareGPT replay, human timing) and eval.bench_cluster's summaries: pure, seeded."""
+"""eval.workloads (ShareGPT replay, human timing) and eval.cluster_summary's summaries: pure, seeded."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.bench_cluster import summarize, targets
+from eval.cluster_summary import summarize, targets
 from eval.loadgen import RequestRecord, server_timing_ms
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, Turn, answer_tokens, load_sharegpt
 
