@@ -240,12 +240,15 @@ class EngineEventKeys:
         finally:
             self._flush()
 
-    def reset(self, reason: str) -> None:
-        """The engine's cache is gone (it stopped, crashed or restarts): forget every block, emit
-        "cleared", and expect its next publisher's first batch (sequence number 0)."""
+    def reset(self, reason: str, restarted: bool = True) -> None:
+        """Forget every block and emit "cleared": the engine's cache is gone (it stopped, crashed or
+        restarts: `restarted`, the next batch is a new publisher's first, sequence number 0), or
+        the view can no longer be trusted (the same engine goes on: its numbering too)."""
+        self._run_kind, self._run = "", []  # a run an exception cut short is superseded
         self._lose(reason)
         self._flush()
-        self._next_seq = 0
+        if restarted:
+            self._next_seq = 0
 
     # -- events ---------------------------------------------------------------------------------
     def _stored(self, event: BlockStored) -> None:
