@@ -3,7 +3,7 @@ start to stop, and the engine's cache is reported gone ("cleared") whenever the 
 
 The engine is a stand-in process (tests/integration/fake_child.py) and its events come from vLLM's
 own publisher in this process, bound where the engine core would bind it; the real engine's events
-are checked in tests/e2e/test_engine_events.py."""
+are checked in tests/e2e/test_engine_cache_events.py."""
 
 from __future__ import annotations
 
