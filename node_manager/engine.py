@@ -145,8 +145,9 @@ def connector_config(kv_socket: Path, identity: ModelIdentity) -> dict[str, obje
 
 
 def _stop_block_events(events: EngineEventSubscriber) -> None:
-    """Stop the subscriber (blocks up to its poll) and remove the endpoint's socket file, which an
-    engine that was killed leaves behind."""
+    """Stop the subscriber (blocks up to its poll) and remove the endpoint's socket file, which the
+    engine leaves behind however it ended (ZMQ does not remove an ipc file when its socket closes;
+    a restarted engine binds over it)."""
     events.stop()
     path = ipc_path(events.endpoint)
     if path is not None:

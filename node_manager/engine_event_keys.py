@@ -2,7 +2,10 @@
 
 vLLM (`--kv-events-config`) publishes one `KVEventBatch` per engine step that changed its prefix
 cache: `BlockStored` (full blocks just cached: their vLLM hashes, the parent's hash, their token ids),
-`BlockRemoved` (evicted hashes) and `AllBlocksCleared` (`/reset_prefix_cache`). `EngineEventKeys`
+`BlockRemoved` (evicted hashes) and `AllBlocksCleared` (`/reset_prefix_cache`; vLLM queues it with
+the events of its next engine step, so an idle engine reports a reset with its next request's
+blocks, just before them). Hashes are the first 64 bits of vLLM's sha256 block hashes, as ints
+(`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, on by default in 0.32), or the 32 bytes. `EngineEventKeys`
 turns each batch into `emit(kind, keys)` calls, kind "stored", "removed" or "cleared", keys being
 Symphony's chained block keys (`symphony.kv_addressing.block_key`, rooted in
 `tenant_root(model, tenant)`), so the engine's cache can sit in the cluster's KV index beside the

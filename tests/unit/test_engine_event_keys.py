@@ -39,9 +39,9 @@ def salt_keys(salt: str | None, blocks: int) -> list[tuple[object, ...] | None] 
 
 
 def stored(
-    hashes: Sequence[bytes],
+    hashes: Sequence[bytes | int],
     tokens: Sequence[int],
-    parent: bytes | None = None,
+    parent: bytes | int | None = None,
     salt: str | None = None,
     *,
     block_size: int = BS,
@@ -63,7 +63,7 @@ def stored(
     )
 
 
-def removed(hashes: Sequence[bytes], medium: str = vllm_events.MEDIUM_GPU) -> vllm_events.BlockRemoved:
+def removed(hashes: Sequence[bytes | int], medium: str = vllm_events.MEDIUM_GPU) -> vllm_events.BlockRemoved:
     return vllm_events.BlockRemoved(block_hashes=list(hashes), medium=medium, group_idx=0)
 
 
@@ -208,6 +208,17 @@ def test_a_chain_across_batches_gets_the_tenants_block_keys() -> None:
     ]
     assert stream.keys.live_blocks == 4
     assert stream.counts.c == Counter()
+
+
+def test_the_64_bit_hashes_vllm_publishes_by_default_chain_and_remove_alike() -> None:
+    stream = Stream("acme")  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, vLLM 0.32's default
+    history = tokens(2)
+    h0, h1 = (int.from_bytes(vllm_hash()[:8], "big") for _ in range(2))
+    stream.send(stored([h0], history[:BS], salt=engine_cache_salt("acme")))
+    stream.send(stored([h1], history[BS:], parent=h0))
+    stream.send(removed([h1]))
+    keys = chain("acme", history)
+    assert stream.emitted.calls == [(STORED, keys[:1]), (STORED, keys[1:]), (REMOVED, keys[1:])]
 
 
 def test_one_stored_event_of_several_blocks_chains_each_from_the_one_before() -> None:
