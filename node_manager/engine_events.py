@@ -176,8 +176,9 @@ class EngineEventSubscriber:
     # -- the thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         context = zmq.Context()  # its own: the I/O thread ends with this subscriber
-        sock = self._connect(context)
+        sock: zmq.Socket[bytes] | None = None
         try:
+            sock = self._connect(context)
             while True:
                 with self._lock:
                     lost, self._lost = self._lost, None
@@ -189,10 +190,12 @@ class EngineEventSubscriber:
                     return
                 if sock.poll(self._poll_ms, zmq.POLLIN):
                     self._drain(sock)
-        except Exception as exc:  # a ZMQ failure: the view is lost with this thread
+        except Exception as exc:  # a ZMQ failure: no more events, so no view either
             log.error("engine KV event subscriber failed", endpoint=self.endpoint, error=repr(exc))
+            self._guarded(partial(self._keys.reset, "subscriber_failed"))
         finally:
-            sock.close(linger=0)
+            if sock is not None:
+                sock.close(linger=0)
             context.term()
 
     def _connect(self, context: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
