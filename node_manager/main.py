@@ -9,6 +9,7 @@ import signal
 import grpc
 
 from node_manager.engine import Engine, engine_cpu_cores, engine_launch
+from node_manager.engine_events import EngineEventMetrics, counting_emit, engine_block_events
 from node_manager.identity import identify_served_model
 from node_manager.kv_runtime import GRPC_OPTIONS, start_kv
 from node_manager.service import NodeManagerService
@@ -38,6 +39,7 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
         kv_socket=kv_socket,
         cpu_cores=cores,
         identity=identity,
+        kv_events_endpoint=config.engine_events_endpoint(index) if config.engine.kv_events else None,
     )
     engine = Engine(
         f"{node_id}-engine",
@@ -53,6 +55,13 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     serving = config.engine.enabled and config.engine.kv_connector  # the engine loads from this node's tiers
     kv = await start_kv(
         config, index, geometry, identity.fingerprint, server, engine if serving else None, model.served_name
+    )
+    # The one wiring point of the engine tier's block events (vLLM's prefix cache as Symphony block
+    # keys): every event goes to this `emit`. For now it only counts them.
+    events_metrics = EngineEventMetrics(kv.store.metrics.registry)
+    emit = counting_emit(events_metrics)
+    engine.follow_block_events(
+        engine_block_events(config, index, identity.fingerprint, geometry, kv.store.sessions, emit, events_metrics)
     )
     address = config.node_grpc_address(index)
     if server.add_insecure_port(address) == 0:

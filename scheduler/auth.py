@@ -8,8 +8,7 @@ Keys are kept as sha256 digests and looked up by digest, so the lookup's timing 
 how much of a guessed key was right; the admin token is compared in constant time.
 
 The engines' own prefix caches are shared by every request they serve, so the scheduler also sets
-each request's `cache_salt` from its tenant (`engine_cache_salt`): without it, a tenant could time,
-or read in `usage.prompt_tokens_details.cached_tokens`, whether another tenant sent a given prompt.
+each request's `cache_salt` from its tenant (`symphony.tenancy.engine_cache_salt`).
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ import hashlib
 import hmac
 
 from scheduler.errors import ApiError
-
-DEFAULT_TENANT = "default"
-_SALT_DOMAIN = b"symphony-engine-cache-salt\0"
+from symphony.tenancy import DEFAULT_TENANT
 
 
 def _digest(key: str) -> bytes:
@@ -67,14 +64,3 @@ class Authenticator:
             )
         if not hmac.compare_digest(token.encode(), self._admin):
             raise ApiError(403, "wrong admin token", code="invalid_admin_token")
-
-
-def engine_cache_salt(tenant: str, client_salt: str | None = None) -> str:
-    """The `cache_salt` an engine gets with a tenant's request: a digest of the tenant (and of the
-    client's own salt, which may split a tenant's cache further but never joins another's). Not a
-    secret: clients cannot choose it, the scheduler overwrites whatever they send."""
-    name = tenant.encode()
-    material = len(name).to_bytes(4, "big") + name  # length-prefixed: no tenant/salt split collides
-    if client_salt is not None:
-        material += client_salt.encode()
-    return hashlib.sha256(_SALT_DOMAIN + material).hexdigest()[:32]

@@ -19,7 +19,6 @@ import aiohttp
 from fastapi.responses import Response
 
 from scheduler.advisories import AdvisoryTable
-from scheduler.auth import engine_cache_salt
 from scheduler.decisions import PullRule, QueueFull, Routing, advisory_choice, rooms
 from scheduler.errors import ApiError, error_response
 from scheduler.metrics import SchedulerMetrics
@@ -36,6 +35,7 @@ from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
 from symphony.logs import get_logger
 from symphony.priority import Priority
 from symphony.rpc import kv_pb2_grpc
+from symphony.tenancy import engine_cache_salt
 
 log = get_logger(__name__)
 

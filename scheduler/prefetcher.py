@@ -17,12 +17,12 @@ from typing import Literal
 
 import grpc
 
-from scheduler.auth import engine_cache_salt
 from scheduler.metrics import SchedulerMetrics
 from scheduler.sessions import SessionKey
 from symphony.logs import get_logger
 from symphony.priority import Priority
 from symphony.rpc import kv_pb2, kv_pb2_grpc
+from symphony.tenancy import engine_cache_salt
 
 log = get_logger(__name__)
 

@@ -303,6 +303,7 @@ def _validate(config: SymphonyConfig) -> None:
         f"{e.cpu_cores!r} is not auto, vllm, or core lists like 0-3|4-7",
     )
     check(e.max_restarts >= 0, "engine.max_restarts", "must be >= 0")
+    check(e.kv_events_max_blocks >= 0, "engine.kv_events_max_blocks", "must be >= 0 (0: sized from the engine)")
     check(0 <= e.nice <= 19, "engine.nice", f"{e.nice} is not a niceness in 0..19")
     for name in (
         "startup_timeout_s",

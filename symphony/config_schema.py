@@ -89,6 +89,14 @@ class EngineConfig:
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU builds
     enforce_eager: bool = True  # skip torch.compile: ~30 s start instead of minutes on CPU
     kv_connector: bool = True  # Symphony's KV connector: turns load from and save to the node's tiers
+    # vLLM's KV events (blocks its own prefix cache stores and evicts), published on an endpoint
+    # private to the node (`SymphonyConfig.engine_events_endpoint`) and translated to Symphony's
+    # block keys: the engine's cache as a tier of the cluster's KV index. Turns prefix caching on.
+    kv_events: bool = True
+    # vLLM block hashes whose Symphony keys the translation keeps (least recently used beyond; one
+    # forgotten is reported removed); 0: twice the engine's KV blocks, from kv_cache_space_gib or
+    # --num-gpu-blocks-override in extra_args (set it on GPU builds, where the former is ignored).
+    kv_events_max_blocks: int = 0
     # CPU engines: the cores each computes on. "auto": the host's cores split between the local
     # cluster's engines; "vllm": vLLM's own binding (every engine on the same first cores); or vLLM
     # core lists per node index, "|"-separated ("0-3|4-7").
@@ -196,6 +204,13 @@ class SymphonyConfig:
             Path(tempfile.gettempdir()) / f"symphony-{os.getuid()}-{self.node_id(index)}-"
             f"{self.node.grpc_port_base + index}.sock"
         )
+
+    def engine_events_endpoint(self, index: int) -> str:
+        """Where node `index`'s engine publishes its KV events (ZMQ PUB, which vLLM binds): an ipc
+        socket named like the KV channel, so private to this user and unique per running node on this
+        host, with no TCP port to collide between two local clusters. vLLM's publisher keeps an ipc
+        endpoint as given for data-parallel rank 0, the only rank a node's engine has."""
+        return f"ipc://{self.kv_socket_path(index).with_suffix('.events')}"
 
     def kv_data_port(self, index: int) -> int:
         """The page stream's port for node `index`; 0: any free one."""

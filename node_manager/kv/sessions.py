@@ -51,6 +51,10 @@ class SessionRegistry:
         self._config = config
         self._on_priority_change = on_priority_change
         self._records: OrderedDict[SessionKey, SessionRecord] = OrderedDict()
+        # Registered sessions per tenant (no entry at 0), and how many times a tenant gained its
+        # first one: what the engine's KV events are attributed with (`tenants`).
+        self._tenant_sessions: dict[str, int] = {}
+        self._tenant_generation = 0
 
     def __len__(self) -> int:
         return len(self._records)
@@ -87,12 +91,35 @@ class SessionRegistry:
             record = SessionRecord(key, tokens, blocks, new_priority)
             self._records[key] = record
             self._records.move_to_end(key)
+            if old is None:
+                self._count_tenant(tenant, +1)
             while len(self._records) > self._config.max_sessions:
                 # Forgetting a session keeps its pages (other sessions may share them); they age out.
-                self._records.popitem(last=False)
+                (forgotten_tenant, _), _ = self._records.popitem(last=False)
+                self._count_tenant(forgotten_tenant, -1)
             if old is not None and old.priority != new_priority:
                 self._on_priority_change(record)
         return record
+
+    def _count_tenant(self, tenant: str, delta: int) -> None:
+        count = self._tenant_sessions.get(tenant, 0) + delta
+        if count > 0:
+            if tenant not in self._tenant_sessions:
+                self._tenant_generation += 1
+            self._tenant_sessions[tenant] = count
+        else:
+            self._tenant_sessions.pop(tenant, None)
+
+    def tenant_generation(self) -> int:
+        """Grows whenever a tenant without registered sessions registers one: a reader of `tenants`
+        need not read them again until it changes. Any thread."""
+        with self._lock:
+            return self._tenant_generation
+
+    def tenants(self) -> list[str]:
+        """The tenants with registered sessions (at most `max_sessions`). Any thread."""
+        with self._lock:
+            return list(self._tenant_sessions)
 
     def get(self, tenant: str, session_id: str) -> SessionRecord:
         """The session's record, now the most recently used; SessionNotFound if none is registered."""

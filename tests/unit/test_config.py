@@ -259,6 +259,7 @@ def test_malformed_json_list_from_env_is_a_config_error_naming_the_var() -> None
         ({"scheduler": {"max_session_id_len": 0}}, "scheduler.max_session_id_len"),
         ({"scheduler": {"advisory_ttl_s": 0.0}}, "scheduler.advisory_ttl_s"),
         ({"engine": {"max_restarts": -1}}, "engine.max_restarts"),
+        ({"engine": {"kv_events_max_blocks": -1}}, "engine.kv_events_max_blocks"),
         ({"engine": {"nice": 20}}, "engine.nice"),
         ({"engine": {"nice": -1}}, "engine.nice"),
         ({"kv": {"ssd_writers": 0}}, "kv.ssd_writers"),
@@ -295,6 +296,7 @@ def test_invalid_values_are_rejected_naming_the_key(overrides: dict[str, dict[st
         {"scheduler": {"node_addresses": ["[::1]:50051", "node-a.internal:7000"]}},
         {"cluster": {"nodes": 64}},
         {"engine": {"max_restarts": 0}},
+        {"engine": {"kv_events": False, "kv_events_max_blocks": 0}},
         {"kv": {"data_plane": "grpc", "data_port_base": 9400}},
         {"scheduler": {"node_addresses": [f"h:{1000 + i}" for i in range(64)], "kv_index_max_blocks": 1}},
         {"scheduler": {"node_addresses": [f"h:{1000 + i}" for i in range(65)], "kv_index_enabled": False}},
@@ -405,6 +407,19 @@ def test_node_grpc_address_and_engine_port_offset_by_index() -> None:
     assert config.node_grpc_address(2) == "10.1.2.3:6002"
     assert config.engine_port(0) == 7000
     assert config.engine_port(3) == 7003
+
+
+def test_engine_events_endpoints_are_private_ipc_sockets_one_per_running_node() -> None:
+    one = load_config(env={}, overrides={"cluster": {"nodes": 2}, "node": {"grpc_port_base": 6000}})
+    other = load_config(env={}, overrides={"cluster": {"nodes": 2}, "node": {"grpc_port_base": 7000}})
+    endpoints = [one.engine_events_endpoint(0), one.engine_events_endpoint(1), other.engine_events_endpoint(0)]
+    assert len(set(endpoints)) == 3  # two nodes of a cluster, and two local clusters, never share one
+    for index, endpoint in enumerate(endpoints[:2]):
+        assert endpoint.startswith("ipc://")
+        path = Path(endpoint.removeprefix("ipc://"))
+        assert path.parent == one.kv_socket_path(index).parent  # beside the node's KV channel
+        assert path != one.kv_socket_path(index)
+        assert len(str(path).encode()) < 108  # a Unix socket path's limit
 
 
 def test_scheduler_node_addresses_derived_from_cluster_when_not_listed() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -124,3 +125,15 @@ def test_cpu_cores_reach_vllm_only_when_chosen() -> None:
 def test_engines_keep_off_the_amx_attention_kernel_unless_configured() -> None:
     assert launch(base_env={}).env[AMX_ATTENTION_ENV] == "0"
     assert launch(EngineConfig(cpu_amx_attention=True), base_env={}).env[AMX_ATTENTION_ENV] == "1"
+
+
+def test_kv_events_are_published_on_the_given_endpoint_with_prefix_caching_on() -> None:
+    endpoint = "ipc:///tmp/symphony-1000-node-0-50051.events"
+    argv = engine_launch(EngineConfig(extra_args=["--seed", "1"]), MODEL, "h", 1, kv_events_endpoint=endpoint).argv
+    events = json.loads(option(argv, "--kv-events-config"))
+    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+    assert events["endpoint"] == endpoint and events["replay_endpoint"] is None
+    assert "--enable-prefix-caching" in argv
+    assert argv.index("--kv-events-config") < argv.index("--seed")  # extra_args still come last and win
+    plain = launch().argv
+    assert "--kv-events-config" not in plain and "--enable-prefix-caching" not in plain

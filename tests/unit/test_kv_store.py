@@ -64,6 +64,28 @@ def test_extending_a_session_keeps_saved_blocks(make_store: MakeStore) -> None:
     assert all(r.failed == (0, 1, 2) for r in results)
 
 
+def test_tenants_are_those_with_registered_sessions_and_a_new_one_is_signalled(make_store: MakeStore) -> None:
+    store = make_store(max_sessions=2)
+    sessions = store.sessions
+    assert sessions.tenants() == []
+    start = sessions.tenant_generation()
+    sessions.put("acme", "s1", tokens(1))
+    sessions.put("acme", "s2", tokens(1))
+    after_acme = sessions.tenant_generation()
+    assert after_acme == start + 1  # acme's second session is no news
+    assert sessions.tenants() == ["acme"]
+    sessions.put("acme", "s1", tokens(2))  # an extended history is no news either
+    assert sessions.tenant_generation() == after_acme
+    sessions.put("globex", "g1", tokens(1))  # forgets acme's least recent session (s2), not acme
+    assert sessions.tenant_generation() == after_acme + 1
+    assert sorted(sessions.tenants()) == ["acme", "globex"]
+    sessions.put("globex", "g2", tokens(1))  # forgets acme's last session: acme is gone
+    assert sessions.tenants() == ["globex"]
+    sessions.put("acme", "s3", tokens(1))  # acme back: news again
+    assert sessions.tenant_generation() == after_acme + 2
+    assert sorted(sessions.tenants()) == ["acme", "globex"]
+
+
 def test_unknown_session(make_store: MakeStore) -> None:
     store = make_store()
     store.sessions.put("acme", "s1", tokens(1))

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler.auth import engine_cache_salt
 from scheduler.errors import ApiError
 from scheduler.validation import (
     AdvisoryRequest,
@@ -18,6 +17,7 @@ from scheduler.validation import (
     validate_advisory,
     validate_inference,
 )
+from symphony.tenancy import engine_cache_salt
 
 SERVED = {"m": 4096}
 MAX_SESSION = 128

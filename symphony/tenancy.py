@@ -1,0 +1,26 @@
+"""Tenants as every process names them: the default tenant, and the `cache_salt` an engine gets
+with a tenant's request.
+
+The scheduler sets each request's `cache_salt` from its tenant (`engine_cache_salt`), so vLLM's own
+prefix cache, which every request of an engine shares, never serves one tenant's blocks to another
+(without it a tenant could time, or read in `usage.prompt_tokens_details.cached_tokens`, whether
+another tenant sent a given prompt). A node computes the same salts to tell whose blocks vLLM's KV
+events name (`node_manager/engine_event_keys.py`)."""
+
+from __future__ import annotations
+
+import hashlib
+
+DEFAULT_TENANT = "default"  # every request's tenant when the scheduler has no API keys
+_SALT_DOMAIN = b"symphony-engine-cache-salt\0"
+
+
+def engine_cache_salt(tenant: str, client_salt: str | None = None) -> str:
+    """The `cache_salt` an engine gets with a tenant's request: a digest of the tenant (and of the
+    client's own salt, which may split a tenant's cache further but never joins another's). Not a
+    secret: clients cannot choose it, the scheduler overwrites whatever they send. 32 hex digits."""
+    name = tenant.encode()
+    material = len(name).to_bytes(4, "big") + name  # length-prefixed: no tenant/salt split collides
+    if client_salt is not None:
+        material += client_salt.encode()
+    return hashlib.sha256(_SALT_DOMAIN + material).hexdigest()[:32]
