@@ -4,9 +4,10 @@ for the developer role). Built from copies: the request body is never changed.
 
 - Content: a string is one text part; text parts ("text", "input_text", "output_text", "refusal",
   "thinking") give their text, a "text" or "refusal" part without one is skipped; a "string"
-  template gets the texts joined by newlines, an "openai" one a list of `{"type": "text", ...}`
-  parts (`scheduler.chat_format` decides which). Claude Code's attribution line is dropped from
-  system text. Media parts raise NoTokenIds("unsupported"): only the engine's processor expands them.
+  template gets the non-empty texts joined by newlines, an "openai" one a list of
+  `{"type": "text", ...}` parts, empty ones too (`scheduler.chat_format` decides which). Claude
+  Code's attribution line is dropped from system text. Media parts raise NoTokenIds("unsupported"):
+  only the engine's processor expands them.
 - Assistant messages keep `tool_calls` (their `arguments` parsed from JSON; anything but an object
   becomes {}; an empty list is dropped) and `reasoning` (also as `reasoning_content`); tool
   messages keep `tool_call_id` and get list content joined; `name` and `task` are kept when they
@@ -66,12 +67,13 @@ def conversation_of(messages: list[Mapping[str, Any]], content_format: ContentFo
         )
         if role == "system":
             parts = _strip_billing_header(parts)
-        texts = [piece for piece in (_part(part, content_format) for part in parts) if piece is not None]
+        pieces = [piece for piece in (_part(part) for part in parts) if piece is not None]
         out: dict[str, Any] = {"role": role}
         if content_format == "openai":
-            out["content"] = [t if isinstance(t, dict) else {"type": "text", "text": t} for t in texts]
-        else:
-            out["content"] = "\n".join(t if isinstance(t, str) else t["name"] for t in texts)
+            out["content"] = [p if isinstance(p, dict) else {"type": "text", "text": p} for p in pieces]
+        else:  # as text; vLLM drops empty pieces before joining them
+            texts = (p if isinstance(p, str) else p["name"] for p in pieces)
+            out["content"] = "\n".join(t for t in texts if t)
         if role == "assistant":
             if message.get("tool_calls") is not None:
                 out["tool_calls"] = copy.deepcopy(list(message["tool_calls"]))
@@ -94,7 +96,7 @@ def conversation_of(messages: list[Mapping[str, Any]], content_format: ContentFo
     return conversation
 
 
-def _part(part: Any, content_format: ContentFormat) -> str | dict[str, str] | None:
+def _part(part: Any) -> str | dict[str, str] | None:
     """One content part's text (None: skipped), or a tool reference."""
     if isinstance(part, str):
         return part

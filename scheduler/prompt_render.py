@@ -244,6 +244,8 @@ def completion_prompt(tokenizer: Any, body: Mapping[str, Any]) -> TextPrompt | I
     if fields.suffix is not None:
         raise NoTokenIds("unsupported", "suffix (fill-in-the-middle rendering)")
     prompt = body["prompt"]
+    if prompt == "":
+        raise NoTokenIds("invalid_input", "Either prompt or prompt_embeds must be provided and non-empty.")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise NoTokenIds("unsupported", f"{len(prompt)} prompts in one request (one token sequence each)")

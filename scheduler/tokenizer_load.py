@@ -69,12 +69,10 @@ class ModelTokenizer:
         ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         return ids
 
-    def check_ids(self, ids: list[int]) -> list[int]:
-        """`ids` when vLLM would accept them as a prompt, else NoTokenIds("invalid_input")."""
-        bad = next((i for i in ids if not 0 <= i <= self.max_token_id), None)
-        if bad is not None:
-            raise NoTokenIds("invalid_input", f"Token id {bad} is out of vocabulary")
-        return ids
+    def check_ids(self, ids: np.ndarray) -> None:
+        """Raise NoTokenIds("invalid_input") unless vLLM accepts every id of `ids` (uint32)."""
+        if len(ids) and int(ids.max()) > self.max_token_id:
+            raise NoTokenIds("invalid_input", f"Token id {int(ids.max())} is out of vocabulary")
 
 
 def load_model_tokenizer(name: str, path: Path) -> ModelTokenizer:

@@ -38,6 +38,7 @@ from symphony.logs import get_logger
 
 log = get_logger(__name__)
 T = TypeVar("T")
+S = TypeVar("S", list[int], np.ndarray)
 MAX_WAITING = 64  # requests queued for the tokenizer thread beyond which a request gets no ids at once
 
 
@@ -175,7 +176,13 @@ class TokenService:
         hf = tokenizer.tokenizer
         prompt = chat_prompt(hf, body) if "messages" in body else completion_prompt(hf, body)
         if isinstance(prompt, IdsPrompt):
-            ids, mode = read_only(tokenizer.check_ids(prompt.ids)), "ids"
+            if any(i < 0 for i in prompt.ids):
+                raise NoTokenIds("invalid_input", "prompt: token ids must not be negative")
+            kept = _truncated(prompt.ids, prompt, tokenizer)  # vLLM checks the vocabulary after cutting
+            too_large = next((i for i in kept if i > tokenizer.max_token_id), None)
+            if too_large is not None:
+                raise NoTokenIds("invalid_input", f"Token id {too_large} is out of vocabulary")
+            ids, mode = read_only(kept), "ids"
         else:
             key = (tenant, session_id) if session_id is not None else None
             previous = self._cache.get(key) if key is not None else None
@@ -184,9 +191,12 @@ class TokenService:
             )
             if key is not None:
                 self._cache.put(key, encoded)
-            ids = encoded.ids
-        ids = _truncated(ids, prompt, tokenizer)
+            ids = _truncated(encoded.ids, prompt, tokenizer)
         self._metrics.tokenize_seconds.labels(mode).observe(time.perf_counter() - started)
+        # What vLLM's engine checks before it takes a prompt (vllm/v1/engine/input_processor.py).
+        if not len(ids):
+            raise NoTokenIds("invalid_input", "The decoder prompt cannot be empty")
+        tokenizer.check_ids(ids)
         return ids
 
     def _tokenize(self, model: str, body: Mapping[str, Any]) -> tuple[list[int], list[str] | None]:
@@ -204,7 +214,7 @@ class TokenService:
         return text
 
 
-def _truncated(ids: np.ndarray, prompt: TextPrompt | IdsPrompt, tokenizer: ModelTokenizer) -> np.ndarray:
+def _truncated(ids: S, prompt: TextPrompt | IdsPrompt, tokenizer: ModelTokenizer) -> S:
     """`ids` cut as vLLM cuts them for `truncate_prompt_tokens` (no cut without it)."""
     cut: Truncation | None = prompt.truncation
     if cut is None or cut.keep >= len(ids):
