@@ -207,10 +207,20 @@ class FakeEngine:
         await response.write_eof()
         return response
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """/tokenize and /detokenize: records the body and answers as vLLM would, with made-up ids."""
+        body = await request.json()
+        self.requests.append(body)
+        if request.path == "/detokenize":
+            return web.json_response({"prompt": "engine text"})
+        return web.json_response({"count": 3, "max_model_len": 4096, "tokens": [7, 8, 9], "token_strs": None})
+
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._chat)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._tokenize)
         self._runner = web.AppRunner(app, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
