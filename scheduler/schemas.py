@@ -84,7 +84,7 @@ class TokenizeCompletionBody(_Body):
     """`POST /tokenize` with a prompt (vLLM's TokenizeCompletionRequest)."""
 
     prompt: StrictStr
-    add_special_tokens: StrictBool | None = None
+    add_special_tokens: StrictBool = True
     return_token_strs: StrictBool | None = None
 
 
@@ -92,9 +92,9 @@ class TokenizeChatBody(_Body):
     """`POST /tokenize` with messages (vLLM's TokenizeChatRequest)."""
 
     messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
-    add_generation_prompt: StrictBool | None = None
-    continue_final_message: StrictBool | None = None
-    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
     return_token_strs: StrictBool | None = None
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None

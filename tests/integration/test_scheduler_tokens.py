@@ -74,6 +74,7 @@ async def test_tokenize_and_detokenize_with_the_schedulers_tokenizer(
         ("/tokenize", b"[1, 2]", 400, None),
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": None}, 400, "add_special_tokens"),
         ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
         ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 'x' }}"}, 400, None),
         ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True}, 400, None),
