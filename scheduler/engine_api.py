@@ -107,11 +107,9 @@ async def _request(state: SchedulerState, request: Request, endpoint: str) -> tu
 
 async def _relay(state: SchedulerState, model: str, path: str, body: dict[str, Any]) -> Response:
     """`body` answered by an engine serving `model` (the least busy one that is available)."""
-    now = time.monotonic()
-    nodes = [n for n in state.cluster.nodes if n.served_model == model and n.available(now, state.cluster.down_after_s)]
-    if not nodes:
+    node = state.cluster.least_busy_engine(model)
+    if node is None:
         raise ApiError(503, f"no engine is available to serve {model!r}; retry shortly", code="no_engine_available")
-    node = min(nodes, key=lambda n: n.inflight)
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELAY_TIMEOUT_S)) as session,

@@ -4,6 +4,8 @@ changes it; nothing here knows HTTP."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -17,6 +19,7 @@ from scheduler.node_monitor import NodeMonitor
 from scheduler.policies import make_policy
 from scheduler.priorities import PriorityTable
 from scheduler.sessions import SessionTable
+from scheduler.tokenizer_check import check_tokenizers
 from scheduler.tokenizer_load import tokenizer_dirs
 from scheduler.tokens import TokenService
 from symphony.config import SymphonyConfig
@@ -62,6 +65,7 @@ class SchedulerState:
             cache_tokens=sc.tokenizer_cache_tokens,
             timeout_s=sc.tokenize_timeout_ms / 1000,
         )
+        self.tokenizer_check: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
             self.cluster,
             make_policy(sc.policy, sc),
@@ -108,8 +112,14 @@ class SchedulerState:
         await self.cluster.start()
         if self.kv_watch is not None:
             await self.kv_watch.start()  # on the monitor's channels, open now
+        if self.tokens.dirs:
+            self.tokenizer_check = asyncio.create_task(check_tokenizers(self.tokens, self.cluster))
 
     async def stop(self) -> None:
+        if self.tokenizer_check is not None:
+            self.tokenizer_check.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.tokenizer_check
         if self.kv_watch is not None:
             await self.kv_watch.stop()  # before the channels close under it
         await self.cluster.stop()

@@ -62,6 +62,7 @@ class TokenService:
         self._cache = SessionTokenCache(cache_sessions, cache_tokens)  # the tokenizer thread's only
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="symphony-tokenizer")
         self._loading: concurrent.futures.Future[None] | None = None
+        self._disabled: set[str] = set()  # models whose tokenizer is not their engines' (tokenizer_check)
         # Requests waiting or running: asked (loop thread) - finished (tokenizer thread) - dropped
         # before they started (loop thread). Each counter has one writer.
         self._asked = self._finished = self._dropped = 0
@@ -93,8 +94,14 @@ class TokenService:
                 seconds = round(time.perf_counter() - started, 2)
                 log.info("tokenizer loaded", model=name, path=str(path), seconds=seconds)
 
+    def disable(self, model: str) -> None:
+        """Stop using `model`'s tokenizer: its requests get no ids from now on."""
+        self._disabled.add(model)
+
     def status(self, model: str) -> str:
-        """ "ready", "loading" or "none" (no tokenizer for `model`)."""
+        """One of "ready", "loading" and "none" (no tokenizer for `model`, or one disabled)."""
+        if model in self._disabled:
+            return "none"
         if model in self._models:
             return "ready"
         loading = self._loading is not None and not self._loading.done()
