@@ -1,6 +1,7 @@
 """vLLM's other endpoints on a real scheduler (uvicorn) in front of fake nodes: /tokenize and
 /detokenize answered with the scheduler's own tokenizer (a small one trained here), or relayed to an
-engine where it has none; /health, /version and /v1/models; bad input as OpenAI-style 4xx."""
+engine where it has none; the check that the tokenizer is the engines'; /health, /version and
+/v1/models; bad input as OpenAI-style 4xx."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
+from scheduler.prompt_render import chat_prompt
+from scheduler.state import SchedulerState
+from scheduler.tokenizer_check import PROBES
 from scheduler.tokenizer_load import ModelTokenizer, load_model_tokenizer
+from tests.helpers import async_wait_until
 from tests.integration.conftest import MakeNode, StartScheduler, ready
 from tests.integration.fakes import FakeEngine
 from tests.tokenizer_support import make_tokenizer
@@ -29,6 +34,39 @@ def reference(tokenizer_dir: Path) -> ModelTokenizer:
     return load_model_tokenizer("m", tokenizer_dir)
 
 
+async def with_tokenizer(
+    make_node: MakeNode,
+    engine: FakeEngine,
+    start_scheduler: StartScheduler,
+    tokenizer_dir: Path,
+    reference: ModelTokenizer | None,
+    **scheduler: Any,
+) -> tuple[str, SchedulerState]:
+    """A scheduler with the tokenizer of `tokenizer_dir` for model "m", once its check against the
+    engine is over; the engine tokenizes with `reference` (None: made-up ids, which fail the check)."""
+    if reference is not None:
+        engine.tokenize_with = lambda body: tokenize_as(reference, body)
+    url, state = await start_scheduler([await make_node(engine.url)], tokenizers=[f"m={tokenizer_dir}"], **scheduler)
+    await state.tokens.loaded()
+    check = state.tokenizer_check
+    assert check is not None
+    await async_wait_until(check.done, 20, "the tokenizer check")
+    return url, state
+
+
+def tokenize_as(reference: ModelTokenizer, body: dict[str, Any]) -> list[int]:
+    if "messages" in body:
+        prompt = chat_prompt(reference.tokenizer, body, tokenize_endpoint=True)
+        return reference.encode(prompt.text, prompt.add_special_tokens)
+    return reference.encode(body["prompt"], body.get("add_special_tokens", True))
+
+
+def relayed(engine: FakeEngine) -> list[dict[str, Any]]:
+    """The /tokenize and /detokenize bodies the engine got, but the tokenizer check's probes."""
+    probes = [{"model": "m", **probe} for probe in PROBES]
+    return [body for body in engine.tokenize_requests if body not in probes]
+
+
 def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -44,8 +82,8 @@ async def test_tokenize_and_detokenize_with_the_schedulers_tokenizer(
     tokenizer_dir: Path,
     reference: ModelTokenizer,
 ) -> None:
-    url, state = await start_scheduler([await make_node(engine.url)], tokenizers=[f"m={tokenizer_dir}"])
-    await state.tokens.loaded()
+    url, state = await with_tokenizer(make_node, engine, start_scheduler, tokenizer_dir, reference)
+    assert state.tokens.status("m") == "ready"
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         ids = reference.encode("hello world", True)
@@ -64,7 +102,7 @@ async def test_tokenize_and_detokenize_with_the_schedulers_tokenizer(
         answer = await client.post("/detokenize", json={"model": "m", "tokens": ids})
         assert answer.status_code == 200 and answer.json() == {"prompt": text}
         assert (await client.post("/tokenize", json={"prompt": ""})).json()["tokens"] == []
-    assert engine.requests == []  # all answered by the scheduler
+    assert relayed(engine) == []  # all answered by the scheduler
 
 
 @pytest.mark.parametrize(
@@ -90,19 +128,19 @@ async def test_bad_input_gets_an_openai_style_4xx(
     engine: FakeEngine,
     start_scheduler: StartScheduler,
     tokenizer_dir: Path,
+    reference: ModelTokenizer,
     path: str,
     body: Any,
     status: int,
     param: str | None,
 ) -> None:
-    url, state = await start_scheduler([await make_node(engine.url)], tokenizers=[f"m={tokenizer_dir}"])
-    await state.tokens.loaded()
+    url, _ = await with_tokenizer(make_node, engine, start_scheduler, tokenizer_dir, reference)
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         content = body if isinstance(body, bytes) else None
         answer = await client.post(path, content=content, json=None if content is not None else body)
         assert_openai_error(answer, status, param)
-    assert engine.requests == []
+    assert relayed(engine) == []
 
 
 async def test_without_a_tokenizer_an_engine_answers(
@@ -115,19 +153,33 @@ async def test_without_a_tokenizer_an_engine_answers(
         answer = await client.post("/tokenize", json={"prompt": "hello"})
         assert answer.json() == {"count": 3, "max_model_len": 4096, "tokens": [7, 8, 9], "token_strs": None}
         assert (await client.post("/detokenize", json={"tokens": [7]})).json() == {"prompt": "engine text"}
-    assert engine.requests == [{"prompt": "hello", "model": "m"}, {"tokens": [7], "model": "m"}]
+    assert relayed(engine) == [{"prompt": "hello", "model": "m"}, {"tokens": [7], "model": "m"}]
 
 
 async def test_media_the_scheduler_cannot_render_goes_to_an_engine(
-    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, tokenizer_dir: Path
+    make_node: MakeNode,
+    engine: FakeEngine,
+    start_scheduler: StartScheduler,
+    tokenizer_dir: Path,
+    reference: ModelTokenizer,
 ) -> None:
-    url, state = await start_scheduler([await make_node(engine.url)], tokenizers=[f"m={tokenizer_dir}"])
-    await state.tokens.loaded()
+    url, state = await with_tokenizer(make_node, engine, start_scheduler, tokenizer_dir, reference)
+    engine.tokenize_with = None  # made-up ids from now on: they show where the answer came from
     body = {"messages": [{"role": "user", "content": [IMAGE]}]}
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         assert (await client.post("/tokenize", json=body)).json()["tokens"] == [7, 8, 9]
-    assert engine.requests == [{**body, "model": "m"}]
+    assert relayed(engine) == [{**body, "model": "m"}] and state.tokens.status("m") == "ready"
+
+
+async def test_a_tokenizer_that_is_not_the_engines_is_dropped(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, tokenizer_dir: Path
+) -> None:
+    url, state = await with_tokenizer(make_node, engine, start_scheduler, tokenizer_dir, None)
+    assert state.tokens.status("m") == "none"
+    assert await state.tokens.request_token_ids("t", "s", "m", {"prompt": "hello"}) is None
+    async with httpx.AsyncClient(base_url=url) as client:
+        assert (await client.post("/tokenize", json={"prompt": "hello"})).json()["tokens"] == [7, 8, 9]
 
 
 async def test_no_ready_engine_and_no_tokenizer_is_a_503(start_scheduler: StartScheduler) -> None:
@@ -137,12 +189,13 @@ async def test_no_ready_engine_and_no_tokenizer_is_a_503(start_scheduler: StartS
 
 
 async def test_tokenize_takes_a_tenants_key_as_inference_does(
-    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, tokenizer_dir: Path
+    make_node: MakeNode,
+    engine: FakeEngine,
+    start_scheduler: StartScheduler,
+    tokenizer_dir: Path,
+    reference: ModelTokenizer,
 ) -> None:
-    url, state = await start_scheduler(
-        [await make_node(engine.url)], api_keys=["acme:k1"], tokenizers=[f"m={tokenizer_dir}"]
-    )
-    await state.tokens.loaded()
+    url, _ = await with_tokenizer(make_node, engine, start_scheduler, tokenizer_dir, reference, api_keys=["acme:k1"])
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
