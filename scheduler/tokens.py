@@ -9,10 +9,10 @@ model, input vLLM would refuse or the scheduler cannot reproduce, a timeout) it 
 the `/tokenize` and `/detokenize` endpoints and raise `NoTokenIds` instead.
 
 Where the work runs: on one thread of its own, never on the event loop. Tokenizing costs ~1 µs per
-token here (a 2,000-token first turn ~2-3 ms, a long conversation's next turn ~0.2 ms incrementally),
-and a 4 MB body ~1 s: inline, that would stall every other request for as long. transformers' fast
-tokenizer releases the GIL while it encodes, so the thread runs beside the loop instead of taking
-turns with it; handing a request over costs the loop ~30 µs (docs/design-notes.md#scheduler-tokenizer).
+token here (a 2,000-token first turn 1.8 ms; a 20-turn conversation's last turn 5.3 ms whole, 0.5 ms
+incrementally) and a 4 MB body ~1 s: inline, that would stall every other request as long.
+transformers' fast tokenizer releases the GIL while it encodes, so the thread runs beside the loop;
+handing a request over costs the loop ~40 µs of CPU (docs/design-notes.md#scheduler-tokenizer).
 One thread, because a tokenizer object is not thread-safe and the session cache then needs no lock;
 at most `MAX_WAITING` requests wait for it (beyond: "busy"), and each gets `timeout_s` from when it
 was asked (beyond: "timeout"; work that already started finishes in the background).
