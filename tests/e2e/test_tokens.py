@@ -110,7 +110,7 @@ def test_the_schedulers_ids_count_as_a_real_completions_prompt(
 def test_detokenize_health_version_and_models_answer_as_the_engines(live_cluster: LiveCluster) -> None:
     engine = f"http://127.0.0.1:{live_cluster.engine_ports[0]}"
     with httpx.Client(timeout=30) as client:
-        for tokens in ([1, 4093, 198, 6004, 2], [28120, 905, 17, 49151], []):
+        for tokens in ([1, 4093, 198, 6004, 2], [28120, 905, 17, 49151], [28120, 60000], []):
             body = {"model": live_cluster.model, "tokens": tokens}
             theirs = client.post(engine + "/detokenize", json=body)
             ours = client.post(live_cluster.url + "/detokenize", json=body)
