@@ -1,5 +1,6 @@
 """HTTP surface of the scheduler: OpenAI-compatible inference and advisories (scheduler.hot_path),
-models, health and metrics (FastAPI)."""
+vLLM's other endpoints (models, health, version, tokenize: scheduler.engine_api), readiness and
+metrics (FastAPI)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from scheduler.admin import admin_routes
+from scheduler.engine_api import engine_routes
 from scheduler.errors import ApiError, http_error_handler
 from scheduler.hot_path import HotPath
 from scheduler.state import SchedulerState
@@ -43,14 +45,7 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
 
     app.add_exception_handler(ApiError, api_error)
     app.include_router(admin_routes(state))
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        data = [
-            {"id": name, "object": "model", "owned_by": "symphony", "max_model_len": max_len}
-            for name, max_len in sorted(state.cluster.served_models().items())
-        ]
-        return JSONResponse({"object": "list", "data": data})
+    app.include_router(engine_routes(state))
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:

@@ -136,6 +136,13 @@ class NodeMonitor:
                 served[n.served_model] = min(served.get(n.served_model, n.max_model_len), n.max_model_len)
         return served
 
+    def least_busy_engine(self, model: str) -> NodeView | None:
+        """An available node serving `model`, the one with the fewest requests in flight (for the
+        scheduler's own calls to an engine, such as /tokenize)."""
+        now = self._clock()
+        nodes = [n for n in self.nodes if n.served_model == model and n.available(now, self.down_after_s)]
+        return min(nodes, key=lambda n: n.inflight, default=None)
+
     def states(self) -> dict[str, str]:
         now = self._clock()
         return {n.node_id: n.state_name(now, self.down_after_s) for n in self.nodes}

@@ -80,6 +80,33 @@ class CompletionBody(_Sampling):
     suffix: StrictStr | None = None
 
 
+class TokenizeCompletionBody(_Body):
+    """`POST /tokenize` with a prompt (vLLM's TokenizeCompletionRequest)."""
+
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool | None = None
+
+
+class TokenizeChatBody(_Body):
+    """`POST /tokenize` with messages (vLLM's TokenizeChatRequest)."""
+
+    messages: Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool | None = None
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeBody(_Body):
+    """`POST /detokenize` (vLLM's DetokenizeRequest)."""
+
+    tokens: list[Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]]
+
+
 class AdvisoryBody(_Body):
     kind: AdvisoryKind
     expected_arrival_ms: Number | None = None

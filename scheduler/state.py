@@ -4,6 +4,8 @@ changes it; nothing here knows HTTP."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -17,6 +19,9 @@ from scheduler.node_monitor import NodeMonitor
 from scheduler.policies import make_policy
 from scheduler.priorities import PriorityTable
 from scheduler.sessions import SessionTable
+from scheduler.tokenizer_check import check_tokenizers
+from scheduler.tokenizer_load import tokenizer_dirs
+from scheduler.tokens import TokenService
 from symphony.config import SymphonyConfig
 from symphony.kv_addressing import BlockKey
 
@@ -53,6 +58,14 @@ class SchedulerState:
                 timeout_s=sc.kv_watch_timeout_ms / 1000,
                 backoff_max_s=sc.kv_watch_backoff_max_ms / 1000,
             )
+        self.tokens = TokenService(
+            tokenizer_dirs(config),
+            self.metrics,
+            cache_sessions=sc.tokenizer_cache_sessions,
+            cache_tokens=sc.tokenizer_cache_tokens,
+            timeout_s=sc.tokenize_timeout_ms / 1000,
+        )
+        self.tokenizer_check: asyncio.Task[None] | None = None
         self.dispatcher = Dispatcher(
             self.cluster,
             make_policy(sc.policy, sc),
@@ -80,6 +93,8 @@ class SchedulerState:
         self.advisories.purge(now)
         self.sessions.purge()
         m.advisories_pending.set(len(self.advisories))
+        m.tokenize_cache_sessions.set(self.tokens.cached_sessions)
+        m.tokenize_cache_tokens.set(self.tokens.cached_tokens)
         for node in self.cluster.nodes:
             if not node.reported:
                 continue  # its id is not known yet; no series under a placeholder name
@@ -92,13 +107,21 @@ class SchedulerState:
             self.kv_watch.export_gauges()
 
     async def start(self) -> None:
+        self.tokens.start()  # in the background: the tokenizers load while the nodes come up
         await self.dispatcher.start()
         await self.cluster.start()
         if self.kv_watch is not None:
             await self.kv_watch.start()  # on the monitor's channels, open now
+        if self.tokens.dirs:
+            self.tokenizer_check = asyncio.create_task(check_tokenizers(self.tokens, self.cluster))
 
     async def stop(self) -> None:
+        if self.tokenizer_check is not None:
+            self.tokenizer_check.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.tokenizer_check
         if self.kv_watch is not None:
             await self.kv_watch.stop()  # before the channels close under it
         await self.cluster.stop()
         await self.dispatcher.stop()
+        self.tokens.stop()

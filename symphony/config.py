@@ -248,6 +248,9 @@ def _validate(config: SymphonyConfig) -> None:
         "kv_index_max_blocks",
         "kv_watch_timeout_ms",
         "kv_watch_backoff_max_ms",
+        "tokenizer_cache_sessions",
+        "tokenizer_cache_tokens",
+        "tokenize_timeout_ms",
     ):
         check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
     for name in ("route_pull_wait_ms", "route_pull_min_tokens"):
@@ -276,6 +279,12 @@ def _validate(config: SymphonyConfig) -> None:
             f"a key is given to both {tenants_by_key.get(key)!r} and {tenant!r}",
         )
         tenants_by_key[key] = tenant
+    served_names: set[str] = set()
+    for entry in s.tokenizers:
+        name, sep, path = entry.partition("=")
+        check(bool(sep and name and path), "scheduler.tokenizers", f'{entry!r} is not "served_name=path"')
+        check(name not in served_names, "scheduler.tokenizers", f"{name!r} is given twice")
+        served_names.add(name)
     for address in s.node_addresses:
         host, sep, port_text = address.rpartition(":")
         check(

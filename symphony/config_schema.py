@@ -68,6 +68,15 @@ class SchedulerConfig:
     # Tenants' API keys, "tenant:key" each; empty: no authentication, every request is tenant "default".
     api_keys: list[str] = field(default_factory=list)
     admin_token: str = ""  # bearer token of the admin API (/admin/v1/...); empty: the admin API is off
+    # The tokenizer the scheduler computes requests' token ids with (scheduler/tokenizer_load.py): that
+    # of the model [engine] describes, served as engine.served_model_name (else its directory's name).
+    # "auto": its directory, when the scheduler runs the local cluster (no node_addresses); a path;
+    # "": none (requests get no token ids).
+    tokenizer: str = "auto"
+    tokenizers: list[str] = field(default_factory=list)  # other served models': "served_name=path" each
+    tokenizer_cache_sessions: int = 10_000  # sessions whose last prompt is kept to tokenize the next from
+    tokenizer_cache_tokens: int = 4_000_000  # token ids kept for them in all (least recently used out)
+    tokenize_timeout_ms: int = 1000  # a request not tokenized by then gets no token ids
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -134,6 +136,8 @@ class FakeEngine:
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     prefill_done: asyncio.Event = field(default_factory=asyncio.Event)
+    tokenize_requests: list[dict[str, Any]] = field(default_factory=list)
+    tokenize_with: Callable[[dict[str, Any]], list[int]] | None = None
     _runner: web.AppRunner | None = None
 
     @property
@@ -207,10 +211,23 @@ class FakeEngine:
         await response.write_eof()
         return response
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """/tokenize and /detokenize: records the body in `tokenize_requests` and answers as vLLM
+        would, with the ids of `tokenize_with` (the scheduler's tokenizer check then passes) or
+        made-up ones."""
+        body = await request.json()
+        self.tokenize_requests.append(body)
+        if request.path == "/detokenize":
+            return web.json_response({"prompt": "engine text"})
+        ids = self.tokenize_with(body) if self.tokenize_with is not None else [7, 8, 9]
+        return web.json_response({"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None})
+
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._chat)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._tokenize)
         self._runner = web.AppRunner(app, handle_signals=False)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
