@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Sequence
 
 import grpc
 
@@ -14,6 +15,7 @@ from node_manager.identity import identify_served_model
 from node_manager.kv_runtime import GRPC_OPTIONS, start_kv
 from node_manager.service import NodeManagerService
 from symphony.config import SymphonyConfig
+from symphony.kv_addressing import BlockKey
 from symphony.kv_geometry import geometry_from_model_dir
 from symphony.logs import get_logger
 from symphony.loop_watchdog import LoopWatchdog
@@ -57,9 +59,15 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
         config, index, geometry, identity.fingerprint, server, engine if serving else None, model.served_name
     )
     # The one wiring point of the engine tier's block events (vLLM's prefix cache as Symphony block
-    # keys): every event goes to this `emit`. For now it only counts them.
+    # keys): each is counted, then published to the node's block event log as TIER_ENGINE, which
+    # streams it to the scheduler's KV index (WatchBlocks).
     events_metrics = EngineEventMetrics(kv.store.metrics.registry)
-    emit = counting_emit(events_metrics)
+    count, publish = counting_emit(events_metrics), kv.events.engine_emitter()
+
+    def emit(kind: str, keys: Sequence[BlockKey]) -> None:
+        count(kind, keys)
+        publish(kind, keys)
+
     engine.follow_block_events(
         engine_block_events(config, index, identity.fingerprint, geometry, kv.store.sessions, emit, events_metrics)
     )
