@@ -45,10 +45,9 @@ from eval.loadgen import LoadSettings, RequestRecord
 from eval.results import write_result
 from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, fit_slowdown, load_preset, save_preset
 from eval.sim.cluster import ClusterSim, LinkModel, SimResult, Turn
-from eval.sim.presets import Preset
+from eval.sim.presets import Preset, sim_policy
 from eval.sim.scenarios import summarize
 from eval.workloads import Conversation, HumanTiming
-from scheduler.policies import make_policy
 from symphony.config import SymphonyConfig
 from symphony.kv_geometry import smollm2_geometry
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
@@ -349,7 +348,8 @@ def compare(live: dict[str, float], simulated: dict[str, float]) -> dict[str, fl
 
 
 def simulate_replay(preset: Preset, policy: str, node_ids: list[str], turns: list[Turn]) -> SimResult:
-    return ClusterSim(make_policy(policy), dict.fromkeys(node_ids, preset.engine), preset.link).run(turns=turns)
+    engines = dict.fromkeys(node_ids, preset.engine)
+    return ClusterSim(sim_policy(policy, preset), engines, preset.link).run(turns=turns)
 
 
 def run_validate_bench(
