@@ -34,7 +34,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.cost_profile import DEFAULT_PROFILE, KILO, CostProfile
+from scheduler.cost_profile import DEFAULT_PROFILE, KILO, CostProfile, LinkCost
 from scheduler.routing import (
     NO_NODE,
     NOTHING_HELD,
@@ -93,6 +93,8 @@ class SymphonyPolicy:
         self.cost = cost or CostModel()
         self.selective_push = selective_push
         self._rotation = itertools.count()
+        tokens = self.cost.unknown_prefill_tokens
+        self._unknown_prefill_ms = profile.prefill_ms(tokens, tokens)  # a request ahead of unknown size
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, profile: CostProfile) -> SymphonyPolicy:
@@ -110,7 +112,22 @@ class SymphonyPolicy:
                 return RouteDecision(None, "queued", queue=True)
         holdings = request.holdings()
         prompt = prompt_tokens(request, holdings)
-        scores = {n.node_id: self._estimate(request, prompt, n, holdings).total_ms for n in candidates}
+        high = request.priority == "high"
+        spread_ms = self.cost.high_spread_requests * self._unknown_prefill_ms if high else 0.0
+        # What a node holding none of the prompt pays depends only on its links from the holders: one
+        # computation per distinct set of links (one, for a fleet on a uniform network).
+        elsewhere: dict[tuple[LinkCost, ...], float] = {}
+        scores = {}
+        for n in candidates:
+            if n.node_id in holdings:
+                own = sum(self._own(prompt, n.node_id, holdings))
+            else:
+                links = tuple(self.profile.link(source, n.node_id) for source in holdings) if self.profile.links else ()
+                if links not in elsewhere:
+                    elsewhere[links] = sum(self._own(prompt, n.node_id, holdings))
+                own = elsewhere[links]
+            spread = n.high_sessions * spread_ms
+            scores[n.node_id] = self.profile.request_overhead_ms + self.queue_ms(n) + own + spread
         best = min(scores.values())
         # Equal costs: the emptier KV cache (fewer blocks for vLLM to evict), then in rotation, which
         # spreads an idle cluster's first requests instead of piling them on the first node.
@@ -130,12 +147,12 @@ class SymphonyPolicy:
     def _estimate(
         self, request: RouteRequest, prompt: int, node: NodeSnapshot, holdings: Mapping[str, HeldPrefix]
     ) -> TtftEstimate:
-        p = self.profile
         load_ms, fetch_ms, prefill_ms = self._own(prompt, node.node_id, holdings)
         spread = 0.0
         if request.priority == "high":
-            spread = node.high_sessions * self.cost.high_spread_requests * self._unknown_prefill_ms()
-        return TtftEstimate(p.request_overhead_ms, self.queue_ms(node), load_ms, fetch_ms, prefill_ms, spread)
+            spread = node.high_sessions * self.cost.high_spread_requests * self._unknown_prefill_ms
+        overhead = self.profile.request_overhead_ms
+        return TtftEstimate(overhead, self.queue_ms(node), load_ms, fetch_ms, prefill_ms, spread)
 
     def queue_ms(self, node: NodeSnapshot) -> float:
         """From the request's arrival at `node`'s engine to the end of the step that prefills it, but
@@ -145,20 +162,14 @@ class SymphonyPolicy:
         active = max(node.running + node.waiting, node.inflight)
         work = node.prefilling_work
         unknown = max(0, node.waiting - node.prefilling) + (0 if work.tokens else node.prefilling)
-        ahead_ms = (
-            p.prefill_ms_per_token * work.tokens
-            + p.prefill_ms_per_token_kilotoken * work.positions / KILO
-            + unknown * self._unknown_prefill_ms()
-        )
+        ahead_ms = unknown * self._unknown_prefill_ms
+        if work.tokens:
+            ahead_ms += p.prefill_ms_per_token * work.tokens + p.prefill_ms_per_token_kilotoken * work.positions / KILO
         decoding = max(0, active - ahead) + node.announced
         # The engine's KV in use is its requests' context (vLLM counts cached blocks no request uses as free).
         step = p.step_with(decoding, kv_usage(node) * p.engine_kv_tokens if decoding else 0.0)
         under_way = step / 2 if active else 0.0
         return under_way + step + ahead_ms
-
-    def _unknown_prefill_ms(self) -> float:
-        tokens = self.cost.unknown_prefill_tokens
-        return self.profile.prefill_ms(tokens, tokens)
 
     def _own(self, prompt: int, node_id: str, holdings: Mapping[str, HeldPrefix]) -> tuple[float, float, float]:
         """(load, fetch, prefill) ms of a `prompt`-token request on `node_id`: its own prefix loaded
@@ -168,7 +179,7 @@ class SymphonyPolicy:
         last = prompt - 1  # the engine computes the last token whatever it holds
         own = holdings.get(node_id, NOTHING_HELD)
         start = min(own.total, last)
-        mine = own.between(0, start)
+        mine = own if start == own.total else own.between(0, start)
         load = mine.hbm * tiers.hbm + mine.dram * tiers.dram + mine.ssd * tiers.ssd
         fetch, rest = 0.0, p.prefill_ms(prompt - start, prompt)
         for source, held in holdings.items():
