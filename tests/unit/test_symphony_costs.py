@@ -154,3 +154,18 @@ def test_a_prefills_work_is_what_the_node_lacks_or_what_no_node_holds_after_a_pu
     # Never less than the last token, which the engine always computes.
     assert prefill_work(RouteRequest("t", "s", "m", history_tokens=900, kv_tokens={"a": 900}), "a", False).tokens == 1
     assert PrefillWork(3, 4.0) + PrefillWork(1, 1.0) - PrefillWork(3, 4.0) == PrefillWork(1, 1.0)
+
+
+def test_the_scores_a_decision_carries_are_the_estimates() -> None:
+    """choose prices nodes that hold nothing once per set of links; the totals stay estimate's."""
+    policy = SymphonyPolicy(PROFILE)
+    req = request(1500, {"far": HeldPrefix(dram=900), "x": HeldPrefix(engine=100)}, priority="high")
+    nodes = [
+        node("far", running=2, prefilling=1, prefilling_work=PrefillWork(300, 60_000.0)),
+        node("x", running=1, kv_usage=0.4),
+        node("y", inflight=3, high_sessions=1),
+        node("z", waiting=0, announced=2),
+    ]
+    decision = policy.choose(req, nodes)
+    assert decision.scores == {n.node_id: pytest.approx(policy.estimate(req, n).total_ms) for n in nodes}
+    assert decision.node_id == min(decision.scores, key=decision.scores.__getitem__)
