@@ -13,7 +13,9 @@ others decoding a steady background load: the model's neighbour slowdown), in in
 
 `eval.sim.calibration` fits the engine model to those samples; with the engine's KV capacity (from its
 `vllm:cache_config_info` metric) and SmolLM2's KV geometry over the measured peer link, that is the
-`local` preset, written as a JSON file the simulator reads (`bench sim --preset-file`).
+`local` preset, written as a JSON file the simulator reads (`bench sim --preset-file`). The same fit,
+with tier loads and node-to-node links measured by `eval.calibrate_costs`, is the scheduler's cost
+profile (`scheduler.cost_profile`), written where `scheduler.cost_profile` says.
 
 validate: the same cluster then serves a ShareGPT replay through one policy (`bench cluster`'s load
 generator: human timing, advisories); the simulator replays the very requests the live run sent
@@ -41,16 +43,17 @@ import httpx
 import openai
 
 from eval.bench_cluster import bench_cluster_config, measure_policies, on_private_cluster
+from eval.calibrate_costs import build_profile, check_queue, measure_links, measure_tier_loads, tier_costs
 from eval.loadgen import LoadSettings, RequestRecord
 from eval.results import write_result
 from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, fit_slowdown, load_preset, save_preset
 from eval.sim.cluster import ClusterSim, LinkModel, SimResult, Turn
-from eval.sim.presets import Preset
+from eval.sim.presets import Preset, sim_policy
 from eval.sim.scenarios import summarize
 from eval.workloads import Conversation, HumanTiming
-from scheduler.policies import make_policy
+from scheduler.cost_profile import CostProfile, problems, to_dict, to_json
 from symphony.config import SymphonyConfig
-from symphony.kv_geometry import smollm2_geometry
+from symphony.kv_geometry import geometry_from_model_dir, smollm2_geometry
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 
 
@@ -269,11 +272,33 @@ def _private_config(config: SymphonyConfig) -> tuple[SymphonyConfig, ModelInfo, 
     return bench_cluster_config(config, home), model, home
 
 
-def run_calibrate_bench(config: SymphonyConfig, *, out: Path, preset_out: Path) -> int:
+def run_calibrate_bench(config: SymphonyConfig, *, out: Path, preset_out: Path, profile_out: Path) -> int:
+    """Calibrate the engine model (the simulator's preset) and measure the cost profile (the
+    scheduler's, `eval.calibrate_costs`): tier loads first, with no cluster running, then the
+    engines, the links between the nodes and the check of the policy's queue term."""
     private, model, home = _private_config(config)
+    geometry = geometry_from_model_dir(model.path, config.engine.block_size, config.engine.dtype)
+    kv_bytes_per_token = int(geometry.bytes_per_token())
+    tier_rates = measure_tier_loads(geometry, config.kv.device, config.kv_ssd_dir(0).parent)
+    tiers = tier_costs(kv_bytes_per_token, tier_rates)
+    costs: dict[str, Any] = {}
 
     async def work() -> tuple[Preset, dict[str, Any]]:
-        return await calibrate(private, model.served_name)
+        preset, samples = await calibrate(private, model.served_name)
+        links, costs["link_samples"] = await measure_links(private)
+        source = f"symphony bench calibrate, {time.strftime('%Y-%m-%d')}: {model.served_name}, {len(links)} links"
+        profile = build_profile(
+            preset.engine,
+            kv_bytes_per_token=kv_bytes_per_token,
+            tiers=tiers,
+            links=links,
+            model=model.served_name,
+            source=source,
+        )
+        costs["profile"] = profile
+        url = f"http://{private.node.host}:{private.engine_port(0)}"
+        costs["queue_check"] = await check_queue(profile, url, model.served_name)
+        return preset, samples
 
     try:
         preset, samples = asyncio.run(on_private_cluster(private, model, work))
@@ -282,7 +307,23 @@ def run_calibrate_bench(config: SymphonyConfig, *, out: Path, preset_out: Path) 
         raise
     shutil.rmtree(home, ignore_errors=True)
     save_preset(preset_out, preset, samples)
-    result = {"preset_file": str(preset_out), "engine": dataclasses.asdict(preset.engine), **samples}
+    profile: CostProfile = costs["profile"]
+    found = problems(profile)
+    if found:  # written anyway, for a look: the scheduler refuses it and says why
+        print(f"the measured cost profile is implausible: {'; '.join(found)}", file=sys.stderr)
+    profile_out.parent.mkdir(parents=True, exist_ok=True)
+    profile_out.write_text(to_json(profile))
+    result = {
+        "preset_file": str(preset_out),
+        "engine": dataclasses.asdict(preset.engine),
+        **samples,
+        "profile_file": str(profile_out),
+        "cost_profile": to_dict(profile),
+        "cost_profile_problems": found,
+        "tier_rates": tier_rates,
+        "link_samples": costs["link_samples"],
+        "queue_check": costs["queue_check"],
+    }
     write_result(result, out, table=_print_calibration)
     return 0
 
@@ -298,6 +339,19 @@ def _print_calibration(result: dict[str, Any]) -> None:
         f"decode {result['fit_r2']['decode']:.3f}"
     )
     print(f"preset written to {result['preset_file']}")
+    profile = result["cost_profile"]
+    tiers, links = profile["tier_load_ms_per_token"], profile["links"]
+    print(
+        f"cost profile: load us/token hbm {tiers['hbm'] * 1000:.2f}, dram {tiers['dram'] * 1000:.2f}, ssd "
+        f"{tiers['ssd'] * 1000:.2f}; links "
+        + ", ".join(f"{k['source']}->{k['target']} {k['rtt_ms']:.2f} ms {k['bandwidth_gbps']:.2f} GB/s" for k in links)
+    )
+    for check in result["queue_check"]:
+        print(
+            f"  queue check {check['kind']} x{check['requests']}: measured {check['measured_ttft_ms']:.0f} ms, "
+            f"estimated {check['estimated_ttft_ms']:.0f} ms ({check['relative_error']:+.0%})"
+        )
+    print(f"cost profile written to {result['profile_file']}")
 
 
 # ---- validate -------------------------------------------------------------------------------------
@@ -349,7 +403,8 @@ def compare(live: dict[str, float], simulated: dict[str, float]) -> dict[str, fl
 
 
 def simulate_replay(preset: Preset, policy: str, node_ids: list[str], turns: list[Turn]) -> SimResult:
-    return ClusterSim(make_policy(policy), dict.fromkeys(node_ids, preset.engine), preset.link).run(turns=turns)
+    engines = dict.fromkeys(node_ids, preset.engine)
+    return ClusterSim(sim_policy(policy, preset), engines, preset.link).run(turns=turns)
 
 
 def run_validate_bench(

@@ -78,7 +78,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def _session_pages(geometry: KVGeometry, blocks: int) -> list[torch.Tensor]:
+def session_pages(geometry: KVGeometry, blocks: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return [
         torch.randint(-(2**62), 2**62, (blocks, geometry.page_words), dtype=torch.int64, generator=gen)
@@ -356,7 +356,7 @@ def run_tiers_bench(
     if blocks < 1:
         raise ValueError("--tokens must cover at least one block")
     nbytes = blocks * geometry.block_bytes
-    pages = _session_pages(geometry, blocks)
+    pages = session_pages(geometry, blocks)
     token_ids = [(i * 7919) % 49152 for i in range(blocks * geometry.block_size)]
     work = Path(tempfile.mkdtemp(prefix="symphony-bench-tiers-", dir=work_dir))
     samples: dict[str, list[float]] = {}

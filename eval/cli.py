@@ -112,6 +112,12 @@ def register(sub: Any) -> None:
         metavar="JSON",
         help="where the fitted preset goes, for bench sim/validate --preset-file (%(default)s)",
     )
+    calibrate.add_argument(
+        "--profile-out",
+        type=Path,
+        metavar="JSON",
+        help="where the scheduler's cost profile goes (default: scheduler.cost_profile, <home>/cost-profile.json)",
+    )
     calibrate.set_defaults(func=cmd_bench_calibrate)
     validate = bench_sub.add_parser(
         "validate", help="the simulator against the live 2-node cluster on the same requests: sim_vs_live_error"
@@ -201,7 +207,8 @@ def cmd_bench_calibrate(args: argparse.Namespace) -> int:
     from eval.bench_calibrate import run_calibrate_bench
 
     config = load_from_args(args, engine_overrides(args))
-    return run_calibrate_bench(config, out=args.out, preset_out=args.preset_out)
+    profile_out = args.profile_out or config.cost_profile_path
+    return run_calibrate_bench(config, out=args.out, preset_out=args.preset_out, profile_out=profile_out)
 
 
 def cmd_bench_validate(args: argparse.Namespace) -> int:

@@ -60,6 +60,7 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
             "ready_nodes": ready,
             "nodes": nodes,
             "models": sorted(state.cluster.served_models()),
+            "cost_profile": state.cost_profile.describe(),
         }
         if state.kv_watch is not None and state.kv_index is not None:
             for node_id, detail in state.kv_watch.describe().items():

@@ -27,7 +27,7 @@ from scheduler.prefetcher import MoveState, Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
 from scheduler.push_queue import PushQueue
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
-from scheduler.routing import NodeSnapshot, RouteRequest, RoutingPolicy, kv_source
+from scheduler.routing import NodeSnapshot, RouteRequest, RoutingPolicy, kv_source, prefill_work
 from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
@@ -359,7 +359,7 @@ class Dispatcher:
                     high=route_request.priority == "high",
                 )
             try:
-                reply = await self._send(route, request, body, received_at, route_request.priority)
+                reply = await self._send(route, request, body, received_at, route_request)
             except _NOT_STARTED as exc:
                 if undo_served is not None:
                     undo_served()  # the node never took the turn: it holds none of its KV
@@ -423,7 +423,7 @@ class Dispatcher:
         return json.dumps({**request.body, "kv_transfer_params": params, "cache_salt": salt}).encode()
 
     async def _send(
-        self, route: Route, request: InferenceRequest, body: bytes, received_at: float, priority: Priority
+        self, route: Route, request: InferenceRequest, body: bytes, received_at: float, routed: RouteRequest
     ) -> UpstreamRelay | Response:
         """Open the exchange with the engine; raises a _NOT_STARTED error if it never began."""
         assert self._session is not None, "Dispatcher.start() was not awaited"
@@ -436,15 +436,19 @@ class Dispatcher:
         released = False
         # Only a stream tells when its first token came; a plain answer arrives whole, so it never
         # counts as prefilling (it would for its whole generation).
-        prefilling = request.stream
+        prefilling, priority = request.stream, routed.priority
+        # Its prefill's size counts as the node's until its first token (what requests routed next wait behind).
+        work = prefill_work(routed, node.node_id, self.policy.traits.prefetch_on_advisory)
         if prefilling:
             node.prefilling += 1
+            node.prefilling_work += work
 
         def first_token() -> None:
             nonlocal prefilling
             if prefilling:
                 prefilling = False
                 node.prefilling -= 1
+                node.prefilling_work -= work
 
         def release() -> None:
             nonlocal released

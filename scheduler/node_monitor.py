@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from scheduler.routing import NodeSnapshot
+from scheduler.routing import NO_WORK, NodeSnapshot, PrefillWork
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2_grpc, node_pb2, node_pb2_grpc
 
@@ -44,6 +44,7 @@ class NodeView:
     unreachable_until: float = float("-inf")  # set when dispatch could not connect to the engine
     inflight: int = 0
     prefilling: int = 0  # of `inflight`, streamed requests whose first token has not come back
+    prefilling_work: PrefillWork = NO_WORK  # their prefills' size, as estimated when each was sent
     kv: kv_pb2_grpc.KVStoreStub | None = None  # the node manager's KV store (same channel as Status)
 
     @property
@@ -74,6 +75,7 @@ class NodeView:
             announced,
             high_sessions,
             self.prefilling,
+            self.prefilling_work,
         )
 
     def state_name(self, now: float, down_after_s: float) -> str:

@@ -13,10 +13,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, Self
 
+from scheduler.cost_profile import CostProfile
 from symphony.config import SchedulerConfig
 from symphony.priority import PRIORITIES, Priority
 
 PRIORITY_RANK: dict[str, int] = {p: p.rank for p in PRIORITIES}  # also by plain name: members equal them
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillWork:
+    """The size of one or more prefills: the prompt tokens they compute, and the sum of those tokens'
+    positions in their prompts (their attention's share: `CostProfile.prefill_ms` summed over them)."""
+
+    tokens: int = 0
+    positions: float = 0.0  # sum over the tokens computed of their position in the prompt (tokens x tokens)
+
+    def __add__(self, other: PrefillWork) -> PrefillWork:
+        return PrefillWork(self.tokens + other.tokens, self.positions + other.positions)
+
+    def __sub__(self, other: PrefillWork) -> PrefillWork:
+        return PrefillWork(self.tokens - other.tokens, self.positions - other.positions)
+
+
+NO_WORK = PrefillWork()
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +52,9 @@ class NodeSnapshot:
     # (or queued for) their prefill, which a new request's own prefill would wait behind. Exact and
     # current, unlike the engine's gauges (a request's first token ends its count).
     prefilling: int = 0
+    # The size of those requests' prefills, as the scheduler estimated each when it sent it
+    # (`prefill_work`); none (0 tokens) with `prefilling` > 0: not known.
+    prefilling_work: PrefillWork = NO_WORK
 
     @property
     def load(self) -> int:
@@ -51,6 +73,46 @@ class NodeSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldPrefix:
+    """How much of a request's prompt one node holds, in tokens: the prompt's leading tokens that
+    some tier of the node has (every layer of their blocks), each counted once, in the fastest tier
+    holding it. Contiguous: together they are the prompt's first `total` tokens. Which positions each
+    tier holds is not recorded; the faster tiers are taken to hold the leading ones (engine, then
+    HBM, DRAM, SSD), as the engine and the store evict a session's later blocks first."""
+
+    engine: int = 0  # in the engine's own prefix cache (vLLM's KV blocks): nothing to load
+    hbm: int = 0  # staged in the store's pool in engine device memory
+    dram: int = 0  # in the store's shared-memory arena
+    ssd: int = 0  # only in SSD segment files
+
+    @property
+    def total(self) -> int:
+        return self.engine + self.hbm + self.dram + self.ssd
+
+    def between(self, start: int, end: int) -> HeldPrefix:
+        """The tokens at positions [start, end) of the prefix, by tier (tier order as above)."""
+        parts = []
+        low = 0
+        for tokens in (self.engine, self.hbm, self.dram, self.ssd):
+            high = low + tokens
+            parts.append(max(0, min(end, high) - max(start, low)))
+            low = high
+        return HeldPrefix(*parts)
+
+
+NOTHING_HELD = HeldPrefix()
+
+
+def hints_as_held(kv_tokens: Mapping[str, int]) -> dict[str, HeldPrefix]:
+    """The session table's hints (node -> history tokens its tiers hold) as held prefixes, all in
+    DRAM. The table knows a node computed or was sent the history, not where it is now: the connector
+    saves every block into the node's DRAM arena as it is computed and a route pull lands there, so
+    DRAM is where the hint was true when recorded. Counting it as the engine's cache would make a
+    stale hint look free; the difference is a DRAM load (~1.5 us a token on the development host)."""
+    return {node: HeldPrefix(dram=tokens) for node, tokens in kv_tokens.items() if tokens > 0}
+
+
+@dataclass(frozen=True, slots=True)
 class RouteRequest:
     tenant: str
     session_id: str | None
@@ -59,6 +121,33 @@ class RouteRequest:
     history_tokens: int = 0  # estimated tokens of history the request carries (its prompt)
     kv_tokens: Mapping[str, int] = field(default_factory=dict)  # node id -> history tokens its tiers hold
     routing_text: str = ""  # the prompt's leading text, for prefix-aware policies (bounded)
+    # The prompt's tokens, counted exactly (the scheduler's tokenizer); 0: `history_tokens` estimates them.
+    prompt_tokens: int = 0
+    # Node id -> the prefix of this prompt it holds, by tier (the cluster KV index); empty: the session
+    # table's `kv_tokens` stand in for it (`hints_as_held`).
+    held: Mapping[str, HeldPrefix] = field(default_factory=dict)
+
+    @property
+    def prompt_size(self) -> int:
+        """Tokens of the prompt, exact or estimated."""
+        return self.prompt_tokens or self.history_tokens
+
+    def holdings(self) -> Mapping[str, HeldPrefix]:
+        """Node id -> the prompt's prefix it holds: the KV index's when given, else the table's hints."""
+        return self.held or hints_as_held(self.kv_tokens)
+
+
+def prefill_work(request: RouteRequest, node_id: str, pulls: bool) -> PrefillWork:
+    """The prefill `node_id` runs for `request`: the prompt but the prefix it holds, or, where the
+    request first waits for a pull (`pulls`), but the longest prefix any node holds; at least the last
+    token, which an engine always computes. An estimate, as the holdings are."""
+    held = request.holdings()
+    covered = held.get(node_id, NOTHING_HELD).total
+    if pulls and held:
+        covered = max(covered, max(h.total for h in held.values()))
+    prompt = max(1, request.prompt_size)
+    computed = max(1, prompt - covered)
+    return PrefillWork(computed, computed * (prompt - computed / 2))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,18 +184,19 @@ class RoutingPolicy(Protocol):
 
 class PolicyClass(Protocol):
     """A policy's class, as `scheduler.policies.POLICIES` holds it: its name, and how it builds
-    itself from the scheduler's configuration (the bounds of its tables, its settings)."""
+    itself from the scheduler's configuration (the bounds of its tables, its settings) and the
+    cluster's measured costs (which only cost-based policies use)."""
 
     name: str
 
-    def from_config(self, config: SchedulerConfig) -> RoutingPolicy: ...
+    def from_config(self, config: SchedulerConfig, profile: CostProfile) -> RoutingPolicy: ...
 
 
 class NoSettings:
-    """For policies that take nothing from the configuration."""
+    """For policies that take nothing from the configuration or the cost profile."""
 
     @classmethod
-    def from_config(cls, config: SchedulerConfig) -> Self:
+    def from_config(cls, config: SchedulerConfig, profile: CostProfile) -> Self:
         return cls()
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from scheduler.advisories import AdvisoryTable
 from scheduler.auth import Authenticator
@@ -18,12 +20,14 @@ from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor
 from scheduler.policies import make_policy
 from scheduler.priorities import PriorityTable
+from scheduler.profile_loader import load_cost_profile
 from scheduler.sessions import SessionTable
 from scheduler.tokenizer_check import check_tokenizers
 from scheduler.tokenizer_load import tokenizer_dirs
 from scheduler.tokens import TokenService
 from symphony.config import SymphonyConfig
 from symphony.kv_addressing import BlockKey
+from symphony.models import DEFAULT_MODEL_NAME
 
 
 class SchedulerState:
@@ -66,9 +70,16 @@ class SchedulerState:
             timeout_s=sc.tokenize_timeout_ms / 1000,
         )
         self.tokenizer_check: asyncio.Task[None] | None = None
+        self.cost_profile = load_cost_profile(
+            config.cost_profile_path,
+            host=socket.gethostname(),
+            model=config.engine.served_model_name or Path(config.engine.model).name or DEFAULT_MODEL_NAME,
+            now_unix_s=time.time(),
+            max_age_s=sc.cost_profile_max_age_days * 86400,
+        )
         self.dispatcher = Dispatcher(
             self.cluster,
-            make_policy(sc.policy, sc),
+            make_policy(sc.policy, sc, self.cost_profile.profile),
             self.advisories,
             self.metrics,
             sc,

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} restarts={info['engine_restarts']} "
             f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}{_kv_index_text(info)}"
         )
+    profile = body.get("cost_profile")
+    if profile:
+        print(_describe_profile(profile))
     return 0 if body.get("status") == "ready" else 1
 
 
@@ -118,6 +122,24 @@ def _kv_index_text(info: dict[str, Any]) -> str:
         return ""
     state = f"fallback({kv.get('state')})" if kv.get("fallback") else kv.get("state")
     return f" index={state} lag={kv.get('lag_ms', 0):.0f}ms resyncs={kv.get('resyncs', 0)}"
+
+
+def _describe_profile(p: dict[str, Any]) -> str:
+    """/readyz's `cost_profile` (scheduler.profile_loader.LoadedProfile.describe) in a few lines."""
+    if p["status"] == "loaded":
+        measured = time.strftime("%Y-%m-%d %H:%M", time.localtime(p["measured_at_unix_s"]))
+        head = f"cost profile {p['path']}: measured {measured} on {p['host']} with {p['model']}"
+    else:
+        head = f"cost profile {p['path']}: {p['status']} ({p['problem']}); routing on built-in defaults"
+    tiers = p["tier_load_us_per_token"]
+    link = p["default_link"]
+    return (
+        f"{head}\n  prefill {p['prefill_ms_1k_tokens']:.0f} ms per 1k tokens, request overhead "
+        f"{p['request_overhead_ms']:.0f} ms, decode step {p['decode_step_ms']['fixed']:.1f} ms + "
+        f"{p['decode_step_ms']['per_seq']:.2f} ms/request\n  load us/token: hbm {tiers['hbm']:.2f}, "
+        f"dram {tiers['dram']:.2f}, ssd {tiers['ssd']:.2f}; links: {p['links']} measured, default "
+        f"{link['rtt_ms']:.2f} ms RTT at {link['bandwidth_gbps']:.2f} GB/s"
+    )
 
 
 def cmd_admin_priority(args: argparse.Namespace) -> int:

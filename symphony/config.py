@@ -251,6 +251,7 @@ def _validate(config: SymphonyConfig) -> None:
         "tokenizer_cache_sessions",
         "tokenizer_cache_tokens",
         "tokenize_timeout_ms",
+        "cost_profile_max_age_days",
     ):
         check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
     for name in ("route_pull_wait_ms", "route_pull_min_tokens"):

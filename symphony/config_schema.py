@@ -77,6 +77,10 @@ class SchedulerConfig:
     tokenizer_cache_sessions: int = 10_000  # sessions whose last prompt is kept to tokenize the next from
     tokenizer_cache_tokens: int = 4_000_000  # token ids kept for them in all (least recently used out)
     tokenize_timeout_ms: int = 1000  # a request not tokenized by then gets no token ids
+    # The cost profile the `symphony` policy prices routes with (JSON, `symphony bench calibrate`
+    # writes it); empty: <home>/cost-profile.json. Missing, implausible or stale: built-in defaults.
+    cost_profile: str = ""
+    cost_profile_max_age_days: float = 30.0  # a profile measured longer ago than this is stale
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,14 @@ class SymphonyConfig:
     def kv_ssd_dir(self, index: int) -> Path:
         base = Path(self.kv.ssd_dir).expanduser() if self.kv.ssd_dir else self.home_path / "kv"
         return base / self.node_id(index)
+
+    @property
+    def cost_profile_path(self) -> Path:
+        return (
+            Path(self.scheduler.cost_profile).expanduser()
+            if self.scheduler.cost_profile
+            else (self.home_path / "cost-profile.json")
+        )
 
     def scheduler_node_addresses(self) -> list[str]:
         if self.scheduler.node_addresses:

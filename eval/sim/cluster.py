@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
 from scheduler.decisions import HeldQueue, PullRule, QueueFull, Routing, advisory_choice, rooms
-from scheduler.routing import PRIORITY_RANK, NodeSnapshot, Priority, RouteRequest, RoutingPolicy, kv_source
+from scheduler.routing import PRIORITY_RANK, HeldPrefix, NodeSnapshot, Priority, RouteRequest, RoutingPolicy, kv_source
 from symphony.config import SchedulerConfig
 
 _SCHEDULER = SchedulerConfig()  # the scheduler's defaults, which the simulated one follows
@@ -203,13 +203,28 @@ class ClusterSim:
                 announced=self._announced[node_id],
                 high_sessions=self._high_sessions[node_id],
                 prefilling=engine.prefilling,
+                prefilling_work=engine.prefilling_work,
             )
             for node_id, engine in self.engines.items()
         ]
 
     def _route_request(self, turn: Turn) -> RouteRequest:
+        """What the scheduler gives the policy, from what a cluster KV index would report: per node,
+        the session's history its tiers hold, the part in the engine's prefix cache first."""
+        kv = self._kv.get(turn.session, {})
+        held = {}
+        for node_id, tokens in kv.items():
+            engine = min(self._engine_cache[node_id].get(turn.session, 0), tokens)
+            held[node_id] = HeldPrefix(engine=engine, dram=tokens - engine)
         return RouteRequest(
-            turn.tenant, turn.session, "model", turn.priority, turn.prompt_tokens, dict(self._kv.get(turn.session, {}))
+            turn.tenant,
+            turn.session,
+            "model",
+            turn.priority,
+            turn.prompt_tokens,
+            dict(kv),
+            prompt_tokens=turn.prompt_tokens,
+            held=held,
         )
 
     def submit(self, turn: Turn, on_done: Callable[[SimRequest], None]) -> None:

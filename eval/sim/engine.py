@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.routing import NO_WORK, PrefillWork
+
 
 @dataclass(frozen=True, slots=True)
 class EngineModel:
@@ -133,6 +135,17 @@ class SimEngine:
         """Requests here without their first token (queued or in prefill): what the scheduler counts
         of its streams (`NodeSnapshot.prefilling`)."""
         return sum(1 for r in (*self.waiting, *self.running) if r.first_token_ms is None)
+
+    @property
+    def prefilling_work(self) -> PrefillWork:
+        """The size of those requests' prefills (what the scheduler estimates of its streams,
+        `NodeSnapshot.prefilling_work`): the tokens each computes, as `step` will compute them."""
+        work = NO_WORK
+        for r in (*self.waiting, *self.running):
+            if r.first_token_ms is None:
+                computed = r.context - min(r.cached_tokens, r.context - 1)
+                work += PrefillWork(computed, computed * (r.context - computed / 2))
+        return work
 
     def add(self, request: SimRequest) -> None:
         request.node_id = self.node_id

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 from eval.sim.cluster import LinkModel
 from eval.sim.engine import EngineModel
+from scheduler.cost_profile import CostProfile, LinkCost, TierLoadCosts
+from scheduler.policies import make_policy
+from scheduler.routing import RoutingPolicy
 from symphony.kv_geometry import KVGeometry
 
 LLAMA_8B_PARAMS = 8.03e9
@@ -50,6 +53,30 @@ class Preset:
     engine: EngineModel
     link: LinkModel
     source: str
+
+
+def sim_cost_profile(engine: EngineModel, link: LinkModel, source: str = "simulator") -> CostProfile:
+    """The cost profile of a simulated cluster, which the `symphony` policy routes it by: the
+    simulator's own engine and link, so the profile is exact there. Tier loads cost nothing, as the
+    simulator takes KV loaded from a node's own tiers to be as good as cached (`eval.sim.cluster`)."""
+    return CostProfile(
+        request_overhead_ms=engine.request_overhead_ms,
+        step_ms=engine.step_ms,
+        prefill_ms_per_token=engine.prefill_ms_per_token,
+        prefill_ms_per_token_kilotoken=engine.prefill_ms_per_token_kilotoken,
+        decode_ms_per_seq=engine.decode_ms_per_seq,
+        decode_ms_per_kilotoken=engine.decode_ms_per_kilotoken,
+        engine_kv_tokens=engine.kv_blocks * engine.block_size,
+        kv_bytes_per_token=link.kv_bytes_per_token,
+        tier_load_ms_per_token=TierLoadCosts(engine=0.0, hbm=0.0, dram=0.0, ssd=0.0),
+        default_link=LinkCost(rtt_ms=link.rtt_ms, bandwidth_gbps=link.bandwidth_gbps),
+        source=source,
+    )
+
+
+def sim_policy(name: str, preset: Preset) -> RoutingPolicy:
+    """Policy `name` as the simulator runs it on `preset`'s engines: priced by their own costs."""
+    return make_policy(name, profile=sim_cost_profile(preset.engine, preset.link, f"simulator preset {preset.name}"))
 
 
 def _gpu_engine(memory_gb: float, bandwidth_gbps: float, tflops: float, activation_gb: float) -> EngineModel:

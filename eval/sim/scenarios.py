@@ -30,12 +30,11 @@ from typing import Any
 from eval.sim.agents import ProjectRun, agent_projects
 from eval.sim.cluster import ClusterSim, SimResult, Turn
 from eval.sim.engine import EngineModel, SimRequest
-from eval.sim.presets import Preset
+from eval.sim.presets import Preset, sim_policy
 from eval.sim.workload import sharegpt_users
 from eval.stats import percentile
 from eval.traces import TraceRequest, sessions_of
 from eval.workloads import Conversation, HumanTiming
-from scheduler.policies import make_policy
 from scheduler.routing import PRIORITY_RANK
 
 TPOT_BOUND = 1.15
@@ -96,7 +95,7 @@ def run_point(
     seed: int,
 ) -> dict[str, Any]:
     engines = _engines(preset, nodes)
-    sim = ClusterSim(make_policy(policy), engines, preset.link)
+    sim = ClusterSim(sim_policy(policy, preset), engines, preset.link)
     scripts = sharegpt_users(conversations, users, timing, seed=seed)
     result = sim.run(scripts=scripts, until_ms=duration_ms)
     row = summarize(result, duration_ms)
@@ -123,7 +122,7 @@ def priority(
     points: dict[str, dict[str, Any]] = {}
     for share in HIGH_SHARES:
         for policy in ("symphony", "recompute"):
-            sim = ClusterSim(make_policy(policy), engines, preset.link, engine_priority_scheduling=True)
+            sim = ClusterSim(sim_policy(policy, preset), engines, preset.link, engine_priority_scheduling=True)
             scripts = sharegpt_users(conversations, users, timing, seed=seed, high_share=share)
             result = sim.run(scripts=scripts, until_ms=duration_ms)
             row = summarize(result, duration_ms)
@@ -268,7 +267,7 @@ def agents(preset: Preset, nodes: int, projects: int, duration_ms: float, seed: 
     engines = _engines(preset, nodes)
     points: dict[str, dict[str, Any]] = {}
     for name, policy, hints in AGENT_RUNS:
-        sim = ClusterSim(make_policy(policy), engines, preset.link)
+        sim = ClusterSim(sim_policy(policy, preset), engines, preset.link)
         runs = [
             ProjectRun(sim, project, hints) for project in agent_projects(projects, stagger_ms=duration_ms, seed=seed)
         ]
@@ -310,7 +309,7 @@ def trace_replay(
     end_ms = max((t.arrival_ms for t in turns), default=0.0) or 1.0
     engines = _engines(preset, nodes)
     points = {
-        policy: summarize(ClusterSim(make_policy(policy), engines, preset.link).run(turns=turns), end_ms)
+        policy: summarize(ClusterSim(sim_policy(policy, preset), engines, preset.link).run(turns=turns), end_ms)
         for policy in policies
     }
     return {"points": points, "requests": len(turns)}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from scheduler.cost_profile import DEFAULT_PROFILE, CostProfile
 from scheduler.policies.consistent_hash import ConsistentHashPolicy
 from scheduler.policies.least_load import LeastLoadPolicy, RecomputePolicy, RoundRobinPolicy
 from scheduler.policies.prefix_trie import PrefixTriePolicy
@@ -24,8 +25,11 @@ POLICIES: dict[str, PolicyClass] = {
 __all__ = ["POLICIES", "CostModel", "make_policy"]
 
 
-def make_policy(name: str, config: SchedulerConfig | None = None) -> RoutingPolicy:
-    """The policy `name`, with the bounds of its tables from `config` (defaults without one)."""
+def make_policy(
+    name: str, config: SchedulerConfig | None = None, profile: CostProfile = DEFAULT_PROFILE
+) -> RoutingPolicy:
+    """The policy `name`, with the bounds of its tables from `config` (defaults without one) and the
+    cluster's costs from `profile` (the built-in defaults without one)."""
     if name not in POLICIES:
         raise ConfigError(f"scheduler.policy: unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})")
-    return POLICIES[name].from_config(config or SchedulerConfig())
+    return POLICIES[name].from_config(config or SchedulerConfig(), profile)

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler.cost_profile import CostProfile
 from scheduler.policies.least_load import least_loaded
 from scheduler.policies.prefix_tree import PrefixTree
 from scheduler.routing import NO_NODE, NodeSnapshot, PolicyTraits, RouteDecision, RouteRequest, available
@@ -36,7 +37,7 @@ class PrefixTriePolicy:
         self._rotation = itertools.count()
 
     @classmethod
-    def from_config(cls, config: SchedulerConfig) -> PrefixTriePolicy:
+    def from_config(cls, config: SchedulerConfig, profile: CostProfile) -> PrefixTriePolicy:
         return cls(PrefixTrieSettings(max_chars=config.prefix_trie_max_chars))
 
     def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:

@@ -7,6 +7,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from scheduler.cost_profile import CostProfile
 from scheduler.policies.least_load import least_loaded
 from scheduler.routing import NO_NODE, NodeSnapshot, PolicyTraits, RouteDecision, RouteRequest, available
 from symphony.config import SchedulerConfig
@@ -24,7 +25,7 @@ class StickyPolicy:
         self._rotation = itertools.count()
 
     @classmethod
-    def from_config(cls, config: SchedulerConfig) -> StickyPolicy:
+    def from_config(cls, config: SchedulerConfig, profile: CostProfile) -> StickyPolicy:
         return cls(max_sessions=config.max_sessions)
 
     def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:

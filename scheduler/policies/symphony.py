@@ -1,48 +1,104 @@
-"""Symphony's policy: every request (not session) goes where it will start soonest, counting the
-queue it joins and the cost of bringing its session's KV there; an advisory moves the KV ahead of
-the request, so balancing load costs no recompute. When every node already has requests waiting,
-the request waits in the scheduler instead (selective pushing, SkyWalker): a request pushed into a
-busy engine's queue is stuck there even if another node frees up first."""
+"""Symphony's policy: every request (not session) goes where its first token would come soonest, by
+an estimate in milliseconds from the cluster's measured costs (`scheduler.cost_profile`): the queue
+it joins, the prefill of what the node lacks, the load of what the node holds from each tier, and
+bringing over what another node holds (or recomputing it, whichever is cheaper). An advisory moves
+the KV ahead of the request, so balancing load costs no recompute. When every node already has
+requests waiting, the request waits in the scheduler instead (selective pushing, SkyWalker): a
+request pushed into a busy engine's queue is stuck there even if another node frees up first.
+
+The estimate for node n, in ms (`TtftEstimate`; p is the profile, P the prompt's tokens):
+
+- overhead: `p.request_overhead_ms` (HTTP, tokenizing), the same on every node;
+- queue: half of the step under way (if n has requests), then the step that prefills the request:
+  `p.step_with(decoding, context)` for the requests decoding beside it (running, in flight or
+  announced, less those still in prefill; their context is n's KV usage of `p.engine_kv_tokens`),
+  plus the prefills ahead of it (`NodeSnapshot.prefilling_work`, priced as `p.prefill_ms` sums;
+  requests whose size the scheduler does not know count as `CostModel.unknown_prefill_tokens`).
+  This term keeps the router from piling requests onto the node with the best prefix (GORGO's
+  "reward hacking");
+- load: the prefix n holds, per tier, times `p.tier_load_ms_per_token`;
+- fetch + prefill: the cheapest of recomputing what n lacks (`p.prefill_ms(P - h, P)`) and, for
+  each node m holding a longer prefix, bringing m's extra tokens X over, priced as the cheaper of
+  moving them (`p.link(m, n)`: RTT + X x KV bytes / bandwidth, plus reading them from m's tiers and
+  loading them from n's DRAM, where a pull lands) and recomputing them, then prefilling the rest;
+- spread (high-priority requests only): each high-priority session already on n counts as
+  `CostModel.high_spread_requests` requests of unknown size ahead.
+
+Pure: no I/O, no clocks; the scheduler and the simulator (with a profile built from its preset)
+call the same object.
+"""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from scheduler.cost_profile import DEFAULT_PROFILE, KILO, CostProfile, LinkCost
 from scheduler.routing import (
     NO_NODE,
+    NOTHING_HELD,
+    HeldPrefix,
     NodeSnapshot,
-    NoSettings,
     PolicyTraits,
     RouteDecision,
     RouteRequest,
     available,
     kv_usage,
 )
+from symphony.config import SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Milliseconds, only ever compared between candidate nodes. Tokens of history no node holds cost
-    the same recompute everywhere, so they do not appear."""
+    """How the policy prices what the profile does not measure (the workload's part)."""
 
-    request_ms: float = 400.0  # what each request already on a node adds to a new one's start
-    # What a request still in its prefill adds on top: the new one's prefill runs after (or
-    # batched with) its remaining prompt, ~5 ms a token on a CPU engine for a few hundred tokens.
-    prefill_ms: float = 800.0
-    move_ms_per_token: float = 0.05  # pulling a token's KV from the node holding it (~23 KB/token at ~0.5 GB/s)
-    high_spread: float = 0.5  # high-priority sessions already on a node, in requests: spreads them out
+    # A request ahead whose prefill size the scheduler does not know (queued in the engine beyond the
+    # streams it counts, or counted without a size) is priced as a prefill of this many new tokens:
+    # a chat turn's new message and template, give or take.
+    unknown_prefill_tokens: int = 256
+    high_spread_requests: float = 0.5  # per high-priority session already on a node, for a high-priority request
 
 
-class SymphonyPolicy(NoSettings):
+@dataclass(frozen=True, slots=True)
+class TtftEstimate:
+    """One node's estimated time to first token for one request, by part (ms)."""
+
+    overhead_ms: float
+    queue_ms: float
+    load_ms: float  # the node's own prefix, from its tiers
+    fetch_ms: float  # bringing another node's longer prefix over (moved or recomputed); 0 if none is
+    prefill_ms: float  # the tokens no holder gives it
+    spread_ms: float = 0.0
+
+    @property
+    def total_ms(self) -> float:
+        return self.overhead_ms + self.queue_ms + self.load_ms + self.fetch_ms + self.prefill_ms + self.spread_ms
+
+
+def prompt_tokens(request: RouteRequest, holdings: Mapping[str, HeldPrefix]) -> int:
+    """The request's prompt in tokens: its size, but at least one token more than any prefix of it a
+    node holds (an advisory's prompt is not known yet; its history is, and the prompt extends it)."""
+    return max(request.prompt_size, 1 + max((h.total for h in holdings.values()), default=0))
+
+
+class SymphonyPolicy:
     name = "symphony"
     traits = PolicyTraits(prefetch_on_advisory=True)
 
-    def __init__(self, cost: CostModel | None = None, selective_push: bool = True) -> None:
+    def __init__(
+        self, profile: CostProfile = DEFAULT_PROFILE, cost: CostModel | None = None, selective_push: bool = True
+    ) -> None:
+        self.profile = profile
         self.cost = cost or CostModel()
         self.selective_push = selective_push
         self._rotation = itertools.count()
+        tokens = self.cost.unknown_prefill_tokens
+        self._unknown_prefill_ms = profile.prefill_ms(tokens, tokens)  # a request ahead of unknown size
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig, profile: CostProfile) -> SymphonyPolicy:
+        return cls(profile)
 
     def choose(self, request: RouteRequest, nodes: Sequence[NodeSnapshot]) -> RouteDecision:
         candidates = available(nodes)
@@ -54,7 +110,24 @@ class SymphonyPolicy(NoSettings):
             candidates = [n for n in candidates if n.pending == 0]
             if not candidates:
                 return RouteDecision(None, "queued", queue=True)
-        scores = {n.node_id: self.score(request, n) for n in candidates}
+        holdings = request.holdings()
+        prompt = prompt_tokens(request, holdings)
+        high = request.priority == "high"
+        spread_ms = self.cost.high_spread_requests * self._unknown_prefill_ms if high else 0.0
+        # What a node holding none of the prompt pays depends only on its links from the holders: one
+        # computation per distinct set of links (one, for a fleet on a uniform network).
+        elsewhere: dict[tuple[LinkCost, ...], float] = {}
+        scores = {}
+        for n in candidates:
+            if n.node_id in holdings:
+                own = sum(self._own(prompt, n.node_id, holdings))
+            else:
+                links = tuple(self.profile.link(source, n.node_id) for source in holdings) if self.profile.links else ()
+                if links not in elsewhere:
+                    elsewhere[links] = sum(self._own(prompt, n.node_id, holdings))
+                own = elsewhere[links]
+            spread = n.high_sessions * spread_ms
+            scores[n.node_id] = self.profile.request_overhead_ms + self.queue_ms(n) + own + spread
         best = min(scores.values())
         # Equal costs: the emptier KV cache (fewer blocks for vLLM to evict), then in rotation, which
         # spreads an idle cluster's first requests instead of piling them on the first node.
@@ -62,17 +135,68 @@ class SymphonyPolicy(NoSettings):
         emptiest = min(kv_usage(n) for n in tied)
         tied = [n for n in tied if kv_usage(n) == emptiest]
         chosen = tied[next(self._rotation) % len(tied)]
-        held = request.kv_tokens.get(chosen.node_id, 0)
-        reason = "symphony_local_kv" if held and held >= max(request.kv_tokens.values()) else "symphony"
-        return RouteDecision(chosen.node_id, reason, scores)
+        held = holdings.get(chosen.node_id, NOTHING_HELD).total
+        local = held and held >= max(h.total for h in holdings.values())
+        return RouteDecision(chosen.node_id, "symphony_local_kv" if local else "symphony", scores)
 
-    def score(self, request: RouteRequest, node: NodeSnapshot) -> float:
-        c = self.cost
-        queue = node.load * c.request_ms + node.prefilling * c.prefill_ms
-        held_best = max(request.kv_tokens.values(), default=0)
-        move = max(0, held_best - request.kv_tokens.get(node.node_id, 0)) * c.move_ms_per_token
-        spread = node.high_sessions * c.high_spread * c.request_ms if request.priority == "high" else 0.0
-        return queue + move + spread
+    def estimate(self, request: RouteRequest, node: NodeSnapshot) -> TtftEstimate:
+        """`request`'s estimated time to first token on `node`, by part."""
+        holdings = request.holdings()
+        return self._estimate(request, prompt_tokens(request, holdings), node, holdings)
+
+    def _estimate(
+        self, request: RouteRequest, prompt: int, node: NodeSnapshot, holdings: Mapping[str, HeldPrefix]
+    ) -> TtftEstimate:
+        load_ms, fetch_ms, prefill_ms = self._own(prompt, node.node_id, holdings)
+        spread = 0.0
+        if request.priority == "high":
+            spread = node.high_sessions * self.cost.high_spread_requests * self._unknown_prefill_ms
+        overhead = self.profile.request_overhead_ms
+        return TtftEstimate(overhead, self.queue_ms(node), load_ms, fetch_ms, prefill_ms, spread)
+
+    def queue_ms(self, node: NodeSnapshot) -> float:
+        """From the request's arrival at `node`'s engine to the end of the step that prefills it, but
+        its own prefill: the step under way, the prefills ahead of it, and its step's decoding."""
+        p = self.profile
+        ahead = max(node.prefilling, node.waiting)
+        active = max(node.running + node.waiting, node.inflight)
+        work = node.prefilling_work
+        unknown = max(0, node.waiting - node.prefilling) + (0 if work.tokens else node.prefilling)
+        ahead_ms = unknown * self._unknown_prefill_ms
+        if work.tokens:
+            ahead_ms += p.prefill_ms_per_token * work.tokens + p.prefill_ms_per_token_kilotoken * work.positions / KILO
+        decoding = max(0, active - ahead) + node.announced
+        # The engine's KV in use is its requests' context (vLLM counts cached blocks no request uses as free).
+        step = p.step_with(decoding, kv_usage(node) * p.engine_kv_tokens if decoding else 0.0)
+        under_way = step / 2 if active else 0.0
+        return under_way + step + ahead_ms
+
+    def _own(self, prompt: int, node_id: str, holdings: Mapping[str, HeldPrefix]) -> tuple[float, float, float]:
+        """(load, fetch, prefill) ms of a `prompt`-token request on `node_id`: its own prefix loaded
+        from its tiers, then the cheapest way to the rest (see the module's docstring)."""
+        p = self.profile
+        tiers = p.tier_load_ms_per_token
+        last = prompt - 1  # the engine computes the last token whatever it holds
+        own = holdings.get(node_id, NOTHING_HELD)
+        start = min(own.total, last)
+        mine = own if start == own.total else own.between(0, start)
+        load = mine.hbm * tiers.hbm + mine.dram * tiers.dram + mine.ssd * tiers.ssd
+        fetch, rest = 0.0, p.prefill_ms(prompt - start, prompt)
+        for source, held in holdings.items():
+            end = min(held.total, last)
+            if source == node_id or end <= start:
+                continue
+            extra = held.between(start, end)
+            tokens = end - start
+            # Read from the source's tiers (the engine's cache has its copy in the store, read as DRAM),
+            # sent over the link, landed in this node's DRAM and loaded from there.
+            read = (extra.engine + extra.dram) * tiers.dram + extra.hbm * tiers.hbm + extra.ssd * tiers.ssd
+            move = read + p.link(source, node_id).move_ms(tokens * p.kv_bytes_per_token) + tokens * tiers.dram
+            here = min(move, p.prefill_ms(tokens, end))
+            after = p.prefill_ms(prompt - end, prompt)
+            if here + after < fetch + rest:
+                fetch, rest = here, after
+        return load, fetch, rest
 
     def observe(self, request: RouteRequest, node_id: str) -> None:
         pass

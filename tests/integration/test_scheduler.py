@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from eval.loadgen import server_timing_ms
+from scheduler.cost_profile import DEFAULT_PROFILE, to_json
 from scheduler.kv_index import NodePrefix
 from symphony.cli import _kv_index_text
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys
+from symphony.models import DEFAULT_MODEL_NAME
 from symphony.rpc import node_pb2
 from tests.helpers import async_wait_until, free_port
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
@@ -42,6 +47,30 @@ async def test_readiness_follows_node_status(
         assert (await client.get("/readyz")).json()["nodes"]["node-0"]["state"] == "unreachable"
         assert time.monotonic() - started < 5, "a dead node manager is noticed within its down threshold"
         assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_readiness_shows_the_cost_profile_in_use(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, tmp_path: Path
+) -> None:
+    """A measured profile for this host and model is used; a broken one leaves the defaults, and
+    says why, without keeping the scheduler from serving."""
+    node = await make_node(engine.url)
+    good = tmp_path / "good.json"
+    measured = dataclasses.replace(
+        DEFAULT_PROFILE, measured_at_unix_s=time.time(), host=socket.gethostname(), model=DEFAULT_MODEL_NAME
+    )
+    good.write_text(to_json(measured))
+    bad = tmp_path / "bad.json"
+    bad.write_text(to_json(dataclasses.replace(measured, step_ms=float("nan"))))
+    for path, status, problem in ((good, "loaded", ""), (bad, "invalid", "step_ms: nan")):
+        url, state = await start_scheduler([node], cost_profile=str(path))
+        async with httpx.AsyncClient(base_url=url) as client:
+            await ready(client)
+            shown = (await client.get("/readyz")).json()["cost_profile"]
+            assert (shown["path"], shown["status"]) == (str(path), status) and problem in shown["problem"]
+            reply = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s-1"})
+            assert reply.status_code == 200
+        assert state.dispatcher.policy.profile == (measured if status == "loaded" else DEFAULT_PROFILE)  # type: ignore[attr-defined]
 
 
 async def _wait_status(client: httpx.AsyncClient, code: int) -> None:

@@ -137,3 +137,14 @@ def test_bench_tiers_runs_openmp_passive_unless_told_otherwise(
     monkeypatch.setattr(eval.bench_tiers, "run_tiers_bench", lambda **_: seen.append(os.environ.get("OMP_WAIT_POLICY")))
     assert main(["bench", "tiers", "--out", str(tmp_path / "f.json")]) == 0
     assert seen == [expected]
+
+
+def test_status_describes_the_cost_profile_in_use(tmp_path: Path) -> None:
+    from scheduler.cost_profile import DEFAULT_PROFILE
+    from scheduler.profile_loader import LoadedProfile, ProfileStatus
+    from symphony.cli import _describe_profile
+
+    missing = LoadedProfile(DEFAULT_PROFILE, "/x/cost-profile.json", ProfileStatus.MISSING, "no cost profile file")
+    text = _describe_profile(missing.describe())
+    assert text.startswith("cost profile /x/cost-profile.json: missing (no cost profile file); routing on built-in")
+    assert "prefill 924 ms per 1k tokens" in text and "dram 1.45" in text and "links: 0 measured" in text

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from eval.sim.cluster import ClusterSim, LinkModel, Turn
 from eval.sim.engine import EngineModel, SimRequest
+from eval.sim.presets import sim_cost_profile
 from scheduler.advisories import AdvisoryTable
 from scheduler.decisions import Pull, PullRule
 from scheduler.dispatch import Dispatcher
@@ -34,7 +35,7 @@ from scheduler.errors import ApiError
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import READY, NodeMonitor
 from scheduler.policies import POLICIES, make_policy
-from scheduler.routing import PRIORITIES, NodeSnapshot, RouteDecision, RouteRequest, RoutingPolicy
+from scheduler.routing import NO_WORK, PRIORITIES, NodeSnapshot, RouteDecision, RouteRequest, RoutingPolicy
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
 
@@ -43,6 +44,7 @@ MAX_QUEUED = 3  # small, so that some cases fill the held-back queue
 CONFIG = SchedulerConfig(max_queued_requests=MAX_QUEUED)
 ENGINE = EngineModel(step_ms=10, prefill_ms_per_token=1, decode_ms_per_seq=2, decode_ms_per_kilotoken=0, kv_blocks=100)
 LINK = LinkModel(kv_bytes_per_token=1_000_000, bandwidth_gbps=1.0, rtt_ms=5.0)
+PROFILE = sim_cost_profile(ENGINE, LINK)  # the simulator's costs, which both sides' policies price by
 # Policies that route on what both sides give them (the simulator passes no prompt text).
 PARITY_POLICIES = sorted(name for name, make in POLICIES.items() if not make().traits.needs_routing_text)
 
@@ -145,7 +147,7 @@ async def live(case: Case) -> list[tuple]:
         view.served_model, view.model_fingerprint, view.last_status_at = MODEL, FINGERPRINT, time.monotonic()
     dispatcher = Dispatcher(
         cluster,
-        RecordedPolicy(make_policy(case.policy, CONFIG), log),
+        RecordedPolicy(make_policy(case.policy, CONFIG, PROFILE), log),
         AdvisoryTable(CONFIG.max_advisories, CONFIG.advisory_ttl_s),
         SchedulerMetrics(),
         CONFIG,
@@ -205,6 +207,7 @@ class _Engine:
         self.running: list[SimRequest] = []
         self.waiting: list[SimRequest] = []
         self.prefilling = 0
+        self.prefilling_work = NO_WORK
         self.kv_usage = 0.0
 
     def add(self, request: SimRequest) -> None:
@@ -217,7 +220,7 @@ class _Engine:
 def simulated(case: Case) -> list[tuple]:
     log: list[tuple] = []
     sim = ClusterSim(
-        RecordedPolicy(make_policy(case.policy), log),  # type: ignore[arg-type]
+        RecordedPolicy(make_policy(case.policy, profile=PROFILE), log),  # type: ignore[arg-type]
         dict.fromkeys(case.nodes, ENGINE),
         LINK,
         max_queued_requests=MAX_QUEUED,

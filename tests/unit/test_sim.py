@@ -11,12 +11,12 @@ import pytest
 from eval.sim.agents import AgentProject, ProjectRun, agent_projects
 from eval.sim.cluster import ClusterSim, LinkModel, Script, Step, Turn
 from eval.sim.engine import EngineModel, SimEngine, SimRequest
-from eval.sim.presets import PRESETS
+from eval.sim.presets import PRESETS, sim_cost_profile
 from eval.sim.scenarios import turn_work_ms, users_ratio, users_ratio_baseline_limited, work_ratio
 from eval.sim.workload import sharegpt_users
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from scheduler.policies import make_policy
-from scheduler.policies.symphony import CostModel, SymphonyPolicy
+from scheduler.routing import RoutingPolicy
 from symphony.cli import main
 
 # Step = 10 ms + 1 ms per prefilled token + 2 ms per decoding request; blocks of 32 tokens.
@@ -24,6 +24,11 @@ ENGINE = EngineModel(
     step_ms=10, prefill_ms_per_token=1, decode_ms_per_seq=2, decode_ms_per_kilotoken=0, kv_blocks=100, block_size=32
 )
 LINK = LinkModel(kv_bytes_per_token=1_000_000, bandwidth_gbps=1.0, rtt_ms=5.0)  # 1 ms per token moved, + 5 ms
+
+
+def symphony(engine: EngineModel = ENGINE) -> RoutingPolicy:
+    """The symphony policy priced by the simulated cluster's own costs, as the simulator runs it."""
+    return make_policy("symphony", profile=sim_cost_profile(engine, LINK))
 
 
 def by_session(result: object) -> dict[str, object]:
@@ -61,10 +66,11 @@ def test_a_request_counts_as_prefilling_until_its_first_token() -> None:
 
 def test_an_advised_turn_leaves_its_node_when_a_prefill_started_there_after_the_advisory() -> None:
     """s (102 tokens on n0) is advised at t=0 to n0, where its KV is. At t=10 "long" (3,000 tokens,
-    2,000 of them held on n0, which a policy pricing a moved token at 1 ms keeps there) starts a
-    1,000-token prefill on n0 that ends at 1,020 ms. When s arrives at t=500, its advised node is
-    mid-prefill: s goes to n1 and pulls its 102 tokens (5 + 102 ms) instead of starting behind."""
-    policy = SymphonyPolicy(CostModel(move_ms_per_token=1.0))
+    2,000 of them held on n0, which the simulated costs keep there: moving them takes 2,005 ms,
+    computing the 1,000 n0 lacks 1,000) starts a 1,000-token prefill on n0 that ends at 1,020 ms.
+    When s arrives at t=500, its advised node is mid-prefill: s goes to n1 and pulls its 102 tokens
+    (5 + 102 ms) instead of starting behind."""
+    policy = symphony()
     sim = ClusterSim(policy, {"n0": ENGINE, "n1": ENGINE}, LINK, route_pull_wait_ms=3000, route_pull_min_tokens=32)
     sim.seed_kv("s", "n0", 102)
     sim.seed_kv("long", "n0", 2000)
@@ -98,7 +104,7 @@ def test_an_advisory_moves_the_history_to_the_node_it_picks_and_a_turn_waits_for
     turn waits the 97 ms left (its pull joins the move) and prefills only its new tokens; when the
     scheduler waits at most 50 ms, it goes after 50 ms with nothing and recomputes its history."""
     sim = ClusterSim(
-        make_policy("symphony"),
+        symphony(),
         {"n0": ENGINE, "n1": ENGINE},
         LINK,
         route_pull_wait_ms=wait_ms,
@@ -120,7 +126,7 @@ def test_a_turn_routed_away_from_its_kv_without_an_advisory_waits_for_the_pull(
     (107 ms) before its engine sees it. When the scheduler waits at most 50 ms, the turn goes after
     50 ms with nothing and recomputes its whole prompt."""
     sim = ClusterSim(
-        make_policy("symphony"),
+        symphony(),
         {"n0": ENGINE, "n1": ENGINE},
         LINK,
         route_pull_wait_ms=wait_ms,
@@ -232,7 +238,7 @@ def test_a_scripted_user_sends_the_next_turn_after_reading_and_typing() -> None:
     thinks 1,000 ms (typing the last 400), so the advisory fires at 722 and turn 2 arrives at 1,122
     with 100 + 2 + 48 tokens, 101 of them cached: one 59 ms step."""
     script = Script("u", 0, (Step(100, 2, 0, 0, advised=False), Step(48, 1, 1000, 400)))
-    sim = ClusterSim(make_policy("symphony"), {"n0": ENGINE}, LINK)
+    sim = ClusterSim(symphony(), {"n0": ENGINE}, LINK)
     first, second = sim.run(scripts=[script]).requests
     assert first.finished_ms == 122
     assert (second.arrival_ms, second.prompt_tokens, second.cached_tokens) == (1122, 150, 101)
@@ -449,7 +455,7 @@ def test_agent_projects_are_seeded_and_review_in_rounds() -> None:
     projects = agent_projects(4, stagger_ms=1000, seed=3)
     assert projects == agent_projects(4, stagger_ms=1000, seed=3) and projects != agent_projects(4, stagger_ms=1000)
     roomy = dataclasses.replace(ENGINE, kv_blocks=1000)  # QA's last prompt carries every round's code
-    sim = ClusterSim(make_policy("symphony"), {"n0": roomy, "n1": roomy}, LINK)
+    sim = ClusterSim(symphony(roomy), {"n0": roomy, "n1": roomy}, LINK)
     runs = [ProjectRun(sim, p, hints=True) for p in projects]
     for run in runs:
         run.start()
