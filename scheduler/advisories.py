@@ -9,6 +9,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from scheduler.validation import AdvisoryRequest
+
 SessionKey = tuple[str, str]  # (tenant, session id): sessions never collide across tenants
 
 
@@ -106,3 +108,15 @@ class AdvisoryTable:
             if self.pending_by_node[advisory.node_id] <= 0:
                 del self.pending_by_node[advisory.node_id]
         return advisory
+
+
+def advisory_reply(advisory: AdvisoryRequest, node_id: str | None, expires_in_ms: float) -> dict[str, object]:
+    """The 202 body of `POST /v1/advisories`: the advised node (None: the policy ignores advisories)."""
+    return {
+        "object": "advisory",
+        "session_id": advisory.session_id,
+        "kind": advisory.kind,
+        "node": node_id,
+        "expected_arrival_ms": advisory.expected_arrival_ms,
+        "expires_in_ms": int(expires_in_ms),
+    }

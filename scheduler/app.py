@@ -61,6 +61,8 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
             "nodes": nodes,
             "models": sorted(state.cluster.served_models()),
             "cost_profile": state.cost_profile.describe(),
+            # Per served model: "ready", "loading" or "none" (requests then route on session hints).
+            "tokenizers": {model: state.tokens.status(model) for model in sorted(state.cluster.served_models())},
         }
         if state.kv_watch is not None and state.kv_index is not None:
             for node_id, detail in state.kv_watch.describe().items():

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import aiohttp
 from fastapi.responses import Response
 
-from scheduler.advisories import AdvisoryTable
+from scheduler.advisories import AdvisoryTable, advisory_reply
 from scheduler.decisions import PullRule, QueueFull, Routing, advisory_choice, rooms
 from scheduler.errors import ApiError, error_response
+from scheduler.kv_locator import RequestLocator
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor, NodeView
 from scheduler.prefetcher import MoveState, Prefetch, Prefetcher
@@ -73,8 +74,10 @@ class Dispatcher:
         *,
         sessions: SessionTable | None = None,
         priorities: PriorityTable | None = None,
+        locator: RequestLocator | None = None,
     ) -> None:
         self.cluster = cluster
+        self.locator = locator  # prices requests by content for policies that locate KV
         self.policy = policy
         self.advisories = advisories
         self.metrics = metrics
@@ -233,7 +236,7 @@ class Dispatcher:
         if not self.policy.traits.prefetch_on_advisory:
             # A baseline without advisories: accepted (clients need not know the policy), no effect.
             self.metrics.advisories.labels(advisory.kind, "ignored").inc()
-            return self._advisory_reply(advisory, None, self.config.advisory_ttl_s * 1000)
+            return advisory_reply(advisory, None, self.config.advisory_ttl_s * 1000)
         decision = advisory_choice(self.policy, request, self._snapshot(request.model, set()))
         if decision.node_id is None:
             raise self._no_engine(request.model)
@@ -243,7 +246,7 @@ class Dispatcher:
         entry = self.advisories.put(key, advisory.kind, node_id, advisory.expected_arrival_ms)
         self.metrics.advisories.labels(advisory.kind, "routed").inc()
         self._prefetch(key, request, node_id, advisory.expected_arrival_ms)
-        return self._advisory_reply(advisory, node_id, (entry.expires_at - entry.created_at) * 1000)
+        return advisory_reply(advisory, node_id, (entry.expires_at - entry.created_at) * 1000)
 
     def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, expected_arrival_ms: int | None) -> bool:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
@@ -301,17 +304,6 @@ class Dispatcher:
         node = self.cluster.by_id(node_id)
         return node is not None and time.monotonic() - node.last_status_at <= self.cluster.down_after_s
 
-    @staticmethod
-    def _advisory_reply(advisory: AdvisoryRequest, node_id: str | None, expires_in_ms: float) -> dict[str, object]:
-        return {
-            "object": "advisory",
-            "session_id": advisory.session_id,
-            "kind": advisory.kind,
-            "node": node_id,
-            "expected_arrival_ms": advisory.expected_arrival_ms,
-            "expires_in_ms": int(expires_in_ms),
-        }
-
     # -- inference ------------------------------------------------------------------------------
     async def dispatch(self, request: InferenceRequest, tenant: str, received_at: float) -> UpstreamRelay | Response:
         self._check_inflight()
@@ -325,6 +317,8 @@ class Dispatcher:
         route_request = self._route_request(
             request.model, tenant, request.session_id, request.history_tokens, request.routing_text
         )
+        if self.locator is not None and self.policy.traits.locates_kv:
+            route_request = await self.locator.locate(route_request, request.body)
         body = self._forwarded_body(request, tenant)
         wait_until = time.monotonic() + self.config.queue_timeout_s
         tried: set[str] = set()

@@ -109,6 +109,14 @@ class SchedulerMetrics:
         self.advisories_pending = Gauge(
             "symphony_advisories_pending", "Advisories waiting for their request", registry=r
         )
+        self.kv_located = Counter(
+            "symphony_kv_located",
+            "Requests of a KV-locating policy, by where their per-node prefixes came from: index (the "
+            "cluster KV index, for the nodes it is current for), hints (no node's index is current: the "
+            "session table), no_ids (no token ids: the session table), skipped (one node could serve)",
+            ["source"],
+            registry=r,
+        )
         self.token_ids_missing = Counter(
             "symphony_token_ids_missing",
             "Requests the scheduler computed no token ids for (its caller falls back), by reason: "

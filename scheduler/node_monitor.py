@@ -33,6 +33,7 @@ class NodeView:
     served_model: str = ""
     model_fingerprint: bytes = b""  # the served model's identity: KV moves only between equal ones
     max_model_len: int = 0
+    block_size: int = 0  # tokens per KV block, as the node keys them (0: not reported)
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -233,6 +234,7 @@ class NodeMonitor:
             )
         node.model_fingerprint = status.model_fingerprint
         node.max_model_len = status.max_model_len
+        node.block_size = status.block_size
         if status.metrics_age_ms <= self.down_after_s * 1000:
             node.running = status.num_requests_running
             node.waiting = status.num_requests_waiting

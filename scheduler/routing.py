@@ -123,9 +123,10 @@ class RouteRequest:
     routing_text: str = ""  # the prompt's leading text, for prefix-aware policies (bounded)
     # The prompt's tokens, counted exactly (the scheduler's tokenizer); 0: `history_tokens` estimates them.
     prompt_tokens: int = 0
-    # Node id -> the prefix of this prompt it holds, by tier (the cluster KV index); empty: the session
-    # table's `kv_tokens` stand in for it (`hints_as_held`).
-    held: Mapping[str, HeldPrefix] = field(default_factory=dict)
+    # Node id -> the prefix of this prompt it holds, by tier (`scheduler.kv_locator`: the cluster KV
+    # index, or a node's hint where the index is not current for it); a node absent holds none.
+    # None: not located, the session table's `kv_tokens` stand in for every node (`hints_as_held`).
+    held: Mapping[str, HeldPrefix] | None = None
 
     @property
     def prompt_size(self) -> int:
@@ -134,7 +135,7 @@ class RouteRequest:
 
     def holdings(self) -> Mapping[str, HeldPrefix]:
         """Node id -> the prompt's prefix it holds: the KV index's when given, else the table's hints."""
-        return self.held or hints_as_held(self.kv_tokens)
+        return self.held if self.held is not None else hints_as_held(self.kv_tokens)
 
 
 def prefill_work(request: RouteRequest, node_id: str, pulls: bool) -> PrefillWork:
@@ -143,8 +144,8 @@ def prefill_work(request: RouteRequest, node_id: str, pulls: bool) -> PrefillWor
     token, which an engine always computes. An estimate, as the holdings are."""
     held = request.holdings()
     covered = held.get(node_id, NOTHING_HELD).total
-    if pulls and held:
-        covered = max(covered, max(h.total for h in held.values()))
+    if pulls and held:  # a pull brings the session's own copy (`kv_tokens`), never another session's
+        covered = max(covered, max(min(h.total, request.kv_tokens.get(n, 0)) for n, h in held.items()))
     prompt = max(1, request.prompt_size)
     computed = max(1, prompt - covered)
     return PrefillWork(computed, computed * (prompt - computed / 2))
@@ -167,6 +168,9 @@ class PolicyTraits:
     uses_tiers: bool = True  # requests load from and save to Symphony's KV tiers (False: vLLM alone)
     prefetch_on_advisory: bool = False  # an advisory moves the session's KV to the chosen node ahead
     needs_routing_text: bool = False  # fill RouteRequest.routing_text
+    # Fill RouteRequest.prompt_tokens and .held from the request's token ids and the cluster KV
+    # index (`scheduler.kv_locator`); costs a tokenization per request.
+    locates_kv: bool = False
 
 
 class RoutingPolicy(Protocol):

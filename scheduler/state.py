@@ -15,6 +15,7 @@ from scheduler.advisories import AdvisoryTable
 from scheduler.auth import Authenticator
 from scheduler.dispatch import Dispatcher
 from scheduler.kv_index import ClusterKVIndex, NodePrefix
+from scheduler.kv_locator import KVLocator, RequestLocator
 from scheduler.kv_watch import KVWatch
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor
@@ -77,6 +78,12 @@ class SchedulerState:
             now_unix_s=time.time(),
             max_age_s=sc.cost_profile_max_age_days * 86400,
         )
+        self.locator = RequestLocator(
+            self.tokens,
+            KVLocator(self.kv_prefix, self.kv_synced, sc.tokenizer_cache_sessions),
+            self.cluster,
+            self.metrics,
+        )
         self.dispatcher = Dispatcher(
             self.cluster,
             make_policy(sc.policy, sc, self.cost_profile.profile),
@@ -85,6 +92,7 @@ class SchedulerState:
             sc,
             sessions=self.sessions,
             priorities=self.priorities,
+            locator=self.locator,
         )
 
     def kv_prefix(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:

@@ -84,7 +84,7 @@ def prompt_tokens(request: RouteRequest, holdings: Mapping[str, HeldPrefix]) -> 
 
 class SymphonyPolicy:
     name = "symphony"
-    traits = PolicyTraits(prefetch_on_advisory=True)
+    traits = PolicyTraits(prefetch_on_advisory=True, locates_kv=True)
 
     def __init__(
         self, profile: CostProfile = DEFAULT_PROFILE, cost: CostModel | None = None, selective_push: bool = True
@@ -120,11 +120,11 @@ class SymphonyPolicy:
         scores = {}
         for n in candidates:
             if n.node_id in holdings:
-                own = sum(self._own(prompt, n.node_id, holdings))
+                own = sum(self._own(prompt, n.node_id, holdings, request.kv_tokens))
             else:
                 links = tuple(self.profile.link(source, n.node_id) for source in holdings) if self.profile.links else ()
                 if links not in elsewhere:
-                    elsewhere[links] = sum(self._own(prompt, n.node_id, holdings))
+                    elsewhere[links] = sum(self._own(prompt, n.node_id, holdings, request.kv_tokens))
                 own = elsewhere[links]
             spread = n.high_sessions * spread_ms
             scores[n.node_id] = self.profile.request_overhead_ms + self.queue_ms(n) + own + spread
@@ -147,7 +147,7 @@ class SymphonyPolicy:
     def _estimate(
         self, request: RouteRequest, prompt: int, node: NodeSnapshot, holdings: Mapping[str, HeldPrefix]
     ) -> TtftEstimate:
-        load_ms, fetch_ms, prefill_ms = self._own(prompt, node.node_id, holdings)
+        load_ms, fetch_ms, prefill_ms = self._own(prompt, node.node_id, holdings, request.kv_tokens)
         spread = 0.0
         if request.priority == "high":
             spread = node.high_sessions * self.cost.high_spread_requests * self._unknown_prefill_ms
@@ -171,9 +171,13 @@ class SymphonyPolicy:
         under_way = step / 2 if active else 0.0
         return under_way + step + ahead_ms
 
-    def _own(self, prompt: int, node_id: str, holdings: Mapping[str, HeldPrefix]) -> tuple[float, float, float]:
+    def _own(
+        self, prompt: int, node_id: str, holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int]
+    ) -> tuple[float, float, float]:
         """(load, fetch, prefill) ms of a `prompt`-token request on `node_id`: its own prefix loaded
-        from its tiers, then the cheapest way to the rest (see the module's docstring)."""
+        from its tiers, then the cheapest way to the rest (see the module's docstring). Only the
+        session's own copies move between nodes (`movable`, node -> tokens: a pull fetches a session's
+        pages): a prefix another session left on a node is found there, never moved from there."""
         p = self.profile
         tiers = p.tier_load_ms_per_token
         last = prompt - 1  # the engine computes the last token whatever it holds
@@ -183,7 +187,7 @@ class SymphonyPolicy:
         load = mine.hbm * tiers.hbm + mine.dram * tiers.dram + mine.ssd * tiers.ssd
         fetch, rest = 0.0, p.prefill_ms(prompt - start, prompt)
         for source, held in holdings.items():
-            end = min(held.total, last)
+            end = min(held.total, movable.get(source, 0), last)
             if source == node_id or end <= start:
                 continue
             extra = held.between(start, end)

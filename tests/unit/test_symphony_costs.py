@@ -34,8 +34,11 @@ def node(node_id: str, **state: object) -> NodeSnapshot:
     return NodeSnapshot(node_id, **fields)  # type: ignore[arg-type]
 
 
-def request(prompt: int, held: dict[str, HeldPrefix], priority: str = "normal") -> RouteRequest:
-    return RouteRequest("t", "s", "m", priority, history_tokens=prompt, held=held)  # type: ignore[arg-type]
+def request(prompt: int, held: dict[str, HeldPrefix], priority: str = "normal", own: bool = True) -> RouteRequest:
+    """`own`: the holders' copies are the session's own (the session table says so), so a pull can
+    move them; else another session's (found by the index), which stay where they are."""
+    copies = {n: h.total for n, h in held.items()} if own else {}
+    return RouteRequest("t", "s", "m", priority, history_tokens=prompt, kv_tokens=copies, held=held)  # type: ignore[arg-type]
 
 
 def estimate(req: RouteRequest, snapshot: NodeSnapshot) -> TtftEstimate:
@@ -169,3 +172,15 @@ def test_the_scores_a_decision_carries_are_the_estimates() -> None:
     decision = policy.choose(req, nodes)
     assert decision.scores == {n.node_id: pytest.approx(policy.estimate(req, n).total_ms) for n in nodes}
     assert decision.node_id == min(decision.scores, key=decision.scores.__getitem__)
+
+
+def test_another_sessions_prefix_is_found_where_it_is_but_never_moved() -> None:
+    """As in the queue test, a holds 1,900 of 2,000 tokens in its engine, left there by another
+    session of the tenant (a shared system prompt): b, idle, cannot pull another session's pages, so
+    it recomputes all 2,000 (3,000), and a, with its prefills ahead, still costs 5,512.5 against b's
+    50 + 10 + 3,000 = 3,060. Idle, a costs 257.5."""
+    req = request(2000, {"a": HeldPrefix(engine=1900)}, own=False)
+    assert estimate(req, node("b")) == TtftEstimate(50.0, 10.0, 0.0, 0.0, 3000.0)
+    busy_a = node("a", running=2, prefilling=2, prefilling_work=PrefillWork(3000, 4_500_000.0))
+    assert SymphonyPolicy(PROFILE).choose(req, [busy_a, node("b")]).scores == {"a": 5512.5, "b": 3060.0}
+    assert SymphonyPolicy(PROFILE).choose(req, [node("a"), node("b", running=1)]).node_id == "a"

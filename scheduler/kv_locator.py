@@ -1,0 +1,187 @@
+"""Where a request's KV is, by content: what the `symphony` policy prices per node.
+
+For a chat or completion request the locator takes its exact token ids (`TokenService`), keys their
+full blocks as every node does (`symphony.kv_addressing`: a chain rooted in the model fingerprint and
+the tenant, so another tenant's or another model's blocks never match), and asks the cluster KV index
+which prefix of that chain each node holds, in which tiers. A system prompt that a thousand sessions
+of the tenant share is found on whichever node computed it, for a session that never ran there.
+
+Nodes the index is not current for (no events yet, a resync under way, a node that streams none)
+keep the session table's hints (`hints_as_held`), so the answer degrades node by node rather than
+all at once; without token ids (no tokenizer, an input it cannot reproduce, a busy tokenizer) the
+request is routed on the hints alone. The locator never fails a request.
+
+The block keys of a session's last prompt are kept (bounded LRU by sessions), so a turn that extends
+its history hashes only its new blocks. State is owned by the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from scheduler.kv_index import NodePrefix
+from scheduler.metrics import SchedulerMetrics
+from scheduler.node_monitor import NodeMonitor
+from scheduler.routing import HeldPrefix, RouteRequest, hints_as_held
+from scheduler.tokens import TokenService
+from symphony.kv_addressing import BlockKey, ModelFingerprint, keys_after
+
+SessionKey = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """What routing gets: the prompt's exact length (0: unknown) and per node the prefix it holds
+    (empty: the caller keeps the session table's hints for every node)."""
+
+    prompt_tokens: int = 0
+    held: Mapping[str, HeldPrefix] | None = None
+    source: str = "hints"  # "index": some node was priced from the index; "hints": none was
+
+
+NOT_LOCATED = Located()
+
+
+@dataclass(slots=True)
+class _SessionKeys:
+    model: ModelFingerprint
+    block_size: int
+    ids: np.ndarray
+    keys: list[BlockKey]
+
+
+def held_from_index(prefix: NodePrefix, block_size: int) -> HeldPrefix:
+    """An index answer (blocks by fastest tier) in tokens."""
+    return HeldPrefix(
+        engine=prefix.engine * block_size,
+        hbm=prefix.hbm * block_size,
+        dram=prefix.dram * block_size,
+        ssd=prefix.ssd * block_size,
+    )
+
+
+class KVLocator:
+    """`prefix(keys)` answers from the cluster KV index for the nodes it is current for; `synced(node)`
+    says which those are (`SchedulerState.kv_prefix`, `kv_synced`)."""
+
+    def __init__(
+        self,
+        prefix: Callable[[Sequence[BlockKey]], Mapping[str, NodePrefix]],
+        synced: Callable[[str], bool],
+        max_sessions: int,
+    ) -> None:
+        if max_sessions <= 0:
+            raise ValueError("max_sessions must be positive")
+        self._prefix = prefix
+        self._synced = synced
+        self._max_sessions = max_sessions
+        self._sessions: OrderedDict[SessionKey, _SessionKeys] = OrderedDict()
+        self.keys_hashed = 0  # blocks hashed so far (the rest came from a session's previous turn)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def block_keys(
+        self,
+        tenant: str,
+        session_id: str | None,
+        ids: np.ndarray,
+        model: ModelFingerprint,
+        block_size: int,
+    ) -> list[BlockKey]:
+        """The keys of the full blocks of `ids` (a '<u4' array) under `model` and `tenant`: those the
+        session's previous prompt shares are reused, the rest hashed."""
+        session = (tenant, session_id) if session_id is not None else None
+        known: list[BlockKey] = []
+        previous = self._sessions.get(session) if session is not None else None
+        if previous is not None and previous.model == model and previous.block_size == block_size:
+            same = min(len(previous.ids), len(ids))
+            differ = np.flatnonzero(previous.ids[:same] != ids[:same])
+            common = int(differ[0]) if len(differ) else same
+            known = previous.keys[: common // block_size]
+        new = list(keys_after(model, tenant, ids, block_size, known))
+        self.keys_hashed += len(new)
+        keys = known + new
+        if session is not None:
+            self._sessions[session] = _SessionKeys(model, block_size, ids, keys)
+            self._sessions.move_to_end(session)
+            while len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+        return keys
+
+    def locate(
+        self,
+        tenant: str,
+        session_id: str | None,
+        ids: np.ndarray | None,
+        model: ModelFingerprint | None,
+        block_size: int,
+        nodes: Sequence[str],
+        kv_tokens: Mapping[str, int],
+    ) -> Located:
+        """Per node of `nodes`: the index's answer where it is current, else the session table's
+        hint (`kv_tokens`, node -> tokens). Without ids, a fingerprint or a block size: the hints."""
+        if ids is None or model is None or block_size <= 0:
+            return NOT_LOCATED
+        keys = self.block_keys(tenant, session_id, ids, model, block_size)
+        from_index = self._prefix(keys) if keys else {}
+        hints = hints_as_held(kv_tokens)
+        held: dict[str, HeldPrefix] = {}
+        indexed = False
+        for node in nodes:
+            if self._synced(node):
+                indexed = True
+                prefix = from_index.get(node)
+                if prefix is not None and prefix.blocks:
+                    held[node] = held_from_index(prefix, block_size)
+            elif node in hints:
+                held[node] = hints[node]
+        return Located(len(ids), held, "index" if indexed else "hints")
+
+
+class RequestLocator:
+    """The dispatcher's step before routing: a request's exact prompt and where its prefix is, per
+    node serving its model (`KVLocator.locate`). Skipped where one node or none can serve it (there
+    is nothing to choose between), and for bodies the tokenizer cannot reproduce (the request keeps
+    the session table's hints)."""
+
+    def __init__(self, tokens: TokenService, kv: KVLocator, cluster: NodeMonitor, metrics: SchedulerMetrics) -> None:
+        self.tokens = tokens
+        self.kv = kv
+        self.cluster = cluster
+        self.metrics = metrics
+
+    async def locate(self, request: RouteRequest, body: Mapping[str, Any]) -> RouteRequest:
+        now = time.monotonic()
+        nodes = [
+            n
+            for n in self.cluster.nodes
+            if n.served_model == request.model and n.available(now, self.cluster.down_after_s)
+        ]
+        if len(nodes) < 2:
+            self.metrics.kv_located.labels("skipped").inc()
+            return request
+        ids = await self.tokens.request_token_ids(request.tenant, request.session_id, request.model, body)
+        # Nodes of one served model share a fingerprint and block size (else no KV moves between
+        # them, and the index holds none of the others' blocks under these keys).
+        first = nodes[0]
+        located = self.kv.locate(
+            request.tenant,
+            request.session_id,
+            ids,
+            ModelFingerprint(first.model_fingerprint) if first.model_fingerprint else None,
+            first.block_size,
+            [n.node_id for n in nodes],
+            request.kv_tokens,
+        )
+        self.metrics.kv_located.labels(located.source if located.held is not None else "no_ids").inc()
+        if located.held is None:
+            return request
+        return dataclasses.replace(request, prompt_tokens=located.prompt_tokens, held=located.held)

@@ -1,0 +1,121 @@
+"""The KV locator: a request's block keys (incremental per session) and, per node, the prefix the
+cluster KV index holds, or the session table's hint where the index is not current."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler.kv_index import BlockBatch, BlockEvent, ClusterKVIndex, EventKind, IndexTier, NodePrefix
+from scheduler.kv_locator import NOT_LOCATED, KVLocator, held_from_index
+from scheduler.routing import HeldPrefix
+from symphony.kv_addressing import ModelFingerprint, chain_block_keys, token_array
+from tests.helpers import OTHER_MODEL, TEST_MODEL
+
+BLOCK = 4
+MODEL = ModelFingerprint(TEST_MODEL)
+
+
+def ids(n: int, seed: int = 0) -> np.ndarray:
+    return token_array([(seed * 7919 + i) % 50_000 for i in range(n)])
+
+
+class Index:
+    """A real ClusterKVIndex with nodes that apply one snapshot each."""
+
+    def __init__(self, *nodes: str) -> None:
+        self.index = ClusterKVIndex(10_000, 4)
+        self.synced: set[str] = set()
+        for node in nodes:
+            self.index.add_node(node)
+
+    def holds(self, node: str, tier: IndexTier, keys: list[bytes]) -> None:
+        event = BlockEvent(EventKind.STORED, tier, b"".join(keys))
+        self.index.apply(node, BlockBatch(f"e-{node}", 1, (event,), True, True), now_s=1.0, now_unix_ms=1000)
+        self.synced.add(node)
+
+    def locator(self, max_sessions: int = 16) -> KVLocator:
+        return KVLocator(self.index.prefix, lambda node: node in self.synced, max_sessions)
+
+
+def test_block_keys_are_the_stores_and_a_next_turn_hashes_only_its_new_blocks() -> None:
+    locator = Index().locator()
+    first = ids(10 * BLOCK + 3)
+    keys = locator.block_keys("acme", "s1", first, MODEL, BLOCK)
+    assert keys == list(chain_block_keys(MODEL, "acme", first, BLOCK).block_keys)
+    assert locator.keys_hashed == 10
+    longer = token_array([*first.tolist(), *range(9)])  # the turn's answer and question: 12 tokens on
+    keys = locator.block_keys("acme", "s1", longer, MODEL, BLOCK)
+    assert keys == list(chain_block_keys(MODEL, "acme", longer, BLOCK).block_keys)
+    assert locator.keys_hashed == 10 + 3  # blocks 10, 11 and 12 (block 10 was partial before)
+
+
+def test_an_edited_history_is_hashed_again_from_the_edit_and_sessions_are_bounded() -> None:
+    locator = Index().locator(max_sessions=2)
+    tokens = ids(8 * BLOCK)
+    locator.block_keys("acme", "s1", tokens, MODEL, BLOCK)
+    edited = tokens.copy()
+    edited[5 * BLOCK + 1] += 1
+    keys = locator.block_keys("acme", "s1", token_array(edited), MODEL, BLOCK)
+    assert keys == list(chain_block_keys(MODEL, "acme", edited, BLOCK).block_keys)
+    assert locator.keys_hashed == 8 + 3
+    locator.block_keys("acme", "s2", tokens, MODEL, BLOCK)
+    locator.block_keys("acme", "s3", tokens, MODEL, BLOCK)
+    assert len(locator) == 2
+    before = locator.keys_hashed
+    locator.block_keys("acme", "s1", token_array(edited), MODEL, BLOCK)  # s1 was the oldest: dropped
+    assert locator.keys_hashed == before + 8
+
+
+def test_another_model_or_tenant_never_reuses_a_sessions_keys() -> None:
+    locator = Index().locator()
+    tokens = ids(6 * BLOCK)
+    mine = locator.block_keys("acme", "s1", tokens, MODEL, BLOCK)
+    other_model = locator.block_keys("acme", "s1", tokens, ModelFingerprint(OTHER_MODEL), BLOCK)
+    assert not set(mine) & set(other_model)
+    assert locator.block_keys("globex", "s1", tokens, MODEL, BLOCK) == list(
+        chain_block_keys(MODEL, "globex", tokens, BLOCK).block_keys
+    )
+
+
+def test_a_shared_prefix_is_found_for_a_new_session_of_the_tenant_only() -> None:
+    index = Index("a", "b")
+    system = ids(12 * BLOCK, seed=1)  # a system prompt some session of acme computed on "a"
+    index.holds("a", IndexTier.ENGINE, list(chain_block_keys(MODEL, "acme", system, BLOCK).block_keys))
+    index.holds("b", IndexTier.DRAM, [])
+    question = token_array([*system.tolist(), *ids(5 * BLOCK + 2, seed=2).tolist()])
+    locator = index.locator()
+    located = locator.locate("acme", "new", question, MODEL, BLOCK, ["a", "b"], {})
+    assert located.prompt_tokens == len(question)
+    assert located.source == "index"
+    assert located.held == {"a": HeldPrefix(engine=12 * BLOCK)}  # "b" holds none: absent
+    for tenant, model in (("globex", MODEL), ("acme", ModelFingerprint(OTHER_MODEL))):
+        elsewhere = locator.locate(tenant, "new", question, model, BLOCK, ["a", "b"], {})
+        assert elsewhere.held == {}
+
+
+def test_nodes_the_index_is_not_current_for_keep_their_hints_and_stale_hints_are_corrected() -> None:
+    index = Index("a", "b")
+    tokens = ids(8 * BLOCK)
+    index.holds("a", IndexTier.SSD, list(chain_block_keys(MODEL, "acme", tokens, BLOCK).block_keys[:3]))
+    # The session table says both nodes ran this session's turns; "a" has since evicted most of it,
+    # and "b" streams no events (an older node manager, or a resync under way).
+    hints = {"a": 8 * BLOCK, "b": 8 * BLOCK}
+    located = index.locator().locate("acme", "s1", tokens, MODEL, BLOCK, ["a", "b"], hints)
+    assert located.held == {"a": HeldPrefix(ssd=3 * BLOCK), "b": HeldPrefix(dram=8 * BLOCK)}
+
+
+def test_without_ids_a_fingerprint_or_a_block_size_nothing_is_located() -> None:
+    locator = Index("a").locator()
+    assert locator.locate("acme", "s", None, MODEL, BLOCK, ["a"], {"a": 5}) is NOT_LOCATED
+    assert locator.locate("acme", "s", ids(8), None, BLOCK, ["a"], {}) is NOT_LOCATED
+    assert locator.locate("acme", "s", ids(8), MODEL, 0, ["a"], {}) is NOT_LOCATED
+
+
+def test_index_answers_convert_to_tokens_by_tier() -> None:
+    assert held_from_index(NodePrefix(7, engine=1, hbm=2, dram=3, ssd=1), 32) == HeldPrefix(32, 64, 96, 32)
+
+
+def test_the_session_bound_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_sessions"):
+        KVLocator(lambda keys: {}, lambda node: True, 0)
