@@ -37,7 +37,7 @@ from eval.scheduler_cpu import CpuSettings, measure_scheduler_cpu
 from eval.stats import percentile
 from symphony.config import SymphonyConfig
 from symphony.launcher import LocalCluster
-from symphony.models import fetch_default_model, resolve_model
+from symphony.models import default_model_dir, fetch_default_model, resolve_model
 
 PROMPTS = [
     "What is the capital of France?",
@@ -201,7 +201,8 @@ async def _with_private_cluster(config: SymphonyConfig, **kwargs: Any) -> dict[s
 
 def _scheduler_env(config: SymphonyConfig) -> dict[str, str]:
     """The benchmark's scheduler settings that matter to its CPU, for the no-op node's scheduler."""
-    return {"SYMPHONY_SCHEDULER_POLICY": config.scheduler.policy}
+    tokenizer = Path(config.engine.model).expanduser() if config.engine.model else default_model_dir(config.home_path)
+    return {"SYMPHONY_SCHEDULER_POLICY": config.scheduler.policy, "SYMPHONY_SCHEDULER_TOKENIZER": str(tokenizer)}
 
 
 def _print_table(result: dict[str, Any]) -> None:

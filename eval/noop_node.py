@@ -95,11 +95,13 @@ class _ReadyNodeManager(node_pb2_grpc.NodeManagerServicer):
 class NoopNode:
     """The engine and its always-ready node manager, on the given ports of `host`."""
 
-    def __init__(self, host: str, grpc_port: int, engine_port: int, model: str, block_size: int = 32) -> None:
+    def __init__(
+        self, host: str, grpc_port: int, engine_port: int, model: str, block_size: int = 32, node_id: str = "noop-0"
+    ) -> None:
         self.engine = NoopEngine(host, engine_port, model)
         self.address = f"{host}:{grpc_port}"
         status = node_pb2.NodeStatus(
-            node_id="noop-0",
+            node_id=node_id,
             engine_state=node_pb2.ENGINE_STATE_READY,
             engine_url=self.engine.url,
             served_model=model,

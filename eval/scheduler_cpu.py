@@ -1,13 +1,14 @@
-"""The scheduler's own CPU per request, against a node that answers instantly (`eval.noop_node`).
+"""The scheduler's own CPU per request, against nodes that answer instantly (`eval.noop_node`).
 
 A real `symphony scheduler` process (the one `symphony up` runs, with its default policy) fronts
-the no-op node. `concurrency` clients each hold a multi-turn conversation whose first user message
-is about `prompt_tokens` tokens long and whose later turns add a short answer and question, as a
-chat frontend sends them (the whole history every turn). After a warm-up, the scheduler process's
-user + system CPU time over `requests` streamed requests, divided by their number, is
-`scheduler_cpu_ms_per_request`. The no-op engine spends nothing, so the client-side time to the
-first token is the scheduler hop alone (`noop_ttft_ms_p50`), under the load the clients put on the
-same cores.
+two no-op nodes serving the same model: with a choice to make, the scheduler does all of its work
+for each request, tokenizing included (given a tokenizer: `scheduler_env`). `concurrency` clients
+each hold a multi-turn conversation whose first user message is about `prompt_tokens` tokens long
+and whose later turns add a short answer and question, as a chat frontend sends them (the whole
+history every turn). After a warm-up, the scheduler process's user + system CPU time over
+`requests` streamed requests, divided by their number, is `scheduler_cpu_ms_per_request`. The
+no-op engines spend nothing, so the client-side time to the first token is the scheduler hop alone
+(`noop_ttft_ms_p50`), under the load the clients put on the same cores.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class CpuSettings:
     requests: int = 640  # measured, after the warm-up
     warmup_requests: int = 64
     max_tokens: int = 8
+    nodes: int = 2
 
 
 def _text(rng: random.Random, tokens: int) -> str:
@@ -110,7 +112,7 @@ async def _drive(scheduler_url: str, model: str, settings: CpuSettings, count: i
     return ttfts
 
 
-async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process) -> None:
+async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process, nodes: int) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
         while time.monotonic() < deadline:
@@ -118,7 +120,7 @@ async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process) -
                 raise RuntimeError(f"the scheduler exited with {process.returncode}")
             try:
                 async with http.get(scheduler_url + "/readyz") as response:
-                    if response.status == 200 and (await response.json()).get("ready_nodes") == 1:
+                    if response.status == 200 and (await response.json()).get("ready_nodes") == nodes:
                         return
             except (aiohttp.ClientError, TimeoutError):
                 pass
@@ -132,17 +134,18 @@ async def measure_scheduler_cpu(
     """Start the no-op node and a scheduler process in front of it; measure; stop both.
     `scheduler_env` adds SYMPHONY_* settings for the scheduler (a tokenizer, a policy)."""
     host = "127.0.0.1"
-    node = NoopNode(host, free_port(), free_port(), model)
+    nodes = [NoopNode(host, free_port(), free_port(), model, node_id=f"noop-{i}") for i in range(settings.nodes)]
     port = free_port()
     scheduler_url = f"http://{host}:{port}"
-    await node.start()
+    for node in nodes:
+        await node.start()
     with tempfile.TemporaryDirectory(prefix="symphony-cpu-") as home:
         env = {
             **os.environ,
             "SYMPHONY_HOME": home,
             "SYMPHONY_SCHEDULER_HOST": host,
             "SYMPHONY_SCHEDULER_PORT": str(port),
-            "SYMPHONY_SCHEDULER_NODE_ADDRESSES": node.address,
+            "SYMPHONY_SCHEDULER_NODE_ADDRESSES": ",".join(node.address for node in nodes),
             "SYMPHONY_LOGGING_LEVEL": "warning",
             **(scheduler_env or {}),
         }
@@ -152,7 +155,7 @@ async def measure_scheduler_cpu(
                 sys.executable, "-m", "symphony.cli", "scheduler", env=env, stdout=log, stderr=subprocess.STDOUT
             )
             try:
-                await _wait_ready(scheduler_url, process)
+                await _wait_ready(scheduler_url, process, settings.nodes)
                 await _drive(scheduler_url, model, settings, settings.warmup_requests, "warm")
                 cpu_before, wall_before = scheduler_cpu_seconds(process.pid), time.perf_counter()
                 ttfts = await _drive(scheduler_url, model, settings, settings.requests, "run")
@@ -168,14 +171,15 @@ async def measure_scheduler_cpu(
                 except TimeoutError:
                     process.kill()
                     await process.wait()
-                await node.stop()
+                for node in nodes:
+                    await node.stop()
     wall_s = wall_after - wall_before
     return {
         "scheduler_cpu_ms_per_request": (cpu_after - cpu_before) * 1000.0 / settings.requests,
         "noop_ttft_ms_p50": statistics.median(ttfts),
         "noop_ttft_ms_p99": percentile(ttfts, 99),
         "noop_requests_per_s": settings.requests / wall_s,
-        "noop_engine_requests": node.engine.requests,
+        "noop_engine_requests": sum(node.engine.requests for node in nodes),
         "settings": {
             "concurrency": settings.concurrency,
             "prompt_tokens": settings.prompt_tokens,
@@ -183,5 +187,6 @@ async def measure_scheduler_cpu(
             "requests": settings.requests,
             "warmup_requests": settings.warmup_requests,
             "max_tokens": settings.max_tokens,
+            "nodes": settings.nodes,
         },
     }
