@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -198,8 +199,13 @@ def test_metrics_count_requests_ttft_and_routing(live_cluster: LiveCluster) -> N
     # The test's own traffic, counted as differences: the metrics owe nothing to the tests before.
     before = live_cluster.metrics()
     client = _client(live_cluster)
-    question = [{"role": "user", "content": "Say hi."}]
-    # A streamed turn held generating on one node: least load sends a turn meanwhile to the other.
+    question = [
+        {"role": "system", "content": f"Metrics test {uuid.uuid4().hex}."},
+        {"role": "user", "content": "Say hi."},
+    ]
+    # A streamed turn held generating on one node: a turn sent meanwhile goes to the other. The two
+    # prompts share no block (each opens with its own system message), so no node holds any of the
+    # second one's KV and the load decides, not the prefix cost.
     raw = client.chat.completions.with_raw_response.create(
         model=live_cluster.model,
         messages=question,
@@ -220,7 +226,8 @@ def test_metrics_count_requests_ttft_and_routing(live_cluster: LiveCluster) -> N
         f"the scheduler to see {held} busy and {other} ready and idle",
         interval_s=0.1,
     )
-    _, _, headers = _ask(client, live_cluster.model, "e2e-metrics-beside", question, stream=False)
+    beside = [{"role": "system", "content": f"Metrics test {uuid.uuid4().hex}."}, question[-1]]
+    _, _, headers = _ask(client, live_cluster.model, "e2e-metrics-beside", beside, stream=False)
     assert headers["x-symphony-node"] == other, (headers.get("x-symphony-route"), live_cluster.readyz())
     assert sum(1 for _ in chunks) > 0  # the held turn runs to its end
     bad = httpx.post(live_cluster.url + "/v1/chat/completions", json={"max_tokens": 5}, timeout=30)
