@@ -94,6 +94,17 @@ class LoadSettings:
     request_timeout_s: float = 600.0
 
 
+def openai_client(base_url: str, api_key: str, settings: LoadSettings, http_client: Any = None) -> openai.AsyncOpenAI:
+    """The load generators' client: no retries (a failed request is a result), the run's timeout."""
+    return openai.AsyncOpenAI(
+        base_url=base_url.rstrip("/") + "/v1",
+        api_key=api_key,
+        max_retries=0,
+        timeout=settings.request_timeout_s,
+        http_client=http_client,
+    )
+
+
 class LoadGenerator:
     def __init__(
         self,
@@ -123,13 +134,7 @@ class LoadGenerator:
         self.timing = timing
         self.settings = settings
         self.session_prefix = session_prefix
-        self.client = openai.AsyncOpenAI(
-            base_url=base_url.rstrip("/") + "/v1",
-            api_key=api_key,
-            max_retries=0,
-            timeout=settings.request_timeout_s,
-            http_client=http_client,
-        )
+        self.client = openai_client(base_url, api_key, settings, http_client)
         self._now = clock
         self._sleep = sleep
         self.records: list[RequestRecord] = []
@@ -270,13 +275,7 @@ class OpenLoopGenerator:
         self.requests = requests
         self.settings = settings
         self.session_prefix = session_prefix
-        self.client = openai.AsyncOpenAI(
-            base_url=base_url.rstrip("/") + "/v1",
-            api_key=api_key,
-            max_retries=0,
-            timeout=settings.request_timeout_s,
-            http_client=http_client,
-        )
+        self.client = openai_client(base_url, api_key, settings, http_client)
 
     async def run(self) -> list[RequestRecord]:
         started = time.monotonic()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from eval.cluster_summary import COLUMNS
 from eval.plots import (
     plot_cluster,
     plot_resume,
@@ -78,21 +79,11 @@ def _resume(result: Result) -> list[str]:
 
 def _cluster(result: Result) -> list[str]:
     """Each policy over the repeats (medians; the p95's 95% interval), then every pair's verdict."""
-    columns = (
-        "ttft_ms_p50",
-        "ttft_ms_p95",
-        "tpot_ms_mean",
-        "completed",
-        "errors",
-        "max_over_mean_load",
-        "kv_ready_at_arrival_frac",
-        "prefix_hit_frac",
-    )
     rows = [
-        [policy, *[row.get(c) for c in columns], _interval(row.get("ttft_ms_p95_ci95"))]
+        [policy, *[row.get(c) for c in COLUMNS], _interval(row.get("ttft_ms_p95_ci95"))]
         for policy, row in result["policies"].items()
     ]
-    lines = _table(["policy", *columns, "ttft_ms_p95 95% interval"], rows)
+    lines = _table(["policy", *COLUMNS, "ttft_ms_p95 95% interval"], rows)
     comparisons = result.get("comparisons") or {}
     if comparisons:
         pairs = [
