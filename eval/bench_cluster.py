@@ -129,18 +129,30 @@ def _advised_ready(metrics: str) -> dict[str, float]:
     return counts
 
 
-def advisory_p99_bound_ms(metrics: str) -> float:
-    """From the scheduler's `symphony_advisory_seconds` histogram: the bucket bound (ms) under which
-    99% of advisories were answered (inf past the last bucket, nan without advisories)."""
+def histogram_p99_bound_ms(metrics: str, name: str) -> float:
+    """From one of the scheduler's histograms in seconds (`name`, unlabelled): the bucket bound (ms)
+    under which 99% of its observations fell (inf past the last bucket, nan without observations)."""
     buckets: list[tuple[float, float]] = []
+    prefix = f'{name}_bucket{{le="'
     for line in metrics.splitlines():
-        if line.startswith('symphony_advisory_seconds_bucket{le="'):
-            bound = line.split('le="', 1)[1].split('"', 1)[0]
+        if line.startswith(prefix):
+            bound = line[len(prefix) :].split('"', 1)[0]
             buckets.append((float(bound), float(line.rsplit(" ", 1)[1])))
     total = buckets[-1][1] if buckets else 0.0
     if not total:
         return float("nan")
     return next(bound * 1000 for bound, count in buckets if count >= 0.99 * total)
+
+
+def advisory_p99_bound_ms(metrics: str) -> float:
+    """The bound under which 99% of advisories were answered (`histogram_p99_bound_ms`)."""
+    return histogram_p99_bound_ms(metrics, "symphony_advisory_seconds")
+
+
+def index_lag_p99_bound_ms(metrics: str) -> float:
+    """The bound under which 99% of the nodes' block event batches reached the scheduler's index,
+    from their publication (`histogram_p99_bound_ms`)."""
+    return histogram_p99_bound_ms(metrics, "symphony_kv_index_lag_seconds")
 
 
 async def measure_policies(
@@ -184,6 +196,7 @@ async def measure_policies(
             metrics = await scheduler.metrics()
             summary["advised_requests_kv_ready"] = _advised_ready(metrics)
             summary["advisory_server_ms_p99_bound"] = advisory_p99_bound_ms(metrics)
+            summary["index_lag_ms_p99"] = index_lag_p99_bound_ms(metrics)
             results[policy] = summary
             if records_by_policy is not None:
                 records_by_policy[policy] = records

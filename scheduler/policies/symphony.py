@@ -82,6 +82,25 @@ def prompt_tokens(request: RouteRequest, holdings: Mapping[str, HeldPrefix]) -> 
     return max(request.prompt_size, 1 + max((h.total for h in holdings.values()), default=0))
 
 
+def _pushable(
+    candidates: Sequence[NodeSnapshot], holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int]
+) -> list[NodeSnapshot]:
+    """Selective pushing: the nodes a request may be sent to now. An engine with nothing waiting
+    starts it at its next step. An engine with requests waiting would keep it behind them however the
+    costs compare later, so it is a candidate only when it holds a longer prefix of the prompt than
+    any idle node holds or can pull (another session's prefix, found by content, never moves): then
+    its queue is priced against recomputing that prefix elsewhere. Empty: every node has requests
+    waiting, and the request waits in the scheduler for the first to free up."""
+    idle = [n for n in candidates if n.pending == 0]
+    if not idle:
+        return []
+    reach = max(
+        max((holdings.get(n.node_id, NOTHING_HELD).total for n in idle), default=0),
+        max((min(h.total, movable.get(node, 0)) for node, h in holdings.items()), default=0),
+    )
+    return [n for n in candidates if n.pending == 0 or holdings.get(n.node_id, NOTHING_HELD).total > reach]
+
+
 class SymphonyPolicy:
     name = "symphony"
     traits = PolicyTraits(prefetch_on_advisory=True, locates_kv=True)
@@ -104,13 +123,11 @@ class SymphonyPolicy:
         candidates = available(nodes)
         if not candidates:
             return NO_NODE
+        holdings = request.holdings()
         if self.selective_push:
-            # Only into an engine with nothing waiting: there the request starts at the engine's next
-            # step, behind a queue it would wait however the costs compare.
-            candidates = [n for n in candidates if n.pending == 0]
+            candidates = _pushable(candidates, holdings, request.kv_tokens)
             if not candidates:
                 return RouteDecision(None, "queued", queue=True)
-        holdings = request.holdings()
         prompt = prompt_tokens(request, holdings)
         high = request.priority == "high"
         spread_ms = self.cost.high_spread_requests * self._unknown_prefill_ms if high else 0.0

@@ -74,4 +74,5 @@ def test_open_loop_shared_prefix_requests_are_served_and_their_reuse_counted(
     # A second request of a group found its group's prefix existing, if the first was done by then.
     assert summary["prefix_tokens_existed"] == sum(r.existed_tokens for r in records["prefix_trie"])
     assert 0 <= summary["prefix_tokens_cached"] <= summary["prefix_tokens_existed"]
-    assert summary["index_lag_ms_p99"] is None
+    # The nodes' heartbeats alone reach the index within the run; a lag is a bucket bound, > 0.
+    assert 0 < summary["index_lag_ms_p99"] < float("inf"), summary["index_lag_ms_p99"]

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
-from eval.bench_cluster import cluster_result
+from eval.bench_cluster import cluster_result, index_lag_p99_bound_ms
 from eval.cluster_summary import print_table
 from eval.plots import plot_cluster
 from eval.protocol import aggregate, compare, comparisons, log_interval, order_balance, pairs, rotation, verdict
+from scheduler.metrics import SchedulerMetrics
 from symphony.cli import main
 
 T_975_DF2 = 4.302652729911275  # Student's t, 97.5th percentile, 2 degrees of freedom (tables)
@@ -161,7 +163,7 @@ def test_a_repeated_result_keeps_every_run_and_gives_verdicts(capsys: pytest.Cap
     assert result["comparisons"]["sticky/recompute"]["ttft_ms_p95"]["verdict"] == "loses"
     assert result["targets"]["symphony_ttft_p95_le_sticky"] and result["order_balance"]["balanced"]
     assert result["runs"][1]["order"] == result["orders"][1] and len(result["runs"]) == 3
-    assert "null" in result["notes"]["index_lag_ms_p99"]
+    assert "symphony_kv_index_lag_seconds" in result["notes"]["index_lag_ms_p99"]
     json.dumps(result)  # the file it is written to
     print_table(result)
     printed = capsys.readouterr().out
@@ -185,3 +187,15 @@ def test_a_repeated_result_is_plotted_and_reported(tmp_path: Path) -> None:
 def test_comparisons_cover_every_pair_once() -> None:
     by = {p: [_summary(1.0, 2.0)] * 2 for p in ("a", "b", "symphony")}
     assert list(comparisons(by)) == ["symphony/a", "symphony/b", "a/b"]
+
+
+def test_a_histograms_p99_bound_is_read_from_the_schedulers_exposition() -> None:
+    """The scheduler's own histogram, exposed as Prometheus text: 98 batches under 5 ms and 2 under
+    50 ms put the p99 bound at the 50 ms bucket; none at all is nan."""
+    metrics = SchedulerMetrics()
+    assert math.isnan(index_lag_p99_bound_ms(generate_latest(metrics.registry).decode()))
+    for _ in range(98):
+        metrics.kv_index_lag.observe(0.004)
+    metrics.kv_index_lag.observe(0.03)
+    metrics.kv_index_lag.observe(0.04)
+    assert index_lag_p99_bound_ms(generate_latest(metrics.registry).decode()) == 50.0

@@ -184,3 +184,24 @@ def test_another_sessions_prefix_is_found_where_it_is_but_never_moved() -> None:
     busy_a = node("a", running=2, prefilling=2, prefilling_work=PrefillWork(3000, 4_500_000.0))
     assert SymphonyPolicy(PROFILE).choose(req, [busy_a, node("b")]).scores == {"a": 5512.5, "b": 3060.0}
     assert SymphonyPolicy(PROFILE).choose(req, [node("a"), node("b", running=1)]).node_id == "a"
+
+
+def test_a_node_with_requests_waiting_is_a_candidate_only_for_a_prefix_no_idle_node_can_get() -> None:
+    """Selective pushing keeps requests out of engine queues, but not at the price of recomputing a
+    prefix found nowhere else. a holds 1,900 of 2,000 tokens, another session's, and has one request
+    waiting of unknown size (256 tokens: 256 + 0.5 x 256 x 128 / 1000 = 272.384 ms) behind one
+    running: 50 + (10 + 2) x 1.5 + 272.384 + 197.5 = 537.884, against idle b's recompute, 3,060: a.
+    The same copy as the session's own, which b can pull (2,095): b is idle and a is not a candidate.
+    With nothing idle, the request waits in the scheduler."""
+    waiting_a = node("a", running=1, waiting=1)
+    shared = request(2000, {"a": HeldPrefix(engine=1900)}, own=False)
+    decision = SymphonyPolicy(PROFILE).choose(shared, [waiting_a, node("b")])
+    assert decision.node_id == "a"
+    assert decision.scores == pytest.approx({"a": 537.884, "b": 3060.0})
+    own = request(2000, {"a": HeldPrefix(engine=1900)}, own=True)
+    decision = SymphonyPolicy(PROFILE).choose(own, [waiting_a, node("b")])
+    assert decision.node_id == "b" and set(decision.scores) == {"b"}
+    assert SymphonyPolicy(PROFILE).choose(shared, [waiting_a, node("b", waiting=1)]).queue
+    # A waiting node holding no more than an idle one is never a candidate.
+    both = request(2000, {"a": HeldPrefix(engine=1900), "b": HeldPrefix(dram=1900)}, own=False)
+    assert set(SymphonyPolicy(PROFILE).choose(both, [waiting_a, node("b")]).scores) == {"b"}
