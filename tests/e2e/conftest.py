@@ -89,6 +89,12 @@ class LiveCluster:
         port = str(self.engine_ports[index])
         return self._descendant(lambda argv: "vllm.entrypoints.openai.api_server" in argv and port in argv)
 
+    def scheduler_pid(self) -> int:
+        def is_scheduler(argv: list[str]) -> bool:
+            return "symphony.cli" in argv[:-1] and argv[argv.index("symphony.cli") + 1] == "scheduler"
+
+        return self._descendant(is_scheduler)
+
     def node_manager_pid(self, index: int) -> int:
         def is_node(argv: list[str]) -> bool:
             return "node" in argv and "--index" in argv and argv[argv.index("--index") + 1] == str(index)

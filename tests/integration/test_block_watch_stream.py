@@ -1,11 +1,12 @@
 """KVStore.WatchBlocks over a real gRPC server running a node's KV runtime (`start_kv`, no engine):
 a snapshot, live events for pages written with WritePages, heartbeats, a resume that gets only what
-it missed, the subscriber limit, and streams ending cleanly when the node stops."""
+it missed, the subscriber limit, streams ending cleanly when the node stops, and the stream applied
+to the scheduler's index and located per tenant and model."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,11 +17,15 @@ import torch
 from node_manager.kv.pages import Tier
 from node_manager.kv.transfer import page_batch
 from node_manager.kv_runtime import GRPC_OPTIONS, KVRuntime, start_kv
+from scheduler.kv_index import ClusterKVIndex, NodePrefix, Outcome
+from scheduler.kv_locator import KVLocator
+from scheduler.kv_watch import to_batch
+from scheduler.routing import HeldPrefix
 from symphony.config import load_config
-from symphony.kv_addressing import BlockKey, chain_block_keys
+from symphony.kv_addressing import BlockKey, ModelFingerprint, chain_block_keys, token_array
 from symphony.kv_geometry import KVGeometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
-from tests.helpers import TEST_MODEL, async_wait_until, free_port
+from tests.helpers import OTHER_MODEL, TEST_MODEL, async_wait_until, free_port
 
 GEOMETRY = KVGeometry(num_layers=3, kv_heads=1, head_size=8, block_size=16)
 TENANT = "acme"
@@ -215,37 +220,61 @@ async def test_subscribers_past_the_limit_are_refused_and_streams_end_cleanly_wh
         assert await call.code() == grpc.StatusCode.OK
 
 
+async def follow(node: Node, index: ClusterKVIndex, until: Callable[[], bool]) -> None:
+    """Subscribe as the scheduler does (from the index's resume point) and apply the node's batches
+    to `index` until it is in sync and `until()` holds; then leave."""
+    stub, runtime = node.stub, node.runtime
+    epoch, after_seq = index.resume_point("node-0")
+    call = stub.WatchBlocks(kv_pb2.WatchBlocksRequest(epoch=epoch, after_seq=after_seq), timeout=60)
+    try:
+        while not (index.synced("node-0") and until()):
+            message = await _read(call)
+            assert message is not grpc.aio.EOF
+            applied = index.apply("node-0", to_batch(message), now_s=0.0, now_unix_ms=0)
+            assert applied.outcome is Outcome.APPLIED, applied
+    finally:
+        call.cancel()
+        await async_wait_until(lambda: runtime.events.subscribers == 0, READ_TIMEOUT_S, "the stream to unsubscribe")
+    assert index.stream_lost("node-0") == ""
+
+
 async def test_the_schedulers_index_stays_in_sync_with_the_nodes_stream(node: Node) -> None:
     """The node's stream applied to the scheduler's own cluster index (`scheduler.kv_index`): the
     snapshot and every live batch apply in order, a resume continues it, and the index knows which
     tier holds each of a session's blocks."""
-    from scheduler.kv_index import ClusterKVIndex, NodePrefix, Outcome
-    from scheduler.kv_watch import to_batch
-
     index = ClusterKVIndex(max_blocks=1024)
     index.add_node("node-0")
     stub, runtime = node.stub, node.runtime
 
-    async def follow(until: Callable[[], bool]) -> None:
-        epoch, after_seq = index.resume_point("node-0")
-        call = stub.WatchBlocks(kv_pb2.WatchBlocksRequest(epoch=epoch, after_seq=after_seq), timeout=60)
-        try:
-            while not (index.synced("node-0") and until()):
-                message = await _read(call)
-                assert message is not grpc.aio.EOF
-                applied = index.apply("node-0", to_batch(message), now_s=0.0, now_unix_ms=0)
-                assert applied.outcome is Outcome.APPLIED, applied
-        finally:
-            call.cancel()
-            await async_wait_until(lambda: runtime.events.subscribers == 0, READ_TIMEOUT_S, "the stream to unsubscribe")
-        assert index.stream_lost("node-0") == ""
-
     first = await upload(stub, "first", 3, seed=7)
-    await follow(lambda: index.prefix(first).get("node-0") == NodePrefix(3, dram=3))
+    await follow(node, index, lambda: index.prefix(first).get("node-0") == NodePrefix(3, dram=3))
     await asyncio.to_thread(runtime.store.write_behind.flush, READ_TIMEOUT_S)
     second = await upload(stub, "second", 2, seed=8)
     await asyncio.to_thread(runtime.store.write_behind.flush, READ_TIMEOUT_S)
     await asyncio.to_thread(runtime.store.demote, TENANT, "first", Tier.DRAM)
-    await follow(lambda: index.prefix(first).get("node-0") == NodePrefix(3, ssd=3))  # resumed, not a snapshot
+    await follow(node, index, lambda: index.prefix(first).get("node-0") == NodePrefix(3, ssd=3))  # resumed
     assert index.node("node-0").restarts == 0 and index.node("node-0").resyncs == 0
     assert index.prefix(second)["node-0"] == NodePrefix(2, dram=2)
+
+
+async def test_a_prefix_is_found_only_under_its_own_tenant_and_model(node: Node) -> None:
+    """A real node's blocks, in the scheduler's index from its stream, located as the scheduler
+    locates a request (`KVLocator`): a new session of the tenant whose prompt starts with them finds
+    them; the same tokens under another tenant or another model's fingerprint find nothing, since
+    their block keys are other chains (the scheduler keys a request under the fingerprint its
+    nodes report; a second model is not run live in the end-to-end suite)."""
+    index = ClusterKVIndex(max_blocks=1024)
+    index.add_node("node-0")
+    blocks, size = 4, GEOMETRY.block_size
+    keys = await upload(node.stub, "system-prompt", blocks, seed=9)
+    await follow(node, index, lambda: index.prefix(keys).get("node-0") == NodePrefix(blocks, dram=blocks))
+    # The same leading tokens (upload's), then a question of the new session's own.
+    prompt = token_array([*(9 * 1000 + i for i in range(blocks * size)), *range(1, size + 5)])
+    locator = KVLocator(index.prefix, index.synced, max_sessions=16)
+
+    def held(tenant: str, model: ModelFingerprint) -> Mapping[str, HeldPrefix] | None:
+        return locator.locate(tenant, f"new-{tenant}", prompt, model, size, ["node-0"], {}).held
+
+    assert held(TENANT, TEST_MODEL) == {"node-0": HeldPrefix(dram=blocks * size)}
+    assert held("globex", TEST_MODEL) == {}
+    assert held(TENANT, OTHER_MODEL) == {}
