@@ -9,7 +9,9 @@ of the tenant share is found on whichever node computed it, for a session that n
 Nodes the index is not current for (no events yet, a resync under way, a node that streams none)
 keep the session table's hints (`hints_as_held`), so the answer degrades node by node rather than
 all at once; without token ids (no tokenizer, an input it cannot reproduce, a busy tokenizer) the
-request is routed on the hints alone. The locator never fails a request.
+request is routed on the hints alone. While the scheduler's tokenizer is still loading (seconds,
+after a restart), an engine's `/tokenize` gives the ids (`scheduler.engine_tokens`). The locator
+never fails a request.
 
 The block keys of a session's last prompt are kept (bounded LRU by sessions), so a turn that extends
 its history hashes only its new blocks. State is owned by the event loop's thread.
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from scheduler.engine_tokens import engine_token_ids
 from scheduler.kv_index import NodePrefix
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor
@@ -152,8 +155,16 @@ class RequestLocator:
     is nothing to choose between), and for bodies the tokenizer cannot reproduce (the request keeps
     the session table's hints)."""
 
-    def __init__(self, tokens: TokenService, kv: KVLocator, cluster: NodeMonitor, metrics: SchedulerMetrics) -> None:
+    def __init__(
+        self,
+        tokens: TokenService,
+        kv: KVLocator,
+        cluster: NodeMonitor,
+        metrics: SchedulerMetrics,
+        engine_timeout_s: float = 1.0,
+    ) -> None:
         self.tokens = tokens
+        self.engine_timeout_s = engine_timeout_s  # an engine's /tokenize, while the tokenizer loads
         self.kv = kv
         self.cluster = cluster
         self.metrics = metrics
@@ -169,6 +180,8 @@ class RequestLocator:
             self.metrics.kv_located.labels("skipped").inc()
             return request
         ids = await self.tokens.request_token_ids(request.tenant, request.session_id, request.model, body)
+        if ids is None and self.tokens.status(request.model) == "loading":
+            ids = await self._engine_ids(request.model, body)
         # Nodes of one served model share a fingerprint and block size (else no KV moves between
         # them, and the index holds none of the others' blocks under these keys).
         first = nodes[0]
@@ -185,3 +198,11 @@ class RequestLocator:
         if located.held is None:
             return request
         return dataclasses.replace(request, prompt_tokens=located.prompt_tokens, held=located.held)
+
+    async def _engine_ids(self, model: str, body: Mapping[str, Any]) -> np.ndarray | None:
+        """The ids from an engine's `/tokenize` (`scheduler.engine_tokens`), while the scheduler's
+        own tokenizer loads: a restarted scheduler routes by content from its first request."""
+        node = self.cluster.least_busy_engine(model)
+        ids = None if node is None else await engine_token_ids(node.engine_url, model, body, self.engine_timeout_s)
+        self.metrics.token_ids_from_engine.labels("ok" if ids is not None else "none").inc()
+        return ids

@@ -117,6 +117,14 @@ class SchedulerMetrics:
             ["source"],
             registry=r,
         )
+        self.token_ids_from_engine = Counter(
+            "symphony_token_ids_from_engine",
+            "Requests whose ids were asked of an engine's /tokenize while the scheduler's tokenizer was "
+            "loading, by outcome: ok, none (no engine, an error, no answer in time, a body /tokenize "
+            "cannot reproduce)",
+            ["outcome"],
+            registry=r,
+        )
         self.token_ids_missing = Counter(
             "symphony_token_ids_missing",
             "Requests the scheduler computed no token ids for (its caller falls back), by reason: "

@@ -107,7 +107,8 @@ def _fields(schema: type[BaseModel], body: Mapping[str, Any], names: tuple[str, 
         raise NoTokenIds("invalid_input", f"{where}: {error['msg']}" if where else error["msg"]) from None
 
 
-_TOKENIZE_CHAT_FIELDS = (
+# The fields of a chat body that shape its prompt and that `/tokenize` takes too.
+TOKENIZE_CHAT_FIELDS = (
     "add_generation_prompt",
     "continue_final_message",
     "add_special_tokens",
@@ -122,7 +123,7 @@ def chat_prompt(tokenizer: Any, body: Mapping[str, Any], *, tokenize_endpoint: b
     """The text vLLM tokenizes for a chat body (`/v1/chat/completions`, or `/tokenize` when
     `tokenize_endpoint`: no documents, reasoning effort or truncation there). `tokenizer` is the
     transformers fast tokenizer of the served model."""
-    fields: _ChatFields = _fields(_ChatFields, body, _TOKENIZE_CHAT_FIELDS if tokenize_endpoint else None)
+    fields: _ChatFields = _fields(_ChatFields, body, TOKENIZE_CHAT_FIELDS if tokenize_endpoint else None)
     user_kwargs = fields.chat_template_kwargs or {}
     if not tokenize_endpoint and fields.tools == []:
         raise NoTokenIds("invalid_input", "`tools` must not be an empty array.")

@@ -83,6 +83,7 @@ class SchedulerState:
             KVLocator(self.kv_prefix, self.kv_synced, sc.tokenizer_cache_sessions),
             self.cluster,
             self.metrics,
+            engine_timeout_s=sc.tokenize_timeout_ms / 1000,
         )
         self.dispatcher = Dispatcher(
             self.cluster,
