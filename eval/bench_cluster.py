@@ -44,6 +44,7 @@ from eval.process_cpu import cpu_seconds_between, cpu_seconds_by_role
 from eval.protocol import aggregate, comparisons, order_balance, rotation
 from eval.results import write_result
 from eval.workloads import Conversation, HumanTiming
+from scheduler.tokenizer_load import tokenizer_dirs
 from symphony.config import SymphonyConfig, dump_toml
 from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
@@ -57,12 +58,17 @@ class _PolicyScheduler:
     def __init__(self, config: SymphonyConfig, policy: str, home: Path, key: str, repeat: int = 0) -> None:
         self.port = free_port_run(1)
         self.tenant = f"bench-{policy}-r{repeat}"
+        # Named, not "auto": a scheduler given node addresses would take them for a remote cluster's
+        # and load no tokenizer, and route on session hints alone.
+        tokenizers = [f"{name}={path}" for name, path in tokenizer_dirs(config).items()]
         scheduler = dataclasses.replace(
             config.scheduler,
             port=self.port,
             policy=policy,
             node_addresses=config.scheduler_node_addresses(),
             api_keys=[f"{self.tenant}:{key}"],
+            tokenizer="",
+            tokenizers=tokenizers,
         )
         path = home / "run" / f"scheduler-{policy}-r{repeat}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +90,10 @@ class _PolicyScheduler:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"the {self.tenant} scheduler exited; see {self.log.name}")
                 try:
-                    if (await client.get(self.url + "/readyz")).json().get("ready_nodes") == nodes:
+                    ready = (await client.get(self.url + "/readyz")).json()
+                    # Every policy starts with its tokenizer loaded: none routes its first requests blind.
+                    loading = "loading" in ready.get("tokenizers", {}).values()
+                    if ready.get("ready_nodes") == nodes and not loading:
                         return
                 except (httpx.HTTPError, ValueError):
                     pass
