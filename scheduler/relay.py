@@ -8,6 +8,7 @@ early is what makes vLLM abort a generation nobody will read.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from scheduler.metrics import SchedulerMetrics
 from symphony.logs import get_logger
 
 log = get_logger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI-style stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,7 @@ class UpstreamRelay:
         self.upstream = upstream
         self.exchange = exchange
         self.metrics = metrics
+        self.counted = False  # the exchange's outcome is in the metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -56,6 +60,7 @@ class UpstreamRelay:
         raise NotImplementedError
 
     def count(self, status: int, stream: bool) -> None:
+        self.counted = True
         self.metrics.count_request(self.exchange.endpoint, status)
         self.metrics.e2e.labels(self.exchange.endpoint, "true" if stream else "false").observe(
             time.perf_counter() - self.exchange.received_at
@@ -105,7 +110,7 @@ class StreamRelay(UpstreamRelay):
         headers = [(b"content-type", media_type.encode("latin-1"))]
         headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.exchange.headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        first, status = True, 200
+        first, status, tail = True, 200, b""
         try:
             async for chunk in self.upstream.content.iter_any():
                 if first:
@@ -115,7 +120,15 @@ class StreamRelay(UpstreamRelay):
                         time.perf_counter() - self.exchange.received_at
                     )
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tail = (tail + chunk)[-len(SSE_DONE) :]
             self.upstream.release()  # keep the connection for the next request
+        except asyncio.CancelledError:
+            # The client left (scheduler.hot_path). After the stream's last event it had its whole
+            # answer: a client may close on `[DONE]` (GuideLLM does) before the engine's end of
+            # stream gets here. Served, not a 499.
+            if tail == SSE_DONE:
+                self.count(200, stream=True)
+            raise
         except (TimeoutError, aiohttp.ClientError) as exc:
             # The status line is already sent; tell the client inside the stream instead.
             status = 502

@@ -126,7 +126,8 @@ def sse(content: str) -> bytes:
 @dataclass
 class FakeEngine:
     """Behaviour per request is picked by the prompt's first message content:
-    "stall": stream one chunk then wait (to test disconnects), "break": stream two chunks then drop the
+    "stall": stream one chunk then wait (to test disconnects), "linger": a whole stream, `[DONE]`
+    included, whose end comes only once the caller hangs up, "break": stream two chunks then drop the
     connection, "bad": answer 400 like vLLM's validation, "slow": a plain answer only after 10 s (or
     until the caller hangs up), "prefill": a stream whose first chunk waits for `prefill_done`,
     anything else: a normal answer."""
@@ -208,6 +209,18 @@ class FakeEngine:
             chunk = {"object": "chat.completion.chunk", "choices": [], "usage": usage}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
+        if behaviour == "linger":
+            try:
+                for _ in range(600):
+                    await asyncio.sleep(0.05)
+                    await response.write(b"")
+                    if request.transport is None or request.transport.is_closing():
+                        break
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.disconnected.set()
+                raise
+            self.disconnected.set()
+            return response
         await response.write_eof()
         return response
 

@@ -228,6 +228,31 @@ async def test_client_leaving_mid_stream_aborts_the_engine_request(
                     break  # leave after the first token
         await asyncio.wait_for(engine.disconnected.wait(), 10)
         await async_wait_until(lambda: state.dispatcher.inflight_total == 0, 10, "in-flight count back to 0")
+        metrics = (await client.get("/metrics")).text
+        assert 'symphony_requests_total{endpoint="chat",status="499"} 1.0' in metrics
+
+
+async def test_a_client_leaving_after_the_last_event_of_a_stream_is_served_not_gone(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """GuideLLM closes a stream once it has read `data: [DONE]`, which can be before the engine's end
+    of stream reaches the scheduler: the client had its whole answer, a 200, not a 499."""
+    url, state = await start_scheduler([await make_node(engine.url)])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        body = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "linger"}]}
+        text = ""
+        async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+            async for chunk in stream.aiter_text():
+                text += chunk
+                if text.endswith("data: [DONE]\n\n"):
+                    break
+        await asyncio.wait_for(engine.disconnected.wait(), 10)
+        await async_wait_until(lambda: state.dispatcher.inflight_total == 0, 10, "in-flight count back to 0")
+        metrics = (await client.get("/metrics")).text
+        assert 'symphony_requests_total{endpoint="chat",status="200"} 1.0' in metrics
+        assert 'status="499"' not in metrics
+        assert 'symphony_e2e_seconds_count{endpoint="chat",stream="true"} 1.0' in metrics
 
 
 async def test_inflight_limit_answers_429(
