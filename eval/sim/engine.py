@@ -69,7 +69,7 @@ class EngineModel:
         return self.decode_ms_per_seq * requests + self.decode_ms_per_kilotoken * context_tokens / 1000
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # requests are told apart by identity, never by value
 class SimRequest:
     request_id: int
     session: str
@@ -83,7 +83,7 @@ class SimRequest:
     generated: int = 0
     preemptions: int = 0
     prefilled_tokens: int = 0  # prompt tokens this request had computed (over all its admissions)
-    blocks: int = 0  # KV blocks it holds now
+    blocks: int = 0  # KV blocks it holds now: at least one exactly while it runs
     priority_rank: int = 1  # scheduler.routing.PRIORITY_RANK: low 0, normal 1, high 2
 
     @property
@@ -170,7 +170,7 @@ class SimEngine:
         plan = StepPlan(0.0)
         decoding = list(self.running)
         preempted = self._grow(decoding)
-        decoding = [r for r in decoding if r in self.running]  # preempted ones left the batch
+        decoding = [r for r in decoding if r.blocks]  # preempted ones left the batch (hold no blocks)
         prefill_ms = 0.0
         # A step that preempted admits nothing (vLLM), unless nothing is left running: then the
         # preempted request itself must be readmitted, or the engine would stall.
@@ -200,10 +200,12 @@ class SimEngine:
         """Each decoding request that needs another block for its next token gets one, preempting
         the newest running request while none is free. True if it preempted any."""
         preempted = False
+        block_size = self.model.block_size
         for request in decoding:
-            if request not in self.running:
+            if not request.blocks:  # preempted by an earlier one's growth
                 continue
-            while self._blocks_for(request.context + 1) > request.blocks:
+            # Its next token, at position `context`, needs a block beyond those it holds.
+            while request.prompt_tokens + request.generated >= request.blocks * block_size:
                 if self.free_blocks:
                     self.free_blocks -= 1
                     request.blocks += 1
@@ -241,7 +243,7 @@ class SimEngine:
         self.busy_ms += plan.duration_ms
         finished = []
         for request in [*plan.decoded, *plan.first_tokens]:
-            if request not in self.running:
+            if not request.blocks:  # preempted since the step was planned
                 continue
             if request.first_token_ms is None:
                 request.first_token_ms = now_ms
