@@ -50,6 +50,7 @@ def run_sim_bench(
     max_users: int = 65_536,
     refine: int = 2,
     tpot_bound: float = TPOT_BOUND,
+    prefix_caching: bool = True,
     duration_s: float | None = None,
     miss_rate: float = 0.0,
     time_scale: float = 1.0,
@@ -108,7 +109,8 @@ def run_sim_bench(
     with tqdm(desc=f"bench sim users ({users_workload_name})", unit="run", file=sys.stderr) as bar:
 
         def run(policy: str, count: int) -> dict[str, Any]:
-            row = run_scripts(preset, nodes, policy, workload_users.scripts(count), duration_s * 1000)
+            scripts = workload_users.scripts(count)
+            row = run_scripts(preset, nodes, policy, scripts, duration_s * 1000, prefix_caching)
             bar.set_postfix_str(f"{policy} x {count}: TPOT {_fmt(row['tpot_ms_mean'])} ms")
             bar.update(1)
             return row
@@ -124,6 +126,7 @@ def run_sim_bench(
         "start_users": list(start),
         "max_users": max_users,
         "refine": refine,
+        "prefix_caching": prefix_caching,
         "miss_rate": miss_rate,
         "points": {p: {str(u): rows[u] for u in sorted(rows)} for p, rows in points.items()},
         "tpot_bound": tpot_bound,

@@ -200,6 +200,11 @@ def register(sub: Any) -> None:
     )
     search.add_argument("--refine", type=int_between(0, 10), default=2, help="bisections of each policy's crossing (2)")
     search.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="engines without vLLM's prefix caching: recompute then finds nothing of a history (default: on)",
+    )
+    search.add_argument(
         "--tpot-bound",
         type=float,
         default=1.15,
@@ -380,6 +385,7 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
         max_users=args.max_users,
         refine=args.refine,
         tpot_bound=args.tpot_bound,
+        prefix_caching=not args.no_prefix_cache,
         duration_s=args.duration,
         miss_rate=args.miss_rate,
         time_scale=args.time_scale,

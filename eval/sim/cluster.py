@@ -121,8 +121,12 @@ class ClusterSim:
         route_pull_wait_ms: float = _SCHEDULER.route_pull_wait_ms,
         route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens,
         max_queued_requests: int = _SCHEDULER.max_queued_requests,
+        prefix_caching: bool = True,
     ) -> None:
         self.policy = policy
+        # vLLM's automatic prefix caching (on by default): off, a request finds in the engine only
+        # what its policy's tiers bring (for `recompute`, nothing).
+        self.prefix_caching = prefix_caching
         self.pulls = PullRule(route_pull_wait_ms, route_pull_min_tokens)
         self.engines = {
             node_id: SimEngine(node_id, model, engine_priority_scheduling) for node_id, model in engines.items()
@@ -388,7 +392,7 @@ class ClusterSim:
         delay_ms = self.engines[node_id].model.request_overhead_ms + self._pull_wait(held.routing.request, node_id)
         self.policy.observe(held.routing.request, node_id)
         self._served(session, node_id, high=held.turn.priority == Priority.HIGH)
-        cached = self._engine_cache[node_id].get(session, 0)
+        cached = self._engine_cache[node_id].get(session, 0) if self.prefix_caching else 0
         if self.policy.traits.uses_tiers:
             cached = max(cached, self._kv.get(session, {}).get(node_id, 0))
         if held.turn.history_tokens is not None:

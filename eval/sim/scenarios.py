@@ -91,12 +91,18 @@ def run_point(
 
 
 def run_scripts(
-    preset: Preset, nodes: int, policy: str, scripts: Sequence[Script], duration_ms: float
+    preset: Preset,
+    nodes: int,
+    policy: str,
+    scripts: Sequence[Script],
+    duration_ms: float,
+    prefix_caching: bool = True,
 ) -> dict[str, Any]:
     """`scripts` played closed loop on `nodes` engines under `policy`, no turn arriving after
-    `duration_ms`: `summarize`'s figures and the mean engine work per served turn."""
+    `duration_ms` (`prefix_caching`: the engines' own, `ClusterSim`): `summarize`'s figures and the
+    mean engine work per served turn."""
     engines = _engines(preset, nodes)
-    sim = ClusterSim(sim_policy(policy, preset), engines, preset.link)
+    sim = ClusterSim(sim_policy(policy, preset), engines, preset.link, prefix_caching=prefix_caching)
     result = sim.run(scripts=scripts, until_ms=duration_ms)
     row = summarize(result, duration_ms)
     done = [r for r in result.requests if r.finished_ms is not None]

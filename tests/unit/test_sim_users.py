@@ -108,6 +108,16 @@ def test_a_turn_that_drops_history_resumes_only_what_it_kept() -> None:
     assert (second.prompt_tokens, second.cached_tokens, second.prefilled_tokens) == (84, 64, 20)
 
 
+def test_without_prefix_caching_recompute_finds_nothing_of_a_history() -> None:
+    """Turn 2 (130 tokens) on the one node that served turn 1: vLLM's prefix cache has its first
+    96 tokens (whole blocks of the 109 computed); without it, all 130 are prefilled again."""
+    script = Script("a", 0.0, (Step(100, 10, 0, 0), Step(20, 10, 0, 0)))
+    for caching, cached in ((True, 96), (False, 0)):
+        sim = ClusterSim(make_policy("recompute"), {"n0": SIMPLE}, LINK, prefix_caching=caching)
+        second = next(r for r in sim.run(scripts=[script]).requests if r.request_id == 1)
+        assert (second.cached_tokens, second.prefilled_tokens) == (cached, 130 - cached)
+
+
 # -- Mooncake sessions -----------------------------------------------------------------------------
 def _request(at_s: float, tokens: int, out: int, blocks: list[int]) -> TraceRequest:
     return TraceRequest(at_s * 1000, tokens, out, tuple(blocks))
