@@ -169,17 +169,53 @@ def register(sub: Any) -> None:
     sim.add_argument("--nodes", type=positive_int, default=8, help="engines (8)")
     sim.add_argument(
         "--users",
-        default="64,128,256,512,1024",
-        help="user counts, comma-separated (%(default)s); one-point scenarios take the first",
+        help="user counts, comma-separated; users: where the search starts (by workload: sharegpt "
+        "64,128,256,512,1024; mooncake 32,64,128,256; agentic 4,8,16,32); one-point scenarios take the first (64)",
     )
     sim.add_argument("--policies", default="symphony,recompute,sticky", help="comma-separated (%(default)s)")
-    sim.add_argument("--duration", type=positive_int, default=600, help="simulated seconds per point (600)")
+    sim.add_argument(
+        "--duration",
+        type=positive_int,
+        help="simulated seconds per point (600; --scenario users --workload mooncake: 3600, the trace's hour)",
+    )
     sim.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
     sim.add_argument(
         "--time-scale", type=float, default=1.0, help="human reading and typing time, scaled (1: real human speeds)"
     )
-    sim.add_argument("--workload", type=Path, help="ShareGPT-format conversations (default: the vendored sample)")
+    sim.add_argument(
+        "--workload",
+        help="users: sharegpt (default), mooncake (--trace's sessions) or agentic (tool-calling agents), or a "
+        "ShareGPT-format file; trace: a trace file; the others: a ShareGPT-format file (default: the vendored sample)",
+    )
+    sim.add_argument(
+        "--trace",
+        type=Path,
+        help="the Mooncake trace --workload mooncake replays (default: the vendored 300-request sample; "
+        "the full one: /work/shared/data/mooncake/conversation_trace.jsonl)",
+    )
     sim.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    search = sim.add_argument_group("--scenario users: the search for each policy's limit")
+    search.add_argument(
+        "--max-users", type=positive_int, default=65_536, help="no more users than this per point (65536)"
+    )
+    search.add_argument("--refine", type=int_between(0, 10), default=2, help="bisections of each policy's crossing (2)")
+    search.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="engines without vLLM's prefix caching: recompute then finds nothing of a history (default: on)",
+    )
+    search.add_argument(
+        "--tpot-bound",
+        type=float,
+        default=1.15,
+        help="the bound: this many times recompute's mean TPOT at the fewest users (1.15)",
+    )
+    agent = sim.add_argument_group("--workload agentic: one task's shape (eval/sim/tool_agents.py cites the defaults)")
+    agent.add_argument("--agent-steps", type=positive_int, default=40, help="LLM calls per task (40)")
+    agent.add_argument("--agent-prefix-tokens", type=positive_int, default=2000, help="the opening prompt (2000)")
+    agent.add_argument("--agent-output-tokens", type=positive_int, default=182, help="answer per call (182)")
+    agent.add_argument("--agent-tool-tokens", type=int_between(0), default=400, help="tool output per call (400)")
+    agent.add_argument("--agent-tool-s", type=float, default=5.0, help="seconds a tool runs between calls (5)")
     sim.set_defaults(func=cmd_bench_sim)
 
 
@@ -272,6 +308,9 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
     from eval.bench_sim import SCENARIOS, run_sim_bench
     from eval.sim.calibration import load_preset
     from eval.sim.presets import PRESETS
+    from eval.sim.tool_agents import AgentShape
+    from eval.sim.users_scenario import WORKLOADS
+    from eval.traces import MOONCAKE_SAMPLE
 
     if args.scenario not in SCENARIOS:
         raise CliError(f"--scenario {args.scenario!r}: known scenarios are {', '.join(SCENARIOS)}")
@@ -285,21 +324,52 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
     else:
         raise CliError(f"--preset {args.preset!r}: known presets are {', '.join(PRESETS)}")
     policies = policy_names(args.policies)
-    try:
-        users = tuple(int(u) for u in args.users.split(",") if u.strip())
-    except ValueError:
-        raise CliError(f"--users {args.users!r}: expected comma-separated whole numbers") from None
-    if not users or min(users) < 1:
-        raise CliError(f"--users {args.users!r}: expected positive user counts")
+    users = None
+    if args.users is not None:
+        try:
+            users = tuple(int(u) for u in args.users.split(",") if u.strip())
+        except ValueError:
+            raise CliError(f"--users {args.users!r}: expected comma-separated whole numbers") from None
+        if not users or min(users) < 1:
+            raise CliError(f"--users {args.users!r}: expected positive user counts")
     check_human_timing(args)
+    named = args.workload if args.workload in WORKLOADS else None
+    if args.workload is not None and named is None:
+        args.workload = Path(args.workload)
+    if named is not None and args.scenario != "users":
+        raise CliError(f"--workload {named}: a named workload is for --scenario users; give a file")
+    if not args.tpot_bound > 1:
+        raise CliError(f"--tpot-bound {args.tpot_bound}: expected a factor above 1")
+    if args.scenario == "users" and "recompute" not in policies:
+        raise CliError("--scenario users: --policies must include recompute, the baseline of every ratio")
     trace = None
+    conversations: list[Any] = []
     if args.scenario == "trace":
         if args.workload is None:
             raise CliError("--scenario trace needs --workload: a Mooncake trace (.jsonl) or Azure's (.csv)")
-        workload, conversations = workload_file(args), []
+        workload = workload_file(args)
         trace = _trace(workload, args.time_scale)
+    elif named == "mooncake":
+        workload = args.trace or MOONCAKE_SAMPLE
+        if workload.suffix == ".csv":
+            raise CliError(f"--trace {workload}: the mooncake workload needs a Mooncake trace (.jsonl, with hash ids)")
+        trace = _trace(workload, 1.0, flag="--trace")  # replayed closed loop: --time-scale scales think time
+    elif named == "agentic":
+        workload = Path("agentic")
     else:
+        if named == "sharegpt":
+            args.workload = None
         workload, conversations = load_conversations(args, min_turns=2, max_turns=8)
+    try:
+        agent = AgentShape(
+            prefix_tokens=args.agent_prefix_tokens,
+            steps=args.agent_steps,
+            output_tokens=args.agent_output_tokens,
+            tool_tokens=args.agent_tool_tokens,
+            tool_s=args.agent_tool_s,
+        )
+    except ValueError as exc:
+        raise CliError(f"--agent-*: {exc}") from None
     run_sim_bench(
         out=args.out,
         scenario=args.scenario,
@@ -310,6 +380,12 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         users=users,
         policies=policies,
+        users_workload_name=named or "sharegpt",
+        agent=agent,
+        max_users=args.max_users,
+        refine=args.refine,
+        tpot_bound=args.tpot_bound,
+        prefix_caching=not args.no_prefix_cache,
         duration_s=args.duration,
         miss_rate=args.miss_rate,
         time_scale=args.time_scale,
@@ -319,16 +395,16 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace(path: Path, time_scale: float) -> list[Any]:
+def _trace(path: Path, time_scale: float, flag: str = "--workload") -> list[Any]:
     from eval.traces import load_azure, load_mooncake
 
     loader = load_azure if path.suffix == ".csv" else load_mooncake
     try:
         requests = loader(path, time_scale=time_scale)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CliError(f"--workload {exc}") from None
+        raise CliError(f"{flag} {exc}") from None
     if not requests:
-        raise CliError(f"--workload {path}: no request in the trace")
+        raise CliError(f"{flag} {path}: no request in the trace")
     return requests
 
 

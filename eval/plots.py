@@ -167,14 +167,14 @@ def plot_sim_users(result: dict[str, Any], path: Path) -> None:
             result["tpot_bound_ms"],
             color="gray",
             linestyle="--",
-            label=f"{result['tpot_bound']:g} x recompute at {min(result['users'])} users",
+            label=f"{result['tpot_bound']:g} x recompute at {min(result.get('start_users', result['users']))} users",
         )
     for ax, label in zip(axes, ("mean TPOT (ms)", "TTFT p95 (ms)"), strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("users")
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle(f"{result['nodes']} x {result['preset']}")
+    fig.suptitle(f"{result.get('users_workload', 'sharegpt')} users on {result['nodes']} x {result['preset']}")
     _save(plt, fig, path)
 
 

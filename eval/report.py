@@ -115,12 +115,20 @@ def _sim_users(result: Result) -> list[str]:
         for users, row in points.items()
     ]
     lines = _table(["policy", "users", "TPOT mean (ms)", "norm. latency (ms/token)", "TTFT p95 (ms)"], rows)
+    ratios = result.get("users_ratio_by_policy", {})
+    measured = result.get("work_ratio_at_fewest_users", {})
     return [
         *lines,
         "",
+        f"workload: {result.get('users_workload', 'sharegpt')}; "
+        f"work_ratio_bound: {_fmt(result.get('work_ratio_bound'))}",
+        "",
         f"users_ratio_at_equal_tpot: {_fmt(result.get('users_ratio_at_equal_tpot'))}",
         "",
-        f"work_ratio_at_fewest_users: {_fmt(result.get('work_ratio_at_fewest_users'))}",
+        *(
+            f"- {policy}: users ratio {_fmt(ratio)}, work ratio at the fewest users {_fmt(measured.get(policy))}"
+            for policy, ratio in ratios.items()
+        ),
     ]
 
 

@@ -73,9 +73,11 @@ def _fit_non_negative(columns: np.ndarray, observed: np.ndarray) -> np.ndarray:
     return coefficients
 
 
-def prefill_step_ms(model: EngineModel, prompt_tokens: Any) -> Any:
-    """The step that prefills one N-token prompt alone, nothing cached (N a number or an array)."""
-    return model.step_ms + model.prefill_ms(prompt_tokens, prompt_tokens)
+def prefill_step_ms(model: EngineModel, tokens: Any, cached_tokens: Any = 0) -> Any:
+    """The step that prefills one prompt alone: `tokens` tokens after `cached_tokens` its prefix
+    had in the cache (numbers or arrays; 0: a prompt nothing cached), as `SimEngine.step` prices it."""
+    context = np.asarray(tokens) + cached_tokens
+    return model.step_ms + model.prefill_ms(tokens, context) - model.prefill_overlap(tokens)
 
 
 def decode_step_ms(model: EngineModel, batch: Any, context_tokens: Any) -> Any:

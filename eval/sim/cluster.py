@@ -62,6 +62,9 @@ class Turn:
     advisory_ms: float | None = None
     tenant: str = "default"
     priority: Priority = Priority.NORMAL
+    # Of the prompt, the leading tokens that continue the session's KV (None: as many as it holds);
+    # a turn whose prompt drops part of the history reuses no more than what it kept.
+    history_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,9 @@ class Step:
     think_ms: float  # after the previous answer: reading it, then typing this message
     typing_ms: float  # the last part of think_ms: the advisory fires when typing starts
     advised: bool = True
+    # How much of the session's context (its last prompt and answer) the prompt carries before
+    # the new tokens: None, all of it; fewer, a prompt that dropped the rest (a recorded trace's).
+    history_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +121,12 @@ class ClusterSim:
         route_pull_wait_ms: float = _SCHEDULER.route_pull_wait_ms,
         route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens,
         max_queued_requests: int = _SCHEDULER.max_queued_requests,
+        prefix_caching: bool = True,
     ) -> None:
         self.policy = policy
+        # vLLM's automatic prefix caching (on by default): off, a request finds in the engine only
+        # what its policy's tiers bring (for `recompute`, nothing).
+        self.prefix_caching = prefix_caching
         self.pulls = PullRule(route_pull_wait_ms, route_pull_min_tokens)
         self.engines = {
             node_id: SimEngine(node_id, model, engine_priority_scheduling) for node_id, model in engines.items()
@@ -276,16 +286,19 @@ class ClusterSim:
         step = script.steps[index + 1]
         self._scripts[request.session] = (script, index + 1)
         arrival = self.now_ms + step.think_ms
-        prompt = request.prompt_tokens + request.generated + step.new_tokens
+        history = request.prompt_tokens + request.generated
+        if step.history_tokens is not None:
+            history = min(history, step.history_tokens)
         self._schedule(
             Turn(
                 script.session,
                 arrival,
-                prompt,
+                history + step.new_tokens,
                 step.output_tokens,
                 arrival - step.typing_ms if step.advised else None,
                 script.tenant,
                 script.priority,
+                history if step.history_tokens is not None else None,
             )
         )
 
@@ -379,9 +392,11 @@ class ClusterSim:
         delay_ms = self.engines[node_id].model.request_overhead_ms + self._pull_wait(held.routing.request, node_id)
         self.policy.observe(held.routing.request, node_id)
         self._served(session, node_id, high=held.turn.priority == Priority.HIGH)
-        cached = self._engine_cache[node_id].get(session, 0)
+        cached = self._engine_cache[node_id].get(session, 0) if self.prefix_caching else 0
         if self.policy.traits.uses_tiers:
             cached = max(cached, self._kv.get(session, {}).get(node_id, 0))
+        if held.turn.history_tokens is not None:
+            cached = min(cached, held.turn.history_tokens)
         request.cached_tokens = min(cached, request.prompt_tokens)
         self._inflight[node_id] += 1
         if delay_ms:

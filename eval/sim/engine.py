@@ -15,7 +15,8 @@ when the engine is idle and work is waiting, and schedules the step's end. Each 
 
 Step time is linear in what the step does: `step_ms + prefill_ms_per_token x prefilled tokens +
 decode_ms_per_seq x decoding requests + decode_ms_per_kilotoken x their context / 1000`, plus
-`prefill_ms_per_token_kilotoken` x the prefilled tokens' positions / 1000 (prefill attention). The
+`prefill_ms_per_token_kilotoken` x the prefilled tokens' positions / 1000 (prefill attention), less
+the part of `step_ms` the prefill hides (`prefill_overlap_ms`, at most its per-token cost). The
 constants are an `EngineModel`; presets and their calibration live apart from this mechanism. On a
 shared host the cluster loop stretches a step by `neighbour_slowdown` times the share of the other
 engines busy when it starts.
@@ -27,6 +28,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from scheduler.routing import NO_WORK, PrefillWork
 
@@ -53,6 +56,11 @@ class EngineModel:
     # longer per busy neighbour share (0.3: 30% longer beside fully busy neighbours). Measured by
     # `bench calibrate`; 0 for engines on GPUs of their own.
     neighbour_slowdown: float = 0.0
+    # How much of `step_ms` a step's prefill can hide: on a GPU `step_ms` is mostly reading the
+    # weights, which the prefill's matrix multiplies overlap. A step that prefills N tokens takes
+    # min(this, prefill_ms_per_token x N) off `step_ms`. Fitted to a measured profile in the A100
+    # preset (`eval.sim.vidur_profile`); 0 where nothing overlaps (the CPU engine `bench calibrate` fits).
+    prefill_overlap_ms: float = 0.0
 
     # The step price's parts, shared by the engine's steps, calibration's fit and the scenarios'
     # work per turn (numbers or numpy arrays).
@@ -64,12 +72,24 @@ class EngineModel:
             + self.prefill_ms_per_token_kilotoken * computed * (context - computed / 2) / 1000
         )
 
+    def prefill_overlap(self, tokens: Any) -> Any:
+        """What a step that prefills `tokens` tokens in all takes off its fixed cost (`prefill_overlap_ms`)."""
+        return np.minimum(self.prefill_overlap_ms, self.prefill_ms_per_token * np.asarray(tokens))
+
     def decode_ms(self, requests: Any, context_tokens: Any) -> Any:
         """One decode token each for `requests` requests holding `context_tokens` in all."""
         return self.decode_ms_per_seq * requests + self.decode_ms_per_kilotoken * context_tokens / 1000
 
+    def turn_work_ms(self, prompt_tokens: float, computed_tokens: float, output_tokens: float) -> float:
+        """The engine time one turn adds to the steps it shares, beyond their fixed cost: its last
+        `computed_tokens` prompt tokens prefilled with their attention, and for each output token its
+        place in a decode step (over its mean context). `prefill_overlap_ms` is not taken off: a step
+        hides it once, and in the busy steps where turns' work adds up their prefills hide all of it."""
+        mean_context = prompt_tokens + output_tokens / 2
+        return float(self.prefill_ms(computed_tokens, prompt_tokens) + output_tokens * self.decode_ms(1, mean_context))
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, eq=False)  # requests are told apart by identity, never by value
 class SimRequest:
     request_id: int
     session: str
@@ -83,7 +103,7 @@ class SimRequest:
     generated: int = 0
     preemptions: int = 0
     prefilled_tokens: int = 0  # prompt tokens this request had computed (over all its admissions)
-    blocks: int = 0  # KV blocks it holds now
+    blocks: int = 0  # KV blocks it holds now: at least one exactly while it runs
     priority_rank: int = 1  # scheduler.routing.PRIORITY_RANK: low 0, normal 1, high 2
 
     @property
@@ -170,8 +190,9 @@ class SimEngine:
         plan = StepPlan(0.0)
         decoding = list(self.running)
         preempted = self._grow(decoding)
-        decoding = [r for r in decoding if r in self.running]  # preempted ones left the batch
+        decoding = [r for r in decoding if r.blocks]  # preempted ones left the batch (hold no blocks)
         prefill_ms = 0.0
+        prefill_tokens = 0
         # A step that preempted admits nothing (vLLM), unless nothing is left running: then the
         # preempted request itself must be readmitted, or the engine would stall.
         while self.waiting and len(self.running) < m.max_batch and (not preempted or not self.running):
@@ -188,11 +209,14 @@ class SimEngine:
             # At least the last token is computed (vLLM always runs it to get the next token's logits).
             computed = request.context - min(request.cached_tokens, request.context - 1)
             request.prefilled_tokens += computed
+            prefill_tokens += computed
             prefill_ms += m.prefill_ms(computed, request.context)
             self.running.append(request)
             plan.first_tokens.append(request)
         plan.decoded = decoding
         context = sum(r.context for r in decoding)
+        if prefill_tokens:
+            prefill_ms -= float(m.prefill_overlap(prefill_tokens))
         plan.duration_ms = m.step_ms + prefill_ms + m.decode_ms(len(decoding), context)
         return plan
 
@@ -200,10 +224,12 @@ class SimEngine:
         """Each decoding request that needs another block for its next token gets one, preempting
         the newest running request while none is free. True if it preempted any."""
         preempted = False
+        block_size = self.model.block_size
         for request in decoding:
-            if request not in self.running:
+            if not request.blocks:  # preempted by an earlier one's growth
                 continue
-            while self._blocks_for(request.context + 1) > request.blocks:
+            # Its next token, at position `context`, needs a block beyond those it holds.
+            while request.prompt_tokens + request.generated >= request.blocks * block_size:
                 if self.free_blocks:
                     self.free_blocks -= 1
                     request.blocks += 1
@@ -241,7 +267,7 @@ class SimEngine:
         self.busy_ms += plan.duration_ms
         finished = []
         for request in [*plan.decoded, *plan.first_tokens]:
-            if request not in self.running:
+            if not request.blocks:  # preempted since the step was planned
                 continue
             if request.first_token_ms is None:
                 request.first_token_ms = now_ms

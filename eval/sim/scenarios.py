@@ -14,11 +14,9 @@ hints against recompute: `makespan_ratio_vs_recompute`.
 
 `trace`: a Mooncake or Azure trace replayed at its recorded times under each policy.
 
-`users`: N nodes of a preset serve a growing number of ShareGPT users under each policy (Symphony's
-figure 12): mean TPOT, normalized latency and TTFT per point, and `users_ratio_at_equal_tpot`: the
-most users Symphony serves with mean TPOT within 1.15x of recompute's at the smallest point, over the
-most recompute serves within the same bound (only the points run count, so the ratio is a lower
-bound when Symphony holds the bound at the largest point).
+`users`: N nodes of a preset serve a growing number of users (ShareGPT, a Mooncake trace's sessions
+or tool-calling agents) under each policy (Symphony's figure 12); each point is `run_scripts`, and
+`eval.sim.users_scenario` searches the counts and computes the ratios.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from eval.sim.agents import ProjectRun, agent_projects
-from eval.sim.cluster import ClusterSim, SimResult, Turn
+from eval.sim.cluster import ClusterSim, Script, SimResult, Turn
 from eval.sim.engine import EngineModel, SimRequest
 from eval.sim.presets import Preset, sim_policy
 from eval.sim.workload import sharegpt_users
@@ -37,7 +35,6 @@ from eval.traces import TraceRequest, sessions_of
 from eval.workloads import Conversation, HumanTiming
 from scheduler.routing import PRIORITY_RANK
 
-TPOT_BOUND = 1.15
 HIGH_SHARES = (0.1, 0.3, 0.5)
 
 
@@ -75,13 +72,8 @@ def summarize(result: SimResult, duration_ms: float) -> dict[str, Any]:
 
 
 def turn_work_ms(request: SimRequest, model: EngineModel) -> float:
-    """The engine time one turn adds to the steps it shares, beyond their fixed cost: its prefilled
-    tokens with their attention, and for each output token its place in a decode step over its
-    context (`eval.sim.engine`'s step price, less `step_ms`)."""
-    mean_context = request.prompt_tokens + request.generated / 2
-    return model.prefill_ms(request.prefilled_tokens, request.prompt_tokens) + request.generated * model.decode_ms(
-        1, mean_context
-    )
+    """The engine time a served turn added to the steps it shared (`EngineModel.turn_work_ms`)."""
+    return model.turn_work_ms(request.prompt_tokens, request.prefilled_tokens, request.generated)
 
 
 def run_point(
@@ -94,9 +86,23 @@ def run_point(
     timing: HumanTiming,
     seed: int,
 ) -> dict[str, Any]:
+    """`users` ShareGPT users under `policy` (`run_scripts`)."""
+    return run_scripts(preset, nodes, policy, sharegpt_users(conversations, users, timing, seed=seed), duration_ms)
+
+
+def run_scripts(
+    preset: Preset,
+    nodes: int,
+    policy: str,
+    scripts: Sequence[Script],
+    duration_ms: float,
+    prefix_caching: bool = True,
+) -> dict[str, Any]:
+    """`scripts` played closed loop on `nodes` engines under `policy`, no turn arriving after
+    `duration_ms` (`prefix_caching`: the engines' own, `ClusterSim`): `summarize`'s figures and the
+    mean engine work per served turn."""
     engines = _engines(preset, nodes)
-    sim = ClusterSim(sim_policy(policy, preset), engines, preset.link)
-    scripts = sharegpt_users(conversations, users, timing, seed=seed)
+    sim = ClusterSim(sim_policy(policy, preset), engines, preset.link, prefix_caching=prefix_caching)
     result = sim.run(scripts=scripts, until_ms=duration_ms)
     row = summarize(result, duration_ms)
     done = [r for r in result.requests if r.finished_ms is not None]
@@ -151,51 +157,14 @@ def _class_figures(requests: Sequence[SimRequest], duration_ms: float, prefix: s
 Points = dict[str, dict[int, dict[str, Any]]]  # policy -> users -> that run's summary
 
 
-def tpot_bound_ms(points: Points, baseline: str = "recompute") -> float | None:
-    """`users_ratio`'s bound: TPOT_BOUND x the baseline's mean TPOT at the fewest users (None when
-    that point has no TPOT)."""
-    rows = points[baseline]
-    reference = rows[min(rows)]["tpot_ms_mean"]
-    return None if reference is None else TPOT_BOUND * reference
-
-
-def _within_bound(points: Points, baseline: str) -> dict[str, list[int]] | None:
-    """Per policy, the user counts whose mean TPOT is within `tpot_bound_ms` (None without one)."""
-    bound = tpot_bound_ms(points, baseline)
-    if bound is None:
-        return None
-    return {
-        policy: [u for u, row in by_users.items() if row["tpot_ms_mean"] is not None and row["tpot_ms_mean"] <= bound]
-        for policy, by_users in points.items()
-    }
-
-
-def users_ratio(points: Points, policy: str, baseline: str = "recompute") -> float | None:
-    """Most users `policy` serves with mean TPOT <= 1.15 x the baseline's at the fewest users, over
-    the most the baseline serves so."""
-    within = _within_bound(points, baseline)
-    if within is None:
-        return None
-    base = max(within[baseline], default=0)
-    return max(within[policy], default=0) / base if base else None
-
-
 def work_ratio(points: Points, policy: str, baseline: str = "recompute") -> float | None:
-    """The baseline's mean engine work per turn over `policy`'s, at the fewest users. A step's time
-    is its fixed cost plus the work of the turns in it, so a bound on mean TPOT caps the work per
-    second a node takes, whichever policy routes it: at equal TPOT, the users two policies serve
-    tend to the inverse ratio of their work per turn. This is the ceiling the workload and the
-    engine model put on `users_ratio` (reached only once both policies are at the bound)."""
+    """The baseline's mean engine work per turn over `policy`'s, at the fewest users, as served:
+    what the runs reached of `eval.sim.users_scenario.work_ratio_bound` (which assumes recompute
+    finds nothing cached and the other policy everything its session left)."""
     fewest = min(points[baseline])
     ours = points[policy][fewest].get("work_ms_per_turn_mean")
     base = points[baseline][fewest].get("work_ms_per_turn_mean")
     return base / ours if ours and base is not None else None
-
-
-def users_ratio_baseline_limited(points: Points, baseline: str = "recompute") -> bool:
-    """Whether the baseline's mean TPOT left `users_ratio`'s bound at some point run."""
-    within = _within_bound(points, baseline)
-    return within is not None and len(within[baseline]) < len(points[baseline])
 
 
 MISS_RATES = (0.0, 0.1, 0.25, 0.5)
