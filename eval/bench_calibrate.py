@@ -269,7 +269,7 @@ def _private_config(config: SymphonyConfig) -> tuple[SymphonyConfig, ModelInfo, 
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     home = config.home_path / "bench" / f"calibrate-{uuid.uuid4().hex[:8]}"
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the engines' /reset_prefix_cache, before a policy's run
-    return bench_cluster_config(config, home), model, home
+    return bench_cluster_config(config, home, model), model, home
 
 
 def run_calibrate_bench(config: SymphonyConfig, *, out: Path, preset_out: Path, profile_out: Path) -> int:

@@ -92,8 +92,12 @@ class _PolicyScheduler:
                 try:
                     ready = (await client.get(self.url + "/readyz")).json()
                     # Every policy starts with its tokenizer loaded: none routes its first requests blind.
-                    loading = "loading" in ready.get("tokenizers", {}).values()
-                    if ready.get("ready_nodes") == nodes and not loading:
+                    tokenizers = ready.get("tokenizers", {})
+                    if "none" in tokenizers.values():  # the benchmark names the model's directory
+                        raise RuntimeError(
+                            f"the {self.tenant} scheduler has no tokenizer ({tokenizers}); see {self.log.name}"
+                        )
+                    if ready.get("ready_nodes") == nodes and "loading" not in tokenizers.values():
                         return
                 except (httpx.HTTPError, ValueError):
                     pass
@@ -276,7 +280,9 @@ async def on_private_cluster(config: SymphonyConfig, model: ModelInfo, work: Cal
         await cluster.shutdown()
 
 
-def bench_cluster_config(config: SymphonyConfig, home: Path) -> SymphonyConfig:
+def bench_cluster_config(config: SymphonyConfig, home: Path, model: ModelInfo) -> SymphonyConfig:
+    """The private cluster's configuration: `config`'s, with its own home, ports and 2 nodes, and
+    the model it serves named (its schedulers find the tokenizer there, not under the new home)."""
     return dataclasses.replace(
         config,
         home=str(home),
@@ -284,7 +290,9 @@ def bench_cluster_config(config: SymphonyConfig, home: Path) -> SymphonyConfig:
         scheduler=dataclasses.replace(config.scheduler, port=free_port_run(1), node_addresses=[]),
         node=dataclasses.replace(config.node, grpc_port_base=free_port_run(2), engine_port_base=free_port_run(2)),
         kv=dataclasses.replace(config.kv, metrics_port_base=free_port_run(2), ssd_dir="", data_port_base=0),
-        engine=dataclasses.replace(config.engine, kv_connector=True),
+        engine=dataclasses.replace(
+            config.engine, kv_connector=True, model=str(model.path), served_model_name=model.served_name
+        ),
     )
 
 
@@ -319,7 +327,7 @@ def run_cluster_bench(
         out.write_text(json.dumps(partial, indent=2) + "\n")
 
     try:
-        private = bench_cluster_config(config, home)
+        private = bench_cluster_config(config, home, model)
 
         async def work() -> list[dict[str, Any]]:
             return await measure_repeats(
