@@ -34,7 +34,8 @@ from symphony.process import proc_stat_fields
 
 READY_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 60.0
-# Plain English words: about 1.3 tokens each under SmolLM2's tokenizer (and most BPE vocabularies).
+# Plain English words: one token each under SmolLM2's tokenizer (2,000 of them: 2,000 tokens), and
+# under most BPE vocabularies, which have every common word whole.
 _VOCABULARY = (
     "the of and to in is that for it as with was on be by at this from have or an are not but which "
     "one all were when there can more if has their about would what some into time only other than "
@@ -42,7 +43,7 @@ _VOCABULARY = (
     "system model memory network request session cache token layer store node region policy"
 )
 _WORDS = _VOCABULARY.split()
-TOKENS_PER_WORD = 1.3
+TOKENS_PER_WORD = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,9 @@ async def _drive(scheduler_url: str, model: str, settings: CpuSettings, count: i
     return ttfts
 
 
-async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process, nodes: int) -> None:
+async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process, nodes: int) -> dict[str, str]:
+    """Wait until the scheduler sees all `nodes` ready and no tokenizer is still loading (its load,
+    seconds of CPU, must not land in the measurement); returns its tokenizers' states by model."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
         while time.monotonic() < deadline:
@@ -120,12 +123,14 @@ async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process, n
                 raise RuntimeError(f"the scheduler exited with {process.returncode}")
             try:
                 async with http.get(scheduler_url + "/readyz") as response:
-                    if response.status == 200 and (await response.json()).get("ready_nodes") == nodes:
-                        return
+                    ready = await response.json() if response.status == 200 else {}
+                    tokenizers: dict[str, str] = ready.get("tokenizers", {})
+                    if ready.get("ready_nodes") == nodes and "loading" not in tokenizers.values():
+                        return tokenizers
             except (aiohttp.ClientError, TimeoutError):
                 pass
             await asyncio.sleep(0.1)
-    raise RuntimeError(f"the scheduler did not see the no-op node as ready within {READY_TIMEOUT_S:.0f} s")
+    raise RuntimeError(f"the scheduler was not ready (no-op nodes, tokenizers) within {READY_TIMEOUT_S:.0f} s")
 
 
 async def measure_scheduler_cpu(
@@ -155,7 +160,7 @@ async def measure_scheduler_cpu(
                 sys.executable, "-m", "symphony.cli", "scheduler", env=env, stdout=log, stderr=subprocess.STDOUT
             )
             try:
-                await _wait_ready(scheduler_url, process, settings.nodes)
+                tokenizers = await _wait_ready(scheduler_url, process, settings.nodes)
                 await _drive(scheduler_url, model, settings, settings.warmup_requests, "warm")
                 cpu_before, wall_before = scheduler_cpu_seconds(process.pid), time.perf_counter()
                 ttfts = await _drive(scheduler_url, model, settings, settings.requests, "run")
@@ -180,6 +185,7 @@ async def measure_scheduler_cpu(
         "noop_ttft_ms_p99": percentile(ttfts, 99),
         "noop_requests_per_s": settings.requests / wall_s,
         "noop_engine_requests": sum(node.engine.requests for node in nodes),
+        "tokenizer": tokenizers.get(model, "none"),  # "ready": every request was tokenized
         "settings": {
             "concurrency": settings.concurrency,
             "prompt_tokens": settings.prompt_tokens,
