@@ -5,7 +5,9 @@ two no-op nodes serving the same model: with a choice to make, the scheduler doe
 for each request, tokenizing included (given a tokenizer: `scheduler_env`). `concurrency` clients
 each hold a multi-turn conversation whose first user message is about `prompt_tokens` tokens long
 and whose later turns add a short answer and question, as a chat frontend sends them (the whole
-history every turn). After a warm-up, the scheduler process's user + system CPU time over
+history every turn). The messages are windows of real chat text (the ShareGPT sample: prose, code,
+lists, some non-ASCII) at random offsets, so no two conversations start alike and the tokenizer
+sees a real vocabulary. After a warm-up, the scheduler process's user + system CPU time over
 `requests` streamed requests, divided by their number, is `scheduler_cpu_ms_per_request`. The
 no-op engines spend nothing, so the client-side time to the first token is the scheduler hop alone
 (`noop_ttft_ms_p50`), under the load the clients put on the same cores.
@@ -14,6 +16,8 @@ no-op engines spend nothing, so the client-side time to the first token is the s
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import os
 import random
 import statistics
@@ -30,20 +34,14 @@ import aiohttp
 from eval.noop_node import NoopNode
 from eval.ports import free_port
 from eval.stats import percentile
+from eval.workloads import SHAREGPT_SAMPLE
 from symphony.process import proc_stat_fields
 
 READY_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 60.0
-# Plain English words: one token each under SmolLM2's tokenizer (2,000 of them: 2,000 tokens), and
-# under most BPE vocabularies, which have every common word whole.
-_VOCABULARY = (
-    "the of and to in is that for it as with was on be by at this from have or an are not but which "
-    "one all were when there can more if has their about would what some into time only other than "
-    "its also after first two new years could these most made over such where many through before "
-    "system model memory network request session cache token layer store node region policy"
-)
-_WORDS = _VOCABULARY.split()
-TOKENS_PER_WORD = 1.0
+# The ShareGPT sample's messages are 3.97 characters a token under SmolLM2's tokenizer (659,890 and
+# 166,197); most BPE vocabularies of English are within 10% of that.
+CHARS_PER_TOKEN = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +55,22 @@ class CpuSettings:
     nodes: int = 2
 
 
+@functools.cache
+def _corpus() -> str:
+    texts = []
+    for line in SHAREGPT_SAMPLE.read_text().splitlines():
+        texts += [turn["value"].strip() for turn in json.loads(line)["conversations"]]
+    return "\n\n".join(t for t in texts if t)
+
+
 def _text(rng: random.Random, tokens: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(max(1, round(tokens / TOKENS_PER_WORD))))
+    """About `tokens` tokens of the corpus from a random offset, cut at whitespace on both ends."""
+    corpus = _corpus()
+    chars = max(8, round(tokens * CHARS_PER_TOKEN))
+    start = rng.randrange(len(corpus) - 2 * chars)
+    start = corpus.find(" ", start) + 1
+    end = corpus.rfind(" ", start, start + chars)
+    return corpus[start : end if end > start else start + chars].strip() or "hello"
 
 
 def scheduler_cpu_seconds(pid: int) -> float:
