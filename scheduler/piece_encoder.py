@@ -7,7 +7,10 @@ each piece of text between them into words with a regular expression (the pre-to
 BPE on each word's bytes alone (the model). `tokenizers` spends ~1 µs a token on this, most of it
 building the offsets and alignments of the `Encoding` it returns, which nobody here reads. This
 module runs the same steps itself: the split with Python's `re` (in C), the model's ids of each word
-from a bounded cache, or from the tokenizer's own BPE model (`model.tokenize`) the first time.
+from a bounded cache, or from the tokenizer's own BPE model (`model.tokenize`) the first time. Long
+pieces of text between added tokens (a chat template's messages: a system prompt many sessions
+share, a document) are cached whole as well, least recently used out first, bounded by count and
+characters.
 
 Why the ids are the tokenizer's, for a tokenizer `PieceEncoder.of` accepts:
 1. Added tokens: as `incremental.Boundaries.of` requires (none strips, matches single words,
@@ -40,6 +43,9 @@ from typing import Any
 
 MAX_WORDS = 100_000  # cached words; beyond, the oldest go first
 MAX_WORD_CHARS = 64  # longer words (rare: long runs of spaces, digits, symbols) are not cached
+MIN_SEGMENT_CHARS = 1_000  # pieces between added tokens this long or longer are cached whole ...
+MAX_SEGMENTS = 1_024  # ... this many of them at most ...
+MAX_SEGMENT_CHARS = 4_000_000  # ... holding this many characters in all (none over a tenth of it)
 # GPT-2's split, which `ByteLevel(use_regex=True)` applies (tokenizers' pre_tokenizers/byte_level.rs:
 # 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+), as it reads on ASCII text,
 # where \p{L} is [A-Za-z], \p{N} [0-9] and \s [\t\n\v\f\r ]. Every character matches one of its
@@ -69,6 +75,9 @@ class PieceEncoder:
         self._gpt2 = gpt2  # GPT-2's pattern: no gaps between its matches, cut points around non-ASCII text
         self._byte_chars: dict[int, str] = bytes_to_unicode()  # byte -> the character standing for it
         self._words: dict[str, tuple[int, ...]] = {}
+        self._segments: dict[str, tuple[int, ...]] = {}  # least recently used first
+        self._segment_chars = 0
+        self.segment_hits = 0
         self.slow_chars = 0  # characters tokenized by the tokenizer itself (around non-ASCII ones)
 
     @classmethod
@@ -108,12 +117,32 @@ class PieceEncoder:
         start = 0
         for match in self._added_pattern.finditer(text):
             if match.start() > start:
-                self._piece(text[start : match.start()], ids)
+                self._segment(text[start : match.start()], ids)
             ids.append(self._added[match.group()])
             start = match.end()
         if start < len(text):
-            self._piece(text[start:] if start else text, ids)
+            self._segment(text[start:] if start else text, ids)
         return ids
+
+    def _segment(self, piece: str, ids: list[int]) -> None:
+        """Append the ids of `piece`, a text with no added token in it: cached whole if it is long."""
+        if not MIN_SEGMENT_CHARS <= len(piece) <= MAX_SEGMENT_CHARS // 10:
+            self._piece(piece, ids)
+            return
+        cached = self._segments.pop(piece, None)
+        if cached is not None:
+            self.segment_hits += 1
+        else:
+            own: list[int] = []
+            self._piece(piece, own)
+            cached = tuple(own)
+            self._segment_chars += len(piece)
+        self._segments[piece] = cached  # now the most recently used
+        while self._segment_chars > MAX_SEGMENT_CHARS or len(self._segments) > MAX_SEGMENTS:
+            oldest = next(iter(self._segments))
+            self._segment_chars -= len(oldest)
+            del self._segments[oldest]
+        ids += cached
 
     def _piece(self, piece: str, ids: list[int]) -> None:
         """Append the ids of `piece`, a text with no added token in it."""

@@ -96,6 +96,30 @@ def test_the_word_cache_is_bounded_and_stays_exact(
     assert long_word not in fresh.pieces._words
 
 
+def test_long_pieces_are_cached_whole_least_recently_used_out_first(
+    tokenizer: ModelTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(piece_encoder, "MAX_SEGMENTS", 3)
+    monkeypatch.setattr(piece_encoder, "MAX_SEGMENT_CHARS", 30 * piece_encoder.MIN_SEGMENT_CHARS)
+    fresh = load_model_tokenizer("fresh", tokenizer.path)
+    pieces = fresh.pieces
+    assert pieces is not None
+    size = piece_encoder.MIN_SEGMENT_CHARS
+    system = ("You are a careful assistant. " * size)[:size]  # one piece between added tokens
+    prompts = [f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nquestion {i}<|im_end|>\n" for i in range(6)]
+    for i, prompt in enumerate(prompts):
+        assert pieces.encode(prompt) == whole(tokenizer, prompt)
+        assert pieces.segment_hits == i  # the shared system prompt, from the second prompt on
+        # Others' long pieces come and go; the one in use stays (least recently used out first).
+        other = f"<|im_start|>user\n{i} " + "w" * size + "<|im_end|>"
+        assert pieces.encode(other) == whole(tokenizer, other)
+    assert len(pieces._segments) <= 3
+    assert sum(map(len, pieces._segments)) <= piece_encoder.MAX_SEGMENT_CHARS
+    huge = "y " * piece_encoder.MAX_SEGMENT_CHARS  # over a tenth of the bound: not kept
+    assert pieces.encode(huge) == whole(tokenizer, huge)
+    assert huge not in pieces._segments and len(pieces._segments) > 0
+
+
 def test_special_tokens_a_post_processor_adds_go_through_the_tokenizer(tmp_path: Path) -> None:
     loaded = load_model_tokenizer("bos", make_tokenizer(tmp_path, bos_post_processor=True))
     assert loaded.pieces is not None and loaded.special_tokens_added == 1
