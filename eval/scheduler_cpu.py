@@ -7,7 +7,9 @@ each hold a multi-turn conversation whose first user message is about `prompt_to
 and whose later turns add a short answer and question, as a chat frontend sends them (the whole
 history every turn). The messages are windows of real chat text (the ShareGPT sample: prose, code,
 lists, some non-ASCII) at random offsets, so no two conversations start alike and the tokenizer
-sees a real vocabulary. After a warm-up, the scheduler process's user + system CPU time over
+sees a real vocabulary. With `shared_tokens`, that many tokens of each first prompt are instead a
+system message every conversation shares (an application's long system prompt), and the user's
+first message is the rest. After a warm-up, the scheduler process's user + system CPU time over
 `requests` streamed requests, divided by their number, is `scheduler_cpu_ms_per_request`. The
 no-op engines spend nothing, so the client-side time to the first token is the scheduler hop alone
 (`noop_ttft_ms_p50`), under the load the clients put on the same cores.
@@ -47,7 +49,8 @@ CHARS_PER_TOKEN = 4.0
 @dataclass(frozen=True, slots=True)
 class CpuSettings:
     concurrency: int = 16
-    prompt_tokens: int = 2000  # the first user message, approximately
+    prompt_tokens: int = 2000  # the first prompt's messages, approximately
+    shared_tokens: int = 0  # of which a system message all conversations share (0: none)
     turns: int = 4  # per conversation; then a new conversation starts on the same stream
     requests: int = 640  # measured, after the warm-up
     warmup_requests: int = 64
@@ -101,13 +104,16 @@ async def _drive(scheduler_url: str, model: str, settings: CpuSettings, count: i
     ttfts: list[float] = []
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as http:
+        shared = _text(random.Random("shared"), settings.shared_tokens) if settings.shared_tokens else ""
 
         async def stream(index: int) -> None:
             rng = random.Random(f"{tag}-{index}")
             conversation = 0
             while remaining[0] > 0:
                 session = f"cpu-{tag}-{index}-{conversation}"
-                messages = [{"role": "user", "content": _text(rng, settings.prompt_tokens)}]
+                own = _text(rng, max(1, settings.prompt_tokens - settings.shared_tokens))
+                messages = [{"role": "system", "content": shared}] if shared else []
+                messages.append({"role": "user", "content": own})
                 for _ in range(settings.turns):
                     if remaining[0] <= 0:
                         return
@@ -201,6 +207,7 @@ async def measure_scheduler_cpu(
         "settings": {
             "concurrency": settings.concurrency,
             "prompt_tokens": settings.prompt_tokens,
+            "shared_tokens": settings.shared_tokens,
             "turns": settings.turns,
             "requests": settings.requests,
             "warmup_requests": settings.warmup_requests,
