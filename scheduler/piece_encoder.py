@@ -112,6 +112,11 @@ class PieceEncoder:
     def added_tokens(self) -> list[str]:
         return list(self._added)
 
+    def forget_segments(self) -> None:
+        """Drop the long pieces cached whole (a benchmark timing new text clears them)."""
+        self._segments.clear()
+        self._segment_chars = 0
+
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
         start = 0
