@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 import statistics
 import sys
@@ -199,24 +200,35 @@ async def _with_private_cluster(config: SymphonyConfig, **kwargs: Any) -> dict[s
         await cluster.shutdown()
 
 
-def _scheduler_env(config: SymphonyConfig) -> dict[str, str]:
-    """The benchmark's scheduler settings that matter to its CPU, for the no-op node's scheduler."""
-    tokenizer = Path(config.engine.model).expanduser() if config.engine.model else default_model_dir(config.home_path)
-    return {"SYMPHONY_SCHEDULER_POLICY": config.scheduler.policy, "SYMPHONY_SCHEDULER_TOKENIZER": str(tokenizer)}
+def _tokenizer_dir(config: SymphonyConfig) -> Path:
+    return Path(config.engine.model).expanduser() if config.engine.model else default_model_dir(config.home_path)
+
+
+def _scheduler_env(config: SymphonyConfig, model: str) -> dict[str, str]:
+    """The benchmark's scheduler settings that matter to its CPU, for the no-op nodes' scheduler: its
+    policy, and the model's tokenizer for `model`, the name the no-op nodes serve."""
+    return {
+        "SYMPHONY_SCHEDULER_POLICY": config.scheduler.policy,
+        "SYMPHONY_SCHEDULER_TOKENIZER": "",
+        "SYMPHONY_SCHEDULER_TOKENIZERS": json.dumps([f"{model}={_tokenizer_dir(config)}"]),
+    }
 
 
 def _print_table(result: dict[str, Any]) -> None:
-    print(f"{'path':<15}{'TTFT p50 ms':>14}{'TTFT p99 ms':>14}")
-    for label, key in (("direct", "direct"), ("via scheduler", "via_scheduler")):
-        print(f"{label:<15}{result[key + '_ttft_ms_p50']:>14.1f}{result[key + '_ttft_ms_p99']:>14.1f}")
-    low, high = result["overhead_ms_p50_ci95"]
-    print(
-        f"overhead p50: {result['overhead_ms_p50']:.2f} ms (95% CI {low:.2f} .. {high:.2f})   "
-        f"p99 ratio: {result['p99_ratio']:.3f}"
-    )
-    if "scheduler_cpu_ms_per_request" in result:
+    if "overhead_ms_p50" in result:
+        print(f"{'path':<15}{'TTFT p50 ms':>14}{'TTFT p99 ms':>14}")
+        for label, key in (("direct", "direct"), ("via scheduler", "via_scheduler")):
+            print(f"{label:<15}{result[key + '_ttft_ms_p50']:>14.1f}{result[key + '_ttft_ms_p99']:>14.1f}")
+        low, high = result["overhead_ms_p50_ci95"]
         print(
-            f"scheduler CPU per request (no-op engine): {result['scheduler_cpu_ms_per_request']:.3f} ms   "
+            f"overhead p50: {result['overhead_ms_p50']:.2f} ms (95% CI {low:.2f} .. {high:.2f})   "
+            f"p99 ratio: {result['p99_ratio']:.3f}"
+        )
+    if "scheduler_cpu_ms_per_request" in result:
+        shared = result["scheduler_cpu"]["settings"]["shared_tokens"]
+        print(
+            f"scheduler CPU per request (no-op engine{f', {shared} tokens shared' if shared else ''}): "
+            f"{result['scheduler_cpu_ms_per_request']:.3f} ms   "
             f"no-op TTFT p50: {result['scheduler_cpu']['noop_ttft_ms_p50']:.2f} ms"
         )
     for name, ok in result["targets"].items():
@@ -235,9 +247,16 @@ def run_proxy_bench(
     scheduler_url: str | None,
     engine_url: str | None,
     plot: Path | None = None,
+    cpu_only: bool = False,
+    cpu_shared_tokens: int = 0,
 ) -> int:
+    """The live rounds (unless `cpu_only`), then the scheduler's CPU part (unless `cpu_requests` is 0)."""
     kwargs = {"concurrency": concurrency, "rounds": rounds, "max_tokens": max_tokens, "prompt_tokens": prompt_tokens}
-    if scheduler_url:
+    if cpu_only:
+        # The name the scheduler serves the tokenizer's model under (scheduler.tokenizer_load).
+        result: dict[str, Any] = {"model": config.engine.served_model_name or _tokenizer_dir(config).name}
+        result["targets"] = {}
+    elif scheduler_url:
         assert engine_url, "the CLI requires --engine-url with --scheduler-url"
         import httpx
 
@@ -246,12 +265,15 @@ def run_proxy_bench(
     else:
         result = asyncio.run(_with_private_cluster(config, **kwargs))
     if cpu_requests:
-        settings = CpuSettings(concurrency=concurrency, prompt_tokens=prompt_tokens, requests=cpu_requests)
-        cpu = asyncio.run(measure_scheduler_cpu(settings, result.get("model", "noop-model"), _scheduler_env(config)))
+        settings = CpuSettings(
+            concurrency=concurrency, prompt_tokens=prompt_tokens, shared_tokens=cpu_shared_tokens, requests=cpu_requests
+        )
+        model = result.get("model", "noop-model")
+        cpu = asyncio.run(measure_scheduler_cpu(settings, model, _scheduler_env(config, model)))
         result["scheduler_cpu"] = cpu
         result["scheduler_cpu_ms_per_request"] = cpu["scheduler_cpu_ms_per_request"]
         result["targets"][f"scheduler_cpu_ms_per_request<={TARGET_SCHEDULER_CPU_MS}"] = (
             cpu["scheduler_cpu_ms_per_request"] <= TARGET_SCHEDULER_CPU_MS
         )
-    write_result(result, out, table=_print_table, plot=plot, plotter=plot_proxy)
+    write_result(result, out, table=_print_table, plot=plot if "raw_ms" in result else None, plotter=plot_proxy)
     return 0

@@ -46,6 +46,13 @@ def register(sub: Any) -> None:
         default=2000,
         help="requests for the scheduler's CPU per request against a no-op engine (2000; 0: skip)",
     )
+    proxy.add_argument(
+        "--cpu-shared-tokens",
+        type=int_between(0),
+        default=0,
+        help="of --prompt-tokens, a system prompt all the CPU part's conversations share (0: none)",
+    )
+    proxy.add_argument("--cpu-only", action="store_true", help="only the CPU part: no engine, no live rounds")
     proxy.add_argument("--scheduler-url", help="use a running scheduler instead of starting a 1-node cluster")
     proxy.add_argument("--engine-url", help="the engine behind --scheduler-url (required with it)")
     proxy.set_defaults(func=cmd_bench_proxy)
@@ -224,6 +231,10 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
 
     if bool(args.scheduler_url) != bool(args.engine_url):
         raise CliError("--scheduler-url and --engine-url go together (the scheduler must front that one engine)")
+    if args.cpu_shared_tokens > args.prompt_tokens:
+        raise CliError("--cpu-shared-tokens is a part of --prompt-tokens: it cannot be larger")
+    if args.cpu_only and not args.cpu_requests:
+        raise CliError("--cpu-only with --cpu-requests 0 measures nothing")
     config = load_from_args(args, engine_overrides(args))
     return run_proxy_bench(
         config,
@@ -236,6 +247,8 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
         scheduler_url=args.scheduler_url,
         engine_url=args.engine_url,
         plot=args.plot,
+        cpu_only=args.cpu_only,
+        cpu_shared_tokens=args.cpu_shared_tokens,
     )
 
 

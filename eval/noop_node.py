@@ -7,8 +7,9 @@ is then its own work per request (parsing, validation, tokenization, routing, re
 spent waiting on a model. The engine checks nothing beyond what the relay needs; its usage figures
 count words, not tokens.
 
-The node's KV RPCs are the generated defaults (UNIMPLEMENTED): a scheduler that asks for a
-prefetch or a block stream sees a node that offers none, as it would a node of an older release.
+The node serves no KV RPCs (gRPC answers UNIMPLEMENTED itself, with no handler run or logged): a
+scheduler that asks for a prefetch or a block stream sees a node that offers none, as it would a
+node of an older release.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from symphony.rpc import kv_pb2_grpc, node_pb2, node_pb2_grpc
+from symphony.rpc import node_pb2, node_pb2_grpc
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -116,7 +117,6 @@ class NoopNode:
         await self.engine.start()
         self._server = grpc.aio.server()
         node_pb2_grpc.add_NodeManagerServicer_to_server(self._manager, self._server)
-        kv_pb2_grpc.add_KVStoreServicer_to_server(kv_pb2_grpc.KVStoreServicer(), self._server)
         self._server.add_insecure_port(self.address)
         await self._server.start()
 

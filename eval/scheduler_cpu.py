@@ -5,7 +5,11 @@ two no-op nodes serving the same model: with a choice to make, the scheduler doe
 for each request, tokenizing included (given a tokenizer: `scheduler_env`). `concurrency` clients
 each hold a multi-turn conversation whose first user message is about `prompt_tokens` tokens long
 and whose later turns add a short answer and question, as a chat frontend sends them (the whole
-history every turn). After a warm-up, the scheduler process's user + system CPU time over
+history every turn). The messages are windows of real chat text (the ShareGPT sample: prose, code,
+lists, some non-ASCII) at random offsets, so no two conversations start alike and the tokenizer
+sees a real vocabulary. With `shared_tokens`, that many tokens of each first prompt are instead a
+system message every conversation shares (an application's long system prompt), and the user's
+first message is the rest. After a warm-up, the scheduler process's user + system CPU time over
 `requests` streamed requests, divided by their number, is `scheduler_cpu_ms_per_request`. The
 no-op engines spend nothing, so the client-side time to the first token is the scheduler hop alone
 (`noop_ttft_ms_p50`), under the load the clients put on the same cores.
@@ -14,6 +18,8 @@ no-op engines spend nothing, so the client-side time to the first token is the s
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import os
 import random
 import statistics
@@ -30,25 +36,21 @@ import aiohttp
 from eval.noop_node import NoopNode
 from eval.ports import free_port
 from eval.stats import percentile
+from eval.workloads import SHAREGPT_SAMPLE
 from symphony.process import proc_stat_fields
 
 READY_TIMEOUT_S = 60.0
 REQUEST_TIMEOUT_S = 60.0
-# Plain English words: about 1.3 tokens each under SmolLM2's tokenizer (and most BPE vocabularies).
-_VOCABULARY = (
-    "the of and to in is that for it as with was on be by at this from have or an are not but which "
-    "one all were when there can more if has their about would what some into time only other than "
-    "its also after first two new years could these most made over such where many through before "
-    "system model memory network request session cache token layer store node region policy"
-)
-_WORDS = _VOCABULARY.split()
-TOKENS_PER_WORD = 1.3
+# The ShareGPT sample's messages are 3.97 characters a token under SmolLM2's tokenizer (659,890 and
+# 166,197); most BPE vocabularies of English are within 10% of that.
+CHARS_PER_TOKEN = 4.0
 
 
 @dataclass(frozen=True, slots=True)
 class CpuSettings:
     concurrency: int = 16
-    prompt_tokens: int = 2000  # the first user message, approximately
+    prompt_tokens: int = 2000  # the first prompt's messages, approximately
+    shared_tokens: int = 0  # of which a system message all conversations share (0: none)
     turns: int = 4  # per conversation; then a new conversation starts on the same stream
     requests: int = 640  # measured, after the warm-up
     warmup_requests: int = 64
@@ -56,8 +58,22 @@ class CpuSettings:
     nodes: int = 2
 
 
+@functools.cache
+def _corpus() -> str:
+    texts = []
+    for line in SHAREGPT_SAMPLE.read_text().splitlines():
+        texts += [turn["value"].strip() for turn in json.loads(line)["conversations"]]
+    return "\n\n".join(t for t in texts if t)
+
+
 def _text(rng: random.Random, tokens: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(max(1, round(tokens / TOKENS_PER_WORD))))
+    """About `tokens` tokens of the corpus from a random offset, cut at whitespace on both ends."""
+    corpus = _corpus()
+    chars = max(8, round(tokens * CHARS_PER_TOKEN))
+    start = rng.randrange(len(corpus) - 2 * chars)
+    start = corpus.find(" ", start) + 1
+    end = corpus.rfind(" ", start, start + chars)
+    return corpus[start : end if end > start else start + chars].strip() or "hello"
 
 
 def scheduler_cpu_seconds(pid: int) -> float:
@@ -88,13 +104,16 @@ async def _drive(scheduler_url: str, model: str, settings: CpuSettings, count: i
     ttfts: list[float] = []
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as http:
+        shared = _text(random.Random("shared"), settings.shared_tokens) if settings.shared_tokens else ""
 
         async def stream(index: int) -> None:
             rng = random.Random(f"{tag}-{index}")
             conversation = 0
             while remaining[0] > 0:
                 session = f"cpu-{tag}-{index}-{conversation}"
-                messages = [{"role": "user", "content": _text(rng, settings.prompt_tokens)}]
+                own = _text(rng, max(1, settings.prompt_tokens - settings.shared_tokens))
+                messages = [{"role": "system", "content": shared}] if shared else []
+                messages.append({"role": "user", "content": own})
                 for _ in range(settings.turns):
                     if remaining[0] <= 0:
                         return
@@ -112,7 +131,9 @@ async def _drive(scheduler_url: str, model: str, settings: CpuSettings, count: i
     return ttfts
 
 
-async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process, nodes: int) -> None:
+async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process, nodes: int) -> dict[str, str]:
+    """Wait until the scheduler sees all `nodes` ready and no tokenizer is still loading (its load,
+    seconds of CPU, must not land in the measurement); returns its tokenizers' states by model."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
         while time.monotonic() < deadline:
@@ -120,12 +141,14 @@ async def _wait_ready(scheduler_url: str, process: asyncio.subprocess.Process, n
                 raise RuntimeError(f"the scheduler exited with {process.returncode}")
             try:
                 async with http.get(scheduler_url + "/readyz") as response:
-                    if response.status == 200 and (await response.json()).get("ready_nodes") == nodes:
-                        return
+                    ready = await response.json() if response.status == 200 else {}
+                    tokenizers: dict[str, str] = ready.get("tokenizers", {})
+                    if ready.get("ready_nodes") == nodes and "loading" not in tokenizers.values():
+                        return tokenizers
             except (aiohttp.ClientError, TimeoutError):
                 pass
             await asyncio.sleep(0.1)
-    raise RuntimeError(f"the scheduler did not see the no-op node as ready within {READY_TIMEOUT_S:.0f} s")
+    raise RuntimeError(f"the scheduler was not ready (no-op nodes, tokenizers) within {READY_TIMEOUT_S:.0f} s")
 
 
 async def measure_scheduler_cpu(
@@ -155,7 +178,7 @@ async def measure_scheduler_cpu(
                 sys.executable, "-m", "symphony.cli", "scheduler", env=env, stdout=log, stderr=subprocess.STDOUT
             )
             try:
-                await _wait_ready(scheduler_url, process, settings.nodes)
+                tokenizers = await _wait_ready(scheduler_url, process, settings.nodes)
                 await _drive(scheduler_url, model, settings, settings.warmup_requests, "warm")
                 cpu_before, wall_before = scheduler_cpu_seconds(process.pid), time.perf_counter()
                 ttfts = await _drive(scheduler_url, model, settings, settings.requests, "run")
@@ -180,9 +203,11 @@ async def measure_scheduler_cpu(
         "noop_ttft_ms_p99": percentile(ttfts, 99),
         "noop_requests_per_s": settings.requests / wall_s,
         "noop_engine_requests": sum(node.engine.requests for node in nodes),
+        "tokenizer": tokenizers.get(model, "none"),  # "ready": every request was tokenized
         "settings": {
             "concurrency": settings.concurrency,
             "prompt_tokens": settings.prompt_tokens,
+            "shared_tokens": settings.shared_tokens,
             "turns": settings.turns,
             "requests": settings.requests,
             "warmup_requests": settings.warmup_requests,

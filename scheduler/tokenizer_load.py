@@ -8,7 +8,9 @@ path names a directory, "" means none. `scheduler.tokenizers` adds "served_name=
 other models a cluster serves. A model without one gets no token ids.
 
 A tokenizer is loaded as vLLM loads it (transformers' AutoTokenizer, left truncation side) from
-local files only: nothing is downloaded, whatever the directory holds.
+local files only: nothing is downloaded, whatever the directory holds. Texts are tokenized by
+`scheduler.piece_encoder` where the tokenizer allows it and it agrees with the tokenizer on the
+load-time probes, else by the tokenizer as vLLM calls it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from scheduler.incremental import Boundaries, encode
+from scheduler.piece_encoder import PieceEncoder
 from scheduler.prompt_render import chat_prompt
 from scheduler.prompts import NoTokenIds
 from symphony.config import SymphonyConfig
@@ -63,8 +66,15 @@ class ModelTokenizer:
     boundaries: Boundaries | None  # None: every prompt is tokenized whole
     special_tokens_added: int  # ids the post-processor adds with add_special_tokens (BOS, EOS, ...)
     max_token_id: int  # the largest id vLLM accepts (the tokenizer's or the model's vocabulary)
+    pieces: PieceEncoder | None = None  # None: every text goes through the tokenizer itself
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The ids vLLM tokenizes `text` into."""
+        if self.pieces is not None and (not add_special_tokens or self.special_tokens_added == 0):
+            return self.pieces.encode(text)
+        return self.encode_whole(text, add_special_tokens)
+
+    def encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
         """The ids vLLM tokenizes `text` into: the tokenizer called as vLLM calls it."""
         ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         return ids
@@ -100,6 +110,14 @@ def load_model_tokenizer(name: str, path: Path) -> ModelTokenizer:
         post.num_special_tokens_to_add(False) if post is not None else 0,
         max(max(tokenizer.get_vocab().values()), tokenizer.vocab_size - 1, _model_vocab_size(path) - 1),
     )
+    pieces, pieces_why = PieceEncoder.of(tokenizer)
+    if pieces is not None:
+        model.pieces = pieces
+        pieces_why = _pieces_check(model)
+        if pieces_why:
+            model.pieces = None
+    if pieces_why:
+        log.info("tokenizer: texts tokenized by the tokenizer itself", model=name, reason=pieces_why)
     if boundaries is not None:
         why = _self_check(model)
         if why:
@@ -116,6 +134,28 @@ def _model_vocab_size(path: Path) -> int:
         return 0
     size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return size if isinstance(size, int) else 0
+
+
+# Where word splits go wrong if they do: contractions, runs of spaces before words and at the end,
+# digits, symbols, control characters, added tokens at the edges and side by side, non-ASCII text.
+_PIECE_PROBES = [
+    "Hello world! It's 2024: don't, I'll, we've, they're, she'd, I'm. A1b2c3 12345678 3.14159",
+    "  two spaces,   three;\tTab\t\tnew\n\nlines\r\n end   ",
+    "x\x00\x01\x0b\x0c\x1c\x1f\x7f !!! ??? ... --- '' \"\" {[()]} @#$%^&*_+=|\\~`<> 'S 'T 'LL",
+    "caf\u00e9 \u6771\u4eac na\u00efve \U0001f600 \u00a0\u2003x\u3000y \u0301",
+]
+
+
+def _pieces_check(model: ModelTokenizer) -> str:
+    """Tokenize the probes, and them joined with added tokens between and around them, both ways;
+    "" when the piece encoder and the tokenizer agree on every one."""
+    assert model.pieces is not None
+    added = model.pieces.added_tokens
+    joined = "".join(f"{a}{p}{a}{a}" for a, p in zip(added * len(_PIECE_PROBES), _PIECE_PROBES, strict=False))
+    for text in [*_PIECE_PROBES, joined]:
+        if model.pieces.encode(text) != model.encode_whole(text, False):
+            return f"the piece encoder differs from the tokenizer on {text[:40]!r}"
+    return ""
 
 
 def _self_check(model: ModelTokenizer) -> str:
@@ -141,7 +181,7 @@ def _self_check(model: ModelTokenizer) -> str:
             else:
                 prompt_text, add_special = prompt.text, prompt.add_special_tokens
             got, _ = encode(model.encode, model.boundaries, model.name, prompt_text, add_special, previous)
-            want = model.encode(prompt_text, add_special)
+            want = model.encode_whole(prompt_text, add_special)
             if not np.array_equal(got.ids, np.array(want, dtype=np.int64)):
                 return f"incremental tokenization differs from whole on the self-check's turn {i}"
             previous = got

@@ -8,11 +8,13 @@ model, input vLLM would refuse or the scheduler cannot reproduce, a timeout) it 
 `symphony_token_ids_missing{reason}`, and the caller falls back. `tokenize` and `detokenize` serve
 the `/tokenize` and `/detokenize` endpoints and raise `NoTokenIds` instead.
 
-Where the work runs: on one thread of its own, never on the event loop. Tokenizing costs ~1 µs per
-token here (a 2,000-token first turn 1.8 ms; a 20-turn conversation's last turn 5.3 ms whole, 0.5 ms
-incrementally) and a 4 MB body ~1 s: inline, that would stall every other request as long.
-transformers' fast tokenizer releases the GIL while it encodes, so the thread runs beside the loop;
-handing a request over costs the loop ~40 µs of CPU (docs/design-notes.md#scheduler-tokenizer).
+Where the work runs: on one thread of its own, never on the event loop. A 2,000-token first turn
+costs ~0.5 ms here (`scheduler.piece_encoder`; ~2 ms through `tokenizers` alone), a 20-turn
+conversation's last turn 1.3 ms whole and 0.3 ms incrementally, a 4 MB body a good part of a
+second: inline, that would stall every other request as long. The piece encoder's Python holds the
+GIL, so the loop and the thread take turns (at most the interpreter's switch interval apart, 5 ms);
+`tokenizers`, which the non-ASCII text goes to, releases it. Handing a request over costs the loop
+~40-70 µs of CPU (docs/design-notes.md#scheduler-tokenizer).
 One thread, because a tokenizer object is not thread-safe and the session cache then needs no lock;
 at most `MAX_WAITING` requests wait for it (beyond: "busy"), and each gets `timeout_s` from when it
 was asked (beyond: "timeout"; work that already started finishes in the background).

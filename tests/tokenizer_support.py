@@ -34,6 +34,11 @@ CORPUS = [
     "def f(x):\n    return x + 1\n\n",
     "  leading and trailing spaces  \t tabs\n\nnew lines",
 ] * 20
+# Llama 3's split (a `Split` pre-tokenizer before a byte-level one without its own regex).
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def make_tokenizer(
@@ -45,9 +50,10 @@ def make_tokenizer(
     added: list[str] | None = None,
 ) -> Path:
     """Train a small BPE tokenizer and save it as a model directory. `kind`: "byte_level" (GPT-2
-    style, as SmolLM2) or "metaspace" (SentencePiece style, a normalizer and a prefix space on the
-    first piece only). `bos_post_processor`: encoding with special tokens adds <|im_start|> first."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    style, as SmolLM2), "split_byte_level" (Llama 3 style: its split, then bytes) or "metaspace"
+    (SentencePiece style, a normalizer and a prefix space on the first piece only).
+    `bos_post_processor`: encoding with special tokens adds <|im_start|> first."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE(unk_token="<|endoftext|>" if kind == "metaspace" else None))
@@ -56,6 +62,15 @@ def make_tokenizer(
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
         tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
         alphabet: list[str] = sorted({ch for text in CORPUS for ch in text} | set(string.printable) | {"\u2581"})
+    elif kind == "split_byte_level":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
-from eval.bench_proxy import PROMPTS, proxy_prompts
+from eval.bench_proxy import PROMPTS, proxy_prompts, run_proxy_bench
 from eval.scheduler_cpu import CpuSettings, measure_scheduler_cpu
+from symphony.config import load_config
+from tests.tokenizer_support import make_tokenizer
 
 
 def test_scheduler_cpu_counts_every_request_through_a_real_scheduler() -> None:
@@ -24,3 +28,33 @@ def test_proxy_prompts_carry_their_own_context_of_the_asked_size() -> None:
     assert len(set(prompts)) == 3
     assert all(len(p.split()) > 200 for p in prompts)  # ~400 tokens: well over 200 words
     assert proxy_prompts(2, 0) == PROMPTS[:2]  # no context: the bare questions
+
+
+def test_cpu_only_measures_with_the_models_tokenizer_and_a_shared_system_prompt(tmp_path: Path) -> None:
+    model = make_tokenizer(tmp_path / "tiny-model")  # the scheduler's tokenizer: served as "tiny-model"
+    config = load_config(env={"SYMPHONY_HOME": str(tmp_path / "home"), "SYMPHONY_ENGINE_MODEL": str(model)})
+    out = tmp_path / "proxy.json"
+    assert (
+        run_proxy_bench(
+            config,
+            out=out,
+            concurrency=4,
+            rounds=1,
+            max_tokens=4,
+            prompt_tokens=300,
+            cpu_requests=40,
+            scheduler_url=None,
+            engine_url=None,
+            cpu_only=True,
+            cpu_shared_tokens=250,
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    assert "overhead_ms_p50" not in result  # no live rounds, no engine
+    cpu = result["scheduler_cpu"]
+    assert cpu["tokenizer"] == "ready"  # every measured request was tokenized
+    assert cpu["settings"]["shared_tokens"] == 250
+    assert cpu["noop_engine_requests"] == cpu["settings"]["warmup_requests"] + 40
+    assert result["scheduler_cpu_ms_per_request"] > 0
+    assert list(result["targets"]) == ["scheduler_cpu_ms_per_request<=0.3"]

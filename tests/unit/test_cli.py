@@ -63,6 +63,20 @@ def test_bench_proxy_without_out_is_a_usage_error(capsys: pytest.CaptureFixture[
     assert "--out" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompt-tokens", "100", "--cpu-shared-tokens", "101"], "cannot be larger"),
+        (["--cpu-only", "--cpu-requests", "0"], "measures nothing"),
+    ],
+)
+def test_bench_proxy_cpu_flags_that_contradict_are_refused(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "proxy", "--out", "/tmp/never-written.json", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_bench_resume_context_must_fill_whole_blocks(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "resume", "--out", "/tmp/never-written.json", "--context-tokens", "1000"]) == 2
     err = capsys.readouterr().err
