@@ -24,6 +24,10 @@ The estimate for node n, in ms (`TtftEstimate`; p is the profile, P the prompt's
 - spread (high-priority requests only): each high-priority session already on n counts as
   `CostModel.high_spread_requests` requests of unknown size ahead.
 
+The policy minimizes that estimate plus one term that is not the request's own: the delay, the
+prefill n's engine would run for it (recomputed fetch and prefill) times
+`CostModel.prefill_delay_weight`, as every request queued behind it on n waits that long too.
+
 Pure: no I/O, no clocks; the scheduler and the simulator (with a profile built from its preset)
 call the same object.
 """
@@ -58,6 +62,12 @@ class CostModel:
     # a chat turn's new message and template, give or take.
     unknown_prefill_tokens: int = 256
     high_spread_requests: float = 0.5  # per high-priority session already on a node, for a high-priority request
+    # The prefill a node runs for the request is counted again, times this: every request that
+    # queues behind it there waits that long too. Without it, the router recomputes a prefix another
+    # node holds whenever the holder's queue is a little longer, and the cluster spends its time
+    # computing the same prefixes twice (the shared-prefix workload: prefix hits 0.80 against
+    # prefix_trie's 0.99, docs/benchmarks.md). 0: each request's own TTFT alone.
+    prefill_delay_weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +80,19 @@ class TtftEstimate:
     fetch_ms: float  # bringing another node's longer prefix over (moved or recomputed); 0 if none is
     prefill_ms: float  # the tokens no holder gives it
     spread_ms: float = 0.0
+    # Not the request's own: the node's prefill for it (recomputed fetch included) times
+    # `CostModel.prefill_delay_weight`, the wait it adds for the requests after it there.
+    delay_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
+        """The request's estimated time to first token."""
         return self.overhead_ms + self.queue_ms + self.load_ms + self.fetch_ms + self.prefill_ms + self.spread_ms
+
+    @property
+    def score_ms(self) -> float:
+        """What the policy minimizes: the time to first token and the delay it puts on others."""
+        return self.total_ms + self.delay_ms
 
 
 def prompt_tokens(request: RouteRequest, holdings: Mapping[str, HeldPrefix]) -> int:
@@ -137,11 +156,11 @@ class SymphonyPolicy:
         scores = {}
         for n in candidates:
             if n.node_id in holdings:
-                own = sum(self._own(prompt, n.node_id, holdings, request.kv_tokens))
+                own = self._own_score(prompt, n.node_id, holdings, request.kv_tokens)
             else:
                 links = tuple(self.profile.link(source, n.node_id) for source in holdings) if self.profile.links else ()
                 if links not in elsewhere:
-                    elsewhere[links] = sum(self._own(prompt, n.node_id, holdings, request.kv_tokens))
+                    elsewhere[links] = self._own_score(prompt, n.node_id, holdings, request.kv_tokens)
                 own = elsewhere[links]
             spread = n.high_sessions * spread_ms
             scores[n.node_id] = self.profile.request_overhead_ms + self.queue_ms(n) + own + spread
@@ -164,12 +183,13 @@ class SymphonyPolicy:
     def _estimate(
         self, request: RouteRequest, prompt: int, node: NodeSnapshot, holdings: Mapping[str, HeldPrefix]
     ) -> TtftEstimate:
-        load_ms, fetch_ms, prefill_ms = self._own(prompt, node.node_id, holdings, request.kv_tokens)
+        load_ms, fetch_ms, prefill_ms, computed_ms = self._own(prompt, node.node_id, holdings, request.kv_tokens)
         spread = 0.0
         if request.priority == "high":
             spread = node.high_sessions * self.cost.high_spread_requests * self._unknown_prefill_ms
         overhead = self.profile.request_overhead_ms
-        return TtftEstimate(overhead, self.queue_ms(node), load_ms, fetch_ms, prefill_ms, spread)
+        delay = self.cost.prefill_delay_weight * computed_ms
+        return TtftEstimate(overhead, self.queue_ms(node), load_ms, fetch_ms, prefill_ms, spread, delay)
 
     def queue_ms(self, node: NodeSnapshot) -> float:
         """From the request's arrival at `node`'s engine to the end of the step that prefills it, but
@@ -188,13 +208,22 @@ class SymphonyPolicy:
         under_way = step / 2 if active else 0.0
         return under_way + step + ahead_ms
 
+    def _own_score(
+        self, prompt: int, node_id: str, holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int]
+    ) -> float:
+        """The part of `node_id`'s score that depends on what it holds: load, fetch and prefill, and
+        the delay its prefill puts on the requests after it."""
+        load, fetch, prefill, computed = self._own(prompt, node_id, holdings, movable)
+        return load + fetch + prefill + self.cost.prefill_delay_weight * computed
+
     def _own(
         self, prompt: int, node_id: str, holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int]
-    ) -> tuple[float, float, float]:
-        """(load, fetch, prefill) ms of a `prompt`-token request on `node_id`: its own prefix loaded
-        from its tiers, then the cheapest way to the rest (see the module's docstring). Only the
-        session's own copies move between nodes (`movable`, node -> tokens: a pull fetches a session's
-        pages): a prefix another session left on a node is found there, never moved from there."""
+    ) -> tuple[float, float, float, float]:
+        """(load, fetch, prefill, computed) ms of a `prompt`-token request on `node_id`: its own
+        prefix loaded from its tiers, then the cheapest way to the rest (see the module's docstring);
+        `computed` is the part of fetch and prefill the node's engine computes. Only the session's
+        own copies move between nodes (`movable`, node -> tokens: a pull fetches a session's pages):
+        a prefix another session left on a node is found there, never moved from there."""
         p = self.profile
         tiers = p.tier_load_ms_per_token
         last = prompt - 1  # the engine computes the last token whatever it holds
@@ -203,6 +232,7 @@ class SymphonyPolicy:
         mine = own if start == own.total else own.between(0, start)
         load = mine.hbm * tiers.hbm + mine.dram * tiers.dram + mine.ssd * tiers.ssd
         fetch, rest = 0.0, p.prefill_ms(prompt - start, prompt)
+        computed = rest
         for source, held in holdings.items():
             end = min(held.total, movable.get(source, 0), last)
             if source == node_id or end <= start:
@@ -213,11 +243,13 @@ class SymphonyPolicy:
             # sent over the link, landed in this node's DRAM and loaded from there.
             read = (extra.engine + extra.dram) * tiers.dram + extra.hbm * tiers.hbm + extra.ssd * tiers.ssd
             move = read + p.link(source, node_id).move_ms(tokens * p.kv_bytes_per_token) + tokens * tiers.dram
-            here = min(move, p.prefill_ms(tokens, end))
+            recompute = p.prefill_ms(tokens, end)
+            here = min(move, recompute)
             after = p.prefill_ms(prompt - end, prompt)
             if here + after < fetch + rest:
                 fetch, rest = here, after
-        return load, fetch, rest
+                computed = after + (recompute if recompute <= move else 0.0)
+        return load, fetch, rest, computed
 
     def observe(self, request: RouteRequest, node_id: str) -> None:
         pass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.cost_profile import CostProfile, LinkCost, NodeLink, TierLoadCosts
-from scheduler.policies.symphony import SymphonyPolicy, TtftEstimate
+from scheduler.policies.symphony import CostModel, SymphonyPolicy, TtftEstimate
 from scheduler.routing import HeldPrefix, NodeSnapshot, PrefillWork, RouteRequest, hints_as_held, prefill_work
 
 # Prefill: 1 ms a token + 0.5 ms a token per 1,000 tokens of position. A step: 10 ms + 2 ms per request
@@ -53,14 +53,17 @@ def test_kv_on_ssd_is_priced_by_its_load_and_still_beats_recomputing_on_a_node_w
     b: 50 + (10 + 2) x 1.5 (half the step under way, then its own) = 68, plus either recomputing
        all 2,000 tokens (2,000 + 0.5 x 2,000 x 1,000 / 1000 = 3,000) or fetching a's 1,900 (moving:
        950 SSD read + 5 + 1,900 link + 95 DRAM load = 2,950; recomputing them: 2,802.5, cheaper) and
-       prefilling the rest (197.5): 3,000 either way: 3,068."""
+       prefilling the rest (197.5): 3,000 either way: 3,068.
+    Scored with the delay each node's prefill puts on the requests after it (weight 1): a 1,207.5 +
+    197.5 = 1,405, b 3,068 + 3,000 = 6,068."""
     req = request(2000, {"a": HeldPrefix(ssd=1900)})
     a, b = node("a"), node("b", running=1)
-    assert estimate(req, a) == TtftEstimate(50.0, 10.0, 950.0, 0.0, 197.5)
-    assert estimate(req, b) == TtftEstimate(50.0, 18.0, 0.0, 0.0, 3000.0)
+    assert estimate(req, a) == TtftEstimate(50.0, 10.0, 950.0, 0.0, 197.5, delay_ms=197.5)
+    assert estimate(req, b) == TtftEstimate(50.0, 18.0, 0.0, 0.0, 3000.0, delay_ms=3000.0)
+    assert (estimate(req, a).total_ms, estimate(req, b).total_ms) == (1207.5, 3068.0)
     decision = SymphonyPolicy(PROFILE).choose(req, [a, b])
     assert (decision.node_id, decision.reason) == ("a", "symphony_local_kv")
-    assert decision.scores == {"a": 1207.5, "b": 3068.0}
+    assert decision.scores == {"a": 1405.0, "b": 6068.0}
     # The tier is what the load costs: the same prefix in DRAM loads for 1,900 x 0.05 = 95.
     assert estimate(request(2000, {"a": HeldPrefix(dram=1900)}), a).load_ms == pytest.approx(95.0)
 
@@ -70,11 +73,12 @@ def test_a_queue_outweighs_the_best_prefix() -> None:
     at positions summing to 4.5M, 3,000 x 1 + 0.5 x 4,500 = 5,250 ms ahead, after half a 10 ms step:
     a = 50 + 5 + 10 + 5,250 + 197.5 = 5,512.5. b, idle, pulls a's 1,900 tokens (95 read from a's
     store + 1,905 over the link + 95 loaded) = 2,095, less than recomputing them (2,802.5): b = 50 +
-    10 + 2,095 + 197.5 = 2,352.5. Without the prefills, a (257.5) keeps it."""
+    10 + 2,095 + 197.5 = 2,352.5. Without the prefills, a (257.5) keeps it. Either computes the last
+    100 tokens alone (the move is no prefill): the same delay, 197.5, on both."""
     req = request(2000, {"a": HeldPrefix(engine=1900)})
     busy_a = node("a", running=2, prefilling=2, prefilling_work=PrefillWork(3000, 4_500_000.0))
-    assert estimate(req, busy_a) == TtftEstimate(50.0, 5265.0, 0.0, 0.0, 197.5)
-    assert estimate(req, node("b")) == TtftEstimate(50.0, 10.0, 0.0, 2095.0, 197.5)
+    assert estimate(req, busy_a) == TtftEstimate(50.0, 5265.0, 0.0, 0.0, 197.5, delay_ms=197.5)
+    assert estimate(req, node("b")) == TtftEstimate(50.0, 10.0, 0.0, 2095.0, 197.5, delay_ms=197.5)
     assert SymphonyPolicy(PROFILE).choose(req, [busy_a, node("b")]).node_id == "b"
     assert SymphonyPolicy(PROFILE).choose(req, [node("a"), node("b")]).node_id == "a"
 
@@ -83,12 +87,13 @@ def test_over_a_slow_link_recomputing_wins_and_over_a_fast_one_the_move_does() -
     """1,000-token prompt; "far" (down) holds 900 in DRAM. x pulls over a slow link: 45 read + 20 +
     9,000 + 45 loaded = 9,110 against 900 + 0.5 x 900 x 450 / 1000 = 1,102.5 to recompute them, then
     147.5 for the last 100: x computes all 1,000 (1,250). y's default link moves them for 45 + 5 + 900
-    + 45 = 995: y = 50 + 10 + 995 + 147.5 = 1,202.5, ahead of x's 1,310."""
+    + 45 = 995: y = 50 + 10 + 995 + 147.5 = 1,202.5, ahead of x's 1,310. With the delays of what each
+    computes, 1,250 and 147.5: x 2,560, y 1,350."""
     req = request(1000, {"far": HeldPrefix(dram=900)})
-    assert estimate(req, node("x")) == TtftEstimate(50.0, 10.0, 0.0, 0.0, 1250.0)
-    assert estimate(req, node("y")) == TtftEstimate(50.0, 10.0, 0.0, 995.0, 147.5)
+    assert estimate(req, node("x")) == TtftEstimate(50.0, 10.0, 0.0, 0.0, 1250.0, delay_ms=1250.0)
+    assert estimate(req, node("y")) == TtftEstimate(50.0, 10.0, 0.0, 995.0, 147.5, delay_ms=147.5)
     decision = SymphonyPolicy(PROFILE).choose(req, [node("far", available=False), node("x"), node("y")])
-    assert decision.node_id == "y" and decision.scores == {"x": 1310.0, "y": 1202.5}
+    assert decision.node_id == "y" and decision.scores == {"x": 2560.0, "y": 1350.0}
 
 
 def test_the_cheapest_source_is_taken_and_its_tiers_are_read_in_order() -> None:
@@ -99,7 +104,7 @@ def test_the_cheapest_source_is_taken_and_its_tiers_are_read_in_order() -> None:
     20 = 445, then positions 600-1000 recomputed, 400 + 0.5 x 400 x 800 / 1000 = 560: 1,005, the cheapest."""
     req = request(1000, {"x": HeldPrefix(hbm=200), "far": HeldPrefix(engine=300, ssd=600), "y": HeldPrefix(dram=600)})
     got = estimate(req, node("x"))
-    assert got == TtftEstimate(50.0, 10.0, 2.0, 445.0, 560.0)
+    assert got == TtftEstimate(50.0, 10.0, 2.0, 445.0, 560.0, delay_ms=560.0)
 
 
 def test_the_queue_counts_the_step_under_way_decoding_and_unknown_prefills() -> None:
@@ -170,19 +175,25 @@ def test_the_scores_a_decision_carries_are_the_estimates() -> None:
         node("z", waiting=0, announced=2),
     ]
     decision = policy.choose(req, nodes)
-    assert decision.scores == {n.node_id: pytest.approx(policy.estimate(req, n).total_ms) for n in nodes}
+    assert decision.scores == {n.node_id: pytest.approx(policy.estimate(req, n).score_ms) for n in nodes}
     assert decision.node_id == min(decision.scores, key=decision.scores.__getitem__)
 
 
 def test_another_sessions_prefix_is_found_where_it_is_but_never_moved() -> None:
     """As in the queue test, a holds 1,900 of 2,000 tokens in its engine, left there by another
     session of the tenant (a shared system prompt): b, idle, cannot pull another session's pages, so
-    it recomputes all 2,000 (3,000), and a, with its prefills ahead, still costs 5,512.5 against b's
-    50 + 10 + 3,000 = 3,060. Idle, a costs 257.5."""
+    it recomputes all 2,000 (3,000), and a, with its prefills ahead, costs 5,512.5 against b's 50 + 10
+    + 3,000 = 3,060: b's first token would come sooner. But b's 3,000 ms of prefill delay every request
+    after it there as long, and a's 197.5 hardly: scored with those delays, a 5,710 and b 6,060, so
+    the request waits for the prefix rather than compute it a second time. Counting only its own time
+    to first token (weight 0), b. Idle, a costs 257.5."""
     req = request(2000, {"a": HeldPrefix(engine=1900)}, own=False)
-    assert estimate(req, node("b")) == TtftEstimate(50.0, 10.0, 0.0, 0.0, 3000.0)
+    assert estimate(req, node("b")) == TtftEstimate(50.0, 10.0, 0.0, 0.0, 3000.0, delay_ms=3000.0)
     busy_a = node("a", running=2, prefilling=2, prefilling_work=PrefillWork(3000, 4_500_000.0))
-    assert SymphonyPolicy(PROFILE).choose(req, [busy_a, node("b")]).scores == {"a": 5512.5, "b": 3060.0}
+    decision = SymphonyPolicy(PROFILE).choose(req, [busy_a, node("b")])
+    assert (decision.node_id, decision.scores) == ("a", {"a": 5710.0, "b": 6060.0})
+    myopic = SymphonyPolicy(PROFILE, CostModel(prefill_delay_weight=0.0)).choose(req, [busy_a, node("b")])
+    assert (myopic.node_id, myopic.scores) == ("b", {"a": 5512.5, "b": 3060.0})
     assert SymphonyPolicy(PROFILE).choose(req, [node("a"), node("b", running=1)]).node_id == "a"
 
 
@@ -190,14 +201,15 @@ def test_a_node_with_requests_waiting_is_a_candidate_only_for_a_prefix_no_idle_n
     """Selective pushing keeps requests out of engine queues, but not at the price of recomputing a
     prefix found nowhere else. a holds 1,900 of 2,000 tokens, another session's, and has one request
     waiting of unknown size (256 tokens: 256 + 0.5 x 256 x 128 / 1000 = 272.384 ms) behind one
-    running: 50 + (10 + 2) x 1.5 + 272.384 + 197.5 = 537.884, against idle b's recompute, 3,060: a.
+    running: 50 + (10 + 2) x 1.5 + 272.384 + 197.5 = 537.884, against idle b's recompute, 3,060: a
+    (scored with the delays of their prefills, 197.5 and 3,000: 735.384 and 6,060).
     The same copy as the session's own, which b can pull (2,095): b is idle and a is not a candidate.
     With nothing idle, the request waits in the scheduler."""
     waiting_a = node("a", running=1, waiting=1)
     shared = request(2000, {"a": HeldPrefix(engine=1900)}, own=False)
     decision = SymphonyPolicy(PROFILE).choose(shared, [waiting_a, node("b")])
     assert decision.node_id == "a"
-    assert decision.scores == pytest.approx({"a": 537.884, "b": 3060.0})
+    assert decision.scores == pytest.approx({"a": 735.384, "b": 6060.0})
     own = request(2000, {"a": HeldPrefix(engine=1900)}, own=True)
     decision = SymphonyPolicy(PROFILE).choose(own, [waiting_a, node("b")])
     assert decision.node_id == "b" and set(decision.scores) == {"b"}
