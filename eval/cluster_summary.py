@@ -96,16 +96,27 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
     }
 
 
+OPEN_LOOP_KINDS = ("shared-prefix", "trace")  # workload kinds whose sessions share prefixes
+
+
 def targets(result: dict[str, Any]) -> dict[str, bool]:
-    """Issue 5's bars, for the policies the run measured, on the per-policy figures (over repeats:
-    medians, errors and token counts summed). Which policy is faster beyond noise is `comparisons`'
-    verdicts, not these."""
+    """Issue 5's bars (issue 36's on the shared-prefix and trace workloads), for the policies the
+    run measured, on the per-policy figures (over repeats: medians, errors and token counts summed).
+    Which policy is faster beyond noise is `comparisons`' verdicts, not these."""
     by = result["policies"]
     out: dict[str, bool] = {}
     if "symphony" not in by:
         return out
     s = by["symphony"]
     out["symphony_errors_zero"] = s["errors"] == 0
+    if result.get("workload_kind") in OPEN_LOOP_KINDS:
+        # Issue 36's bars for prefixes shared across sessions.
+        out["symphony_prefix_hit_frac_ge_0.9"] = s["prefix_hit_frac"] >= 0.9
+        if "prefix_trie" in by:
+            out["symphony_ttft_p95_le_0.8x_prefix_trie"] = s["ttft_ms_p95"] <= 0.8 * by["prefix_trie"]["ttft_ms_p95"]
+        if "least_load" in by:
+            out["symphony_ttft_p95_le_half_least_load"] = s["ttft_ms_p95"] <= 0.5 * by["least_load"]["ttft_ms_p95"]
+        return out
     out["symphony_prefill_computed_le_0.1"] = s["prefill_tokens_computed"] <= 0.1 * s["prefill_tokens_total"]
     if "recompute" in by:
         out["symphony_ttft_p95_le_half_recompute"] = s["ttft_ms_p95"] <= 0.5 * by["recompute"]["ttft_ms_p95"]

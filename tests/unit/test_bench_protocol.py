@@ -199,3 +199,21 @@ def test_a_histograms_p99_bound_is_read_from_the_schedulers_exposition() -> None
     metrics.kv_index_lag.observe(0.03)
     metrics.kv_index_lag.observe(0.04)
     assert index_lag_p99_bound_ms(generate_latest(metrics.registry).decode()) == 50.0
+
+
+def test_shared_prefix_runs_are_held_to_issue_36s_bars() -> None:
+    runs = _runs()
+    p95 = {"symphony": 300.0, "prefix_trie": 400.0, "least_load": 700.0}
+    for run in runs:
+        run["policies"] = {p: _summary(v / 4, v, prefix_hit_frac=0.95) for p, v in p95.items()}
+        run["order"] = list(p95)
+    header = {"workload_kind": "shared-prefix"}
+    result = cluster_result(runs, list(p95), header)
+    assert result["targets"] == {
+        "symphony_errors_zero": True,
+        "symphony_prefix_hit_frac_ge_0.9": True,
+        "symphony_ttft_p95_le_0.8x_prefix_trie": True,  # 300 <= 320
+        "symphony_ttft_p95_le_half_least_load": True,  # 300 <= 350
+    }
+    result = cluster_result(runs, list(p95), {"workload_kind": "sharegpt"})
+    assert "symphony_prefix_hit_frac_ge_0.9" not in result["targets"]
