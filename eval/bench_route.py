@@ -9,7 +9,7 @@ scheduler does per request once its node snapshots are built: look the session u
 of random sessions are timed one by one.
 
 Locating is the scheduler's own (`scheduler.kv_locator.KVLocator` over a `ClusterKVIndex` holding
-`--index-blocks` blocks, fed by 64 nodes' block event snapshots: `eval.route_kv`): the prompt's block
+`--index-blocks` blocks, fed by the nodes' block event snapshots: `eval.route_kv`): the prompt's block
 keys (only the blocks a session's cached previous prompt lacks are hashed), the index's prefix per
 node, the held prefixes the request carries. Token ids are synthetic: tokenization is excluded (a
 `TokenService` call precedes locating in the scheduler; it is not timed here). After each routed turn
@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from eval.plots import plot_route
 from eval.results import write_result
-from eval.route_kv import FINGERPRINT, FleetIndex, Streams
+from eval.route_kv import FINGERPRINT, FleetIndex, Streams, cluster_index
 from eval.stats import percentile
 from scheduler.kv_locator import KVLocator
 from scheduler.policies import make_policy
@@ -299,9 +299,10 @@ def _build_index(traffic: _Traffic) -> tuple[FleetIndex, dict[str, Any]]:
     default = SchedulerConfig().kv_index_max_blocks
     max_blocks = max(default, traffic.streams.blocks)
     tracemalloc.start()
-    fleet = FleetIndex(traffic.streams, max_blocks)
+    index = cluster_index(workload.nodes, max_blocks)
     constructed, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    fleet = FleetIndex(traffic.streams, index)
     arrays_before = fleet.index.table.approx_bytes()
     with tqdm(
         total=traffic.streams.blocks, desc="index: node snapshots", unit="block", unit_scale=True, file=sys.stderr

@@ -123,15 +123,28 @@ class Population:
     block_events: int  # (block, tier) entries the snapshots carried, all nodes together
 
 
-class FleetIndex:
-    """The scheduler's cluster KV index over `streams.nodes` nodes, fed their block event streams."""
+def node_ids(nodes: int) -> list[str]:
+    return [f"node-{i}" for i in range(nodes)]
 
-    def __init__(self, streams: Streams, max_blocks: int, *, batch_entries: int | None = None) -> None:
+
+def cluster_index(nodes: int, max_blocks: int) -> ClusterKVIndex:
+    """The index as the scheduler builds it (`SchedulerState`), its nodes added."""
+    index = ClusterKVIndex(max_blocks, max(1, nodes))
+    for node_id in node_ids(nodes):
+        index.add_node(node_id)
+    return index
+
+
+class FleetIndex:
+    """The scheduler's cluster KV index (`cluster_index`) over `streams.nodes` nodes, fed their block
+    event streams."""
+
+    def __init__(self, streams: Streams, index: ClusterKVIndex, *, batch_entries: int | None = None) -> None:
         self.streams = streams
-        self.index = ClusterKVIndex(max_blocks, max(1, streams.nodes))
-        self.node_ids = [f"node-{i}" for i in range(streams.nodes)]
-        for node_id in self.node_ids:
-            self.index.add_node(node_id)
+        self.index = index
+        self.node_ids = node_ids(streams.nodes)
+        if index.node_ids != self.node_ids:
+            raise ValueError("the index's nodes are not the streams' (see cluster_index)")
         self.batch_entries = batch_entries or BlockEventSettings().batch_entries
         self._seq = dict.fromkeys(self.node_ids, 0)
         self._system_keys = [

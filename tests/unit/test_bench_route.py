@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eval.bench_route import RouteWorkload, _build_index, _Traffic, measure_policy
-from eval.route_kv import FINGERPRINT, FleetIndex, Streams
+from eval.route_kv import FINGERPRINT, FleetIndex, Streams, cluster_index
 from scheduler.kv_index import NodePrefix
 from symphony.cli import main
 from symphony.config import SchedulerConfig
@@ -31,6 +31,7 @@ def test_token_streams_extend_each_turn_and_share_the_tenants_system_prompt() ->
     first, later = streams.ids(7, 0), streams.ids(7, 2)
     assert len(first) == streams.tokens(7, 0) and len(later) == streams.tokens(7, 2) > len(first)
     assert (later[: len(first)] == first).all() and not later.flags.writeable
+    assert all(64 <= streams.tokens(7, turn + 1) - streams.tokens(7, turn) < 512 for turn in range(6))
     system = streams.system[2]  # sessions 2 and 7 are tenant 2's
     assert (streams.ids(2, 0)[: len(system)] == system).all() and (first[: len(system)] == system).all()
     assert (streams.ids(2, 0)[len(system) : len(system) + 32] != first[len(system) : len(system) + 32]).any()
@@ -38,7 +39,7 @@ def test_token_streams_extend_each_turn_and_share_the_tenants_system_prompt() ->
 
 def test_the_fleet_index_holds_what_the_nodes_snapshots_and_live_batches_say() -> None:
     streams = Streams(sessions=60, tenants=3, nodes=4, index_blocks=5000, block_size=16)
-    fleet = FleetIndex(streams, 10_000, batch_entries=64)
+    fleet = FleetIndex(streams, cluster_index(4, 10_000), batch_entries=64)
     population = fleet.populate()
     # As many as the streams hold, but where two sessions' first own blocks coincide (the same tokens
     # after a shared system prompt's partial block: the same key, one entry).
