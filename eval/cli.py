@@ -100,6 +100,12 @@ def register(sub: Any) -> None:
     route.add_argument("--tenants", type=positive_int, default=100, help="tenants the sessions belong to (100)")
     route.add_argument("--requests", type=positive_int, default=20_000, help="timed decisions per policy (20000)")
     route.add_argument(
+        "--index-blocks",
+        type=int_between(0),
+        help="blocks the nodes' snapshots put in the cluster KV index, for policies that locate KV "
+        "(default: 100 per session, 10M at 100000; 0: no index, they route on the session table's hints)",
+    )
+    route.add_argument(
         "--policies",
         default="symphony,least_load,round_robin,consistent_hash,sticky,prefix_trie",
         help="comma-separated (default: %(default)s)",
@@ -301,7 +307,7 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_route(args: argparse.Namespace) -> int:
-    from eval.bench_route import run_route_bench
+    from eval.bench_route import BLOCKS_PER_SESSION, run_route_bench
 
     policies = policy_names(args.policies)
     run_route_bench(
@@ -311,6 +317,7 @@ def cmd_bench_route(args: argparse.Namespace) -> int:
         tenants=args.tenants,
         requests=args.requests,
         policies=policies,
+        index_blocks=args.index_blocks if args.index_blocks is not None else BLOCKS_PER_SESSION * args.sessions,
         seed=args.seed,
         plot=args.plot,
     )

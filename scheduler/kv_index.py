@@ -279,13 +279,14 @@ class ClusterKVIndex:
         counts = self.table.prefix_counts(index_keys(b"".join(keys)))
         if counts is None:
             return {}
-        holders = np.flatnonzero(counts[:, : len(self._ids)].any(axis=0))
+        counts = counts[:, : len(self._ids)]
+        totals = counts.sum(axis=0)
+        holders = np.flatnonzero(totals)
         ids = self._ids
-        # One conversion to Python ints for all the holders, not one per node.
-        return {
-            ids[slot]: NodePrefix(sum(tiers), *tiers)
-            for slot, tiers in zip(holders.tolist(), counts[:, holders].T.tolist(), strict=True)
-        }
+        make = NodePrefix._make
+        # One conversion to Python ints for all the holders, not one per node: rows (blocks, tiers...).
+        rows = np.concatenate((totals[None, holders], counts[:, holders])).T.tolist()
+        return {ids[slot]: make(row) for slot, row in zip(holders.tolist(), rows, strict=True)}
 
     def tier_blocks(self, node_id: str) -> dict[str, int]:
         """Blocks the node holds per tier, as the index knows them."""

@@ -71,8 +71,9 @@ def held_from_index(prefix: NodePrefix, block_size: int) -> HeldPrefix:
 
 
 class KVLocator:
-    """`prefix(keys)` answers from the cluster KV index for the nodes it is current for; `synced(node)`
-    says which those are (`SchedulerState.kv_prefix`, `kv_synced`)."""
+    """`prefix(keys)` answers from the cluster KV index (it may name nodes the index is not current
+    for: `locate` takes its answer only for the nodes `synced(node)` says it is current for;
+    `SchedulerState.kv_holders`, `kv_synced`)."""
 
     def __init__(
         self,
@@ -137,13 +138,17 @@ class KVLocator:
         from_index = self._prefix(keys) if keys else {}
         hints = hints_as_held(kv_tokens)
         held: dict[str, HeldPrefix] = {}
+        converted: dict[NodePrefix, HeldPrefix] = {}  # nodes holding the same prefix (a system prompt's)
         indexed = False
         for node in nodes:
             if self._synced(node):
                 indexed = True
                 prefix = from_index.get(node)
                 if prefix is not None and prefix.blocks:
-                    held[node] = held_from_index(prefix, block_size)
+                    tokens = converted.get(prefix)
+                    if tokens is None:
+                        tokens = converted[prefix] = held_from_index(prefix, block_size)
+                    held[node] = tokens
             elif node in hints:
                 held[node] = hints[node]
         return Located(len(ids), held, "index" if indexed else "hints")
@@ -195,9 +200,7 @@ class RequestLocator:
             request.kv_tokens,
         )
         self.metrics.kv_located.labels(located.source if located.held is not None else "no_ids").inc()
-        if located.held is None:
-            return request
-        return dataclasses.replace(request, prompt_tokens=located.prompt_tokens, held=located.held)
+        return with_located(request, located)
 
     async def _engine_ids(self, model: str, body: Mapping[str, Any]) -> np.ndarray | None:
         """The ids from an engine's `/tokenize` (`scheduler.engine_tokens`), while the scheduler's
@@ -206,3 +209,11 @@ class RequestLocator:
         ids = None if node is None else await engine_token_ids(node.engine_url, model, body, self.engine_timeout_s)
         self.metrics.token_ids_from_engine.labels("ok" if ids is not None else "none").inc()
         return ids
+
+
+def with_located(request: RouteRequest, located: Located) -> RouteRequest:
+    """`request` with the exact prompt size and the per-node prefixes `located` found; unchanged when
+    it found nothing (no token ids: the session table's hints stand)."""
+    if located.held is None:
+        return request
+    return dataclasses.replace(request, prompt_tokens=located.prompt_tokens, held=located.held)

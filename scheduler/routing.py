@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Self
+from typing import NamedTuple, Protocol, Self
 
 from scheduler.cost_profile import CostProfile
 from symphony.config import SchedulerConfig
@@ -72,13 +72,13 @@ class NodeSnapshot:
         return self.waiting
 
 
-@dataclass(frozen=True, slots=True)
-class HeldPrefix:
+class HeldPrefix(NamedTuple):
     """How much of a request's prompt one node holds, in tokens: the prompt's leading tokens that
     some tier of the node has (every layer of their blocks), each counted once, in the fastest tier
     holding it. Contiguous: together they are the prompt's first `total` tokens. Which positions each
     tier holds is not recorded; the faster tiers are taken to hold the leading ones (engine, then
-    HBM, DRAM, SSD), as the engine and the store evict a session's later blocks first."""
+    HBM, DRAM, SSD), as the engine and the store evict a session's later blocks first.
+    (A named tuple: one per holding node per request, built and hashed in C.)"""
 
     engine: int = 0  # in the engine's own prefix cache (vLLM's KV blocks): nothing to load
     hbm: int = 0  # staged in the store's pool in engine device memory

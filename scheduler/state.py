@@ -80,7 +80,7 @@ class SchedulerState:
         )
         self.locator = RequestLocator(
             self.tokens,
-            KVLocator(self.kv_prefix, self.kv_synced, sc.tokenizer_cache_sessions),
+            KVLocator(self.kv_holders, self.kv_synced, sc.tokenizer_cache_sessions),
             self.cluster,
             self.metrics,
             engine_timeout_s=sc.tokenize_timeout_ms / 1000,
@@ -101,6 +101,11 @@ class SchedulerState:
         block key chain, which names its tenant and model) it holds, in which fastest tiers. Nodes
         absent hold none or are in fallback (`kv_synced`); {} when the index is off."""
         return self.kv_watch.prefix(keys) if self.kv_watch is not None else {}
+
+    def kv_holders(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:
+        """`kv_prefix` for every node the index knows, current or not (callers check `kv_synced`;
+        the locator does, node by node, so filtering here would ask every node twice)."""
+        return self.kv_index.prefix(keys) if self.kv_index is not None else {}
 
     def kv_synced(self, node_id: str) -> bool:
         """Whether the index is current for the node; False: use the session table's hints for it."""

@@ -98,7 +98,31 @@ class TtftEstimate:
 def prompt_tokens(request: RouteRequest, holdings: Mapping[str, HeldPrefix]) -> int:
     """The request's prompt in tokens: its size, but at least one token more than any prefix of it a
     node holds (an advisory's prompt is not known yet; its history is, and the prompt extends it)."""
-    return max(request.prompt_size, 1 + max((h.total for h in holdings.values()), default=0))
+    return max(request.prompt_size, 1 + longest_held(holdings))
+
+
+def longest_held(holdings: Mapping[str, HeldPrefix]) -> int:
+    """The longest prefix any node holds, in tokens (0: none)."""
+    return max(map(sum, holdings.values()), default=0)  # a HeldPrefix sums to its total
+
+
+def movable_sources(
+    holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int], prompt: int
+) -> list[tuple[str, HeldPrefix, int]]:
+    """The nodes a longer prefix could be brought from, each with its holding and the end of what
+    would move: only the session's own copies move between nodes (`movable`, node -> tokens: a pull
+    fetches a session's pages), so a prefix another session left on a node is found there, never
+    moved from there; and never the last token, which the engine computes."""
+    if not movable:
+        return []
+    sources = []
+    for source, held in holdings.items():  # in the holdings' order: the first of equal costs wins
+        tokens = movable.get(source, 0)
+        if tokens > 0:
+            end = min(held.total, tokens, prompt - 1)
+            if end > 0:
+                sources.append((source, held, end))
+    return sources
 
 
 def _pushable(
@@ -147,21 +171,31 @@ class SymphonyPolicy:
             candidates = _pushable(candidates, holdings, request.kv_tokens)
             if not candidates:
                 return RouteDecision(None, "queued", queue=True)
-        prompt = prompt_tokens(request, holdings)
+        longest = longest_held(holdings)
+        prompt = max(request.prompt_size, 1 + longest)  # prompt_tokens
         high = request.priority == "high"
         spread_ms = self.cost.high_spread_requests * self._unknown_prefill_ms if high else 0.0
-        # What a node holding none of the prompt pays depends only on its links from the holders: one
-        # computation per distinct set of links (one, for a fleet on a uniform network).
-        elsewhere: dict[tuple[LinkCost, ...], float] = {}
+        sources = movable_sources(holdings, request.kv_tokens, prompt)
+        # What a node pays depends on the prefix it holds and its links from the nodes whose copies
+        # could move (when it is none of them): one computation per distinct pair of those (a few,
+        # for a fleet on a uniform network, however many nodes hold the tenant's system prompt).
+        same: dict[tuple[HeldPrefix, tuple[LinkCost, ...]], float] = {}
+        named = {source for source, _, _ in sources}
         scores = {}
         for n in candidates:
-            if n.node_id in holdings:
-                own = self._own_score(prompt, n.node_id, holdings, request.kv_tokens)
+            held = holdings.get(n.node_id, NOTHING_HELD)
+            if n.node_id in named:
+                own = self._own_score(prompt, n.node_id, held, sources)
             else:
-                links = tuple(self.profile.link(source, n.node_id) for source in holdings) if self.profile.links else ()
-                if links not in elsewhere:
-                    elsewhere[links] = self._own_score(prompt, n.node_id, holdings, request.kv_tokens)
-                own = elsewhere[links]
+                links = (
+                    tuple(self.profile.link(source, n.node_id) for source, _, _ in sources)
+                    if self.profile.links
+                    else ()
+                )
+                key = (held, links)
+                if key not in same:
+                    same[key] = self._own_score(prompt, n.node_id, held, sources)
+                own = same[key]
             spread = n.high_sessions * spread_ms
             scores[n.node_id] = self.profile.request_overhead_ms + self.queue_ms(n) + own + spread
         best = min(scores.values())
@@ -171,8 +205,8 @@ class SymphonyPolicy:
         emptiest = min(kv_usage(n) for n in tied)
         tied = [n for n in tied if kv_usage(n) == emptiest]
         chosen = tied[next(self._rotation) % len(tied)]
-        held = holdings.get(chosen.node_id, NOTHING_HELD).total
-        local = held and held >= max(h.total for h in holdings.values())
+        chosen_holds = holdings.get(chosen.node_id, NOTHING_HELD).total
+        local = chosen_holds and chosen_holds >= longest
         return RouteDecision(chosen.node_id, "symphony_local_kv" if local else "symphony", scores)
 
     def estimate(self, request: RouteRequest, node: NodeSnapshot) -> TtftEstimate:
@@ -183,7 +217,9 @@ class SymphonyPolicy:
     def _estimate(
         self, request: RouteRequest, prompt: int, node: NodeSnapshot, holdings: Mapping[str, HeldPrefix]
     ) -> TtftEstimate:
-        load_ms, fetch_ms, prefill_ms, computed_ms = self._own(prompt, node.node_id, holdings, request.kv_tokens)
+        sources = movable_sources(holdings, request.kv_tokens, prompt)
+        own = holdings.get(node.node_id, NOTHING_HELD)
+        load_ms, fetch_ms, prefill_ms, computed_ms = self._own(prompt, node.node_id, own, sources)
         spread = 0.0
         if request.priority == "high":
             spread = node.high_sessions * self.cost.high_spread_requests * self._unknown_prefill_ms
@@ -195,46 +231,45 @@ class SymphonyPolicy:
         """From the request's arrival at `node`'s engine to the end of the step that prefills it, but
         its own prefill: the step under way, the prefills ahead of it, and its step's decoding."""
         p = self.profile
-        ahead = max(node.prefilling, node.waiting)
-        active = max(node.running + node.waiting, node.inflight)
+        # Conditional expressions rather than max() of two ints: this runs for every node per request.
+        waiting, prefilling, inflight = node.waiting, node.prefilling, node.inflight
+        ahead = prefilling if prefilling > waiting else waiting
+        engine = node.running + waiting
+        active = engine if engine > inflight else inflight
         work = node.prefilling_work
-        unknown = max(0, node.waiting - node.prefilling) + (0 if work.tokens else node.prefilling)
+        unknown = (waiting - prefilling if waiting > prefilling else 0) + (0 if work.tokens else prefilling)
         ahead_ms = unknown * self._unknown_prefill_ms
         if work.tokens:
             ahead_ms += p.prefill_ms_per_token * work.tokens + p.prefill_ms_per_token_kilotoken * work.positions / KILO
-        decoding = max(0, active - ahead) + node.announced
+        decoding = (active - ahead if active > ahead else 0) + node.announced
         # The engine's KV in use is its requests' context (vLLM counts cached blocks no request uses as free).
         step = p.step_with(decoding, kv_usage(node) * p.engine_kv_tokens if decoding else 0.0)
         under_way = step / 2 if active else 0.0
         return under_way + step + ahead_ms
 
     def _own_score(
-        self, prompt: int, node_id: str, holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int]
+        self, prompt: int, node_id: str, own: HeldPrefix, sources: Sequence[tuple[str, HeldPrefix, int]]
     ) -> float:
         """The part of `node_id`'s score that depends on what it holds: load, fetch and prefill, and
         the delay its prefill puts on the requests after it."""
-        load, fetch, prefill, computed = self._own(prompt, node_id, holdings, movable)
+        load, fetch, prefill, computed = self._own(prompt, node_id, own, sources)
         return load + fetch + prefill + self.cost.prefill_delay_weight * computed
 
     def _own(
-        self, prompt: int, node_id: str, holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int]
+        self, prompt: int, node_id: str, own: HeldPrefix, sources: Sequence[tuple[str, HeldPrefix, int]]
     ) -> tuple[float, float, float, float]:
-        """(load, fetch, prefill, computed) ms of a `prompt`-token request on `node_id`: its own
-        prefix loaded from its tiers, then the cheapest way to the rest (see the module's docstring);
-        `computed` is the part of fetch and prefill the node's engine computes. Only the session's
-        own copies move between nodes (`movable`, node -> tokens: a pull fetches a session's pages):
-        a prefix another session left on a node is found there, never moved from there."""
+        """(load, fetch, prefill, computed) ms of a `prompt`-token request on `node_id`, which holds
+        `own`: its own prefix loaded from its tiers, then the cheapest way to the rest (see the
+        module's docstring), bringing over a longer prefix from one of `sources` (`movable_sources`);
+        `computed` is the part of fetch and prefill the node's engine computes."""
         p = self.profile
         tiers = p.tier_load_ms_per_token
-        last = prompt - 1  # the engine computes the last token whatever it holds
-        own = holdings.get(node_id, NOTHING_HELD)
-        start = min(own.total, last)
+        start = min(own.total, prompt - 1)  # the engine computes the last token whatever it holds
         mine = own if start == own.total else own.between(0, start)
         load = mine.hbm * tiers.hbm + mine.dram * tiers.dram + mine.ssd * tiers.ssd
         fetch, rest = 0.0, p.prefill_ms(prompt - start, prompt)
         computed = rest
-        for source, held in holdings.items():
-            end = min(held.total, movable.get(source, 0), last)
+        for source, held, end in sources:
             if source == node_id or end <= start:
                 continue
             extra = held.between(start, end)

@@ -56,6 +56,28 @@ def test_the_least_recently_used_blocks_go_first_and_are_counted() -> None:
     assert (recount(table) == table.tier_counts).all()
 
 
+@pytest.mark.parametrize("absent", [None, 0, 1, 255, 256, 300, 511, 512, 599])
+def test_a_prefix_ends_at_the_first_absent_key_whichever_lookup_chunk_it_is_in(absent: int | None) -> None:
+    table = BlockTable(2000, 4)
+    chain = np.unique(np.random.default_rng(3).integers(1, 2**63, 600, dtype=np.uint64))
+    table.store(chain, 1, DRAM)
+    table.store(chain[:50], 2, SSD)
+    if absent is not None:  # no node holds it any more: it leaves the table
+        table.remove(chain[absent : absent + 1], 1, DRAM)
+        table.remove(chain[absent : absent + 1], 2, SSD)
+    counts = table.prefix_counts(chain)
+    held = len(chain) if absent is None else absent
+    if not held:
+        assert counts is None
+        return
+    assert counts is not None
+    ssd = min(50, held)  # node 2's own chain ends with its 50 blocks, or at the absent one
+    assert counts[DRAM, 1] == held and counts[SSD, 2] == ssd and counts.sum() == held + ssd
+    assert (table._ticks[table.lookup(chain[:held])] == table._tick).all(), "the leading blocks are stamped"
+    if absent is not None and absent + 1 < len(chain):
+        assert (table._ticks[table.lookup(chain[absent + 1 :])] < table._tick).all(), "and no others"
+
+
 def test_a_full_table_evicts_a_fraction_at_once() -> None:
     table = BlockTable(1000, 2, evict_fraction=0.1)
     table.store(np.arange(1, 1001, dtype=np.uint64), 0, DRAM)
