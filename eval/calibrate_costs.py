@@ -32,6 +32,7 @@ import openai
 
 from eval.bench_tiers import measure_store_paths, session_pages
 from eval.sim.engine import EngineModel
+from eval.sim.presets import engine_cost_profile
 from node_manager.kv.transfer import page_batch
 from scheduler.cost_profile import CostProfile, LinkCost, NodeLink, TierLoadCosts
 from scheduler.policies.symphony import SymphonyPolicy
@@ -193,14 +194,8 @@ def build_profile(
         statistics.median(link.rtt_ms for link in links) if links else 0.2,
         statistics.median(link.bandwidth_gbps for link in links) if links else 1.0,
     )
-    return CostProfile(
-        request_overhead_ms=engine.request_overhead_ms,
-        step_ms=engine.step_ms,
-        prefill_ms_per_token=engine.prefill_ms_per_token,
-        prefill_ms_per_token_kilotoken=engine.prefill_ms_per_token_kilotoken,
-        decode_ms_per_seq=engine.decode_ms_per_seq,
-        decode_ms_per_kilotoken=engine.decode_ms_per_kilotoken,
-        engine_kv_tokens=engine.kv_blocks * engine.block_size,
+    return engine_cost_profile(
+        engine,
         kv_bytes_per_token=kv_bytes_per_token,
         tier_load_ms_per_token=tiers,
         default_link=default,

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from eval.sim.cluster import LinkModel
 from eval.sim.engine import EngineModel
-from scheduler.cost_profile import CostProfile, LinkCost, TierLoadCosts
+from scheduler.cost_profile import CostProfile, LinkCost, NodeLink, TierLoadCosts
 from scheduler.policies import make_policy
 from scheduler.routing import RoutingPolicy
 from symphony.kv_geometry import KVGeometry
@@ -65,12 +65,20 @@ class Preset:
     source: str
 
 
-def sim_cost_profile(engine: EngineModel, link: LinkModel, source: str = "simulator") -> CostProfile:
-    """The cost profile of a simulated cluster, which the `symphony` policy routes it by: the
-    simulator's own engine and link, so the profile is exact there but for `prefill_overlap_ms`,
-    which a cost profile has no field for (its prefill estimates are high by at most that much per
-    step). Tier loads cost nothing, as the simulator takes KV loaded from a node's own tiers to be as
-    good as cached (`eval.sim.cluster`)."""
+def engine_cost_profile(
+    engine: EngineModel,
+    *,
+    kv_bytes_per_token: int,
+    tier_load_ms_per_token: TierLoadCosts,
+    default_link: LinkCost,
+    links: tuple[NodeLink, ...] = (),
+    measured_at_unix_s: float = 0.0,
+    host: str = "",
+    model: str = "",
+    source: str = "",
+) -> CostProfile:
+    """A cost profile whose engine figures (overhead, step, prefill, decode, KV capacity) are
+    `engine`'s, the simulator's and the calibration's fitted model alike; the rest as given."""
     return CostProfile(
         request_overhead_ms=engine.request_overhead_ms,
         step_ms=engine.step_ms,
@@ -79,6 +87,25 @@ def sim_cost_profile(engine: EngineModel, link: LinkModel, source: str = "simula
         decode_ms_per_seq=engine.decode_ms_per_seq,
         decode_ms_per_kilotoken=engine.decode_ms_per_kilotoken,
         engine_kv_tokens=engine.kv_blocks * engine.block_size,
+        kv_bytes_per_token=kv_bytes_per_token,
+        tier_load_ms_per_token=tier_load_ms_per_token,
+        default_link=default_link,
+        links=links,
+        measured_at_unix_s=measured_at_unix_s,
+        host=host,
+        model=model,
+        source=source,
+    )
+
+
+def sim_cost_profile(engine: EngineModel, link: LinkModel, source: str = "simulator") -> CostProfile:
+    """The cost profile of a simulated cluster, which the `symphony` policy routes it by: the
+    simulator's own engine and link, so the profile is exact there but for `prefill_overlap_ms`,
+    which a cost profile has no field for (its prefill estimates are high by at most that much per
+    step). Tier loads cost nothing, as the simulator takes KV loaded from a node's own tiers to be as
+    good as cached (`eval.sim.cluster`)."""
+    return engine_cost_profile(
+        engine,
         kv_bytes_per_token=link.kv_bytes_per_token,
         tier_load_ms_per_token=TierLoadCosts(engine=0.0, hbm=0.0, dram=0.0, ssd=0.0),
         default_link=LinkCost(rtt_ms=link.rtt_ms, bandwidth_gbps=link.bandwidth_gbps),
