@@ -6,9 +6,8 @@ manager (ZMQ PUB serves both) and reads the node's own counts of the same events
 
 from __future__ import annotations
 
-import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -22,33 +21,11 @@ from symphony.rpc import node_pb2, node_pb2_grpc
 from symphony.tenancy import engine_cache_salt
 from tests.e2e.conftest import LiveCluster, reset_engine_cache
 from tests.e2e.kv_support import BLOCK
-from tests.helpers import wait_until
+from tests.helpers import EmitRecorder, wait_until
 
 pytestmark = pytest.mark.e2e
 NODE = 0
 TIMEOUT_S = 60
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._calls: list[tuple[str, list[BlockKey]]] = []
-
-    def __call__(self, kind: str, keys: Sequence[BlockKey]) -> None:
-        with self._lock:
-            self._calls.append((kind, list(keys)))
-
-    @property
-    def calls(self) -> list[tuple[str, list[BlockKey]]]:
-        with self._lock:
-            return list(self._calls)
-
-    def keys(self, kind: str) -> list[BlockKey]:
-        return [key for k, keys in self.calls if k == kind for key in keys]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._calls.clear()
 
 
 def node_fingerprint(cluster: LiveCluster) -> ModelFingerprint:
@@ -63,12 +40,12 @@ def tenant() -> str:
 
 
 @pytest.fixture
-def recorder() -> Recorder:
-    return Recorder()
+def recorder() -> EmitRecorder:
+    return EmitRecorder()
 
 
 @pytest.fixture
-def subscriber(live_cluster: LiveCluster, tenant: str, recorder: Recorder) -> Iterator[EngineEventSubscriber]:
+def subscriber(live_cluster: LiveCluster, tenant: str, recorder: EmitRecorder) -> Iterator[EngineEventSubscriber]:
     config = load_config(live_cluster.home / "symphony.toml", env={})
     sub = EngineEventSubscriber(
         config.engine_events_endpoint(NODE),
@@ -104,7 +81,7 @@ def complete(engine_url: str, model: str, prompt: str, tenant: str) -> dict[str,
 
 
 def test_the_engines_prefix_cache_is_reported_as_the_tenants_block_keys(
-    live_cluster: LiveCluster, subscriber: EngineEventSubscriber, tenant: str, recorder: Recorder
+    live_cluster: LiveCluster, subscriber: EngineEventSubscriber, tenant: str, recorder: EmitRecorder
 ) -> None:
     engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[NODE]}"
 

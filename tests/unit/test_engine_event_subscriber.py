@@ -28,32 +28,11 @@ from symphony.config import load_config
 from symphony.kv_addressing import BlockKey, chain_block_keys
 from symphony.kv_geometry import smollm2_geometry
 from symphony.tenancy import engine_cache_salt
-from tests.helpers import TEST_MODEL, wait_until
+from tests.helpers import TEST_MODEL, EmitRecorder, wait_until
 
 BS = 32
 TIMEOUT_S = 10
 _ids = itertools.count()
-
-
-class Recorder:
-    """An emit that keeps what it got; thread-safe (the subscriber's thread calls it)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._calls: list[tuple[str, list[BlockKey]]] = []
-
-    def __call__(self, kind: str, keys: Sequence[BlockKey]) -> None:
-        with self._lock:
-            self._calls.append((kind, list(keys)))
-
-    @property
-    def calls(self) -> list[tuple[str, list[BlockKey]]]:
-        with self._lock:
-            return list(self._calls)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._calls.clear()
 
 
 class NoSessions:
@@ -101,7 +80,7 @@ def publish_until(pub: vllm_events.EventPublisher, event: vllm_events.KVCacheEve
     wait_until(sent_and_done, TIMEOUT_S, "the subscriber to receive the publisher's batches", interval_s=0.02)
 
 
-def handshake(pub: vllm_events.EventPublisher, recorder: Recorder) -> None:
+def handshake(pub: vllm_events.EventPublisher, recorder: EmitRecorder) -> None:
     """Publish until the subscriber receives, then a marker, and forget what it emitted once the
     marker is in (ZMQ keeps one connection's order: nothing sent before it comes later)."""
     recorder.clear()
@@ -123,8 +102,8 @@ def registry() -> CollectorRegistry:
 
 
 @pytest.fixture
-def recorder() -> Recorder:
-    return Recorder()
+def recorder() -> EmitRecorder:
+    return EmitRecorder()
 
 
 StartSubscriber = Callable[[Emit], EngineEventSubscriber]
@@ -166,7 +145,7 @@ def test_vllm_accepts_the_ipc_endpoint_and_binds_it_unchanged(endpoint: str) -> 
 
 
 def test_blocks_published_by_vllm_reach_emit_as_block_keys(
-    endpoint: str, start_subscriber: StartSubscriber, recorder: Recorder, registry: CollectorRegistry
+    endpoint: str, start_subscriber: StartSubscriber, recorder: EmitRecorder, registry: CollectorRegistry
 ) -> None:
     start_subscriber(recorder)
     pub = publisher(endpoint)
@@ -184,7 +163,7 @@ def test_blocks_published_by_vllm_reach_emit_as_block_keys(
 
 
 def test_an_engine_lost_clears_and_its_successor_is_followed_from_its_first_batches(
-    endpoint: str, start_subscriber: StartSubscriber, recorder: Recorder, registry: CollectorRegistry
+    endpoint: str, start_subscriber: StartSubscriber, recorder: EmitRecorder, registry: CollectorRegistry
 ) -> None:
     subscriber = start_subscriber(recorder)
     first = publisher(endpoint)
@@ -211,7 +190,7 @@ def test_an_engine_lost_clears_and_its_successor_is_followed_from_its_first_batc
 
 
 def test_an_emit_that_raises_resynchronises_the_view_and_the_thread_goes_on(
-    endpoint: str, start_subscriber: StartSubscriber, recorder: Recorder, registry: CollectorRegistry
+    endpoint: str, start_subscriber: StartSubscriber, recorder: EmitRecorder, registry: CollectorRegistry
 ) -> None:
     failures = iter([True])
     armed = threading.Event()
@@ -236,7 +215,9 @@ def test_an_emit_that_raises_resynchronises_the_view_and_the_thread_goes_on(
         pub.shutdown()
 
 
-def test_stop_acts_on_a_pending_loss_and_ends_the_thread(start_subscriber: StartSubscriber, recorder: Recorder) -> None:
+def test_stop_acts_on_a_pending_loss_and_ends_the_thread(
+    start_subscriber: StartSubscriber, recorder: EmitRecorder
+) -> None:
     subscriber = start_subscriber(recorder)
     assert subscriber.connected.wait(TIMEOUT_S)
     subscriber.engine_lost("engine_stopped")
@@ -268,9 +249,9 @@ def test_the_nodes_subscriber_follows_the_config() -> None:
     config = load_config(
         env={}, overrides={"scheduler": {"api_keys": ["acme:k1", "globex:k2", "acme:k3"]}, "engine": {"block_size": 64}}
     )
-    sub = engine_block_events(config, 1, TEST_MODEL, geometry, NoSessions(), Recorder())
+    sub = engine_block_events(config, 1, TEST_MODEL, geometry, NoSessions(), EmitRecorder())
     assert sub is not None and sub.endpoint == config.engine_events_endpoint(1)
     assert configured_tenants(config) == ["default", "acme", "globex"]
     for off in ({"kv_events": False}, {"enabled": False}):
         config = load_config(env={}, overrides={"engine": off})
-        assert engine_block_events(config, 0, TEST_MODEL, geometry, NoSessions(), Recorder()) is None
+        assert engine_block_events(config, 0, TEST_MODEL, geometry, NoSessions(), EmitRecorder()) is None
