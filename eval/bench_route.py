@@ -34,6 +34,7 @@ import sys
 import time
 import tracemalloc
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,9 @@ def _decide(
         tenant, key[1], "model", "normal", history, kv_tokens, text if policy.traits.needs_routing_text else ""
     )
     if locating is not None and ids is not None:
-        request = locating.fleet.locate(locating.locator, request, ids, nodes, traffic.streams.block_size)
+        request = locating.fleet.locate(
+            locating.locator, request, ids, nodes, traffic.streams.block_size, partial(_copies, table, tenant)
+        )
     decision = policy.choose(request, nodes)
     node_id = decision.node_id
     if node_id is None:  # selective pushing held it: the dispatcher would queue it; route it unqueued
@@ -202,6 +205,12 @@ def _decide(
     policy.observe(request, node_id)
     table.served(key, node_id, history, fingerprint=FINGERPRINT)
     return node_id, request
+
+
+def _copies(table: SessionTable, tenant: str, session_id: str) -> dict[str, int]:
+    """A session's copies as the dispatcher's session table gives them (`SchedulerState.session_copies`)."""
+    entry = table.get((tenant, session_id))
+    return dict(entry.kv_tokens) if entry is not None else {}
 
 
 def _served(locating: _Locating | None, traffic: _Traffic, session: int, ids: np.ndarray | None, node: str) -> None:
@@ -224,7 +233,7 @@ def measure_policy(
     table = SessionTable(config.max_sessions, ttl_s=86_400.0)
     locating = None
     if fleet is not None and policy.traits.locates_kv:
-        locating = _Locating(fleet, fleet.locator(config.tokenizer_cache_sessions))
+        locating = _Locating(fleet, fleet.locator(config.tokenizer_cache_sessions, config.prefix_donor_blocks))
     nodes = traffic.snapshots(rng)
     turns = [0] * workload.sessions
     for session in range(workload.sessions):

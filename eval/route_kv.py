@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +33,7 @@ from tqdm import tqdm
 from node_manager.kv.block_events import TIER_ENGINE, BlockEventSettings, EventBatch
 from node_manager.kv.block_watch import StreamHeader, chunk_snapshot, to_proto
 from scheduler.kv_index import ClusterKVIndex, Outcome
-from scheduler.kv_locator import KVLocator, with_located
+from scheduler.kv_locator import KVLocator, with_donor, with_located
 from scheduler.kv_watch import to_batch
 from scheduler.routing import NodeSnapshot, RouteRequest
 from symphony.kv_addressing import BlockKey, ModelFingerprint, keys_after
@@ -154,15 +154,21 @@ class FleetIndex:
         self.live_batches = 0
 
     # -- what the scheduler asks (SchedulerState.kv_holders, kv_synced) ----------------------------
-    def locator(self, max_sessions: int) -> KVLocator:
-        return KVLocator(self.index.prefix, self.index.synced, max_sessions)
+    def locator(self, max_sessions: int, max_donor_blocks: int) -> KVLocator:
+        return KVLocator(self.index.prefix, self.index.synced, max_sessions, max_donor_blocks)
 
     @staticmethod
     def locate(
-        locator: KVLocator, request: RouteRequest, ids: np.ndarray, nodes: Sequence[NodeSnapshot], block_size: int
+        locator: KVLocator,
+        request: RouteRequest,
+        ids: np.ndarray,
+        nodes: Sequence[NodeSnapshot],
+        block_size: int,
+        copies_of: Callable[[str], Mapping[str, int]],
     ) -> RouteRequest:
         """`RequestLocator.locate` once the request's token ids are known: per available node, the
-        prefix the index says it holds."""
+        prefix the index says it holds, and the session a pull of a shared prefix would name
+        (`copies_of(session id)`: the session table's copies of it)."""
         located = locator.locate(
             request.tenant,
             request.session_id,
@@ -172,7 +178,7 @@ class FleetIndex:
             [n.node_id for n in nodes if n.available],
             request.kv_tokens,
         )
-        return with_located(request, located)
+        return with_donor(with_located(request, located), located, copies_of)
 
     # -- what the nodes send ----------------------------------------------------------------------
     def populate(self, progress: tqdm | None = None) -> Population:

@@ -118,9 +118,10 @@ class PullRule:
         node_id: str,
         usable: Callable[[str], bool] = lambda _node: True,
     ) -> Pull | None:
-        """The pull a request routed to `node_id` waits for, if any. `kv_tokens`: node -> history
-        tokens of the session it holds; `usable`: whether a node's copy may be pulled (reachable,
-        same model). Only policies that move KV on advisories pull."""
+        """The pull a request routed to `node_id` waits for, if any. `kv_tokens`: node -> tokens of the
+        prompt's prefix a pull from it brings (the session's own history there, or a donor's copy of
+        a shared prefix; for `node_id`, what it holds already); `usable`: whether a node's copy may
+        be pulled (reachable, same model). Only policies that move KV on advisories pull."""
         if not traits.prefetch_on_advisory or self.wait_ms <= 0:
             return None
         source = kv_source(kv_tokens, node_id, self.min_tokens, usable)

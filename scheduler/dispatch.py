@@ -8,7 +8,6 @@ of one local HTTP hop.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections import OrderedDict
@@ -28,7 +27,7 @@ from scheduler.prefetcher import MoveState, Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
 from scheduler.push_queue import PushQueue
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
-from scheduler.routing import NodeSnapshot, RouteRequest, RoutingPolicy, kv_source, prefill_work
+from scheduler.routing import NOTHING_HELD, NodeSnapshot, RouteRequest, RoutingPolicy, kv_source, prefill_work
 from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
@@ -330,8 +329,7 @@ class Dispatcher:
                 if not last_error:
                     raise
                 break
-            if key is not None:
-                await self._pull_for_request(key, route_request, route.node.node_id)
+            await self._pull_for_request(key, route_request, route.node.node_id)
             advised_node = None  # an advisory binds the first attempt only
             tried.add(route.node.node_id)
             # Recorded as the request goes out, not when a plain answer comes back: the session's
@@ -368,26 +366,35 @@ class Dispatcher:
             return reply
         raise ApiError(503, f"the engine could not be reached ({last_error}); retry shortly", code="engine_unreachable")
 
-    async def _pull_for_request(self, key: SessionKey, request: RouteRequest, node_id: str) -> None:
+    async def _pull_for_request(self, key: SessionKey | None, request: RouteRequest, node_id: str) -> None:
         """Wait for the pull `self.pulls` plans for a request routed to `node_id` (from a reachable node
-        serving the same model); the node joins a pull of the session already running
-        (`PeerPuller.pull`). A pull that fails or runs late costs only the wait: the engine
-        recomputes whatever did not arrive, which costs far more than pulling it
-        (docs/design-notes.md#route-pull)."""
-        copies = self._same_model_copies(request.kv_tokens, node_id)
-        pull = self.pulls.plan(self.policy.traits, copies, node_id, self._reachable)
-        if pull is None:
-            return
-        address, wait_ms = self._node(pull.source).address, int(pull.wait_ms)
-        prefetch = self.prefetcher.start(key, node_id, address, wait_ms, request.priority, pull.tokens, target="dram")
-        if prefetch is None or prefetch.task is None:
-            self.metrics.route_pulls.labels("not_started").inc()
-            return
-        # Shielded: a pull still running when the wait ends carries on (the pages may land before
-        # the engine's prefill reaches those blocks); its follower ends it by its deadline.
-        done, _ = await asyncio.wait({asyncio.shield(prefetch.task)}, timeout=wait_ms / 1000)
-        outcome = "late" if not done else "ready" if prefetch.state in ("done", "partial") else "failed"
-        self.metrics.route_pulls.labels(outcome).inc()
+        of the same model): of the session's own history, or of another session's copy of its shared
+        prefix (`RouteRequest.prefix_donor`), whichever brings more; the node joins a running pull of
+        the same session (`PeerPuller.pull`). A failed or late pull costs only the wait: the engine
+        recomputes what did not arrive, far dearer than pulling it (docs/design-notes.md#route-pull)."""
+        own = shared = None
+        if key is not None:
+            copies = self._same_model_copies(request.kv_tokens, node_id)
+            own = self.pulls.plan(self.policy.traits, copies, node_id, self._reachable)
+        donor = request.prefix_donor
+        if donor is not None:
+            copies = self._same_model_copies(request.prefix_copies, node_id)
+            # What the node holds of the prompt already, by content: a pull must bring more than that.
+            copies[node_id] = max(copies.get(node_id, 0), request.holdings().get(node_id, NOTHING_HELD).total)
+            shared = self.pulls.plan(self.policy.traits, copies, node_id, self._reachable)
+        if shared is not None and (own is None or shared.tokens > own.tokens):
+            # Only the shared prefix: the donor's own history may go on far past it.
+            blocks = shared.tokens // max(1, self._node(node_id).block_size)
+            address = self._node(shared.source).address
+            pulled = await self.prefetcher.pull(
+                (request.tenant, str(donor)), node_id, address, shared, request.priority, blocks
+            )
+            self.metrics.prefix_pulls.labels(pulled).inc()
+            if pulled == "failed" and self.locator is not None:
+                self.locator.kv.donor_failed(str(donor))  # the next request of the prefix names itself
+        elif own is not None and key is not None:
+            pulled = await self.prefetcher.pull(key, node_id, self._node(own.source).address, own, request.priority)
+            self.metrics.route_pulls.labels(pulled).inc()
 
     def _check_inflight(self) -> None:
         if self.inflight_total >= self.config.max_inflight_requests:

@@ -14,7 +14,14 @@ after a restart), an engine's `/tokenize` gives the ids (`scheduler.engine_token
 never fails a request.
 
 The block keys of a session's last prompt are kept (bounded LRU by sessions), so a turn that extends
-its history hashes only its new blocks. State is owned by the event loop's thread.
+its history hashes only its new blocks.
+
+Each block key also names a donor: a session whose prompt had it (bounded LRU by blocks,
+`max_donor_blocks`). A node serves pages by session, so another session's copy of a shared prefix
+moves between nodes only under its donor's name (`RouteRequest.prefix_donor`). The first session to
+have a block stays its donor, its turn long finished when later ones ask, until it can give nothing:
+no node has its copy any more (`RequestLocator`), or a pull of it failed (`donor_failed`); then the
+next request with the block becomes its donor. State is owned by the event loop's thread.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ from scheduler.tokens import TokenService
 from symphony.kv_addressing import BlockKey, ModelFingerprint, keys_after
 
 SessionKey = tuple[str, str]
+_MAX_FAILED_DONORS = 1024
+# (tenant, session id, model fingerprint) -> node id -> the session's history tokens there, for
+# copies of that model only (the session table's `kv_tokens`).
+SessionCopies = Callable[[str, str, bytes], Mapping[str, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +58,11 @@ class Located:
     prompt_tokens: int = 0
     held: Mapping[str, HeldPrefix] | None = None
     source: str = "hints"  # "index": some node was priced from the index; "hints": none was
+    # Another session whose prompt had the longest prefix the index found (None: none known), that
+    # prefix in tokens, and the key of its last block (what names the donor).
+    donor: str | None = None
+    donor_tokens: int = 0
+    donor_key: BlockKey | None = None
 
 
 NOT_LOCATED = Located()
@@ -80,17 +96,45 @@ class KVLocator:
         prefix: Callable[[Sequence[BlockKey]], Mapping[str, NodePrefix]],
         synced: Callable[[str], bool],
         max_sessions: int,
+        max_donor_blocks: int = 262_144,
     ) -> None:
-        if max_sessions <= 0:
-            raise ValueError("max_sessions must be positive")
+        if max_sessions <= 0 or max_donor_blocks <= 0:
+            raise ValueError("max_sessions and max_donor_blocks must be positive")
         self._prefix = prefix
         self._synced = synced
         self._max_sessions = max_sessions
+        self._max_donor_blocks = max_donor_blocks
         self._sessions: OrderedDict[SessionKey, _SessionKeys] = OrderedDict()
+        # Block key -> the session id of its donor (the key's chain names the tenant).
+        self._donors: OrderedDict[BlockKey, str] = OrderedDict()
+        # Donors a pull of which failed lately (bounded; oldest out): replaced when next asked for.
+        self._failed: OrderedDict[str, None] = OrderedDict()
         self.keys_hashed = 0  # blocks hashed so far (the rest came from a session's previous turn)
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    @property
+    def donor_blocks(self) -> int:
+        """Block keys with a donor session recorded."""
+        return len(self._donors)
+
+    def donor(self, key: BlockKey) -> str | None:
+        """The donor of the block `key` (None: none recorded, or forgotten)."""
+        return self._donors.get(key)
+
+    def set_donor(self, key: BlockKey, session_id: str) -> None:
+        """`session_id` becomes the donor of `key` (its donor could give nothing)."""
+        self._donors[key] = session_id
+        self._donors.move_to_end(key)
+
+    def donor_failed(self, session_id: str) -> None:
+        """A pull under `session_id`'s name failed (the node that had its copy evicted it, or forgot
+        the session): the next request asking for a block it is the donor of replaces it."""
+        self._failed[session_id] = None
+        self._failed.move_to_end(session_id)
+        while len(self._failed) > _MAX_FAILED_DONORS:
+            self._failed.popitem(last=False)
 
     def block_keys(
         self,
@@ -101,7 +145,17 @@ class KVLocator:
         block_size: int,
     ) -> list[BlockKey]:
         """The keys of the full blocks of `ids` (a '<u4' array) under `model` and `tenant`: those the
-        session's previous prompt shares are reused, the rest hashed."""
+        session's previous prompt shares are reused, the rest hashed. The session becomes the donor
+        of the blocks hashed."""
+        keys, new = self._keys(tenant, session_id, ids, model, block_size)
+        if session_id is not None:
+            self._record_donor(session_id, new)
+        return keys
+
+    def _keys(
+        self, tenant: str, session_id: str | None, ids: np.ndarray, model: ModelFingerprint, block_size: int
+    ) -> tuple[list[BlockKey], list[BlockKey]]:
+        """(`block_keys`, those of them hashed now); the session's prompt is kept for its next turn."""
         session = (tenant, session_id) if session_id is not None else None
         known: list[BlockKey] = []
         previous = self._sessions.get(session) if session is not None else None
@@ -118,7 +172,18 @@ class KVLocator:
             self._sessions.move_to_end(session)
             while len(self._sessions) > self._max_sessions:
                 self._sessions.popitem(last=False)
-        return keys
+        return keys, new
+
+    def _record_donor(self, session_id: str, new: Sequence[BlockKey]) -> None:
+        """`session_id`'s prompt has the blocks `new` (those hashed for it: the ones reused are its own
+        from its previous turn, recorded then): it becomes the donor of those that have none, and
+        every one of them counts as used (least recently used out)."""
+        donors = self._donors
+        for key in new:
+            donors.setdefault(key, session_id)
+            donors.move_to_end(key)
+        while len(donors) > self._max_donor_blocks:
+            donors.popitem(last=False)
 
     def locate(
         self,
@@ -134,12 +199,13 @@ class KVLocator:
         hint (`kv_tokens`, node -> tokens). Without ids, a fingerprint or a block size: the hints."""
         if ids is None or model is None or block_size <= 0:
             return NOT_LOCATED
-        keys = self.block_keys(tenant, session_id, ids, model, block_size)
+        keys, new = self._keys(tenant, session_id, ids, model, block_size)
         from_index = self._prefix(keys) if keys else {}
         hints = hints_as_held(kv_tokens)
         held: dict[str, HeldPrefix] = {}
         converted: dict[NodePrefix, HeldPrefix] = {}  # nodes holding the same prefix (a system prompt's)
         indexed = False
+        longest = 0  # blocks: the longest prefix the index found on a node
         for node in nodes:
             if self._synced(node):
                 indexed = True
@@ -149,9 +215,22 @@ class KVLocator:
                     if tokens is None:
                         tokens = converted[prefix] = held_from_index(prefix, block_size)
                     held[node] = tokens
+                    longest = max(longest, prefix.blocks)
             elif node in hints:
                 held[node] = hints[node]
-        return Located(len(ids), held, "index" if indexed else "hints")
+        donor_key = keys[longest - 1] if longest else None
+        donor = self._donors.get(donor_key) if donor_key is not None else None
+        if donor is not None and donor in self._failed:
+            del self._donors[keys[longest - 1]]
+            donor = None  # this request's session takes its place (below)
+        if donor == session_id:
+            donor = None  # the session's own copies are the session table's (`kv_tokens`)
+        if session_id is not None:
+            self._record_donor(session_id, new)  # after the lookup: a session is no donor of itself
+        source = "index" if indexed else "hints"
+        if donor is None:
+            return Located(len(ids), held, source)
+        return Located(len(ids), held, source, donor, longest * block_size, donor_key)
 
 
 class RequestLocator:
@@ -167,12 +246,14 @@ class RequestLocator:
         cluster: NodeMonitor,
         metrics: SchedulerMetrics,
         engine_timeout_s: float = 1.0,
+        session_copies: SessionCopies = lambda _tenant, _session, _fingerprint: {},
     ) -> None:
         self.tokens = tokens
         self.engine_timeout_s = engine_timeout_s  # an engine's /tokenize, while the tokenizer loads
         self.kv = kv
         self.cluster = cluster
         self.metrics = metrics
+        self.session_copies = session_copies  # where a donor session's KV is (the session table)
 
     async def locate(self, request: RouteRequest, body: Mapping[str, Any]) -> RouteRequest:
         now = time.monotonic()
@@ -200,7 +281,15 @@ class RequestLocator:
             request.kv_tokens,
         )
         self.metrics.kv_located.labels(located.source if located.held is not None else "no_ids").inc()
-        return with_located(request, located)
+        fingerprint = first.model_fingerprint
+        routed = with_donor(
+            with_located(request, located),
+            located,
+            lambda donor: self.session_copies(request.tenant, donor, fingerprint),
+        )
+        if located.donor_key is not None and routed.prefix_donor is None and request.session_id is not None:
+            self.kv.set_donor(located.donor_key, request.session_id)  # no node has the donor's copy now
+        return routed
 
     async def _engine_ids(self, model: str, body: Mapping[str, Any]) -> np.ndarray | None:
         """The ids from an engine's `/tokenize` (`scheduler.engine_tokens`), while the scheduler's
@@ -209,6 +298,33 @@ class RequestLocator:
         ids = None if node is None else await engine_token_ids(node.engine_url, model, body, self.engine_timeout_s)
         self.metrics.token_ids_from_engine.labels("ok" if ids is not None else "none").inc()
         return ids
+
+
+def donor_copies(held: Mapping[str, HeldPrefix], prefix_tokens: int, copies: Mapping[str, int]) -> dict[str, int]:
+    """Node id -> the tokens of a request's shared prefix (`prefix_tokens`) that a pull of the donor
+    session from that node brings: the donor's copy there (`copies`, its session table entry), no
+    more than the node holds of the prompt (`held`; a node holding none of it has lost the donor's
+    copy, or never had it)."""
+    found = {}
+    for node, tokens in copies.items():
+        here = held.get(node)
+        if here is not None:
+            movable = min(tokens, prefix_tokens, here.total)
+            if movable > 0:
+                found[node] = movable
+    return found
+
+
+def with_donor(request: RouteRequest, located: Located, copies_of: Callable[[str], Mapping[str, int]]) -> RouteRequest:
+    """`request` with the donor session `located` found and what a pull of it brings from each node
+    (`donor_copies`; `copies_of(session id)`: node -> its history tokens there, same model only);
+    unchanged when there is no donor or no node has its copy any more."""
+    if located.donor is None or located.held is None:
+        return request
+    copies = donor_copies(located.held, located.donor_tokens, copies_of(located.donor))
+    if not copies:
+        return request
+    return dataclasses.replace(request, prefix_donor=located.donor, prefix_copies=copies)
 
 
 def with_located(request: RouteRequest, located: Located) -> RouteRequest:

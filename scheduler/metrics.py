@@ -77,6 +77,14 @@ class SchedulerMetrics:
             ["outcome"],
             registry=r,
         )
+        self.prefix_pulls = Counter(
+            "symphony_route_prefix_pulls",
+            "Requests routed to a node lacking their prompt's shared prefix (a system prompt) that "
+            "another node holds, whose copy was pulled over first under the name of a session "
+            "that has it: ready, late, failed, not_started (as symphony_route_pulls)",
+            ["outcome"],
+            registry=r,
+        )
         self.priority_requests = Counter(
             "symphony_priority_requests", "Requests dispatched, by priority tier", ["priority"], registry=r
         )

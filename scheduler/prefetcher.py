@@ -17,6 +17,7 @@ from typing import Literal
 
 import grpc
 
+from scheduler.decisions import Pull
 from scheduler.metrics import SchedulerMetrics
 from scheduler.sessions import SessionKey
 from symphony.logs import get_logger
@@ -102,12 +103,14 @@ class Prefetcher:
         priority: Priority,
         history_tokens: int,
         target: Literal["hbm", "dram"] = "hbm",
+        max_blocks: int = 0,
     ) -> Prefetch | None:
         """Ask `node_id` to bring the session's KV into its `target` tier (pulling what it lacks from
         the node manager at `source_address`, if given) by `deadline_ms` from now. Returns at once.
         "hbm" ends in the engine's own prefix cache (a warm-up pass), for a request still to come;
         "dram" only brings the pages to the node, for a request about to be sent there, whose own
-        prefill loads them."""
+        prefill loads them. `max_blocks` > 0: pull only the session's first blocks (another
+        request's shared prefix)."""
         stub = self._stub_for(node_id)
         if stub is None:
             return None
@@ -121,6 +124,7 @@ class Prefetcher:
             deadline_ms=deadline_ms,
             priority=priority.proto,
             source_peer=source_address,
+            max_blocks=max_blocks,
         )
         if target == "hbm":
             # The salt of the session's next request: the warm-up must land where that request's
@@ -132,6 +136,27 @@ class Prefetcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return prefetch
+
+    async def pull(
+        self,
+        session: SessionKey,
+        node_id: str,
+        source_address: str,
+        pull: Pull,
+        priority: Priority,
+        max_blocks: int = 0,
+    ) -> str:
+        """Have `node_id` pull the session's KV (its first `max_blocks` blocks, if > 0) from the node
+        manager at `source_address` into its DRAM, and wait for it, at most `pull.wait_ms`. How it
+        went: ready (arrived), late (still running: it carries on, and the pages may land before
+        the engine's prefill reaches those blocks; its follower ends it by its deadline), failed, or
+        not_started (no follow slot)."""
+        wait_ms = int(pull.wait_ms)
+        prefetch = self.start(session, node_id, source_address, wait_ms, priority, pull.tokens, "dram", max_blocks)
+        if prefetch is None or prefetch.task is None:
+            return "not_started"
+        done, _ = await asyncio.wait({asyncio.shield(prefetch.task)}, timeout=wait_ms / 1000)
+        return "late" if not done else "ready" if prefetch.state in ("done", "partial") else "failed"
 
     async def _follow(self, stub: kv_pb2_grpc.KVStoreStub, request: kv_pb2.PrefetchRequest, prefetch: Prefetch) -> None:
         try:

@@ -127,6 +127,13 @@ class RouteRequest:
     # index, or a node's hint where the index is not current for it); a node absent holds none.
     # None: not located, the session table's `kv_tokens` stand in for every node (`hints_as_held`).
     held: Mapping[str, HeldPrefix] | None = None
+    # Another session of the tenant whose history starts with this prompt's longest held prefix
+    # (`scheduler.kv_locator`: a shared system prompt), and node id -> the tokens of this prompt's
+    # prefix a pull of that session's first blocks from the node brings. A pull fetches a session's
+    # pages by name, so another session's prefix moves between nodes only under its donor's name;
+    # None: none known.
+    prefix_donor: str | None = None
+    prefix_copies: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def prompt_size(self) -> int:
@@ -137,6 +144,17 @@ class RouteRequest:
         """Node id -> the prompt's prefix it holds: the KV index's when given, else the table's hints."""
         return self.held if self.held is not None else hints_as_held(self.kv_tokens)
 
+    def movable(self) -> Mapping[str, int]:
+        """Node id -> the tokens of the prompt's prefix a pull from that node brings: the session's
+        own history there (`kv_tokens`) or its donor's copy of the prefix (`prefix_copies`), the longer."""
+        if not self.prefix_copies:
+            return self.kv_tokens
+        merged = dict(self.kv_tokens)
+        for node, tokens in self.prefix_copies.items():
+            if tokens > merged.get(node, 0):
+                merged[node] = tokens
+        return merged
+
 
 def prefill_work(request: RouteRequest, node_id: str, pulls: bool) -> PrefillWork:
     """The prefill `node_id` runs for `request`: the prompt but the prefix it holds, or, where the
@@ -144,8 +162,9 @@ def prefill_work(request: RouteRequest, node_id: str, pulls: bool) -> PrefillWor
     token, which an engine always computes. An estimate, as the holdings are."""
     held = request.holdings()
     covered = held.get(node_id, NOTHING_HELD).total
-    if pulls and held:  # a pull brings the session's own copy (`kv_tokens`), never another session's
-        covered = max(covered, max(min(h.total, request.kv_tokens.get(n, 0)) for n, h in held.items()))
+    if pulls and held:  # a pull brings what `movable` names: the session's own copy or its donor's
+        movable = request.movable()
+        covered = max(covered, max(min(h.total, movable.get(n, 0)) for n, h in held.items()))
     prompt = max(1, request.prompt_size)
     computed = max(1, prompt - covered)
     return PrefillWork(computed, computed * (prompt - computed / 2))

@@ -80,10 +80,11 @@ class SchedulerState:
         )
         self.locator = RequestLocator(
             self.tokens,
-            KVLocator(self.kv_holders, self.kv_synced, sc.tokenizer_cache_sessions),
+            KVLocator(self.kv_holders, self.kv_synced, sc.tokenizer_cache_sessions, sc.prefix_donor_blocks),
             self.cluster,
             self.metrics,
             engine_timeout_s=sc.tokenize_timeout_ms / 1000,
+            session_copies=self.session_copies,
         )
         self.dispatcher = Dispatcher(
             self.cluster,
@@ -106,6 +107,14 @@ class SchedulerState:
         """`kv_prefix` for every node the index knows, current or not (callers check `kv_synced`;
         the locator does, node by node, so filtering here would ask every node twice)."""
         return self.kv_index.prefix(keys) if self.kv_index is not None else {}
+
+    def session_copies(self, tenant: str, session_id: str, fingerprint: bytes) -> dict[str, int]:
+        """Node id -> the session's history tokens there, as the session table knows them, when they
+        are KV of the model `fingerprint` names ({} otherwise, or for a session it does not know)."""
+        entry = self.sessions.get((tenant, session_id))
+        if entry is None or entry.fingerprint != fingerprint:
+            return {}
+        return dict(entry.kv_tokens)
 
     def kv_synced(self, node_id: str) -> bool:
         """Whether the index is current for the node; False: use the session table's hints for it."""

@@ -250,6 +250,7 @@ def _validate(config: SymphonyConfig) -> None:
         "kv_watch_backoff_max_ms",
         "tokenizer_cache_sessions",
         "tokenizer_cache_tokens",
+        "prefix_donor_blocks",
         "tokenize_timeout_ms",
         "cost_profile_max_age_days",
     ):

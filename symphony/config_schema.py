@@ -76,6 +76,9 @@ class SchedulerConfig:
     tokenizers: list[str] = field(default_factory=list)  # other served models': "served_name=path" each
     tokenizer_cache_sessions: int = 10_000  # sessions whose last prompt is kept to tokenize the next from
     tokenizer_cache_tokens: int = 4_000_000  # token ids kept for them in all (least recently used out)
+    # Block keys whose donor session is kept (least recently used out, ~150-200 bytes each): a shared
+    # prefix moves between nodes only under the name of a session that has it (scheduler/kv_locator.py).
+    prefix_donor_blocks: int = 262_144
     tokenize_timeout_ms: int = 1000  # a request not tokenized by then gets no token ids
     # The cost profile the `symphony` policy prices routes with (JSON, `symphony bench calibrate`
     # writes it); empty: <home>/cost-profile.json. Missing, implausible or stale: built-in defaults.

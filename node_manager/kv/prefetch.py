@@ -62,8 +62,8 @@ class PullOutcome:
     error: str = ""
 
 
-# (tenant, session id, peer address) -> what arrived from the peer
-Puller = Callable[[str, str, str], Awaitable[PullOutcome]]
+# (tenant, session id, peer address, at most this many leading blocks or 0: all) -> what arrived
+Puller = Callable[[str, str, str, int], Awaitable[PullOutcome]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +85,7 @@ class PrefetchJob:
     priority: Priority
     source_peer: str = ""
     engine_salt: str = ""  # the cache_salt of the session's next request, for the engine's prefix cache
+    max_blocks: int = 0  # pull at most the session's first this many blocks from source_peer; 0: all
     state: PrefetchState = QUEUED
     pages_in_target: int = 0
     pages_failed: int = 0
@@ -141,10 +142,14 @@ class PrefetchQueue:
         priority: Priority,
         source_peer: str = "",
         engine_salt: str = "",
+        max_blocks: int = 0,
     ) -> PrefetchJob:
-        """Queue a prefetch (or return the session's active one to `target`, whose engine salt stays)."""
+        """Queue a prefetch (or return the session's active one to `target`, whose engine salt stays;
+        one still queued widens to the blocks asked for now)."""
         existing = self._active.get((session, target))
         if existing is not None:
+            if existing.state == QUEUED and existing.max_blocks:
+                existing.max_blocks = max(existing.max_blocks, max_blocks) if max_blocks else 0
             deadline = time.monotonic() + deadline_s
             if existing.state == QUEUED and (deadline, -int(priority)) < existing.order_key():
                 existing.deadline = min(existing.deadline, deadline)
@@ -154,7 +159,14 @@ class PrefetchQueue:
         if len(self._active) >= self._max_pending:
             raise PrefetchQueueFull(f"{len(self._active)} prefetches pending (kv.max_pending_prefetches)")
         job = PrefetchJob(
-            uuid.uuid4().hex, session, target, time.monotonic() + deadline_s, priority, source_peer, engine_salt
+            uuid.uuid4().hex,
+            session,
+            target,
+            time.monotonic() + deadline_s,
+            priority,
+            source_peer,
+            engine_salt,
+            max_blocks,
         )
         self._active[(session, target)] = job
         self._jobs[job.id] = job
@@ -216,7 +228,7 @@ class PrefetchQueue:
     async def _run(self, job: PrefetchJob) -> None:
         tenant, session_id = job.session
         if job.source_peer and self._puller is not None:
-            outcome = await self._puller(tenant, session_id, job.source_peer)
+            outcome = await self._puller(tenant, session_id, job.source_peer, job.max_blocks)
             job.pages_from_peer = outcome.pages_received
             if not outcome.complete:
                 job.error = outcome.error

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -26,6 +27,16 @@ from symphony.logs import get_logger
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Pull:
+    """One pull under way: the session, what is asked of it and what came so far."""
+
+    ref: kv_pb2.SessionRef
+    max_blocks: int  # > 0: only the session's first this many blocks
+    reply: kv_pb2.PullReply = field(default_factory=kv_pb2.PullReply)
+    tail: list[kv_pb2.FetchPagesRequest] = field(default_factory=list)  # the peer's partial last block, if wanted
 
 
 class PeerPuller:
@@ -45,7 +56,7 @@ class PeerPuller:
         self._data_ports: dict[str, int] = {}
         # Pulls under way, by (tenant, session, peer): a second pull of the same session from the same
         # peer joins the first. Bounded by the pulls running at once (an entry leaves when it ends).
-        self._running: dict[tuple[str, str, str], asyncio.Task[kv_pb2.PullReply]] = {}
+        self._running: dict[tuple[str, str, str, int], asyncio.Task[kv_pb2.PullReply]] = {}
 
     def _stub(self, peer: str) -> kv_pb2_grpc.KVStoreStub:
         channel = self._channels.get(peer)
@@ -68,35 +79,37 @@ class PeerPuller:
         )
         self._data_ports[peer] = info.data_port
 
-    async def pull(self, tenant: str, session_id: str, peer: str) -> kv_pb2.PullReply:
-        """Fetch every page of the session that no local tier holds, from the first missing block.
+    async def pull(self, tenant: str, session_id: str, peer: str, max_blocks: int = 0) -> kv_pb2.PullReply:
+        """Fetch every page of the session that no local tier holds, from the first missing block (up to
+        block `max_blocks` when > 0: a prefix of the session, which another request shares).
 
         A pull of the same session from the same peer that is already running is joined, not
         repeated: a request that reaches a node while its advisory's move is still pulling the
         history asks for the same pages (the scheduler waits for them, `Dispatcher._pull_for_request`),
         and two pulls would fetch and store every page twice. The joiner gets the running pull's reply."""
-        key = (tenant, session_id, peer)
+        key = (tenant, session_id, peer, max_blocks)
         running = self._running.get(key)
         if running is None or running.done():
-            running = asyncio.create_task(self._pull(tenant, session_id, peer), name=f"kv-pull-{session_id}")
+            running = asyncio.create_task(
+                self._pull(tenant, session_id, peer, max_blocks), name=f"kv-pull-{session_id}"
+            )
             self._running[key] = running
             running.add_done_callback(lambda done: self._forget(key, done))
         # Shielded: one caller going away (a cancelled prefetch) must not stop the pull the other awaits.
         return await asyncio.shield(running)
 
-    def _forget(self, key: tuple[str, str, str], done: asyncio.Task[kv_pb2.PullReply]) -> None:
+    def _forget(self, key: tuple[str, str, str, int], done: asyncio.Task[kv_pb2.PullReply]) -> None:
         if self._running.get(key) is done:
             del self._running[key]
 
-    async def _pull(self, tenant: str, session_id: str, peer: str) -> kv_pb2.PullReply:
-        ref = kv_pb2.SessionRef(tenant=tenant, session_id=session_id)
-        reply = kv_pb2.PullReply()
-        tail: list[kv_pb2.FetchPagesRequest] = []  # the peer's partial last block, if `_plan` wants it
+    async def _pull(self, tenant: str, session_id: str, peer: str, max_blocks: int) -> kv_pb2.PullReply:
+        pull = _Pull(kv_pb2.SessionRef(tenant=tenant, session_id=session_id), max_blocks)
+        reply = pull.reply
         with self._store.write_behind.foreground_transfer():  # the write-behind waits: a request may be waiting on this
-            if not await self._pull_with_session(peer, ref, reply, tail):
-                await self._pull_after_status(peer, ref, reply, tail)
-            if tail and not reply.error:
-                await self._pull_grpc(peer, tail[0], reply)
+            if not await self._pull_with_session(peer, pull):
+                await self._pull_after_status(peer, pull)
+            if pull.tail and not reply.error:
+                await self._pull_grpc(peer, pull.tail[0], reply)
         if reply.pages_expected:
             reply.complete = not reply.error and reply.pages_received == reply.pages_expected
             self._store.metrics.peer_pages.labels("stored").inc(reply.pages_received)
@@ -112,30 +125,29 @@ class PeerPuller:
             )
         return reply
 
-    def _plan(
-        self,
-        ref: kv_pb2.SessionRef,
-        remote: kv_pb2.SessionStatus,
-        reply: kv_pb2.PullReply,
-        tail: list[kv_pb2.FetchPagesRequest],
-    ) -> kv_pb2.FetchPagesRequest | None:
+    def _plan(self, pull: _Pull, remote: kv_pb2.SessionStatus) -> kv_pb2.FetchPagesRequest | None:
         """Register the session as the peer describes it and choose the blocks to fetch: from the
-        first one no local tier holds to the end of what the peer can deliver (None: nothing). The
-        peer's partial last block, when it has one and this node not, goes into `tail` (fetched
-        after the full blocks, over gRPC: the page stream carries whole blocks)."""
+        first one no local tier holds to the end of what the peer can deliver, or to block
+        `pull.max_blocks` when > 0 (None: nothing). The peer's partial last block, when it has one
+        and this node not and no limit stops short of it, goes into `pull.tail` (fetched after the
+        full blocks, over gRPC: the page stream carries whole blocks)."""
+        ref, reply, tail, max_blocks = pull.ref, pull.reply, pull.tail, pull.max_blocks
         tenant, session_id = ref.tenant, ref.session_id
         # Before the session is registered here: another model's token history and pages stay out.
         self._store.check_model(remote.model_fingerprint, "receiver")
         priority = Priority.from_proto(remote.priority)
         record = self._store.sessions.put(tenant, session_id, list(remote.token_ids), priority)
         start = self._store.loadable_prefix_blocks(tenant, session_id)
-        first = min(start, remote.loadable_prefix_blocks)
-        wanted = remote.loadable_prefix_blocks - first
+        deliverable = remote.loadable_prefix_blocks
+        if max_blocks:
+            deliverable = min(deliverable, max_blocks)
+        first = min(start, deliverable)
+        wanted = deliverable - first
         layers = self._store.geometry.num_layers
         reply.pages_expected = wanted * layers
         if (
             remote.loadable_tail_tokens
-            and remote.loadable_prefix_blocks == record.blocks.num_blocks
+            and deliverable == remote.loadable_prefix_blocks == record.blocks.num_blocks
             and self._store.loadable_tail_tokens(tenant, session_id) < remote.loadable_tail_tokens
         ):
             tail.append(
@@ -149,28 +161,27 @@ class PeerPuller:
             )
             reply.pages_expected += layers
         if wanted <= 0:
-            reply.complete = record.blocks.num_blocks <= start and not tail
+            reply.complete = min(record.blocks.num_blocks, max_blocks or record.blocks.num_blocks) <= start and not tail
             return None
         return kv_pb2.FetchPagesRequest(
             session=ref, first_block=first, num_blocks=wanted, model_fingerprint=self._store.model
         )
 
-    async def _pull_with_session(
-        self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply, tail: list[kv_pb2.FetchPagesRequest]
-    ) -> bool:
+    async def _pull_with_session(self, peer: str, pull: _Pull) -> bool:
         """The pull over one page stream connection that first describes the session; False (nothing
         done) if the peer's stream port is unknown or the stream gave no session status."""
         port = self._data_ports.get(peer, 0) if self._use_page_stream else 0
         if not port:
             return False
         planned: list[kv_pb2.FetchPagesRequest] = []
+        reply = pull.reply
 
         def plan(remote: kv_pb2.SessionStatus) -> kv_pb2.FetchPagesRequest | None:
-            request = self._plan(ref, remote, reply, tail)
+            request = self._plan(pull, remote)
             planned.extend([request] if request is not None else [])
             return request
 
-        opening = kv_pb2.FetchPagesRequest(session=ref, with_session=True, model_fingerprint=self._store.model)
+        opening = kv_pb2.FetchPagesRequest(session=pull.ref, with_session=True, model_fingerprint=self._store.model)
         outcome = await self._stream(peer, port, opening, plan)
         if outcome is None or outcome.status is None:
             # Unreachable, busy, or an unknown session: gRPC's status says which (and where the stream is now).
@@ -182,19 +193,18 @@ class PeerPuller:
             reply.error = f"peer {peer}: {outcome.error}"
         return True
 
-    async def _pull_after_status(
-        self, peer: str, ref: kv_pb2.SessionRef, reply: kv_pb2.PullReply, tail: list[kv_pb2.FetchPagesRequest]
-    ) -> None:
+    async def _pull_after_status(self, peer: str, pull: _Pull) -> None:
+        reply = pull.reply
         try:
             remote = await self._stub(peer).GetSessionStatus(
-                kv_pb2.SessionStatusRequest(session=ref, include_token_ids=True), timeout=self._timeout_s
+                kv_pb2.SessionStatusRequest(session=pull.ref, include_token_ids=True), timeout=self._timeout_s
             )
         except grpc.aio.AioRpcError as exc:
             reply.error = f"peer {peer}: {exc.code().name}: {exc.details()}"
             return
         self._data_ports[peer] = remote.data_port
         try:
-            request = self._plan(ref, remote, reply, tail)
+            request = self._plan(pull, remote)
         except KVStoreError as exc:  # another model's session, or one that cannot be registered here
             reply.error = f"peer {peer}: {exc}"
             return
@@ -252,8 +262,8 @@ class PeerPuller:
         reply.pages_received += received
         reply.pages_rejected += submitted - received  # bad checksum, or no room
 
-    async def pull_outcome(self, tenant: str, session_id: str, peer: str) -> PullOutcome:
-        reply = await self.pull(tenant, session_id, peer)
+    async def pull_outcome(self, tenant: str, session_id: str, peer: str, max_blocks: int = 0) -> PullOutcome:
+        reply = await self.pull(tenant, session_id, peer, max_blocks)
         return PullOutcome(reply.pages_received, reply.complete, reply.error)
 
     async def close(self) -> None:

@@ -226,6 +226,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
                 _priority(request.priority) or Priority.NORMAL,
                 peer,
                 salt,
+                max_blocks=request.max_blocks,
             )
         except _CLIENT_ERRORS as exc:
             await _abort_for(context, exc)

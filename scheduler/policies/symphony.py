@@ -110,9 +110,9 @@ def movable_sources(
     holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int], prompt: int
 ) -> list[tuple[str, HeldPrefix, int]]:
     """The nodes a longer prefix could be brought from, each with its holding and the end of what
-    would move: only the session's own copies move between nodes (`movable`, node -> tokens: a pull
-    fetches a session's pages), so a prefix another session left on a node is found there, never
-    moved from there; and never the last token, which the engine computes."""
+    would move: what a pull from there brings (`movable`, node -> tokens, `RouteRequest.movable`: a
+    pull fetches a session's pages by name, the request's own session's or the donor's whose history
+    starts with the prefix); and never the last token, which the engine computes."""
     if not movable:
         return []
     sources = []
@@ -131,8 +131,8 @@ def _pushable(
     """Selective pushing: the nodes a request may be sent to now. An engine with nothing waiting
     starts it at its next step. An engine with requests waiting would keep it behind them however the
     costs compare later, so it is a candidate only when it holds a longer prefix of the prompt than
-    any idle node holds or can pull (another session's prefix, found by content, never moves): then
-    its queue is priced against recomputing that prefix elsewhere. Empty: every node has requests
+    any idle node holds or can pull (`movable`; a prefix with no known donor session never moves):
+    then its queue is priced against recomputing that prefix elsewhere. Empty: every node has requests
     waiting, and the request waits in the scheduler for the first to free up."""
     idle = [n for n in candidates if n.pending == 0]
     if not idle:
@@ -167,15 +167,16 @@ class SymphonyPolicy:
         if not candidates:
             return NO_NODE
         holdings = request.holdings()
+        movable = request.movable()
         if self.selective_push:
-            candidates = _pushable(candidates, holdings, request.kv_tokens)
+            candidates = _pushable(candidates, holdings, movable)
             if not candidates:
                 return RouteDecision(None, "queued", queue=True)
         longest = longest_held(holdings)
         prompt = max(request.prompt_size, 1 + longest)  # prompt_tokens
         high = request.priority == "high"
         spread_ms = self.cost.high_spread_requests * self._unknown_prefill_ms if high else 0.0
-        sources = movable_sources(holdings, request.kv_tokens, prompt)
+        sources = movable_sources(holdings, movable, prompt)
         # What a node pays depends on the prefix it holds and its links from the nodes whose copies
         # could move (when it is none of them): one computation per distinct pair of those (a few,
         # for a fleet on a uniform network, however many nodes hold the tenant's system prompt).
@@ -217,7 +218,7 @@ class SymphonyPolicy:
     def _estimate(
         self, request: RouteRequest, prompt: int, node: NodeSnapshot, holdings: Mapping[str, HeldPrefix]
     ) -> TtftEstimate:
-        sources = movable_sources(holdings, request.kv_tokens, prompt)
+        sources = movable_sources(holdings, request.movable(), prompt)
         own = holdings.get(node.node_id, NOTHING_HELD)
         load_ms, fetch_ms, prefill_ms, computed_ms = self._own(prompt, node.node_id, own, sources)
         spread = 0.0

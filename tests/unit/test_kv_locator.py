@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from scheduler.kv_index import BlockBatch, BlockEvent, ClusterKVIndex, EventKind, IndexTier, NodePrefix
-from scheduler.kv_locator import NOT_LOCATED, KVLocator, held_from_index
+from scheduler.kv_locator import NOT_LOCATED, KVLocator, donor_copies, held_from_index
 from scheduler.routing import HeldPrefix
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys, token_array
 from tests.helpers import OTHER_MODEL, TEST_MODEL
@@ -119,3 +119,48 @@ def test_index_answers_convert_to_tokens_by_tier() -> None:
 def test_the_session_bound_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_sessions"):
         KVLocator(lambda keys: {}, lambda node: True, 0)
+
+
+def test_the_first_session_with_a_shared_prefix_stays_its_donor_until_it_fails_within_the_bound() -> None:
+    index = Index("a", "b")
+    system = ids(12 * BLOCK, seed=1)
+    index.holds("a", IndexTier.DRAM, list(chain_block_keys(MODEL, "acme", system, BLOCK).block_keys))
+    index.holds("b", IndexTier.DRAM, [])
+    locator = KVLocator(index.index.prefix, lambda node: node in index.synced, 16, max_donor_blocks=40)
+
+    def prompt(seed: int) -> np.ndarray:
+        return token_array([*system.tolist(), *ids(5 * BLOCK + 2, seed=seed).tolist()])
+
+    def donor(session: str, seed: int, tenant: str = "acme") -> tuple[str | None, int]:
+        located = locator.locate(tenant, session, prompt(seed), MODEL, BLOCK, ["a", "b"], {})
+        return located.donor, located.donor_tokens
+
+    assert donor("s1", 2) == (None, 0)  # the first session with the prefix: none before it
+    assert donor("s2", 3) == ("s1", 12 * BLOCK)
+    assert donor("s3", 4) == ("s1", 12 * BLOCK)  # the first stays (its turn is done; s2's may not be)
+    # A session's own earlier prompt is no donor: its copies are the session table's.
+    assert donor("s1", 2) == (None, 0)
+    assert donor("g1", 5, tenant="globex") == (None, 0)
+    # s1's copy could not be pulled: the next request with the prefix replaces it.
+    locator.donor_failed("s1")
+    assert donor("s4", 6) == (None, 0)
+    assert donor("s5", 7) == ("s4", 12 * BLOCK)
+    shared = chain_block_keys(MODEL, "acme", system, BLOCK).block_keys[-1]
+    locator.set_donor(shared, "s5")  # no node had s4's copy (RequestLocator)
+    assert donor("s6", 8) == ("s5", 12 * BLOCK)
+    # 12 shared blocks, 5 of each of s1-s6's own and 17 of globex's: 59 over 40. The least recently
+    # used went first: s1's, s2's and s3's own and 4 of g1's (the shared ones were used since).
+    assert locator.donor_blocks == 40
+    assert [locator.donor(key) for key in chain_block_keys(MODEL, "acme", prompt(2), BLOCK).block_keys[11:]] == [
+        "s5",
+        *[None] * 5,
+    ]
+    with pytest.raises(ValueError, match="max_donor_blocks"):
+        KVLocator(lambda keys: {}, lambda node: True, 1, max_donor_blocks=0)
+
+
+def test_a_donors_copies_are_bounded_by_the_prefix_and_what_each_node_still_holds() -> None:
+    held = {"a": HeldPrefix(engine=96), "b": HeldPrefix(ssd=32)}
+    copies = {"a": 200, "b": 200, "c": 200}  # "c" holds none of the prompt now: the copy is gone
+    assert donor_copies(held, 64, copies) == {"a": 64, "b": 32}
+    assert donor_copies(held, 64, {}) == {}

@@ -231,3 +231,27 @@ async def test_connect_to_a_dead_peer_fails_within_its_timeout(make_store: MakeS
         assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         await puller.close()
+
+
+@pytest.mark.parametrize("connected", [True, False], ids=["page-stream-status", "grpc-status"])
+async def test_a_pull_limited_to_a_prefix_fetches_only_its_blocks(
+    peer: _Peer, make_store: MakeStore, connected: bool
+) -> None:
+    """A shared prefix pulled under the name of a session whose history goes on past it: only the
+    first blocks come, and the receiver's copy is whole up to there. A later pull of the rest
+    fetches only what is missing."""
+    data = save_session(peer.store, "s", BLOCKS, seed=4)
+    receiver = make_store()
+    puller = PeerPuller(receiver, timeout_s=TIMEOUT)
+    try:
+        if connected:
+            await puller.connect(peer.address)
+        prefix = await puller.pull("acme", "s", peer.address, max_blocks=2)
+        held = receiver.loadable_prefix_blocks("acme", "s")
+        rest = await puller.pull("acme", "s", peer.address)
+    finally:
+        await puller.close()
+    assert (prefix.complete, prefix.pages_expected, prefix.pages_received) == (True, 2 * LAYERS, 2 * LAYERS)
+    assert held == 2
+    assert (rest.complete, rest.pages_received) == (True, (BLOCKS - 2) * LAYERS)
+    assert all(torch.equal(got, want) for got, want in zip(_pages(receiver, "s"), data, strict=True))

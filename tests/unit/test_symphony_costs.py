@@ -217,3 +217,27 @@ def test_a_node_with_requests_waiting_is_a_candidate_only_for_a_prefix_no_idle_n
     # A waiting node holding no more than an idle one is never a candidate.
     both = request(2000, {"a": HeldPrefix(engine=1900), "b": HeldPrefix(dram=1900)}, own=False)
     assert set(SymphonyPolicy(PROFILE).choose(both, [waiting_a, node("b")]).scores) == {"b"}
+
+
+def test_another_sessions_prefix_moves_under_its_donors_name() -> None:
+    """The case above, but the scheduler knows a session of the tenant whose history on a starts with
+    the prefix (`prefix_donor`): b can pull it under that session's name. Moving a's 1,900 tokens:
+    95 read (the engine's copy is read from the store's DRAM) + 5 + 1,900 over the link + 95 DRAM
+    load = 2,095, against recomputing them, 2,802.5; then the last 100 tokens, 197.5. b: 50 + 10 +
+    2,095 + 197.5 = 2,352.5, and only 197.5 computed: scored 2,550, against busy a's 5,710.
+    With a request waiting on a, a is no candidate at all now: idle b can get the same prefix."""
+    held = {"a": HeldPrefix(engine=1900)}
+    req = RouteRequest("t", "s", "m", history_tokens=2000, held=held, prefix_donor="d", prefix_copies={"a": 1900})
+    assert estimate(req, node("b")) == TtftEstimate(50.0, 10.0, 0.0, 2095.0, 197.5, delay_ms=197.5)
+    busy_a = node("a", running=2, prefilling=2, prefilling_work=PrefillWork(3000, 4_500_000.0))
+    decision = SymphonyPolicy(PROFILE).choose(req, [busy_a, node("b")])
+    assert (decision.node_id, decision.scores) == ("b", {"a": 5710.0, "b": 2550.0})
+    decision = SymphonyPolicy(PROFILE).choose(req, [node("a", running=1, waiting=1), node("b")])
+    assert decision.node_id == "b" and set(decision.scores) == {"b"}
+    # What a pull brings is the longer of the session's own copy and the donor's, per node.
+    assert dict(RouteRequest("t", "s", "m", kv_tokens={"a": 50, "c": 9}, prefix_copies={"a": 900}).movable()) == {
+        "a": 900,
+        "c": 9,
+    }
+    # A request first waiting for the donor's pull prefills what no node holds beyond it.
+    assert prefill_work(req, "b", pulls=True) == PrefillWork(100, 100 * 1950)
