@@ -33,7 +33,7 @@ from tqdm import tqdm
 from node_manager.kv.block_events import TIER_ENGINE, BlockEventSettings, EventBatch
 from node_manager.kv.block_watch import StreamHeader, chunk_snapshot, to_proto
 from scheduler.kv_index import ClusterKVIndex, Outcome
-from scheduler.kv_locator import KVLocator, with_donor, with_located
+from scheduler.kv_locator import KVLocator, with_donor, with_located, with_pending
 from scheduler.kv_watch import to_batch
 from scheduler.routing import NodeSnapshot, RouteRequest
 from symphony.kv_addressing import BlockKey, ModelFingerprint, keys_after
@@ -167,8 +167,9 @@ class FleetIndex:
         copies_of: Callable[[str], Mapping[str, int]],
     ) -> RouteRequest:
         """`RequestLocator.locate` once the request's token ids are known: per available node, the
-        prefix the index says it holds, and the session a pull of a shared prefix would name
-        (`copies_of(session id)`: the session table's copies of it)."""
+        prefix the index says it holds (and one an earlier request is computing there), and the
+        session a pull of a shared prefix would name (`copies_of(session id)`: the session table's
+        copies of it)."""
         located = locator.locate(
             request.tenant,
             request.session_id,
@@ -178,7 +179,10 @@ class FleetIndex:
             [n.node_id for n in nodes if n.available],
             request.kv_tokens,
         )
-        return with_donor(with_located(request, located), located, copies_of)
+        routed = with_donor(with_located(request, located), located, copies_of)
+        if located.pending_donor is not None:
+            routed = with_pending(routed, located, copies_of(located.pending_donor))
+        return routed
 
     # -- what the nodes send ----------------------------------------------------------------------
     def populate(self, progress: tqdm | None = None) -> Population:

@@ -21,7 +21,14 @@ Each block key also names a donor: a session whose prompt had it (bounded LRU by
 moves between nodes only under its donor's name (`RouteRequest.prefix_donor`). The first session to
 have a block stays its donor, its turn long finished when later ones ask, until it can give nothing:
 no node has its copy any more (`RequestLocator`), or a pull of it failed (`donor_failed`); then the
-next request with the block becomes its donor. State is owned by the event loop's thread.
+next request with the block becomes its donor.
+
+A donor also names a prefix being computed: a prompt is recorded when it is routed, its blocks reach
+the index when the engine has computed them. A request whose prompt an earlier one shares further
+than the index knows (`Located.pending_donor`) counts the earlier one's node as holding that prefix
+(`with_pending`, as the session table's hints count a session's own turn once sent), so it queues
+behind that prefill rather than compute the same prefix at once on another node; such a prefix is
+never pulled (nothing is there yet). State is owned by the event loop's thread.
 """
 
 from __future__ import annotations
@@ -63,6 +70,10 @@ class Located:
     donor: str | None = None
     donor_tokens: int = 0
     donor_key: BlockKey | None = None
+    # A session whose prompt shared more of this one than the index found on any node (its turn still
+    # in prefill, most likely: its blocks are not stored yet), and that prefix in tokens.
+    pending_donor: str | None = None
+    pending_tokens: int = 0
 
 
 NOT_LOCATED = Located()
@@ -225,12 +236,34 @@ class KVLocator:
             donor = None  # this request's session takes its place (below)
         if donor == session_id:
             donor = None  # the session's own copies are the session table's (`kv_tokens`)
+        seen = self._seen_blocks(keys, longest)
+        pending = self._donors.get(keys[seen - 1]) if seen > longest else None
+        if pending == session_id or pending in self._failed:
+            pending = None
         if session_id is not None:
-            self._record_donor(session_id, new)  # after the lookup: a session is no donor of itself
+            self._record_donor(session_id, new)  # after the lookups: a session is no donor of itself
         source = "index" if indexed else "hints"
-        if donor is None:
-            return Located(len(ids), held, source)
-        return Located(len(ids), held, source, donor, longest * block_size, donor_key)
+        located = Located(len(ids), held, source)
+        if donor is not None:
+            located = dataclasses.replace(located, donor=donor, donor_tokens=longest * block_size, donor_key=donor_key)
+        if pending is not None:
+            located = dataclasses.replace(located, pending_donor=pending, pending_tokens=seen * block_size)
+        return located
+
+    def _seen_blocks(self, keys: Sequence[BlockKey], known: int) -> int:
+        """The longest prefix of `keys`, in blocks and at least `known`, whose last block has a donor:
+        some earlier prompt had it (a chained key names the whole prefix before it). A binary search,
+        taking the recorded keys as closed under prefixes (a prompt records all its blocks; the
+        bound drops its oldest, first ones, first, which at worst shortens the answer)."""
+        low, high = known, len(keys)
+        donors = self._donors
+        while low < high:
+            middle = (low + high + 1) // 2
+            if keys[middle - 1] in donors:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
 
 class RequestLocator:
@@ -289,6 +322,9 @@ class RequestLocator:
         )
         if located.donor_key is not None and routed.prefix_donor is None and request.session_id is not None:
             self.kv.set_donor(located.donor_key, request.session_id)  # no node has the donor's copy now
+        if located.pending_donor is not None:
+            copies = self.session_copies(request.tenant, located.pending_donor, fingerprint)
+            routed = with_pending(routed, located, copies)
         return routed
 
     async def _engine_ids(self, model: str, body: Mapping[str, Any]) -> np.ndarray | None:
@@ -325,6 +361,25 @@ def with_donor(request: RouteRequest, located: Located, copies_of: Callable[[str
     if not copies:
         return request
     return dataclasses.replace(request, prefix_donor=located.donor, prefix_copies=copies)
+
+
+def with_pending(request: RouteRequest, located: Located, copies: Mapping[str, int]) -> RouteRequest:
+    """`request` with each node the pending donor was sent to (`copies`: the session table's, node ->
+    its history tokens, same model only) counted as holding the prefix `located` says it shares
+    (`pending_tokens`), in DRAM, where the connector saves it as the engine computes it; a node's
+    own holding stands where it is longer. Only as held: `prefix_copies`, what a pull brings, are
+    what nodes hold now."""
+    if located.held is None or not copies or request.held is None:
+        return request
+    held = dict(request.held)
+    for node, tokens in copies.items():
+        here = held.get(node)
+        hint = min(tokens, located.pending_tokens)
+        if here is None:
+            held[node] = HeldPrefix(dram=hint)
+        elif hint > here.total:
+            held[node] = here._replace(dram=here.dram + hint - here.total)
+    return dataclasses.replace(request, held=held)
 
 
 def with_located(request: RouteRequest, located: Located) -> RouteRequest:

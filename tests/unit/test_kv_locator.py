@@ -3,12 +3,14 @@ cluster KV index holds, or the session table's hint where the index is not curre
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from scheduler.kv_index import BlockBatch, BlockEvent, ClusterKVIndex, EventKind, IndexTier, NodePrefix
-from scheduler.kv_locator import NOT_LOCATED, KVLocator, donor_copies, held_from_index
-from scheduler.routing import HeldPrefix
+from scheduler.kv_locator import NOT_LOCATED, KVLocator, donor_copies, held_from_index, with_pending
+from scheduler.routing import HeldPrefix, RouteRequest
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys, token_array
 from tests.helpers import OTHER_MODEL, TEST_MODEL
 
@@ -164,3 +166,33 @@ def test_a_donors_copies_are_bounded_by_the_prefix_and_what_each_node_still_hold
     copies = {"a": 200, "b": 200, "c": 200}  # "c" holds none of the prompt now: the copy is gone
     assert donor_copies(held, 64, copies) == {"a": 64, "b": 32}
     assert donor_copies(held, 64, {}) == {}
+
+
+def test_a_prefix_an_earlier_request_is_computing_counts_on_its_node_but_is_never_pulled() -> None:
+    """s1's prompt was routed to "a" and is in prefill: the index holds none of it yet. s2 shares its
+    12-block system prompt: located, "a" counts as holding it (in DRAM, where the connector will
+    save it), with no donor to pull from. Once the index holds the blocks, the same prefix is a
+    donor's to pull and no longer pending."""
+    index = Index("a", "b")
+    index.holds("a", IndexTier.DRAM, [])
+    index.holds("b", IndexTier.DRAM, [])
+    system = ids(12 * BLOCK, seed=1)
+
+    def prompt(seed: int) -> np.ndarray:
+        return token_array([*system.tolist(), *ids(5 * BLOCK + 2, seed=seed).tolist()])
+
+    locator = index.locator()
+    assert locator.locate("acme", "s1", prompt(2), MODEL, BLOCK, ["a", "b"], {}).pending_donor is None
+    located = locator.locate("acme", "s2", prompt(3), MODEL, BLOCK, ["a", "b"], {})
+    assert (located.pending_donor, located.pending_tokens, located.donor) == ("s1", 12 * BLOCK, None)
+    request = RouteRequest("acme", "s2", "m", held=located.held)
+    routed = with_pending(request, located, {"a": 17 * BLOCK + 2})  # the session table: s1 sent to "a"
+    assert routed.held == {"a": HeldPrefix(dram=12 * BLOCK)}
+    assert routed.prefix_copies == {} and routed.prefix_donor is None
+    # A node's own longer holding stands; a shorter one is extended, in DRAM after its faster tiers.
+    longer = dataclasses.replace(request, held={"a": HeldPrefix(engine=4 * BLOCK)}, prefix_copies={})
+    assert with_pending(longer, located, {"a": 40}).held == {"a": HeldPrefix(engine=4 * BLOCK, dram=40 - 4 * BLOCK)}
+    assert with_pending(longer, located, {"a": 2 * BLOCK}).held == {"a": HeldPrefix(engine=4 * BLOCK)}
+    index.holds("a", IndexTier.DRAM, list(chain_block_keys(MODEL, "acme", system, BLOCK).block_keys))
+    done = locator.locate("acme", "s3", prompt(4), MODEL, BLOCK, ["a", "b"], {})
+    assert (done.pending_donor, done.donor, done.donor_tokens) == (None, "s1", 12 * BLOCK)
