@@ -33,7 +33,7 @@ from tqdm import tqdm
 from node_manager.kv.block_events import TIER_ENGINE, BlockEventSettings, EventBatch
 from node_manager.kv.block_watch import StreamHeader, chunk_snapshot, to_proto
 from scheduler.kv_index import ClusterKVIndex, Outcome
-from scheduler.kv_locator import KVLocator, with_donor, with_located, with_pending
+from scheduler.kv_locator import KVLocator, apply_located
 from scheduler.kv_watch import to_batch
 from scheduler.routing import NodeSnapshot, RouteRequest
 from symphony.kv_addressing import BlockKey, ModelFingerprint, keys_after
@@ -179,10 +179,7 @@ class FleetIndex:
             [n.node_id for n in nodes if n.available],
             request.kv_tokens,
         )
-        routed = with_donor(with_located(request, located), located, copies_of)
-        if located.pending_donor is not None:
-            routed = with_pending(routed, located, copies_of(located.pending_donor))
-        return routed
+        return apply_located(request, located, copies_of)
 
     # -- what the nodes send ----------------------------------------------------------------------
     def populate(self, progress: tqdm | None = None) -> Population:

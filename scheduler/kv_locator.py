@@ -231,8 +231,8 @@ class KVLocator:
                 held[node] = hints[node]
         donor_key = keys[longest - 1] if longest else None
         donor = self._donors.get(donor_key) if donor_key is not None else None
-        if donor is not None and donor in self._failed:
-            del self._donors[keys[longest - 1]]
+        if donor_key is not None and donor in self._failed:
+            del self._donors[donor_key]
             donor = None  # this request's session takes its place (below)
         if donor == session_id:
             donor = None  # the session's own copies are the session table's (`kv_tokens`)
@@ -315,16 +315,11 @@ class RequestLocator:
         )
         self.metrics.kv_located.labels(located.source if located.held is not None else "no_ids").inc()
         fingerprint = first.model_fingerprint
-        routed = with_donor(
-            with_located(request, located),
-            located,
-            lambda donor: self.session_copies(request.tenant, donor, fingerprint),
+        routed = apply_located(
+            request, located, lambda session: self.session_copies(request.tenant, session, fingerprint)
         )
         if located.donor_key is not None and routed.prefix_donor is None and request.session_id is not None:
             self.kv.set_donor(located.donor_key, request.session_id)  # no node has the donor's copy now
-        if located.pending_donor is not None:
-            copies = self.session_copies(request.tenant, located.pending_donor, fingerprint)
-            routed = with_pending(routed, located, copies)
         return routed
 
     async def _engine_ids(self, model: str, body: Mapping[str, Any]) -> np.ndarray | None:
@@ -334,6 +329,18 @@ class RequestLocator:
         ids = None if node is None else await engine_token_ids(node.engine_url, model, body, self.engine_timeout_s)
         self.metrics.token_ids_from_engine.labels("ok" if ids is not None else "none").inc()
         return ids
+
+
+def apply_located(
+    request: RouteRequest, located: Located, copies_of: Callable[[str], Mapping[str, int]]
+) -> RouteRequest:
+    """`request` as routing sees it after `KVLocator.locate`: `with_located`, then `with_donor` and
+    `with_pending` (`copies_of(session id)`: the session table's copies of a session, same model
+    only). The dispatcher's and `bench route`'s one way."""
+    routed = with_donor(with_located(request, located), located, copies_of)
+    if located.pending_donor is not None:
+        routed = with_pending(routed, located, copies_of(located.pending_donor))
+    return routed
 
 
 def donor_copies(held: Mapping[str, HeldPrefix], prefix_tokens: int, copies: Mapping[str, int]) -> dict[str, int]:
@@ -369,7 +376,7 @@ def with_pending(request: RouteRequest, located: Located, copies: Mapping[str, i
     (`pending_tokens`), in DRAM, where the connector saves it as the engine computes it; a node's
     own holding stands where it is longer. Only as held: `prefix_copies`, what a pull brings, are
     what nodes hold now."""
-    if located.held is None or not copies or request.held is None:
+    if not copies or request.held is None:
         return request
     held = dict(request.held)
     for node, tokens in copies.items():
