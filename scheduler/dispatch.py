@@ -435,14 +435,12 @@ class Dispatcher:
         node.inflight += 1
         self.inflight_total += 1
         released = False
-        # Only a stream tells when its first token came; a plain answer arrives whole, so it never
-        # counts as prefilling (it would for its whole generation).
-        prefilling, priority = request.stream, routed.priority
-        # Its prefill's size counts as the node's until its first token (what requests routed next wait behind).
+        # Its prefill's size counts as the node's until its first token (what requests routed next
+        # wait behind). A plain answer arrives whole: it counts until the engine's gauges do.
+        prefilling, priority = True, routed.priority
         work = prefill_work(routed, node.node_id, self.policy.traits.prefetch_on_advisory)
-        if prefilling:
-            node.prefilling += 1
-            node.prefilling_work += work
+        node.prefilling += 1
+        node.prefilling_work += work
 
         def first_token() -> None:
             nonlocal prefilling
@@ -456,10 +454,12 @@ class Dispatcher:
             if not released:
                 released = True
                 first_token()  # ended (or failed) before its first token: no longer prefilling
+                forget()
                 node.inflight -= 1
                 self.inflight_total -= 1
                 self.wake_queued()
 
+        forget = (lambda: None) if request.stream else node.count_until_gauged(time.monotonic(), first_token)
         # Server-Timing (W3C): the time this request spent here before going out (routing, the push
         # queue, a pull of its KV), so a client can tell it apart from the engine's.
         routed_ms = (time.perf_counter() - received_at) * 1000

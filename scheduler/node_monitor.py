@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -20,6 +20,9 @@ READY = node_pb2.ENGINE_STATE_READY
 # How long nodes whose status replies are late (not refused) are still routed to when no node is
 # up to date: covers a saturated host's hiccups, not a hung node manager.
 LAG_LIMIT_S = 10.0
+# From a plain request's send to its place in its engine's gauges (the engine's front end takes and
+# tokenizes it, then hands it to the engine core): engine gauges read sooner may not count it yet.
+GAUGES_SEE_AFTER_S = 0.05
 
 
 @dataclass
@@ -44,8 +47,13 @@ class NodeView:
     refused: bool = False  # the last Status failed for want of a listening node manager (it is gone)
     unreachable_until: float = float("-inf")  # set when dispatch could not connect to the engine
     inflight: int = 0
-    prefilling: int = 0  # of `inflight`, streamed requests whose first token has not come back
+    # Of `inflight`: streamed requests whose first token has not come back, and plain ones the
+    # engine's gauges may not count yet (`count_until_gauged`).
+    prefilling: int = 0
     prefilling_work: PrefillWork = NO_WORK  # their prefills' size, as estimated when each was sent
+    # Plain requests counted in `prefilling` until gauged: id -> (sent at, monotonic s; what ends
+    # the count). At most one entry per request in flight: each leaves when gauged or when it ends.
+    _ungauged: dict[int, tuple[float, Callable[[], None]]] = field(default_factory=dict)
     kv: kv_pb2_grpc.KVStoreStub | None = None  # the node manager's KV store (same channel as Status)
 
     @property
@@ -78,6 +86,31 @@ class NodeView:
             self.prefilling,
             self.prefilling_work,
         )
+
+    @property
+    def ungauged(self) -> int:
+        """Plain requests still counted in `prefilling` until the engine's gauges count them."""
+        return len(self._ungauged)
+
+    def count_until_gauged(self, sent_at: float, done: Callable[[], None]) -> Callable[[], None]:
+        """A plain request sent at `sent_at` (monotonic s) says nothing of its first token: its
+        count in `prefilling` ends (`done()`) once a status brings engine gauges read after the
+        engine took it, which then count it as waiting or running. Returns what forgets it (call it
+        when the request ends first)."""
+        key = id(done)  # unique while the entry holds `done`
+        self._ungauged[key] = (sent_at, done)
+
+        def forget() -> None:
+            self._ungauged.pop(key, None)
+
+        return forget
+
+    def gauged(self, read_at: float) -> None:
+        """The engine's gauges were read at `read_at` (monotonic s): the plain requests they count
+        leave `prefilling`."""
+        seen = [key for key, (sent_at, _) in self._ungauged.items() if sent_at + GAUGES_SEE_AFTER_S <= read_at]
+        for key in seen:
+            self._ungauged.pop(key)[1]()
 
     def state_name(self, now: float, down_after_s: float) -> str:
         if now - self.last_status_at > down_after_s:
@@ -239,6 +272,7 @@ class NodeMonitor:
             node.running = status.num_requests_running
             node.waiting = status.num_requests_waiting
             node.kv_usage = status.kv_cache_usage
+            node.gauged(self._clock() - status.metrics_age_ms / 1000)
         else:
             # The engine serves but its load figures are stale: route on what this scheduler
             # knows (its own in-flight count) rather than on a frozen reading.

@@ -48,9 +48,9 @@ class NodeSnapshot:
     kv_usage: float  # 0..1
     announced: int = 0  # advisories routed here whose request has not arrived yet
     high_sessions: int = 0  # high-priority sessions whose KV or next turn is here
-    # Requests this scheduler streams from there that have not sent their first token: still in
-    # (or queued for) their prefill, which a new request's own prefill would wait behind. Exact and
-    # current, unlike the engine's gauges (a request's first token ends its count).
+    # Requests this scheduler sent there that are still in (or queued for) their prefill, which a
+    # new request's own prefill would wait behind: streams until their first token (exact and
+    # current, unlike the engine's gauges), plain requests until the engine's gauges count them.
     prefilling: int = 0
     # The size of those requests' prefills, as the scheduler estimated each when it sent it
     # (`prefill_work`); none (0 tokens) with `prefilling` > 0: not known.

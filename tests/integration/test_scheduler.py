@@ -433,6 +433,45 @@ async def test_client_leaving_a_plain_request_aborts_it_at_the_engine(
     await async_wait_until(lambda: state.dispatcher.inflight_total == 0, 10, "in-flight count back to 0")
 
 
+async def test_a_plain_request_counts_as_prefilling_until_its_engines_gauges_do(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """A plain answer tells nothing of its first token: the request counts as prefilling on its
+    node (what the next request's prefill would wait behind) until a status brings engine gauges
+    read after it was sent, not for its whole generation and not never (a burst sent between two
+    polls would otherwise all land on one node)."""
+    node = await make_node(engine.url)
+    node.status.metrics_age_ms = 250  # gauges read before anything is sent (still fresh: < 300 ms)
+    url, state = await start_scheduler([node])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        pending = asyncio.create_task(client.post("/v1/chat/completions", json=SLOW))
+        await async_wait_until(lambda: len(engine.requests) == 1, 10, "the engine to receive the request")
+        view = state.dispatcher.cluster.nodes[0]
+        polled = view.last_status_at
+        await async_wait_until(lambda: view.last_status_at > polled + 0.1, 5, "statuses with old gauges")
+        assert (view.inflight, view.prefilling) == (1, 1), "old gauges do not count the request"
+        node.status.metrics_age_ms = 0
+        await async_wait_until(lambda: view.prefilling == 0, 5, "gauges read after the send to count it")
+        assert view.inflight == 1 and view.prefilling_work.tokens == 0
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        await async_wait_until(lambda: view.inflight == 0, 10, "the request to end")
+        # One that ends before any gauges count it leaves the count with it.
+        node.status.metrics_age_ms = 250
+        pending = asyncio.create_task(client.post("/v1/chat/completions", json=SLOW))
+        await async_wait_until(lambda: view.prefilling == 1, 10, "the second request to be sent")
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        await async_wait_until(lambda: view.inflight == 0, 10, "the second request to end")
+        node.status.metrics_age_ms = 0
+        polled = view.last_status_at
+        await async_wait_until(lambda: view.last_status_at > polled, 5, "a status with new gauges")
+        assert view.prefilling == 0 and view.ungauged == 0
+
+
 async def test_two_nodes_claiming_one_name_both_get_traffic(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:

@@ -17,6 +17,7 @@ as the turn is sent, the simulator once it is computed (bookkeeping, not a decis
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -121,13 +122,19 @@ class _Answer:
 
 
 class _Engines:
-    """The engines' HTTP: every request is taken at once."""
+    """The engines' HTTP: every request is taken and prefilled at once, so the scheduler's count of
+    a node's requests in their prefill stays what the test's statuses set, as the simulator's
+    stand-in engines report it."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster: NodeMonitor) -> None:
+        self.cluster = cluster
         self.posted: list[tuple[str | None, str]] = []  # (session, engine URL)
 
     async def post(self, url: str, data: bytes, headers: dict[str, str]) -> _Answer:
         self.posted.append((headers.get("x-session-id"), url))
+        for view in self.cluster.nodes:
+            if url.startswith(view.engine_url + "/"):
+                view.gauged(math.inf)  # its gauges count the plain request already
         return _Answer()
 
     async def close(self) -> None:
@@ -152,7 +159,7 @@ async def live(case: Case) -> list[tuple]:
         SchedulerMetrics(),
         CONFIG,
     )
-    engines = _Engines()
+    engines = _Engines(cluster)
     dispatcher._session = engines  # type: ignore[assignment]
     dispatcher.pulls = RecordedPulls(dispatcher.pulls, log)  # type: ignore[assignment]
     for session, copies in case.kv.items():
