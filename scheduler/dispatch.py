@@ -8,7 +8,6 @@ of one local HTTP hop.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -31,11 +30,9 @@ from scheduler.routing import NOTHING_HELD, NodeSnapshot, RouteRequest, RoutingP
 from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
-from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
 from symphony.logs import get_logger
 from symphony.priority import Priority
 from symphony.rpc import kv_pb2_grpc
-from symphony.tenancy import engine_cache_salt
 
 log = get_logger(__name__)
 
@@ -250,7 +247,8 @@ class Dispatcher:
     def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, expected_arrival_ms: int | None) -> bool:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
         pulled from the node holding the most of it. A session no node holds (a first turn) has
-        nothing to move: the advisory only pre-assigned its node. True when a move is under way."""
+        nothing to move: the advisory only pre-assigned its node; one whose last prompt the node's
+        engine caches needs no move. True when a move is under way."""
         copies = self._same_model_copies(request.kv_tokens, node_id)
         source = kv_source(copies, node_id, reachable=self._reachable)
         history = source[1] if source is not None else copies.get(node_id, 0)
@@ -271,18 +269,24 @@ class Dispatcher:
                 return True
         if current is not None and current.state == MoveState.PENDING:
             self.prefetcher.cancel(current)  # the session was re-advised elsewhere
-        if not history:
+        if self.locator is not None and self.locator.kv.in_engine(key, node_id):
+            # A move would bring the engine nothing and cost it a warm-up pass: recorded as ready.
+            self.metrics.prefetches.labels(MoveState.IN_ENGINE).inc()
+            now = time.monotonic()
+            prefetch: Prefetch | None = Prefetch(key, node_id, history, now, now, MoveState.IN_ENGINE)
+        elif not history:
             return False
-        address = self._node(source[0]).address if source is not None else ""
-        deadline = expected_arrival_ms if expected_arrival_ms is not None else self.config.typing_lead_ms
-        prefetch = self.prefetcher.start(key, node_id, address, deadline, request.priority, history)
+        else:
+            address = self._node(source[0]).address if source is not None else ""
+            deadline = expected_arrival_ms if expected_arrival_ms is not None else self.config.typing_lead_ms
+            prefetch = self.prefetcher.start(key, node_id, address, deadline, request.priority, history)
         if prefetch is None:
             return False
         self.prefetches[key] = prefetch
         self.prefetches.move_to_end(key)
         while len(self.prefetches) > self.config.max_advisories:
             self.prefetches.popitem(last=False)
-        return True
+        return prefetch.state == MoveState.PENDING
 
     def promote(self, tenant: str, session_id: str | None) -> int:
         """A session (or a whole tenant) just set to high priority: the KV of each of its sessions the
@@ -318,7 +322,7 @@ class Dispatcher:
         )
         if self.locator is not None and self.policy.traits.locates_kv:
             route_request = await self.locator.locate(route_request, request.body)
-        body = self._forwarded_body(request, tenant)
+        body = request.engine_body(tenant, self.policy.traits.uses_tiers)
         wait_until = time.monotonic() + self.config.queue_timeout_s
         tried: set[str] = set()
         last_error = ""
@@ -410,18 +414,6 @@ class Dispatcher:
         prefetch = self.prefetches.pop(key, None)
         if prefetch is not None:
             self.metrics.advised_requests.labels(kind, "yes" if prefetch.ready else "no").inc()
-
-    def _forwarded_body(self, request: InferenceRequest, tenant: str) -> bytes:
-        """The request as the engine gets it: with the tenant and session that key its KV in the
-        node's tiers and the tenant's cache salt for the engine's prefix cache. Whatever the client
-        put in kv_transfer_params is replaced: a client must not name another tenant's KV."""
-        params: dict[str, object] = {TENANT_PARAM: tenant}
-        if request.session_id is not None:
-            params[SESSION_PARAM] = request.session_id
-        if not self.policy.traits.uses_tiers:
-            params[TIERS_PARAM] = False
-        salt = engine_cache_salt(tenant, request.body.get("cache_salt"))
-        return json.dumps({**request.body, "kv_transfer_params": params, "cache_salt": salt}).encode()
 
     async def _send(
         self, route: Route, request: InferenceRequest, body: bytes, received_at: float, routed: RouteRequest

@@ -147,6 +147,17 @@ class KVLocator:
         while len(self._failed) > _MAX_FAILED_DONORS:
             self._failed.popitem(last=False)
 
+    def in_engine(self, session: SessionKey, node: str) -> bool:
+        """Whether the index, current for `node`, has the session's last prompt in `node`'s engine
+        cache (under its tenant's salt): every full block, the last one aside (at most one block the
+        next turn's prefill computes again). A move of the session's KV there would bring the
+        engine next to nothing. False where unknown."""
+        last = self._sessions.get(session)
+        if last is None or not last.keys or not self._synced(node):
+            return False
+        prefix = self._prefix(last.keys).get(node)
+        return prefix is not None and prefix.engine >= max(1, len(last.keys) - 1)
+
     def block_keys(
         self,
         tenant: str,

@@ -58,7 +58,8 @@ class SchedulerMetrics:
             "symphony_prefetches",
             "KV moves the scheduler asked a node for, by how they "
             "ended (done, partial, failed, not_found: nothing to move, skipped_busy; "
-            "unchanged: not asked, the same KV reached that node moments ago)",
+            "unchanged: not asked, the same KV reached that node moments ago; in_engine: not asked, the "
+            "node's engine cache holds the session's last prompt)",
             ["outcome"],
             registry=r,
         )

@@ -49,6 +49,7 @@ class MoveState(StrEnum):
     CANCELLED = "cancelled"
     TIMED_OUT = "timed_out"  # no final state by the deadline (plus grace): the node is told to drop it
     NOT_FOUND = "not_found"  # neither the node nor the peer knows the session: nothing to move
+    IN_ENGINE = "in_engine"  # not asked: the node's engine cache held the session's last prompt
 
     @classmethod
     def of_node(cls, state: int) -> MoveState:
@@ -71,7 +72,8 @@ class Prefetch:
 
     @property
     def ready(self) -> bool:
-        return self.state == MoveState.DONE
+        """The KV is in the node's top tier (moved there, or in its engine's cache already)."""
+        return self.state in (MoveState.DONE, MoveState.IN_ENGINE)
 
 
 class Prefetcher:

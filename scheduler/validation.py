@@ -14,6 +14,8 @@ from typing import Any
 
 from scheduler.errors import ApiError
 from scheduler.schemas import AdvisoryBody, ChatBody, CompletionBody, check
+from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
+from symphony.tenancy import engine_cache_salt
 
 MAX_ROUTING_TEXT = 16_384  # characters of a prompt that prefix-aware routing looks at
 CHARS_PER_TOKEN = 4  # for estimates only (routing costs); the engine counts the real tokens
@@ -28,6 +30,19 @@ class InferenceRequest:
     session_id: str | None
     body: dict[str, Any]  # the parsed request, as the engine will get it (plus Symphony's parameters)
     history_tokens: int  # estimated prompt tokens
+
+    def engine_body(self, tenant: str, uses_tiers: bool) -> bytes:
+        """The request as the engine gets it: with the tenant and session that key its KV in the
+        node's tiers (none when the policy does not use them: `uses_tiers`) and the tenant's cache
+        salt for the engine's prefix cache. Whatever the client put in kv_transfer_params is
+        replaced: a client must not name another tenant's KV."""
+        params: dict[str, object] = {TENANT_PARAM: tenant}
+        if self.session_id is not None:
+            params[SESSION_PARAM] = self.session_id
+        if not uses_tiers:
+            params[TIERS_PARAM] = False
+        salt = engine_cache_salt(tenant, self.body.get("cache_salt"))
+        return json.dumps({**self.body, "kv_transfer_params": params, "cache_salt": salt}).encode()
 
     def routing_text(self) -> str:
         """The prompt's leading text: the conversation so far for a chat (every message, not just

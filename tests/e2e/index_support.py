@@ -22,6 +22,7 @@ import httpx
 from symphony.kv_addressing import BlockKey, ModelFingerprint, chain_block_keys
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.e2e.kv_support import BLOCK
+from tests.helpers import wait_until
 
 TIER_NAMES = {kv_pb2.TIER_ENGINE: "engine", kv_pb2.TIER_HBM: "hbm", kv_pb2.TIER_DRAM: "dram", kv_pb2.TIER_SSD: "ssd"}
 
@@ -107,6 +108,42 @@ def prompt_keys(
     )
     reply.raise_for_status()
     return list(chain_block_keys(fingerprint, tenant, reply.json()["tokens"], BLOCK).block_keys)
+
+
+def wait_for_content_routing(url: str, model: str, timeout_s: float = 60) -> None:
+    """Every node's index current, and the scheduler's tokenizer loaded (it loads in the background
+    at start): routing prices nodes by content only then, by session hints before."""
+    wait_until(
+        lambda: all(n.get("kv_index", {}).get("state") == "synced" for n in nodes(url).values()),
+        timeout_s,
+        "every node's block stream to be in sync",
+    )
+    wait_until(
+        lambda: httpx.get(url + "/readyz", timeout=5).json()["tokenizers"].get(model) == "ready",
+        timeout_s,
+        "the scheduler's tokenizer to load",
+    )
+
+
+def wait_indexed(
+    url: str, model: str, node_id: str, messages: list[dict[str, str]], tier: str, timeout_s: float = 60
+) -> int:
+    """Wait until `node_id`'s `tier` holds the full blocks of the chat prompt `messages` (in the
+    engine's cache, all but the last, which vLLM may not have cached) and the scheduler's index has
+    applied its stream up to that point. Returns how many blocks that is."""
+    node = nodes(url)[node_id]
+    fingerprint = store_fingerprint(str(node["address"]))
+    keys = prompt_keys(str(node["engine_url"]), model, messages, fingerprint, "default")
+    if tier == "engine":
+        keys = keys[:-1]
+
+    def indexed() -> bool:
+        held = node_holdings(str(node["address"]))
+        view = IndexView.of(nodes(url)[node_id])
+        return held.holds(tier, keys) and view is not None and view.at(held)
+
+    wait_until(indexed, timeout_s, f"the index to see {node_id}'s {tier} hold the prompt")
+    return len(keys)
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,10 @@ import openai
 import pytest
 
 from tests.e2e.conftest import LiveCluster
-from tests.e2e.index_support import IndexView, node_holdings, nodes, prompt_keys, store_fingerprint
+from tests.e2e.index_support import wait_for_content_routing, wait_indexed
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
-TIMEOUT_S = 60
 SYSTEM = (
     "You are the support assistant of a company that runs language models for its customers. "
     "Answer briefly and politely, name the relevant product, and never invent prices. "
@@ -48,29 +47,14 @@ def _chat(cluster: LiveCluster, session: str, system: str, question: str) -> str
     return raw.headers["x-symphony-node"]
 
 
-def _wait_for_content_routing(live_cluster: LiveCluster) -> None:
-    """Both nodes' indexes must be current, and the scheduler's tokenizer loaded (it loads in the
-    background at start): routing prices nodes by content only then, by session hints before."""
-    wait_until(
-        lambda: all(n.get("kv_index", {}).get("state") == "synced" for n in live_cluster.readyz()["nodes"].values()),
-        TIMEOUT_S,
-        "both nodes' block streams to be in sync",
-    )
-    wait_until(
-        lambda: live_cluster.readyz()["tokenizers"].get(live_cluster.model) == "ready",
-        TIMEOUT_S,
-        "the scheduler's tokenizer to load",
-    )
-
-
 def test_a_shared_system_prompt_draws_a_new_session_to_the_node_that_holds_it(live_cluster: LiveCluster) -> None:
     before = _located(live_cluster.metrics(), "index")
-    _wait_for_content_routing(live_cluster)
+    wait_for_content_routing(live_cluster.url, live_cluster.model)
     tag = uuid.uuid4().hex[:8]
     system = f"[{tag}] {SYSTEM}"  # this test's own blocks: no earlier run's cache holds them
     first = _chat(live_cluster, f"prefix-a-{tag}", system, "Which product answers chats?")
     asked = [{"role": "system", "content": system}, {"role": "user", "content": "Which product answers chats?"}]
-    _wait_indexed(live_cluster, first, asked, "engine")
+    wait_indexed(live_cluster.url, live_cluster.model, first, asked, "engine")
     # A new session: the same system prompt, another question. Both nodes are idle (as the scheduler
     # sees them: a status polled while the first turn ran would make its node look busy, and the
     # other node could then pull the prompt from it), so the prefix the first node's engine holds
@@ -86,7 +70,7 @@ def test_a_new_session_sent_past_a_busy_holder_pulls_the_prompts_kv_from_it(live
     same messages is sent to idle Y, which pulls the first session's pages from X (its name is the
     only one under which a node serves pages) before the engine prefills: the engine finds all but
     the prompt's last block loaded, and answers as X did at temperature 0."""
-    _wait_for_content_routing(live_cluster)
+    wait_for_content_routing(live_cluster.url, live_cluster.model)
     client = openai.OpenAI(base_url=live_cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     tag = uuid.uuid4().hex[:8]
     messages = [
@@ -109,7 +93,7 @@ def test_a_new_session_sent_past_a_busy_holder_pulls_the_prompts_kv_from_it(live
 
     holder, answer, _ = ask(f"donor-{tag}")
     (other,) = {"node-0", "node-1"} - {holder}
-    assert _wait_indexed(live_cluster, holder, messages, "dram") >= 12
+    assert wait_indexed(live_cluster.url, live_cluster.model, holder, messages, "dram") >= 12
     # Busy: a turn of another session sharing the system prompt, generating past its first token.
     # With both nodes idle as the scheduler sees them, it goes to the holder too.
     wait_until(lambda: _sees_idle(live_cluster.readyz()["nodes"]), 30, "the scheduler to see both nodes idle")
@@ -137,25 +121,6 @@ def test_a_new_session_sent_past_a_busy_holder_pulls_the_prompts_kv_from_it(live
     assert cached >= 12 * 32, "the pulled pages were loaded, not recomputed"
     assert pulled_answer == answer
     assert sum(1 for _ in chunks) > 0  # the busy turn runs to its end
-
-
-def _wait_indexed(live_cluster: LiveCluster, node_id: str, messages: list[dict[str, str]], tier: str) -> int:
-    """Wait until `node_id`'s `tier` holds the full blocks of the chat prompt `messages` (in the
-    engine's cache, all but the last, which vLLM may not have cached) and the scheduler's index has
-    applied its stream up to that point. Returns how many blocks that is."""
-    node = nodes(live_cluster.url)[node_id]
-    fingerprint = store_fingerprint(str(node["address"]))
-    keys = prompt_keys(str(node["engine_url"]), live_cluster.model, messages, fingerprint, "default")
-    if tier == "engine":
-        keys = keys[:-1]
-
-    def indexed() -> bool:
-        held = node_holdings(str(node["address"]))
-        view = IndexView.of(nodes(live_cluster.url)[node_id])
-        return held.holds(tier, keys) and view is not None and view.at(held)
-
-    wait_until(indexed, TIMEOUT_S, f"the index to see {node_id}'s {tier} hold the prompt")
-    return len(keys)
 
 
 def _sees_one_busy_node(nodes: dict[str, Any], busy: str, idle: str) -> bool:

@@ -107,6 +107,28 @@ def test_nodes_the_index_is_not_current_for_keep_their_hints_and_stale_hints_are
     assert located.held == {"a": HeldPrefix(ssd=3 * BLOCK), "b": HeldPrefix(dram=8 * BLOCK)}
 
 
+def test_a_session_is_in_an_engine_only_with_every_block_of_its_last_prompt_there() -> None:
+    index = Index("a", "b", "c", "d")
+    prompt = ids(6 * BLOCK + 1)
+    keys = list(chain_block_keys(MODEL, "acme", prompt, BLOCK).block_keys)
+    index.holds("a", IndexTier.ENGINE, keys)
+    index.holds("b", IndexTier.ENGINE, keys[:4])  # its engine evicted the last two blocks
+    index.holds("b", IndexTier.DRAM, keys[4:])
+    index.holds("c", IndexTier.DRAM, keys)
+    index.holds("d", IndexTier.ENGINE, keys[:5])  # all but the last: close enough
+    locator = index.locator()
+    assert not locator.in_engine(("acme", "s1"), "a"), "no prompt of the session seen yet"
+    locator.block_keys("acme", "s1", prompt, MODEL, BLOCK)
+    assert [locator.in_engine(("acme", "s1"), n) for n in "abcd"] == [True, False, False, True]
+    short = ids(BLOCK + 1, seed=3)  # one full block: that one must be there
+    index.holds("c", IndexTier.DRAM, list(chain_block_keys(MODEL, "acme", short, BLOCK).block_keys))
+    locator.block_keys("acme", "s2", short, MODEL, BLOCK)
+    assert not locator.in_engine(("acme", "s2"), "c")
+    assert not locator.in_engine(("globex", "s1"), "a")
+    index.synced.discard("a")  # a resync under way: the index is not current for "a"
+    assert not locator.in_engine(("acme", "s1"), "a")
+
+
 def test_without_ids_a_fingerprint_or_a_block_size_nothing_is_located() -> None:
     locator = Index("a").locator()
     assert locator.locate("acme", "s", None, MODEL, BLOCK, ["a"], {"a": 5}) is NOT_LOCATED
