@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from eval.child_process import stop_child
 from eval.cluster_summary import INDEX_LAG_NOTE, print_table, summarize, targets
@@ -132,14 +133,16 @@ async def _reset_prefix_caches(config: SymphonyConfig, timeout_s: float = 30.0) 
                 await asyncio.sleep(0.05)
 
 
-def _advised_ready(metrics: str) -> dict[str, float]:
-    counts = {"yes": 0.0, "no": 0.0}
-    for line in metrics.splitlines():
-        if line.startswith("symphony_advised_requests_total{"):
-            for ready in counts:
-                if f'kv_ready="{ready}"' in line:
-                    counts[ready] += float(line.rsplit(" ", 1)[1])
-    return counts
+def counter_by_label(metrics: str, name: str, label: str) -> dict[str, float]:
+    """The scheduler's counter `name` (without `_total`), summed per value of one of its labels."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name == name + "_total":
+                    value = sample.labels.get(label, "")
+                    totals[value] = totals.get(value, 0.0) + sample.value
+    return totals
 
 
 def histogram_p99_bound_ms(metrics: str, name: str) -> float:
@@ -207,7 +210,12 @@ async def measure_policies(
             summary = summarize(records, nodes)
             summary["cpu_s_by_role"] = cpu_seconds_between(cpu_before, cpu_seconds_by_role())
             metrics = await scheduler.metrics()
-            summary["advised_requests_kv_ready"] = _advised_ready(metrics)
+            ready = counter_by_label(metrics, "symphony_advised_requests", "kv_ready")
+            summary["advised_requests_kv_ready"] = {"yes": ready.get("yes", 0.0), "no": ready.get("no", 0.0)}
+            # What advisories and routing moved (empty for policies that move nothing).
+            summary["prefetches_by_outcome"] = counter_by_label(metrics, "symphony_prefetches", "outcome")
+            summary["route_pulls_by_outcome"] = counter_by_label(metrics, "symphony_route_pulls", "outcome")
+            summary["prefix_pulls_by_outcome"] = counter_by_label(metrics, "symphony_route_prefix_pulls", "outcome")
             summary["advisory_server_ms_p99_bound"] = advisory_p99_bound_ms(metrics)
             summary["index_lag_ms_p99"] = index_lag_p99_bound_ms(metrics)
             results[policy] = summary

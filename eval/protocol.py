@@ -50,6 +50,9 @@ SUMMED = frozenset(
         "requests_by_node",
         "routes",
         "advised_requests_kv_ready",
+        "prefetches_by_outcome",
+        "route_pulls_by_outcome",
+        "prefix_pulls_by_outcome",
         "cpu_s_by_role",
     }
 )

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from eval.bench_cluster import cluster_result, index_lag_p99_bound_ms
+from eval.bench_cluster import cluster_result, counter_by_label, index_lag_p99_bound_ms
 from eval.cluster_summary import print_table
 from eval.plots import plot_cluster
 from eval.protocol import aggregate, compare, comparisons, log_interval, order_balance, pairs, rotation, verdict
@@ -199,6 +199,18 @@ def test_a_histograms_p99_bound_is_read_from_the_schedulers_exposition() -> None
     metrics.kv_index_lag.observe(0.03)
     metrics.kv_index_lag.observe(0.04)
     assert index_lag_p99_bound_ms(generate_latest(metrics.registry).decode()) == 50.0
+
+
+def test_a_counter_is_read_per_label_from_the_schedulers_exposition() -> None:
+    metrics = SchedulerMetrics()
+    assert counter_by_label(generate_latest(metrics.registry).decode(), "symphony_prefetches", "outcome") == {}
+    metrics.prefetches.labels("in_engine").inc(3)
+    metrics.prefetches.labels("done").inc()
+    metrics.advised_requests.labels("typing", "yes").inc(2)
+    metrics.advised_requests.labels("predecessor", "yes").inc()
+    text = generate_latest(metrics.registry).decode()
+    assert counter_by_label(text, "symphony_prefetches", "outcome") == {"in_engine": 3.0, "done": 1.0}
+    assert counter_by_label(text, "symphony_advised_requests", "kv_ready") == {"yes": 3.0}
 
 
 def test_shared_prefix_runs_are_held_to_issue_36s_bars() -> None:
