@@ -14,11 +14,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
+from scheduler.cost_profile import CostProfile
 from scheduler.routing import (
     PRIORITIES,
     PRIORITY_RANK,
+    HeldPrefix,
     NodeSnapshot,
     PolicyTraits,
     Priority,
@@ -30,6 +32,9 @@ from scheduler.routing import (
 )
 
 T = TypeVar("T")
+# What an advisory asks of its node: a move into its engine's cache ("hbm", ending in a warm-up
+# pass), a pull into its DRAM ("dram"), or nothing (the request loads what the node has).
+AdvisoryMove = Literal["hbm", "dram", "loads_on_arrival"]
 
 
 # -- advisories -------------------------------------------------------------------------------------
@@ -42,6 +47,21 @@ def advisory_choice(policy: RoutingPolicy, request: RouteRequest, nodes: Sequenc
     if decision.queue:
         decision = policy.choose(request, [replace(n, waiting=0) for n in nodes])
     return decision
+
+
+def advisory_move(profile: CostProfile, held: HeldPrefix, from_peer: bool) -> AdvisoryMove:
+    """What an advisory asks of its node for the session's KV, which the node holds as `held` (by
+    tier, tokens; with `from_peer`, as it will once pulled from a node holding more: in DRAM).
+    A move into the engine's own cache ends in a warm-up pass: one more request on the engine,
+    `request_overhead_ms` outside its steps and a step, which the requests beside it wait for. It
+    pays only where the advised request would otherwise spend longer loading, at its arrival, what
+    the node's tiers hold below the engine's cache (the profile's tier load costs). Else a pull from
+    a peer still lands in DRAM ("dram"), and KV the node has already stays where it is."""
+    tiers = profile.tier_load_ms_per_token
+    saved_ms = held.hbm * tiers.hbm + held.dram * tiers.dram + held.ssd * tiers.ssd
+    if saved_ms > profile.request_overhead_ms + profile.step_ms:
+        return "hbm"
+    return "dram" if from_peer else "loads_on_arrival"
 
 
 # -- routing a request ------------------------------------------------------------------------------

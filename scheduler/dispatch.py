@@ -9,7 +9,6 @@ of one local HTTP hop.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -17,16 +16,25 @@ import aiohttp
 from fastapi.responses import Response
 
 from scheduler.advisories import AdvisoryTable, advisory_reply
-from scheduler.decisions import PullRule, QueueFull, Routing, advisory_choice, rooms
+from scheduler.cost_profile import DEFAULT_PROFILE, CostProfile
+from scheduler.decisions import PullRule, QueueFull, Routing, advisory_choice, advisory_move, rooms
 from scheduler.errors import ApiError, error_response
 from scheduler.kv_locator import RequestLocator
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor, NodeView
-from scheduler.prefetcher import MoveState, Prefetch, Prefetcher
+from scheduler.prefetcher import LatestMoves, MoveState, Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
 from scheduler.push_queue import PushQueue
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
-from scheduler.routing import NOTHING_HELD, NodeSnapshot, RouteRequest, RoutingPolicy, kv_source, prefill_work
+from scheduler.routing import (
+    NOTHING_HELD,
+    HeldPrefix,
+    NodeSnapshot,
+    RouteRequest,
+    RoutingPolicy,
+    kv_source,
+    prefill_work,
+)
 from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
@@ -47,10 +55,6 @@ SERVER_TIMING_HEADER = "Server-Timing"
 _NOT_STARTED = (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError)
 # After a failed connect, keep a node out of rotation this long.
 _UNREACHABLE_HOLD_S = 1.0
-# How long a finished move of a session to a node counts as still in place: a repeated advisory
-# for the same history within it moves nothing. Short, because the node may evict the KV later
-# (the request then loads it from a lower tier, as without an advisory).
-MOVE_FRESH_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +75,12 @@ class Dispatcher:
         sessions: SessionTable | None = None,
         priorities: PriorityTable | None = None,
         locator: RequestLocator | None = None,
+        profile: CostProfile = DEFAULT_PROFILE,
     ) -> None:
         self.cluster = cluster
         self.locator = locator  # prices requests by content for policies that locate KV
         self.policy = policy
+        self.profile = profile  # the cluster's measured costs (what an advisory's move is worth)
         self.advisories = advisories
         self.metrics = metrics
         self.config = config
@@ -84,7 +90,7 @@ class Dispatcher:
         self.queue = PushQueue(config.max_queued_requests)
         self.pulls = PullRule(config.route_pull_wait_ms, config.route_pull_min_tokens)
         self.prefetcher = Prefetcher(self._kv_stub, metrics, config.max_prefetches, self._moved)
-        self.prefetches: OrderedDict[SessionKey, Prefetch] = OrderedDict()  # the latest per advised session
+        self.prefetches = LatestMoves(config.max_advisories)
         self.inflight_total = 0
         self._session: aiohttp.ClientSession | None = None
         cluster.on_status = self.wake_queued
@@ -247,26 +253,18 @@ class Dispatcher:
     def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, expected_arrival_ms: int | None) -> bool:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
         pulled from the node holding the most of it. A session no node holds (a first turn) has
-        nothing to move: the advisory only pre-assigned its node; one whose last prompt the node's
-        engine caches needs no move. True when a move is under way."""
+        nothing to move: the advisory only pre-assigned its node; nor has one whose last prompt the
+        node's engine caches, and KV the request would load at its arrival faster than a warm-up
+        pass costs the engine stays where it is (`advisory_move`). True when a move is under way."""
         copies = self._same_model_copies(request.kv_tokens, node_id)
         source = kv_source(copies, node_id, reachable=self._reachable)
         history = source[1] if source is not None else copies.get(node_id, 0)
         current = self.prefetches.get(key)
-        if current is not None and current.node_id == node_id:
-            if current.state == MoveState.PENDING:
-                return True  # a repeated advisory (a user still typing): the move is already under way
-            if (
-                current.ready
-                and current.history_tokens >= history
-                and current.finished_at is not None
-                and time.monotonic() - current.finished_at <= MOVE_FRESH_S
-            ):
-                # The same history reached this node's top tier moments ago. Moving it again would
-                # cost the node a warm-up forward pass on its engine for nothing (a typing user
-                # re-advises every few seconds), and on a busy host that work delays everyone.
-                self.metrics.prefetches.labels("unchanged").inc()
-                return True
+        if current is not None and current.node_id == node_id and current.state == MoveState.PENDING:
+            return True  # a repeated advisory (a user still typing): the move is already under way
+        if self.prefetches.fresh(key, node_id, history, time.monotonic()):
+            self.metrics.prefetches.labels("unchanged").inc()  # there moments ago
+            return True
         if current is not None and current.state == MoveState.PENDING:
             self.prefetcher.cancel(current)  # the session was re-advised elsewhere
         if self.locator is not None and self.locator.kv.in_engine(key, node_id):
@@ -277,15 +275,18 @@ class Dispatcher:
         elif not history:
             return False
         else:
+            held = self.locator.kv.held_for_move(key, node_id, history) if self.locator and not source else None
+            move = advisory_move(self.profile, held or HeldPrefix(dram=history), bool(source))  # pulled: to DRAM
+            if move == "loads_on_arrival":  # cheaper than a warm-up pass on the engine
+                self.metrics.prefetches.labels(move).inc()
+                self.prefetches.pop(key, None)  # no earlier move counts for its request
+                return False
             address = self._node(source[0]).address if source is not None else ""
             deadline = expected_arrival_ms if expected_arrival_ms is not None else self.config.typing_lead_ms
-            prefetch = self.prefetcher.start(key, node_id, address, deadline, request.priority, history)
+            prefetch = self.prefetcher.start(key, node_id, address, deadline, request.priority, history, move)
         if prefetch is None:
             return False
-        self.prefetches[key] = prefetch
-        self.prefetches.move_to_end(key)
-        while len(self.prefetches) > self.config.max_advisories:
-            self.prefetches.popitem(last=False)
+        self.prefetches.record(prefetch)
         return prefetch.state == MoveState.PENDING
 
     def promote(self, tenant: str, session_id: str | None) -> int:

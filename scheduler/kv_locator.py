@@ -158,6 +158,17 @@ class KVLocator:
         prefix = self._prefix(last.keys).get(node)
         return prefix is not None and prefix.engine >= max(1, len(last.keys) - 1)
 
+    def held_for_move(self, session: SessionKey, node: str, history: int) -> HeldPrefix | None:
+        """The session's `history` tokens as `node` holds them, by tier: its last prompt's full blocks
+        as the index, current for `node`, has them, the rest (its answer) in DRAM, where the
+        connector saved it. None where unknown (no prompt seen, or the index not current)."""
+        last = self._sessions.get(session)
+        if last is None or not last.keys or not self._synced(node):
+            return None
+        prefix = self._prefix(last.keys).get(node)
+        held = held_from_index(prefix, last.block_size) if prefix is not None else HeldPrefix()
+        return held._replace(dram=held.dram + max(0, history - held.total))
+
     def block_keys(
         self,
         tenant: str,

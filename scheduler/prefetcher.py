@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -28,6 +29,10 @@ from symphony.tenancy import engine_cache_salt
 log = get_logger(__name__)
 
 _TARGETS = {"hbm": kv_pb2.TIER_HBM, "dram": kv_pb2.TIER_DRAM}
+# How long a finished move of a session to a node counts as still in place: a repeated advisory
+# for the same history within it moves nothing. Short, because the node may evict the KV later
+# (the request then loads it from a lower tier, as without an advisory).
+MOVE_FRESH_S = 10.0
 _FINAL = {
     kv_pb2.PREFETCH_STATE_DONE,
     kv_pb2.PREFETCH_STATE_PARTIAL,
@@ -74,6 +79,35 @@ class Prefetch:
     def ready(self) -> bool:
         """The KV is in the node's top tier (moved there, or in its engine's cache already)."""
         return self.state in (MoveState.DONE, MoveState.IN_ENGINE)
+
+
+class LatestMoves(OrderedDict[SessionKey, Prefetch]):
+    """The latest move per advised session (what its request will find), least recent first,
+    bounded: past `max_sessions` the oldest go."""
+
+    def __init__(self, max_sessions: int) -> None:
+        super().__init__()
+        self.max_sessions = max_sessions
+
+    def record(self, prefetch: Prefetch) -> None:
+        self[prefetch.session] = prefetch
+        self.move_to_end(prefetch.session)
+        while len(self) > self.max_sessions:
+            self.popitem(last=False)
+
+    def fresh(self, session: SessionKey, node_id: str, history_tokens: int, now: float) -> bool:
+        """Whether the session's KV, `history_tokens` of it at least, reached `node_id`'s top tier
+        within `MOVE_FRESH_S` of `now` (monotonic s): moving it again would cost the node a warm-up
+        pass for nothing (a typing user re-advises every few seconds)."""
+        move = self.get(session)
+        return (
+            move is not None
+            and move.node_id == node_id
+            and move.ready
+            and move.history_tokens >= history_tokens
+            and move.finished_at is not None
+            and now - move.finished_at <= MOVE_FRESH_S
+        )
 
 
 class Prefetcher:

@@ -95,6 +95,7 @@ class SchedulerState:
             sessions=self.sessions,
             priorities=self.priorities,
             locator=self.locator,
+            profile=self.cost_profile.profile,
         )
 
     def kv_prefix(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:

@@ -4,6 +4,7 @@ managers (real gRPC) in front of fake engines (real HTTP)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import uvicorn
 
 from scheduler.app import create_app
+from scheduler.cost_profile import DEFAULT_PROFILE
 from scheduler.state import SchedulerState
 from symphony.config import load_config
 from tests.helpers import async_wait_until, free_port
@@ -59,6 +61,10 @@ async def start_scheduler() -> AsyncIterator[StartScheduler]:
 
 
 MakeNode = Callable[..., Awaitable[FakeNodeManager]]
+# Costs under which an advisory's warm-up pass in the engine costs less than loading the KV at the
+# request's arrival (as on a GPU host with long histories): advisories move KV into the engine's
+# cache. Given to a dispatcher only (`Dispatcher.profile`): routing keeps the default costs.
+WARM_UPS_PAY = dataclasses.replace(DEFAULT_PROFILE, request_overhead_ms=0.0, step_ms=0.0)
 
 
 @pytest.fixture

@@ -14,11 +14,11 @@ from client_sdk import AsyncAdminClient, AsyncSymphonyClient
 from eval.bench_cluster import advisory_p99_bound_ms
 from eval.loadgen import LoadGenerator, LoadSettings
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
-from scheduler import dispatch
+from scheduler import prefetcher
 from symphony.cli import main
 from symphony.rpc import kv_pb2
 from tests.helpers import async_wait_until
-from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
+from tests.integration.conftest import CHAT, WARM_UPS_PAY, MakeNode, StartScheduler, ready
 from tests.integration.fakes import FakeEngine, FakeNodeManager
 
 KEYS = ["acme:key-acme", "rival:key-rival"]
@@ -38,6 +38,7 @@ async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
 ) -> None:
     node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
     url, state = await start_scheduler([node_a, node_b], typing_lead_ms=7000)
+    state.dispatcher.profile = WARM_UPS_PAY
     async with httpx.AsyncClient(base_url=url) as client:
         holder, other = await _first_turn_then_busy(client, node_a, node_b)  # the KV must move
         advice = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
@@ -61,7 +62,7 @@ async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
         assert again.status_code == 202 and again.json()["node"] == other.status.node_id
         assert len(other.kv.prefetches) == 1
         assert _metric((await client.get("/metrics")).text, 'symphony_prefetches_total{outcome="unchanged"}') == 1
-        monkeypatch.setattr(dispatch, "MOVE_FRESH_S", 0.0)  # ... but only for a while: then it moves again
+        monkeypatch.setattr(prefetcher, "MOVE_FRESH_S", 0.0)  # ... but only for a while: then it moves again
         await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
         await async_wait_until(lambda: len(other.kv.prefetches) == 2, 10, "the second prefetch request")
         await async_wait_until(
@@ -158,11 +159,39 @@ async def _busy(client: httpx.AsyncClient, node_id: str) -> bool:
     return (await client.get("/readyz")).json()["nodes"][node_id]["running"] > 0
 
 
+async def test_where_a_warm_up_costs_more_than_a_load_an_advisory_only_pulls_to_dram(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """On the default (2-core CPU) costs a warm-up pass costs the engine ~72 ms, loading a short
+    history at the request's arrival a fraction of a millisecond: an advisory to the node that holds
+    the session's KV asks it for nothing, and one to another node only pulls the KV into its DRAM
+    (no warm-up, no salt), which the request then loads."""
+    node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
+    url, state = await start_scheduler([node_a, node_b])
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client, 2)
+        turn = await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
+        holder = node_a if turn.headers["x-symphony-node"] == "node-a" else node_b
+        advice = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
+        assert advice.json()["node"] == holder.status.node_id
+        metrics = (await client.get("/metrics")).text
+        assert _metric(metrics, 'symphony_prefetches_total{outcome="loads_on_arrival"}') == 1
+        assert holder.kv.prefetches == [] and not state.dispatcher.prefetches
+        holder, other = await _first_turn_then_busy(client, node_a, node_b)  # now the KV must move
+        advice = await client.post("/v1/advisories", json={"session_id": "s", "kind": "typing"})
+        assert advice.json()["node"] == other.status.node_id
+        await async_wait_until(lambda: bool(other.kv.prefetches), 10, "the pull request")
+        pull = other.kv.prefetches[0]
+        assert pull.target_tier == kv_pb2.TIER_DRAM and pull.source_peer == holder.address
+        assert pull.engine_cache_salt == ""
+
+
 async def test_a_first_turns_advisory_pre_assigns_a_node_and_moves_nothing(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:
     node = await make_node(engine.url)
-    url, _ = await start_scheduler([node])
+    url, state = await start_scheduler([node])
+    state.dispatcher.profile = WARM_UPS_PAY
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         advice = await client.post(
@@ -179,7 +208,8 @@ async def test_a_predecessor_hint_prefetches_by_its_expected_arrival_and_late_kv
 ) -> None:
     node = await make_node(engine.url)
     node.kv.release.clear()  # the move does not finish before the request
-    url, _ = await start_scheduler([node])
+    url, state = await start_scheduler([node])
+    state.dispatcher.profile = WARM_UPS_PAY
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "agent"})
@@ -229,6 +259,7 @@ async def test_a_tenant_cannot_advise_or_move_another_tenants_session(
 ) -> None:
     node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
     url, state = await start_scheduler([node_a, node_b], api_keys=KEYS)
+    state.dispatcher.profile = WARM_UPS_PAY
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client, 2)
         await client.post("/v1/chat/completions", json=CHAT, headers={**ACME, "X-Session-ID": "s"})
@@ -297,7 +328,8 @@ async def test_admin_sets_priority_tiers_and_a_high_session_is_promoted(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:
     node = await make_node(engine.url)
-    url, _ = await start_scheduler([node], admin_token="s3cret", api_keys=KEYS)
+    url, state = await start_scheduler([node], admin_token="s3cret", api_keys=KEYS)
+    state.dispatcher.profile = WARM_UPS_PAY
     admin = {"Authorization": "Bearer s3cret"}
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)

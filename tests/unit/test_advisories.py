@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from scheduler.advisories import AdvisoryTable
+from scheduler.cost_profile import DEFAULT_PROFILE, TierLoadCosts
+from scheduler.decisions import advisory_move
+from scheduler.routing import HeldPrefix
 
 
 class FakeClock:
@@ -248,3 +253,21 @@ def test_expiry_heap_stays_bounded_when_advisories_are_used(clock: FakeClock) ->
         t.put(key, "typing", "node-1", None)
         assert t.take(key) is not None
     assert len(t._expiry) <= 2 * 4 + 1
+
+
+def test_an_advisory_warms_the_engine_only_where_that_costs_less_than_loading_at_arrival() -> None:
+    """A warm-up pass costs the engine `request_overhead_ms + step_ms`; it saves the request the
+    load of what the node holds below the engine's cache, at the profile's tier costs."""
+    profile = dataclasses.replace(
+        DEFAULT_PROFILE,
+        request_overhead_ms=40.0,
+        step_ms=10.0,
+        tier_load_ms_per_token=TierLoadCosts(engine=0.0, hbm=0.001, dram=0.01, ssd=0.1),
+    )
+    # 4,000 DRAM tokens: 40 ms to load, under the 50 ms a warm-up costs.
+    assert advisory_move(profile, HeldPrefix(dram=4_000), from_peer=False) == "loads_on_arrival"
+    assert advisory_move(profile, HeldPrefix(dram=4_000), from_peer=True) == "dram"
+    # 6,000: 60 ms. Or 500 on SSD (50 ms) beside 2,000 in the engine (free) and 1,000 in DRAM (10 ms).
+    assert advisory_move(profile, HeldPrefix(dram=6_000), from_peer=False) == "hbm"
+    assert advisory_move(profile, HeldPrefix(engine=2_000, dram=1_000, ssd=500), from_peer=True) == "hbm"
+    assert advisory_move(profile, HeldPrefix(engine=50_000), from_peer=False) == "loads_on_arrival"
