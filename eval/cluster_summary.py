@@ -8,7 +8,8 @@ durations, busiest over mean), prompt tokens computed and in total, `kv_ready_at
 advisories' round trips as the load generator saw them (`advisory_ms_p50/p99`) and their leads
 (`advisory_lead_ms_p10/p50/p90`, `advisory_leads`: from the advisory to the request's arrival, in
 real ms), and `prefix_hit_frac`: cached prompt tokens over the prompt tokens whose KV existed
-somewhere in the cluster when the request was sent (`RequestRecord.existed_tokens`).
+somewhere in the cluster when the request was sent (`RequestRecord.existed_tokens`); `cold_requests`
+(none of whose prompt existed anywhere) and `ttft_ms_p95_reusable` (the p95 of the others).
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
         "prefix_tokens_existed": existed,
         "prefix_tokens_cached": cached_within,
         "prefix_cached_beyond_existed_tokens": sum(max(0, r.cached_tokens - r.existed_tokens) for r in ok),
+        # Requests with nothing to reuse (no KV of their prompt anywhere at arrival: every policy
+        # computes them whole), and the p95 of the others: what routing can change.
+        "cold_requests": sum(1 for r in ok if r.existed_tokens == 0),
+        "ttft_ms_p95_reusable": percentile([r.ttft_s * 1000 for r in ok if r.existed_tokens > 0], 95)
+        if any(r.existed_tokens > 0 for r in ok)
+        else float("nan"),
         "index_lag_ms_p99": None,  # INDEX_LAG_NOTE: from the scheduler's metrics, not the records
         # Client-side round trips (an upper bound on the scheduler's own time to answer).
         "advisory_ms_p50": percentile(advisory_ms, 50) if advisory_ms else float("nan"),

@@ -45,6 +45,7 @@ SUMMED = frozenset(
         "prefix_tokens_cached",
         "prefix_cached_beyond_existed_tokens",
         "resumed_turns",
+        "cold_requests",
         "advisory_leads",
         "busy_s_by_node",
         "requests_by_node",

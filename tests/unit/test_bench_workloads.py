@@ -152,6 +152,10 @@ def test_a_chat_turn_found_its_previous_turn_as_existing_kv() -> None:
     resumed = sum(r.existed_tokens > 0 for r in records)
     assert summary["prefix_tokens_cached"] == 32 * resumed and summary["prefix_hit_frac"] == pytest.approx(32 / 41)
     assert summary["prefix_cached_beyond_existed_tokens"] == 32 * sum(r.existed_tokens == 0 for r in records)
+    cold = [r for r in records if r.existed_tokens == 0]
+    assert summary["cold_requests"] == len(cold) == len(records) - resumed > 0
+    reusable = sorted(r.ttft_s * 1000 for r in records if r.existed_tokens > 0)
+    assert reusable[0] <= summary["ttft_ms_p95_reusable"] <= reusable[-1]
     assert {s["session_id"] for s in seen if s["path"].endswith("/advisories")} == {r.session for r in records}
 
 
