@@ -275,8 +275,9 @@ class Dispatcher:
         elif not history:
             return False
         else:
-            held = self.locator.kv.held_for_move(key, node_id, history) if self.locator and not source else None
-            move = advisory_move(self.profile, held or HeldPrefix(dram=history), bool(source))  # pulled: to DRAM
+            locator = self.locator if source is None else None  # else pulled from a peer into DRAM
+            held = locator.kv.held_for_move(key, node_id, history) if locator is not None else None
+            move = advisory_move(self.profile, held or HeldPrefix(dram=history), source is not None)
             if move == "loads_on_arrival":  # cheaper than a warm-up pass on the engine
                 self.metrics.prefetches.labels(move).inc()
                 self.prefetches.pop(key, None)  # no earlier move counts for its request
