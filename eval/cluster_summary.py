@@ -54,6 +54,7 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
     existed = sum(r.existed_tokens for r in ok)
     cached_within = sum(min(r.cached_tokens, r.existed_tokens) for r in ok)
     ttft_ms = [r.ttft_s * 1000 for r in ok]
+    reusable_ms = [r.ttft_s * 1000 for r in ok if r.existed_tokens > 0]
     lead_p10, lead_p50, lead_p90 = _pcts(leads_ms, 10, 50, 90)
     return {
         "ttft_ms_p50": percentile(ttft_ms, 50),
@@ -83,9 +84,7 @@ def summarize(records: list[RequestRecord], nodes: list[str]) -> dict[str, Any]:
         # Requests with nothing to reuse (no KV of their prompt anywhere at arrival: every policy
         # computes them whole), and the p95 of the others: what routing can change.
         "cold_requests": sum(1 for r in ok if r.existed_tokens == 0),
-        "ttft_ms_p95_reusable": percentile([r.ttft_s * 1000 for r in ok if r.existed_tokens > 0], 95)
-        if any(r.existed_tokens > 0 for r in ok)
-        else float("nan"),
+        "ttft_ms_p95_reusable": percentile(reusable_ms, 95) if reusable_ms else float("nan"),
         "index_lag_ms_p99": None,  # INDEX_LAG_NOTE: from the scheduler's metrics, not the records
         # Client-side round trips (an upper bound on the scheduler's own time to answer).
         "advisory_ms_p50": percentile(advisory_ms, 50) if advisory_ms else float("nan"),

@@ -152,22 +152,30 @@ class KVLocator:
         cache (under its tenant's salt): every full block, the last one aside (at most one block the
         next turn's prefill computes again). A move of the session's KV there would bring the
         engine next to nothing. False where unknown."""
-        last = self._sessions.get(session)
-        if last is None or not last.keys or not self._synced(node):
+        found = self._last_prompt_on(session, node)
+        if found is None:
             return False
-        prefix = self._prefix(last.keys).get(node)
+        last, prefix = found
         return prefix is not None and prefix.engine >= max(1, len(last.keys) - 1)
 
     def held_for_move(self, session: SessionKey, node: str, history: int) -> HeldPrefix | None:
         """The session's `history` tokens as `node` holds them, by tier: its last prompt's full blocks
         as the index, current for `node`, has them, the rest (its answer) in DRAM, where the
         connector saved it. None where unknown (no prompt seen, or the index not current)."""
+        found = self._last_prompt_on(session, node)
+        if found is None:
+            return None
+        last, prefix = found
+        held = held_from_index(prefix, last.block_size) if prefix is not None else HeldPrefix()
+        return held._replace(dram=held.dram + max(0, history - held.total))
+
+    def _last_prompt_on(self, session: SessionKey, node: str) -> tuple[_SessionKeys, NodePrefix | None] | None:
+        """The session's last prompt and the index's answer for it on `node` (None: it holds none of
+        it); None where unknown (no prompt seen, or the index not current for `node`)."""
         last = self._sessions.get(session)
         if last is None or not last.keys or not self._synced(node):
             return None
-        prefix = self._prefix(last.keys).get(node)
-        held = held_from_index(prefix, last.block_size) if prefix is not None else HeldPrefix()
-        return held._replace(dram=held.dram + max(0, history - held.total))
+        return last, self._prefix(last.keys).get(node)
 
     def block_keys(
         self,

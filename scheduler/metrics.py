@@ -59,7 +59,8 @@ class SchedulerMetrics:
             "KV moves the scheduler asked a node for, by how they "
             "ended (done, partial, failed, not_found: nothing to move, skipped_busy; "
             "unchanged: not asked, the same KV reached that node moments ago; in_engine: not asked, the "
-            "node's engine cache holds the session's last prompt)",
+            "node's engine cache holds the session's last prompt; loads_on_arrival: not asked, loading "
+            "the node's copy at the request's arrival costs less than a warm-up pass)",
             ["outcome"],
             registry=r,
         )
