@@ -14,7 +14,15 @@ from pathlib import Path
 import httpx
 
 from node_manager.engine_events import EngineEventSubscriber, ipc_path, kv_events_config
-from node_manager.engine_metrics import KV_USAGE, RUNNING, WAITING, EngineLoad, MetricsFormatError, parse_engine_load
+from node_manager.engine_metrics import (
+    CACHE_CONFIG,
+    KV_USAGE,
+    RUNNING,
+    WAITING,
+    EngineLoad,
+    MetricsFormatError,
+    parse_engine_load,
+)
 from node_manager.vllm_plugin import AMX_ATTENTION_ENV
 from symphony.config import EngineConfig
 from symphony.logs import get_logger
@@ -25,7 +33,7 @@ from symphony.rpc import node_pb2
 
 log = get_logger(__name__)
 # prometheus_client's filter: only the gauges the scheduler routes on (see Engine._read_load).
-_LOAD_GAUGE_QUERY = httpx.QueryParams([("name[]", name) for name in (RUNNING, WAITING, KV_USAGE)])
+_LOAD_GAUGE_QUERY = httpx.QueryParams([("name[]", name) for name in (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG)])
 
 _STATE_TO_PROTO: dict[ProcessState, node_pb2.EngineState] = {
     ProcessState.STARTING: node_pb2.ENGINE_STATE_STARTING,

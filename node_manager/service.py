@@ -40,4 +40,5 @@ class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
             status.num_requests_running = load.running
             status.num_requests_waiting = load.waiting
             status.kv_cache_usage = load.kv_usage
+            status.engine_kv_tokens = load.kv_tokens
         return status

@@ -40,6 +40,7 @@ class NodeView:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    kv_tokens: int = 0  # tokens the engine's KV cache holds (0: not reported)
     engine_restarts: int = 0
     last_engine_error: str = ""
     last_status_at: float = float("-inf")  # monotonic time of the last successful Status
@@ -85,6 +86,7 @@ class NodeView:
             high_sessions,
             self.prefilling,
             self.prefilling_work,
+            self.kv_tokens,
         )
 
     @property
@@ -198,6 +200,7 @@ class NodeMonitor:
                 "inflight": n.inflight,
                 "prefilling": n.prefilling,
                 "kv_cache_usage": round(n.kv_usage, 4),
+                "kv_cache_tokens": n.kv_tokens,
                 "engine_restarts": n.engine_restarts,
                 "last_engine_error": n.last_engine_error,
             }
@@ -268,6 +271,7 @@ class NodeMonitor:
         node.model_fingerprint = status.model_fingerprint
         node.max_model_len = status.max_model_len
         node.block_size = status.block_size
+        node.kv_tokens = status.engine_kv_tokens
         if status.metrics_age_ms <= self.down_after_s * 1000:
             node.running = status.num_requests_running
             node.waiting = status.num_requests_waiting

@@ -55,6 +55,9 @@ class NodeSnapshot:
     # The size of those requests' prefills, as the scheduler estimated each when it sent it
     # (`prefill_work`); none (0 tokens) with `prefilling` > 0: not known.
     prefilling_work: PrefillWork = NO_WORK
+    # Tokens the engine's KV cache holds, what `kv_usage` is a fraction of, as the node reports it;
+    # 0: not reported (a policy takes its cost profile's `engine_kv_tokens`).
+    kv_tokens: int = 0
 
     @property
     def load(self) -> int:

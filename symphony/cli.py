@@ -106,7 +106,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, info in sorted(body.get("nodes", {}).items()):
         print(
             f"  {name:<8} {info['state']:<18} running={info['running']} waiting={info['waiting']} "
-            f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} restarts={info['engine_restarts']} "
+            f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} "
+            f"of {info.get('kv_cache_tokens') or '?'} tokens "
+            f"restarts={info['engine_restarts']} "
             f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}{_kv_index_text(info)}"
         )
     profile = body.get("cost_profile")

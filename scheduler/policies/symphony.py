@@ -11,7 +11,8 @@ The estimate for node n, in ms (`TtftEstimate`; p is the profile, P the prompt's
 - overhead: `p.request_overhead_ms` (HTTP, tokenizing), the same on every node;
 - queue: half of the step under way (if n has requests), then the step that prefills the request:
   `p.step_with(decoding, context)` for the requests decoding beside it (running, in flight or
-  announced, less those still in prefill; their context is n's KV usage of `p.engine_kv_tokens`),
+  announced, less those still in prefill; their context is n's KV usage of its own cache,
+  `NodeSnapshot.kv_tokens`, or of `p.engine_kv_tokens` where the node does not report it),
   plus the prefills ahead of it (`NodeSnapshot.prefilling_work`, priced as `p.prefill_ms` sums;
   requests whose size the scheduler does not know count as `CostModel.unknown_prefill_tokens`).
   This term keeps the router from piling requests onto the node with the best prefix (GORGO's
@@ -243,8 +244,11 @@ class SymphonyPolicy:
         if work.tokens:
             ahead_ms += p.prefill_ms_per_token * work.tokens + p.prefill_ms_per_token_kilotoken * work.positions / KILO
         decoding = (active - ahead if active > ahead else 0) + node.announced
-        # The engine's KV in use is its requests' context (vLLM counts cached blocks no request uses as free).
-        step = p.step_with(decoding, kv_usage(node) * p.engine_kv_tokens if decoding else 0.0)
+        # The engine's KV in use is its requests' context (vLLM counts cached blocks no request uses as
+        # free), a fraction of the node's own cache: an engine given fewer blocks than the profile's
+        # (or another host's) would otherwise look busier by the ratio, and sessions would move off it.
+        capacity = node.kv_tokens or p.engine_kv_tokens
+        step = p.step_with(decoding, kv_usage(node) * capacity if decoding else 0.0)
         under_way = step / 2 if active else 0.0
         return under_way + step + ahead_ms
 

@@ -302,6 +302,10 @@ def test_status_cli_shows_both_nodes(live_cluster: LiveCluster) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert re.search(r"node-0\s+ready", done.stdout) and re.search(r"node-1\s+ready", done.stdout)
+    # Each engine's KV capacity, read from vLLM's cache config (the cluster's 512-block override):
+    # what the `symphony` policy takes the KV usage gauge as a fraction of.
+    assert len(re.findall(r"of 16384 tokens", done.stdout)) == 2, done.stdout
+    assert {n["kv_cache_tokens"] for n in live_cluster.readyz()["nodes"].values()} == {512 * 32}
 
 
 def test_client_leaving_mid_stream_aborts_the_generation(live_cluster: LiveCluster) -> None:

@@ -29,6 +29,8 @@ def vllm_metrics(running: int, waiting: int, kv: float) -> str:
         f"vllm:num_requests_waiting{labels} {waiting}.0\n"
         f'vllm:num_requests_waiting_by_reason{{engine="0",model_name="m",reason="capacity"}} 9.0\n'
         f"vllm:kv_cache_usage_perc{labels} {kv}\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",num_gpu_blocks="320"} 1.0\n'
     )
 
 
@@ -92,6 +94,7 @@ async def test_status_reports_the_engine_and_its_load(node: NodeUnderTest) -> No
     assert (status.served_model, status.max_model_len, status.block_size) == ("m", 4096, 32)
     assert status.model_fingerprint == TEST_MODEL
     assert (status.num_requests_waiting, status.kv_cache_usage) == (2, 0.25)  # by-reason series not added
+    assert status.engine_kv_tokens == 320 * 32  # the filtered scrape asks for the cache config too
     assert status.metrics_age_ms < 5000
 
     node.metrics_file.write_text(vllm_metrics(0, 7, 0.5))
@@ -100,12 +103,12 @@ async def test_status_reports_the_engine_and_its_load(node: NodeUnderTest) -> No
         return (await node.status()).num_requests_waiting == 7
 
     await async_wait_until(updated, 10, "new load figures")
-    # A filtering engine is asked for the three gauges alone; one that cannot filter, after one
+    # A filtering engine is asked for the three gauges and the cache config alone; one that cannot filter, after one
     # try, for the whole page.
     scrapes = [path for path in node.metrics_file.with_name("requests.log").read_text().split() if "metrics" in path]
     filtered = [path for path in scrapes if path.startswith("/metrics/?")]
     if "--filter-metrics" in node.engine.process.argv:
-        assert scrapes == filtered and all(path.count("name%5B%5D=vllm") == 3 for path in filtered)
+        assert scrapes == filtered and all(path.count("name%5B%5D=vllm") == 4 for path in filtered)
     else:
         assert len(filtered) == 1 and scrapes[0] == filtered[0] and len(scrapes) > 2
 

@@ -24,6 +24,10 @@ vllm:num_requests_waiting_by_reason{engine="0",model_name="smollm2",reason="defe
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="my model {v2}"} 0.25
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",num_cpu_blocks="None",\
+num_gpu_blocks="1456",num_gpu_blocks_override="None"} 1.0
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
 # TYPE vllm:prompt_tokens_total counter
 vllm:prompt_tokens_total{engine="0",model_name="smollm2"} 98765.0
@@ -37,7 +41,29 @@ def gauges(running: str = "0", waiting: str = "0", kv: str = "0") -> str:
 def test_parses_realistic_vllm_exposition() -> None:
     # running sums two label sets, waiting ignores waiting_by_reason and the timestamp,
     # kv usage is read past a label value holding spaces and braces.
-    assert parse_engine_load(REALISTIC) == EngineLoad(running=5, waiting=4, kv_usage=0.25)
+    # The cache config's num_gpu_blocks (not num_gpu_blocks_override, nor num_cpu_blocks) times its block size.
+    assert parse_engine_load(REALISTIC) == EngineLoad(running=5, waiting=4, kv_usage=0.25, kv_tokens=1456 * 32)
+
+
+@pytest.mark.parametrize(
+    ("sample", "tokens"),
+    [
+        ('vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n', 1600),
+        (
+            'vllm:cache_config_info{engine="0",block_size="32",num_gpu_blocks="10"} 1.0\n'
+            'vllm:cache_config_info{engine="1",block_size="32",num_gpu_blocks="20"} 1.0\n',
+            960,
+        ),
+        ('vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="None"} 1.0\n', 0),
+        ('vllm:cache_config_info{engine="0",num_gpu_blocks="100"} 1.0\n', 0),
+        ('vllm:cache_config_info{block_size="32",num_gpu_blocks_override="100"} 1.0\n', 0),
+        ("", 0),
+    ],
+    ids=["one-engine", "engines-summed", "blocks-unset", "no-block-size", "override-only", "absent"],
+)
+def test_kv_capacity_comes_from_the_cache_config_labels(sample: str, tokens: int) -> None:
+    # Optional: an engine without the info gauge (or with it unset) reports 0 tokens, not an error.
+    assert parse_engine_load(gauges() + sample).kv_tokens == tokens
 
 
 def test_waiting_by_reason_is_not_counted_as_waiting() -> None:

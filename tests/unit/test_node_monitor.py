@@ -31,10 +31,20 @@ def test_fresh_load_figures_are_taken() -> None:
     cluster = NodeMonitor(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
     node = cluster.nodes[0]
     cluster.apply_status(
-        node, status("node-0", num_requests_running=3, num_requests_waiting=2, kv_cache_usage=0.5, metrics_age_ms=80)
+        node,
+        status(
+            "node-0",
+            num_requests_running=3,
+            num_requests_waiting=2,
+            kv_cache_usage=0.5,
+            engine_kv_tokens=10_240,
+            metrics_age_ms=80,
+        ),
     )
     assert (node.node_id, node.running, node.waiting, node.kv_usage) == ("node-0", 3, 2, 0.5)
     assert node.reported
+    snapshot = cluster.snapshot("m")[0]
+    assert (snapshot.kv_usage, snapshot.kv_tokens) == (0.5, 10_240)  # what the policy prices context by
 
 
 def test_stale_load_figures_are_not_routed_on() -> None:

@@ -121,6 +121,22 @@ def test_the_queue_counts_the_step_under_way_decoding_and_unknown_prefills() -> 
     assert policy.queue_ms(node("a", inflight=2)) == pytest.approx(1.5 * (10 + 2 * 2))  # sent, not yet reported
 
 
+def test_the_decoding_context_is_a_fraction_of_the_nodes_own_kv_cache() -> None:
+    """Half used of a node's own 40,000-token cache is 20,000 tokens of context: a step of 10 + 3 x 2
+    + 20 = 36, waited 1.5 times, 54; the profile's 10,000 tokens stand in only where the node does not
+    say (0). A node with a smaller cache than the profile's is not priced as busier than it is, and
+    one with a larger cache not as idler."""
+    policy = SymphonyPolicy(PROFILE)
+    assert policy.queue_ms(node("a", running=3, kv_usage=0.5, kv_tokens=40_000)) == pytest.approx(54.0)
+    assert policy.queue_ms(node("a", running=3, kv_usage=0.5, kv_tokens=0)) == pytest.approx(31.5)
+    # Equal usage, equal requests: the node whose cache is smaller holds less context, and is chosen.
+    small, large = (
+        node("small", running=3, kv_usage=0.5, kv_tokens=2_000),
+        node("large", running=3, kv_usage=0.5, kv_tokens=40_000),
+    )
+    assert policy.choose(request(100, {}), [large, small]).node_id == "small"
+
+
 def test_high_priority_sessions_spread_by_half_a_request_each() -> None:
     req = request(100, {}, priority="high")
     got = estimate(req, node("a", high_sessions=2))
