@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from fastapi.responses import Response
@@ -234,7 +234,9 @@ class Dispatcher:
         key: SessionKey = (tenant, advisory.session_id)
         # A newer advisory for the same session replaces the older one, so it must not count as load.
         previous = self.advisories.take(key)
-        request = self._route_request(advisory.model, tenant, advisory.session_id, 0)
+        lead_ms = advisory.expected_arrival_ms
+        lead_ms = self.config.typing_lead_ms if lead_ms is None else lead_ms  # when its request is likely
+        request = replace(self._route_request(advisory.model, tenant, advisory.session_id, 0), lead_ms=lead_ms)
         if not self.policy.traits.prefetch_on_advisory:
             # A baseline without advisories: accepted (clients need not know the policy), no effect.
             self.metrics.advisories.labels(advisory.kind, "ignored").inc()
@@ -247,10 +249,10 @@ class Dispatcher:
             log.debug("advisory moved session", session=advisory.session_id, old=previous.node_id, new=node_id)
         entry = self.advisories.put(key, advisory.kind, node_id, advisory.expected_arrival_ms)
         self.metrics.advisories.labels(advisory.kind, "routed").inc()
-        self._prefetch(key, request, node_id, advisory.expected_arrival_ms)
+        self._prefetch(key, request, node_id, lead_ms)
         return advisory_reply(advisory, node_id, (entry.expires_at - entry.created_at) * 1000)
 
-    def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, expected_arrival_ms: int | None) -> bool:
+    def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, deadline_ms: int) -> bool:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
         pulled from the node holding the most of it. A session no node holds (a first turn) has
         nothing to move: the advisory only pre-assigned its node; nor has one whose last prompt the
@@ -283,8 +285,7 @@ class Dispatcher:
                 self.prefetches.pop(key, None)  # no earlier move counts for its request
                 return False
             address = self._node(source[0]).address if source is not None else ""
-            deadline = expected_arrival_ms if expected_arrival_ms is not None else self.config.typing_lead_ms
-            prefetch = self.prefetcher.start(key, node_id, address, deadline, request.priority, history, move)
+            prefetch = self.prefetcher.start(key, node_id, address, deadline_ms, request.priority, history, move)
         if prefetch is None:
             return False
         self.prefetches.record(prefetch)

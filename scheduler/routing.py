@@ -137,6 +137,9 @@ class RouteRequest:
     # None: none known.
     prefix_donor: str | None = None
     prefix_copies: Mapping[str, int] = field(default_factory=dict)
+    # How long after this decision the request is expected (ms): an advisory's lead; 0, a request
+    # here now. Work a node will have finished by then does not delay it.
+    lead_ms: float = 0.0
 
     @property
     def prompt_size(self) -> int:

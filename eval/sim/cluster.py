@@ -29,7 +29,7 @@ import heapq
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
 from scheduler.decisions import HeldQueue, PullRule, QueueFull, Routing, advisory_choice, rooms
@@ -120,6 +120,7 @@ class ClusterSim:
         engine_priority_scheduling: bool = False,
         route_pull_wait_ms: float = _SCHEDULER.route_pull_wait_ms,
         route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens,
+        typing_lead_ms: float = _SCHEDULER.typing_lead_ms,
         max_queued_requests: int = _SCHEDULER.max_queued_requests,
         prefix_caching: bool = True,
     ) -> None:
@@ -128,6 +129,7 @@ class ClusterSim:
         # what its policy's tiers bring (for `recompute`, nothing).
         self.prefix_caching = prefix_caching
         self.pulls = PullRule(route_pull_wait_ms, route_pull_min_tokens)
+        self.typing_lead_ms = typing_lead_ms  # an advisory's lead when it names no arrival, as the scheduler's
         self.engines = {
             node_id: SimEngine(node_id, model, engine_priority_scheduling) for node_id, model in engines.items()
         }
@@ -245,8 +247,8 @@ class ClusterSim:
             self._on_done[request_id] = on_done
 
     def advise(self, turn: Turn) -> str | None:
-        """An advisory for `turn` now (an agent framework's predecessor hint). Returns its node (None:
-        the policy does not act on advisories)."""
+        """An advisory for `turn` now (an agent framework's predecessor hint, naming no arrival).
+        Returns its node (None: the policy does not act on advisories)."""
         return self._advise(turn)
 
     def _schedule(self, turn: Turn) -> int | None:
@@ -308,7 +310,9 @@ class ClusterSim:
             self._announced[previous] -= 1
         if not self.policy.traits.prefetch_on_advisory:
             return None  # as the scheduler: a baseline without advisories accepts them, to no effect
-        node_id = advisory_choice(self.policy, self._route_request(turn), self._snapshots()).node_id
+        # The workload's advisories and hints name no arrival: their lead is the scheduler's guess.
+        request = replace(self._route_request(turn), lead_ms=self.typing_lead_ms)
+        node_id = advisory_choice(self.policy, request, self._snapshots()).node_id
         if node_id is None:
             return None
         self._advised[turn.session] = node_id

@@ -16,7 +16,9 @@ The estimate for node n, in ms (`TtftEstimate`; p is the profile, P the prompt's
   plus the prefills ahead of it (`NodeSnapshot.prefilling_work`, priced as `p.prefill_ms` sums;
   requests whose size the scheduler does not know count as `CostModel.unknown_prefill_tokens`).
   This term keeps the router from piling requests onto the node with the best prefix (GORGO's
-  "reward hacking");
+  "reward hacking"). For a request expected later (an advisory's, `RouteRequest.lead_ms`), the step
+  under way and the prefills ahead count only for what will be left of them, and the requests in
+  prefill now decode beside it then;
 - load: the prefix n holds, per tier, times `p.tier_load_ms_per_token`;
 - fetch + prefill: the cheapest of recomputing what n lacks (`p.prefill_ms(P - h, P)`) and, for
   each node m holding a longer prefix, bringing m's extra tokens X over, priced as the cheaper of
@@ -199,7 +201,7 @@ class SymphonyPolicy:
                     same[key] = self._own_score(prompt, n.node_id, held, sources)
                 own = same[key]
             spread = n.high_sessions * spread_ms
-            scores[n.node_id] = self.profile.request_overhead_ms + self.queue_ms(n) + own + spread
+            scores[n.node_id] = self.profile.request_overhead_ms + self.queue_ms(n, request.lead_ms) + own + spread
         best = min(scores.values())
         # Equal costs: the emptier KV cache (fewer blocks for vLLM to evict), then in rotation, which
         # spreads an idle cluster's first requests instead of piling them on the first node.
@@ -227,11 +229,15 @@ class SymphonyPolicy:
             spread = node.high_sessions * self.cost.high_spread_requests * self._unknown_prefill_ms
         overhead = self.profile.request_overhead_ms
         delay = self.cost.prefill_delay_weight * computed_ms
-        return TtftEstimate(overhead, self.queue_ms(node), load_ms, fetch_ms, prefill_ms, spread, delay)
+        queue = self.queue_ms(node, request.lead_ms)
+        return TtftEstimate(overhead, queue, load_ms, fetch_ms, prefill_ms, spread, delay)
 
-    def queue_ms(self, node: NodeSnapshot) -> float:
+    def queue_ms(self, node: NodeSnapshot, lead_ms: float = 0.0) -> float:
         """From the request's arrival at `node`'s engine to the end of the step that prefills it, but
-        its own prefill: the step under way, the prefills ahead of it, and its step's decoding."""
+        its own prefill: the step under way, the prefills ahead of it, and its step's decoding. For a
+        request expected `lead_ms` from now (an advisory's), the step under way and the prefills
+        ahead count only for what is left of them then, and their requests decode beside it: a
+        prefill that ends before the request comes must not move its session's KV elsewhere."""
         p = self.profile
         # Conditional expressions rather than max() of two ints: this runs for every node per request.
         waiting, prefilling, inflight = node.waiting, node.prefilling, node.inflight
@@ -243,14 +249,14 @@ class SymphonyPolicy:
         ahead_ms = unknown * self._unknown_prefill_ms
         if work.tokens:
             ahead_ms += p.prefill_ms_per_token * work.tokens + p.prefill_ms_per_token_kilotoken * work.positions / KILO
-        decoding = (active - ahead if active > ahead else 0) + node.announced
+        decoding = (active if lead_ms > 0 else active - ahead if active > ahead else 0) + node.announced
         # The engine's KV in use is its requests' context (vLLM counts cached blocks no request uses as
         # free), a fraction of the node's own cache: an engine given fewer blocks than the profile's
         # (or another host's) would otherwise look busier by the ratio, and sessions would move off it.
         capacity = node.kv_tokens or p.engine_kv_tokens
         step = p.step_with(decoding, kv_usage(node) * capacity if decoding else 0.0)
-        under_way = step / 2 if active else 0.0
-        return under_way + step + ahead_ms
+        before = (step / 2 if active else 0.0) + ahead_ms - lead_ms  # the step under way, the prefills ahead
+        return step + before if before > 0 else step
 
     def _own_score(
         self, prompt: int, node_id: str, own: HeldPrefix, sources: Sequence[tuple[str, HeldPrefix, int]]

@@ -102,13 +102,16 @@ def test_an_advisory_moves_the_history_to_the_node_it_picks_and_a_turn_waits_for
     advisory picks n1 (a request's wait outweighs moving the KV) and moves them: 5 + 102 = 107 ms.
     Sent 500 ms ahead, the KV lands before the turn. Sent 10 ms ahead, the move ends at 1,097: the
     turn waits the 97 ms left (its pull joins the move) and prefills only its new tokens; when the
-    scheduler waits at most 50 ms, it goes after 50 ms with nothing and recomputes its history."""
+    scheduler waits at most 50 ms, it goes after 50 ms with nothing and recomputes its history. The
+    advisory expects its request within 1 s (`typing_lead_ms`), when n0's prefill is still under way;
+    were it expected after the prefill, the KV would stay on n0 (`test_symphony_costs`)."""
     sim = ClusterSim(
         symphony(),
         {"n0": ENGINE, "n1": ENGINE},
         LINK,
         route_pull_wait_ms=wait_ms,
         route_pull_min_tokens=32,
+        typing_lead_ms=1_000,
     )
     sim.seed_kv("s", "n0", 102)
     result = sim.run([Turn("long", 0, 3000, 2), Turn("s", 1000, 150, 1, advisory_ms=advisory_ms)])

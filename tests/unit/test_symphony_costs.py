@@ -137,6 +137,29 @@ def test_the_decoding_context_is_a_fraction_of_the_nodes_own_kv_cache() -> None:
     assert policy.choose(request(100, {}), [large, small]).node_id == "small"
 
 
+def test_a_request_expected_later_waits_only_for_what_is_left_of_the_work_ahead() -> None:
+    """One request decoding and one prefill of unknown size ahead (272.384 ms): now, 1.5 x (10 + 2)
+    + 272.384. Expected 100 ms later, 100 ms of the half step under way and the prefill are over,
+    and the prefilled request decodes beside it: a step of 10 + 2 x 2 = 14, plus 7 + 272.384 - 100.
+    Expected after all of it, only its own step is left; the decoding requests still count."""
+    policy = SymphonyPolicy(PROFILE)
+    busy = node("a", running=2, inflight=2, prefilling=1)
+    assert policy.queue_ms(busy) == pytest.approx(1.5 * 12 + 272.384)
+    assert policy.queue_ms(busy, lead_ms=100) == pytest.approx(14 + 7 + 272.384 - 100)
+    assert policy.queue_ms(busy, lead_ms=10_000) == pytest.approx(14)
+    # The estimate and the choice take the lead from the request.
+    later = RouteRequest("t", "s", "m", history_tokens=100, lead_ms=10_000)
+    assert estimate(later, busy).queue_ms == pytest.approx(14)
+    # Session s holds 100 tokens on a, in prefill behind another request; b would recompute them
+    # (102.5 ms, counted twice with the delay it puts on others: cheaper than moving them, 115 ms).
+    # Here now, the request goes to b (21 + 205 < 290.384); expected after a's prefill, it stays.
+    held = {"a": HeldPrefix(engine=100)}
+    nodes = [busy, node("b", running=2, inflight=2)]
+    assert SymphonyPolicy(PROFILE).choose(request(200, held), nodes).node_id == "b"
+    expected = RouteRequest("t", "s", "m", history_tokens=200, kv_tokens={"a": 100}, held=held, lead_ms=10_000)
+    assert SymphonyPolicy(PROFILE).choose(expected, nodes).node_id == "a"
+
+
 def test_high_priority_sessions_spread_by_half_a_request_each() -> None:
     req = request(100, {}, priority="high")
     got = estimate(req, node("a", high_sessions=2))
