@@ -22,8 +22,10 @@ from scheduler.errors import ApiError, error_response
 from scheduler.kv_locator import RequestLocator
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor, NodeView
+from scheduler.policies.symphony import SymphonyPolicy
 from scheduler.prefetcher import LatestMoves, MoveState, Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
+from scheduler.pull_costs import ObservedLinks
 from scheduler.push_queue import PushQueue
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
 from scheduler.routing import (
@@ -40,7 +42,6 @@ from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
 from symphony.logs import get_logger
 from symphony.priority import Priority
-from symphony.rpc import kv_pb2_grpc
 
 log = get_logger(__name__)
 
@@ -89,7 +90,8 @@ class Dispatcher:
         self.priorities = priorities if priorities is not None else PriorityTable(config.max_priority_settings)
         self.queue = PushQueue(config.max_queued_requests)
         self.pulls = PullRule(config.route_pull_wait_ms, config.route_pull_min_tokens)
-        self.prefetcher = Prefetcher(self._kv_stub, metrics, config.max_prefetches, self._moved)
+        self.links = ObservedLinks(profile)  # pulls' observed times correct the profile's links
+        self.prefetcher = Prefetcher(cluster.kv_stub, metrics, config.max_prefetches, self._moved, self._pulled)
         self.prefetches = LatestMoves(config.max_advisories)
         self.inflight_total = 0
         self._session: aiohttp.ClientSession | None = None
@@ -112,26 +114,26 @@ class Dispatcher:
             await self._session.close()
             self._session = None
 
-    def _kv_stub(self, node_id: str) -> kv_pb2_grpc.KVStoreStub | None:
-        node = self.cluster.by_id(node_id)
-        return node.kv if node is not None else None
-
-    def _fingerprint(self, node_id: str) -> bytes | None:
-        node = self.cluster.by_id(node_id)
-        return node.model_fingerprint if node is not None else None
-
     def _moved(self, key: SessionKey, node_id: str, history_tokens: int) -> None:
-        fingerprint = self._fingerprint(node_id)
+        fingerprint = self.cluster.fingerprint(node_id)
         if fingerprint is not None:
             self.sessions.moved(key, node_id, history_tokens, fingerprint)
+
+    def _pulled(self, source_address: str, node_id: str, tokens: int, ms: float) -> None:
+        """A pull into `node_id`'s DRAM took `ms`: moves over that link are priced by what they take."""
+        source = self.cluster.id_at(source_address)
+        if source is not None and (profile := self.links.observe(source, node_id, tokens, ms)) is not None:
+            self.profile = profile
+            if isinstance(self.policy, SymphonyPolicy):  # the one policy that prices moves
+                self.policy.profile = profile
 
     def _same_model_copies(self, kv_tokens: Mapping[str, int], node_id: str) -> dict[str, int]:
         """The copies in `kv_tokens` that `node_id` may load or pull: those on nodes serving the same
         model fingerprint as it (the nodes refuse any other, this keeps the scheduler from asking)."""
-        target = self._fingerprint(node_id)
+        target = self.cluster.fingerprint(node_id)
         if target is None:
             return {}
-        return {n: t for n, t in kv_tokens.items() if self._fingerprint(n) == target}
+        return {n: t for n, t in kv_tokens.items() if self.cluster.fingerprint(n) == target}
 
     # -- routing --------------------------------------------------------------------------------
     def _route_request(
@@ -151,7 +153,9 @@ class Dispatcher:
                 history_tokens = max(history_tokens, entry.history_tokens)
                 # Only copies that are still the model they were computed by: a node restarted with
                 # another model (or dtype) holds none of this session's KV for its new model.
-                kv_tokens = {n: t for n, t in entry.kv_tokens.items() if self._fingerprint(n) == entry.fingerprint}
+                kv_tokens = {
+                    n: t for n, t in entry.kv_tokens.items() if self.cluster.fingerprint(n) == entry.fingerprint
+                }
         routing_text = text() if text is not None and self.policy.traits.needs_routing_text else ""
         return RouteRequest(
             tenant, session_id, model, self.priorities.of(tenant, session_id), history_tokens, kv_tokens, routing_text

@@ -146,6 +146,20 @@ class NodeMonitor:
     def by_id(self, node_id: str) -> NodeView | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
 
+    def kv_stub(self, node_id: str) -> kv_pb2_grpc.KVStoreStub | None:
+        """The node's KV store (None: no such node, or not connected)."""
+        node = self.by_id(node_id)
+        return node.kv if node is not None else None
+
+    def fingerprint(self, node_id: str) -> bytes | None:
+        """The model the node serves (None: no such node)."""
+        node = self.by_id(node_id)
+        return node.model_fingerprint if node is not None else None
+
+    def id_at(self, address: str) -> str | None:
+        """The id of the node whose manager listens at `address` (None: none does)."""
+        return next((n.node_id for n in self.nodes if n.address == address), None)
+
     def snapshot(
         self, model: str, announced: Mapping[str, int] | None = None, high_sessions: Mapping[str, int] | None = None
     ) -> list[NodeSnapshot]:

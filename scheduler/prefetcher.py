@@ -71,6 +71,8 @@ class Prefetch:
     history_tokens: int  # of the session's history, what the move was asked for
     started_at: float
     finished_at: float | None = None
+    source_address: str = ""  # the node manager it pulls from; "": from the node's own tiers
+    target: str = "hbm"  # the tier it brings the KV to: "hbm" (ending in a warm-up) or "dram"
     state: MoveState = MoveState.PENDING
     prefetch_id: str = ""  # the node's id for the move, once it answered
     task: asyncio.Task[None] | None = None  # what follows it
@@ -117,12 +119,15 @@ class Prefetcher:
         metrics: SchedulerMetrics,
         max_inflight: int,
         on_moved: Callable[[SessionKey, str, int], None],
+        on_pulled: Callable[[str, str, int, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._stub_for = stub_for
         self._metrics = metrics
         self._max_inflight = max_inflight
         self._on_moved = on_moved
+        # A pull from a peer into DRAM finished in full: (source address, node, tokens, ms it took).
+        self._on_pulled = on_pulled
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -153,7 +158,9 @@ class Prefetcher:
         if len(self._tasks) >= self._max_inflight:
             self._metrics.prefetches.labels("skipped_busy").inc()
             return None
-        prefetch = Prefetch(session, node_id, history_tokens, self._clock())
+        prefetch = Prefetch(
+            session, node_id, history_tokens, self._clock(), source_address=source_address, target=target
+        )
         request = kv_pb2.PrefetchRequest(
             session=kv_pb2.SessionRef(tenant=session[0], session_id=session[1]),
             target_tier=_TARGETS[target],
@@ -247,6 +254,9 @@ class Prefetcher:
         self._metrics.prefetches.labels(state).inc()
         if state in (MoveState.DONE, MoveState.PARTIAL):
             self._on_moved(prefetch.session, prefetch.node_id, prefetch.history_tokens)
+        if state == MoveState.DONE and prefetch.source_address and prefetch.target == "dram" and self._on_pulled:
+            ms = (prefetch.finished_at - prefetch.started_at) * 1000
+            self._on_pulled(prefetch.source_address, prefetch.node_id, prefetch.history_tokens, ms)
 
     def cancel(self, prefetch: Prefetch) -> None:
         """Stop a move the scheduler no longer wants (its session was advised to another node):

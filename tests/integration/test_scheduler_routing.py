@@ -14,7 +14,7 @@ from client_sdk import AsyncAdminClient, AsyncSymphonyClient
 from eval.bench_cluster import advisory_p99_bound_ms
 from eval.loadgen import LoadGenerator, LoadSettings
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
-from scheduler import prefetcher
+from scheduler import prefetcher, pull_costs
 from symphony.cli import main
 from symphony.rpc import kv_pb2
 from tests.helpers import async_wait_until
@@ -79,10 +79,11 @@ async def test_an_advisory_moves_the_sessions_kv_to_the_node_it_picks(
 
 
 async def test_a_request_routed_away_from_its_kv_without_an_advisory_pulls_it_over_first(
-    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(pull_costs, "MIN_PULL_TOKENS", 1)  # this session's history is a few tokens
     node_a, node_b = await make_node(engine.url, "node-a"), await make_node(engine.url, "node-b")
-    url, _ = await start_scheduler([node_a, node_b], route_pull_min_tokens=1, route_pull_wait_ms=20_000)
+    url, state = await start_scheduler([node_a, node_b], route_pull_min_tokens=1, route_pull_wait_ms=20_000)
     async with httpx.AsyncClient(base_url=url) as client:
         holder, other = await _first_turn_then_busy(client, node_a, node_b)
         other.kv.release.clear()  # the pull is under way until the test lets it end
@@ -98,6 +99,10 @@ async def test_a_request_routed_away_from_its_kv_without_an_advisory_pulls_it_ov
         reply = await second
         assert reply.status_code == 200 and reply.headers["x-symphony-node"] == other.status.node_id
         assert _metric((await client.get("/metrics")).text, 'symphony_route_pulls_total{outcome="ready"}') == 1
+        # The pull's time is kept for that link: moves over it are priced by what they take.
+        rate, samples = state.dispatcher.links.observed(holder.status.node_id, other.status.node_id)
+        assert samples == 1 and rate > 0
+        assert state.dispatcher.links.observed(other.status.node_id, holder.status.node_id) == (0.0, 0)
 
 
 async def test_a_request_arriving_while_its_advisorys_move_is_under_way_waits_for_the_kv(
