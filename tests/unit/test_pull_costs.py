@@ -6,19 +6,13 @@ import dataclasses
 
 import pytest
 
-from scheduler.cost_profile import CostProfile, LinkCost, NodeLink, TierLoadCosts
+from scheduler.cost_profile import DEFAULT_PROFILE, LinkCost, NodeLink, TierLoadCosts
 from scheduler.pull_costs import MAX_MS_PER_TOKEN, MIN_PULL_TOKENS, NEWEST_WEIGHT, ObservedLinks
 
 # 1,000 bytes a token; the calibrated links move a token in 0.001 ms (1 GB/s) after a 2 ms round
-# trip ("a" -> "c": 10 ms); a DRAM read or write costs 0.0005 ms a token.
-BASE = CostProfile(
-    request_overhead_ms=50.0,
-    step_ms=10.0,
-    prefill_ms_per_token=1.0,
-    prefill_ms_per_token_kilotoken=0.5,
-    decode_ms_per_seq=2.0,
-    decode_ms_per_kilotoken=1.0,
-    engine_kv_tokens=10_000,
+# trip ("a" -> "c": 10 ms); a DRAM read or write costs 0.0005 ms a token. The engine's costs play no part.
+BASE = dataclasses.replace(
+    DEFAULT_PROFILE,
     kv_bytes_per_token=1_000,
     tier_load_ms_per_token=TierLoadCosts(engine=0.0, hbm=0.0001, dram=0.0005, ssd=0.01),
     default_link=LinkCost(rtt_ms=2.0, bandwidth_gbps=1.0),
