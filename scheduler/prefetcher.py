@@ -73,6 +73,9 @@ class Prefetch:
     finished_at: float | None = None
     source_address: str = ""  # the node manager it pulls from; "": from the node's own tiers
     target: str = "hbm"  # the tier it brings the KV to: "hbm" (ending in a warm-up) or "dram"
+    # Of the pages the node's job left in the target tier, those it fetched from the peer (final status).
+    pages_in_target: int = 0
+    pages_from_peer: int = 0
     state: MoveState = MoveState.PENDING
     prefetch_id: str = ""  # the node's id for the move, once it answered
     task: asyncio.Task[None] | None = None  # what follows it
@@ -126,8 +129,11 @@ class Prefetcher:
         self._metrics = metrics
         self._max_inflight = max_inflight
         self._on_moved = on_moved
-        # A pull from a peer into DRAM finished in full: (source address, node, tokens, ms it took).
+        # A pull from a peer into DRAM finished in full: (source address, node, tokens it fetched, ms
+        # from the first request for that node job to its end). Once per job: a later request that
+        # joins a running job (the node hands back its id) is not a second sample of the link.
         self._on_pulled = on_pulled
+        self._job_started: dict[str, float] = {}  # node job id -> earliest start; popped at its end
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -208,12 +214,14 @@ class Prefetcher:
             async with asyncio.timeout(request.deadline_ms / 1000 + FOLLOW_GRACE_S):
                 status = await stub.Prefetch(request, timeout=10)
                 prefetch.prefetch_id = status.prefetch_id
+                self._job_started.setdefault(status.prefetch_id, prefetch.started_at)
                 while status.state not in _FINAL:
                     status = await stub.GetPrefetch(
                         kv_pb2.PrefetchRef(prefetch_id=status.prefetch_id, wait_ms=FOLLOW_WAIT_MS),
                         timeout=FOLLOW_WAIT_MS / 1000 + 10,
                     )
             state = MoveState.of_node(status.state)
+            prefetch.pages_in_target, prefetch.pages_from_peer = status.pages_in_target, status.pages_from_peer
             if status.error:
                 log.debug(
                     "prefetch ended",
@@ -254,9 +262,14 @@ class Prefetcher:
         self._metrics.prefetches.labels(state).inc()
         if state in (MoveState.DONE, MoveState.PARTIAL):
             self._on_moved(prefetch.session, prefetch.node_id, prefetch.history_tokens)
-        if state == MoveState.DONE and prefetch.source_address and prefetch.target == "dram" and self._on_pulled:
-            ms = (prefetch.finished_at - prefetch.started_at) * 1000
-            self._on_pulled(prefetch.source_address, prefetch.node_id, prefetch.history_tokens, ms)
+        started = self._job_started.pop(prefetch.prefetch_id, None) if prefetch.prefetch_id else None
+        if started is None or state != MoveState.DONE or not self._on_pulled:
+            return
+        if prefetch.source_address and prefetch.target == "dram" and prefetch.pages_from_peer:
+            # The history's share the node fetched (it pulls only what its tiers lack), in tokens.
+            fetched = prefetch.pages_from_peer / max(prefetch.pages_in_target, prefetch.pages_from_peer)
+            ms = (prefetch.finished_at - started) * 1000
+            self._on_pulled(prefetch.source_address, prefetch.node_id, round(prefetch.history_tokens * fetched), ms)
 
     def cancel(self, prefetch: Prefetch) -> None:
         """Stop a move the scheduler no longer wants (its session was advised to another node):

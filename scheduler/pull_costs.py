@@ -43,9 +43,10 @@ class ObservedLinks:
         self._rates: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()  # -> (ms/token, samples)
 
     def observe(self, source: str, target: str, tokens: int, ms: float) -> CostProfile | None:
-        """`target` pulled `tokens` of KV from `source` in `ms` (from the scheduler's request to the
-        node's final answer). Returns the profile with the observed links, when this pull changed
-        one the policy prices by; else None."""
+        """`target` pulled `tokens` of KV from `source` in `ms`, from the scheduler's request to the
+        node's final answer: what a request waiting for such a pull waits, the node's queue of moves
+        and the reads at both ends under the host's load included. Returns the profile with the
+        observed links, when this pull changed one the policy prices by; else None."""
         if tokens < MIN_PULL_TOKENS or source == target or not ms >= 0:
             return None
         base = self.base

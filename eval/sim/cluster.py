@@ -216,6 +216,7 @@ class ClusterSim:
                 high_sessions=self._high_sessions[node_id],
                 prefilling=engine.prefilling,
                 prefilling_work=engine.prefilling_work,
+                kv_tokens=engine.model.kv_blocks * engine.model.block_size,  # as a node reports it
             )
             for node_id, engine in self.engines.items()
         ]

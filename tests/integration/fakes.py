@@ -27,6 +27,9 @@ class FakeKVStore(kv_pb2_grpc.KVStoreServicer):
     def __init__(self) -> None:
         self.prefetches: list[kv_pb2.PrefetchRequest] = []
         self.final_state = kv_pb2.PREFETCH_STATE_DONE
+        self.final_pages = (0, 0)  # a finished prefetch's (pages_in_target, pages_from_peer)
+        self.joins = False
+        self.running_jobs: dict[tuple[str, int], str] = {}
         self.release = asyncio.Event()
         self.release.set()
         # WatchBlocks: None answers UNIMPLEMENTED (a node manager without block events); else a
@@ -55,14 +58,24 @@ class FakeKVStore(kv_pb2_grpc.KVStoreServicer):
             # As the real node refuses it (KVStoreService.Prefetch): a fake that took it let every
             # DRAM pull the scheduler sent with a salt pass here and fail on live nodes.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "engine_cache_salt goes with target_tier TIER_HBM")
-        return kv_pb2.PrefetchStatus(prefetch_id=str(len(self.prefetches)), state=kv_pb2.PREFETCH_STATE_QUEUED)
+        # As the node's queue: a request for a session whose job of the same target is still running
+        # joins it (gets its id) when `joins` is set.
+        key = (request.session.session_id, request.target_tier)
+        job = self.running_jobs.setdefault(key, str(len(self.prefetches))) if self.joins else str(len(self.prefetches))
+        return kv_pb2.PrefetchStatus(prefetch_id=job, state=kv_pb2.PREFETCH_STATE_QUEUED)
 
     async def GetPrefetch(self, request, context):
         try:
             await asyncio.wait_for(self.release.wait(), request.wait_ms / 1000)
         except TimeoutError:
             return kv_pb2.PrefetchStatus(prefetch_id=request.prefetch_id, state=kv_pb2.PREFETCH_STATE_RUNNING)
-        return kv_pb2.PrefetchStatus(prefetch_id=request.prefetch_id, state=self.final_state)
+        in_target, from_peer = self.final_pages
+        return kv_pb2.PrefetchStatus(
+            prefetch_id=request.prefetch_id,
+            state=self.final_state,
+            pages_in_target=in_target,
+            pages_from_peer=from_peer,
+        )
 
 
 class FakeNodeManager(node_pb2_grpc.NodeManagerServicer):

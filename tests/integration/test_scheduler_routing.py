@@ -87,6 +87,7 @@ async def test_a_request_routed_away_from_its_kv_without_an_advisory_pulls_it_ov
     async with httpx.AsyncClient(base_url=url) as client:
         holder, other = await _first_turn_then_busy(client, node_a, node_b)
         other.kv.release.clear()  # the pull is under way until the test lets it end
+        other.kv.final_pages = (60, 30)  # it fetches half of the history's pages; its DRAM had the rest
         sent = len(engine.requests)
         second = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"}))
         await async_wait_until(lambda: bool(other.kv.prefetches), 10, "the pull request")
@@ -99,9 +100,13 @@ async def test_a_request_routed_away_from_its_kv_without_an_advisory_pulls_it_ov
         reply = await second
         assert reply.status_code == 200 and reply.headers["x-symphony-node"] == other.status.node_id
         assert _metric((await client.get("/metrics")).text, 'symphony_route_pulls_total{outcome="ready"}') == 1
-        # The pull's time is kept for that link: moves over it are priced by what they take.
-        rate, samples = state.dispatcher.links.observed(holder.status.node_id, other.status.node_id)
+        # The pull's time is kept for that link, over the tokens it fetched: moves over it are priced
+        # by what they take.
+        links = state.dispatcher.links
+        rate, samples = links.observed(holder.status.node_id, other.status.node_id)
         assert samples == 1 and rate > 0
+        pulled = other.kv.prefetches[0]
+        assert pulled.source_peer == holder.address
         assert state.dispatcher.links.observed(other.status.node_id, holder.status.node_id) == (0.0, 0)
 
 

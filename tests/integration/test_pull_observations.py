@@ -1,0 +1,64 @@
+"""The prefetcher reports each finished pull from a peer once, over the tokens it fetched, timed
+from the first request for the node's job (scheduler.prefetcher -> scheduler.pull_costs)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from scheduler.decisions import Pull
+from scheduler.metrics import SchedulerMetrics
+from scheduler.prefetcher import Prefetcher
+from symphony.priority import Priority
+from symphony.rpc import kv_pb2_grpc
+from tests.helpers import async_wait_until
+from tests.integration.fakes import FakeNodeManager, ready_status
+
+SESSION = ("default", "s")
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[FakeNodeManager]:
+    manager = FakeNodeManager(ready_status("node-b", "http://127.0.0.1:1"))
+    await manager.start()
+    yield manager
+    await manager.stop()
+
+
+async def test_a_joined_pull_is_one_sample_timed_from_its_first_request(node: FakeNodeManager) -> None:
+    channel = grpc.aio.insecure_channel(node.address)
+    stub = kv_pb2_grpc.KVStoreStub(channel)
+    pulled: list[tuple[str, str, int, float]] = []
+    prefetcher = Prefetcher(lambda _node: stub, SchedulerMetrics(), 8, lambda *_: None, lambda *a: pulled.append(a))
+    node.kv.joins, node.kv.final_pages = True, (40, 10)  # a quarter of the pages came from the peer
+    node.kv.release.clear()
+    try:
+        first = prefetcher.start(SESSION, "node-b", "peer:1", 5_000, Priority.NORMAL, 2_000, "dram")
+        await async_wait_until(lambda: len(node.kv.prefetches) == 1, 10, "the first request")
+        joined = asyncio.create_task(
+            prefetcher.pull(SESSION, "node-b", "peer:1", Pull("peer", 2_000, 5_000), Priority.NORMAL)
+        )
+        await async_wait_until(lambda: len(node.kv.prefetches) == 2, 10, "the second request, joining the job")
+        node.kv.release.set()
+        assert await joined == "ready"
+        assert first is not None and first.task is not None
+        await first.task
+        assert len(pulled) == 1  # one job, one sample
+        source, target, tokens, ms = pulled[0]
+        assert (source, target, tokens) == ("peer:1", "node-b", 500)
+        assert first.finished_at is not None and ms >= (first.finished_at - first.started_at) * 1000 - 1
+        # A move from the node's own tiers, or one that fetched nothing from the peer, is no sample.
+        node.kv.joins, node.kv.final_pages = False, (40, 0)
+        assert (
+            await prefetcher.pull(SESSION, "node-b", "peer:1", Pull("peer", 2_000, 5_000), Priority.NORMAL) == "ready"
+        )
+        own = prefetcher.start(SESSION, "node-b", "", 5_000, Priority.NORMAL, 2_000, "dram")
+        assert own is not None and own.task is not None
+        await own.task
+        assert len(pulled) == 1
+    finally:
+        await prefetcher.stop()
+        await channel.close()
