@@ -277,7 +277,7 @@ class Dispatcher:
             # A move would bring the engine nothing and cost it a warm-up pass: recorded as ready.
             self.metrics.prefetches.labels(MoveState.IN_ENGINE).inc()
             now = time.monotonic()
-            prefetch: Prefetch | None = Prefetch(key, node_id, history, now, now, MoveState.IN_ENGINE)
+            prefetch: Prefetch | None = Prefetch(key, node_id, history, now, finished_at=now, state=MoveState.IN_ENGINE)
         elif not history:
             return False
         else:

@@ -71,14 +71,14 @@ class Prefetch:
     history_tokens: int  # of the session's history, what the move was asked for
     started_at: float
     finished_at: float | None = None
+    state: MoveState = MoveState.PENDING
+    prefetch_id: str = ""  # the node's id for the move, once it answered
+    task: asyncio.Task[None] | None = None  # what follows it
     source_address: str = ""  # the node manager it pulls from; "": from the node's own tiers
     target: str = "hbm"  # the tier it brings the KV to: "hbm" (ending in a warm-up) or "dram"
     # Of the pages the node's job left in the target tier, those it fetched from the peer (final status).
     pages_in_target: int = 0
     pages_from_peer: int = 0
-    state: MoveState = MoveState.PENDING
-    prefetch_id: str = ""  # the node's id for the move, once it answered
-    task: asyncio.Task[None] | None = None  # what follows it
 
     @property
     def ready(self) -> bool:
