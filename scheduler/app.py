@@ -5,6 +5,7 @@ metrics (FastAPI)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 # Starlette loads anyio's asyncio backend lazily, on first use of its task groups or thread pool;
@@ -61,6 +62,8 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
             "nodes": nodes,
             "models": sorted(state.cluster.served_models()),
             "cost_profile": state.cost_profile.describe(),
+            # Node pairs whose pulls the scheduler timed; `priced`: the policy prices moves by them.
+            "observed_links": [dataclasses.asdict(link) for link in state.dispatcher.links.describe()],
             # Per served model: "ready", "loading" or "none" (requests then route on session hints).
             "tokenizers": {model: state.tokens.status(model) for model in sorted(state.cluster.served_models())},
         }

@@ -91,7 +91,9 @@ class Dispatcher:
         self.queue = PushQueue(config.max_queued_requests)
         self.pulls = PullRule(config.route_pull_wait_ms, config.route_pull_min_tokens)
         self.links = ObservedLinks(profile)  # pulls' observed times correct the profile's links
-        self.prefetcher = Prefetcher(cluster.kv_stub, metrics, config.max_prefetches, self._moved, self._pulled)
+        self.prefetcher = Prefetcher(
+            cluster.kv_stub, cluster.address_of, metrics, config.max_prefetches, self._moved, self._pulled
+        )
         self.prefetches = LatestMoves(config.max_advisories)
         self.inflight_total = 0
         self._session: aiohttp.ClientSession | None = None
@@ -119,10 +121,9 @@ class Dispatcher:
         if fingerprint is not None:
             self.sessions.moved(key, node_id, history_tokens, fingerprint)
 
-    def _pulled(self, source_address: str, node_id: str, tokens: int, ms: float) -> None:
+    def _pulled(self, source: str, node_id: str, tokens: int, ms: float) -> None:
         """A pull into `node_id`'s DRAM took `ms`: moves over that link are priced by what they take."""
-        source = self.cluster.id_at(source_address)
-        if source is not None and (profile := self.links.observe(source, node_id, tokens, ms)) is not None:
+        if (profile := self.links.observe(source, node_id, tokens, ms)) is not None:
             self.profile = profile
             if isinstance(self.policy, SymphonyPolicy):  # the one policy that prices moves
                 self.policy.profile = profile
@@ -288,8 +289,8 @@ class Dispatcher:
                 self.metrics.prefetches.labels(move).inc()
                 self.prefetches.pop(key, None)  # no earlier move counts for its request
                 return False
-            address = self._node(source[0]).address if source is not None else ""
-            prefetch = self.prefetcher.start(key, node_id, address, deadline_ms, request.priority, history, move)
+            peer = source[0] if source is not None else ""
+            prefetch = self.prefetcher.start(key, node_id, peer, deadline_ms, request.priority, history, move)
         if prefetch is None:
             return False
         self.prefetches.record(prefetch)
@@ -396,15 +397,12 @@ class Dispatcher:
         if shared is not None and (own is None or shared.tokens > own.tokens):
             # Only the shared prefix: the donor's own history may go on far past it.
             blocks = shared.tokens // max(1, self._node(node_id).block_size)
-            address = self._node(shared.source).address
-            pulled = await self.prefetcher.pull(
-                (request.tenant, str(donor)), node_id, address, shared, request.priority, blocks
-            )
+            pulled = await self.prefetcher.pull((request.tenant, str(donor)), node_id, shared, request.priority, blocks)
             self.metrics.prefix_pulls.labels(pulled).inc()
             if pulled == "failed" and self.locator is not None:
                 self.locator.kv.donor_failed(str(donor))  # the next request of the prefix names itself
         elif own is not None and key is not None:
-            pulled = await self.prefetcher.pull(key, node_id, self._node(own.source).address, own, request.priority)
+            pulled = await self.prefetcher.pull(key, node_id, own, request.priority)
             self.metrics.route_pulls.labels(pulled).inc()
 
     def _check_inflight(self) -> None:

@@ -166,6 +166,12 @@ class SchedulerMetrics:
         self.node_engine_restarts = Gauge(
             "symphony_node_engine_restarts", "Engine restarts reported by the node", ["node"], registry=r
         )
+        self.link_observed_ms_per_token = Gauge(
+            "symphony_link_observed_ms_per_token",
+            "Observed pull time per token fetched, beyond RTT and tier reads (scheduler.pull_costs)",
+            ["source", "target"],
+            registry=r,
+        )
 
         self._kv_index_metrics(r)
 

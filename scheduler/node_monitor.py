@@ -156,9 +156,10 @@ class NodeMonitor:
         node = self.by_id(node_id)
         return node.model_fingerprint if node is not None else None
 
-    def id_at(self, address: str) -> str | None:
-        """The id of the node whose manager listens at `address` (None: none does)."""
-        return next((n.node_id for n in self.nodes if n.address == address), None)
+    def address_of(self, node_id: str) -> str | None:
+        """The address of the node's manager, where peers pull its KV from (None: no such node)."""
+        node = self.by_id(node_id)
+        return node.address if node is not None else None
 
     def snapshot(
         self, model: str, announced: Mapping[str, int] | None = None, high_sessions: Mapping[str, int] | None = None

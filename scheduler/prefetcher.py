@@ -74,7 +74,7 @@ class Prefetch:
     state: MoveState = MoveState.PENDING
     prefetch_id: str = ""  # the node's id for the move, once it answered
     task: asyncio.Task[None] | None = None  # what follows it
-    source_address: str = ""  # the node manager it pulls from; "": from the node's own tiers
+    source: str = ""  # the node it pulls from; "": from the node's own tiers
     target: str = "hbm"  # the tier it brings the KV to: "hbm" (ending in a warm-up) or "dram"
     # Of the pages the node's job left in the target tier, those it fetched from the peer (final status).
     pages_in_target: int = 0
@@ -119,6 +119,7 @@ class Prefetcher:
     def __init__(
         self,
         stub_for: Callable[[str], kv_pb2_grpc.KVStoreStub | None],
+        address_of: Callable[[str], str | None],
         metrics: SchedulerMetrics,
         max_inflight: int,
         on_moved: Callable[[SessionKey, str, int], None],
@@ -126,10 +127,11 @@ class Prefetcher:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._stub_for = stub_for
+        self._address_of = address_of  # a node's manager address, for a peer to pull from (None: gone)
         self._metrics = metrics
         self._max_inflight = max_inflight
         self._on_moved = on_moved
-        # A pull from a peer into DRAM finished in full: (source address, node, tokens it fetched, ms
+        # A pull from a peer into DRAM finished in full: (source node, node, tokens it fetched, ms
         # from the first request for that node job to its end). Once per job: a later request that
         # joins a running job (the node hands back its id) is not a second sample of the link.
         self._on_pulled = on_pulled
@@ -145,7 +147,7 @@ class Prefetcher:
         self,
         session: SessionKey,
         node_id: str,
-        source_address: str,
+        source: str,
         deadline_ms: int,
         priority: Priority,
         history_tokens: int,
@@ -153,26 +155,25 @@ class Prefetcher:
         max_blocks: int = 0,
     ) -> Prefetch | None:
         """Ask `node_id` to bring the session's KV into its `target` tier (pulling what it lacks from
-        the node manager at `source_address`, if given) by `deadline_ms` from now. Returns at once.
+        node `source`, if given) by `deadline_ms` from now. Returns at once.
         "hbm" ends in the engine's own prefix cache (a warm-up pass), for a request still to come;
         "dram" only brings the pages to the node, for a request about to be sent there, whose own
         prefill loads them. `max_blocks` > 0: pull only the session's first blocks (another
         request's shared prefix)."""
         stub = self._stub_for(node_id)
-        if stub is None:
+        address = self._address_of(source) if source else ""
+        if stub is None or address is None:
             return None
         if len(self._tasks) >= self._max_inflight:
             self._metrics.prefetches.labels("skipped_busy").inc()
             return None
-        prefetch = Prefetch(
-            session, node_id, history_tokens, self._clock(), source_address=source_address, target=target
-        )
+        prefetch = Prefetch(session, node_id, history_tokens, self._clock(), source=source, target=target)
         request = kv_pb2.PrefetchRequest(
             session=kv_pb2.SessionRef(tenant=session[0], session_id=session[1]),
             target_tier=_TARGETS[target],
             deadline_ms=deadline_ms,
             priority=priority.proto,
-            source_peer=source_address,
+            source_peer=address,
             max_blocks=max_blocks,
         )
         if target == "hbm":
@@ -190,18 +191,17 @@ class Prefetcher:
         self,
         session: SessionKey,
         node_id: str,
-        source_address: str,
         pull: Pull,
         priority: Priority,
         max_blocks: int = 0,
     ) -> str:
-        """Have `node_id` pull the session's KV (its first `max_blocks` blocks, if > 0) from the node
-        manager at `source_address` into its DRAM, and wait for it, at most `pull.wait_ms`. How it
+        """Have `node_id` pull the session's KV (its first `max_blocks` blocks, if > 0) from node
+        `pull.source` into its DRAM, and wait for it, at most `pull.wait_ms`. How it
         went: ready (arrived), late (still running: it carries on, and the pages may land before
         the engine's prefill reaches those blocks; its follower ends it by its deadline), failed, or
-        not_started (no follow slot)."""
+        not_started (no follow slot, or either node gone)."""
         wait_ms = int(pull.wait_ms)
-        prefetch = self.start(session, node_id, source_address, wait_ms, priority, pull.tokens, "dram", max_blocks)
+        prefetch = self.start(session, node_id, pull.source, wait_ms, priority, pull.tokens, "dram", max_blocks)
         if prefetch is None or prefetch.task is None:
             return "not_started"
         done, _ = await asyncio.wait({asyncio.shield(prefetch.task)}, timeout=wait_ms / 1000)
@@ -265,11 +265,11 @@ class Prefetcher:
         started = self._job_started.pop(prefetch.prefetch_id, None) if prefetch.prefetch_id else None
         if started is None or state != MoveState.DONE or not self._on_pulled:
             return
-        if prefetch.source_address and prefetch.target == "dram" and prefetch.pages_from_peer:
+        if prefetch.source and prefetch.target == "dram" and prefetch.pages_from_peer:
             # The history's share the node fetched (it pulls only what its tiers lack), in tokens.
             fetched = prefetch.pages_from_peer / max(prefetch.pages_in_target, prefetch.pages_from_peer)
             ms = (prefetch.finished_at - started) * 1000
-            self._on_pulled(prefetch.source_address, prefetch.node_id, round(prefetch.history_tokens * fetched), ms)
+            self._on_pulled(prefetch.source, prefetch.node_id, round(prefetch.history_tokens * fetched), ms)
 
     def cancel(self, prefetch: Prefetch) -> None:
         """Stop a move the scheduler no longer wants (its session was advised to another node):

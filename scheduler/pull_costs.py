@@ -16,7 +16,7 @@ Pure: no I/O, no clocks; the dispatcher passes each pull's duration.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from scheduler.cost_profile import CostProfile, NodeLink
 
@@ -30,6 +30,19 @@ NEWEST_WEIGHT = 0.25
 # The slowest rate believed (ms a token, 100 KB/s for SmolLM2's 23 KB tokens): a pull that took
 # longer measured a stall, not the link, and must not stop every move for good.
 MAX_MS_PER_TOKEN = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedLink:
+    """One node pair's pulls as observed, next to the calibrated rate they replace: ms per token
+    beyond the round trip and the tier reads at both ends."""
+
+    source: str
+    target: str
+    ms_per_token: float
+    calibrated_ms_per_token: float
+    pulls: int
+    priced: bool  # the policy prices moves over this pair by the observed rate
 
 
 class ObservedLinks:
@@ -62,6 +75,21 @@ class ObservedLinks:
     def observed(self, source: str, target: str) -> tuple[float, int]:
         """The pair's observed rate (ms per token) and how many pulls it is from; (0, 0): none."""
         return self._rates.get((source, target), (0.0, 0))
+
+    def describe(self) -> list[ObservedLink]:
+        """Every observed node pair, in order (for /readyz, `symphony status` and the metrics)."""
+        base = self.base
+        return [
+            ObservedLink(
+                source,
+                target,
+                rate,
+                base.kv_bytes_per_token / (base.link(source, target).bandwidth_gbps * 1e6),
+                samples,
+                samples >= MIN_SAMPLES,
+            )
+            for (source, target), (rate, samples) in sorted(self._rates.items())
+        ]
 
     def profile(self) -> CostProfile:
         """The base profile, each pair observed `MIN_SAMPLES` times priced at its observed rate."""

@@ -138,6 +138,9 @@ class SchedulerState:
             m.node_inflight.labels(node.node_id).set(node.inflight)
             m.node_kv_usage.labels(node.node_id).set(node.kv_usage)
             m.node_engine_restarts.labels(node.node_id).set(node.engine_restarts)
+        m.link_observed_ms_per_token.clear()  # the pairs observed now (a bounded table drops the oldest)
+        for link in self.dispatcher.links.describe():
+            m.link_observed_ms_per_token.labels(link.source, link.target).set(link.ms_per_token)
         if self.kv_watch is not None:
             self.kv_watch.export_gauges()
 

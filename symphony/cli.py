@@ -114,6 +114,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     profile = body.get("cost_profile")
     if profile:
         print(_describe_profile(profile))
+    for link in body.get("observed_links", []):
+        print(_describe_link(link))
     return 0 if body.get("status") == "ready" else 1
 
 
@@ -124,6 +126,15 @@ def _kv_index_text(info: dict[str, Any]) -> str:
         return ""
     state = f"fallback({kv.get('state')})" if kv.get("fallback") else kv.get("state")
     return f" index={state} lag={kv.get('lag_ms', 0):.0f}ms resyncs={kv.get('resyncs', 0)}"
+
+
+def _describe_link(link: dict[str, Any]) -> str:
+    """One of /readyz's `observed_links` (scheduler.pull_costs.ObservedLink) in a line."""
+    priced = "" if link["priced"] else ", not priced yet"
+    return (
+        f"  pulls {link['source']} -> {link['target']}: {link['ms_per_token']:.3f} ms/token over "
+        f"{link['pulls']} pulls (calibrated {link['calibrated_ms_per_token']:.3f}){priced}"
+    )
 
 
 def _describe_profile(p: dict[str, Any]) -> str:

@@ -32,15 +32,16 @@ async def test_a_joined_pull_is_one_sample_timed_from_its_first_request(node: Fa
     channel = grpc.aio.insecure_channel(node.address)
     stub = kv_pb2_grpc.KVStoreStub(channel)
     pulled: list[tuple[str, str, int, float]] = []
-    prefetcher = Prefetcher(lambda _node: stub, SchedulerMetrics(), 8, lambda *_: None, lambda *a: pulled.append(a))
+    addresses = {"node-a": "peer:1"}  # node-b pulls from node-a, whose manager listens there
+    prefetcher = Prefetcher(
+        lambda _node: stub, addresses.get, SchedulerMetrics(), 8, lambda *_: None, lambda *a: pulled.append(a)
+    )
     node.kv.joins, node.kv.final_pages = True, (40, 10)  # a quarter of the pages came from the peer
     node.kv.release.clear()
     try:
-        first = prefetcher.start(SESSION, "node-b", "peer:1", 5_000, Priority.NORMAL, 2_000, "dram")
+        first = prefetcher.start(SESSION, "node-b", "node-a", 5_000, Priority.NORMAL, 2_000, "dram")
         await async_wait_until(lambda: len(node.kv.prefetches) == 1, 10, "the first request")
-        joined = asyncio.create_task(
-            prefetcher.pull(SESSION, "node-b", "peer:1", Pull("peer", 2_000, 5_000), Priority.NORMAL)
-        )
+        joined = asyncio.create_task(prefetcher.pull(SESSION, "node-b", Pull("node-a", 2_000, 5_000), Priority.NORMAL))
         await async_wait_until(lambda: len(node.kv.prefetches) == 2, 10, "the second request, joining the job")
         node.kv.release.set()
         assert await joined == "ready"
@@ -48,17 +49,20 @@ async def test_a_joined_pull_is_one_sample_timed_from_its_first_request(node: Fa
         await first.task
         assert len(pulled) == 1  # one job, one sample
         source, target, tokens, ms = pulled[0]
-        assert (source, target, tokens) == ("peer:1", "node-b", 500)
+        assert (source, target, tokens) == ("node-a", "node-b", 500)
+        assert [r.source_peer for r in node.kv.prefetches] == ["peer:1", "peer:1"]
         assert first.finished_at is not None and ms >= (first.finished_at - first.started_at) * 1000 - 1
         # A move from the node's own tiers, or one that fetched nothing from the peer, is no sample.
         node.kv.joins, node.kv.final_pages = False, (40, 0)
-        assert (
-            await prefetcher.pull(SESSION, "node-b", "peer:1", Pull("peer", 2_000, 5_000), Priority.NORMAL) == "ready"
-        )
+        assert await prefetcher.pull(SESSION, "node-b", Pull("node-a", 2_000, 5_000), Priority.NORMAL) == "ready"
         own = prefetcher.start(SESSION, "node-b", "", 5_000, Priority.NORMAL, 2_000, "dram")
         assert own is not None and own.task is not None
         await own.task
         assert len(pulled) == 1
+        # A source that left the cluster: nothing is asked of the node.
+        asked = len(node.kv.prefetches)
+        gone = await prefetcher.pull(SESSION, "node-b", Pull("node-c", 2_000, 5_000), Priority.NORMAL)
+        assert gone == "not_started" and len(node.kv.prefetches) == asked
     finally:
         await prefetcher.stop()
         await channel.close()

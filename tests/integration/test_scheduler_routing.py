@@ -108,6 +108,14 @@ async def test_a_request_routed_away_from_its_kv_without_an_advisory_pulls_it_ov
         pulled = other.kv.prefetches[0]
         assert pulled.source_peer == holder.address
         assert state.dispatcher.links.observed(other.status.node_id, holder.status.node_id) == (0.0, 0)
+        # Shown where an operator looks: /readyz (so `symphony status`) and the metrics.
+        shown = (await client.get("/readyz")).json()["observed_links"]
+        assert [(x["source"], x["target"], x["pulls"], x["priced"]) for x in shown] == [
+            (holder.status.node_id, other.status.node_id, 1, False)
+        ]
+        pair = f'source="{holder.status.node_id}",target="{other.status.node_id}"'
+        series = f"symphony_link_observed_ms_per_token{{{pair}}}"
+        assert _metric((await client.get("/metrics")).text, series) == pytest.approx(rate)
 
 
 async def test_a_request_arriving_while_its_advisorys_move_is_under_way_waits_for_the_kv(

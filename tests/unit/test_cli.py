@@ -162,3 +162,21 @@ def test_status_describes_the_cost_profile_in_use(tmp_path: Path) -> None:
     text = _describe_profile(missing.describe())
     assert text.startswith("cost profile /x/cost-profile.json: missing (no cost profile file); routing on built-in")
     assert "prefill 924 ms per 1k tokens" in text and "dram 1.45" in text and "links: 0 measured" in text
+
+
+def test_status_describes_the_observed_links_as_readyz_reports_them() -> None:
+    import dataclasses
+    import json
+
+    from scheduler.cost_profile import DEFAULT_PROFILE
+    from scheduler.pull_costs import ObservedLinks
+    from symphony.cli import _describe_link
+
+    links = ObservedLinks(DEFAULT_PROFILE)
+    links.observe("node-0", "node-1", 1_000, 120.0)
+    (shown,) = [json.loads(json.dumps(dataclasses.asdict(x))) for x in links.describe()]  # as /readyz sends it
+    calibrated = DEFAULT_PROFILE.kv_bytes_per_token / (DEFAULT_PROFILE.default_link.bandwidth_gbps * 1e6)
+    observed = (120.0 - DEFAULT_PROFILE.default_link.rtt_ms) / 1_000 - 2 * DEFAULT_PROFILE.tier_load_ms_per_token.dram
+    assert _describe_link(shown) == (
+        f"  pulls node-0 -> node-1: {observed:.3f} ms/token over 1 pulls (calibrated {calibrated:.3f}), not priced yet"
+    )

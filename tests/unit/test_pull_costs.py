@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from scheduler.cost_profile import DEFAULT_PROFILE, LinkCost, NodeLink, TierLoadCosts
-from scheduler.pull_costs import MAX_MS_PER_TOKEN, MIN_PULL_TOKENS, NEWEST_WEIGHT, ObservedLinks
+from scheduler.pull_costs import MAX_MS_PER_TOKEN, MIN_PULL_TOKENS, NEWEST_WEIGHT, ObservedLink, ObservedLinks
 
 # 1,000 bytes a token; the calibrated links move a token in 0.001 ms (1 GB/s) after a 2 ms round
 # trip ("a" -> "c": 10 ms); a DRAM read or write costs 0.0005 ms a token. The engine's costs play no part.
@@ -79,3 +79,14 @@ def test_the_pairs_kept_are_bounded() -> None:
         links.observe(source, "x", 1_000, 12.0)
     assert links.observed("a", "x") == (0.0, 0)
     assert links.observed("b", "x")[1] == links.observed("c", "x")[1] == 1
+
+
+def test_described_pairs_show_the_observed_rate_next_to_the_calibrated_one() -> None:
+    links = ObservedLinks(BASE)
+    links.observe("c", "b", 1_000, 12.0)  # 0.009 a token, not priced yet
+    for _ in range(3):
+        links.observe("a", "c", 1_000, 30.0)  # 0.019 a token over the calibrated 10 ms link
+    assert links.describe() == [
+        ObservedLink("a", "c", pytest.approx(0.019), calibrated_ms_per_token=0.001, pulls=3, priced=True),
+        ObservedLink("c", "b", pytest.approx(0.009), calibrated_ms_per_token=0.001, pulls=1, priced=False),
+    ]
