@@ -128,22 +128,17 @@ def movable_sources(
     return sources
 
 
-def _pushable(
-    candidates: Sequence[NodeSnapshot], holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int]
-) -> list[NodeSnapshot]:
+def _pushable(candidates: Sequence[NodeSnapshot], holdings: Mapping[str, HeldPrefix]) -> list[NodeSnapshot]:
     """Selective pushing: the nodes a request may be sent to now. An engine with nothing waiting
     starts it at its next step. An engine with requests waiting would keep it behind them however the
     costs compare later, so it is a candidate only when it holds a longer prefix of the prompt than
-    any idle node holds or can pull (`movable`; a prefix with no known donor session never moves):
-    then its queue is priced against recomputing that prefix elsewhere. Empty: every node has requests
+    any idle node holds: then its queue is priced against bringing that prefix to an idle node, by a
+    pull (as the pulls over that link have taken) or by recomputing it. Empty: every node has requests
     waiting, and the request waits in the scheduler for the first to free up."""
     idle = [n for n in candidates if n.pending == 0]
     if not idle:
         return []
-    reach = max(
-        max((holdings.get(n.node_id, NOTHING_HELD).total for n in idle), default=0),
-        max((min(h.total, movable.get(node, 0)) for node, h in holdings.items()), default=0),
-    )
+    reach = max(holdings.get(n.node_id, NOTHING_HELD).total for n in idle)
     return [n for n in candidates if n.pending == 0 or holdings.get(n.node_id, NOTHING_HELD).total > reach]
 
 
@@ -172,7 +167,7 @@ class SymphonyPolicy:
         holdings = request.holdings()
         movable = request.movable()
         if self.selective_push:
-            candidates = _pushable(candidates, holdings, movable)
+            candidates = _pushable(candidates, holdings)
             if not candidates:
                 return RouteDecision(None, "queued", queue=True)
         longest = longest_held(holdings)

@@ -236,14 +236,15 @@ def test_another_sessions_prefix_is_found_where_it_is_but_never_moved() -> None:
     assert SymphonyPolicy(PROFILE).choose(req, [node("a"), node("b", running=1)]).node_id == "a"
 
 
-def test_a_node_with_requests_waiting_is_a_candidate_only_for_a_prefix_no_idle_node_can_get() -> None:
-    """Selective pushing keeps requests out of engine queues, but not at the price of recomputing a
-    prefix found nowhere else. a holds 1,900 of 2,000 tokens, another session's, and has one request
-    waiting of unknown size (256 tokens: 256 + 0.5 x 256 x 128 / 1000 = 272.384 ms) behind one
-    running: 50 + (10 + 2) x 1.5 + 272.384 + 197.5 = 537.884, against idle b's recompute, 3,060: a
-    (scored with the delays of their prefills, 197.5 and 3,000: 735.384 and 6,060).
-    The same copy as the session's own, which b can pull (2,095): b is idle and a is not a candidate.
-    With nothing idle, the request waits in the scheduler."""
+def test_a_node_with_requests_waiting_is_a_candidate_only_for_a_prefix_no_idle_node_holds() -> None:
+    """Selective pushing keeps requests out of engine queues, but not at the price of recomputing or
+    pulling a prefix an engine with a short queue holds. a holds 1,900 of 2,000 tokens, another
+    session's, and has one request waiting of unknown size (256 tokens: 256 + 0.5 x 256 x 128 / 1000 =
+    272.384 ms) behind one running: 50 + (10 + 2) x 1.5 + 272.384 + 197.5 = 537.884, against idle
+    b's recompute, 3,060: a (scored with the delays of their prefills, 197.5 and 3,000: 735.384 and
+    6,060). The same copy as the session's own, which b can pull (2,095 + 197.5 and its delay: 2,550):
+    a still, its queue priced against the pull. With nothing idle, the request waits in the
+    scheduler."""
     waiting_a = node("a", running=1, waiting=1)
     shared = request(2000, {"a": HeldPrefix(engine=1900)}, own=False)
     decision = SymphonyPolicy(PROFILE).choose(shared, [waiting_a, node("b")])
@@ -251,7 +252,11 @@ def test_a_node_with_requests_waiting_is_a_candidate_only_for_a_prefix_no_idle_n
     assert decision.scores == pytest.approx({"a": 735.384, "b": 6060.0})
     own = request(2000, {"a": HeldPrefix(engine=1900)}, own=True)
     decision = SymphonyPolicy(PROFILE).choose(own, [waiting_a, node("b")])
-    assert decision.node_id == "b" and set(decision.scores) == {"b"}
+    assert decision.node_id == "a"
+    assert decision.scores == pytest.approx({"a": 735.384, "b": 2550.0})
+    # Behind a queue longer than the pull, b.
+    long_queue = node("a", running=1, waiting=8)
+    assert SymphonyPolicy(PROFILE).choose(own, [long_queue, node("b")]).node_id == "b"
     assert SymphonyPolicy(PROFILE).choose(shared, [waiting_a, node("b", waiting=1)]).queue
     # A waiting node holding no more than an idle one is never a candidate.
     both = request(2000, {"a": HeldPrefix(engine=1900), "b": HeldPrefix(dram=1900)}, own=False)
@@ -264,7 +269,8 @@ def test_another_sessions_prefix_moves_under_its_donors_name() -> None:
     95 read (the engine's copy is read from the store's DRAM) + 5 + 1,900 over the link + 95 DRAM
     load = 2,095, against recomputing them, 2,802.5; then the last 100 tokens, 197.5. b: 50 + 10 +
     2,095 + 197.5 = 2,352.5, and only 197.5 computed: scored 2,550, against busy a's 5,710.
-    With a request waiting on a, a is no candidate at all now: idle b can get the same prefix."""
+    With a request waiting on a (735.384, as in the test above), a: its queue is shorter than the
+    pull."""
     held = {"a": HeldPrefix(engine=1900)}
     req = RouteRequest("t", "s", "m", history_tokens=2000, held=held, prefix_donor="d", prefix_copies={"a": 1900})
     assert estimate(req, node("b")) == TtftEstimate(50.0, 10.0, 0.0, 2095.0, 197.5, delay_ms=197.5)
@@ -272,7 +278,7 @@ def test_another_sessions_prefix_moves_under_its_donors_name() -> None:
     decision = SymphonyPolicy(PROFILE).choose(req, [busy_a, node("b")])
     assert (decision.node_id, decision.scores) == ("b", {"a": 5710.0, "b": 2550.0})
     decision = SymphonyPolicy(PROFILE).choose(req, [node("a", running=1, waiting=1), node("b")])
-    assert decision.node_id == "b" and set(decision.scores) == {"b"}
+    assert (decision.node_id, decision.scores) == ("a", pytest.approx({"a": 735.384, "b": 2550.0}))
     # What a pull brings is the longer of the session's own copy and the donor's, per node.
     assert dict(RouteRequest("t", "s", "m", kv_tokens={"a": 50, "c": 9}, prefix_copies={"a": 900}).movable()) == {
         "a": 900,
