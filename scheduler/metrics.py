@@ -57,7 +57,8 @@ class SchedulerMetrics:
         self.prefetches = Counter(
             "symphony_prefetches",
             "KV moves the scheduler asked a node for, by how they "
-            "ended (done, partial, failed, not_found: nothing to move, skipped_busy; "
+            "ended (done, partial, failed, not_found: nothing to move, skipped_busy, skipped_gone: the node "
+            "or the source left the cluster; "
             "unchanged: not asked, the same KV reached that node moments ago; in_engine: not asked, the "
             "node's engine cache holds the session's last prompt; loads_on_arrival: not asked, loading "
             "the node's copy at the request's arrival costs less than a warm-up pass)",

@@ -163,6 +163,7 @@ class Prefetcher:
         stub = self._stub_for(node_id)
         address = self._address_of(source) if source else ""
         if stub is None or address is None:
+            self._metrics.prefetches.labels("skipped_gone").inc()  # the node or the source left
             return None
         if len(self._tasks) >= self._max_inflight:
             self._metrics.prefetches.labels("skipped_busy").inc()

@@ -114,9 +114,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     profile = body.get("cost_profile")
     if profile:
         print(_describe_profile(profile))
-    for link in body.get("observed_links", []):
-        print(_describe_link(link))
+    for line in _describe_links(body.get("observed_links", [])):
+        print(line)
     return 0 if body.get("status") == "ready" else 1
+
+
+MAX_STATUS_LINKS = 16  # observed node pairs printed; a fleet's can run to thousands (--json has all)
 
 
 def _kv_index_text(info: dict[str, Any]) -> str:
@@ -128,13 +131,19 @@ def _kv_index_text(info: dict[str, Any]) -> str:
     return f" index={state} lag={kv.get('lag_ms', 0):.0f}ms resyncs={kv.get('resyncs', 0)}"
 
 
-def _describe_link(link: dict[str, Any]) -> str:
-    """One of /readyz's `observed_links` (scheduler.pull_costs.ObservedLink) in a line."""
-    priced = "" if link["priced"] else ", not priced yet"
-    return (
-        f"  pulls {link['source']} -> {link['target']}: {link['ms_per_token']:.3f} ms/token over "
-        f"{link['pulls']} pulls (calibrated {link['calibrated_ms_per_token']:.3f}){priced}"
-    )
+def _describe_links(links: list[dict[str, Any]]) -> list[str]:
+    """/readyz's `observed_links` (scheduler.pull_costs.ObservedLink), a line each, the first
+    `MAX_STATUS_LINKS` of them."""
+    lines = []
+    for link in links[:MAX_STATUS_LINKS]:
+        priced = "" if link["priced"] else ", not priced yet"
+        lines.append(
+            f"  pulls {link['source']} -> {link['target']}: {link['ms_per_token']:.3f} ms/token over "
+            f"{link['pulls']} pulls (calibrated {link['calibrated_ms_per_token']:.3f}){priced}"
+        )
+    if len(links) > MAX_STATUS_LINKS:
+        lines.append(f"  ... and {len(links) - MAX_STATUS_LINKS} more observed links (symphony status --json)")
+    return lines
 
 
 def _describe_profile(p: dict[str, Any]) -> str:

@@ -128,18 +128,33 @@ def movable_sources(
     return sources
 
 
-def _pushable(candidates: Sequence[NodeSnapshot], holdings: Mapping[str, HeldPrefix]) -> list[NodeSnapshot]:
+# An engine whose KV cache is this full may have requests waiting for memory (vLLM admits a request
+# only when its blocks fit), which `queue_ms` cannot see: it prices each waiting request as a prefill.
+NEARLY_FULL_KV = 0.95
+
+
+def _pushable(
+    candidates: Sequence[NodeSnapshot], holdings: Mapping[str, HeldPrefix], movable: Mapping[str, int]
+) -> list[NodeSnapshot]:
     """Selective pushing: the nodes a request may be sent to now. An engine with nothing waiting
     starts it at its next step. An engine with requests waiting would keep it behind them however the
     costs compare later, so it is a candidate only when it holds a longer prefix of the prompt than
     any idle node holds: then its queue is priced against bringing that prefix to an idle node, by a
-    pull (as the pulls over that link have taken) or by recomputing it. Empty: every node has requests
-    waiting, and the request waits in the scheduler for the first to free up."""
+    pull (as the pulls over that link have taken) or by recomputing it. With its KV cache nearly full
+    (`NEARLY_FULL_KV`), whose queue may be waiting for memory, only when no idle node can pull the
+    prefix either (`movable`). Empty: every node has requests waiting, and the request waits in the
+    scheduler for the first to free up."""
     idle = [n for n in candidates if n.pending == 0]
     if not idle:
         return []
     reach = max(holdings.get(n.node_id, NOTHING_HELD).total for n in idle)
-    return [n for n in candidates if n.pending == 0 or holdings.get(n.node_id, NOTHING_HELD).total > reach]
+    pull_reach = max((min(h.total, movable.get(node, 0)) for node, h in holdings.items()), default=0)
+    pushable = []
+    for n in candidates:
+        held = holdings.get(n.node_id, NOTHING_HELD).total
+        if n.pending == 0 or (held > reach and (kv_usage(n) < NEARLY_FULL_KV or held > pull_reach)):
+            pushable.append(n)
+    return pushable
 
 
 class SymphonyPolicy:
@@ -167,7 +182,7 @@ class SymphonyPolicy:
         holdings = request.holdings()
         movable = request.movable()
         if self.selective_push:
-            candidates = _pushable(candidates, holdings)
+            candidates = _pushable(candidates, holdings, movable)
             if not candidates:
                 return RouteDecision(None, "queued", queue=True)
         longest = longest_held(holdings)

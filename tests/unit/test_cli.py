@@ -170,13 +170,16 @@ def test_status_describes_the_observed_links_as_readyz_reports_them() -> None:
 
     from scheduler.cost_profile import DEFAULT_PROFILE
     from scheduler.pull_costs import ObservedLinks
-    from symphony.cli import _describe_link
+    from symphony.cli import MAX_STATUS_LINKS, _describe_links
 
     links = ObservedLinks(DEFAULT_PROFILE)
     links.observe("node-0", "node-1", 1_000, 120.0)
-    (shown,) = [json.loads(json.dumps(dataclasses.asdict(x))) for x in links.describe()]  # as /readyz sends it
+    shown = [json.loads(json.dumps(dataclasses.asdict(x))) for x in links.describe()]  # as /readyz sends it
     calibrated = DEFAULT_PROFILE.kv_bytes_per_token / (DEFAULT_PROFILE.default_link.bandwidth_gbps * 1e6)
     observed = (120.0 - DEFAULT_PROFILE.default_link.rtt_ms) / 1_000 - 2 * DEFAULT_PROFILE.tier_load_ms_per_token.dram
-    assert _describe_link(shown) == (
+    assert _describe_links(shown) == [
         f"  pulls node-0 -> node-1: {observed:.3f} ms/token over 1 pulls (calibrated {calibrated:.3f}), not priced yet"
-    )
+    ]
+    # A fleet's pairs run to thousands: the first few, and how many more.
+    many = _describe_links(shown * (MAX_STATUS_LINKS + 4))
+    assert len(many) == MAX_STATUS_LINKS + 1 and many[-1].startswith("  ... and 4 more observed links")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.cost_profile import CostProfile, LinkCost, NodeLink, TierLoadCosts
-from scheduler.policies.symphony import CostModel, SymphonyPolicy, TtftEstimate
+from scheduler.policies.symphony import NEARLY_FULL_KV, CostModel, SymphonyPolicy, TtftEstimate
 from scheduler.routing import HeldPrefix, NodeSnapshot, PrefillWork, RouteRequest, hints_as_held, prefill_work
 
 # Prefill: 1 ms a token + 0.5 ms a token per 1,000 tokens of position. A step: 10 ms + 2 ms per request
@@ -257,6 +257,12 @@ def test_a_node_with_requests_waiting_is_a_candidate_only_for_a_prefix_no_idle_n
     # Behind a queue longer than the pull, b.
     long_queue = node("a", running=1, waiting=8)
     assert SymphonyPolicy(PROFILE).choose(own, [long_queue, node("b")]).node_id == "b"
+    # With a's KV cache nearly full its queue may wait for memory, which no price sees: a is a
+    # candidate only for the prefix b cannot pull.
+    full_a = node("a", running=1, waiting=1, kv_usage=NEARLY_FULL_KV)
+    decision = SymphonyPolicy(PROFILE).choose(own, [full_a, node("b")])
+    assert decision.node_id == "b" and set(decision.scores) == {"b"}
+    assert SymphonyPolicy(PROFILE).choose(shared, [full_a, node("b")]).node_id == "a"
     assert SymphonyPolicy(PROFILE).choose(shared, [waiting_a, node("b", waiting=1)]).queue
     # A waiting node holding no more than an idle one is never a candidate.
     both = request(2000, {"a": HeldPrefix(engine=1900), "b": HeldPrefix(dram=1900)}, own=False)
