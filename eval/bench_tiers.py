@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from eval.child_process import stop_child
+from eval.device_loads import measure_device_loads
 from eval.plots import plot_tiers
 from eval.ports import free_port
 from eval.results import write_result
@@ -48,6 +49,9 @@ TARGETS = {  # key: (numerator, denominator, minimum ratio) or a maximum ratio f
     "ssd_write_vs_disk": ("ssd_write_gbps", "disk_write_bound_gbps", 0.6),
     "peer_fetch_vs_loopback": ("peer_fetch_gbps", "loopback_bound_gbps", 0.5),
 }
+# With a device (--device cuda): the engine's load (the connector's) against a pinned host-to-device
+# copy of the same bytes; the store's own load into device rows is reported beside it (eval/device_loads.py).
+DEVICE_TARGETS = {"connector_load_vs_bound": ("connector_load_gbps", "host_to_device_bound_gbps", 0.7)}
 FIRST_LAYER_MAX_FRACTION = 0.1
 MEMORY_PAIRS = 5  # (memcpy bound, DRAM load) pairs per trial, medians kept
 PEER_PAIRS = 3  # (loopback bound, peer pull) pairs per trial, medians kept
@@ -109,13 +113,19 @@ def _store(
         )
 
 
-def measure_memcpy(pages: list[torch.Tensor]) -> float:
+def measure_memcpy(pages: list[torch.Tensor], threads: int) -> float:
+    """One copy of the session's bytes by `threads` threads: the store's copy lanes are as many."""
     src = torch.cat(pages)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in first: the store's arena is warm too
-    started = time.perf_counter()
-    dst.copy_(src)
-    return _gbps(src.numel() * 8, time.perf_counter() - started)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        started = time.perf_counter()
+        dst.copy_(src)
+        return _gbps(src.numel() * 8, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(before)
 
 
 def measure_disk_bounds(directory: Path, nbytes: int) -> tuple[float, float]:
@@ -204,13 +214,15 @@ def measure_store_paths(
         # copy is shorter than a scheduler hiccup (docs/benchmarks.md#bench-tiers).
         bounds, loads = [], []
         for _ in range(MEMORY_PAIRS):
-            bounds.append(measure_memcpy(pages))
+            bounds.append(measure_memcpy(pages, store.config.io_threads))
             started = time.perf_counter()
             results = store.loads.into_rows(TENANT, "s", target=RowTarget(dest, rows)).wait_all(60)
             loads.append(_gbps(nbytes, time.perf_counter() - started))
             assert all(not r.failed for r in results)
         assert _same_bytes(dest, pages), "DRAM load returned wrong bytes"
         out["memcpy_gbps"], out["dram_load_gbps"] = statistics.median(bounds), statistics.median(loads)
+        if device != "cpu":
+            out.update(measure_device_loads(store, TENANT, "s", pages, device, work / f"kv-{trial}.sock"))
     finally:
         store.close()
     # A fresh store on the same directory: DRAM is empty, so every page comes from SSD (uncached).
@@ -231,14 +243,6 @@ def measure_store_paths(
         out["ssd_read_gbps"] = _gbps(nbytes, elapsed)
         out["ssd_first_layer_ready_ms"] = first * 1000
         out["ssd_all_layers_ready_ms"] = elapsed * 1000
-        if device != "cpu":
-            dev = [
-                torch.empty(blocks, geometry.page_words, dtype=torch.int64, device=device)
-                for _ in range(geometry.num_layers)
-            ]
-            started = time.perf_counter()
-            store.loads.into_rows(TENANT, "s", target=RowTarget(dev, list(range(blocks)))).wait_all(60)
-            out["dram_to_device_gbps"] = _gbps(nbytes, time.perf_counter() - started)
     finally:
         store.close()
         shutil.rmtree(ssd_dir, ignore_errors=True)
@@ -379,14 +383,16 @@ def run_tiers_bench(
             "session_bytes": nbytes,
             "trials": trials,
             "device": device,
+            "io_threads": StoreConfig.io_threads,
             "page_bytes": geometry.page_bytes,
             "samples": samples,
         }
     )
-    ratios = {name: result[num] / result[den] for name, (num, den, _) in TARGETS.items()}
+    targets = {**TARGETS, **(DEVICE_TARGETS if device != "cpu" else {})}
+    ratios = {name: result[num] / result[den] for name, (num, den, _) in targets.items()}
     ratios["ssd_first_layer_fraction"] = result["ssd_first_layer_ready_ms"] / result["ssd_all_layers_ready_ms"]
     result["ratios"] = ratios
-    result["targets_met"] = {name: ratios[name] >= minimum for name, (_, _, minimum) in TARGETS.items()}
+    result["targets_met"] = {name: ratios[name] >= minimum for name, (_, _, minimum) in targets.items()}
     result["targets_met"]["ssd_first_layer_fraction"] = ratios["ssd_first_layer_fraction"] <= FIRST_LAYER_MAX_FRACTION
     write_result(result, out, table=_print_table, plot=plot, plotter=plot_tiers)
     return result
@@ -407,7 +413,10 @@ def _print_table(result: dict[str, Any]) -> None:
         "ssd_read_gbps",
         "loopback_bound_gbps",
         "peer_fetch_gbps",
+        "host_to_device_bound_gbps",
         "dram_to_device_gbps",
+        "connector_load_gbps",
+        "connector_load_scattered_gbps",
     ):
         if key in result:
             print(f"  {key:<24}{result[key]:>9.2f} GB/s")

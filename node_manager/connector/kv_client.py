@@ -106,14 +106,16 @@ class NodeKVClient:
         except OSError:
             self.close()
             raise
-        return request_id, self._layers(sock)
+        return request_id, self._layers(sock, request_id)
 
-    def _layers(self, sock: socket.socket) -> Iterator[tuple[int, np.ndarray]]:
+    def _layers(self, sock: socket.socket, request_id: int) -> Iterator[tuple[int, np.ndarray]]:
         try:
             while True:
                 message, payload = self._read(sock)
                 if message["op"] != "layer":
                     raise ipc_wire.ProtocolError(f"expected a layer frame, got {message['op']!r}")
+                if message.get("id") != request_id:  # an earlier load's frame: that answer was not read out
+                    raise ipc_wire.ProtocolError(f"a layer frame of load {message.get('id')!r}, not {request_id}")
                 yield int(message["layer"]), ipc_wire.slots_from(payload)
                 if message.get("last"):
                     return

@@ -12,6 +12,15 @@ manager). Pages are out of vLLM's blocks by the end of the step, so block frees 
 A finished request's partial last block is copied, all layers at once, after the next step's
 forward; vLLM frees that request's blocks once `saved_tails` reports it.
 Metrics: each step's per-layer waits and failed blocks go to the node manager by the same thread.
+
+On a CUDA engine every copy is asynchronous, and nothing may act on pages before their bytes have
+landed. Loads run on a stream of their own, behind the work the forward had queued when the step's
+loads started. A layer is ready once its copies are queued there; `wait_layer` makes the forward's
+stream wait for them on the GPU (the forward's thread does not block on the copies), and the step's
+pages go back to the node manager only once every copy is done. Tails are copied on the forward's
+stream and waited for before the forward. Saves are queued on the forward's own stream (so later
+kernels cannot overwrite a block before it is copied), and their commit waits for an event recorded
+after them: the node manager checksums and persists what is in the arena at commit.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,6 +55,7 @@ MAX_PENDING_COMMITS = 64
 # accepts a finished save only for an id it has named (`get_finished`). One step names at most
 # max_num_seqs of them; older ones are long reported.
 MAX_KEPT_FINISHED_IDS = 4096
+CLOSE_JOIN_S = 10.0  # how long `close` waits for each of the worker side's threads
 
 
 def layer_index(layer_name: str) -> int:
@@ -55,11 +66,26 @@ def layer_index(layer_name: str) -> int:
 
 
 class _StepLoad:
-    """One step's loads: per-layer readiness and the vLLM blocks that could not be loaded."""
+    """One step's loads: per-layer readiness and the vLLM blocks that could not be loaded.
 
-    def __init__(self, num_layers: int, block_ids: np.ndarray) -> None:
+    `lock` is held by the loader thread while it copies a layer (on a CPU cache, until the bytes
+    have landed; on CUDA, until they are queued) and by the forward when it gives up waiting: once
+    `abandoned` is set, no copy is started into blocks that vLLM now recomputes."""
+
+    def __init__(self, num_layers: int, block_ids: np.ndarray, queued: torch.cuda.Event | None) -> None:
         self.ready = [threading.Event() for _ in range(num_layers)]
         self.block_ids = block_ids  # every vLLM block this step loads into, in item order
+        self.queued = queued  # CUDA: recorded on the forward's stream when the loads started
+        self.lock = threading.Lock()
+        self.abandoned = False
+        # CUDA: per layer, an event on the load stream after that layer's copies (set before `ready`)
+        self.landed: list[torch.cuda.Event | None] = [None] * num_layers
+
+
+@dataclass(frozen=True, slots=True)
+class _Commit:
+    reservation: int
+    copied: torch.cuda.Event | None  # CUDA: recorded after the reservation's device-to-host copies
 
 
 def cache_page_layout(kv: torch.Tensor, geometry: KVGeometry, kv_cache_dtype: str) -> str:
@@ -108,8 +134,9 @@ class WorkerSide:
         self._layer_waits: list[float] = []  # this step's waits (forward thread only)
         self._tails_done: set[str] = set()  # requests whose tail save was tried, not yet reported
         self._finished_ids: dict[str, None] = {}  # insertion-ordered, bounded (MAX_KEPT_FINISHED_IDS)
-        # Commits (reservation ids) and metric reports, in order, for the control thread.
-        self._commits: queue.Queue[int | dict[str, Any] | None] = queue.Queue(MAX_PENDING_COMMITS)
+        # Commits and metric reports, in order, for the control thread.
+        self._commits: queue.Queue[_Commit | dict[str, Any] | None] = queue.Queue(MAX_PENDING_COMMITS)
+        self._load_stream: torch.cuda.Stream | None = None  # CUDA caches: the loads' own stream
         self._loads: queue.Queue[tuple[list[LoadSpec], _StepLoad] | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._commit_loop, name="symphony-kv-commit", daemon=True),
@@ -152,6 +179,8 @@ class WorkerSide:
                 )
             layers.append(kv.view(kv.shape[0], -1).view(torch.int64))  # a page is an opaque row of words
         self._layers = layers
+        if layers[0].device.type == "cuda":
+            self._load_stream = torch.cuda.Stream(layers[0].device)
         self._arena = DramArena.attach(
             hello["arena"], geometry, hello["arena_bytes"], writable=True, pin_for_cuda=layers[0].device.type == "cuda"
         )
@@ -168,7 +197,9 @@ class WorkerSide:
         if not loads or self._arena is None:
             self._load = None
             return
-        step = _StepLoad(len(self._layers), np.array([b for spec in loads for b in spec.block_ids], np.int64))
+        step = _StepLoad(
+            len(self._layers), np.array([b for spec in loads for b in spec.block_ids], np.int64), self._mark_queued()
+        )
         self._load = step
         self._loads.put((list(loads), step))
 
@@ -184,29 +215,63 @@ class WorkerSide:
             # The forward cannot wait longer: every block of the step is reported, so vLLM drops
             # this step's output for those requests and recomputes them instead of using the cache.
             log.warning("KV layer load timed out; the step's loaded blocks are recomputed", layer=layer)
+            with step.lock:  # waits out a layer being copied; none is copied after
+                step.abandoned = True
+            if self._load_stream is not None:
+                # The recompute's writes come after every copy already queued into those blocks.
+                torch.cuda.current_stream(self._load_stream.device).wait_stream(self._load_stream)
             self._fail(step.block_ids)
             for event in step.ready:
                 event.set()
+            return
+        landed = step.landed[layer]
+        if landed is not None:
+            torch.cuda.current_stream(landed.device).wait_event(landed)  # on the GPU: the thread goes on
 
     def _load_loop(self) -> None:
         single_threaded_torch()  # the forward owns the OpenMP team; this thread copies on its own
         _off_the_forwards_cores()
         client = NodeKVClient(self._socket_path)
+        on_stream = False
         while (job := self._loads.get()) is not None:
             loads, step = job
-            load_id = None
-            delivered = 0
+            if self._load_stream is not None and not on_stream:
+                # This thread's device and current stream, once: with neither set, CUDA would make
+                # a context on device 0 for it (a tensor-parallel rank's cache is on another).
+                torch.cuda.set_device(self._load_stream.device)
+                torch.cuda.set_stream(self._load_stream)
+                on_stream = True
+            self._run_load(client, loads, step)
+
+    def _run_load(self, client: NodeKVClient, loads: list[LoadSpec], step: _StepLoad) -> None:
+        """One step's load, layer by layer as the node manager answers. The answer is always read to
+        its end (the channel's contract), also once the forward has given up on it."""
+        load_id = None
+        delivered = 0
+        try:
+            load_id, layers = client.load([_load_item(spec) for spec in loads], timeout_s=self._layer_wait_s)
+            if self._load_stream is not None and step.queued is not None:
+                self._load_stream.wait_event(step.queued)  # blocks the forward was still using
+            for layer, slots in layers:
+                assert self._arena is not None
+                with step.lock:
+                    if step.abandoned:
+                        continue
+                    self._copy_in(layer, step.block_ids, slots, self._arena)  # failures reported first
+                    step.landed[layer] = self._queued_on_load_stream()
+                step.ready[layer].set()
+                delivered += 1
+        except (OSError, KVChannelError) as exc:
+            log.warning("KV load failed; its blocks are recomputed", error=str(exc))
+        except Exception:
+            log.exception("KV load failed; its blocks are recomputed")
+        finally:
             try:
-                load_id, layers = client.load([_load_item(spec) for spec in loads], timeout_s=self._layer_wait_s)
-                for layer, slots in layers:
-                    assert self._arena is not None
-                    self._copy_in(layer, step.block_ids, slots, self._arena)  # failures reported before it is ready
-                    step.ready[layer].set()
-                    delivered += 1
-            except (OSError, KVChannelError) as exc:
-                log.warning("KV load failed; its blocks are recomputed", error=str(exc))
+                # Before any layer is released to the forward unloaded, and before the pins go back:
+                # every copy queued so far has landed (the copies read the pinned slots).
+                _landed(self._load_stream if load_id is not None else None)
             finally:
-                if delivered < len(step.ready):
+                if delivered < len(step.ready) and not step.abandoned:  # an abandoned step was reported
                     self._fail(step.block_ids)
                 for event in step.ready:
                     event.set()
@@ -232,8 +297,11 @@ class WorkerSide:
                         self._copy_in(layer, blocks, slots, arena)
                         delivered += 1
                 finally:
-                    with contextlib.suppress(OSError):
-                        self._control.release(load_id)
+                    try:
+                        _landed(self._cuda_stream())  # before the release: the arena slots may be reused
+                    finally:
+                        with contextlib.suppress(OSError):
+                            self._control.release(load_id)
         except (OSError, KVChannelError) as exc:
             log.warning("KV tail load failed; those blocks are recomputed", error=str(exc))
         if delivered < len(self._layers):
@@ -306,7 +374,7 @@ class WorkerSide:
                         ok = slots[layer] >= 0
                         if ok.any():
                             copy_rows(self._arena.pages, slots[layer][ok], pages, block[ok])
-                    self._commits.put(reservation)
+                    self._commits.put(_Commit(reservation, self._mark_queued()))
             self._tails_done.add(tail.request_id)
 
     def saved_tails(self, finished_req_ids: set[str]) -> set[str] | None:
@@ -322,31 +390,71 @@ class WorkerSide:
         return done or None
 
     def finish_saves(self) -> None:
-        """After the forward: every reserved page has been copied; commit them off this thread."""
+        """After the forward: every reserved page's copy is queued; commit them off this thread
+        (on CUDA, once the copies are done)."""
         reservations, self._reservations = self._reservations, None
+        copied = self._mark_queued() if reservations else None
         for reservation, _, _ in (reservations or {}).values():
-            self._commits.put(reservation)  # bounded: if commits fall this far behind, the forward waits
+            # bounded: if commits fall this far behind, the forward waits
+            self._commits.put(_Commit(reservation, copied))
         if self._layer_waits:
             waits, self._layer_waits = self._layer_waits, []
             self._send_report({"layer_waits_s": waits})
 
     def _commit_loop(self) -> None:
         _off_the_forwards_cores()
+        on_device = False
         while (job := self._commits.get()) is not None:
             try:
+                if isinstance(job, _Commit) and job.copied is not None:
+                    if not on_device:  # see _load_loop: no context on device 0 for this thread
+                        torch.cuda.set_device(self._layers[0].device)
+                        on_device = True
+                    job.copied.synchronize()  # the node manager reads the arena at commit
                 with self._control_lock:
                     if isinstance(job, dict):
                         self._control.report(**job)
                     else:
-                        self._control.commit(job)
+                        self._control.commit(job.reservation)
             except (OSError, KVChannelError) as exc:
                 if not isinstance(job, dict):
                     log.warning("KV save commit failed; those pages stay unsaved", error=str(exc))
 
+    # ---- CUDA streams -------------------------------------------------------------------------------
+
+    def _cuda_stream(self) -> torch.cuda.Stream | None:
+        """The calling thread's current stream on the cache's device; None unless it is CUDA."""
+        if not self._layers or self._layers[0].device.type != "cuda":
+            return None
+        return torch.cuda.current_stream(self._layers[0].device)
+
+    def _mark_queued(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the calling thread's stream (None on CPU,
+        where a copy is done when it returns)."""
+        stream = self._cuda_stream()
+        if stream is None:
+            return None
+        event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps rather than spins
+        event.record(stream)
+        return event
+
+    def _queued_on_load_stream(self) -> torch.cuda.Event | None:
+        if self._load_stream is None:
+            return None  # a CPU copy is done when it returns
+        event = torch.cuda.Event()
+        event.record(self._load_stream)
+        return event
+
     def close(self) -> None:
+        """Stop both threads (their queued work done, or `CLOSE_JOIN_S` each), then unmap the arena
+        once no copy can still read or write it."""
         self._commits.put(None)
         self._loads.put(None)
+        for thread in self._threads:
+            thread.join(CLOSE_JOIN_S)
         self._control.close()
+        if self._layers and self._layers[0].device.type == "cuda":
+            torch.cuda.synchronize(self._layers[0].device)
         if self._arena is not None:
             self._arena.close()
 
@@ -363,6 +471,12 @@ def _load_item(spec: LoadSpec) -> dict[str, Any]:
     if spec.tail_tokens:
         item["tail_tokens"] = spec.tail_tokens
     return item
+
+
+def _landed(stream: torch.cuda.Stream | None) -> None:
+    """Return once the copies queued on `stream` so far are done (at once for None: CPU)."""
+    if stream is not None:
+        stream.synchronize()
 
 
 def _off_the_forwards_cores() -> None:

@@ -62,6 +62,12 @@ def copy_rows(
     Runs where both sides are consecutive become slice copies (memcpy speed: slot allocation and
     save order make long runs the common case); scattered rows fall back to one gather + scatter.
     Runs are found with array operations: this sits on every load's path, once per layer and lane.
+
+    With a CUDA tensor on either side the copies are queued on the current stream and may still be
+    running on return: the caller waits for that stream (an event, a synchronize) before another
+    stream or the host reads `dst`, and before `src`'s memory is reused. Scattered rows between host
+    and device memory are queued without waiting on the stream when the host side is one run (a
+    load's arena slots, a save's reserved ones), as `_across_devices` says; otherwise this waits.
     """
     dst_at = np.asarray(dst_rows, dtype=np.int64)
     src_at = np.asarray(src_rows, dtype=np.int64)
@@ -74,9 +80,38 @@ def copy_rows(
         for d, s, count in runs:
             dst[d : d + count].copy_(src[s : s + count], non_blocking=True)
         return
-    src_index = torch.from_numpy(src_at).to(src.device)
-    dst_index = torch.from_numpy(dst_at).to(dst.device)
-    dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(dst.device, non_blocking=True))
+    if dst.device != src.device:
+        _across_devices(dst, dst_at, src, src_at)
+        return
+    dst.index_copy_(0, _index_on(dst_at, dst.device), src.index_select(0, _index_on(src_at, src.device)))
+
+
+def _across_devices(dst: torch.Tensor, dst_at: np.ndarray, src: torch.Tensor, src_at: np.ndarray) -> None:
+    """Scattered rows between host and device memory. Host side one run: one copy across, and the
+    gather or scatter on the device, all queued on the current stream. Both sides scattered: gathered
+    where the rows are, copied across with a wait (the host scatters what has arrived), scattered."""
+    if src.device.type == "cpu" and _one_run(src_at):
+        first = int(src_at[0])
+        staged = src[first : first + len(src_at)].to(dst.device, non_blocking=True)
+        dst.index_copy_(0, _index_on(dst_at, dst.device), staged)
+    elif dst.device.type == "cpu" and _one_run(dst_at):
+        first = int(dst_at[0])
+        dst[first : first + len(dst_at)].copy_(src.index_select(0, _index_on(src_at, src.device)), non_blocking=True)
+    else:
+        gathered = src.index_select(0, _index_on(src_at, src.device)).to(dst.device)
+        dst.index_copy_(0, _index_on(dst_at, dst.device), gathered)
+
+
+def _one_run(rows: np.ndarray) -> bool:
+    return bool(rows[-1] - rows[0] == len(rows) - 1 and (len(rows) < 3 or (np.diff(rows) == 1).all()))
+
+
+def _index_on(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`rows` as an index tensor on `device`; onto a CUDA device from pinned memory, without a wait."""
+    index = torch.from_numpy(rows)
+    if device.type == "cpu":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 class SlotAllocator:
