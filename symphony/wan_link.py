@@ -1,0 +1,296 @@
+"""A WAN link emulated in user space: a TCP relay that gives the connections through it a link's
+round-trip time, jitter, bandwidth and loss, in each direction, and can be broken on purpose.
+
+`tc netem` is not available on the hosts this runs on; a relay on loopback is. Each connection
+accepted on the link's port is relayed to its target, and each direction runs through a model of
+one side of the link:
+
+- bandwidth: the bytes leave in order, each segment (at most `SEGMENT_BYTES`) when the link has
+  finished sending the ones before it, at `bandwidth_mbps` (per direction, like a full-duplex link);
+- delay: a segment arrives `rtt_ms / 2` after it left, plus a uniform draw in
+  [-`jitter_ms`, +`jitter_ms`], but never before the segment ahead of it (TCP delivers in order);
+- loss: a segment is lost with probability `loss` and arrives one round trip later, as TCP's fast
+  retransmit would deliver it; the segments behind it wait for it (head-of-line blocking). TCP's
+  congestion window is not modelled: a lossy link keeps its bandwidth.
+
+What a segment is depends on how the sender writes (one read of the relay's socket, at most
+`SEGMENT_BYTES`); the link's counters (`LinkCounters`) say how many there were and how many were
+lost. Faults (`LinkFault`): a blackhole keeps connections open and delivers nothing; a partition
+refuses new connections and resets the open ones; added latency delays every segment further.
+
+Bounded: at most `max_connections` at once (more are refused), at most `queue_bytes` in flight per
+direction (the reader waits: the sender sees the link's back-pressure), and a connection that
+carries nothing either way for `idle_timeout_s` is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import random
+import socket
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+SEGMENT_BYTES = 64 * 1024
+_MBPS = 1e6 / 8  # bytes per second in one Mb/s
+
+
+@dataclass(frozen=True, slots=True)
+class LinkShape:
+    """One link's figures, the same in both directions."""
+
+    rtt_ms: float
+    bandwidth_mbps: float
+    jitter_ms: float = 0.0
+    loss: float = 0.0  # fraction of segments lost (each arrives one round trip late)
+
+    def __post_init__(self) -> None:
+        if not self.rtt_ms >= 0:
+            raise ValueError(f"rtt_ms must be >= 0, got {self.rtt_ms}")
+        if not self.bandwidth_mbps > 0:
+            raise ValueError(f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps}")
+        if not 0 <= self.jitter_ms <= self.rtt_ms / 2:
+            raise ValueError(f"jitter_ms must be within [0, rtt_ms / 2], got {self.jitter_ms}")
+        if not 0 <= self.loss < 1:
+            raise ValueError(f"loss must be within [0, 1), got {self.loss}")
+
+    @property
+    def one_way_s(self) -> float:
+        return self.rtt_ms / 2000
+
+
+class LinkFault(enum.Enum):
+    NONE = "none"
+    BLACKHOLE = "blackhole"  # connections stay open; nothing is delivered
+    PARTITION = "partition"  # new connections refused, open ones reset
+
+
+@dataclass(slots=True)
+class LinkCounters:
+    """Per direction ("forward": from the connecting side to the target; "reverse": back)."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: {"forward": 0, "reverse": 0})
+    segments: dict[str, int] = field(default_factory=lambda: {"forward": 0, "reverse": 0})
+    lost: dict[str, int] = field(default_factory=lambda: {"forward": 0, "reverse": 0})
+    connections: int = 0
+    refused: int = 0
+
+
+class _Direction:
+    """One direction of one connection: the link's sending side (`leaves`) and its queue of
+    segments by arrival time. Single task each side; the queue is bounded in bytes."""
+
+    def __init__(self, link: WanLink, name: str) -> None:
+        self.link = link
+        self.name = name
+        self.free_at = 0.0  # when the link has sent everything queued so far (monotonic s)
+        self.last_arrival = 0.0
+        self.segments: deque[tuple[float, bytes]] = deque()
+        self.queued_bytes = 0
+        self.arrived = asyncio.Event()  # a segment was queued (the delivering task waits on it)
+        self.room = asyncio.Event()  # a segment left the queue (the reading task waits on it)
+
+    def admit(self, data: bytes, now: float) -> None:
+        shape, counters = self.link.shape, self.link.counters
+        leaves = max(self.free_at, now) + len(data) / (shape.bandwidth_mbps * _MBPS)
+        self.free_at = leaves
+        arrival = leaves + shape.one_way_s + self.link.extra_latency_ms / 1000
+        if shape.jitter_ms:
+            arrival += self.link.rng.uniform(-shape.jitter_ms, shape.jitter_ms) / 1000
+        if shape.loss and self.link.rng.random() < shape.loss:
+            arrival += shape.rtt_ms / 1000
+            counters.lost[self.name] += 1
+        arrival = max(arrival, self.last_arrival)  # in order, as TCP delivers
+        self.last_arrival = arrival
+        self.segments.append((arrival, data))
+        self.queued_bytes += len(data)
+        counters.segments[self.name] += 1
+        counters.bytes[self.name] += len(data)
+        self.arrived.set()
+
+
+class WanLink:
+    """Listens on `host`:`port` (0: any free port, `port` once started) and relays each connection
+    to `target_host`:`target_port` through `shape`. `seed` makes the jitter and loss draws
+    repeatable for the same sequence of segments."""
+
+    def __init__(
+        self,
+        shape: LinkShape,
+        target_host: str,
+        target_port: int,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        seed: int = 0,
+        max_connections: int = 256,
+        queue_bytes: int = 8 << 20,
+        idle_timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        self.shape = shape
+        self.target = (target_host, target_port)
+        self.host = host
+        self.port = port
+        self.rng = random.Random(seed)
+        self.max_connections = max_connections
+        self.queue_bytes = queue_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.counters = LinkCounters()
+        self.fault = LinkFault.NONE
+        self.extra_latency_ms = 0.0
+        self._server: asyncio.Server | None = None
+        # Open connections: each one's task, and the event that resets it (a partition, `close`).
+        self._open: dict[asyncio.Task[None], asyncio.Event] = {}
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._accept, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for abort in self._open.values():
+            abort.set()
+        await asyncio.gather(*self._open, return_exceptions=True)
+
+    def set_fault(self, fault: LinkFault, extra_latency_ms: float = 0.0) -> None:
+        """Break the link (or heal it: `LinkFault.NONE`), and add `extra_latency_ms` one way."""
+        if extra_latency_ms < 0:
+            raise ValueError(f"extra_latency_ms must be >= 0, got {extra_latency_ms}")
+        self.fault = fault
+        self.extra_latency_ms = extra_latency_ms
+        if fault is LinkFault.PARTITION:
+            for abort in self._open.values():
+                abort.set()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.fault is LinkFault.PARTITION or len(self._open) >= self.max_connections:
+            self.counters.refused += 1
+            _reset(writer)
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        abort = self._open[task] = asyncio.Event()
+        try:
+            try:
+                up_reader, up_writer = await asyncio.wait_for(
+                    asyncio.open_connection(*self.target), self.connect_timeout_s
+                )
+            except (OSError, TimeoutError):
+                self.counters.refused += 1
+                _reset(writer)
+                return
+            self.counters.connections += 1
+            await self._relay(reader, writer, up_reader, up_writer, abort)
+        finally:
+            del self._open[task]
+
+    async def _relay(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        up_reader: asyncio.StreamReader,
+        up_writer: asyncio.StreamWriter,
+        abort: asyncio.Event,
+    ) -> None:
+        forward, reverse = _Direction(self, "forward"), _Direction(self, "reverse")
+        last_activity = [time.monotonic()]
+        pumps = [
+            asyncio.create_task(self._pump(reader, forward, last_activity)),
+            asyncio.create_task(self._pump(up_reader, reverse, last_activity)),
+        ]
+        deliveries = [
+            asyncio.create_task(self._deliver(forward, up_writer)),
+            asyncio.create_task(self._deliver(reverse, writer)),
+        ]
+        idle = asyncio.create_task(self._watch_idle(last_activity))
+        aborted = asyncio.create_task(abort.wait())
+        pending: set[asyncio.Task[Any]] = {*pumps, *deliveries, idle, aborted}
+        reset = False
+        try:
+            # Ends once both directions have delivered their end (a half-closed one keeps the other
+            # going), at the first error on either side, when the connection has been idle, or
+            # when it is reset (a partition, `close`: both sides see a reset, not a clean end).
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if aborted in done:
+                    reset = True
+                    break
+                if idle in done or any(not t.cancelled() and t.exception() is not None for t in done):
+                    break
+                if all(t.done() for t in deliveries):
+                    break
+        finally:
+            tasks = (*pumps, *deliveries, idle, aborted)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for w in (writer, up_writer):
+                if reset:
+                    _reset(w)
+                else:
+                    w.close()
+
+    async def _pump(self, reader: asyncio.StreamReader, direction: _Direction, last_activity: list[float]) -> None:
+        """Read what the sender writes, segment by segment, into the link (waiting while the link
+        holds `queue_bytes` of it); an empty segment marks the end."""
+        while True:
+            while direction.queued_bytes >= self.queue_bytes:
+                direction.room.clear()
+                await direction.room.wait()
+            data = await reader.read(SEGMENT_BYTES)  # the idle watch bounds how long this waits
+            last_activity[0] = time.monotonic()
+            if self.fault is LinkFault.BLACKHOLE:
+                if not data:
+                    return
+                continue  # swallowed
+            direction.admit(data, time.monotonic())
+            if not data:
+                return
+
+    async def _deliver(self, direction: _Direction, writer: asyncio.StreamWriter) -> None:
+        """Write each segment when it arrives; the end-of-stream segment closes the write side."""
+        while True:
+            if not direction.segments:
+                direction.arrived.clear()
+                await direction.arrived.wait()
+                continue
+            arrival, data = direction.segments[0]
+            wait = arrival - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            direction.segments.popleft()
+            direction.queued_bytes -= len(data)
+            direction.room.set()
+            if not data:
+                with contextlib.suppress(OSError):
+                    writer.write_eof()
+                return
+            writer.write(data)
+            await writer.drain()
+
+    async def _watch_idle(self, last_activity: list[float]) -> None:
+        while True:
+            left = last_activity[0] + self.idle_timeout_s - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(left)
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a reset (SO_LINGER 0), as a broken path shows itself to TCP."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.close()

@@ -1,0 +1,228 @@
+"""symphony.wan_link: the user-space WAN link, measured over real loopback TCP against its
+configured round-trip time, jitter, bandwidth and loss (each within 10%), and its faults."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from symphony.wan_link import LinkFault, LinkShape, WanLink
+
+PING = b"p" * 100
+TOLERANCE = 0.10
+
+
+@pytest.fixture
+async def echo_port() -> AsyncIterator[int]:
+    """A server that writes back whatever it reads, until the end of its input."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+
+
+async def _link(shape: LinkShape, port: int, **kwargs: object) -> WanLink:
+    link = WanLink(shape, "127.0.0.1", port, **kwargs)  # type: ignore[arg-type]
+    await link.start()
+    return link
+
+
+async def _round_trips(port: int, count: int) -> list[float]:
+    """`count` ping-pongs of PING, one at a time, over a new connection: each one's time, in ms."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    times = []
+    try:
+        for _ in range(count):
+            started = time.perf_counter()
+            writer.write(PING)
+            await writer.drain()
+            assert await asyncio.wait_for(reader.readexactly(len(PING)), 10) == PING
+            times.append((time.perf_counter() - started) * 1000)
+    finally:
+        writer.close()
+    return times
+
+
+def _within(measured: float, configured: float) -> bool:
+    return abs(measured - configured) <= TOLERANCE * configured
+
+
+async def test_a_round_trip_takes_the_links_rtt(echo_port: int) -> None:
+    link = await _link(LinkShape(rtt_ms=60, bandwidth_mbps=100), echo_port)
+    try:
+        median = statistics.median(await _round_trips(link.port, 15))
+        assert _within(median, 60), f"median round trip {median:.1f} ms for a 60 ms link"
+    finally:
+        await link.close()
+
+
+async def test_jitter_spreads_round_trips_around_the_rtt_in_order(echo_port: int) -> None:
+    link = await _link(LinkShape(rtt_ms=60, bandwidth_mbps=100, jitter_ms=15), echo_port, seed=3)
+    try:
+        times = await _round_trips(link.port, 40)
+        assert _within(statistics.fmean(times), 60), f"mean round trip {statistics.fmean(times):.1f} ms"
+        assert statistics.pstdev(times) > 5, "a link with 15 ms of jitter a way gave steady round trips"
+        # Many segments in flight at once, each with its own draw: delivered whole and in order.
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        messages = b"".join(f"{i:06d}".encode() for i in range(2000))
+        for i in range(0, len(messages), 600):
+            writer.write(messages[i : i + 600])
+            await writer.drain()
+            await asyncio.sleep(0.001)  # separate reads, so separate segments
+        assert await asyncio.wait_for(reader.readexactly(len(messages)), 10) == messages
+        writer.close()
+        assert link.counters.segments["forward"] > 40 + 10
+    finally:
+        await link.close()
+
+
+async def test_a_transfer_runs_at_the_links_bandwidth(echo_port: int) -> None:
+    shape = LinkShape(rtt_ms=10, bandwidth_mbps=100)
+    link = await _link(shape, echo_port)
+    payload = bytes(4 << 20)  # 4 MiB: 0.34 s at 100 Mb/s
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        started = time.perf_counter()
+
+        async def send() -> None:
+            writer.write(payload)
+            await writer.drain()
+            writer.write_eof()
+
+        sending = asyncio.create_task(send())
+        received = 0
+        while received < len(payload):
+            chunk = await asyncio.wait_for(reader.read(1 << 16), 10)
+            assert chunk, "the link closed before the payload came back"
+            received += len(chunk)
+        elapsed = time.perf_counter() - started
+        await sending
+        writer.close()
+        # Both ways run at the bandwidth and overlap; the last byte is one round trip behind.
+        mbps = len(payload) * 8 / 1e6 / (elapsed - shape.rtt_ms / 1000)
+        assert _within(mbps, 100), f"{mbps:.1f} Mb/s through a 100 Mb/s link"
+        assert link.counters.bytes == {"forward": len(payload), "reverse": len(payload)}
+    finally:
+        await link.close()
+
+
+async def test_a_lost_segment_arrives_a_round_trip_late(echo_port: int) -> None:
+    rtt, pings = 40.0, 100
+    link = await _link(LinkShape(rtt_ms=rtt, bandwidth_mbps=100, loss=0.2), echo_port, seed=7)
+    try:
+        times = await _round_trips(link.port, pings)
+        # Each ping is one segment each way; each lost one adds a round trip to its ping (read to
+        # the nearest round trip: a busy host's scheduling adds milliseconds, not 20).
+        late = sum(max(0, round(t / rtt) - 1) for t in times)
+        counted = link.counters.lost["forward"] + link.counters.lost["reverse"]
+        assert link.counters.segments == {"forward": pings, "reverse": pings}
+        assert counted > 0 and late == counted, f"{late} round trips late for {counted} segments lost"
+    finally:
+        await link.close()
+
+
+async def test_segments_are_lost_at_the_configured_rate(echo_port: int) -> None:
+    loss, pings = 0.2, 2000  # 4,000 draws: the rate within 10% at 3 standard deviations
+    link = await _link(LinkShape(rtt_ms=1, bandwidth_mbps=1000, loss=loss), echo_port, seed=11)
+    try:
+        await _round_trips(link.port, pings)
+        assert link.counters.segments == {"forward": pings, "reverse": pings}
+        measured = (link.counters.lost["forward"] + link.counters.lost["reverse"]) / (2 * pings)
+        assert _within(measured, loss), f"{measured:.3f} of segments lost on a link losing {loss}"
+    finally:
+        await link.close()
+
+
+async def test_added_latency_blackhole_and_partition_then_heal(echo_port: int) -> None:
+    link = await _link(LinkShape(rtt_ms=60, bandwidth_mbps=100), echo_port)
+    try:
+        link.set_fault(LinkFault.NONE, extra_latency_ms=25)  # 25 ms more each way
+        median = statistics.median(await _round_trips(link.port, 5))
+        assert _within(median, 110), f"{median:.1f} ms with 25 ms added each way to a 60 ms link"
+
+        link.set_fault(LinkFault.BLACKHOLE)
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(PING)
+        await writer.drain()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.read(1), 0.5)  # open, silent
+        writer.close()
+
+        link.set_fault(LinkFault.PARTITION)
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            writer.write(PING)
+            await writer.drain()
+            await asyncio.wait_for(reader.readexactly(len(PING)), 5)  # reset, never echoed
+        writer.close()
+        assert link.counters.refused >= 1
+
+        link.set_fault(LinkFault.NONE)
+        assert _within(statistics.median(await _round_trips(link.port, 3)), 60)
+    finally:
+        await link.close()
+
+
+async def test_a_partition_resets_open_connections(echo_port: int) -> None:
+    link = await _link(LinkShape(rtt_ms=4, bandwidth_mbps=100), echo_port)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(PING)
+        assert await asyncio.wait_for(reader.readexactly(len(PING)), 5) == PING
+        link.set_fault(LinkFault.PARTITION)
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await asyncio.wait_for(reader.readexactly(1), 5)
+        writer.close()
+    finally:
+        await link.close()
+
+
+async def test_connections_beyond_the_bound_are_refused(echo_port: int) -> None:
+    link = await _link(LinkShape(rtt_ms=4, bandwidth_mbps=100), echo_port, max_connections=2)
+    opened = []
+    try:
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+            writer.write(PING)
+            assert await asyncio.wait_for(reader.readexactly(len(PING)), 5) == PING
+            opened.append(writer)
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            writer.write(PING)
+            await writer.drain()
+            await asyncio.wait_for(reader.readexactly(len(PING)), 5)
+        writer.close()
+        assert link.counters.refused == 1 and link.counters.connections == 2
+    finally:
+        for writer in opened:
+            writer.close()
+        await link.close()
+
+
+@pytest.mark.parametrize(
+    ("figures", "named"),
+    [
+        ({"rtt_ms": -1, "bandwidth_mbps": 1}, "rtt_ms"),
+        ({"rtt_ms": 10, "bandwidth_mbps": 0}, "bandwidth_mbps"),
+        ({"rtt_ms": 10, "bandwidth_mbps": 1, "jitter_ms": 6}, "jitter_ms"),
+        ({"rtt_ms": 10, "bandwidth_mbps": 1, "loss": 1.0}, "loss"),
+    ],
+)
+def test_impossible_figures_are_refused_by_name(figures: dict[str, float], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        LinkShape(**figures)
