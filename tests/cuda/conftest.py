@@ -1,8 +1,8 @@
 """The CUDA suite (`make test-cuda`): the KV store and the connector's worker side against a real GPU.
 
-Not part of `make test` (not in `testpaths`): CI and the development hosts have no GPU. Run here
-without one, the suite fails at its first test rather than skipping: a GPU run that skipped would
-read as a pass."""
+Not part of `make test` (not in `testpaths`): CI and the development hosts have no GPU. Run
+without one, the suite stops at its first test with an error rather than skipping: a GPU run that
+skipped would read as a pass."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ DELAY_CYCLES = 200_000_000
 @pytest.fixture(autouse=True)
 def cuda_device() -> torch.device:
     if not torch.cuda.is_available():
-        pytest.fail("tests/cuda needs a CUDA device (make test-cuda on a GPU host)")
+        pytest.exit("tests/cuda needs a CUDA device (make test-cuda on a GPU host)", returncode=1)
     return torch.device("cuda")
 
 
