@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from eval.child_process import stop_child
-from eval.device_loads import measure_device_loads
+from eval.device_loads import HeldSession, measure_device_loads
 from eval.plots import plot_tiers
 from eval.ports import free_port
 from eval.results import write_result
@@ -222,7 +222,9 @@ def measure_store_paths(
         assert _same_bytes(dest, pages), "DRAM load returned wrong bytes"
         out["memcpy_gbps"], out["dram_load_gbps"] = statistics.median(bounds), statistics.median(loads)
         if device != "cpu":
-            out.update(measure_device_loads(store, TENANT, "s", pages, device, work / f"kv-{trial}.sock"))
+            channel_work = work / f"channel-{trial}"
+            channel_work.mkdir()
+            out.update(measure_device_loads(store, HeldSession(TENANT, "s", token_ids, pages), device, channel_work))
     finally:
         store.close()
     # A fresh store on the same directory: DRAM is empty, so every page comes from SSD (uncached).
