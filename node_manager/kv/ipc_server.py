@@ -65,6 +65,10 @@ MAX_REPORTED_WAITS = 4096  # layer waits one report may carry
 # A load may arrive (from the worker's connection) before the registration of its session (sent by
 # the scheduler side on another connection) was handled: it waits this long for it at most.
 REGISTRATION_WAIT_S = 1.0
+# A connection that ends holding pinned or reserved pages (its worker died, or the channel broke
+# mid-step) may have device copies still running from or into them (a CUDA engine's are
+# asynchronous): the pages go back to the store this long after, not at once.
+DROPPED_HOLD_S = 2.0
 
 
 class LocalKVServer:
@@ -75,8 +79,10 @@ class LocalKVServer:
         max_connections: int = MAX_CONNECTIONS,
         prefetches: PrefetchQueue | None = None,
         registration_wait_s: float = REGISTRATION_WAIT_S,
+        dropped_hold_s: float = DROPPED_HOLD_S,
     ) -> None:
         self.store = store
+        self.dropped_hold_s = dropped_hold_s
         self.registration_wait_s = registration_wait_s
         self.loads_awaiting_registration = 0  # loads waiting right now for their session's registration
         self.prefetches = prefetches  # set once the runtime has its queue: prefetch hits are counted at match
@@ -92,6 +98,9 @@ class LocalKVServer:
         self._connections: set[_Connection] = set()
         self._lock = threading.Lock()
         self._registered = threading.Condition()  # notified after each registration
+        # Dropped connections' pages, held back (DROPPED_HOLD_S) until their timer gives them back;
+        # at most one entry per connection that ended holding pages (under _lock).
+        self._held_back: dict[threading.Timer, tuple[list[DramPin], list[PageReservation | None]]] = {}
         self._closed = False
         self._accepter = threading.Thread(target=self._accept_loop, name="kv-ipc-accept", daemon=True)
         self._accepter.start()
@@ -145,12 +154,20 @@ class LocalKVServer:
         finally:
             self._drop(conn)
 
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
+
+    @property
+    def held_back(self) -> int:
+        """Pins and reservations of ended connections not yet given back (DROPPED_HOLD_S)."""
+        with self._lock:
+            return sum(len(pins) + len(reservations) for pins, reservations in self._held_back.values())
+
     def _drop(self, conn: _Connection) -> None:
-        for pins in conn.loads.values():
-            for pin in pins:
-                self.store.unpin_dram(pin)
-        for reservations in conn.reservations.values():
-            self._release(reservations)
+        pins = [pin for held in conn.loads.values() for pin in held]
+        reservations = [r for held in conn.reservations.values() for r in held]
         conn.loads.clear()
         conn.reservations.clear()
         conn.tails.clear()
@@ -158,6 +175,27 @@ class LocalKVServer:
             conn.sock.close()
         with self._lock:
             self._connections.discard(conn)
+            hold = bool(pins or reservations) and not self._closed and self.dropped_hold_s > 0
+            if hold:
+                timer = threading.Timer(self.dropped_hold_s, lambda: self._give_back_held(timer))
+                timer.daemon = True
+                self._held_back[timer] = (pins, reservations)
+                timer.start()
+        if not hold:
+            self._give_back(pins, reservations)
+
+    def _give_back_held(self, timer: threading.Timer) -> None:
+        with self._lock:
+            held = self._held_back.pop(timer, None)
+        if held is not None:  # not given back by close() meanwhile
+            self._give_back(*held)
+
+    def _give_back(self, pins: list[DramPin], reservations: list[PageReservation | None]) -> None:
+        if self.store.closed:
+            return  # its pages are gone with it
+        for pin in pins:
+            self.store.unpin_dram(pin)
+        self._release(reservations)
 
     def _error(self, conn: _Connection, message: dict[str, Any], code: str, text: str) -> None:
         if message.get("op") in NO_REPLY_OPS:
@@ -402,7 +440,14 @@ class LocalKVServer:
                 self.store.ingest.release_pages(reservation)
 
     def close(self) -> None:
-        self._closed = True
+        """Stop serving: open connections end (their threads give back what they held), and pages
+        held back from ended ones go back now."""
+        with self._lock:
+            self._closed = True
+            held_back, self._held_back = self._held_back, {}
+        for timer, held in held_back.items():
+            timer.cancel()
+            self._give_back(*held)
         with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:
