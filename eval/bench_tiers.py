@@ -251,7 +251,7 @@ def measure_store_paths(
     return out
 
 
-class _PeerNode:
+class PeerNode:
     """A real `symphony node` process (engine disabled) holding the session the bench pulls."""
 
     def __init__(self, work: Path, geometry: KVGeometry) -> None:
@@ -317,7 +317,7 @@ async def measure_peer_fetch(
     """Per trial, PEER_PAIRS times the loopback bound and then a pull of the session from a peer
     node process, in that order, so the two are measured under the same conditions; each key's
     sample for the trial is the median of its pairs: {key: samples}."""
-    peer = _PeerNode(work, geometry)
+    peer = PeerNode(work, geometry)
     channel = grpc.aio.insecure_channel(peer.address)
     try:
         stub = kv_pb2_grpc.KVStoreStub(channel)

@@ -1,4 +1,4 @@
-"""`symphony` command line: up | scheduler | node | model fetch | config show | status | bench ...
+"""`symphony` command line: up | scheduler | node | link | model fetch | config show | status | bench ...
 
 Heavy imports happen inside each command so `symphony --help` and argument errors answer at once.
 """
@@ -73,6 +73,26 @@ def cmd_node(args: argparse.Namespace) -> int:
     # Ports, /dev/shm, the KV directory, the model's KV geometry, its files to fingerprint.
     except (OSError, ValueError, ModelIdentityError) as exc:
         raise CliError(f"node {args.index}: {exc}") from None
+    return 0
+
+
+def cmd_link(args: argparse.Namespace) -> int:
+    from symphony.wan_link import LinkShape, endpoint, run_link
+
+    ends = {}
+    for flag in ("listen", "target"):
+        try:
+            ends[flag] = endpoint(getattr(args, flag))
+        except ValueError as exc:
+            raise CliError(f"--{flag}: {exc}") from None
+    try:
+        shape = LinkShape(args.rtt_ms, args.bandwidth_mbps, args.jitter_ms, args.loss)
+    except ValueError as exc:  # the message starts with the figure's name
+        raise CliError(f"--{str(exc).split()[0].replace('_', '-')}: {exc}") from None
+    try:
+        asyncio.run(run_link(shape, ends["listen"], ends["target"], args.seed))
+    except OSError as exc:
+        raise CliError(f"--listen: cannot listen on {args.listen}: {exc.strerror or exc}") from None
     return 0
 
 
@@ -230,6 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     node.add_argument("--served-model-name", help="name clients use for the model")
     node.set_defaults(func=cmd_node)
+
+    link = sub.add_parser("link", help="relay TCP through an emulated WAN link (RTT, bandwidth, jitter, loss)")
+    link.add_argument("--listen", required=True, metavar="HOST:PORT", help="where the link accepts connections")
+    link.add_argument("--target", required=True, metavar="HOST:PORT", help="where it relays them")
+    link.add_argument("--rtt-ms", type=float, required=True, help="round-trip time the link adds")
+    link.add_argument("--bandwidth-mbps", type=float, required=True, help="each direction's bandwidth")
+    link.add_argument("--jitter-ms", type=float, default=0.0, help="uniform +- jitter one way (default 0)")
+    link.add_argument("--loss", type=float, default=0.0, help="fraction of segments lost: one RTT late (default 0)")
+    link.add_argument("--seed", type=int, default=0, help="seed of the jitter and loss draws (default 0)")
+    link.set_defaults(func=cmd_link)
 
     model = sub.add_parser("model", help="prepare the default model")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)

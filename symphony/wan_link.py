@@ -28,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import math
 import random
+import signal
 import socket
 import struct
 import time
@@ -50,8 +52,8 @@ class LinkShape:
     loss: float = 0.0  # fraction of segments lost (each arrives one round trip late)
 
     def __post_init__(self) -> None:
-        if not self.rtt_ms >= 0:
-            raise ValueError(f"rtt_ms must be >= 0, got {self.rtt_ms}")
+        if not 0 <= self.rtt_ms < math.inf:
+            raise ValueError(f"rtt_ms must be finite and >= 0, got {self.rtt_ms}")
         if not self.bandwidth_mbps > 0:
             raise ValueError(f"bandwidth_mbps must be > 0, got {self.bandwidth_mbps}")
         if not 0 <= self.jitter_ms <= self.rtt_ms / 2:
@@ -294,3 +296,30 @@ def _reset(writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.close()
+
+
+def endpoint(text: str) -> tuple[str, int]:
+    """ "host:port" as (host, port); ValueError naming what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port with a port from 1 to 65535, got {text!r}")
+    return host, int(port)
+
+
+async def run_link(shape: LinkShape, listen: tuple[str, int], target: tuple[str, int], seed: int = 0) -> None:
+    """`symphony link`: serve one link until SIGINT or SIGTERM; says on stdout when it listens."""
+    link = WanLink(shape, *target, host=listen[0], port=listen[1], seed=seed)
+    await link.start()
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopped.set)
+    print(
+        f"link up: {listen[0]}:{link.port} -> {target[0]}:{target[1]}, rtt {shape.rtt_ms:g} ms, "
+        f"{shape.bandwidth_mbps:g} Mb/s each way, jitter {shape.jitter_ms:g} ms, loss {shape.loss:g}",
+        flush=True,
+    )
+    try:
+        await stopped.wait()
+    finally:
+        await link.close()

@@ -1,16 +1,26 @@
 """symphony.wan_link: the user-space WAN link, measured over real loopback TCP against its
-configured round-trip time, jitter, bandwidth and loss (each within 10%), and its faults."""
+configured round-trip time, jitter, bandwidth and loss (each within 10%), its faults, and
+`symphony link` in front of a real node manager."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import grpc
 import pytest
 
+from eval.bench_tiers import PeerNode
+from symphony.kv_geometry import smollm2_geometry
+from symphony.rpc import kv_pb2, kv_pb2_grpc
 from symphony.wan_link import LinkFault, LinkShape, WanLink
+from tests.helpers import free_port
 
 PING = b"p" * 100
 TOLERANCE = 0.10
@@ -226,3 +236,59 @@ async def test_connections_beyond_the_bound_are_refused(echo_port: int) -> None:
 def test_impossible_figures_are_refused_by_name(figures: dict[str, float], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         LinkShape(**figures)
+
+
+async def test_a_nodes_grpc_calls_through_symphony_link_take_the_links_rtt(tmp_path: Path) -> None:
+    """`symphony link` as its own process, in front of a real node manager (engine disabled)."""
+    peer = PeerNode(tmp_path, smollm2_geometry())
+    port = free_port()
+    link: asyncio.subprocess.Process | None = None
+    try:
+        async with grpc.aio.insecure_channel(peer.address) as direct:
+            await peer.wait_ready(kv_pb2_grpc.KVStoreStub(direct))
+        link = await asyncio.create_subprocess_exec(
+            *LINK,
+            *("--listen", f"127.0.0.1:{port}", "--target", peer.address, "--rtt-ms", "80", "--bandwidth-mbps", "1000"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        assert link.stdout is not None
+        line = (await asyncio.wait_for(link.stdout.readline(), 30)).decode()
+        assert line.startswith("link up:"), line
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = kv_pb2_grpc.KVStoreStub(channel)
+            for _ in range(3):  # the connection and HTTP/2's settings exchange come first
+                await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=5)
+            times = []
+            for _ in range(10):
+                started = time.perf_counter()
+                await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=5)
+                times.append((time.perf_counter() - started) * 1000)
+        median = statistics.median(times)
+        assert _within(median, 80), f"a unary call took {median:.1f} ms through an 80 ms link"
+        link.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(link.wait(), 10) == 0
+    finally:
+        if link is not None and link.returncode is None:
+            link.kill()
+            await link.wait()
+        peer.stop()
+
+
+LINK = (sys.executable, "-m", "symphony.cli", "link")
+ENDS = ("--listen", "127.0.0.1:1", "--target", "127.0.0.1:2")
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--listen", "nowhere", "--target", "127.0.0.1:1", "--rtt-ms", "10", "--bandwidth-mbps", "10"), "--listen"),
+        (("--listen", "127.0.0.1:1", "--target", "x:0", "--rtt-ms", "10", "--bandwidth-mbps", "10"), "--target"),
+        ((*ENDS, "--rtt-ms", "nan", "--bandwidth-mbps", "1"), "--rtt-ms"),
+        ((*ENDS, "--rtt-ms", "10", "--bandwidth-mbps", "-1"), "--bandwidth-mbps"),
+        ((*ENDS, "--rtt-ms", "10", "--bandwidth-mbps", "1", "--loss", "2"), "--loss"),
+    ],
+)
+def test_symphony_link_names_a_bad_flag(flags: tuple[str, ...], named: str) -> None:
+    done = subprocess.run([*LINK, *flags], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr, done.stderr
