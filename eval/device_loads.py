@@ -8,7 +8,7 @@
   in order; `connector_load_scattered_gbps` the same into them in reverse order (vLLM hands out
   blocks from a free queue, so after a while a request's blocks are scattered). The node manager's
   channel runs in a process of its own, with a store of its own holding the session, as on a node
-  (served from the bench's process, its thread shared the loader's GIL: 6.3 GB/s against 9.7).
+  (served from the bench's process, its thread shared the loader's GIL: 6.3 GB/s against 8.4).
 
 Each load is preceded by a pinned host-to-device copy of the same bytes
 (`host_to_device_bound_gbps`: the median of all of them).
@@ -17,7 +17,9 @@ Each load is preceded by a pinned host-to-device copy of the same bytes
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.process
 import multiprocessing.synchronize
+import queue
 import statistics
 import time
 import uuid
@@ -104,7 +106,7 @@ def measure_device_loads(store: TieredStore, held: HeldSession, device: str, wor
     )
     channel.start()
     try:
-        key = ready.get(timeout=CHANNEL_START_S)
+        key = _await_channel(ready, channel)
         worker = WorkerSide(
             str(socket_path), layer_wait_s=60, model=store.model, declared_layout=page_layout(geometry, "cuda", "vllm")
         )
@@ -142,6 +144,18 @@ def measure_device_loads(store: TieredStore, held: HeldSession, device: str, wor
         "dram_to_device_gbps": statistics.median(store_loads),
         **{name: statistics.median(values) for name, values in connector.items()},
     }
+
+
+def _await_channel(ready: multiprocessing.Queue[bytes], channel: multiprocessing.process.BaseProcess) -> bytes:
+    """The key the channel's process sends once it serves; an error if it dies or takes too long."""
+    deadline = time.monotonic() + CHANNEL_START_S
+    while time.monotonic() < deadline:
+        try:
+            return ready.get(timeout=0.5)
+        except queue.Empty:
+            if channel.exitcode is not None:
+                raise RuntimeError(f"the channel's process exited ({channel.exitcode}) before serving") from None
+    raise RuntimeError(f"the channel's process did not serve within {CHANNEL_START_S:g} s")
 
 
 def serve_channel(

@@ -5,22 +5,30 @@ round-trip time, jitter, bandwidth and loss, in each direction, and can be broke
 accepted on the link's port is relayed to its target, and each direction runs through a model of
 one side of the link:
 
-- bandwidth: the bytes leave in order, each segment (at most `SEGMENT_BYTES`) when the link has
-  finished sending the ones before it, at `bandwidth_mbps` (per direction, like a full-duplex link);
+- bandwidth: the link sends one segment (at most `SEGMENT_BYTES`) at a time, at `bandwidth_mbps`,
+  in the order they were read; every connection through the link shares it (per direction, like a
+  full-duplex link);
 - delay: a segment arrives `rtt_ms / 2` after it left, plus a uniform draw in
-  [-`jitter_ms`, +`jitter_ms`], but never before the segment ahead of it (TCP delivers in order);
+  [-`jitter_ms`, +`jitter_ms`], but never before the segment ahead of it on its connection (TCP
+  delivers in order);
 - loss: a segment is lost with probability `loss` and arrives one round trip later, as TCP's fast
   retransmit would deliver it; the segments behind it wait for it (head-of-line blocking). TCP's
   congestion window is not modelled: a lossy link keeps its bandwidth.
 
 What a segment is depends on how the sender writes (one read of the relay's socket, at most
 `SEGMENT_BYTES`); the link's counters (`LinkCounters`) say how many there were and how many were
-lost. Faults (`LinkFault`): a blackhole keeps connections open and delivers nothing; a partition
-refuses new connections and resets the open ones; added latency delays every segment further.
+lost. Faults (`LinkFault`): a blackhole stops the link (nothing is read or delivered, so senders
+block as TCP's would) until it heals, when what was held goes on; a partition refuses new
+connections and resets the open ones; added latency delays every segment further.
 
-Bounded: at most `max_connections` at once (more are refused), at most `queue_bytes` in flight per
-direction (the reader waits: the sender sees the link's back-pressure), and a connection that
-carries nothing either way for `idle_timeout_s` is closed.
+A connection ends cleanly once both directions have delivered their end of stream. Anything else
+(an error on either side, a partition, `close`, `idle_timeout_s` with nothing read or delivered)
+resets both sides: no peer mistakes a cut-off stream for a complete one.
+
+Bounded: at most `max_connections` at once (more are refused), and at most `queue_bytes` in flight
+per direction of a connection (the reader waits: the sender sees back-pressure); by default twice
+the link's bandwidth-delay product, at least `MIN_QUEUE_BYTES`, so one connection can fill the
+link. At most `max_connections` x 2 x `queue_bytes` of memory in all.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SEGMENT_BYTES = 64 * 1024
+MIN_QUEUE_BYTES = 1 << 20
 _MBPS = 1e6 / 8  # bytes per second in one Mb/s
+_DIRECTIONS = ("forward", "reverse")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +75,15 @@ class LinkShape:
     def one_way_s(self) -> float:
         return self.rtt_ms / 2000
 
+    @property
+    def bdp_bytes(self) -> float:
+        """Bandwidth-delay product: the bytes one direction carries in one round trip."""
+        return self.bandwidth_mbps * _MBPS * self.rtt_ms / 1000
+
 
 class LinkFault(enum.Enum):
     NONE = "none"
-    BLACKHOLE = "blackhole"  # connections stay open; nothing is delivered
+    BLACKHOLE = "blackhole"  # connections stay open; nothing moves until it heals
     PARTITION = "partition"  # new connections refused, open ones reset
 
 
@@ -76,21 +91,20 @@ class LinkFault(enum.Enum):
 class LinkCounters:
     """Per direction ("forward": from the connecting side to the target; "reverse": back)."""
 
-    bytes: dict[str, int] = field(default_factory=lambda: {"forward": 0, "reverse": 0})
-    segments: dict[str, int] = field(default_factory=lambda: {"forward": 0, "reverse": 0})
-    lost: dict[str, int] = field(default_factory=lambda: {"forward": 0, "reverse": 0})
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DIRECTIONS, 0))
+    segments: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DIRECTIONS, 0))
+    lost: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DIRECTIONS, 0))
     connections: int = 0
     refused: int = 0
 
 
 class _Direction:
-    """One direction of one connection: the link's sending side (`leaves`) and its queue of
-    segments by arrival time. Single task each side; the queue is bounded in bytes."""
+    """One direction of one connection: its segments by arrival time, bounded in bytes. One task
+    reads into it, one delivers from it."""
 
     def __init__(self, link: WanLink, name: str) -> None:
         self.link = link
         self.name = name
-        self.free_at = 0.0  # when the link has sent everything queued so far (monotonic s)
         self.last_arrival = 0.0
         self.segments: deque[tuple[float, bytes]] = deque()
         self.queued_bytes = 0
@@ -98,28 +112,31 @@ class _Direction:
         self.room = asyncio.Event()  # a segment left the queue (the reading task waits on it)
 
     def admit(self, data: bytes, now: float) -> None:
-        shape, counters = self.link.shape, self.link.counters
-        leaves = max(self.free_at, now) + len(data) / (shape.bandwidth_mbps * _MBPS)
-        self.free_at = leaves
-        arrival = leaves + shape.one_way_s + self.link.extra_latency_ms / 1000
-        if shape.jitter_ms:
-            arrival += self.link.rng.uniform(-shape.jitter_ms, shape.jitter_ms) / 1000
-        if shape.loss and self.link.rng.random() < shape.loss:
-            arrival += shape.rtt_ms / 1000
-            counters.lost[self.name] += 1
+        """Queue `data` (b"": the end of stream, which takes no link time and is never lost)."""
+        link, shape, counters = self.link, self.link.shape, self.link.counters
+        arrival = now
+        if data:
+            leaves = max(link.free_at[self.name], now) + len(data) / (shape.bandwidth_mbps * _MBPS)
+            link.free_at[self.name] = leaves  # the link's, shared by every connection
+            arrival = leaves + shape.one_way_s + link.extra_latency_ms / 1000
+            if shape.jitter_ms:
+                arrival += link.rng.uniform(-shape.jitter_ms, shape.jitter_ms) / 1000
+            if shape.loss and link.rng.random() < shape.loss:
+                arrival += shape.rtt_ms / 1000
+                counters.lost[self.name] += 1
+            counters.segments[self.name] += 1
+            counters.bytes[self.name] += len(data)
         arrival = max(arrival, self.last_arrival)  # in order, as TCP delivers
         self.last_arrival = arrival
         self.segments.append((arrival, data))
         self.queued_bytes += len(data)
-        counters.segments[self.name] += 1
-        counters.bytes[self.name] += len(data)
         self.arrived.set()
 
 
 class WanLink:
     """Listens on `host`:`port` (0: any free port, `port` once started) and relays each connection
     to `target_host`:`target_port` through `shape`. `seed` makes the jitter and loss draws
-    repeatable for the same sequence of segments."""
+    repeatable for the same sequence of segments. Runs on one event loop; not thread-safe."""
 
     def __init__(
         self,
@@ -131,7 +148,7 @@ class WanLink:
         port: int = 0,
         seed: int = 0,
         max_connections: int = 256,
-        queue_bytes: int = 8 << 20,
+        queue_bytes: int | None = None,
         idle_timeout_s: float = 300.0,
         connect_timeout_s: float = 5.0,
     ) -> None:
@@ -141,13 +158,17 @@ class WanLink:
         self.port = port
         self.rng = random.Random(seed)
         self.max_connections = max_connections
-        self.queue_bytes = queue_bytes
+        self.queue_bytes = queue_bytes or max(MIN_QUEUE_BYTES, math.ceil(2 * shape.bdp_bytes))
         self.idle_timeout_s = idle_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.counters = LinkCounters()
         self.fault = LinkFault.NONE
         self.extra_latency_ms = 0.0
+        self.free_at = dict.fromkeys(_DIRECTIONS, 0.0)  # when the link has sent all it was given (s)
+        self._flowing = asyncio.Event()  # clear while blackholed
+        self._flowing.set()
         self._server: asyncio.Server | None = None
+        self._closing = False
         # Open connections: each one's task, and the event that resets it (a partition, `close`).
         self._open: dict[asyncio.Task[None], asyncio.Event] = {}
 
@@ -157,25 +178,32 @@ class WanLink:
         return self.port
 
     async def close(self) -> None:
+        """Stop accepting, reset every open connection, and return once they have ended."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
-            await self._server.wait_closed()
         for abort in self._open.values():
             abort.set()
         await asyncio.gather(*self._open, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()  # from Python 3.12, waits for the connections too
 
     def set_fault(self, fault: LinkFault, extra_latency_ms: float = 0.0) -> None:
         """Break the link (or heal it: `LinkFault.NONE`), and add `extra_latency_ms` one way."""
-        if extra_latency_ms < 0:
-            raise ValueError(f"extra_latency_ms must be >= 0, got {extra_latency_ms}")
+        if not 0 <= extra_latency_ms < math.inf:
+            raise ValueError(f"extra_latency_ms must be finite and >= 0, got {extra_latency_ms}")
         self.fault = fault
         self.extra_latency_ms = extra_latency_ms
+        if fault is LinkFault.BLACKHOLE:
+            self._flowing.clear()
+        else:
+            self._flowing.set()
         if fault is LinkFault.PARTITION:
             for abort in self._open.values():
                 abort.set()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.fault is LinkFault.PARTITION or len(self._open) >= self.max_connections:
+        if self._closing or self.fault is LinkFault.PARTITION or len(self._open) >= self.max_connections:
             self.counters.refused += 1
             _reset(writer)
             return
@@ -211,25 +239,24 @@ class WanLink:
             asyncio.create_task(self._pump(up_reader, reverse, last_activity)),
         ]
         deliveries = [
-            asyncio.create_task(self._deliver(forward, up_writer)),
-            asyncio.create_task(self._deliver(reverse, writer)),
+            asyncio.create_task(self._deliver(forward, up_writer, last_activity)),
+            asyncio.create_task(self._deliver(reverse, writer, last_activity)),
         ]
-        idle = asyncio.create_task(self._watch_idle(last_activity))
+        idle = asyncio.create_task(self._watch_idle(last_activity, (forward, reverse)))
         aborted = asyncio.create_task(abort.wait())
         pending: set[asyncio.Task[Any]] = {*pumps, *deliveries, idle, aborted}
-        reset = False
+        clean = False
         try:
             # Ends once both directions have delivered their end (a half-closed one keeps the other
-            # going), at the first error on either side, when the connection has been idle, or
-            # when it is reset (a partition, `close`: both sides see a reset, not a clean end).
+            # going); at an error on either side, when idle, or when aborted, with a reset.
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if aborted in done:
-                    reset = True
+                if aborted in done or idle in done:
                     break
-                if idle in done or any(not t.cancelled() and t.exception() is not None for t in done):
+                if any(not t.cancelled() and t.exception() is not None for t in done):
                     break
                 if all(t.done() for t in deliveries):
+                    clean = True
                     break
         finally:
             tasks = (*pumps, *deliveries, idle, aborted)
@@ -237,30 +264,28 @@ class WanLink:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for w in (writer, up_writer):
-                if reset:
-                    _reset(w)
-                else:
+                if clean:
                     w.close()
+                else:
+                    _reset(w)
 
     async def _pump(self, reader: asyncio.StreamReader, direction: _Direction, last_activity: list[float]) -> None:
         """Read what the sender writes, segment by segment, into the link (waiting while the link
-        holds `queue_bytes` of it); an empty segment marks the end."""
+        holds `queue_bytes` of it, or is blackholed); an empty segment marks the end."""
         while True:
             while direction.queued_bytes >= self.queue_bytes:
                 direction.room.clear()
                 await direction.room.wait()
+            await self._flowing.wait()
             data = await reader.read(SEGMENT_BYTES)  # the idle watch bounds how long this waits
             last_activity[0] = time.monotonic()
-            if self.fault is LinkFault.BLACKHOLE:
-                if not data:
-                    return
-                continue  # swallowed
             direction.admit(data, time.monotonic())
             if not data:
                 return
 
-    async def _deliver(self, direction: _Direction, writer: asyncio.StreamWriter) -> None:
-        """Write each segment when it arrives; the end-of-stream segment closes the write side."""
+    async def _deliver(self, direction: _Direction, writer: asyncio.StreamWriter, last_activity: list[float]) -> None:
+        """Write each segment when it arrives (held while blackholed); the end-of-stream segment
+        closes the write side."""
         while True:
             if not direction.segments:
                 direction.arrived.clear()
@@ -271,6 +296,9 @@ class WanLink:
             if wait > 0:
                 await asyncio.sleep(wait)
                 continue
+            if not self._flowing.is_set():
+                await self._flowing.wait()
+                continue
             direction.segments.popleft()
             direction.queued_bytes -= len(data)
             direction.room.set()
@@ -280,27 +308,35 @@ class WanLink:
                 return
             writer.write(data)
             await writer.drain()
+            last_activity[0] = time.monotonic()
 
-    async def _watch_idle(self, last_activity: list[float]) -> None:
+    async def _watch_idle(self, last_activity: list[float], directions: tuple[_Direction, ...]) -> None:
+        """Return once nothing was read or delivered for `idle_timeout_s` while nothing is queued
+        (a slow link's queue is not idleness) or the link is blackholed (a healed link goes on)."""
         while True:
             left = last_activity[0] + self.idle_timeout_s - time.monotonic()
             if left <= 0:
+                if any(d.segments for d in directions) or not self._flowing.is_set():
+                    last_activity[0] = time.monotonic()
+                    continue
                 return
             await asyncio.sleep(left)
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
-    """Close with a reset (SO_LINGER 0), as a broken path shows itself to TCP."""
+    """Close with a reset (SO_LINGER 0, nothing buffered sent), as a broken path shows itself to TCP."""
     sock = writer.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.close()
+    writer.transport.abort()
 
 
 def endpoint(text: str) -> tuple[str, int]:
-    """ "host:port" as (host, port); ValueError naming what is wrong."""
+    """ "host:port" (an IPv6 host in brackets) as (host, port); ValueError naming what is wrong."""
     host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"expected host:port with a port from 1 to 65535, got {text!r}")
     return host, int(port)

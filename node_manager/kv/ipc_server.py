@@ -17,8 +17,9 @@ DRAM arena itself, so this channel carries bookkeeping only, never page bytes:
 - `report` (no reply): what only the connector sees, for the node's metrics: where admitted
   prompt tokens' KV came from, blocks whose load failed, how long the forward waited per layer.
 
-Requests on one connection are answered in order. A connection that closes releases its pins and
-reservations, so a worker killed mid-step leaks nothing.
+Requests on one connection are answered in order. A connection that closes gives back its pins and
+reservations `DROPPED_HOLD_S` later (a CUDA engine's copies from or into them may still be
+running), so a worker killed mid-step leaks nothing; `close` gives back what is held at once.
 """
 
 from __future__ import annotations
