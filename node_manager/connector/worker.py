@@ -126,6 +126,7 @@ class WorkerSide:
         self._control = NodeKVClient(socket_path)
         self._control_lock = threading.Lock()
         self._layers: list[torch.Tensor] = []  # per layer: [num_blocks, page_words] int64 view of vLLM's cache
+        self._cuda: torch.device | None = None  # the cache's device, when it is a CUDA one
         self._arena: DramArena | None = None
         self._load: _StepLoad | None = None
         self._load_errors: set[int] = set()
@@ -180,9 +181,10 @@ class WorkerSide:
             layers.append(kv.view(kv.shape[0], -1).view(torch.int64))  # a page is an opaque row of words
         self._layers = layers
         if layers[0].device.type == "cuda":
-            self._load_stream = torch.cuda.Stream(layers[0].device)
+            self._cuda = layers[0].device
+            self._load_stream = torch.cuda.Stream(self._cuda)
         self._arena = DramArena.attach(
-            hello["arena"], geometry, hello["arena_bytes"], writable=True, pin_for_cuda=layers[0].device.type == "cuda"
+            hello["arena"], geometry, hello["arena_bytes"], writable=True, pin_for_cuda=self._cuda is not None
         )
         log.info(
             "Symphony KV connector attached", layers=len(layers), arena=hello["arena"], page_bytes=geometry.page_bytes
@@ -258,7 +260,7 @@ class WorkerSide:
                     if step.abandoned:
                         continue
                     self._copy_in(layer, step.block_ids, slots, self._arena)  # failures reported first
-                    step.landed[layer] = self._queued_on_load_stream()
+                    step.landed[layer] = _recorded(self._load_stream)
                 step.ready[layer].set()
                 delivered += 1
         except (OSError, KVChannelError) as exc:
@@ -408,7 +410,7 @@ class WorkerSide:
             try:
                 if isinstance(job, _Commit) and job.copied is not None:
                     if not on_device:  # see _load_loop: no context on device 0 for this thread
-                        torch.cuda.set_device(self._layers[0].device)
+                        torch.cuda.set_device(job.copied.device)
                         on_device = True
                     job.copied.synchronize()  # the node manager reads the arena at commit
                 with self._control_lock:
@@ -424,26 +426,12 @@ class WorkerSide:
 
     def _cuda_stream(self) -> torch.cuda.Stream | None:
         """The calling thread's current stream on the cache's device; None unless it is CUDA."""
-        if not self._layers or self._layers[0].device.type != "cuda":
-            return None
-        return torch.cuda.current_stream(self._layers[0].device)
+        return None if self._cuda is None else torch.cuda.current_stream(self._cuda)
 
     def _mark_queued(self) -> torch.cuda.Event | None:
-        """An event after the work queued so far on the calling thread's stream (None on CPU,
-        where a copy is done when it returns)."""
-        stream = self._cuda_stream()
-        if stream is None:
-            return None
-        event = torch.cuda.Event(blocking=True)  # a waiting thread sleeps rather than spins
-        event.record(stream)
-        return event
-
-    def _queued_on_load_stream(self) -> torch.cuda.Event | None:
-        if self._load_stream is None:
-            return None  # a CPU copy is done when it returns
-        event = torch.cuda.Event()
-        event.record(self._load_stream)
-        return event
+        """An event after the work queued so far on the calling thread's stream, for a thread to
+        wait on (it sleeps rather than spins)."""
+        return _recorded(self._cuda_stream(), blocking=True)
 
     def close(self) -> None:
         """Stop both threads (their queued work done, or `CLOSE_JOIN_S` each), then unmap the arena
@@ -453,8 +441,8 @@ class WorkerSide:
         for thread in self._threads:
             thread.join(CLOSE_JOIN_S)
         self._control.close()
-        if self._layers and self._layers[0].device.type == "cuda":
-            torch.cuda.synchronize(self._layers[0].device)
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
         if self._arena is not None:
             self._arena.close()
 
@@ -471,6 +459,16 @@ def _load_item(spec: LoadSpec) -> dict[str, Any]:
     if spec.tail_tokens:
         item["tail_tokens"] = spec.tail_tokens
     return item
+
+
+def _recorded(stream: torch.cuda.Stream | None, blocking: bool = False) -> torch.cuda.Event | None:
+    """An event after the work queued so far on `stream` (None for None: a CPU copy is done when it
+    returns)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event(blocking=blocking)
+    event.record(stream)
+    return event
 
 
 def _landed(stream: torch.cuda.Stream | None) -> None:

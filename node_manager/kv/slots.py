@@ -90,20 +90,16 @@ def _across_devices(dst: torch.Tensor, dst_at: np.ndarray, src: torch.Tensor, sr
     """Scattered rows between host and device memory. Host side one run: one copy across, and the
     gather or scatter on the device, all queued on the current stream. Both sides scattered: gathered
     where the rows are, copied across with a wait (the host scatters what has arrived), scattered."""
-    if src.device.type == "cpu" and _one_run(src_at):
+    if src.device.type == "cpu" and len(consecutive_runs(src_at)) == 1:
         first = int(src_at[0])
         staged = src[first : first + len(src_at)].to(dst.device, non_blocking=True)
         dst.index_copy_(0, _index_on(dst_at, dst.device), staged)
-    elif dst.device.type == "cpu" and _one_run(dst_at):
+    elif dst.device.type == "cpu" and len(consecutive_runs(dst_at)) == 1:
         first = int(dst_at[0])
         dst[first : first + len(dst_at)].copy_(src.index_select(0, _index_on(src_at, src.device)), non_blocking=True)
     else:
         gathered = src.index_select(0, _index_on(src_at, src.device)).to(dst.device)
         dst.index_copy_(0, _index_on(dst_at, dst.device), gathered)
-
-
-def _one_run(rows: np.ndarray) -> bool:
-    return bool(rows[-1] - rows[0] == len(rows) - 1 and (len(rows) < 3 or (np.diff(rows) == 1).all()))
 
 
 def _index_on(rows: np.ndarray, device: torch.device) -> torch.Tensor:
