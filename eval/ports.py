@@ -14,14 +14,18 @@ import random
 import socket
 from pathlib import Path
 
-from symphony.config import KVConfig, NodeConfig, SchedulerConfig
+from symphony.config import KVConfig, NodeConfig, RegionsConfig, SchedulerConfig
 
 LOWEST_PORT = 10_000  # above the well-known services
 DEFAULT_NODES = 8  # of a cluster started with the defaults, whose ports are left alone
-# Symphony's defaults: the scheduler's port, and each node's engine, KV metrics and gRPC ports.
+DEFAULT_REGIONS = 4  # ... and of a multi-region one (symphony.regions: entries, schedulers, links)
+# Symphony's defaults: the scheduler's port, and each node's engine, KV metrics and gRPC ports;
+# each region's entry and scheduler, and the WAN links' ports.
 DEFAULT_PORTS = frozenset(
     [
-        SchedulerConfig().port,
+        *(SchedulerConfig().port + i for i in range(DEFAULT_REGIONS)),
+        *(RegionsConfig().scheduler_port_base + i for i in range(DEFAULT_REGIONS)),
+        *(RegionsConfig().link_port_base + i for i in range(1 + DEFAULT_REGIONS * (DEFAULT_REGIONS - 1))),
         *(
             base + i
             for base in (NodeConfig().engine_port_base, KVConfig().metrics_port_base, NodeConfig().grpc_port_base)

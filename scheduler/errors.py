@@ -9,17 +9,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-}
+from symphony.api_errors import error_body
+
+__all__ = ["ApiError", "error_body", "error_response", "http_error_handler", "sse_error_event"]
 
 
 class ApiError(Exception):
@@ -32,11 +24,6 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
-
-
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    error_type = _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(

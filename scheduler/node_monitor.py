@@ -196,6 +196,11 @@ class NodeMonitor:
         nodes = [n for n in self.nodes if n.served_model == model and n.available(now, self.down_after_s)]
         return min(nodes, key=lambda n: n.inflight, default=None)
 
+    def available_views(self) -> list[NodeView]:
+        """The nodes a request may go to now (up, engine ready)."""
+        now = self._clock()
+        return [n for n in self.nodes if n.available(now, self.down_after_s)]
+
     def states(self) -> dict[str, str]:
         now = self._clock()
         return {n.node_id: n.state_name(now, self.down_after_s) for n in self.nodes}

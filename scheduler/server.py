@@ -17,7 +17,7 @@ def serve(config: SymphonyConfig) -> None:
         uvicorn.Config(
             app,
             host=config.scheduler.host,
-            port=config.scheduler.port,
+            port=config.scheduler_listen_port,
             log_level="warning",
             access_log=False,
             lifespan="on",
@@ -26,7 +26,8 @@ def serve(config: SymphonyConfig) -> None:
     )
     log.info(
         "scheduler listening",
-        url=config.scheduler_url,
+        url=f"http://{config.scheduler.host}:{config.scheduler_listen_port}",
+        region=config.scheduler.region or "-",
         nodes=",".join(config.scheduler_node_addresses()),
         policy=config.scheduler.policy,
     )

@@ -10,14 +10,16 @@ import asyncio
 import json
 import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from symphony.cli_args import CliError, add_config_args, engine_overrides, load_from_args, positive_int
-from symphony.config import ConfigError, dump_toml
+from symphony.config import ConfigError, SymphonyConfig, dump_toml
 from symphony.models import ModelError
+
+if TYPE_CHECKING:
+    from symphony.regions import RegionTopology
 
 
 # -- commands -------------------------------------------------------------------------------------
@@ -28,6 +30,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     overrides = engine_overrides(args)
     if args.nodes is not None:
         overrides.setdefault("cluster", {})["nodes"] = args.nodes
+    if args.regions is not None:
+        from symphony.regions import parse_layout
+
+        layout = [part.strip() for part in args.regions.split(",") if part.strip()]
+        try:
+            regions = parse_layout(layout)
+        except ValueError as exc:
+            raise CliError(f"--regions: {exc}") from None
+        if not regions:
+            raise CliError("--regions: name at least one region, as us-east:1,eu-west:1")
+        total = sum(len(r.nodes) for r in regions)
+        if args.nodes is not None and args.nodes != total:
+            raise CliError(f"--nodes {args.nodes} disagrees with --regions, which places {total} nodes")
+        overrides.setdefault("regions", {})["layout"] = layout
+        overrides.setdefault("cluster", {})["nodes"] = total
     if args.policy:
         overrides.setdefault("scheduler", {})["policy"] = args.policy
     config = load_from_args(args, overrides)
@@ -49,7 +66,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from scheduler.policies import make_policy
     from scheduler.server import serve
 
-    config = load_from_args(args)
+    config = load_from_args(args, {"scheduler": {"region": args.region}} if args.region else None)
     make_policy(config.scheduler.policy)
     serve(config)
     return 0
@@ -96,6 +113,37 @@ def cmd_link(args: argparse.Namespace) -> int:
     return 0
 
 
+def _topology(args: argparse.Namespace) -> tuple[SymphonyConfig, RegionTopology]:
+    config = load_from_args(args)
+    topology = config.topology()
+    if topology is None:
+        raise CliError("regions.layout is empty: this command serves a multi-region cluster")
+    return config, topology
+
+
+def cmd_global(args: argparse.Namespace) -> int:
+    from global_layer.server import serve_entries
+
+    return _serve_regions(args, serve_entries, "global layer")
+
+
+def cmd_links(args: argparse.Namespace) -> int:
+    from symphony.region_links import run_region_links
+
+    return _serve_regions(args, run_region_links, "links")
+
+
+def _serve_regions(
+    args: argparse.Namespace, serve: Callable[[SymphonyConfig, RegionTopology], Coroutine[Any, Any, None]], what: str
+) -> int:
+    config, topology = _topology(args)
+    try:
+        asyncio.run(serve(config, topology))
+    except OSError as exc:
+        raise CliError(f"{what}: cannot listen: {exc.strerror or exc}") from None
+    return 0
+
+
 def cmd_model_fetch(args: argparse.Namespace) -> int:
     from symphony.models import fetch_default_model
 
@@ -111,77 +159,9 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import httpx
+    from symphony.cli_status import show_status
 
-    config = load_from_args(args)
-    url = (args.url or config.scheduler_url).rstrip("/")
-    try:
-        body = httpx.get(url + "/readyz", timeout=5.0).json()
-    except (httpx.HTTPError, ValueError) as exc:
-        raise CliError(f"cannot reach the scheduler at {url}: {exc}") from None
-    if args.json:
-        print(json.dumps(body, indent=2))
-        return 0 if body.get("status") == "ready" else 1
-    print(f"scheduler {url}: {body.get('status')} ({body.get('ready_nodes')} ready)")
-    for name, info in sorted(body.get("nodes", {}).items()):
-        print(
-            f"  {name:<8} {info['state']:<18} running={info['running']} waiting={info['waiting']} "
-            f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} "
-            f"of {info.get('kv_cache_tokens') or '?'} tokens "
-            f"restarts={info['engine_restarts']} "
-            f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}{_kv_index_text(info)}"
-        )
-    profile = body.get("cost_profile")
-    if profile:
-        print(_describe_profile(profile))
-    for line in _describe_links(body.get("observed_links", [])):
-        print(line)
-    return 0 if body.get("status") == "ready" else 1
-
-
-MAX_STATUS_LINKS = 16  # observed node pairs printed; a fleet's can run to thousands (--json has all)
-
-
-def _kv_index_text(info: dict[str, Any]) -> str:
-    """The node's cluster KV index state in `symphony status` ("" from a scheduler without one)."""
-    kv = info.get("kv_index")
-    if not isinstance(kv, dict):
-        return ""
-    state = f"fallback({kv.get('state')})" if kv.get("fallback") else kv.get("state")
-    return f" index={state} lag={kv.get('lag_ms', 0):.0f}ms resyncs={kv.get('resyncs', 0)}"
-
-
-def _describe_links(links: list[dict[str, Any]]) -> list[str]:
-    """/readyz's `observed_links` (scheduler.pull_costs.ObservedLink), a line each, the first
-    `MAX_STATUS_LINKS` of them."""
-    lines = []
-    for link in links[:MAX_STATUS_LINKS]:
-        priced = "" if link["priced"] else ", not priced yet"
-        lines.append(
-            f"  pulls {link['source']} -> {link['target']}: {link['ms_per_token']:.3f} ms/token over "
-            f"{link['pulls']} pulls (calibrated {link['calibrated_ms_per_token']:.3f}){priced}"
-        )
-    if len(links) > MAX_STATUS_LINKS:
-        lines.append(f"  ... and {len(links) - MAX_STATUS_LINKS} more observed links (symphony status --json)")
-    return lines
-
-
-def _describe_profile(p: dict[str, Any]) -> str:
-    """/readyz's `cost_profile` (scheduler.profile_loader.LoadedProfile.describe) in a few lines."""
-    if p["status"] == "loaded":
-        measured = time.strftime("%Y-%m-%d %H:%M", time.localtime(p["measured_at_unix_s"]))
-        head = f"cost profile {p['path']}: measured {measured} on {p['host']} with {p['model']}"
-    else:
-        head = f"cost profile {p['path']}: {p['status']} ({p['problem']}); routing on built-in defaults"
-    tiers = p["tier_load_us_per_token"]
-    link = p["default_link"]
-    return (
-        f"{head}\n  prefill {p['prefill_ms_1k_tokens']:.0f} ms per 1k tokens, request overhead "
-        f"{p['request_overhead_ms']:.0f} ms, decode step {p['decode_step_ms']['fixed']:.1f} ms + "
-        f"{p['decode_step_ms']['per_seq']:.2f} ms/request\n  load us/token: hbm {tiers['hbm']:.2f}, "
-        f"dram {tiers['dram']:.2f}, ssd {tiers['ssd']:.2f}; links: {p['links']} measured, default "
-        f"{link['rtt_ms']:.2f} ms RTT at {link['bandwidth_gbps']:.2f} GB/s"
-    )
+    return show_status(args)
 
 
 def cmd_admin_priority(args: argparse.Namespace) -> int:
@@ -238,10 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     up.add_argument("--served-model-name", help="name clients use for the model (default: directory name)")
     up.add_argument("--policy", help="routing policy (default symphony)")
+    up.add_argument(
+        "--regions",
+        metavar="NAME:NODES,...",
+        help="several regions, as us-east:1,eu-west:1,ap-south:1: a scheduler per region, a global "
+        "layer with an entry in each (ports scheduler.port + i), WAN links between them",
+    )
     up.set_defaults(func=cmd_up)
 
     sched = sub.add_parser("scheduler", help="run only the scheduler (multi-host deployments)")
     add_config_args(sched)
+    sched.add_argument("--region", help="the region it serves (multi-region clusters: regions.layout)")
     sched.set_defaults(func=cmd_scheduler)
 
     node = sub.add_parser("node", help="run only one node manager and its engine (multi-host deployments)")
@@ -250,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--model", type=Path, metavar="PATH", help="serve this local HF model directory")
     node.add_argument("--served-model-name", help="name clients use for the model")
     node.set_defaults(func=cmd_node)
+
+    glob = sub.add_parser("global", help="run only the global layer: every region's entry (regions.layout)")
+    add_config_args(glob)
+    glob.set_defaults(func=cmd_global)
+
+    links = sub.add_parser("links", help="run the WAN links between regions (regions.links) on this host")
+    add_config_args(links)
+    links.set_defaults(func=cmd_links)
 
     link = sub.add_parser("link", help="relay TCP through an emulated WAN link (RTT, bandwidth, jitter, loss)")
     link.add_argument("--listen", required=True, metavar="HOST:PORT", help="where the link accepts connections")

@@ -28,6 +28,8 @@ from symphony.config_schema import (
     LogLevel,
     NodeConfig,
     PolicyName,
+    RegionPolicyName,
+    RegionsConfig,
     SchedulerConfig,
     SymphonyConfig,
 )
@@ -47,6 +49,8 @@ __all__ = [
     "LoggingConfig",
     "NodeConfig",
     "PolicyName",
+    "RegionPolicyName",
+    "RegionsConfig",
     "SchedulerConfig",
     "SymphonyConfig",
     "default_home",
@@ -224,6 +228,7 @@ def _validate(config: SymphonyConfig) -> None:
         check(1 <= value <= 65535, key, f"port {value} outside 1..65535")
 
     check(1 <= config.cluster.nodes <= 64, "cluster.nodes", f"{config.cluster.nodes} outside 1..64")
+    region_ports = _region_ports(config, check, port)  # first: the node addresses depend on the regions
     s = config.scheduler
     port("scheduler.port", s.port)
     for name in (
@@ -374,7 +379,50 @@ def _validate(config: SymphonyConfig) -> None:
         ports += [kv.metrics_port_base + i for i in range(config.cluster.nodes)]
     if kv.data_port_base:
         ports += [kv.data_port_base + i for i in range(config.cluster.nodes)]
+    ports += region_ports
     check(len(set(ports)) == len(ports), "ports", f"scheduler, node and engine ports overlap: {sorted(ports)}")
+
+
+def _region_ports(config: SymphonyConfig, check: Any, port: Any) -> list[int]:
+    """Check `[regions]`; the ports a multi-region cluster adds (none for one region)."""
+    r = config.regions
+    try:
+        topology = config.topology()
+    except ValueError as exc:
+        key, _, message = str(exc).partition(": ")
+        raise ConfigError(f"{key}: {message}") from None
+    for name in ("probe_interval_ms", "region_down_after_ms"):
+        check(getattr(r, name) > 0, f"regions.{name}", "must be positive")
+    check(
+        r.region_down_after_ms >= r.probe_interval_ms,
+        "regions.region_down_after_ms",
+        "must be at least regions.probe_interval_ms",
+    )
+    if topology is None:
+        check(not config.scheduler.region, "scheduler.region", "needs regions.layout")
+        return []
+    check(
+        not config.scheduler.region or config.scheduler.region in topology.names,
+        "scheduler.region",
+        f"{config.scheduler.region!r} is not in regions.layout ({', '.join(topology.names)})",
+    )
+    total = sum(len(region.nodes) for region in topology.regions)
+    check(
+        config.cluster.nodes == total,
+        "cluster.nodes",
+        f"{config.cluster.nodes}, but regions.layout places {total} nodes",
+    )
+    check(not config.scheduler.node_addresses, "scheduler.node_addresses", "must be empty with regions.layout")
+    count = len(topology.regions)
+    port("scheduler.port + regions - 1", config.scheduler.port + count - 1)
+    port("regions.scheduler_port_base", r.scheduler_port_base)
+    port("regions.scheduler_port_base + regions - 1", r.scheduler_port_base + count - 1)
+    plan = topology.link_plan(r.link_port_base)
+    port("regions.link_port_base", r.link_port_base)
+    port("regions.link_port_base + links", r.link_port_base + len(plan))
+    ports = [config.scheduler.port + i for i in range(1, count)]
+    ports += [r.scheduler_port_base + i for i in range(count)]
+    return ports + [r.link_port_base] + [link.port for link in plan]
 
 
 # The KV store's keys that must be positive; the store checks them again when built without a config.

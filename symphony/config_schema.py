@@ -10,12 +10,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from symphony.regions import DEFAULT_WAN_LINKS, RegionTopology, build_topology
+
 # The enumerated keys' values; load_config refuses any other and names these.
 PolicyName = Literal["symphony", "recompute", "sticky", "round_robin", "least_load", "consistent_hash", "prefix_trie"]
 DataPlane = Literal["tcp", "grpc"]
 EngineDtype = Literal["bfloat16", "float16", "float32", "auto"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
+RegionPolicyName = Literal["nearest"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class SchedulerConfig:
     # gRPC addresses of the node managers ("host:port"). Empty: the local cluster's
     # node.host:node.grpc_port_base+i for i < cluster.nodes.
     node_addresses: list[str] = field(default_factory=list)
+    # With regions.layout: the region this scheduler serves (its nodes are that region's, its port
+    # regions.scheduler_port_base + the region's index); empty: the global layer's configuration.
+    region: str = ""
     policy: PolicyName = "symphony"  # scheduler.policies.POLICIES holds one policy per name
     poll_interval_ms: int = 100  # Status poll period per node
     node_down_after_ms: int = 1000  # no successful Status for this long -> node unroutable
@@ -186,6 +192,26 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class RegionsConfig:
+    """A cluster of several regions (symphony.regions): one scheduler per region, a global layer
+    with an entry in each, and every cross-region connection through an emulated WAN link."""
+
+    # "name:nodes" per region, in order (nodes numbered across regions); empty: one region, no
+    # global layer. cluster.nodes must be the total.
+    layout: list[str] = field(default_factory=list)
+    # "a~b:rtt_ms:bandwidth_mbps[:jitter_ms[:loss]]" for every pair of regions in the layout.
+    links: list[str] = field(default_factory=lambda: list(DEFAULT_WAN_LINKS))
+    intra_rtt_ms: float = 1.0  # a client to its own region's entry, and within a region (not emulated)
+    # "tenant=region|region": the only regions the tenant's requests and KV may enter.
+    residency: list[str] = field(default_factory=list)
+    policy: RegionPolicyName = "nearest"  # the global layer's choice of region
+    scheduler_port_base: int = 8010  # region r's scheduler on base + r (entries: scheduler.port + r)
+    link_port_base: int = 7400  # the WAN links' control API; their listeners from base + 1
+    probe_interval_ms: int = 100  # the global layer reads each region's summary this often
+    region_down_after_ms: int = 500  # no summary for this long: the region takes no new requests
+
+
+@dataclass(frozen=True)
 class SymphonyConfig:
     home: str = ""  # state directory; empty: $SYMPHONY_HOME or ~/.cache/symphony
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -194,6 +220,7 @@ class SymphonyConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    regions: RegionsConfig = field(default_factory=RegionsConfig)
 
     @property
     def home_path(self) -> Path:
@@ -247,8 +274,29 @@ class SymphonyConfig:
     def scheduler_node_addresses(self) -> list[str]:
         if self.scheduler.node_addresses:
             return list(self.scheduler.node_addresses)
+        topology = self.topology()
+        if topology is not None and self.scheduler.region:
+            return [self.node_grpc_address(i) for i in topology.region(self.scheduler.region).nodes]
         return [self.node_grpc_address(i) for i in range(self.cluster.nodes)]
+
+    @property
+    def scheduler_listen_port(self) -> int:
+        """Where this scheduler listens: scheduler.port, or its region's port in a multi-region cluster."""
+        topology = self.topology()
+        if topology is not None and self.scheduler.region:
+            return self.regions.scheduler_port_base + topology.region(self.scheduler.region).index
+        return self.scheduler.port
 
     @property
     def scheduler_url(self) -> str:
         return f"http://{self.scheduler.host}:{self.scheduler.port}"
+
+    def topology(self) -> RegionTopology | None:
+        """The regions `[regions]` describes; None for a one-region cluster. ValueError as
+        load_config reports it (it has built this once)."""
+        r = self.regions
+        if not r.layout:
+            return None
+        return build_topology(
+            r.layout, r.links, r.intra_rtt_ms, r.residency, links_are_default=r.links == list(DEFAULT_WAN_LINKS)
+        )

@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 import grpc
@@ -29,6 +30,17 @@ CHILD_RESTARTS = RestartPolicy(max_restarts=3, backoff_s=0.5, backoff_max_s=5.0,
 def check_ports_free(config: SymphonyConfig) -> None:
     """Fail before starting anything if a port the cluster needs is taken."""
     wanted = [(config.scheduler.host, config.scheduler.port, "scheduler.port")]
+    topology = config.topology()
+    if topology is not None:
+        r = config.regions
+        host = config.scheduler.host
+        for region in topology.regions:
+            if region.index:
+                wanted.append((host, config.scheduler.port + region.index, f"scheduler.port+{region.index}"))
+            wanted.append((host, r.scheduler_port_base + region.index, f"regions.scheduler_port_base+{region.index}"))
+        wanted.append((host, r.link_port_base, "regions.link_port_base"))
+        for planned in topology.link_plan(r.link_port_base):
+            wanted.append((host, planned.port, f"regions.link_port_base+{planned.port - r.link_port_base}"))
     for i in range(config.cluster.nodes):
         wanted.append((config.node.host, config.node.grpc_port_base + i, f"node.grpc_port_base+{i}"))
         wanted.append((config.node.host, config.engine_port(i), f"node.engine_port_base+{i}"))
@@ -85,8 +97,39 @@ class LocalCluster:
         self.config_path = config.home_path / "run" / "cluster.toml"
         self._http = httpx.AsyncClient(timeout=2.0)
         self.nodes: list[ManagedProcess] = []
-        self.scheduler: ManagedProcess | None = None
+        self.topology = self.config.topology()  # None: one region
+        # One scheduler, or one per region; then the WAN links and the global layer.
+        self.schedulers: list[ManagedProcess] = []
+        self.services: list[ManagedProcess] = []
         self._probes: list[_NodeHealthProbe] = []
+
+    @property
+    def scheduler_urls(self) -> list[str]:
+        """Where each scheduler listens (one per region in a multi-region cluster)."""
+        c = self.config
+        if self.topology is None:
+            return [c.scheduler_url]
+        return [f"http://{c.scheduler.host}:{c.regions.scheduler_port_base + r.index}" for r in self.topology.regions]
+
+    def _http_ok(self, url: str) -> Callable[[], Awaitable[bool]]:
+        async def probe() -> bool:
+            try:
+                return (await self._http.get(url)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        return probe
+
+    def _light_process(self, name: str, argv: list[str], ready_url: str) -> ManagedProcess:
+        return ManagedProcess(
+            name,
+            argv,
+            log_path=self.logs_dir / f"{name}.log",
+            ready_probe=self._http_ok(ready_url),
+            policy=CHILD_RESTARTS,
+            startup_timeout_s=60.0,
+            stop_timeout_s=10.0,
+        )
 
     def spawn(self) -> None:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,32 +152,35 @@ class LocalCluster:
                 stop_timeout_s=self.config.engine.stop_timeout_s + 15.0,
             )
             self.nodes.append(proc)
-        self.scheduler = ManagedProcess(
-            "scheduler",
-            _child_argv("scheduler", *config_arg),
-            log_path=self.logs_dir / "scheduler.log",
-            ready_probe=self._scheduler_alive,
-            policy=CHILD_RESTARTS,
-            startup_timeout_s=60.0,
-            stop_timeout_s=10.0,
-        )
-        for proc in [*self.nodes, self.scheduler]:
+        if self.topology is None:
+            argv = _child_argv("scheduler", *config_arg)
+            self.schedulers.append(self._light_process("scheduler", argv, self.config.scheduler_url + "/healthz"))
+        else:
+            for region, url in zip(self.topology.regions, self.scheduler_urls, strict=True):
+                argv = _child_argv("scheduler", *config_arg, "--region", region.name)
+                self.schedulers.append(self._light_process(f"scheduler-{region.name}", argv, url + "/healthz"))
+            c = self.config
+            links_url = f"http://{c.scheduler.host}:{c.regions.link_port_base}/links"
+            self.services.append(self._light_process("links", _child_argv("links", *config_arg), links_url))
+            self.services.append(
+                self._light_process("global", _child_argv("global", *config_arg), c.scheduler_url + "/healthz")
+            )
+        for proc in [*self.nodes, *self.schedulers, *self.services]:
             proc.start()
 
-    async def _scheduler_alive(self) -> bool:
-        try:
-            return (await self._http.get(self.config.scheduler_url + "/healthz")).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     async def _node_readiness(self) -> dict[str, dict[str, Any]] | None:
-        """/readyz's per-node part; None while the scheduler does not answer it."""
-        try:
-            ready = (await self._http.get(self.config.scheduler_url + "/readyz")).json()
-        except (httpx.HTTPError, ValueError):
-            return None
-        nodes = ready.get("nodes") if isinstance(ready, dict) else None
-        return nodes if isinstance(nodes, dict) else {}
+        """Every scheduler's /readyz per-node part, merged; None while none answers it."""
+        merged: dict[str, dict[str, Any]] = {}
+        answered = False
+        for url in self.scheduler_urls:
+            try:
+                ready = (await self._http.get(url + "/readyz")).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            answered = True
+            nodes = ready.get("nodes") if isinstance(ready, dict) else None
+            merged.update(nodes if isinstance(nodes, dict) else {})
+        return merged if answered else None
 
     async def wait_ready(self, stop: asyncio.Event) -> bool:
         """Wait until every node's engine is ready, drawing a progress line; False if it cannot be."""
@@ -143,8 +189,8 @@ class LocalCluster:
         tty = self.out.isatty()
         last_line, last_detail, last_print = "", "", 0.0
         while not stop.is_set():
-            children = [*self.nodes, self.scheduler]
-            failed = [p.name for p in children if p is not None and p.state is ProcessState.FAILED]
+            children = [*self.nodes, *self.schedulers, *self.services]
+            failed = [p.name for p in children if p.state is ProcessState.FAILED]
             if failed:
                 self.say(f"\n{', '.join(failed)} failed to start; see logs in {self.logs_dir}")
                 return False
@@ -163,7 +209,7 @@ class LocalCluster:
                 self.say(f"\ntimed out waiting for engines ({node_states}); see logs in {self.logs_dir}")
                 return False
             elapsed = time.monotonic() - started
-            detail = "  ".join(f"{n}: {s}" for n, s in sorted(node_states.items())) or "scheduler: starting"
+            detail = "  ".join(f"{n}: {s}" for n, s in sorted(node_states.items())) or "schedulers: starting"
             line = (
                 f"starting {self.config.cluster.nodes} engines ({self.model.served_name}) [{elapsed:4.0f}s]  {detail}"
             )
@@ -180,13 +226,26 @@ class LocalCluster:
     def banner(self) -> str:
         c = self.config
         url = c.scheduler_url
-        lines = [
-            f"Symphony is up: {c.cluster.nodes} node(s) serving {self.model.served_name}",
-            f"  scheduler  {url}/v1   (OpenAI API · POST /v1/advisories · /metrics · /readyz)",
-        ]
+        if self.topology is None:
+            lines = [
+                f"Symphony is up: {c.cluster.nodes} node(s) serving {self.model.served_name}",
+                f"  scheduler  {url}/v1   (OpenAI API · POST /v1/advisories · /metrics · /readyz)",
+            ]
+        else:
+            names = ", ".join(self.topology.names)
+            lines = [
+                f"Symphony is up: {len(self.topology.regions)} regions ({names}), {c.cluster.nodes} node(s) "
+                f"serving {self.model.served_name}, global policy {c.regions.policy}"
+            ]
+            for region, sched_url in zip(self.topology.regions, self.scheduler_urls, strict=True):
+                entry = f"http://{c.scheduler.host}:{c.scheduler.port + region.index}"
+                lines.append(f"  {region.name:<10} entry {entry}/v1   scheduler {sched_url}")
+            lines.append(f"  links      http://{c.scheduler.host}:{c.regions.link_port_base}/links")
         for i in range(c.cluster.nodes):
+            where = f" ({self.topology.region_of_node(i)})" if self.topology is not None else ""
             lines.append(
                 f"  {c.node_id(i):<10} grpc {c.node_grpc_address(i)}   engine http://{c.node.host}:{c.engine_port(i)}"
+                + where
             )
         lines += [
             f"  logs       {self.logs_dir}",
@@ -216,8 +275,8 @@ class LocalCluster:
 
     async def shutdown(self) -> None:
         self.say("stopping Symphony...")
-        if self.scheduler is not None:
-            await self.scheduler.stop()
+        await asyncio.gather(*(proc.stop() for proc in self.services))
+        await asyncio.gather(*(proc.stop() for proc in self.schedulers))
         await asyncio.gather(*(node.stop() for node in self.nodes))
         for probe in self._probes:
             await probe.close()

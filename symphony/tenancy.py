@@ -24,3 +24,34 @@ def engine_cache_salt(tenant: str, client_salt: str | None = None) -> str:
     if client_salt is not None:
         material += client_salt.encode()
     return hashlib.sha256(_SALT_DOMAIN + material).hexdigest()[:32]
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, None when absent or of another kind."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+class TenantKeys:
+    """Tenants by API key, from `scheduler.api_keys` ("tenant:key" entries, validated by
+    symphony.config). Keys are kept as sha256 digests and looked up by digest, so the lookup's
+    timing says nothing about how much of a guessed key was right."""
+
+    def __init__(self, api_keys: list[str]) -> None:
+        self._tenants = {_digest(key): tenant for tenant, _, key in (entry.partition(":") for entry in api_keys)}
+
+    @property
+    def open(self) -> bool:
+        """No keys: every request is DEFAULT_TENANT's."""
+        return not self._tenants
+
+    def tenant(self, token: str) -> str | None:
+        """The tenant whose key `token` is; None for an unknown key."""
+        return self._tenants.get(_digest(token))
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()

@@ -7,7 +7,8 @@ one side of the link:
 
 - bandwidth: the link sends one segment (at most `SEGMENT_BYTES`) at a time, at `bandwidth_mbps`,
   in the order they were read; every connection through the link shares it (per direction, like a
-  full-duplex link);
+  full-duplex link), and so does every listener given the same `LinkPipe` (a region pair's link
+  carries all the traffic between the two regions, whatever it is addressed to);
 - delay: a segment arrives `rtt_ms / 2` after it left, plus a uniform draw in
   [-`jitter_ms`, +`jitter_ms`], but never before the segment ahead of it on its connection (TCP
   delivers in order);
@@ -113,15 +114,16 @@ class _Direction:
 
     def admit(self, data: bytes, now: float) -> None:
         """Queue `data` (b"": the end of stream, which takes no link time and is never lost)."""
-        link, shape, counters = self.link, self.link.shape, self.link.counters
+        pipe, shape, counters = self.link.pipe, self.link.shape, self.link.counters
+        lane = self.link.lanes[self.name]
         arrival = now
         if data:
-            leaves = max(link.free_at[self.name], now) + len(data) / (shape.bandwidth_mbps * _MBPS)
-            link.free_at[self.name] = leaves  # the link's, shared by every connection
-            arrival = leaves + shape.one_way_s + link.extra_latency_ms / 1000
+            leaves = max(pipe.free_at[lane], now) + len(data) / (shape.bandwidth_mbps * _MBPS)
+            pipe.free_at[lane] = leaves  # the lane's, shared by every connection on the pipe
+            arrival = leaves + shape.one_way_s + pipe.extra_latency_ms / 1000
             if shape.jitter_ms:
-                arrival += link.rng.uniform(-shape.jitter_ms, shape.jitter_ms) / 1000
-            if shape.loss and link.rng.random() < shape.loss:
+                arrival += pipe.rng.uniform(-shape.jitter_ms, shape.jitter_ms) / 1000
+            if shape.loss and pipe.rng.random() < shape.loss:
                 arrival += shape.rtt_ms / 1000
                 counters.lost[self.name] += 1
             counters.segments[self.name] += 1
@@ -133,10 +135,43 @@ class _Direction:
         self.arrived.set()
 
 
+class LinkPipe:
+    """What the listeners of one link share (a region pair's link, whoever connects through it):
+    its shape, when each of its two lanes is next free to send, its fault, and its jitter and loss
+    draws. A listener maps its own "forward" and "reverse" onto the pipe's lanes, so traffic from
+    region a to region b shares one lane whichever listener carries it. One event loop."""
+
+    def __init__(self, shape: LinkShape, seed: int = 0) -> None:
+        self.shape = shape
+        self.rng = random.Random(seed)
+        self.fault = LinkFault.NONE
+        self.extra_latency_ms = 0.0
+        self.free_at: dict[str, float] = {}  # lane -> when it has sent all it was given (monotonic s)
+        self.flowing = asyncio.Event()  # clear while blackholed
+        self.flowing.set()
+        self.members: list[WanLink] = []  # listeners a partition resets
+
+    def set_fault(self, fault: LinkFault, extra_latency_ms: float = 0.0) -> None:
+        """Break the link (or heal it: `LinkFault.NONE`), and add `extra_latency_ms` one way."""
+        if not 0 <= extra_latency_ms < math.inf:
+            raise ValueError(f"extra_latency_ms must be finite and >= 0, got {extra_latency_ms}")
+        self.fault = fault
+        self.extra_latency_ms = extra_latency_ms
+        if fault is LinkFault.BLACKHOLE:
+            self.flowing.clear()
+        else:
+            self.flowing.set()
+        if fault is LinkFault.PARTITION:
+            for member in self.members:
+                member.abort_all()
+
+
 class WanLink:
     """Listens on `host`:`port` (0: any free port, `port` once started) and relays each connection
     to `target_host`:`target_port` through `shape`. `seed` makes the jitter and loss draws
-    repeatable for the same sequence of segments. Runs on one event loop; not thread-safe."""
+    repeatable for the same sequence of segments. Given a `pipe` (of the same shape), it shares
+    that pipe's bandwidth, draws and faults with its other listeners, its forward direction on lane
+    `lanes[0]` and its reverse on `lanes[1]`. Runs on one event loop; not thread-safe."""
 
     def __init__(
         self,
@@ -151,26 +186,37 @@ class WanLink:
         queue_bytes: int | None = None,
         idle_timeout_s: float = 300.0,
         connect_timeout_s: float = 5.0,
+        pipe: LinkPipe | None = None,
+        lanes: tuple[str, str] = _DIRECTIONS,
     ) -> None:
         self.shape = shape
         self.target = (target_host, target_port)
         self.host = host
         self.port = port
-        self.rng = random.Random(seed)
+        self.pipe = pipe or LinkPipe(shape, seed)
+        if self.pipe.shape != shape:
+            raise ValueError("a listener's shape must be its pipe's")
+        self.pipe.members.append(self)
+        self.lanes = dict(zip(_DIRECTIONS, lanes, strict=True))
+        for lane in lanes:
+            self.pipe.free_at.setdefault(lane, 0.0)
         self.max_connections = max_connections
         self.queue_bytes = queue_bytes or max(MIN_QUEUE_BYTES, math.ceil(2 * shape.bdp_bytes))
         self.idle_timeout_s = idle_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.counters = LinkCounters()
-        self.fault = LinkFault.NONE
-        self.extra_latency_ms = 0.0
-        self.free_at = dict.fromkeys(_DIRECTIONS, 0.0)  # when the link has sent all it was given (s)
-        self._flowing = asyncio.Event()  # clear while blackholed
-        self._flowing.set()
         self._server: asyncio.Server | None = None
         self._closing = False
         # Open connections: each one's task, and the event that resets it (a partition, `close`).
         self._open: dict[asyncio.Task[None], asyncio.Event] = {}
+
+    @property
+    def fault(self) -> LinkFault:
+        return self.pipe.fault
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._accept, self.host, self.port)
@@ -189,18 +235,13 @@ class WanLink:
             await self._server.wait_closed()  # from Python 3.12, waits for the connections too
 
     def set_fault(self, fault: LinkFault, extra_latency_ms: float = 0.0) -> None:
-        """Break the link (or heal it: `LinkFault.NONE`), and add `extra_latency_ms` one way."""
-        if not 0 <= extra_latency_ms < math.inf:
-            raise ValueError(f"extra_latency_ms must be finite and >= 0, got {extra_latency_ms}")
-        self.fault = fault
-        self.extra_latency_ms = extra_latency_ms
-        if fault is LinkFault.BLACKHOLE:
-            self._flowing.clear()
-        else:
-            self._flowing.set()
-        if fault is LinkFault.PARTITION:
-            for abort in self._open.values():
-                abort.set()
+        """Break the link this listener is on (its pipe: every listener sharing it), or heal it."""
+        self.pipe.set_fault(fault, extra_latency_ms)
+
+    def abort_all(self) -> None:
+        """Reset every open connection (a partition)."""
+        for abort in self._open.values():
+            abort.set()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closing or self.fault is LinkFault.PARTITION or len(self._open) >= self.max_connections:
@@ -276,7 +317,7 @@ class WanLink:
             while direction.queued_bytes >= self.queue_bytes:
                 direction.room.clear()
                 await direction.room.wait()
-            await self._flowing.wait()
+            await self.pipe.flowing.wait()
             data = await reader.read(SEGMENT_BYTES)  # the idle watch bounds how long this waits
             last_activity[0] = time.monotonic()
             direction.admit(data, time.monotonic())
@@ -296,8 +337,8 @@ class WanLink:
             if wait > 0:
                 await asyncio.sleep(wait)
                 continue
-            if not self._flowing.is_set():
-                await self._flowing.wait()
+            if not self.pipe.flowing.is_set():
+                await self.pipe.flowing.wait()
                 continue
             direction.segments.popleft()
             direction.queued_bytes -= len(data)
@@ -316,7 +357,7 @@ class WanLink:
         while True:
             left = last_activity[0] + self.idle_timeout_s - time.monotonic()
             if left <= 0:
-                if any(d.segments for d in directions) or not self._flowing.is_set():
+                if any(d.segments for d in directions) or not self.pipe.flowing.is_set():
                     last_activity[0] = time.monotonic()
                     continue
                 return

@@ -89,9 +89,13 @@ class LiveCluster:
         port = str(self.engine_ports[index])
         return self._descendant(lambda argv: "vllm.entrypoints.openai.api_server" in argv and port in argv)
 
-    def scheduler_pid(self) -> int:
+    def scheduler_pid(self, region: str | None = None) -> int:
+        """The scheduler (of `region`, in a multi-region cluster)."""
+
         def is_scheduler(argv: list[str]) -> bool:
-            return "symphony.cli" in argv[:-1] and argv[argv.index("symphony.cli") + 1] == "scheduler"
+            if "symphony.cli" not in argv[:-1] or argv[argv.index("symphony.cli") + 1] != "scheduler":
+                return False
+            return region is None or ("--region" in argv[:-1] and argv[argv.index("--region") + 1] == region)
 
         return self._descendant(is_scheduler)
 
@@ -133,6 +137,7 @@ def _write_config(
     nodes: int,
     engine: str,
     kv: str,
+    regions: str = "",
 ) -> Path:
     config = home / "symphony.toml"
     config.write_text(f"""
@@ -159,6 +164,7 @@ max_model_len = 8192
 # 16,384 tokens of KV per engine: small enough that a test can fill it with prefetched sessions.
 extra_args = ["--num-gpu-blocks-override", "512"]
 {engine}
+{regions}
 """)
     return config
 
@@ -172,13 +178,23 @@ def start_cluster(
     kv_toml: str = "",
     env: dict[str, str] | None = None,
     model: str = DEFAULT_MODEL_NAME,
+    regions: list[str] | None = None,
 ) -> LiveCluster:
     """`symphony up` on `home` with a config of its own ports (plus `engine_toml` and `kv_toml`, lines
-    of those tables); returns once it says it is up. Stop it with `stop_cluster`."""
-    scheduler_port, grpc_base, engine_base = free_port(), free_port_run(nodes), free_port_run(nodes)
-    metrics_base = free_port_run(nodes)
+    of those tables); returns once it says it is up. Stop it with `stop_cluster`. With `regions`
+    ("name:nodes" each, `nodes` ignored): a multi-region cluster, its url the first region's entry."""
+    regions_toml = ""
+    if regions:
+        count = len(regions)
+        nodes = sum(int(entry.partition(":")[2]) for entry in regions)
+        regions_toml = (
+            f"[regions]\nlayout = {regions!r}\nscheduler_port_base = {free_port_run(count)}\n"
+            f"link_port_base = {free_port_run(1 + count * (count - 1))}\n"
+        ).replace("'", '"')
+    scheduler_port = free_port_run(len(regions)) if regions else free_port()
+    grpc_base, engine_base, metrics_base = free_port_run(nodes), free_port_run(nodes), free_port_run(nodes)
     config = _write_config(
-        home, model_dir, scheduler_port, grpc_base, engine_base, metrics_base, nodes, engine_toml, kv_toml
+        home, model_dir, scheduler_port, grpc_base, engine_base, metrics_base, nodes, engine_toml, kv_toml, regions_toml
     )
     output = home / "up.out"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}

@@ -15,7 +15,7 @@ import pytest
 from eval.loadgen import server_timing_ms
 from scheduler.cost_profile import DEFAULT_PROFILE, to_json
 from scheduler.kv_index import NodePrefix
-from symphony.cli import _kv_index_text
+from symphony.cli_status import _kv_index_text
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.models import DEFAULT_MODEL_NAME
 from symphony.rpc import node_pb2

@@ -19,7 +19,7 @@ import pytest
 from eval.bench_tiers import PeerNode
 from symphony.kv_geometry import smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
-from symphony.wan_link import LinkFault, LinkShape, WanLink
+from symphony.wan_link import LinkFault, LinkPipe, LinkShape, WanLink
 from tests.helpers import free_port
 
 PING = b"p" * 100
@@ -262,26 +262,57 @@ async def test_connections_share_the_links_bandwidth(echo_port: int) -> None:
     shape = LinkShape(rtt_ms=10, bandwidth_mbps=100)
     link = await _link(shape, echo_port)
     payload = bytes(2 << 20)
-
-    async def transfer() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
-        writer.write(payload)
-        await writer.drain()
-        received = 0
-        while received < len(payload):
-            chunk = await asyncio.wait_for(reader.read(1 << 16), 10)
-            assert chunk
-            received += len(chunk)
-        writer.close()
-
     try:
         started = time.perf_counter()
-        await asyncio.gather(transfer(), transfer())
+        await asyncio.gather(_echoed(link.port, payload), _echoed(link.port, payload))
         elapsed = time.perf_counter() - started
         mbps = 2 * len(payload) * 8 / 1e6 / (elapsed - shape.rtt_ms / 1000)
         assert _within(mbps, 100), f"two connections moved {mbps:.1f} Mb/s in all through a 100 Mb/s link"
     finally:
         await link.close()
+
+
+async def test_listeners_on_one_pipe_share_its_bandwidth(echo_port: int) -> None:
+    """A region pair's link carries every listener's traffic (symphony.region_links): two
+    listeners on one pipe move, in all, what one link moves."""
+    shape = LinkShape(rtt_ms=10, bandwidth_mbps=100)
+    pipe = LinkPipe(shape)
+    first = await _link(shape, echo_port, pipe=pipe, lanes=("a>b", "b>a"))
+    second = await _link(shape, echo_port, pipe=pipe, lanes=("a>b", "b>a"))
+    payload = bytes(2 << 20)
+    try:
+        started = time.perf_counter()
+        await asyncio.gather(_echoed(first.port, payload), _echoed(second.port, payload))
+        elapsed = time.perf_counter() - started
+        mbps = 2 * len(payload) * 8 / 1e6 / (elapsed - shape.rtt_ms / 1000)
+        assert _within(mbps, 100), f"two listeners moved {mbps:.1f} Mb/s in all through one 100 Mb/s pipe"
+        # A partition of the pipe breaks both listeners.
+        pipe.set_fault(LinkFault.PARTITION)
+        for link in (first, second):
+            assert link.fault is LinkFault.PARTITION
+            with pytest.raises(ConnectionError):
+                await _round_trips(link.port, 1)
+    finally:
+        await first.close()
+        await second.close()
+
+
+def test_a_listener_must_have_its_pipes_shape() -> None:
+    with pytest.raises(ValueError, match="shape must be its pipe's"):
+        WanLink(LinkShape(10, 100), "127.0.0.1", 1, pipe=LinkPipe(LinkShape(20, 100)))
+
+
+async def _echoed(port: int, payload: bytes) -> None:
+    """Send `payload` to the echo server through `port` and read it all back."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(payload)
+    await writer.drain()
+    received = 0
+    while received < len(payload):
+        chunk = await asyncio.wait_for(reader.read(1 << 16), 10)
+        assert chunk
+        received += len(chunk)
+    writer.close()
 
 
 async def test_a_slow_links_queue_is_not_idleness_but_silence_is(echo_port: int) -> None:

@@ -156,7 +156,7 @@ def test_bench_tiers_runs_openmp_passive_unless_told_otherwise(
 def test_status_describes_the_cost_profile_in_use(tmp_path: Path) -> None:
     from scheduler.cost_profile import DEFAULT_PROFILE
     from scheduler.profile_loader import LoadedProfile, ProfileStatus
-    from symphony.cli import _describe_profile
+    from symphony.cli_status import _describe_profile
 
     missing = LoadedProfile(DEFAULT_PROFILE, "/x/cost-profile.json", ProfileStatus.MISSING, "no cost profile file")
     text = _describe_profile(missing.describe())
@@ -170,7 +170,7 @@ def test_status_describes_the_observed_links_as_readyz_reports_them() -> None:
 
     from scheduler.cost_profile import DEFAULT_PROFILE
     from scheduler.pull_costs import ObservedLinks
-    from symphony.cli import MAX_STATUS_LINKS, _describe_links
+    from symphony.cli_status import MAX_STATUS_LINKS, _describe_links
 
     links = ObservedLinks(DEFAULT_PROFILE)
     links.observe("node-0", "node-1", 1_000, 120.0)
@@ -183,3 +183,23 @@ def test_status_describes_the_observed_links_as_readyz_reports_them() -> None:
     # A fleet's pairs run to thousands: the first few, and how many more.
     many = _describe_links(shown * (MAX_STATUS_LINKS + 4))
     assert len(many) == MAX_STATUS_LINKS + 1 and many[-1].startswith("  ... and 4 more observed links")
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--regions", "us-east:0"], "--regions: 'us-east:0' is not"),
+        (["--regions", ""], "--regions: name at least one region"),
+        (["--regions", "a:1,a:2"], "--regions: region 'a' is given twice"),
+        (["--regions", "a:1,b:2", "--nodes", "2"], "--nodes 2 disagrees with --regions, which places 3 nodes"),
+    ],
+)
+def test_up_names_a_bad_regions_flag(capsys: pytest.CaptureFixture[str], flags: list[str], named: str) -> None:
+    assert main(["up", *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_the_region_commands_need_a_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("global", "links"):
+        assert main([command]) == 2
+        assert "regions.layout is empty" in capsys.readouterr().err

@@ -1,0 +1,289 @@
+"""One region's entry to the global layer: an HTTP server that takes the OpenAI API and advisories,
+picks a region for each request (global_layer.policies) and relays it to that region's scheduler,
+the answer streamed back as it comes.
+
+Contracts:
+- The client's region is `X-Client-Region` when given (a region of the topology, else 400), else
+  the entry's own.
+- The tenant comes from the API key as the schedulers resolve it (symphony.tenancy); an unknown key
+  is refused here (401), since residency needs the tenant before anything crosses a region.
+- A tenant's request goes only to a region its residency rule allows. When none of those is up,
+  the client gets 503 `no_allowed_region` naming them; the refusal is logged and counted.
+- Failover: a region that cannot be reached (connection refused or reset, no answer within the
+  connect timeout) or that answers 503 because it has no engine, is marked unreachable and the
+  next region in the policy's order is tried, so no client sees an error for a request whose
+  answer had not started. Once an answer's status line has been relayed, an error ends the
+  stream (the client sees a cut-off answer, as from a one-region scheduler).
+- Bounded: request bodies by `scheduler.max_body_bytes`, upstream connections by the pool, reads
+  by `scheduler.request_timeout_s` between bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from global_layer.policies import RegionPolicy, RegionRequest, rank_regions
+from global_layer.probe import RegionProbe
+from symphony.api_errors import error_body
+from symphony.config import SymphonyConfig
+from symphony.logs import get_logger
+from symphony.region_links import region_address
+from symphony.regions import RegionTopology
+from symphony.tenancy import DEFAULT_TENANT, TenantKeys, bearer
+
+log = get_logger(__name__)
+
+CLIENT_REGION_HEADER = "X-Client-Region"
+REGION_HEADER = "X-Symphony-Region"  # on every answer: the region that served it
+# A scheduler's 503 codes that mean "no engine here": the next region is tried.
+FAILOVER_CODES = frozenset({"no_engine_ready", "no_engine_available", "engine_unreachable"})
+_HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+    )
+)
+FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/advisories")
+MAX_ERROR_BODY_BYTES = 64 * 1024  # a failover-able error answer read to find its code
+
+
+class RegionRefused(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def response(self) -> web.Response:
+        body = error_body(self.status, self.message, param=self.param, code=self.code)
+        return web.json_response(body, status=self.status)
+
+
+class Entry:
+    """The entry of region `region`; `probes` are its views of every region (its own included)."""
+
+    def __init__(
+        self, config: SymphonyConfig, topology: RegionTopology, region: str, policy: RegionPolicy, policy_name: str
+    ) -> None:
+        self.config = config
+        self.topology = topology
+        self.region = region
+        self.policy = policy
+        self.policy_name = policy_name
+        self.keys = TenantKeys(config.scheduler.api_keys)
+        s = config.scheduler
+        connector = aiohttp.TCPConnector(limit=s.max_inflight_requests, force_close=False)
+        timeout = aiohttp.ClientTimeout(sock_connect=s.connect_timeout_s, sock_read=s.request_timeout_s)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        r = config.regions
+        self.probes = {
+            name: RegionProbe(
+                name,
+                self.base_url(name),
+                self.session,
+                interval_s=r.probe_interval_ms / 1000,
+                down_after_s=r.region_down_after_ms / 1000,
+            )
+            for name in topology.names
+        }
+        self.served: Counter[str] = Counter()  # requests answered, by serving region
+        self.failovers: Counter[str] = Counter()  # requests moved on, by the region that failed them
+        self.refusals: Counter[str] = Counter()  # by reason (code)
+
+    def base_url(self, region: str) -> str:
+        host, port = region_address(self.config, self.topology, self.region, region)
+        return f"http://{host}:{port}"
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.scheduler.max_body_bytes)
+        for path in FORWARDED_PATHS:
+            app.router.add_post(path, self.forward)
+        app.router.add_get("/v1/models", self.forward)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/regions", self.describe_handler)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        for probe in self.probes.values():
+            probe.start()
+
+    async def _stop(self, _: web.Application) -> None:
+        for probe in self.probes.values():
+            await probe.stop()
+        await self.session.close()
+
+    async def healthz(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "region": self.region})
+
+    def describe(self) -> dict[str, Any]:
+        regions = {}
+        for name, probe in self.probes.items():
+            view = probe.view()
+            regions[name] = {
+                "up": view.up,
+                "rtt_ms": self.topology.rtt_ms(self.region, name),
+                "load": view.load.to_json() if view.load else None,
+                "served": self.served[name],
+                "failovers": self.failovers[name],
+                "probe_errors": probe.probe_errors,
+                "last_error": probe.last_error,
+            }
+        return {
+            "entry": self.region,
+            "policy": self.policy_name,
+            "regions": regions,
+            "refusals": dict(self.refusals),
+            "residency": {t: sorted(rule) for t, rule in self.topology.residency.items()},
+        }
+
+    async def describe_handler(self, _: web.Request) -> web.Response:
+        return web.json_response(self.describe())
+
+    def _tenant(self, request: web.Request) -> str:
+        if self.keys.open:
+            return DEFAULT_TENANT
+        token = bearer(request.headers.get("Authorization"))
+        if token is None:
+            raise RegionRefused(401, "missing API key: send it as 'Authorization: Bearer <key>'", "invalid_api_key")
+        tenant = self.keys.tenant(token)
+        if tenant is None:
+            raise RegionRefused(401, "unknown API key", "invalid_api_key")
+        return tenant
+
+    def _client_region(self, request: web.Request) -> str:
+        named = request.headers.get(CLIENT_REGION_HEADER)
+        if named is None:
+            return self.region
+        if named not in self.topology.names:
+            raise RegionRefused(
+                400,
+                f"{CLIENT_REGION_HEADER} {named!r} is not a region of this cluster "
+                f"(regions: {', '.join(self.topology.names)})",
+                "unknown_region",
+                param=CLIENT_REGION_HEADER,
+            )
+        return named
+
+    def _ranked(self, request: RegionRequest) -> list[str]:
+        views = [probe.view() for probe in self.probes.values()]
+        ranking = rank_regions(self.policy, request, views, self.topology)
+        if ranking.regions:
+            return ranking.regions
+        allowed = self.topology.allowed_regions(request.tenant)
+        if ranking.forbidden_up:
+            self.refusals["no_allowed_region"] += 1
+            log.warning(
+                "residency refused a request: no allowed region is up",
+                tenant=request.tenant,
+                allowed=",".join(allowed),
+                up=",".join(ranking.forbidden_up),
+            )
+            raise RegionRefused(
+                503,
+                f"no region tenant {request.tenant!r} may use is available (allowed: {', '.join(allowed)}; "
+                f"up but outside its residency: {', '.join(ranking.forbidden_up)}); retry shortly",
+                "no_allowed_region",
+            )
+        self.refusals["no_region_available"] += 1
+        raise RegionRefused(503, "no region is available; retry shortly", "no_region_available")
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        try:
+            region_request = RegionRequest(self._tenant(request), self._client_region(request))
+            body = await request.read() if request.can_read_body else b""
+            ranked = self._ranked(region_request)
+        except RegionRefused as refused:
+            return refused.response()
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.config.scheduler.max_body_bytes
+            return RegionRefused(413, f"request body larger than {limit} bytes", "body_too_large").response()
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP)
+        last: RegionRefused | None = None
+        for region in ranked:
+            url = self.base_url(region) + request.path_qs
+            try:
+                upstream = await self.session.request(request.method, url, data=body, headers=headers)
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                self._failed(region, f"{type(exc).__name__}: {exc}")
+                continue
+            try:
+                if upstream.status != 503:
+                    return await self._relay(request, upstream, region)
+                raw = await _read_error(upstream)
+                code = _error_code(raw)
+                if code not in FAILOVER_CODES:
+                    return web.Response(body=raw, status=503, headers=self._answer_headers(upstream, region))
+                self._failed(region, f"503 {code}")
+                last = RegionRefused(503, f"region {region} has no engine available; retry shortly", code)
+            finally:
+                upstream.release()
+        if last is not None:
+            return last.response()
+        self.refusals["no_region_reachable"] += 1
+        tried = ", ".join(ranked)
+        return RegionRefused(
+            503, f"no region could be reached (tried {tried}); retry shortly", "no_region_reachable"
+        ).response()
+
+    def _failed(self, region: str, why: str) -> None:
+        self.failovers[region] += 1
+        self.probes[region].mark_unreachable(why)
+        log.info("region unreachable; trying the next", entry=self.region, region=region, error=why)
+
+    def _answer_headers(self, upstream: aiohttp.ClientResponse, region: str) -> CIMultiDict[str]:
+        headers = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP)
+        headers[REGION_HEADER] = region
+        return headers
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, region: str) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        response.headers.extend(self._answer_headers(upstream, region))
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        await response.prepare(request)
+        self.served[region] += 1
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # The status line is gone: the client's connection is cut, so a broken answer never
+            # reads as a complete one.
+            log.warning("region's answer broke off", entry=self.region, region=region, error=str(exc))
+            if request.transport is not None:
+                request.transport.abort()
+            return response
+        await response.write_eof()
+        return response
+
+
+async def _read_error(upstream: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await upstream.content.read(MAX_ERROR_BODY_BYTES)
+    except (aiohttp.ClientError, TimeoutError):
+        return b""
+
+
+def _error_code(raw: bytes) -> str | None:
+    """The OpenAI-style error code of an error answer's body (None when it has none)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None

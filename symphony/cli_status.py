@@ -1,0 +1,157 @@
+"""`symphony status`: the cluster as its scheduler sees it; for a multi-region cluster, the global
+layer's regions, the WAN links between them, and each region's scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import httpx
+
+from symphony.cli_args import CliError, load_from_args
+from symphony.config import SymphonyConfig
+from symphony.regions import RegionTopology
+
+
+def show_status(args: argparse.Namespace) -> int:
+    config = load_from_args(args)
+    topology = config.topology()
+    if topology is not None and not args.url:
+        return _region_status(config, topology, args.json)
+    url = (args.url or config.scheduler_url).rstrip("/")
+    body = _get_json(url + "/readyz", "the scheduler")
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0 if body.get("status") == "ready" else 1
+    _print_scheduler(url, body)
+    return 0 if body.get("status") == "ready" else 1
+
+
+def _get_json(url: str, what: str) -> Any:
+    try:
+        return httpx.get(url, timeout=5.0).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise CliError(f"cannot reach {what} at {url}: {exc}") from None
+
+
+def _region_status(config: SymphonyConfig, topology: RegionTopology, as_json: bool) -> int:
+    """A multi-region cluster: the global layer's view from the first region's entry, the WAN
+    links, and each region's scheduler."""
+    host = config.scheduler.host
+    entry = _get_json(config.scheduler_url + "/regions", "the global layer")
+    links = _get_json(f"http://{host}:{config.regions.link_port_base}/links", "the WAN links")
+    schedulers = {}
+    for region in topology.regions:
+        url = f"http://{host}:{config.regions.scheduler_port_base + region.index}"
+        schedulers[region.name] = (url, _get_json(url + "/readyz", f"the {region.name} scheduler"))
+    ready = all(body.get("status") == "ready" for _, body in schedulers.values())
+    if as_json:
+        body = {"global": entry, "links": links, "schedulers": {n: b for n, (_, b) in schedulers.items()}}
+        print(json.dumps(body, indent=2))
+        return 0 if ready else 1
+    print(f"global layer {config.scheduler_url} (entry {entry.get('entry')}): policy {entry.get('policy')}")
+    for name, info in entry.get("regions", {}).items():
+        load = info.get("load") or {}
+        print(
+            f"  region {name:<10} {'up' if info['up'] else 'DOWN':<4} rtt {info['rtt_ms']:g} ms  "
+            f"entry :{config.scheduler.port + topology.region(name).index}  "
+            f"ready={load.get('ready_nodes', 0)}/{len(topology.region(name).nodes)} "
+            f"running={load.get('running', 0)} waiting={load.get('waiting', 0)} queued={load.get('queued', 0)} "
+            f"served={info['served']} failovers={info['failovers']}"
+        )
+    for line in describe_region_links(links.get("links", [])):
+        print(line)
+    for tenant, allowed in sorted(entry.get("residency", {}).items()):
+        print(f"  residency: tenant {tenant} stays in {', '.join(allowed)}")
+    if entry.get("refusals"):
+        print("  refused: " + ", ".join(f"{k}={v}" for k, v in sorted(entry["refusals"].items())))
+    for name, (url, body) in schedulers.items():
+        print(f"[{name}] ", end="")
+        _print_scheduler(url, body)
+    return 0 if ready else 1
+
+
+def describe_region_links(links: list[dict[str, Any]]) -> list[str]:
+    """The WAN links' `GET /links` (symphony.region_links), a line each."""
+    lines = []
+    for link in links:
+        fault = "" if link["fault"] == "none" else f"  FAULT {link['fault']}"
+        if link.get("extra_latency_ms"):
+            fault += f" +{link['extra_latency_ms']:g} ms"
+        moved = ", ".join(f"{lane} {_bytes(n)}" for lane, n in sorted(link["bytes"].items()))
+        lines.append(
+            f"  link {link['pair']:<20} rtt {link['rtt_ms']:g} ms  {link['bandwidth_mbps']:g} Mb/s  "
+            f"jitter {link['jitter_ms']:g} ms  loss {link['loss']:g}  open {link['open']}  {moved}{fault}"
+        )
+    return lines
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _print_scheduler(url: str, body: dict[str, Any]) -> None:
+    print(f"scheduler {url}: {body.get('status')} ({body.get('ready_nodes')} ready)")
+    for name, info in sorted(body.get("nodes", {}).items()):
+        print(
+            f"  {name:<8} {info['state']:<18} running={info['running']} waiting={info['waiting']} "
+            f"inflight={info['inflight']} kv={info['kv_cache_usage']:.1%} "
+            f"of {info.get('kv_cache_tokens') or '?'} tokens "
+            f"restarts={info['engine_restarts']} "
+            f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}{_kv_index_text(info)}"
+        )
+    profile = body.get("cost_profile")
+    if profile:
+        print(_describe_profile(profile))
+    for line in _describe_links(body.get("observed_links", [])):
+        print(line)
+
+
+MAX_STATUS_LINKS = 16  # observed node pairs printed; a fleet's can run to thousands (--json has all)
+
+
+def _kv_index_text(info: dict[str, Any]) -> str:
+    """The node's cluster KV index state in `symphony status` ("" from a scheduler without one)."""
+    kv = info.get("kv_index")
+    if not isinstance(kv, dict):
+        return ""
+    state = f"fallback({kv.get('state')})" if kv.get("fallback") else kv.get("state")
+    return f" index={state} lag={kv.get('lag_ms', 0):.0f}ms resyncs={kv.get('resyncs', 0)}"
+
+
+def _describe_links(links: list[dict[str, Any]]) -> list[str]:
+    """/readyz's `observed_links` (scheduler.pull_costs.ObservedLink), a line each, the first
+    `MAX_STATUS_LINKS` of them."""
+    lines = []
+    for link in links[:MAX_STATUS_LINKS]:
+        priced = "" if link["priced"] else ", not priced yet"
+        lines.append(
+            f"  pulls {link['source']} -> {link['target']}: {link['ms_per_token']:.3f} ms/token over "
+            f"{link['pulls']} pulls (calibrated {link['calibrated_ms_per_token']:.3f}){priced}"
+        )
+    if len(links) > MAX_STATUS_LINKS:
+        lines.append(f"  ... and {len(links) - MAX_STATUS_LINKS} more observed links (symphony status --json)")
+    return lines
+
+
+def _describe_profile(p: dict[str, Any]) -> str:
+    """/readyz's `cost_profile` (scheduler.profile_loader.LoadedProfile.describe) in a few lines."""
+    if p["status"] == "loaded":
+        measured = time.strftime("%Y-%m-%d %H:%M", time.localtime(p["measured_at_unix_s"]))
+        head = f"cost profile {p['path']}: measured {measured} on {p['host']} with {p['model']}"
+    else:
+        head = f"cost profile {p['path']}: {p['status']} ({p['problem']}); routing on built-in defaults"
+    tiers = p["tier_load_us_per_token"]
+    link = p["default_link"]
+    return (
+        f"{head}\n  prefill {p['prefill_ms_1k_tokens']:.0f} ms per 1k tokens, request overhead "
+        f"{p['request_overhead_ms']:.0f} ms, decode step {p['decode_step_ms']['fixed']:.1f} ms + "
+        f"{p['decode_step_ms']['per_seq']:.2f} ms/request\n  load us/token: hbm {tiers['hbm']:.2f}, "
+        f"dram {tiers['dram']:.2f}, ssd {tiers['ssd']:.2f}; links: {p['links']} measured, default "
+        f"{link['rtt_ms']:.2f} ms RTT at {link['bandwidth_gbps']:.2f} GB/s"
+    )

@@ -1,0 +1,173 @@
+"""The WAN of a multi-region cluster on one host: every cross-region connection goes through a
+`WanLink` listener, and the listeners of one region pair share that pair's `LinkPipe` (its
+bandwidth in each direction, its draws, its faults).
+
+`RegionLinks` runs them all in one process (`symphony links`, which `symphony up --regions`
+starts), with a small control API on `regions.link_port_base`:
+- `GET /links`: each pair's figures, fault and counters (bytes per lane: "a>b" is what went
+  from region a to region b);
+- `POST /links/{a}~{b}/fault` with `{"fault": "none|blackhole|partition", "extra_latency_ms": x}`:
+  break or heal a pair's link (the reliability tests' network faults).
+
+`region_address` says where a component of one region reaches a component of another: directly
+within a region, through the pair's listener across regions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from symphony.api_errors import error_body
+from symphony.config import SymphonyConfig
+from symphony.regions import PlannedLink, RegionTopology
+from symphony.wan_link import LinkFault, LinkPipe, WanLink
+
+# A pair's control-API name: its two regions, sorted, joined by "~".
+PAIR_SEPARATOR = "~"
+MAX_CONTROL_BODY_BYTES = 4096
+
+
+def pair_name(a: str, b: str) -> str:
+    return PAIR_SEPARATOR.join(sorted((a, b)))
+
+
+def lane_name(source: str, dest: str) -> str:
+    return f"{source}>{dest}"
+
+
+def scheduler_port(config: SymphonyConfig, topology: RegionTopology, region: str) -> int:
+    return config.regions.scheduler_port_base + topology.region(region).index
+
+
+def region_address(config: SymphonyConfig, topology: RegionTopology, source: str, dest: str) -> tuple[str, int]:
+    """Where a component in region `source` reaches region `dest`'s scheduler: its own port within
+    a region, the `source`>`dest` listener's across regions."""
+    host = config.scheduler.host
+    if source == dest:
+        return host, scheduler_port(config, topology, dest)
+    for planned in topology.link_plan(config.regions.link_port_base):
+        if (planned.source, planned.dest, planned.target) == (source, dest, "scheduler"):
+            return host, planned.port
+    raise KeyError((source, dest))
+
+
+class RegionLinks:
+    """Every listener of the topology's link plan, and the control API. One event loop."""
+
+    def __init__(self, config: SymphonyConfig, topology: RegionTopology, *, seed: int = 0) -> None:
+        self.config = config
+        self.topology = topology
+        self.pipes: dict[str, LinkPipe] = {}
+        self.listeners: list[tuple[PlannedLink, WanLink]] = []
+        for i, (pair, shape) in enumerate(sorted(topology.links.items(), key=lambda item: sorted(item[0]))):
+            self.pipes[pair_name(*pair)] = LinkPipe(shape, seed + i)
+        host = config.scheduler.host
+        for planned in topology.link_plan(config.regions.link_port_base):
+            pipe = self.pipes[pair_name(planned.source, planned.dest)]
+            lanes = (lane_name(planned.source, planned.dest), lane_name(planned.dest, planned.source))
+            link = WanLink(
+                pipe.shape,
+                host,
+                scheduler_port(config, topology, planned.dest),
+                host=host,
+                port=planned.port,
+                pipe=pipe,
+                lanes=lanes,
+            )
+            self.listeners.append((planned, link))
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        for _, link in self.listeners:
+            await link.start()
+        app = web.Application(client_max_size=MAX_CONTROL_BODY_BYTES)
+        app.router.add_get("/links", self._describe)
+        app.router.add_post("/links/{pair}/fault", self._set_fault)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.config.scheduler.host, self.config.regions.link_port_base).start()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await asyncio.gather(*(link.close() for _, link in self.listeners))
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Per pair: its figures, fault, and counters summed over its listeners."""
+        out = []
+        for name, pipe in self.pipes.items():
+            lanes = dict.fromkeys(pipe.free_at, 0)
+            connections = refused = open_now = segments = lost = 0
+            for _, link in self.listeners:
+                if link.pipe is not pipe:
+                    continue
+                for direction, lane in link.lanes.items():
+                    lanes[lane] += link.counters.bytes[direction]
+                    segments += link.counters.segments[direction]
+                    lost += link.counters.lost[direction]
+                connections += link.counters.connections
+                refused += link.counters.refused
+                open_now += link.open_connections
+            shape = pipe.shape
+            out.append(
+                {
+                    "pair": name,
+                    "rtt_ms": shape.rtt_ms,
+                    "bandwidth_mbps": shape.bandwidth_mbps,
+                    "jitter_ms": shape.jitter_ms,
+                    "loss": shape.loss,
+                    "fault": pipe.fault.value,
+                    "extra_latency_ms": pipe.extra_latency_ms,
+                    "bytes": lanes,
+                    "segments": segments,
+                    "lost": lost,
+                    "connections": connections,
+                    "open": open_now,
+                    "refused": refused,
+                }
+            )
+        return out
+
+    async def _describe(self, _: web.Request) -> web.Response:
+        return web.json_response({"links": self.describe()})
+
+    async def _set_fault(self, request: web.Request) -> web.Response:
+        pipe = self.pipes.get(request.match_info["pair"])
+        if pipe is None:
+            known = ", ".join(self.pipes)
+            return _error(404, f"no link {request.match_info['pair']!r} (known: {known})")
+        try:
+            body = json.loads(await request.read())
+            fault = LinkFault(body["fault"])
+            extra = float(body.get("extra_latency_ms", 0.0))
+            pipe.set_fault(fault, extra)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"a fault is at most {MAX_CONTROL_BODY_BYTES} bytes of JSON")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            choices = "|".join(f.value for f in LinkFault)
+            return _error(400, f'expected {{"fault": "{choices}", "extra_latency_ms": >= 0}}: {exc}')
+        return web.json_response({"pair": request.match_info["pair"], "fault": fault.value, "extra_latency_ms": extra})
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(error_body(status, message), status=status)
+
+
+async def run_region_links(config: SymphonyConfig, topology: RegionTopology) -> None:
+    """`symphony links`: serve every link until SIGINT or SIGTERM; says on stdout when up."""
+    links = RegionLinks(config, topology)
+    await links.start()
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopped.set)
+    print(f"links up: {len(links.listeners)} listeners on {len(links.pipes)} region pairs", flush=True)
+    try:
+        await stopped.wait()
+    finally:
+        await links.close()

@@ -1,0 +1,292 @@
+"""A three-region cluster on loopback: the global layer's entries (global_layer.entry), the WAN links
+between regions (symphony.region_links, real TCP relays), and a real scheduler per region (uvicorn)
+in front of fake node managers and a fake engine. Checks where requests go (nearest, residency,
+failover), that cross-region traffic takes its link's time, and the links' control API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+import uvicorn
+from aiohttp import web
+
+from eval.ports import free_port_run
+from global_layer.entry import CLIENT_REGION_HEADER, REGION_HEADER, Entry
+from global_layer.server import make_entries
+from scheduler.app import create_app
+from symphony.config import SymphonyConfig, load_config
+from symphony.region_links import RegionLinks
+from symphony.regions import RegionTopology
+from tests.helpers import async_wait_until
+from tests.integration.fakes import FakeEngine, FakeNodeManager, ready_status
+
+REGIONS = ["us-east:1", "eu-west:1", "ap-south:1"]
+# Shorter than the public-cloud matrix, same order: the tests wait on these.
+LINKS = ["us-east~eu-west:40:1000", "us-east~ap-south:100:1000", "eu-west~ap-south:60:1000"]
+KEYS = ["acme:key-acme", "eu:key-eu"]
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@dataclass
+class Regions:
+    config: SymphonyConfig
+    topology: RegionTopology
+    links: RegionLinks
+    entries: dict[str, Entry]
+    schedulers: dict[str, tuple[uvicorn.Server, asyncio.Task[None]]] = field(default_factory=dict)
+
+    def entry_url(self, region: str) -> str:
+        return f"http://127.0.0.1:{self.config.scheduler.port + self.topology.region(region).index}"
+
+    @property
+    def links_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.regions.link_port_base}"
+
+    async def stop_scheduler(self, region: str) -> None:
+        server, task = self.schedulers.pop(region)
+        server.should_exit = True
+        await task
+
+    async def all_up(self, entry: str, up: bool = True, regions: list[str] | None = None) -> None:
+        names = regions or list(self.topology.names)
+
+        def seen() -> bool:
+            return all(self.entries[entry].probes[name].view().up is up for name in names)
+
+        await async_wait_until(seen, 10, f"{entry} to see {names} {'up' if up else 'down'}")
+
+
+def _ports() -> tuple[int, int, int]:
+    """Three runs of free ports that do not overlap: entries, schedulers, links."""
+    while True:
+        entries, schedulers, links = free_port_run(3), free_port_run(3), free_port_run(7)
+        used = [*range(entries, entries + 3), *range(schedulers, schedulers + 3), *range(links, links + 7)]
+        if len(set(used)) == len(used):
+            return entries, schedulers, links
+
+
+@pytest.fixture
+async def regions() -> AsyncIterator[Regions]:
+    entries_port, schedulers_port, links_port = _ports()
+    config = load_config(
+        env={},
+        overrides={
+            "scheduler": {"port": entries_port, "api_keys": KEYS, "connect_timeout_s": 1.0},
+            "cluster": {"nodes": 3},
+            "regions": {
+                "layout": REGIONS,
+                "links": LINKS,
+                "residency": ["eu=eu-west"],
+                "scheduler_port_base": schedulers_port,
+                "link_port_base": links_port,
+                "probe_interval_ms": 20,
+                "region_down_after_ms": 300,
+            },
+        },
+    )
+    topology = config.topology()
+    assert topology is not None
+    engine = FakeEngine()
+    await engine.start()
+    nodes = []
+    runners: list[web.AppRunner] = []
+    links = RegionLinks(config, topology)
+    cluster = Regions(config, topology, links, {})
+    try:
+        for region in topology.regions:
+            node = FakeNodeManager(ready_status(f"node-{region.index}", engine.url))
+            await node.start()
+            nodes.append(node)
+            scheduler_config = load_config(
+                env={},
+                overrides={
+                    "scheduler": {
+                        "port": schedulers_port + region.index,
+                        "node_addresses": [node.address],
+                        "poll_interval_ms": 20,
+                        "node_down_after_ms": 300,
+                        "api_keys": KEYS,
+                    }
+                },
+            )
+            app = create_app(scheduler_config)
+            server = uvicorn.Server(
+                uvicorn.Config(app, host="127.0.0.1", port=schedulers_port + region.index, log_level="warning")
+            )
+            cluster.schedulers[region.name] = (server, asyncio.create_task(server.serve()))
+        await links.start()
+        for entry in make_entries(config, topology):
+            cluster.entries[entry.region] = entry
+            runner = web.AppRunner(entry.app(), access_log=None)
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, "127.0.0.1", config.scheduler.port + topology.region(entry.region).index).start()
+        for name in topology.names:
+            await cluster.all_up(name)
+            # Every region's node is ready in its scheduler.
+        yield cluster
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await links.close()
+        for name in list(cluster.schedulers):
+            await cluster.stop_scheduler(name)
+        for node in nodes:
+            await node.stop()
+        await engine.stop()
+
+
+def _headers(key: str = "key-acme", **extra: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}", **extra}
+
+
+async def _chat(url: str, headers: dict[str, str], body: dict[str, object] | None = None) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return await client.post(url + "/v1/chat/completions", json=body or CHAT, headers=headers)
+
+
+async def test_nearest_serves_each_client_in_its_own_region(regions: Regions) -> None:
+    for name in regions.topology.names:
+        answer = await _chat(regions.entry_url(name), _headers())
+        assert answer.status_code == 200, answer.text
+        assert answer.headers[REGION_HEADER] == name
+        assert answer.json()["choices"][0]["message"]["content"]
+    assert all(regions.entries[name].served[name] == 1 for name in regions.topology.names)
+    # Each entry reads every region's load from its scheduler's /summary.
+    load = regions.entries["us-east"].probes["ap-south"].view().load
+    assert load is not None and load.ready_nodes == load.idle_nodes == 1 and load.queued == 0
+
+
+async def test_a_client_of_a_far_region_waits_out_its_link(regions: Regions) -> None:
+    """The us-east entry sends an ap-south client's request to ap-south, over the us-east~ap-south
+    link: the answer takes at least that link's round trip, and the bytes show on its lanes."""
+    lanes_before = _lanes(regions.links.describe(), "ap-south~us-east")
+    started = time.perf_counter()
+    answer = await _chat(regions.entry_url("us-east"), _headers(**{CLIENT_REGION_HEADER: "ap-south"}))
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    assert answer.status_code == 200 and answer.headers[REGION_HEADER] == "ap-south"
+    assert elapsed_ms >= 100 * 0.9, f"{elapsed_ms:.0f} ms through a 100 ms link"
+    lanes_after = _lanes(regions.links.describe(), "ap-south~us-east")
+    request_bytes = lanes_after["us-east>ap-south"] - lanes_before["us-east>ap-south"]
+    assert request_bytes >= len(b'"messages"'), "the request did not cross the us-east>ap-south lane"
+
+
+def _lanes(described: list[dict[str, object]], pair: str) -> dict[str, int]:
+    for link in described:
+        if link["pair"] == pair:
+            return dict(link["bytes"])  # type: ignore[call-overload]
+    raise AssertionError(f"no link {pair}")
+
+
+async def test_a_stream_is_relayed_chunk_by_chunk(regions: Regions) -> None:
+    async with (
+        httpx.AsyncClient(timeout=10) as client,
+        client.stream(
+            "POST",
+            regions.entry_url("eu-west") + "/v1/chat/completions",
+            json={**CHAT, "stream": True},
+            headers=_headers(),
+        ) as answer,
+    ):
+        assert answer.status_code == 200
+        assert answer.headers[REGION_HEADER] == "eu-west"
+        body = b"".join([chunk async for chunk in answer.aiter_bytes()])
+    assert body.rstrip().endswith(b"data: [DONE]")
+    assert body.count(b"data: ") >= 2
+
+
+async def test_residency_keeps_a_tenant_in_its_regions_and_refuses_when_they_are_down(regions: Regions) -> None:
+    answer = await _chat(regions.entry_url("us-east"), _headers("key-eu"))
+    assert answer.status_code == 200 and answer.headers[REGION_HEADER] == "eu-west"
+    await regions.stop_scheduler("eu-west")
+    await regions.all_up("us-east", up=False, regions=["eu-west"])
+    refused = await _chat(regions.entry_url("us-east"), _headers("key-eu"))
+    assert refused.status_code == 503
+    error = refused.json()["error"]
+    assert error["code"] == "no_allowed_region"
+    assert "allowed: eu-west" in error["message"]
+    assert regions.entries["us-east"].refusals["no_allowed_region"] == 1
+    # Another tenant, at eu-west's own entry, goes to the nearest region still up.
+    other = await _chat(regions.entry_url("eu-west"), _headers())
+    assert other.status_code == 200 and other.headers[REGION_HEADER] == "us-east"
+
+
+async def test_a_dead_regions_traffic_fails_over_with_no_client_error(regions: Regions) -> None:
+    await regions.stop_scheduler("us-east")
+    # At once, before any probe noticed: the refused connection moves the request on.
+    answer = await _chat(regions.entry_url("us-east"), _headers())
+    assert answer.status_code == 200
+    assert answer.headers[REGION_HEADER] == "eu-west"  # next by round trip from us-east
+    entry = regions.entries["us-east"]
+    assert entry.failovers["us-east"] == 1
+    assert entry.probes["us-east"].view().up is False
+    # Later requests skip it without trying.
+    again = await _chat(regions.entry_url("us-east"), _headers())
+    assert again.headers[REGION_HEADER] == "eu-west" and entry.failovers["us-east"] == 1
+    async with httpx.AsyncClient(timeout=5) as client:
+        described = (await client.get(regions.entry_url("us-east") + "/regions")).json()
+    assert described["regions"]["us-east"]["up"] is False
+    assert described["regions"]["eu-west"]["served"] == 2
+
+
+async def test_a_partitioned_link_fails_over_to_the_next_region(regions: Regions) -> None:
+    async with httpx.AsyncClient(timeout=5) as client:
+        cut = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json={"fault": "partition"})
+        assert cut.status_code == 200 and cut.json()["fault"] == "partition"
+        answer = await _chat(regions.entry_url("us-east"), _headers(**{CLIENT_REGION_HEADER: "ap-south"}))
+        assert answer.status_code == 200
+        assert answer.headers[REGION_HEADER] == "eu-west"  # ap-south unreachable from us-east
+        described = (await client.get(regions.links_url + "/links")).json()["links"]
+        assert {link["pair"]: link["fault"] for link in described}["ap-south~us-east"] == "partition"
+        healed = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json={"fault": "none"})
+        assert healed.status_code == 200
+    await regions.all_up("us-east", regions=["ap-south"])
+    answer = await _chat(regions.entry_url("us-east"), _headers(**{CLIENT_REGION_HEADER: "ap-south"}))
+    assert answer.headers[REGION_HEADER] == "ap-south"
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({CLIENT_REGION_HEADER: "mars", "Authorization": "Bearer key-acme"}, 400, "unknown_region"),
+        ({"Authorization": "Bearer nope"}, 401, "invalid_api_key"),
+        ({}, 401, "invalid_api_key"),
+    ],
+)
+async def test_bad_requests_get_openai_style_errors(
+    regions: Regions, headers: dict[str, str], status: int, code: str
+) -> None:
+    answer = await _chat(regions.entry_url("us-east"), headers)
+    assert answer.status_code == status
+    assert answer.json()["error"]["code"] == code
+
+
+async def test_an_oversized_body_is_refused_and_bad_json_reaches_the_schedulers_validation(regions: Regions) -> None:
+    limit = regions.config.scheduler.max_body_bytes
+    async with httpx.AsyncClient(timeout=10) as client:
+        big = await client.post(
+            regions.entry_url("us-east") + "/v1/chat/completions", content=b"x" * (limit + 1), headers=_headers()
+        )
+        assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
+        broken = await client.post(
+            regions.entry_url("us-east") + "/v1/chat/completions", content=b"{not json", headers=_headers()
+        )
+        assert broken.status_code == 400 and broken.headers[REGION_HEADER] == "us-east"
+        assert broken.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_the_links_control_api_refuses_bad_faults(regions: Regions) -> None:
+    async with httpx.AsyncClient(timeout=5) as client:
+        unknown = await client.post(regions.links_url + "/links/mars~us-east/fault", json={"fault": "partition"})
+        assert unknown.status_code == 404 and "known:" in unknown.json()["error"]["message"]
+        for body in ({"fault": "melt"}, {"fault": "none", "extra_latency_ms": -1}, {}):
+            bad = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json=body)
+            assert bad.status_code == 400, body
+        listed = (await client.get(regions.links_url + "/links")).json()["links"]
+    assert sorted(link["pair"] for link in listed) == ["ap-south~eu-west", "ap-south~us-east", "eu-west~us-east"]
+    assert all(link["fault"] == "none" for link in listed)
