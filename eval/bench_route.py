@@ -49,8 +49,8 @@ from scheduler.kv_locator import KVLocator
 from scheduler.policies import make_policy
 from scheduler.routing import NodeSnapshot, RouteRequest, RoutingPolicy
 from scheduler.sessions import SessionTable
-from scheduler.validation import MAX_ROUTING_TEXT
 from symphony.config import EngineConfig, SchedulerConfig
+from symphony.prompt_text import MAX_ROUTING_TEXT
 
 DEFAULT_POLICIES = ("symphony", "least_load", "round_robin", "consistent_hash", "sticky", "prefix_trie")
 TARGETS_P99_US = {"symphony": 500.0, "prefix_trie": 1000.0}

@@ -20,26 +20,33 @@ Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import PayloadEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
-from global_layer.policies import RegionPolicy, RegionRequest, rank_regions
+from global_layer.policies import rank_regions
 from global_layer.probe import RegionProbe
+from global_layer.request_content import request_content
+from global_layer.views import RegionPolicy, RegionRequest
 from symphony.api_errors import error_body
 from symphony.config import SymphonyConfig
 from symphony.logs import get_logger
 from symphony.region_links import region_address
+from symphony.region_load import session_digest
 from symphony.regions import RegionTopology
 from symphony.tenancy import DEFAULT_TENANT, TenantKeys, bearer
 
 log = get_logger(__name__)
 
 CLIENT_REGION_HEADER = "X-Client-Region"
+SESSION_HEADER = "X-Session-ID"  # as the schedulers read it (else the body's session_id)
 REGION_HEADER = "X-Symphony-Region"  # on every answer: the region that served it
 # A scheduler's 503 codes that mean "no engine here": the next region is tried.
 FAILOVER_CODES = frozenset({"no_engine_ready", "no_engine_available", "engine_unreachable"})
@@ -58,7 +65,11 @@ _HOP_BY_HOP = frozenset(
         "Content-Length",
     )
 )
-FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/advisories")
+# Request headers not passed on: the body is forwarded decoded, and asks for no interim answer.
+_NOT_FORWARDED = frozenset(("content-encoding", "expect"))
+UPSTREAM_KEEPALIVE_S = 4.0  # below uvicorn's 5 s, as scheduler.dispatch keeps its engine connections
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/advisories": "advisories"}
+FORWARDED_PATHS = tuple(_ENDPOINTS)
 MAX_ERROR_BODY_BYTES = 64 * 1024  # a failover-able error answer read to find its code
 
 
@@ -75,25 +86,26 @@ class RegionRefused(Exception):
 class Entry:
     """The entry of region `region`; `probes` are its views of every region (its own included)."""
 
-    def __init__(
-        self, config: SymphonyConfig, topology: RegionTopology, region: str, policy: RegionPolicy, policy_name: str
-    ) -> None:
+    def __init__(self, config: SymphonyConfig, topology: RegionTopology, region: str, policy: RegionPolicy) -> None:
         self.config = config
         self.topology = topology
         self.region = region
         self.policy = policy
-        self.policy_name = policy_name
         self.keys = TenantKeys(config.scheduler.api_keys)
         s = config.scheduler
-        connector = aiohttp.TCPConnector(limit=s.max_inflight_requests, force_close=False)
-        timeout = aiohttp.ClientTimeout(sock_connect=s.connect_timeout_s, sock_read=s.request_timeout_s)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        # Requests and probes have pools of their own: a full request pool never starves the
+        # probes (a region would read as down). Idle connections are dropped before uvicorn's 5 s
+        # keep-alive ends them, so a reused one is never one the scheduler just closed (which
+        # would read as the region being unreachable). `connect` bounds the wait for a pooled
+        # connection too.
+        self.session = _session(s.max_inflight_requests, s.connect_timeout_s, s.request_timeout_s)
+        self.probe_session = _session(len(topology.names), s.connect_timeout_s, s.request_timeout_s)
         r = config.regions
         self.probes = {
             name: RegionProbe(
                 name,
                 self.base_url(name),
-                self.session,
+                self.probe_session,
                 interval_s=r.probe_interval_ms / 1000,
                 down_after_s=r.region_down_after_ms / 1000,
             )
@@ -126,6 +138,7 @@ class Entry:
         for probe in self.probes.values():
             await probe.stop()
         await self.session.close()
+        await self.probe_session.close()
 
     async def healthz(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "region": self.region})
@@ -145,10 +158,9 @@ class Entry:
             }
         return {
             "entry": self.region,
-            "policy": self.policy_name,
+            "policy": self.policy.name,
             "regions": regions,
             "refusals": dict(self.refusals),
-            "residency": {t: sorted(rule) for t, rule in self.topology.residency.items()},
         }
 
     async def describe_handler(self, _: web.Request) -> web.Response:
@@ -202,32 +214,63 @@ class Entry:
         self.refusals["no_region_available"] += 1
         raise RegionRefused(503, "no region is available; retry shortly", "no_region_available")
 
+    def _region_request(self, request: web.Request, body: bytes) -> RegionRequest:
+        tenant, client_region = self._tenant(request), self._client_region(request)
+        session = request.headers.get(SESSION_HEADER)
+        if not self.policy.needs_body:
+            return RegionRequest(tenant, client_region, session_digest(tenant, session) if session else None)
+        parsed = request_content(body, _ENDPOINTS.get(request.path, ""))
+        session = session or parsed.session_id
+        digest = session_digest(tenant, session) if session else None
+        held = {name: probe.held.tokens(digest) for name, probe in self.probes.items()} if digest else {}
+        return RegionRequest(tenant, client_region, digest, parsed.text, parsed.tokens, held)
+
     async def forward(self, request: web.Request) -> web.StreamResponse:
         try:
-            region_request = RegionRequest(self._tenant(request), self._client_region(request))
             body = await request.read() if request.can_read_body else b""
+            region_request = self._region_request(request, body)
             ranked = self._ranked(region_request)
         except RegionRefused as refused:
             return refused.response()
         except web.HTTPRequestEntityTooLarge:
             limit = self.config.scheduler.max_body_bytes
             return RegionRefused(413, f"request body larger than {limit} bytes", "body_too_large").response()
-        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP)
+        except (RequestPayloadError, PayloadEncodingError) as exc:  # a broken chunked or compressed body
+            return RegionRefused(400, f"the request body could not be read: {exc}", "invalid_body").response()
+        # The body was decoded on the way in: it goes on as it is now.
+        headers = CIMultiDict(
+            (k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP | _NOT_FORWARDED
+        )
         last: RegionRefused | None = None
         for region in ranked:
             url = self.base_url(region) + request.path_qs
             try:
-                upstream = await self.session.request(request.method, url, data=body, headers=headers)
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                upstream = await self.session.request(
+                    request.method, url, data=body, headers=headers, allow_redirects=False
+                )
+            except aiohttp.SocketTimeoutError:
+                # Connected, but no answer in scheduler.request_timeout_s: the region may have run
+                # it, so it is not sent again elsewhere.
+                waited = self.config.scheduler.request_timeout_s
+                return RegionRefused(
+                    504, f"region {region} did not answer in {waited:g} s", "region_timeout"
+                ).response()
+            except (aiohttp.ClientConnectionError, aiohttp.ClientResponseError, TimeoutError) as exc:
                 self._failed(region, f"{type(exc).__name__}: {exc}")
                 continue
             try:
                 if upstream.status != 503:
+                    if upstream.status < 400:
+                        self.policy.observe(region_request, region)
                     return await self._relay(request, upstream, region)
-                raw = await _read_error(upstream)
-                code = _error_code(raw)
-                if code not in FAILOVER_CODES:
-                    return web.Response(body=raw, status=503, headers=self._answer_headers(upstream, region))
+                try:
+                    raw = await _read_error(upstream)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    self._failed(region, f"503 cut off: {type(exc).__name__}: {exc}")
+                    continue
+                code = _error_code(raw) if raw is not None else None
+                if raw is None or code not in FAILOVER_CODES:
+                    return await self._relay(request, upstream, region, first=raw or b"")
                 self._failed(region, f"503 {code}")
                 last = RegionRefused(503, f"region {region} has no engine available; retry shortly", code)
             finally:
@@ -250,32 +293,63 @@ class Entry:
         headers[REGION_HEADER] = region
         return headers
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, region: str) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, region: str, first: bytes = b""
+    ) -> web.StreamResponse:
+        """Relay the answer (`first`: what was already read of its body). Once the status line is
+        out, an upstream error cuts the client's connection, so a broken answer never reads as a
+        complete one; a client that left ends the relay (and so the upstream request)."""
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(self._answer_headers(upstream, region))
         if upstream.content_length is not None:
             response.content_length = upstream.content_length
-        await response.prepare(request)
         self.served[region] += 1
         try:
-            async for chunk in upstream.content.iter_any():
+            await response.prepare(request)
+            if first:
+                await response.write(first)
+        except ConnectionError:
+            return response  # the client left
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("region's answer broke off", entry=self.region, region=region, error=str(exc))
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+            if not chunk:
+                break
+            try:
                 await response.write(chunk)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            # The status line is gone: the client's connection is cut, so a broken answer never
-            # reads as a complete one.
-            log.warning("region's answer broke off", entry=self.region, region=region, error=str(exc))
-            if request.transport is not None:
-                request.transport.abort()
-            return response
-        await response.write_eof()
+            except ConnectionError:
+                return response  # the client left: releasing the upstream ends its request
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
         return response
 
 
-async def _read_error(upstream: aiohttp.ClientResponse) -> bytes:
-    try:
-        return await upstream.content.read(MAX_ERROR_BODY_BYTES)
-    except (aiohttp.ClientError, TimeoutError):
-        return b""
+def _session(limit: int, connect_s: float, read_s: float) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+    timeout = aiohttp.ClientTimeout(connect=connect_s, sock_connect=connect_s, sock_read=read_s)
+    # No Accept-Encoding of its own: bodies pass through as the client asked for them.
+    return aiohttp.ClientSession(
+        connector=connector, timeout=timeout, auto_decompress=False, skip_auto_headers=("Accept-Encoding",)
+    )
+
+
+async def _read_error(upstream: aiohttp.ClientResponse) -> bytes | None:
+    """A 503's whole body, to find its code; None when it is longer than MAX_ERROR_BODY_BYTES (no
+    error of a scheduler is: it is relayed as it is)."""
+    if upstream.content_length is not None and upstream.content_length > MAX_ERROR_BODY_BYTES:
+        return None
+    raw = b""
+    while len(raw) <= MAX_ERROR_BODY_BYTES:
+        chunk = await upstream.content.readany()
+        if not chunk:
+            return raw
+        raw += chunk
+    return None
 
 
 def _error_code(raw: bytes) -> str | None:

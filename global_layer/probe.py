@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import aiohttp
 
-from global_layer.policies import RegionView
+from global_layer.held import HeldSessions
+from global_layer.views import RegionView
 from symphony.logs import get_logger
-from symphony.region_load import RegionLoad
+from symphony.region_load import RegionLoad, SessionDelta
 
 log = get_logger(__name__)
 
@@ -40,6 +41,7 @@ class RegionProbe:
         self.down_after_s = down_after_s
         self.clock = clock
         self.load: RegionLoad | None = None
+        self.held = HeldSessions()  # the sessions the region holds KV of, from its feed
         self.last_ok_at = -math.inf  # clock() when the last summary arrived
         self.failed_at = -math.inf  # clock() when a request last failed to reach the region
         self.probes = 0
@@ -48,9 +50,11 @@ class RegionProbe:
         self._task: asyncio.Task[None] | None = None
 
     def view(self) -> RegionView:
+        """Up: a summary arrived lately, after the last failure, and names a ready node (a region
+        whose engines are all down would only answer 503)."""
         now = self.clock()
-        up = now - self.last_ok_at <= self.down_after_s and self.last_ok_at > self.failed_at
-        return RegionView(self.name, up, self.load)
+        fresh = now - self.last_ok_at <= self.down_after_s and self.last_ok_at > self.failed_at
+        return RegionView(self.name, fresh and self.load is not None and self.load.ready_nodes > 0, self.load)
 
     def mark_unreachable(self, why: str) -> None:
         """A request could not reach the region: it takes no more until a probe gets through."""
@@ -70,20 +74,32 @@ class RegionProbe:
         self.probes += 1
         try:
             timeout = aiohttp.ClientTimeout(total=self.down_after_s)
-            async with self.session.get(self.base_url + "/summary", timeout=timeout) as response:
+            query = {"since": str(self.held.seq), "epoch": self.held.epoch}
+            async with self.session.get(self.base_url + "/summary", params=query, timeout=timeout) as response:
                 if response.status != 200:
                     raise ValueError(f"/summary answered {response.status}")
-                load = RegionLoad.from_json(await response.json())
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                body = await response.json()
+                if not isinstance(body, dict):
+                    raise ValueError("/summary is not a JSON object")
+                load = RegionLoad.from_json(body)
+                delta = SessionDelta.from_json(body["sessions"]) if "sessions" in body else None
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError) as exc:
             self.probe_errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.debug("region probe failed", region=self.name, error=self.last_error)
             return
         self.load = load
+        if delta is not None:
+            self.held.apply(delta)
         self.last_ok_at = self.clock()
 
     async def _run(self) -> None:
         while True:
             started = self.clock()
-            await self.probe_once()
+            try:
+                await self.probe_once()
+            except Exception as exc:  # a probe must never stop for good: the region would stay down
+                self.probe_errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("region probe failed unexpectedly", region=self.name, error=self.last_error)
             await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))

@@ -9,7 +9,7 @@ import signal
 from aiohttp import web
 
 from global_layer.entry import Entry
-from global_layer.policies import REGION_POLICIES
+from global_layer.policies import make_region_policy
 from symphony.config import SymphonyConfig
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
@@ -18,15 +18,18 @@ log = get_logger(__name__)
 
 
 def make_entries(config: SymphonyConfig, topology: RegionTopology) -> list[Entry]:
-    policy = REGION_POLICIES[config.regions.policy]
-    return [Entry(config, topology, name, policy, config.regions.policy) for name in topology.names]
+    # Each entry its own policy: what a stateful one learns is what its entry sent (SkyWalker's
+    # per-balancer tree).
+    return [Entry(config, topology, name, make_region_policy(config.regions.policy)) for name in topology.names]
 
 
 async def serve_entries(config: SymphonyConfig, topology: RegionTopology) -> None:
     runners: list[web.AppRunner] = []
     try:
         for region in make_entries(config, topology):
-            runner = web.AppRunner(region.app(), access_log=None)
+            # handler_cancellation: a client that leaves before its answer began cancels the relay,
+            # and with it the request upstream.
+            runner = web.AppRunner(region.app(), access_log=None, handler_cancellation=True)
             await runner.setup()
             runners.append(runner)
             port = config.scheduler.port + topology.region(region.region).index

@@ -21,9 +21,9 @@ from scheduler.admin import admin_routes
 from scheduler.engine_api import engine_routes
 from scheduler.errors import ApiError, http_error_handler
 from scheduler.hot_path import HotPath
+from scheduler.region_summary import region_summary
 from scheduler.state import SchedulerState
 from symphony.config import SymphonyConfig
-from symphony.region_load import RegionLoad
 
 
 def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> ASGIApp:
@@ -81,9 +81,12 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/summary")
-    async def summary() -> JSONResponse:
-        """This region's load, as the global layer of a multi-region cluster reads it."""
-        return JSONResponse(region_load(state).to_json())
+    async def summary(since: int = 0, epoch: str = "") -> JSONResponse:
+        """This region's load and costs, and the sessions it holds KV of (changes since `since` of
+        the feed `epoch`), as the global layer of a multi-region cluster reads them."""
+        if since < 0 or len(epoch) > 64:
+            raise ApiError(400, "since must be >= 0 and epoch at most 64 characters", param="since")
+        return JSONResponse(region_summary(state, since, epoch))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -91,16 +94,3 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return HotPath(app, state)
-
-
-def region_load(state: SchedulerState) -> RegionLoad:
-    nodes = state.cluster.available_views()
-    return RegionLoad(
-        ready_nodes=len(nodes),
-        idle_nodes=sum(1 for n in nodes if n.waiting == 0),
-        running=sum(n.running for n in nodes),
-        waiting=sum(n.waiting for n in nodes),
-        inflight=sum(n.inflight for n in nodes),
-        queued=len(state.dispatcher.queue),
-        kv_usage=sum(n.kv_usage for n in nodes) / len(nodes) if nodes else 0.0,
-    )

@@ -14,6 +14,7 @@ each request's `cache_salt` from its tenant (`symphony.tenancy.engine_cache_salt
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from scheduler.errors import ApiError
 from symphony.tenancy import DEFAULT_TENANT, TenantKeys, bearer
@@ -22,15 +23,29 @@ __all__ = ["Authenticator", "bearer"]
 
 
 class Authenticator:
-    def __init__(self, api_keys: list[str], admin_token: str) -> None:
+    def __init__(
+        self,
+        api_keys: list[str],
+        admin_token: str,
+        refuse_tenant: Callable[[str], ApiError | None] | None = None,
+    ) -> None:
         self._keys = TenantKeys(api_keys)
         self._admin = admin_token.encode()
+        # The error for a tenant this scheduler may not serve (data residency: a regional
+        # scheduler refuses tenants whose data may not enter its region, whoever sends them).
+        self._refuse = refuse_tenant
 
     @property
     def open(self) -> bool:
         return self._keys.open
 
     def tenant(self, authorization: str | None) -> str:
+        tenant = self._tenant(authorization)
+        if self._refuse is not None and (refused := self._refuse(tenant)) is not None:
+            raise refused
+        return tenant
+
+    def _tenant(self, authorization: str | None) -> str:
         if self.open:
             return DEFAULT_TENANT
         token = bearer(authorization)

@@ -41,6 +41,12 @@ class SchedulerMetrics:
         self.routed = Counter(
             "symphony_routed", "Requests dispatched per node and routing reason", ["node", "reason"], registry=r
         )
+        self.residency_refused = Counter(
+            "symphony_residency_refused",
+            "Requests and advisories refused because the tenant's data may not enter this region",
+            ["tenant"],
+            registry=r,
+        )
         self.retries = Counter(
             "symphony_dispatch_retries",
             "Requests re-sent to another node because the first engine could not be reached",

@@ -196,10 +196,10 @@ class NodeMonitor:
         nodes = [n for n in self.nodes if n.served_model == model and n.available(now, self.down_after_s)]
         return min(nodes, key=lambda n: n.inflight, default=None)
 
-    def available_views(self) -> list[NodeView]:
-        """The nodes a request may go to now (up, engine ready)."""
+    def available_snapshots(self) -> list[NodeSnapshot]:
+        """The nodes a request may go to now (up, engine ready), whatever model they serve."""
         now = self._clock()
-        return [n for n in self.nodes if n.available(now, self.down_after_s)]
+        return [n.snapshot(now, self.down_after_s) for n in self.nodes if n.available(now, self.down_after_s)]
 
     def states(self) -> dict[str, str]:
         now = self._clock()

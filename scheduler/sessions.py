@@ -34,12 +34,21 @@ class SessionEntry:
 
 
 class SessionTable:
-    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_sessions: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[SessionKey, int], None] | None = None,
+    ) -> None:
         if max_sessions <= 0 or ttl_s <= 0:
             raise ValueError("max_sessions and ttl_s must be positive")
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self._clock = clock
+        # Told a session's best copy (tokens; 0: none left) whenever it may have changed: the
+        # region's feed to the global layer (scheduler.region_feed).
+        self._on_change = on_change
         self._entries: OrderedDict[SessionKey, SessionEntry] = OrderedDict()
         self.high_sessions: Counter[str] = Counter()  # high-priority sessions whose last turn ran on each node
 
@@ -95,6 +104,7 @@ class SessionTable:
                 entry.kv_tokens.pop(node_id, None)
             else:
                 entry.kv_tokens[node_id] = held_before
+            self._changed(key, entry)
 
         self._count_high(entry, -1)
         if fingerprint != entry.fingerprint:
@@ -105,6 +115,7 @@ class SessionTable:
         self._count_high(entry, +1)
         entry.history_tokens = max(entry.history_tokens, history_tokens)
         entry.kv_tokens[node_id] = max(entry.kv_tokens.get(node_id, 0), history_tokens)
+        self._changed(key, entry)
         return undo
 
     def moved(self, key: SessionKey, node_id: str, history_tokens: int, fingerprint: bytes) -> None:
@@ -114,6 +125,7 @@ class SessionTable:
         entry = self._entries.get(key)
         if entry is not None and entry.fingerprint == fingerprint:
             entry.kv_tokens[node_id] = max(entry.kv_tokens.get(node_id, 0), history_tokens)
+            self._changed(key, entry)
 
     def of_tenant(self, tenant: str) -> list[SessionKey]:
         """The tenant's sessions, most recently used first (a scan of the bounded table: admin use)."""
@@ -121,8 +133,9 @@ class SessionTable:
 
     def forget_node(self, node_id: str) -> None:
         """A node left the cluster (or lost its store): its copies no longer count."""
-        for entry in self._entries.values():
-            entry.kv_tokens.pop(node_id, None)
+        for key, entry in self._entries.items():
+            if entry.kv_tokens.pop(node_id, None) is not None:
+                self._changed(key, entry)
 
     def purge(self) -> None:
         """Drop entries older than the TTL (oldest first; the table is kept in use order)."""
@@ -145,6 +158,12 @@ class SessionTable:
 
     def _drop(self, key: SessionKey) -> None:
         self._count_high(self._entries.pop(key), -1)
+        if self._on_change is not None:
+            self._on_change(key, 0)
+
+    def _changed(self, key: SessionKey, entry: SessionEntry) -> None:
+        if self._on_change is not None:
+            self._on_change(key, max(entry.kv_tokens.values(), default=0))
 
     def _count_high(self, entry: SessionEntry, change: int) -> None:
         if entry.high and entry.last_node is not None:

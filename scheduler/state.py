@@ -8,12 +8,13 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from scheduler.advisories import AdvisoryTable
 from scheduler.auth import Authenticator
 from scheduler.dispatch import Dispatcher
+from scheduler.errors import ApiError
 from scheduler.kv_index import ClusterKVIndex, NodePrefix
 from scheduler.kv_locator import KVLocator, RequestLocator
 from scheduler.kv_watch import KVWatch
@@ -22,17 +23,41 @@ from scheduler.node_monitor import NodeMonitor
 from scheduler.policies import make_policy
 from scheduler.priorities import PriorityTable
 from scheduler.profile_loader import load_cost_profile
+from scheduler.region_feed import SessionFeed
 from scheduler.sessions import SessionTable
 from scheduler.tokenizer_check import check_tokenizers
 from scheduler.tokenizer_load import tokenizer_dirs
 from scheduler.tokens import TokenService
 from symphony.config import SymphonyConfig
 from symphony.kv_addressing import BlockKey
+from symphony.logs import get_logger
 from symphony.models import DEFAULT_MODEL_NAME
+from symphony.region_load import MAX_DELTA_SESSIONS
+
+log = get_logger(__name__)
 
 
 class SchedulerState:
     """Everything one scheduler instance owns; built from config, started and stopped by the app."""
+
+    def _residency_check(self) -> Callable[[str], ApiError | None] | None:
+        """A regional scheduler's refusal of tenants whose data may not enter its region (the
+        global layer never sends them; this holds for whoever calls it directly)."""
+        topology, region = self.config.topology(), self.config.scheduler.region
+        if topology is None or not region or not topology.residency:
+            return None
+
+        def refuse(tenant: str) -> ApiError | None:
+            if topology.allowed(tenant, region):
+                return None
+            self.metrics.residency_refused.labels(tenant).inc()
+            log.warning("residency refused a request", tenant=tenant, region=region)
+            allowed = ", ".join(topology.allowed_regions(tenant))
+            return ApiError(
+                403, f"tenant {tenant!r} may not use region {region} (allowed: {allowed})", code="residency"
+            )
+
+        return refuse
 
     def __init__(self, config: SymphonyConfig) -> None:
         self.config = config
@@ -48,8 +73,14 @@ class SchedulerState:
             sc.advisory_ttl_s,
             on_drop=lambda reason: self.metrics.advisories_dropped.labels(reason).inc(),
         )
-        self.auth = Authenticator(sc.api_keys, sc.admin_token)
-        self.sessions = SessionTable(sc.max_sessions, sc.session_ttl_s)
+        self.auth = Authenticator(sc.api_keys, sc.admin_token, self._residency_check())
+        # A region's scheduler tells the global layer which sessions it holds (scheduler.region_feed).
+        self.region_feed = SessionFeed(min(sc.max_sessions, MAX_DELTA_SESSIONS)) if sc.region else None
+        self.sessions = SessionTable(
+            sc.max_sessions,
+            sc.session_ttl_s,
+            on_change=self.region_feed.changed if self.region_feed is not None else None,
+        )
         self.priorities = PriorityTable(sc.max_priority_settings)
         # The cluster KV index, fed by the nodes' block event streams; None when turned off.
         self.kv_index: ClusterKVIndex | None = None

@@ -15,11 +15,8 @@ from typing import Any
 from scheduler.errors import ApiError
 from scheduler.schemas import AdvisoryBody, ChatBody, CompletionBody, check
 from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
+from symphony.prompt_text import estimated_tokens, routing_text
 from symphony.tenancy import engine_cache_salt
-
-MAX_ROUTING_TEXT = 16_384  # characters of a prompt that prefix-aware routing looks at
-CHARS_PER_TOKEN = 4  # for estimates only (routing costs); the engine counts the real tokens
-MESSAGE_TEMPLATE_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,41 +42,7 @@ class InferenceRequest:
         return json.dumps({**self.body, "kv_transfer_params": params, "cache_salt": salt}).encode()
 
     def routing_text(self) -> str:
-        """The prompt's leading text: the conversation so far for a chat (every message, not just
-        the first: sglang #26263), the prompt for a completion."""
-        if self.endpoint == "chat":
-            parts: list[str] = []
-            size = 0
-            for message in self.body["messages"]:
-                part = f"{message.get('role')}: {_text_of(message.get('content'))}\n"
-                parts.append(part)
-                size += len(part)
-                if size >= MAX_ROUTING_TEXT:
-                    break
-            return "".join(parts)[:MAX_ROUTING_TEXT]
-        prompt = self.body["prompt"]
-        return (prompt if isinstance(prompt, str) else str(prompt))[:MAX_ROUTING_TEXT]
-
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: their text
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    return ""
-
-
-def _estimated_tokens(body: Mapping[str, Any], endpoint: str) -> int:
-    if endpoint == "chat":  # a few tokens of chat template around every message
-        return sum(
-            -(-len(_text_of(m.get("content"))) // CHARS_PER_TOKEN) + MESSAGE_TEMPLATE_TOKENS for m in body["messages"]
-        )
-    prompt = body["prompt"]
-    if isinstance(prompt, str):
-        return -(-len(prompt) // CHARS_PER_TOKEN)
-    if prompt and isinstance(prompt[0], int):
-        return len(prompt)  # token ids
-    return sum(len(p) if isinstance(p, list) else -(-len(p) // CHARS_PER_TOKEN) for p in prompt)
+        return routing_text(self.body, self.endpoint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +136,7 @@ def validate_inference(
     model = resolve_model(body, served)
     _check_max_tokens(body, served[model])
     body["model"] = model  # vLLM needs it when the client left it to us
-    return InferenceRequest(endpoint, model, stream, session_id, body, _estimated_tokens(body, endpoint))
+    return InferenceRequest(endpoint, model, stream, session_id, body, estimated_tokens(body, endpoint))
 
 
 def validate_advisory(

@@ -67,6 +67,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from scheduler.server import serve
 
     config = load_from_args(args, {"scheduler": {"region": args.region}} if args.region else None)
+    topology = config.topology()
+    if topology is not None and not config.scheduler.region:
+        # One scheduler over every region's nodes would bypass the links and the residency rules.
+        raise CliError(
+            f"--region: regions.layout names regions; say which this scheduler serves ({', '.join(topology.names)})"
+        )
     make_policy(config.scheduler.policy)
     serve(config)
     return 0

@@ -38,39 +38,54 @@ def _get_json(url: str, what: str) -> Any:
 
 def _region_status(config: SymphonyConfig, topology: RegionTopology, as_json: bool) -> int:
     """A multi-region cluster: the global layer's view from the first region's entry, the WAN
-    links, and each region's scheduler."""
+    links, and each region's scheduler. A part that does not answer is shown as such."""
     host = config.scheduler.host
-    entry = _get_json(config.scheduler_url + "/regions", "the global layer")
-    links = _get_json(f"http://{host}:{config.regions.link_port_base}/links", "the WAN links")
+    entry = _try_json(config.scheduler_url + "/regions")
+    links = _try_json(f"http://{host}:{config.regions.link_port_base}/links")
     schedulers = {}
     for region in topology.regions:
         url = f"http://{host}:{config.regions.scheduler_port_base + region.index}"
-        schedulers[region.name] = (url, _get_json(url + "/readyz", f"the {region.name} scheduler"))
-    ready = all(body.get("status") == "ready" for _, body in schedulers.values())
+        schedulers[region.name] = (url, _try_json(url + "/readyz"))
+    ready = entry is not None and all(b is not None and b.get("status") == "ready" for _, b in schedulers.values())
     if as_json:
         body = {"global": entry, "links": links, "schedulers": {n: b for n, (_, b) in schedulers.items()}}
         print(json.dumps(body, indent=2))
         return 0 if ready else 1
-    print(f"global layer {config.scheduler_url} (entry {entry.get('entry')}): policy {entry.get('policy')}")
-    for name, info in entry.get("regions", {}).items():
-        load = info.get("load") or {}
-        print(
-            f"  region {name:<10} {'up' if info['up'] else 'DOWN':<4} rtt {info['rtt_ms']:g} ms  "
-            f"entry :{config.scheduler.port + topology.region(name).index}  "
-            f"ready={load.get('ready_nodes', 0)}/{len(topology.region(name).nodes)} "
-            f"running={load.get('running', 0)} waiting={load.get('waiting', 0)} queued={load.get('queued', 0)} "
-            f"served={info['served']} failovers={info['failovers']}"
-        )
-    for line in describe_region_links(links.get("links", [])):
+    if entry is None:
+        print(f"global layer {config.scheduler_url}: not answering")
+    else:
+        print(f"global layer {config.scheduler_url} (entry {entry.get('entry')}): policy {entry.get('policy')}")
+        for name, info in entry.get("regions", {}).items():
+            load = info.get("load") or {}
+            print(
+                f"  region {name:<10} {'up' if info['up'] else 'DOWN':<4} rtt {info['rtt_ms']:g} ms  "
+                f"entry :{config.scheduler.port + topology.region(name).index}  "
+                f"ready={load.get('ready_nodes', 0)}/{len(topology.region(name).nodes)} "
+                f"running={load.get('running', 0)} waiting={load.get('waiting', 0)} queued={load.get('queued', 0)} "
+                f"served={info['served']} failovers={info['failovers']}"
+            )
+        if entry.get("refusals"):
+            print("  refused: " + ", ".join(f"{k}={v}" for k, v in sorted(entry["refusals"].items())))
+    if links is None:
+        print(f"  links :{config.regions.link_port_base}: not answering")
+    for line in describe_region_links((links or {}).get("links", [])):
         print(line)
-    for tenant, allowed in sorted(entry.get("residency", {}).items()):
-        print(f"  residency: tenant {tenant} stays in {', '.join(allowed)}")
-    if entry.get("refusals"):
-        print("  refused: " + ", ".join(f"{k}={v}" for k, v in sorted(entry["refusals"].items())))
+    for tenant, allowed in sorted(topology.residency.items()):
+        print(f"  residency: tenant {tenant} stays in {', '.join(sorted(allowed))}")
     for name, (url, body) in schedulers.items():
         print(f"[{name}] ", end="")
-        _print_scheduler(url, body)
+        if body is None:
+            print(f"scheduler {url}: not answering")
+        else:
+            _print_scheduler(url, body)
     return 0 if ready else 1
+
+
+def _try_json(url: str) -> Any:
+    try:
+        return httpx.get(url, timeout=5.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def describe_region_links(links: list[dict[str, Any]]) -> list[str]:

@@ -33,6 +33,7 @@ from symphony.config_schema import (
     SchedulerConfig,
     SymphonyConfig,
 )
+from symphony.tenancy import DEFAULT_TENANT
 
 __all__ = [
     "ENV_PREFIX",
@@ -380,7 +381,8 @@ def _validate(config: SymphonyConfig) -> None:
     if kv.data_port_base:
         ports += [kv.data_port_base + i for i in range(config.cluster.nodes)]
     ports += region_ports
-    check(len(set(ports)) == len(ports), "ports", f"scheduler, node and engine ports overlap: {sorted(ports)}")
+    twice = sorted({p for p in ports if ports.count(p) > 1})
+    check(not twice, "ports", f"scheduler, node, engine and region ports overlap at {twice}")
 
 
 def _region_ports(config: SymphonyConfig, check: Any, port: Any) -> list[int]:
@@ -412,7 +414,14 @@ def _region_ports(config: SymphonyConfig, check: Any, port: Any) -> list[int]:
         "cluster.nodes",
         f"{config.cluster.nodes}, but regions.layout places {total} nodes",
     )
-    check(not config.scheduler.node_addresses, "scheduler.node_addresses", "must be empty with regions.layout")
+    tenants = {entry.partition(":")[0] for entry in config.scheduler.api_keys} or {DEFAULT_TENANT}
+    for tenant in topology.residency:
+        check(
+            tenant in tenants,
+            "regions.residency",
+            f"tenant {tenant!r} has no API key (scheduler.api_keys names {', '.join(sorted(tenants))}): "
+            "its rule would never apply",
+        )
     count = len(topology.regions)
     port("scheduler.port + regions - 1", config.scheduler.port + count - 1)
     port("regions.scheduler_port_base", r.scheduler_port_base)

@@ -18,7 +18,7 @@ DataPlane = Literal["tcp", "grpc"]
 EngineDtype = Literal["bfloat16", "float16", "float32", "auto"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
-RegionPolicyName = Literal["nearest"]
+RegionPolicyName = Literal["nearest", "skywalker", "gorgo", "gorgo_no_queue", "symphony"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,9 @@ class SchedulerConfig:
     # gRPC addresses of the node managers ("host:port"). Empty: the local cluster's
     # node.host:node.grpc_port_base+i for i < cluster.nodes.
     node_addresses: list[str] = field(default_factory=list)
-    # With regions.layout: the region this scheduler serves (its nodes are that region's, its port
-    # regions.scheduler_port_base + the region's index); empty: the global layer's configuration.
+    # With regions.layout: the region this scheduler serves (its port regions.scheduler_port_base +
+    # the region's index; its nodes node_addresses, else the region's nodes of the local cluster);
+    # empty: the global layer's configuration.
     region: str = ""
     policy: PolicyName = "symphony"  # scheduler.policies.POLICIES holds one policy per name
     poll_interval_ms: int = 100  # Status poll period per node

@@ -197,7 +197,8 @@ class LocalCluster:
             states = await self._node_readiness() or {}
             node_states = {name: info.get("state", "?") for name, info in states.items()}
             ready_count = sum(1 for s in node_states.values() if s == "ready")
-            if ready_count == self.config.cluster.nodes:
+            light = [*self.schedulers, *self.services]
+            if ready_count == self.config.cluster.nodes and all(p.state is ProcessState.READY for p in light):
                 if tty:
                     self.say("\r" + " " * len(last_line) + "\r", end="")
                 return True
@@ -210,6 +211,9 @@ class LocalCluster:
                 return False
             elapsed = time.monotonic() - started
             detail = "  ".join(f"{n}: {s}" for n, s in sorted(node_states.items())) or "schedulers: starting"
+            detail += "".join(
+                f"  {p.name}: {p.state.value}" for p in self.services if p.state is not ProcessState.READY
+            )
             line = (
                 f"starting {self.config.cluster.nodes} engines ({self.model.served_name}) [{elapsed:4.0f}s]  {detail}"
             )

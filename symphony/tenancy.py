@@ -54,4 +54,6 @@ class TenantKeys:
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+    # surrogateescape: a header's undecodable bytes (aiohttp keeps them as surrogates) are a wrong
+    # key like any other, not an error.
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()

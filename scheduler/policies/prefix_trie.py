@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from scheduler.cost_profile import CostProfile
 from scheduler.policies.least_load import least_loaded
-from scheduler.policies.prefix_tree import PrefixTree
 from scheduler.routing import NO_NODE, NodeSnapshot, PolicyTraits, RouteDecision, RouteRequest, available
 from symphony.config import SchedulerConfig
+from symphony.prefix_tree import PrefixTree
 
 
 @dataclass(frozen=True, slots=True)

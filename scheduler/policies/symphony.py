@@ -169,7 +169,7 @@ class SymphonyPolicy:
         self.selective_push = selective_push
         self._rotation = itertools.count()
         tokens = self.cost.unknown_prefill_tokens
-        self._unknown_prefill_ms = profile.prefill_ms(tokens, tokens)  # a request ahead of unknown size
+        self.unknown_prefill_ms = profile.prefill_ms(tokens, tokens)  # a request ahead of unknown size
 
     @classmethod
     def from_config(cls, config: SchedulerConfig, profile: CostProfile) -> SymphonyPolicy:
@@ -188,7 +188,7 @@ class SymphonyPolicy:
         longest = longest_held(holdings)
         prompt = max(request.prompt_size, 1 + longest)  # prompt_tokens
         high = request.priority == "high"
-        spread_ms = self.cost.high_spread_requests * self._unknown_prefill_ms if high else 0.0
+        spread_ms = self.cost.high_spread_requests * self.unknown_prefill_ms if high else 0.0
         sources = movable_sources(holdings, movable, prompt)
         # What a node pays depends on the prefix it holds and its links from the nodes whose copies
         # could move (when it is none of them): one computation per distinct pair of those (a few,
@@ -236,7 +236,7 @@ class SymphonyPolicy:
         load_ms, fetch_ms, prefill_ms, computed_ms = self._own(prompt, node.node_id, own, sources)
         spread = 0.0
         if request.priority == "high":
-            spread = node.high_sessions * self.cost.high_spread_requests * self._unknown_prefill_ms
+            spread = node.high_sessions * self.cost.high_spread_requests * self.unknown_prefill_ms
         overhead = self.profile.request_overhead_ms
         delay = self.cost.prefill_delay_weight * computed_ms
         queue = self.queue_ms(node, request.lead_ms)
@@ -256,7 +256,7 @@ class SymphonyPolicy:
         active = engine if engine > inflight else inflight
         work = node.prefilling_work
         unknown = (waiting - prefilling if waiting > prefilling else 0) + (0 if work.tokens else prefilling)
-        ahead_ms = unknown * self._unknown_prefill_ms
+        ahead_ms = unknown * self.unknown_prefill_ms
         if work.tokens:
             ahead_ms += p.prefill_ms_per_token * work.tokens + p.prefill_ms_per_token_kilotoken * work.positions / KILO
         decoding = (active if lead_ms > 0 else active - ahead if active > ahead else 0) + node.announced

@@ -6,6 +6,8 @@ failover), that cross-region traffic takes its link's time, and the links' contr
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ from global_layer.server import make_entries
 from scheduler.app import create_app
 from symphony.config import SymphonyConfig, load_config
 from symphony.region_links import RegionLinks
+from symphony.region_load import session_digest
 from symphony.regions import RegionTopology
 from tests.helpers import async_wait_until
 from tests.integration.fakes import FakeEngine, FakeNodeManager, ready_status
@@ -71,22 +74,25 @@ def _ports() -> tuple[int, int, int]:
 
 
 @pytest.fixture
-async def regions() -> AsyncIterator[Regions]:
+async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
+    """The three regions, the global layer on `regions.policy` "nearest" unless the test is marked
+    `@pytest.mark.region_policy(name)`."""
+    marker = request.node.get_closest_marker("region_policy")
+    policy = marker.args[0] if marker else "nearest"
     entries_port, schedulers_port, links_port = _ports()
+    regions_keys = {
+        "layout": REGIONS,
+        "links": LINKS,
+        "residency": ["eu=eu-west"],
+        "scheduler_port_base": schedulers_port,
+        "link_port_base": links_port,
+    }
     config = load_config(
         env={},
         overrides={
             "scheduler": {"port": entries_port, "api_keys": KEYS, "connect_timeout_s": 1.0},
             "cluster": {"nodes": 3},
-            "regions": {
-                "layout": REGIONS,
-                "links": LINKS,
-                "residency": ["eu=eu-west"],
-                "scheduler_port_base": schedulers_port,
-                "link_port_base": links_port,
-                "probe_interval_ms": 20,
-                "region_down_after_ms": 300,
-            },
+            "regions": {**regions_keys, "probe_interval_ms": 20, "region_down_after_ms": 300, "policy": policy},
         },
     )
     topology = config.topology()
@@ -106,18 +112,21 @@ async def regions() -> AsyncIterator[Regions]:
                 env={},
                 overrides={
                     "scheduler": {
-                        "port": schedulers_port + region.index,
+                        "port": entries_port,  # it listens on its region's port, as below
                         "node_addresses": [node.address],
                         "poll_interval_ms": 20,
                         "node_down_after_ms": 300,
                         "api_keys": KEYS,
-                    }
+                        "region": region.name,
+                    },
+                    "cluster": {"nodes": 3},
+                    "regions": regions_keys,
                 },
             )
             app = create_app(scheduler_config)
-            server = uvicorn.Server(
-                uvicorn.Config(app, host="127.0.0.1", port=schedulers_port + region.index, log_level="warning")
-            )
+            listen = scheduler_config.scheduler_listen_port
+            assert listen == schedulers_port + region.index
+            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=listen, log_level="warning"))
             cluster.schedulers[region.name] = (server, asyncio.create_task(server.serve()))
         await links.start()
         for entry in make_entries(config, topology):
@@ -290,3 +299,65 @@ async def test_the_links_control_api_refuses_bad_faults(regions: Regions) -> Non
         listed = (await client.get(regions.links_url + "/links")).json()["links"]
     assert sorted(link["pair"] for link in listed) == ["ap-south~eu-west", "ap-south~us-east", "eu-west~us-east"]
     assert all(link["fault"] == "none" for link in listed)
+
+
+@pytest.mark.region_policy("symphony")
+async def test_a_sessions_next_turn_goes_back_to_the_region_holding_its_kv(regions: Regions) -> None:
+    """Turn one of a session runs in eu-west (its client said so). The eu-west scheduler's feed
+    tells the us-east entry that eu-west holds the session; turn two, from a us-east client, is
+    sent there: 40 ms of round trip against recomputing ~2,000 tokens (0.364 ms each by the
+    default profile) in us-east."""
+    history = [{"role": "user", "content": "tell me a story " * 500}]
+    first = await _chat(
+        regions.entry_url("us-east"),
+        _headers(**{CLIENT_REGION_HEADER: "eu-west", "X-Session-ID": "story"}),
+        {**CHAT, "messages": history},
+    )
+    assert first.status_code == 200 and first.headers[REGION_HEADER] == "eu-west"
+    probe = regions.entries["us-east"].probes["eu-west"]
+    digest = session_digest("acme", "story")
+    await async_wait_until(lambda: probe.held.tokens(digest) > 1_000, 10, "eu-west's feed to name the session")
+    second = await _chat(
+        regions.entry_url("us-east"),
+        _headers(**{"X-Session-ID": "story"}),
+        {
+            **CHAT,
+            "messages": [*history, {"role": "assistant", "content": "once"}, {"role": "user", "content": "go on"}],
+        },
+    )
+    assert second.status_code == 200 and second.headers[REGION_HEADER] == "eu-west"
+    # A new session of the same client stays home.
+    other = await _chat(regions.entry_url("us-east"), _headers(**{"X-Session-ID": "fresh"}))
+    assert other.headers[REGION_HEADER] == "us-east"
+    # No entry ever sees the session's id: the feed names it by digest.
+    async with httpx.AsyncClient(timeout=5) as client:
+        summary = (
+            await client.get(f"http://127.0.0.1:{regions.config.regions.scheduler_port_base + 1}/summary")
+        ).json()
+    assert "story" not in str(summary) and summary["sessions"]["held"][0][0] == digest
+
+
+async def test_a_regional_scheduler_refuses_a_tenant_its_region_may_not_serve(regions: Regions) -> None:
+    """Residency holds at every hop: a direct call to us-east's scheduler by an EU-only tenant."""
+    us_east = f"http://127.0.0.1:{regions.config.regions.scheduler_port_base}"
+    refused = await _chat(us_east, _headers("key-eu"))
+    assert refused.status_code == 403
+    assert refused.json()["error"]["code"] == "residency" and "allowed: eu-west" in refused.json()["error"]["message"]
+    assert (await _chat(us_east, _headers())).status_code == 200
+
+
+async def test_undecodable_keys_and_broken_bodies_are_client_errors(regions: Regions) -> None:
+    url = regions.entry_url("us-east") + "/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=10) as client:
+        odd_key = await client.post(url, json=CHAT, headers={"Authorization": b"Bearer \xff\xfe"})
+        assert odd_key.status_code == 401 and odd_key.json()["error"]["code"] == "invalid_api_key"
+        not_gzip = await client.post(
+            url, content=b"this is not gzip", headers={**_headers(), "Content-Encoding": "gzip"}
+        )
+        assert not_gzip.status_code == 400 and not_gzip.json()["error"]["code"] == "invalid_body"
+        gzipped = await client.post(
+            url,
+            content=gzip.compress(json.dumps(CHAT).encode()),
+            headers={**_headers(), "Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
+        assert gzipped.status_code == 200, gzipped.text

@@ -203,3 +203,15 @@ def test_the_region_commands_need_a_layout(capsys: pytest.CaptureFixture[str]) -
     for command in ("global", "links"):
         assert main([command]) == 2
         assert "regions.layout is empty" in capsys.readouterr().err
+
+
+def test_a_scheduler_of_a_multi_region_cluster_needs_its_region(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SYMPHONY_REGIONS_LAYOUT", "us-east:1,eu-west:1")
+    monkeypatch.setenv("SYMPHONY_REGIONS_LINKS", "us-east~eu-west:75:1000")
+    monkeypatch.setenv("SYMPHONY_CLUSTER_NODES", "2")
+    assert main(["scheduler"]) == 2
+    assert "--region: regions.layout names regions; say which this scheduler serves (us-east, eu-west)" in (
+        capsys.readouterr().err
+    )

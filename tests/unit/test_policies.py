@@ -11,12 +11,12 @@ from scheduler.cost_profile import DEFAULT_PROFILE
 from scheduler.policies import POLICIES, make_policy
 from scheduler.policies.consistent_hash import ConsistentHashPolicy
 from scheduler.policies.least_load import RecomputePolicy, RoundRobinPolicy
-from scheduler.policies.prefix_tree import PrefixTree
 from scheduler.policies.prefix_trie import PrefixTriePolicy, PrefixTrieSettings
 from scheduler.policies.sticky import StickyPolicy
 from scheduler.policies.symphony import SymphonyPolicy
 from scheduler.routing import NodeSnapshot, RouteRequest
 from symphony.config import ConfigError, SchedulerConfig
+from symphony.prefix_tree import PrefixTree
 
 
 def node(

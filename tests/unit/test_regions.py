@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from global_layer.policies import RegionRequest, RegionView, nearest, rank_regions
+from global_layer.policies import Nearest, RegionRequest, RegionView, rank_regions
 from symphony.config import ConfigError, load_config
 from symphony.region_load import RegionLoad
 from symphony.regions import build_topology, parse_link
@@ -62,6 +62,7 @@ def test_the_layout_comes_from_the_environment_too() -> None:
         ({"layout": ["us-east:1"], "residency": ["t=eu-west"]}, 1, "tenant 't' is allowed a region not in"),
         ({"layout": ["us-east:1"], "residency": ["t"]}, 1, "regions.residency: 't' is not \"tenant=region|region\""),
         ({"layout": ["us-east:1"], "residency": ["t=us-east", "t=us-east"]}, 1, "tenant 't' is given twice"),
+        ({"layout": ["us-east:1"], "residency": ["t=us-east"]}, 1, "tenant 't' has no API key"),
         ({"layout": ["us-east:1"], "intra_rtt_ms": -1}, 1, "regions.intra_rtt_ms"),
         ({"layout": ["us-east:2"]}, 1, "cluster.nodes: 1, but regions.layout places 2 nodes"),
         ({"probe_interval_ms": 0}, 2, "regions.probe_interval_ms: must be positive"),
@@ -95,9 +96,9 @@ def test_a_scheduler_region_must_be_in_the_layout() -> None:
 
 def test_region_ports_may_not_overlap_the_others() -> None:
     # Entries take scheduler.port + r: a scheduler base right above the first entry collides.
-    with pytest.raises(ConfigError, match=r"ports: scheduler, node and engine ports overlap"):
+    with pytest.raises(ConfigError, match=r"ports: scheduler, node, engine and region ports overlap at \[8001, 8002\]"):
         three_regions(scheduler_port_base=8001)
-    with pytest.raises(ConfigError, match=r"ports: scheduler, node and engine ports overlap"):
+    with pytest.raises(ConfigError, match=r"overlap at \[8010, 8011\]"):
         three_regions(link_port_base=8005)  # its listeners reach 8011, a regional scheduler's port
 
 
@@ -128,12 +129,12 @@ def views(**up: bool) -> list[RegionView]:
 
 
 def test_nearest_goes_home_then_by_round_trip() -> None:
-    assert rank_regions(nearest, RegionRequest("t", "ap-south"), views(), TOPOLOGY).regions == [
+    assert rank_regions(Nearest(), RegionRequest("t", "ap-south"), views(), TOPOLOGY).regions == [
         "ap-south",
         "eu-west",
         "us-east",
     ]
-    assert rank_regions(nearest, RegionRequest("t", "us-east"), views(), TOPOLOGY).regions == [
+    assert rank_regions(Nearest(), RegionRequest("t", "us-east"), views(), TOPOLOGY).regions == [
         "us-east",
         "eu-west",
         "ap-south",
@@ -141,27 +142,28 @@ def test_nearest_goes_home_then_by_round_trip() -> None:
 
 
 def test_a_down_region_is_not_tried() -> None:
-    ranking = rank_regions(nearest, RegionRequest("t", "us-east"), views(us_east=False), TOPOLOGY)
+    ranking = rank_regions(Nearest(), RegionRequest("t", "us-east"), views(us_east=False), TOPOLOGY)
     assert ranking.regions == ["eu-west", "ap-south"]
 
 
 def test_residency_drops_forbidden_regions_before_the_policy() -> None:
-    ranking = rank_regions(nearest, RegionRequest("eu-only", "us-east"), views(), TOPOLOGY)
+    ranking = rank_regions(Nearest(), RegionRequest("eu-only", "us-east"), views(), TOPOLOGY)
     assert ranking.regions == ["eu-west"]
     assert ranking.forbidden_up == ["us-east", "ap-south"]
     # Whatever the policy would prefer, it never sees a forbidden region.
     seen: list[str] = []
 
-    def greedy(request: RegionRequest, candidates: object, topology: object) -> list[str]:
-        seen.extend(v.name for v in candidates)  # type: ignore[attr-defined]
-        return ["us-east"]
+    class Greedy(Nearest):
+        def rank(self, request: RegionRequest, candidates: object, topology: object) -> list[str]:  # type: ignore[override]
+            seen.extend(v.name for v in candidates)  # type: ignore[attr-defined]
+            return ["us-east"]
 
-    rank_regions(greedy, RegionRequest("asia", "us-east"), views(), TOPOLOGY)
+    rank_regions(Greedy(), RegionRequest("asia", "us-east"), views(), TOPOLOGY)
     assert sorted(seen) == ["ap-south", "eu-west"]
 
 
 def test_residency_with_its_regions_down_leaves_nowhere() -> None:
-    ranking = rank_regions(nearest, RegionRequest("eu-only", "eu-west"), views(eu_west=False), TOPOLOGY)
+    ranking = rank_regions(Nearest(), RegionRequest("eu-only", "eu-west"), views(eu_west=False), TOPOLOGY)
     assert ranking.regions == [] and ranking.forbidden_up == ["us-east", "ap-south"]
 
 

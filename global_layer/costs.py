@@ -1,0 +1,79 @@
+"""What serving a request in a region costs, as the global layer's `symphony` and `gorgo` policies
+price it. Pure: from the request, the regions' summaries (symphony.region_load) and the topology.
+
+A request served in region r, for a client in region c, whose session region r holds `held_r`
+tokens of (its best node's copy) and other regions more:
+- `rtt_ms`: the round trip between c and r (the request goes, its first token comes back);
+- `queue_ms`: r's wait before a new request's prefill (its scheduler prices it at its best node);
+- `overhead_ms`: r's per-request cost outside the engine;
+- `prefill_ms`: computing what r lacks, or, when `can_move` and cheaper, moving the longer copy of
+  another region s over the s~r link (its round trip, then the bytes at its bandwidth) and
+  computing only what no region holds (`move_ms` then says how long the move takes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from global_layer.views import RegionRequest, RegionView
+from symphony.regions import RegionTopology
+
+_BYTES_PER_MS_PER_MBPS = 1e6 / 8 / 1000  # one Mb/s moves this many bytes a millisecond
+
+
+@dataclass(frozen=True, slots=True)
+class RegionCost:
+    rtt_ms: float
+    queue_ms: float
+    overhead_ms: float
+    prefill_ms: float
+    move_ms: float = 0.0  # a move of KV from `source` over the WAN, before the prefill
+    source: str | None = None  # the region KV is moved from (None: none is)
+
+    @property
+    def total_ms(self) -> float:
+        return self.rtt_ms + self.queue_ms + self.overhead_ms + self.prefill_ms + self.move_ms
+
+
+def prompt_tokens(request: RegionRequest) -> int:
+    """The prompt's tokens: the entry's estimate, but never fewer than a held copy plus one."""
+    longest = max(request.held.values(), default=0)
+    return max(request.prompt_tokens, longest + 1)
+
+
+def move_ms(topology: RegionTopology, source: str, dest: str, tokens: int, kv_bytes_per_token: int) -> float:
+    """Moving `tokens` of KV from region `source` to `dest` over their link."""
+    shape = topology.shape(source, dest)
+    if shape is None:
+        return 0.0
+    return shape.rtt_ms + tokens * kv_bytes_per_token / (shape.bandwidth_mbps * _BYTES_PER_MS_PER_MBPS)
+
+
+def region_cost(
+    request: RegionRequest,
+    region: RegionView,
+    regions: Sequence[RegionView],
+    topology: RegionTopology,
+    *,
+    can_move: bool,
+) -> RegionCost:
+    """The cost of serving `request` in `region` (which has a summary); `regions`: every region up,
+    the places a copy could move from."""
+    load = region.load
+    assert load is not None, "a region is priced from its summary"
+    total = prompt_tokens(request)
+    held = request.held.get(region.name, 0)
+    rtt = topology.rtt_ms(request.client_region, region.name)
+    best = RegionCost(rtt, load.queue_ms, load.request_overhead_ms, load.prefill_ms_per_token * (total - held))
+    if not can_move:
+        return best
+    for source in regions:
+        more = request.held.get(source.name, 0) - held
+        if source.name == region.name or more <= 0 or not topology.allowed(request.tenant, source.name):
+            continue
+        moving = move_ms(topology, source.name, region.name, more, load.kv_bytes_per_token)
+        computing = load.prefill_ms_per_token * (total - held - more)
+        if moving + computing < best.prefill_ms + best.move_ms:
+            best = RegionCost(rtt, load.queue_ms, load.request_overhead_ms, computing, moving, source.name)
+    return best

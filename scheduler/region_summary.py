@@ -1,0 +1,42 @@
+"""A region's summary for the global layer (`GET /summary`, symphony.region_load): its load, what a
+new request would wait and pay here by its cost profile, and the feed of sessions it holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.policies.symphony import SymphonyPolicy
+from scheduler.state import SchedulerState
+from symphony.region_load import RegionLoad
+
+
+def region_load(state: SchedulerState) -> RegionLoad:
+    nodes = state.cluster.available_snapshots()
+    profile = state.dispatcher.profile
+    # The wait the `symphony` policy prices at each node, whatever policy routes here; a request
+    # that finds every node with a queue waits in the scheduler for one of them, behind `queued`.
+    estimator = SymphonyPolicy(profile)
+    queue_ms = min((estimator.queue_ms(n) for n in nodes), default=0.0)
+    queued = len(state.dispatcher.queue)
+    if nodes and queued:
+        queue_ms += queued / len(nodes) * estimator.unknown_prefill_ms
+    return RegionLoad(
+        ready_nodes=len(nodes),
+        idle_nodes=sum(1 for n in nodes if n.waiting == 0),
+        running=sum(n.running for n in nodes),
+        waiting=sum(n.waiting for n in nodes),
+        inflight=sum(n.inflight for n in nodes),
+        queued=queued,
+        kv_usage=sum(n.kv_usage for n in nodes) / len(nodes) if nodes else 0.0,
+        queue_ms=queue_ms,
+        prefill_ms_per_token=profile.prefill_ms_per_token,
+        request_overhead_ms=profile.request_overhead_ms,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+    )
+
+
+def region_summary(state: SchedulerState, since: int, epoch: str) -> dict[str, Any]:
+    body = region_load(state).to_json()
+    if state.region_feed is not None:
+        body["sessions"] = state.region_feed.since(since, epoch).to_json()
+    return body

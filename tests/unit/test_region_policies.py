@@ -1,0 +1,201 @@
+"""The global layer's region policies and their costs, on hand-computed cases; the regions' session
+feed and an entry's copy of it; what an entry reads of a request's body."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from global_layer.costs import region_cost
+from global_layer.held import HeldSessions
+from global_layer.policies import Gorgo, SkyWalker, SymphonyRegions, rank_regions
+from global_layer.request_content import request_content
+from global_layer.views import RegionRequest, RegionView
+from scheduler.region_feed import SessionFeed
+from scheduler.sessions import SessionTable
+from symphony.region_load import RegionLoad, SessionDelta, session_digest
+from symphony.regions import build_topology
+
+LINKS = ["us-east~eu-west:75:1000", "us-east~ap-south:190:1000", "eu-west~ap-south:120:1000"]
+TOPOLOGY = build_topology(["us-east:1", "eu-west:1", "ap-south:1"], LINKS, 1.0, [])
+KV_BYTES = 23_040  # SmolLM2's KV per token
+IDLE = RegionLoad(
+    1, 1, 0, 0, 0, 0, 0.0, queue_ms=0.0, prefill_ms_per_token=0.5, request_overhead_ms=10.0, kv_bytes_per_token=KV_BYTES
+)
+
+
+def view(name: str, **load: float) -> RegionView:
+    return RegionView(name, True, dataclasses.replace(IDLE, **load))  # type: ignore[arg-type]
+
+
+def all_idle(**per_region: dict[str, float]) -> list[RegionView]:
+    return [view(name, **per_region.get(name.replace("-", "_"), {})) for name in TOPOLOGY.names]
+
+
+# A session of 4,000 tokens held in ap-south, its next turn 4,100 tokens, from a us-east client.
+FAR_HOLDS = RegionRequest("t", "us-east", "s", "", 4_100, {"ap-south": 4_000})
+
+
+def test_a_far_region_holding_the_prefix_against_a_near_one_without_it() -> None:
+    regions = all_idle()
+    near = region_cost(FAR_HOLDS, regions[0], regions, TOPOLOGY, can_move=False)
+    far = region_cost(FAR_HOLDS, regions[2], regions, TOPOLOGY, can_move=False)
+    # us-east: 1 ms round trip + 10 overhead + 4,100 tokens x 0.5 ms.
+    assert near.total_ms == pytest.approx(1 + 10 + 2_050)
+    # ap-south: 190 ms round trip + 10 + the 100 new tokens x 0.5 ms.
+    assert far.total_ms == pytest.approx(190 + 10 + 50)
+    assert rank_regions(SymphonyRegions(), FAR_HOLDS, regions, TOPOLOGY).regions[0] == "ap-south"
+
+
+def test_moving_the_prefix_over_the_wan_is_priced_by_the_links_rtt_and_bandwidth() -> None:
+    regions = all_idle()
+    near = region_cost(FAR_HOLDS, regions[0], regions, TOPOLOGY, can_move=True)
+    # 190 ms round trip, then 4,000 x 23,040 bytes at 1 Gb/s (125,000 bytes a ms), then 100 tokens.
+    assert near.source == "ap-south"
+    assert near.move_ms == pytest.approx(190 + 4_000 * KV_BYTES / 125_000)
+    assert near.total_ms == pytest.approx(1 + 10 + 190 + 737.28 + 50)
+    # Over a 10 Mb/s link the move (7.4 s) costs more than recomputing (2.05 s): no move.
+    slow = build_topology(
+        ["us-east:1", "eu-west:1", "ap-south:1"],
+        ["us-east~eu-west:75:10", "us-east~ap-south:190:10", "eu-west~ap-south:120:10"],
+        1.0,
+        [],
+    )
+    recompute = region_cost(FAR_HOLDS, regions[0], regions, slow, can_move=True)
+    assert recompute.source is None and recompute.total_ms == pytest.approx(1 + 10 + 2_050)
+
+
+@pytest.mark.parametrize(
+    ("prefill_ms_per_token", "winner"),
+    [
+        (0.5, "ap-south"),  # 2,061 ms near against 250 far
+        (0.05, "ap-south"),  # 216 against 205
+        (0.04, "us-east"),  # 175 against 204: a fast prefill beats a long round trip
+    ],
+)
+def test_the_round_trip_against_the_prefill_it_saves(prefill_ms_per_token: float, winner: str) -> None:
+    regions = [view(name, prefill_ms_per_token=prefill_ms_per_token) for name in TOPOLOGY.names]
+    assert rank_regions(SymphonyRegions(), FAR_HOLDS, regions, TOPOLOGY).regions[0] == winner
+
+
+def test_a_queue_sends_the_request_away_from_its_prefix() -> None:
+    # ap-south holds it but has 3 s of queue: us-east recomputes (2,061 ms) sooner than 3,250.
+    regions = all_idle(ap_south={"queue_ms": 3_000.0, "idle_nodes": 0})
+    assert rank_regions(SymphonyRegions(), FAR_HOLDS, regions, TOPOLOGY).regions[0] == "us-east"
+
+
+def test_gorgo_weighs_the_queue_and_without_it_piles_onto_the_prefix() -> None:
+    regions = all_idle(ap_south={"queue_ms": 6_000.0, "idle_nodes": 0})
+    # w_rtt 1, w_queue 0.5: ap-south 190 + 50 + 3,000 against us-east's 1 + 2,050.
+    assert rank_regions(Gorgo(), FAR_HOLDS, regions, TOPOLOGY).regions[0] == "us-east"
+    # Without the queue term ap-south looks cheapest however long its queue (reward hacking).
+    hacked = Gorgo(w_queue=0.0, name="gorgo_no_queue")
+    for queue in (6_000.0, 60_000.0, 600_000.0):
+        loaded = all_idle(ap_south={"queue_ms": queue, "idle_nodes": 0})
+        assert rank_regions(hacked, FAR_HOLDS, loaded, TOPOLOGY).regions[0] == "ap-south"
+
+
+def test_skywalker_follows_the_prefix_while_its_region_has_room() -> None:
+    policy = SkyWalker(trie_chars=10_000)
+    text = "system: be brief\nuser: tell me about the alps\n"
+    first = RegionRequest("t", "us-east", "s1", text)
+    policy.observe(first, "eu-west")
+    follow = RegionRequest("t", "us-east", "s1", text + "assistant: high mountains\nuser: and rivers?\n")
+    assert rank_regions(policy, follow, all_idle(), TOPOLOGY).regions == ["eu-west", "us-east", "ap-south"]
+    # eu-west saturated (selective pushing): the client's own region, which has room.
+    busy = all_idle(eu_west={"idle_nodes": 0, "queue_ms": 500.0})
+    assert rank_regions(policy, follow, busy, TOPOLOGY).regions[0] == "us-east"
+    # Both saturated: the hash ring's owner among those with room (only ap-south).
+    both = all_idle(eu_west={"idle_nodes": 0}, us_east={"idle_nodes": 0})
+    assert rank_regions(policy, follow, both, TOPOLOGY).regions[0] == "ap-south"
+    # All saturated: the shortest wait.
+    full = all_idle(
+        eu_west={"idle_nodes": 0, "queue_ms": 90.0},
+        us_east={"idle_nodes": 0, "queue_ms": 50.0},
+        ap_south={"idle_nodes": 0, "queue_ms": 70.0},
+    )
+    assert rank_regions(policy, follow, full, TOPOLOGY).regions[0] == "us-east"
+
+
+def test_skywalker_without_a_match_hashes_sessions_across_regions_with_room() -> None:
+    policy = SkyWalker(trie_chars=10_000)
+    away = all_idle(us_east={"idle_nodes": 0})
+    chosen = {
+        rank_regions(policy, RegionRequest("t", "us-east", f"s{i}"), away, TOPOLOGY).regions[0] for i in range(40)
+    }
+    assert chosen == {"eu-west", "ap-south"}
+
+
+# -- the session feed ------------------------------------------------------------------------------
+def test_the_feed_sends_changes_since_a_seq_and_resets_a_reader_too_far_behind() -> None:
+    feed = SessionFeed(max_sessions=2)
+    feed.changed(("t", "a"), 100)
+    first = feed.since(0, "")
+    assert first.reset and first.held == ((session_digest("t", "a"), 100),)
+    feed.changed(("t", "a"), 100)  # no change: no entry
+    feed.changed(("t", "b"), 50)
+    delta = feed.since(first.seq, feed.epoch)
+    assert not delta.reset and delta.held == ((session_digest("t", "b"), 50),)
+    feed.changed(("t", "c"), 70)  # a's change is dropped (bound 2)
+    # A reader that had it goes on; one that missed it starts over with what is retained.
+    assert feed.since(first.seq, feed.epoch).held == ((session_digest("t", "b"), 50), (session_digest("t", "c"), 70))
+    behind = feed.since(0, feed.epoch)
+    assert behind.reset and {d for d, _ in behind.held} == {session_digest("t", "b"), session_digest("t", "c")}
+    assert feed.since(delta.seq, "another-run").reset
+
+
+def test_an_entry_follows_the_feed_and_forgets_on_reset() -> None:
+    feed, held = SessionFeed(), HeldSessions(max_sessions=10)
+    feed.changed(("t", "a"), 100)
+    feed.changed(("t", "b"), 20)
+    held.apply(feed.since(held.seq, held.epoch))
+    feed.changed(("t", "b"), 0)
+    held.apply(feed.since(held.seq, held.epoch))
+    assert held.tokens(session_digest("t", "a")) == 100 and held.tokens(session_digest("t", "b")) == 0
+    held.apply(SessionDelta("other", 1, True, ((session_digest("t", "c"), 5),)))
+    assert held.tokens(session_digest("t", "a")) == 0 and len(held) == 1
+
+
+def test_the_session_table_feeds_every_change_of_a_sessions_best_copy() -> None:
+    changes: list[tuple[tuple[str, str], int]] = []
+    table = SessionTable(1, ttl_s=60, on_change=lambda key, tokens: changes.append((key, tokens)))
+    undo = table.served(("t", "a"), "node-0", 300, fingerprint=b"f")
+    table.moved(("t", "a"), "node-1", 500, b"f")
+    undo()
+    table.served(("t", "b"), "node-0", 10, fingerprint=b"f")  # the bound drops a
+    assert changes == [(("t", "a"), 300), (("t", "a"), 500), (("t", "a"), 500), (("t", "a"), 0), (("t", "b"), 10)]
+
+
+def test_session_digests_never_collide_across_tenants() -> None:
+    assert session_digest("ab", "c") != session_digest("a", "bc")
+    assert len(session_digest("t", "s")) == 16
+
+
+# -- what an entry reads of a body -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"{",
+        b"[]",
+        b"null",
+        b'{"messages": 3}',
+        b'{"messages": [1, "x", {"content": {}}]}',
+        b'{"prompt": {"a": 1}}',
+        b'{"session_id": 5}',
+        b"[" * 100_000,
+    ],
+)
+def test_any_body_is_read_without_failing(body: bytes) -> None:
+    for endpoint in ("chat", "completions", "advisories"):
+        content = request_content(body, endpoint)
+        assert content.session_id is None or isinstance(content.session_id, str)
+
+
+def test_a_chat_body_gives_its_session_text_and_size() -> None:
+    body = b'{"session_id": "s1", "messages": [{"role": "user", "content": "hello there, friend"}]}'
+    content = request_content(body, "chat")
+    assert content.session_id == "s1"
+    assert content.text == "user: hello there, friend\n"
+    assert content.tokens == 5 + 4  # 19 characters / 4, rounded up, and the template's 4
