@@ -42,7 +42,7 @@ class RegionProbe:
         self.clock = clock
         self.load: RegionLoad | None = None
         self.held = HeldSessions()  # the sessions the region holds KV of, from its feed
-        self.last_ok_at = -math.inf  # clock() when the last summary arrived
+        self.last_ok_at = -math.inf  # clock() when the last summary that arrived was asked for
         self.failed_at = -math.inf  # clock() when a request last failed to reach the region
         self.probes = 0
         self.probe_errors = 0
@@ -72,6 +72,9 @@ class RegionProbe:
 
     async def probe_once(self) -> None:
         self.probes += 1
+        # A summary counts from when it was asked for: one asked before a request failed to reach
+        # the region says nothing about the region since.
+        asked_at = self.clock()
         try:
             timeout = aiohttp.ClientTimeout(total=self.down_after_s)
             query = {"since": str(self.held.seq), "epoch": self.held.epoch}
@@ -91,7 +94,7 @@ class RegionProbe:
         self.load = load
         if delta is not None:
             self.held.apply(delta)
-        self.last_ok_at = self.clock()
+        self.last_ok_at = asked_at
 
     async def _run(self) -> None:
         while True:

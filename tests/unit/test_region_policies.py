@@ -10,6 +10,7 @@ import pytest
 from global_layer.costs import region_cost
 from global_layer.held import HeldSessions
 from global_layer.policies import Gorgo, SkyWalker, SymphonyRegions, rank_regions
+from global_layer.probe import RegionProbe
 from global_layer.request_content import request_content
 from global_layer.views import RegionRequest, RegionView
 from scheduler.region_feed import SessionFeed
@@ -199,3 +200,51 @@ def test_a_chat_body_gives_its_session_text_and_size() -> None:
     assert content.session_id == "s1"
     assert content.text == "user: hello there, friend\n"
     assert content.tokens == 5 + 4  # 19 characters / 4, rounded up, and the template's 4
+
+
+# -- an entry's probe of a region ------------------------------------------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Answer:
+    """A /summary answer that arrives after the probe's region was marked unreachable."""
+
+    def __init__(self, probe: RegionProbe, clock: _Clock) -> None:
+        self.probe, self.clock, self.status = probe, clock, 200
+
+    async def __aenter__(self) -> _Answer:
+        self.clock.now += 0.05
+        self.probe.mark_unreachable("connection refused")  # a request failed meanwhile
+        self.clock.now += 0.05
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        return None
+
+    async def json(self) -> dict[str, object]:
+        return IDLE.to_json()
+
+
+async def test_a_summary_asked_for_before_a_failure_does_not_bring_the_region_back() -> None:
+    clock = _Clock()
+    probe = RegionProbe("eu-west", "http://x", None, interval_s=0.1, down_after_s=0.5, clock=clock)  # type: ignore[arg-type]
+    probe.session = type("S", (), {"get": lambda _self, *a, **k: _Answer(probe, clock)})()  # type: ignore[assignment]
+    await probe.probe_once()
+    assert probe.load == IDLE and probe.view().up is False
+    probe.session = type("S", (), {"get": lambda _self, *a, **k: _Later(clock)})()  # type: ignore[assignment]
+    await probe.probe_once()  # asked for after the failure: up again
+    assert probe.view().up is True
+
+
+class _Later(_Answer):
+    def __init__(self, clock: _Clock) -> None:
+        self.clock, self.status = clock, 200
+
+    async def __aenter__(self) -> _Later:
+        self.clock.now += 0.05
+        return self
