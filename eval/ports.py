@@ -25,7 +25,10 @@ DEFAULT_PORTS = frozenset(
     [
         *(SchedulerConfig().port + i for i in range(DEFAULT_REGIONS)),
         *(RegionsConfig().scheduler_port_base + i for i in range(DEFAULT_REGIONS)),
-        *(RegionsConfig().link_port_base + i for i in range(1 + DEFAULT_REGIONS * (DEFAULT_REGIONS - 1))),
+        *(
+            RegionsConfig().link_port_base + i
+            for i in range(1 + DEFAULT_REGIONS * (DEFAULT_REGIONS - 1) + (DEFAULT_REGIONS - 1) * DEFAULT_NODES)
+        ),
         *(
             base + i
             for base in (NodeConfig().engine_port_base, KVConfig().metrics_port_base, NodeConfig().grpc_port_base)

@@ -13,7 +13,6 @@ tokens of (its best node's copy) and other regions more:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from global_layer.views import RegionRequest, RegionView
@@ -50,16 +49,10 @@ def move_ms(topology: RegionTopology, source: str, dest: str, tokens: int, kv_by
     return shape.rtt_ms + tokens * kv_bytes_per_token / (shape.bandwidth_mbps * _BYTES_PER_MS_PER_MBPS)
 
 
-def region_cost(
-    request: RegionRequest,
-    region: RegionView,
-    regions: Sequence[RegionView],
-    topology: RegionTopology,
-    *,
-    can_move: bool,
-) -> RegionCost:
-    """The cost of serving `request` in `region` (which has a summary); `regions`: every region up,
-    the places a copy could move from."""
+def region_cost(request: RegionRequest, region: RegionView, topology: RegionTopology, *, can_move: bool) -> RegionCost:
+    """The cost of serving `request` in `region` (which has a summary). With `can_move`, a longer
+    copy of another region (`request.held`, as that region's feed last named it, whether or not
+    its scheduler answers now: a pull needs only its node) may move first."""
     load = region.load
     assert load is not None, "a region is priced from its summary"
     total = prompt_tokens(request)
@@ -68,12 +61,12 @@ def region_cost(
     best = RegionCost(rtt, load.queue_ms, load.request_overhead_ms, load.prefill_ms_per_token * (total - held))
     if not can_move:
         return best
-    for source in regions:
-        more = request.held.get(source.name, 0) - held
-        if source.name == region.name or more <= 0 or not topology.allowed(request.tenant, source.name):
+    for source, tokens in request.held.items():
+        more = tokens - held
+        if source == region.name or more <= 0 or not topology.allowed(request.tenant, source):
             continue
-        moving = move_ms(topology, source.name, region.name, more, load.kv_bytes_per_token)
+        moving = move_ms(topology, source, region.name, more, load.kv_bytes_per_token)
         computing = load.prefill_ms_per_token * (total - held - more)
         if moving + computing < best.prefill_ms + best.move_ms:
-            best = RegionCost(rtt, load.queue_ms, load.request_overhead_ms, computing, moving, source.name)
+            best = RegionCost(rtt, load.queue_ms, load.request_overhead_ms, computing, moving, source)
     return best

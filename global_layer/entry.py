@@ -31,6 +31,7 @@ from aiohttp.http_exceptions import PayloadEncodingError
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
+from global_layer.advised import AdvisedRegions
 from global_layer.policies import rank_regions
 from global_layer.probe import RegionProbe
 from global_layer.request_content import request_content
@@ -39,7 +40,7 @@ from symphony.api_errors import error_body
 from symphony.config import SymphonyConfig
 from symphony.logs import get_logger
 from symphony.region_links import region_address
-from symphony.region_load import session_digest
+from symphony.region_load import KV_SOURCE_HEADER, format_kv_source, session_digest
 from symphony.regions import RegionTopology
 from symphony.tenancy import DEFAULT_TENANT, TenantKeys, bearer
 
@@ -114,6 +115,9 @@ class Entry:
         self.served: Counter[str] = Counter()  # requests answered, by serving region
         self.failovers: Counter[str] = Counter()  # requests moved on, by the region that failed them
         self.refusals: Counter[str] = Counter()  # by reason (code)
+        self.moves: Counter[str] = Counter()  # advisories that moved KV across regions, by destination
+        # Sessions whose advisory went to a region (their KV moving there): their request follows.
+        self.advised = AdvisedRegions(s.max_advisories, s.advisory_ttl_s)
 
     def base_url(self, region: str) -> str:
         host, port = region_address(self.config, self.topology, self.region, region)
@@ -153,6 +157,8 @@ class Entry:
                 "load": view.load.to_json() if view.load else None,
                 "served": self.served[name],
                 "failovers": self.failovers[name],
+                "kv_moves_in": self.moves[name],
+                "sessions_known": len(probe.held),  # sessions its feed says it holds KV of
                 "probe_errors": probe.probe_errors,
                 "last_error": probe.last_error,
             }
@@ -195,6 +201,9 @@ class Entry:
         views = [probe.view() for probe in self.probes.values()]
         ranking = rank_regions(self.policy, request, views, self.topology)
         if ranking.regions:
+            advised = self.advised.get(request.session) if request.session and not request.advisory else None
+            if advised in ranking.regions:  # its KV was moved there for it
+                return [advised, *(r for r in ranking.regions if r != advised)]
             return ranking.regions
         allowed = self.topology.allowed_regions(request.tenant)
         if ranking.forbidden_up:
@@ -219,11 +228,16 @@ class Entry:
         session = request.headers.get(SESSION_HEADER)
         if not self.policy.needs_body:
             return RegionRequest(tenant, client_region, session_digest(tenant, session) if session else None)
-        parsed = request_content(body, _ENDPOINTS.get(request.path, ""))
+        endpoint = _ENDPOINTS.get(request.path, "")
+        parsed = request_content(body, endpoint)
         session = session or parsed.session_id
         digest = session_digest(tenant, session) if session else None
-        held = {name: probe.held.tokens(digest) for name, probe in self.probes.items()} if digest else {}
-        return RegionRequest(tenant, client_region, digest, parsed.text, parsed.tokens, held)
+        held, holders = {}, {}
+        for name, probe in self.probes.items():
+            if digest and (tokens := probe.held.tokens(digest)):
+                held[name], holders[name] = tokens, probe.held.holder(digest)
+        advisory = endpoint == "advisories"
+        return RegionRequest(tenant, client_region, digest, parsed.text, parsed.tokens, held, holders, advisory)
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -241,12 +255,14 @@ class Entry:
         headers = CIMultiDict(
             (k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP | _NOT_FORWARDED
         )
+        headers.popall(KV_SOURCE_HEADER, None)  # the entry's to say, never a client's
         last: RegionRefused | None = None
         for region in ranked:
             url = self.base_url(region) + request.path_qs
+            sent = self._with_move(headers, region_request, region)
             try:
                 upstream = await self.session.request(
-                    request.method, url, data=body, headers=headers, allow_redirects=False
+                    request.method, url, data=body, headers=sent, allow_redirects=False
                 )
             except aiohttp.SocketTimeoutError:
                 # Connected, but no answer in scheduler.request_timeout_s: the region may have run
@@ -262,6 +278,8 @@ class Entry:
                 if upstream.status != 503:
                     if upstream.status < 400:
                         self.policy.observe(region_request, region)
+                        if region_request.advisory and region_request.session:
+                            self.advised.put(region_request.session, region)
                     return await self._relay(request, upstream, region)
                 try:
                     raw = await _read_error(upstream)
@@ -282,6 +300,21 @@ class Entry:
         return RegionRefused(
             503, f"no region could be reached (tried {tried}); retry shortly", "no_region_reachable"
         ).response()
+
+    def _with_move(self, headers: CIMultiDict[str], request: RegionRequest, region: str) -> CIMultiDict[str]:
+        """An advisory's headers for `region`, naming the other region's copy to pull first when
+        the policy moves it (symphony.region_load.KV_SOURCE_HEADER)."""
+        if not (request.advisory and self.policy.moves_kv):
+            return headers
+        views = [probe.view() for probe in self.probes.values()]
+        allowed = [v for v in views if v.up and self.topology.allowed(request.tenant, v.name)]
+        source = self.policy.move_source(request, region, allowed, self.topology)
+        if source is None:
+            return headers
+        self.moves[region] += 1
+        with_move = headers.copy()
+        with_move[KV_SOURCE_HEADER] = format_kv_source(*source)
+        return with_move
 
     def _failed(self, region: str, why: str) -> None:
         self.failovers[region] += 1

@@ -13,7 +13,7 @@ class HeldSessions:
         self.max_sessions = max_sessions
         self.epoch = ""  # of the feed followed; "" before the first delta
         self.seq = 0  # where the next read resumes
-        self._tokens: OrderedDict[str, int] = OrderedDict()  # session digest -> tokens held
+        self._tokens: OrderedDict[str, tuple[int, str]] = OrderedDict()  # digest -> (tokens held, node)
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -21,9 +21,9 @@ class HeldSessions:
     def apply(self, delta: SessionDelta) -> None:
         if delta.reset:
             self._tokens.clear()
-        for digest, tokens in delta.held:
+        for digest, tokens, node in delta.held:
             if tokens:
-                self._tokens[digest] = tokens
+                self._tokens[digest] = (tokens, node)
                 self._tokens.move_to_end(digest)
             else:
                 self._tokens.pop(digest, None)
@@ -32,9 +32,8 @@ class HeldSessions:
         self.epoch, self.seq = delta.epoch, delta.seq
 
     def tokens(self, digest: str) -> int:
-        return self._tokens.get(digest, 0)
+        return self._tokens.get(digest, (0, ""))[0]
 
-    def forget(self) -> None:
-        """The region went away: what it held may be gone (a restarted scheduler sends a reset)."""
-        self._tokens.clear()
-        self.epoch, self.seq = "", 0
+    def holder(self, digest: str) -> str:
+        """The node holding the most of the session ("" when none does)."""
+        return self._tokens.get(digest, (0, ""))[1]

@@ -55,18 +55,29 @@ def _queue_ms(view: RegionView) -> float:
     return view.load.queue_ms if view.load is not None else 0.0
 
 
-class Nearest:
+class _Baseline:
+    """A policy that learns nothing from where requests went and never moves KV across regions."""
+
+    moves_kv = False
+
+    def observe(self, request: RegionRequest, region: str) -> None:
+        pass
+
+    def move_source(
+        self, request: RegionRequest, region: str, candidates: Sequence[RegionView], topology: RegionTopology
+    ) -> tuple[str, int] | None:
+        return None
+
+
+class Nearest(_Baseline):
     name = "nearest"
     needs_body = False
 
     def rank(self, request: RegionRequest, candidates: Sequence[RegionView], topology: RegionTopology) -> list[str]:
         return [v.name for v in _by_rtt(request, candidates, topology)]
 
-    def observe(self, request: RegionRequest, region: str) -> None:
-        pass
 
-
-class SkyWalker:
+class SkyWalker(_Baseline):
     name = "skywalker"
     needs_body = True
 
@@ -98,7 +109,7 @@ class SkyWalker:
 
 
 @dataclass
-class Gorgo:
+class Gorgo(_Baseline):
     """GORGO's cost with static weights: `w_rtt`·RTT + residual prefill + `w_queue`·queue wait."""
 
     w_rtt: float = 1.0
@@ -119,29 +130,44 @@ class Gorgo:
 
         return [v.name for v in sorted(candidates, key=score)]
 
-    def observe(self, request: RegionRequest, region: str) -> None:
-        pass
-
 
 class SymphonyRegions:
-    """The full cost (global_layer.costs.region_cost). `can_move`: a region that lacks a session's
-    KV can pull it from another region before the request; priced only where the cluster does it."""
+    """The full cost (global_layer.costs.region_cost). A move of KV across regions is priced for an
+    advisory (the entry then names the copy to pull, `move_source`); a request pays for what its
+    region lacks, unless `moves_on_requests` (a region pulling at a request's arrival)."""
 
     name = "symphony"
     needs_body = True
+    moves_kv = True
 
-    def __init__(self, can_move: bool = False) -> None:
-        self.can_move = can_move
+    def __init__(self, moves_on_requests: bool = False) -> None:
+        self.moves_on_requests = moves_on_requests
+
+    def _can_move(self, request: RegionRequest) -> bool:
+        return request.advisory or self.moves_on_requests
 
     def rank(self, request: RegionRequest, candidates: Sequence[RegionView], topology: RegionTopology) -> list[str]:
         priced = [v for v in candidates if v.load is not None]
-        costs = {v.name: region_cost(request, v, priced, topology, can_move=self.can_move).total_ms for v in priced}
+        can_move = self._can_move(request)
+        costs = {v.name: region_cost(request, v, topology, can_move=can_move).total_ms for v in priced}
         ordered = sorted(priced, key=lambda v: (costs[v.name], topology.rtt_ms(request.client_region, v.name)))
         unpriced = [v.name for v in _by_rtt(request, candidates, topology) if v.load is None]
         return [v.name for v in ordered] + unpriced
 
     def observe(self, request: RegionRequest, region: str) -> None:
         pass
+
+    def move_source(
+        self, request: RegionRequest, region: str, candidates: Sequence[RegionView], topology: RegionTopology
+    ) -> tuple[str, int] | None:
+        """The copy `region` should pull before `request` comes: (node, tokens), when moving it
+        beats recomputing; None otherwise."""
+        view = next((v for v in candidates if v.name == region and v.load is not None), None)
+        if view is None or not self._can_move(request):
+            return None
+        cost = region_cost(request, view, topology, can_move=True)
+        node = request.holders.get(cost.source or "", "")
+        return (node, request.held[cost.source]) if cost.source and node else None
 
 
 REGION_POLICIES: dict[str, Callable[[], RegionPolicy]] = {

@@ -28,6 +28,8 @@ class RegionRequest:
     text: str = ""  # the prompt's leading text, for prefix-matching policies
     prompt_tokens: int = 0  # the entry's estimate of the whole prompt (it does not tokenize)
     held: Mapping[str, int] = field(default_factory=dict)  # region -> tokens of the session's KV held there
+    holders: Mapping[str, str] = field(default_factory=dict)  # region -> the node holding them
+    advisory: bool = False  # an advisory: its request is still to come, KV may move before it
 
 
 class RegionPolicy(Protocol):
@@ -37,7 +39,15 @@ class RegionPolicy(Protocol):
 
     name: str
     needs_body: bool  # decides on the request's session and text (the entry parses the body)
+    moves_kv: bool  # an advisory may move a session's KV from another region to the one chosen
 
     def rank(self, request: RegionRequest, candidates: Sequence[RegionView], topology: RegionTopology) -> list[str]: ...
 
     def observe(self, request: RegionRequest, region: str) -> None: ...
+
+    def move_source(
+        self, request: RegionRequest, region: str, candidates: Sequence[RegionView], topology: RegionTopology
+    ) -> tuple[str, int] | None:
+        """For an advisory sent to `region`: the copy of another region to pull first, as (node,
+        tokens); None: nothing to move."""
+        ...

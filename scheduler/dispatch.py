@@ -18,7 +18,13 @@ from fastapi.responses import Response
 from scheduler.advisories import AdvisoryTable, advisory_reply
 from scheduler.cost_profile import DEFAULT_PROFILE, CostProfile
 from scheduler.decisions import PullRule, QueueFull, Routing, advisory_choice, advisory_move, rooms
-from scheduler.errors import ApiError, error_response
+from scheduler.errors import (
+    ApiError,
+    error_response,
+    no_engine_error,
+    queue_timeout_error,
+    too_many_inflight_error,
+)
 from scheduler.kv_locator import RequestLocator
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor, NodeView
@@ -54,6 +60,7 @@ SERVER_TIMING_HEADER = "Server-Timing"
 # (ClientOSError covers refused connections; ServerDisconnectedError a connection the engine dropped
 # before answering.)
 _NOT_STARTED = (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError)
+Source = tuple[str, int] | None  # a node holding a session's KV, and how many tokens of it
 # After a failed connect, keep a node out of rotation this long.
 _UNREACHABLE_HOLD_S = 1.0
 
@@ -77,6 +84,7 @@ class Dispatcher:
         priorities: PriorityTable | None = None,
         locator: RequestLocator | None = None,
         profile: CostProfile = DEFAULT_PROFILE,
+        remote_nodes: Mapping[str, str] | None = None,
     ) -> None:
         self.cluster = cluster
         self.locator = locator  # prices requests by content for policies that locate KV
@@ -91,8 +99,10 @@ class Dispatcher:
         self.queue = PushQueue(config.max_queued_requests)
         self.pulls = PullRule(config.route_pull_wait_ms, config.route_pull_min_tokens)
         self.links = ObservedLinks(profile)  # pulls' observed times correct the profile's links
+        # A regional scheduler's way to other regions' nodes (its WAN links), for advisories' moves.
+        self.remote_nodes = dict(remote_nodes or {})
         self.prefetcher = Prefetcher(
-            cluster.kv_stub, cluster.address_of, metrics, config.max_prefetches, self._moved, self._pulled
+            cluster.kv_stub, self._address_of, metrics, config.max_prefetches, self._moved, self._pulled
         )
         self.prefetches = LatestMoves(config.max_advisories)
         self.inflight_total = 0
@@ -189,14 +199,14 @@ class Dispatcher:
             if placement.node_id is not None:
                 return Route(self._node(placement.node_id), placement.reason)
             if not placement.queue:
-                raise self._no_engine(request.model)
+                raise no_engine_error(request.model, self.cluster.states())
             await self._wait_for_room(request.priority, wait_until, requeued)
             requeued = True
 
     async def _wait_for_room(self, priority: Priority, wait_until: float, requeued: bool) -> None:
         remaining = wait_until - time.monotonic()
         if remaining <= 0:
-            raise self._queue_timeout()
+            raise queue_timeout_error(self.config.queue_timeout_s)
         self.metrics.queued.inc()
         try:
             with self.metrics.queue_wait.labels(priority).time():
@@ -206,20 +216,7 @@ class Dispatcher:
         finally:
             self.metrics.queued.dec()
         if not woken:
-            raise self._queue_timeout()
-
-    def _queue_timeout(self) -> ApiError:
-        return ApiError(
-            503,
-            f"every node has requests waiting and none freed up in {self.config.queue_timeout_s:g} s; retry later",
-            code="queue_timeout",
-        )
-
-    def _no_engine(self, model: str) -> ApiError:
-        states = ", ".join(f"{k}={v}" for k, v in self.cluster.states().items())
-        return ApiError(
-            503, f"no engine is available to serve {model!r} ({states}); retry shortly", code="no_engine_available"
-        )
+            raise queue_timeout_error(self.config.queue_timeout_s)
 
     def wake_queued(self) -> None:
         """Room may have opened (a status arrived, a request ended): let as many queued requests try
@@ -235,7 +232,13 @@ class Dispatcher:
         return node
 
     # -- advisories -----------------------------------------------------------------------------
-    def advise(self, advisory: AdvisoryRequest, tenant: str) -> dict[str, object]:
+    def _address_of(self, node_id: str) -> str | None:
+        return self.cluster.address_of(node_id) or self.remote_nodes.get(node_id)
+
+    def advise(self, advisory: AdvisoryRequest, tenant: str, remote: Source = None) -> dict[str, object]:
+        """Route the session's next request to a node now and move its KV there. `remote`: (a node
+        of another region, tokens it holds), named by the global layer when moving that copy
+        beats recomputing it and no node here holds more."""
         key: SessionKey = (tenant, advisory.session_id)
         # A newer advisory for the same session replaces the older one, so it must not count as load.
         previous = self.advisories.take(key)
@@ -248,16 +251,18 @@ class Dispatcher:
             return advisory_reply(advisory, None, self.config.advisory_ttl_s * 1000)
         decision = advisory_choice(self.policy, request, self._snapshot(request.model, set()))
         if decision.node_id is None:
-            raise self._no_engine(request.model)
+            raise no_engine_error(request.model, self.cluster.states())
         node_id = self._node(decision.node_id).node_id
         if previous is not None and previous.node_id != node_id:
             log.debug("advisory moved session", session=advisory.session_id, old=previous.node_id, new=node_id)
         entry = self.advisories.put(key, advisory.kind, node_id, advisory.expected_arrival_ms)
         self.metrics.advisories.labels(advisory.kind, "routed").inc()
-        self._prefetch(key, request, node_id, lead_ms)
+        self._prefetch(key, request, node_id, lead_ms, remote)
         return advisory_reply(advisory, node_id, (entry.expires_at - entry.created_at) * 1000)
 
-    def _prefetch(self, key: SessionKey, request: RouteRequest, node_id: str, deadline_ms: int) -> bool:
+    def _prefetch(
+        self, key: SessionKey, request: RouteRequest, node_id: str, deadline_ms: int, remote: Source = None
+    ) -> bool:
         """Move the session's KV to `node_id` before its request: from the node's own tiers, or
         pulled from the node holding the most of it. A session no node holds (a first turn) has
         nothing to move: the advisory only pre-assigned its node; nor has one whose last prompt the
@@ -265,6 +270,9 @@ class Dispatcher:
         pass costs the engine stays where it is (`advisory_move`). True when a move is under way."""
         copies = self._same_model_copies(request.kv_tokens, node_id)
         source = kv_source(copies, node_id, reachable=self._reachable)
+        if remote is not None and remote[1] > (source[1] if source is not None else copies.get(node_id, 0)):
+            source = remote  # another region's copy, longer than any here: pulled over the WAN
+            self.metrics.prefetches.labels("from_region").inc()
         history = source[1] if source is not None else copies.get(node_id, 0)
         current = self.prefetches.get(key)
         if current is not None and current.node_id == node_id and current.state == MoveState.PENDING:
@@ -407,12 +415,7 @@ class Dispatcher:
 
     def _check_inflight(self) -> None:
         if self.inflight_total >= self.config.max_inflight_requests:
-            raise ApiError(
-                429,
-                f"the scheduler has {self.inflight_total} requests in flight (limit "
-                f"{self.config.max_inflight_requests}); retry later",
-                code="too_many_requests",
-            )
+            raise too_many_inflight_error(self.inflight_total, self.config.max_inflight_requests)
 
     def _count_kv_ready(self, key: SessionKey, kind: str) -> None:
         """Was the KV an advisory moved for this request in the node's top tier when it arrived?"""

@@ -11,7 +11,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from symphony.api_errors import error_body
 
-__all__ = ["ApiError", "error_body", "error_response", "http_error_handler", "sse_error_event"]
+__all__ = [
+    "ApiError",
+    "error_body",
+    "error_response",
+    "http_error_handler",
+    "no_engine_error",
+    "queue_timeout_error",
+    "sse_error_event",
+    "too_many_inflight_error",
+]
 
 
 class ApiError(Exception):
@@ -24,6 +33,25 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def queue_timeout_error(timeout_s: float) -> ApiError:
+    return ApiError(
+        503, f"every node has requests waiting and none freed up in {timeout_s:g} s; retry later", code="queue_timeout"
+    )
+
+
+def no_engine_error(model: str, states: dict[str, str]) -> ApiError:
+    shown = ", ".join(f"{k}={v}" for k, v in states.items())
+    return ApiError(
+        503, f"no engine is available to serve {model!r} ({shown}); retry shortly", code="no_engine_available"
+    )
+
+
+def too_many_inflight_error(inflight: int, limit: int) -> ApiError:
+    return ApiError(
+        429, f"the scheduler has {inflight} requests in flight (limit {limit}); retry later", code="too_many_requests"
+    )
 
 
 def error_response(

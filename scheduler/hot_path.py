@@ -19,6 +19,8 @@ from scheduler.relay import UpstreamRelay
 from scheduler.state import SchedulerState
 from scheduler.validation import validate_advisory, validate_inference
 from symphony.logs import get_logger
+from symphony.region_load import KV_SOURCE_HEADER, parse_kv_source
+from symphony.regions import node_index
 
 log = get_logger(__name__)
 
@@ -26,6 +28,7 @@ INFERENCE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completio
 ADVISORY_PATH = "/v1/advisories"
 SESSION_HEADER = b"x-session-id"
 AUTHORIZATION_HEADER = b"authorization"
+KV_SOURCE = KV_SOURCE_HEADER.lower().encode()
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -137,6 +140,26 @@ class HotPath:
         finally:
             watcher.cancel()
 
+    def _kv_source(self, value: str | None, tenant: str) -> tuple[str, int] | None:
+        """The other region's copy the global layer names (KV_SOURCE_HEADER), checked: a node this
+        scheduler reaches through its links, in a region the tenant's data may be in."""
+        if value is None:
+            return None
+        try:
+            node, tokens = parse_kv_source(value)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=KV_SOURCE_HEADER) from None
+        remote = self.state.dispatcher.remote_nodes
+        topology = self.state.config.topology()
+        index = node_index(node)
+        if node not in remote or topology is None or index is None:
+            raise ApiError(400, f"{KV_SOURCE_HEADER}: {node!r} is no node of another region", param=KV_SOURCE_HEADER)
+        if not topology.allowed(tenant, topology.region_of_node(index)):
+            raise ApiError(
+                403, f"{KV_SOURCE_HEADER}: tenant {tenant!r} has no data in {node}'s region", code="residency"
+            )
+        return node, tokens
+
     async def _advisory(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         tenant = self.state.auth.tenant(header(scope, AUTHORIZATION_HEADER))
@@ -148,7 +171,8 @@ class HotPath:
             self._limits.max_session_id_len,
             self._limits.max_expected_arrival_ms,
         )
-        reply = JSONResponse(self.state.dispatcher.advise(parsed, tenant), status_code=202)
+        remote = self._kv_source(header(scope, KV_SOURCE), tenant)
+        reply = JSONResponse(self.state.dispatcher.advise(parsed, tenant, remote), status_code=202)
         await reply(scope, receive, send)
         # From the request's headers to the answer handed to the server: the scheduler's own part of
         # an advisory's round trip (the client also sees the network and its event loop's delays).

@@ -23,33 +23,35 @@ class SessionFeed:
         self.epoch = secrets.token_hex(8)  # this feed's: a reader of another (a restart) starts over
         self.seq = 0  # of the latest change
         self.floor = 0  # changes up to this seq may have been dropped
-        self._entries: OrderedDict[str, tuple[int, int]] = OrderedDict()  # digest -> (seq, tokens), by seq
+        # digest -> (seq, tokens, node holding them), by seq
+        self._entries: OrderedDict[str, tuple[int, int, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def changed(self, key: tuple[str, str], tokens: int) -> None:
-        """Session `key` (tenant, id) now has `tokens` of KV in the region (0: none)."""
+    def changed(self, key: tuple[str, str], tokens: int, node: str) -> None:
+        """Session `key` (tenant, id) now has `tokens` of KV in the region (0: none), the most on
+        `node`."""
         digest = session_digest(*key)
         held = self._entries.get(digest)
-        if held is not None and held[1] == tokens:
+        if held is not None and held[1:] == (tokens, node):
             return
         self.seq += 1
-        self._entries[digest] = (self.seq, tokens)
+        self._entries[digest] = (self.seq, tokens, node)
         self._entries.move_to_end(digest)
         while len(self._entries) > self.max_sessions:
-            _, (dropped_seq, _) = self._entries.popitem(last=False)
+            _, (dropped_seq, _, _) = self._entries.popitem(last=False)
             self.floor = dropped_seq
 
     def since(self, seq: int, epoch: str) -> SessionDelta:
         """The changes after `seq` (a reader's last `SessionDelta.seq` of this `epoch`; 0 at first)."""
         if epoch != self.epoch or seq < self.floor or seq > self.seq:  # another feed, or too far behind
-            held = tuple((d, t) for d, (_, t) in self._entries.items() if t)
+            held = tuple((d, t, n) for d, (_, t, n) in self._entries.items() if t)
             return SessionDelta(self.epoch, self.seq, True, held)
         changes = []
-        for digest, (changed_at, tokens) in reversed(self._entries.items()):
+        for digest, (changed_at, tokens, node) in reversed(self._entries.items()):
             if changed_at <= seq:
                 break
-            changes.append((digest, tokens))
+            changes.append((digest, tokens, node))
         changes.reverse()
         return SessionDelta(self.epoch, self.seq, False, tuple(changes))

@@ -39,15 +39,15 @@ class SessionTable:
         max_sessions: int,
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
-        on_change: Callable[[SessionKey, int], None] | None = None,
+        on_change: Callable[[SessionKey, int, str], None] | None = None,
     ) -> None:
         if max_sessions <= 0 or ttl_s <= 0:
             raise ValueError("max_sessions and ttl_s must be positive")
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self._clock = clock
-        # Told a session's best copy (tokens; 0: none left) whenever it may have changed: the
-        # region's feed to the global layer (scheduler.region_feed).
+        # Told a session's best copy (tokens, 0: none left; and the node holding it) whenever it
+        # may have changed: the region's feed to the global layer (scheduler.region_feed).
         self._on_change = on_change
         self._entries: OrderedDict[SessionKey, SessionEntry] = OrderedDict()
         self.high_sessions: Counter[str] = Counter()  # high-priority sessions whose last turn ran on each node
@@ -121,9 +121,13 @@ class SessionTable:
     def moved(self, key: SessionKey, node_id: str, history_tokens: int, fingerprint: bytes) -> None:
         """A prefetch brought the `history_tokens` of the session it was asked to move (what was
         known when it started; a turn served elsewhere since is not part of it) to `node_id`, which
-        serves the model of `fingerprint` (a move for a model the session has left counts for nothing)."""
+        serves the model of `fingerprint` (a move for a model the session has left counts for nothing;
+        one of a session not in the table enters it)."""
         entry = self._entries.get(key)
-        if entry is not None and entry.fingerprint == fingerprint:
+        if entry is None:  # unknown here (moved in from another region, or aged out): known now
+            entry = self._touch(key)
+            entry.fingerprint, entry.history_tokens = fingerprint, history_tokens
+        if entry.fingerprint == fingerprint:
             entry.kv_tokens[node_id] = max(entry.kv_tokens.get(node_id, 0), history_tokens)
             self._changed(key, entry)
 
@@ -159,11 +163,12 @@ class SessionTable:
     def _drop(self, key: SessionKey) -> None:
         self._count_high(self._entries.pop(key), -1)
         if self._on_change is not None:
-            self._on_change(key, 0)
+            self._on_change(key, 0, "")
 
     def _changed(self, key: SessionKey, entry: SessionEntry) -> None:
         if self._on_change is not None:
-            self._on_change(key, max(entry.kv_tokens.values(), default=0))
+            node = max(entry.kv_tokens, key=entry.kv_tokens.__getitem__, default="")
+            self._on_change(key, entry.kv_tokens.get(node, 0), node)
 
     def _count_high(self, entry: SessionEntry, change: int) -> None:
         if entry.high and entry.last_node is not None:

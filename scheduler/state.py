@@ -32,6 +32,7 @@ from symphony.config import SymphonyConfig
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 from symphony.models import DEFAULT_MODEL_NAME
+from symphony.region_links import remote_node_addresses
 from symphony.region_load import MAX_DELTA_SESSIONS
 
 log = get_logger(__name__)
@@ -58,6 +59,13 @@ class SchedulerState:
             )
 
         return refuse
+
+    def _remote_nodes(self) -> dict[str, str]:
+        """A regional scheduler's way to each node of the other regions: its WAN link listeners."""
+        topology, region = self.config.topology(), self.config.scheduler.region
+        if topology is None or not region:
+            return {}
+        return remote_node_addresses(self.config, topology, region)
 
     def __init__(self, config: SymphonyConfig) -> None:
         self.config = config
@@ -127,6 +135,7 @@ class SchedulerState:
             priorities=self.priorities,
             locator=self.locator,
             profile=self.cost_profile.profile,
+            remote_nodes=self._remote_nodes(),
         )
 
     def kv_prefix(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:

@@ -45,6 +45,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise CliError(f"--nodes {args.nodes} disagrees with --regions, which places {total} nodes")
         overrides.setdefault("regions", {})["layout"] = layout
         overrides.setdefault("cluster", {})["nodes"] = total
+        overrides.setdefault("kv", {})["data_plane"] = "grpc"  # pulls across regions go through the links
     if args.policy:
         overrides.setdefault("scheduler", {})["policy"] = args.policy
     config = load_from_args(args, overrides)

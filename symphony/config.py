@@ -422,6 +422,12 @@ def _region_ports(config: SymphonyConfig, check: Any, port: Any) -> list[int]:
             f"tenant {tenant!r} has no API key (scheduler.api_keys names {', '.join(sorted(tenants))}): "
             "its rule would never apply",
         )
+    check(
+        config.kv.data_plane == "grpc",
+        "kv.data_plane",
+        'must be "grpc" with regions.layout: a page stream goes to the port its peer advertises, past the '
+        "WAN links, where gRPC pulls go through them",
+    )
     count = len(topology.regions)
     port("scheduler.port + regions - 1", config.scheduler.port + count - 1)
     port("regions.scheduler_port_base", r.scheduler_port_base)

@@ -198,7 +198,8 @@ class RegionsConfig:
     with an entry in each, and every cross-region connection through an emulated WAN link."""
 
     # "name:nodes" per region, in order (nodes numbered across regions); empty: one region, no
-    # global layer. cluster.nodes must be the total.
+    # global layer. cluster.nodes must be the total, and kv.data_plane "grpc" (pulls across
+    # regions go through the WAN links; `symphony up --regions` sets both).
     layout: list[str] = field(default_factory=list)
     # "a~b:rtt_ms:bandwidth_mbps[:jitter_ms[:loss]]" for every pair of regions in the layout.
     links: list[str] = field(default_factory=lambda: list(DEFAULT_WAN_LINKS))

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from symphony.api_errors import error_body
 from symphony.config import SymphonyConfig
-from symphony.regions import PlannedLink, RegionTopology
+from symphony.regions import PlannedLink, RegionTopology, node_index
 from symphony.wan_link import LinkFault, LinkPipe, WanLink
 
 # A pair's control-API name: its two regions, sorted, joined by "~".
@@ -47,13 +47,35 @@ def scheduler_port(config: SymphonyConfig, topology: RegionTopology, region: str
 def region_address(config: SymphonyConfig, topology: RegionTopology, source: str, dest: str) -> tuple[str, int]:
     """Where a component in region `source` reaches region `dest`'s scheduler: its own port within
     a region, the `source`>`dest` listener's across regions."""
-    host = config.scheduler.host
     if source == dest:
-        return host, scheduler_port(config, topology, dest)
+        return config.scheduler.host, scheduler_port(config, topology, dest)
+    return config.scheduler.host, _listener(config, topology, source, dest, "scheduler")
+
+
+def remote_node_addresses(config: SymphonyConfig, topology: RegionTopology, source: str) -> dict[str, str]:
+    """Where region `source` reaches every node of the other regions ("host:port" by node name):
+    through its link listeners, the only way KV of one region reaches another."""
+    host = config.scheduler.host
+    return {
+        planned.target: f"{host}:{planned.port}"
+        for planned in topology.link_plan(config.regions.link_port_base)
+        if planned.source == source and planned.target != "scheduler"
+    }
+
+
+def _listener(config: SymphonyConfig, topology: RegionTopology, source: str, dest: str, target: str) -> int:
     for planned in topology.link_plan(config.regions.link_port_base):
-        if (planned.source, planned.dest, planned.target) == (source, dest, "scheduler"):
-            return host, planned.port
-    raise KeyError((source, dest))
+        if (planned.source, planned.dest, planned.target) == (source, dest, target):
+            return planned.port
+    raise KeyError((source, dest, target))
+
+
+def _target_port(config: SymphonyConfig, topology: RegionTopology, planned: PlannedLink) -> int:
+    if planned.target == "scheduler":
+        return scheduler_port(config, topology, planned.dest)
+    index = node_index(planned.target)
+    assert index is not None, planned.target
+    return config.node.grpc_port_base + index
 
 
 class RegionLinks:
@@ -72,8 +94,8 @@ class RegionLinks:
             lanes = (lane_name(planned.source, planned.dest), lane_name(planned.dest, planned.source))
             link = WanLink(
                 pipe.shape,
-                host,
-                scheduler_port(config, topology, planned.dest),
+                config.node.host if planned.target != "scheduler" else host,
+                _target_port(config, topology, planned),
                 host=host,
                 port=planned.port,
                 pipe=pipe,

@@ -16,8 +16,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+# An advisory the global layer sends to a region that lacks the session's KV, when moving the copy
+# of another region beats recomputing it: "node-<i>:<tokens>", the node holding it and how much.
+# The region's scheduler pulls it over its link to that node (only to a node of another region).
+KV_SOURCE_HEADER = "X-Symphony-KV-Source"
 MAX_DELTA_SESSIONS = 65_536  # entries one summary may carry (a feed retains at most this many)
 _DIGEST_HEX = 16
+MAX_NODE_NAME = 64
 
 
 def session_digest(tenant: str, session_id: str) -> str:
@@ -63,7 +68,8 @@ class SessionDelta:
     epoch: str  # the feed's (a scheduler's run): a reader passes it back with `since`
     seq: int  # the feed's position after these changes: the reader's next `since`
     reset: bool  # the reader was too far behind: `held` is the whole feed, forget the rest
-    held: tuple[tuple[str, int], ...]  # (session digest, tokens the region holds; 0: none any more)
+    # (session digest, tokens the region holds, 0: none any more; the node holding them, "" for 0)
+    held: tuple[tuple[str, int, str], ...]
 
     def to_json(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "seq": self.seq, "reset": self.reset, "held": [list(item) for item in self.held]}
@@ -86,13 +92,27 @@ class SessionDelta:
         for item in held:
             if (
                 not isinstance(item, list)
-                or len(item) != 2
+                or len(item) != 3
                 or not isinstance(item[0], str)
                 or len(item[0]) != _DIGEST_HEX
                 or isinstance(item[1], bool)
                 or not isinstance(item[1], int)
                 or item[1] < 0
+                or not isinstance(item[2], str)
+                or len(item[2]) > MAX_NODE_NAME
             ):
-                raise ValueError(f"sessions.held entry {item!r} is not [digest, tokens >= 0]")
-            items.append((item[0], item[1]))
+                raise ValueError(f"sessions.held entry {item!r} is not [digest, tokens >= 0, node]")
+            items.append((item[0], item[1], item[2]))
         return cls(epoch, seq, reset, tuple(items))
+
+
+def format_kv_source(node: str, tokens: int) -> str:
+    return f"{node}:{tokens}"
+
+
+def parse_kv_source(value: str) -> tuple[str, int]:
+    """(node, tokens) of a KV_SOURCE_HEADER value; ValueError saying what is wrong."""
+    node, sep, tokens = value.strip().rpartition(":")
+    if not sep or not node or len(node) > MAX_NODE_NAME or not tokens.isdigit() or int(tokens) < 1:
+        raise ValueError(f'{KV_SOURCE_HEADER} must be "node:tokens" with tokens >= 1, got {value[:80]!r}')
+    return node, int(tokens)

@@ -93,11 +93,26 @@ class RegionTopology:
 
     def link_plan(self, port_base: int) -> tuple[PlannedLink, ...]:
         """Every cross-region listener, numbered from `port_base + 1`: for each ordered pair of
-        regions (a, b), the way from a to b's scheduler."""
+        regions (a, b), the way from a to b's scheduler, then the ways from a to each of b's
+        nodes (their gRPC: pulls of KV across regions)."""
         plan: list[PlannedLink] = []
         for a, b in itertools.permutations(self.names, 2):
             plan.append(PlannedLink(a, b, "scheduler", port_base + 1 + len(plan)))
+        for a, b in itertools.permutations(self.names, 2):
+            for node in self.region(b).nodes:
+                plan.append(PlannedLink(a, b, node_name(node), port_base + 1 + len(plan)))
         return tuple(plan)
+
+
+def node_name(index: int) -> str:
+    """As SymphonyConfig.node_id names nodes."""
+    return f"node-{index}"
+
+
+def node_index(name: str) -> int | None:
+    """The index of a node named "node-<i>"; None for any other name."""
+    prefix, _, index = name.partition("-")
+    return int(index) if prefix == "node" and index.isdigit() else None
 
 
 def parse_layout(entries: Sequence[str]) -> tuple[Region, ...]:

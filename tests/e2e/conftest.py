@@ -179,6 +179,7 @@ def start_cluster(
     env: dict[str, str] | None = None,
     model: str = DEFAULT_MODEL_NAME,
     regions: list[str] | None = None,
+    regions_policy: str = "nearest",
 ) -> LiveCluster:
     """`symphony up` on `home` with a config of its own ports (plus `engine_toml` and `kv_toml`, lines
     of those tables); returns once it says it is up. Stop it with `stop_cluster`. With `regions`
@@ -187,10 +188,12 @@ def start_cluster(
     if regions:
         count = len(regions)
         nodes = sum(int(entry.partition(":")[2]) for entry in regions)
+        listeners = count * (count - 1) + (count - 1) * nodes  # symphony.regions.RegionTopology.link_plan
         regions_toml = (
             f"[regions]\nlayout = {regions!r}\nscheduler_port_base = {free_port_run(count)}\n"
-            f"link_port_base = {free_port_run(1 + count * (count - 1))}\n"
+            f"link_port_base = {free_port_run(1 + listeners)}\npolicy = {regions_policy!r}\n"
         ).replace("'", '"')
+        kv_toml += '\ndata_plane = "grpc"\n'  # as `symphony up --regions` sets it
     scheduler_port = free_port_run(len(regions)) if regions else free_port()
     grpc_base, engine_base, metrics_base = free_port_run(nodes), free_port_run(nodes), free_port_run(nodes)
     config = _write_config(

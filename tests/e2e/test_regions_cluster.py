@@ -1,7 +1,8 @@
 """`symphony up --regions`-style clusters for real: three regions of one SmolLM2 engine each, a
-scheduler per region, the global layer's entries and the WAN links (public-cloud matrix), all
-started by `symphony up` on this machine. Answers are checked at temperature 0, so a request served
-through another region's scheduler still gets the right tokens."""
+scheduler per region, the global layer's entries (policy `symphony`) and the WAN links
+(public-cloud matrix), all started by `symphony up` on this machine. Answers are checked at
+temperature 0, so a request served through another region's scheduler, or on KV moved across
+regions, still gets the right tokens."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from global_layer.entry import CLIENT_REGION_HEADER, REGION_HEADER
-from symphony.config import default_home
+from symphony.config import default_home, load_config
 from symphony.models import fetch_default_model
+from symphony.tenancy import DEFAULT_TENANT, engine_cache_salt
 from tests.e2e.conftest import LiveCluster, SharedCluster, start_cluster, stop_cluster
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +35,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def regions_cluster(tmp_path_factory: pytest.TempPathFactory, shared_cluster: SharedCluster) -> Iterator[LiveCluster]:
     shared_cluster.stop()  # three engines of its own: the shared cluster's go first
     model_dir = fetch_default_model(default_home(), progress=lambda _: None)
-    cluster = start_cluster(tmp_path_factory.mktemp("symphony-regions"), model_dir, regions=REGIONS)
+    cluster = start_cluster(
+        tmp_path_factory.mktemp("symphony-regions"), model_dir, regions=REGIONS, regions_policy="symphony"
+    )
     try:
         yield cluster
     finally:
@@ -94,3 +101,67 @@ def test_killing_a_regions_scheduler_fails_its_traffic_over(regions_cluster: Liv
     # At once: the request is moved on without the client seeing an error.
     text, served_by, _ = _ask(_entry(regions_cluster, 0))
     assert served_by == "eu-west" and "Paris" in text
+
+
+def _regions(cluster: LiveCluster, index: int) -> dict[str, Any]:
+    return httpx.get(_entry(cluster, index).removesuffix("/v1") + "/regions", timeout=5).json()["regions"]
+
+
+def _chat_turn(url: str, session: str, messages: list[dict[str, str]]) -> tuple[str, str, int]:
+    """(answer, serving region, cached prompt tokens) of a greedy turn."""
+    reply = httpx.post(
+        url + "/chat/completions",
+        json={"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": 12, "temperature": 0.0},
+        headers={"X-Session-ID": session},
+        timeout=300,
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    cached = int((body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return body["choices"][0]["message"]["content"], reply.headers[REGION_HEADER], cached
+
+
+def test_an_advisory_moves_kv_out_of_a_region_that_went_down(regions_cluster: LiveCluster, own_engines: None) -> None:
+    """A session's first turn runs in eu-west. eu-west's scheduler stops (its node and the KV it
+    saved stay up). The advisory of the session's next turn, at eu-west's entry, goes to the next
+    region, us-east, whose node pulls the history from eu-west's node over the 75 ms link before
+    the turn comes: the turn finds it cached, and answers as a recompute of it does."""
+    story = " ".join(f"Chapter {i}: the traveller crossed river {i} and counted {i * 7} stones." for i in range(60))
+    messages = [{"role": "user", "content": story + " Summarise the journey."}]
+    eu_west = _entry(regions_cluster, 1)
+    _, served_by, _ = _chat_turn(eu_west, "travel", messages)
+    assert served_by == "eu-west"
+    wait_until(lambda: _regions(regions_cluster, 1)["eu-west"]["sessions_known"] >= 1, 30, "eu-west's feed")
+    scheduler = regions_cluster.scheduler_pid(region="eu-west")
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        wait_until(lambda: not _regions(regions_cluster, 1)["eu-west"]["up"], 30, "eu-west to be seen down")
+        advised = httpx.post(eu_west + "/advisories", json={"session_id": "travel", "kind": "typing"}, timeout=30)
+        assert advised.status_code == 202, advised.text
+        assert advised.headers[REGION_HEADER] == "us-east"
+        assert _regions(regions_cluster, 1)["us-east"]["kv_moves_in"] == 1
+        config = load_config(regions_cluster.home / "symphony.toml", env={})
+        us_east_scheduler = f"http://127.0.0.1:{config.regions.scheduler_port_base}"
+
+        def moved() -> bool:
+            text = httpx.get(us_east_scheduler + "/metrics", timeout=5).text
+            return 'symphony_prefetches_total{outcome="done"}' in text
+
+        wait_until(moved, 60, "the us-east node to pull the session from eu-west's")
+        follow = [
+            *messages,
+            {"role": "assistant", "content": "A long walk."},
+            {"role": "user", "content": "How many rivers?"},
+        ]
+        answer, served_by, cached = _chat_turn(eu_west, "travel", follow)
+        assert served_by == "us-east"
+        assert cached >= 32 * 20, f"only {cached} prompt tokens were cached: the moved KV was not used"
+        # The reference: the same turn on eu-west's engine itself, where vLLM's own cache holds turn
+        # one's KV (the tenant's salt): the moved pages are those bytes, so the answer is the same.
+        engine = f"http://127.0.0.1:{regions_cluster.engine_ports[1]}/v1/chat/completions"
+        body = {"model": regions_cluster.model, "messages": follow, "max_tokens": 12, "temperature": 0.0}
+        reference = httpx.post(engine, json={**body, "cache_salt": engine_cache_salt(DEFAULT_TENANT)}, timeout=300)
+        assert reference.status_code == 200, reference.text
+        assert answer == reference.json()["choices"][0]["message"]["content"]
+    finally:
+        os.kill(scheduler, signal.SIGCONT)

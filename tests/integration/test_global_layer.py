@@ -22,8 +22,8 @@ from global_layer.entry import CLIENT_REGION_HEADER, REGION_HEADER, Entry
 from global_layer.server import make_entries
 from scheduler.app import create_app
 from symphony.config import SymphonyConfig, load_config
-from symphony.region_links import RegionLinks
-from symphony.region_load import session_digest
+from symphony.region_links import RegionLinks, remote_node_addresses
+from symphony.region_load import RegionLoad, session_digest
 from symphony.regions import RegionTopology
 from tests.helpers import async_wait_until
 from tests.integration.fakes import FakeEngine, FakeNodeManager, ready_status
@@ -32,6 +32,7 @@ REGIONS = ["us-east:1", "eu-west:1", "ap-south:1"]
 # Shorter than the public-cloud matrix, same order: the tests wait on these.
 LINKS = ["us-east~eu-west:40:1000", "us-east~ap-south:100:1000", "eu-west~ap-south:60:1000"]
 KEYS = ["acme:key-acme", "eu:key-eu"]
+LOAD0 = RegionLoad(0, 0, 0, 0, 0, 0, 0.0)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -42,6 +43,7 @@ class Regions:
     links: RegionLinks
     entries: dict[str, Entry]
     schedulers: dict[str, tuple[uvicorn.Server, asyncio.Task[None]]] = field(default_factory=dict)
+    nodes: dict[str, FakeNodeManager] = field(default_factory=dict)
 
     def entry_url(self, region: str) -> str:
         return f"http://127.0.0.1:{self.config.scheduler.port + self.topology.region(region).index}"
@@ -67,8 +69,8 @@ class Regions:
 def _ports() -> tuple[int, int, int]:
     """Three runs of free ports that do not overlap: entries, schedulers, links."""
     while True:
-        entries, schedulers, links = free_port_run(3), free_port_run(3), free_port_run(7)
-        used = [*range(entries, entries + 3), *range(schedulers, schedulers + 3), *range(links, links + 7)]
+        entries, schedulers, links = free_port_run(3), free_port_run(3), free_port_run(13)
+        used = [*range(entries, entries + 3), *range(schedulers, schedulers + 3), *range(links, links + 13)]
         if len(set(used)) == len(used):
             return entries, schedulers, links
 
@@ -92,6 +94,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
         overrides={
             "scheduler": {"port": entries_port, "api_keys": KEYS, "connect_timeout_s": 1.0},
             "cluster": {"nodes": 3},
+            "kv": {"data_plane": "grpc"},
             "regions": {**regions_keys, "probe_interval_ms": 20, "region_down_after_ms": 300, "policy": policy},
         },
     )
@@ -108,6 +111,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
             node = FakeNodeManager(ready_status(f"node-{region.index}", engine.url))
             await node.start()
             nodes.append(node)
+            cluster.nodes[region.name] = node
             scheduler_config = load_config(
                 env={},
                 overrides={
@@ -120,6 +124,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
                         "region": region.name,
                     },
                     "cluster": {"nodes": 3},
+                    "kv": {"data_plane": "grpc"},
                     "regions": regions_keys,
                 },
             )
@@ -361,3 +366,74 @@ async def test_undecodable_keys_and_broken_bodies_are_client_errors(regions: Reg
             headers={**_headers(), "Content-Encoding": "gzip", "Content-Type": "application/json"},
         )
         assert gzipped.status_code == 200, gzipped.text
+
+
+@pytest.mark.region_policy("symphony")
+async def test_an_advisory_moves_a_sessions_kv_across_regions_and_its_request_follows(regions: Regions) -> None:
+    """Session "story" ran in eu-west, whose node then gets a long queue. The advisory of its next
+    turn, from a us-east client, goes to us-east: moving ~2,000 tokens over the 40 ms, 1 Gb/s link
+    (~410 ms) beats both eu-west's queue and recomputing in us-east. The us-east scheduler asks its
+    node to pull the session from eu-west's node through the us-east>eu-west link, and the request
+    follows its advisory there."""
+    history = [{"role": "user", "content": "tell me a story " * 500}]
+    first = await _chat(
+        regions.entry_url("us-east"),
+        _headers(**{CLIENT_REGION_HEADER: "eu-west", "X-Session-ID": "story"}),
+        {**CHAT, "messages": history},
+    )
+    assert first.headers[REGION_HEADER] == "eu-west"
+    entry = regions.entries["us-east"]
+    digest = session_digest("acme", "story")
+    await async_wait_until(lambda: entry.probes["eu-west"].held.holder(digest) == "node-1", 10, "eu-west's feed")
+    regions.nodes["eu-west"].status.num_requests_waiting = 20
+    await async_wait_until(
+        lambda: (entry.probes["eu-west"].view().load or LOAD0).queue_ms > 1_000, 10, "eu-west's queue to show"
+    )
+    async with httpx.AsyncClient(timeout=10) as client:
+        advised = await client.post(
+            regions.entry_url("us-east") + "/v1/advisories",
+            json={"session_id": "story", "kind": "typing"},
+            headers=_headers(),
+        )
+    assert advised.status_code == 202, advised.text
+    assert advised.headers[REGION_HEADER] == "us-east" and entry.moves["us-east"] == 1
+    link_to_node_1 = remote_node_addresses(regions.config, regions.topology, "us-east")["node-1"]
+    pulls = regions.nodes["us-east"].kv.prefetches
+    await async_wait_until(lambda: bool(pulls), 10, "the us-east node to be asked for the session")
+    assert [p.source_peer for p in pulls] == [link_to_node_1]
+    assert pulls[0].session.session_id == "story" and pulls[0].session.tenant == "acme"
+    async with httpx.AsyncClient(timeout=5) as client:
+        metrics = (await client.get(f"http://127.0.0.1:{regions.config.regions.scheduler_port_base}/metrics")).text
+    assert 'symphony_prefetches_total{outcome="from_region"} 1.0' in metrics
+    second = await _chat(
+        regions.entry_url("us-east"),
+        _headers(**{"X-Session-ID": "story"}),
+        {
+            **CHAT,
+            "messages": [*history, {"role": "assistant", "content": "once"}, {"role": "user", "content": "go on"}],
+        },
+    )
+    assert second.status_code == 200 and second.headers[REGION_HEADER] == "us-east"
+
+
+async def test_a_client_cannot_name_a_kv_source(regions: Regions) -> None:
+    """Only the entry says where an advisory's KV comes from: a client's header is dropped, and the
+    regional scheduler refuses a source that is no node of another region."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        via_entry = await client.post(
+            regions.entry_url("us-east") + "/v1/advisories",
+            json={"session_id": "s", "kind": "typing"},
+            headers={**_headers(), "X-Symphony-KV-Source": "node-1:999"},
+        )
+        assert via_entry.status_code == 202
+        us_east = f"http://127.0.0.1:{regions.config.regions.scheduler_port_base}"
+        # Counted as the advisory is handled, before its answer: no move from another region began.
+        assert "from_region" not in (await client.get(us_east + "/metrics")).text
+        for value, status in (("node-0:10", 400), ("evil:10", 400), ("node-1:x", 400), ("node-1:0", 400)):
+            direct = await client.post(
+                us_east + "/v1/advisories",
+                json={"session_id": "s", "kind": "typing"},
+                headers={**_headers(), "X-Symphony-KV-Source": value},
+            )
+            assert direct.status_code == status, (value, direct.text)
+            assert direct.json()["error"]["param"] == "X-Symphony-KV-Source"

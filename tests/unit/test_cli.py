@@ -211,6 +211,7 @@ def test_a_scheduler_of_a_multi_region_cluster_needs_its_region(
     monkeypatch.setenv("SYMPHONY_REGIONS_LAYOUT", "us-east:1,eu-west:1")
     monkeypatch.setenv("SYMPHONY_REGIONS_LINKS", "us-east~eu-west:75:1000")
     monkeypatch.setenv("SYMPHONY_CLUSTER_NODES", "2")
+    monkeypatch.setenv("SYMPHONY_KV_DATA_PLANE", "grpc")
     assert main(["scheduler"]) == 2
     assert "--region: regions.layout names regions; say which this scheduler serves (us-east, eu-west)" in (
         capsys.readouterr().err

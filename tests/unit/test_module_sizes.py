@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("symphony", "scheduler", "node_manager", "client_sdk", "eval")
+PACKAGES = ("symphony", "scheduler", "node_manager", "client_sdk", "global_layer", "eval")
 MAX_LINES = 500
 HEAD_LINES = 30  # where the stated reason must be
 

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from global_layer.advised import AdvisedRegions
 from global_layer.costs import region_cost
 from global_layer.held import HeldSessions
 from global_layer.policies import Gorgo, SkyWalker, SymphonyRegions, rank_regions
@@ -40,8 +41,8 @@ FAR_HOLDS = RegionRequest("t", "us-east", "s", "", 4_100, {"ap-south": 4_000})
 
 def test_a_far_region_holding_the_prefix_against_a_near_one_without_it() -> None:
     regions = all_idle()
-    near = region_cost(FAR_HOLDS, regions[0], regions, TOPOLOGY, can_move=False)
-    far = region_cost(FAR_HOLDS, regions[2], regions, TOPOLOGY, can_move=False)
+    near = region_cost(FAR_HOLDS, regions[0], TOPOLOGY, can_move=False)
+    far = region_cost(FAR_HOLDS, regions[2], TOPOLOGY, can_move=False)
     # us-east: 1 ms round trip + 10 overhead + 4,100 tokens x 0.5 ms.
     assert near.total_ms == pytest.approx(1 + 10 + 2_050)
     # ap-south: 190 ms round trip + 10 + the 100 new tokens x 0.5 ms.
@@ -51,7 +52,7 @@ def test_a_far_region_holding_the_prefix_against_a_near_one_without_it() -> None
 
 def test_moving_the_prefix_over_the_wan_is_priced_by_the_links_rtt_and_bandwidth() -> None:
     regions = all_idle()
-    near = region_cost(FAR_HOLDS, regions[0], regions, TOPOLOGY, can_move=True)
+    near = region_cost(FAR_HOLDS, regions[0], TOPOLOGY, can_move=True)
     # 190 ms round trip, then 4,000 x 23,040 bytes at 1 Gb/s (125,000 bytes a ms), then 100 tokens.
     assert near.source == "ap-south"
     assert near.move_ms == pytest.approx(190 + 4_000 * KV_BYTES / 125_000)
@@ -63,7 +64,7 @@ def test_moving_the_prefix_over_the_wan_is_priced_by_the_links_rtt_and_bandwidth
         1.0,
         [],
     )
-    recompute = region_cost(FAR_HOLDS, regions[0], regions, slow, can_move=True)
+    recompute = region_cost(FAR_HOLDS, regions[0], slow, can_move=True)
     assert recompute.source is None and recompute.total_ms == pytest.approx(1 + 10 + 2_050)
 
 
@@ -131,41 +132,51 @@ def test_skywalker_without_a_match_hashes_sessions_across_regions_with_room() ->
 # -- the session feed ------------------------------------------------------------------------------
 def test_the_feed_sends_changes_since_a_seq_and_resets_a_reader_too_far_behind() -> None:
     feed = SessionFeed(max_sessions=2)
-    feed.changed(("t", "a"), 100)
+    feed.changed(("t", "a"), 100, "node-0")
     first = feed.since(0, "")
-    assert first.reset and first.held == ((session_digest("t", "a"), 100),)
-    feed.changed(("t", "a"), 100)  # no change: no entry
-    feed.changed(("t", "b"), 50)
+    assert first.reset and first.held == ((session_digest("t", "a"), 100, "node-0"),)
+    feed.changed(("t", "a"), 100, "node-0")  # no change: no entry
+    feed.changed(("t", "b"), 50, "node-0")
     delta = feed.since(first.seq, feed.epoch)
-    assert not delta.reset and delta.held == ((session_digest("t", "b"), 50),)
-    feed.changed(("t", "c"), 70)  # a's change is dropped (bound 2)
+    assert not delta.reset and delta.held == ((session_digest("t", "b"), 50, "node-0"),)
+    feed.changed(("t", "c"), 70, "node-0")  # a's change is dropped (bound 2)
     # A reader that had it goes on; one that missed it starts over with what is retained.
-    assert feed.since(first.seq, feed.epoch).held == ((session_digest("t", "b"), 50), (session_digest("t", "c"), 70))
+    assert feed.since(first.seq, feed.epoch).held == (
+        (session_digest("t", "b"), 50, "node-0"),
+        (session_digest("t", "c"), 70, "node-0"),
+    )
     behind = feed.since(0, feed.epoch)
-    assert behind.reset and {d for d, _ in behind.held} == {session_digest("t", "b"), session_digest("t", "c")}
+    assert behind.reset and {d for d, _, _ in behind.held} == {session_digest("t", "b"), session_digest("t", "c")}
     assert feed.since(delta.seq, "another-run").reset
 
 
 def test_an_entry_follows_the_feed_and_forgets_on_reset() -> None:
     feed, held = SessionFeed(), HeldSessions(max_sessions=10)
-    feed.changed(("t", "a"), 100)
-    feed.changed(("t", "b"), 20)
+    feed.changed(("t", "a"), 100, "node-0")
+    feed.changed(("t", "b"), 20, "node-0")
     held.apply(feed.since(held.seq, held.epoch))
-    feed.changed(("t", "b"), 0)
+    feed.changed(("t", "b"), 0, "")
     held.apply(feed.since(held.seq, held.epoch))
     assert held.tokens(session_digest("t", "a")) == 100 and held.tokens(session_digest("t", "b")) == 0
-    held.apply(SessionDelta("other", 1, True, ((session_digest("t", "c"), 5),)))
+    assert held.holder(session_digest("t", "a")) == "node-0" and held.holder(session_digest("t", "b")) == ""
+    held.apply(SessionDelta("other", 1, True, ((session_digest("t", "c"), 5, "node-2"),)))
     assert held.tokens(session_digest("t", "a")) == 0 and len(held) == 1
 
 
 def test_the_session_table_feeds_every_change_of_a_sessions_best_copy() -> None:
-    changes: list[tuple[tuple[str, str], int]] = []
-    table = SessionTable(1, ttl_s=60, on_change=lambda key, tokens: changes.append((key, tokens)))
+    changes: list[tuple[tuple[str, str], int, str]] = []
+    table = SessionTable(1, ttl_s=60, on_change=lambda key, tokens, node: changes.append((key, tokens, node)))
     undo = table.served(("t", "a"), "node-0", 300, fingerprint=b"f")
     table.moved(("t", "a"), "node-1", 500, b"f")
     undo()
     table.served(("t", "b"), "node-0", 10, fingerprint=b"f")  # the bound drops a
-    assert changes == [(("t", "a"), 300), (("t", "a"), 500), (("t", "a"), 500), (("t", "a"), 0), (("t", "b"), 10)]
+    assert changes == [
+        (("t", "a"), 300, "node-0"),
+        (("t", "a"), 500, "node-1"),  # the move's copy is the best one
+        (("t", "a"), 500, "node-1"),  # the undone turn leaves it so
+        (("t", "a"), 0, ""),
+        (("t", "b"), 10, "node-0"),
+    ]
 
 
 def test_session_digests_never_collide_across_tenants() -> None:
@@ -248,3 +259,36 @@ class _Later(_Answer):
     async def __aenter__(self) -> _Later:
         self.clock.now += 0.05
         return self
+
+
+def test_an_advisory_moves_the_far_copy_when_its_region_is_loaded_or_down() -> None:
+    policy = SymphonyRegions()
+    advisory = dataclasses.replace(FAR_HOLDS, advisory=True, holders={"ap-south": "node-2"})
+    # ap-south idle: serving there (250 ms) beats any move; nothing to move.
+    regions = all_idle()
+    assert rank_regions(policy, advisory, regions, TOPOLOGY).regions[0] == "ap-south"
+    assert policy.move_source(advisory, "ap-south", regions, TOPOLOGY) is None
+    # ap-south with 3 s of queue: us-east with the copy moved (988 ms) beats both.
+    loaded = all_idle(ap_south={"queue_ms": 3_000.0, "idle_nodes": 0})
+    assert rank_regions(policy, advisory, loaded, TOPOLOGY).regions[0] == "us-east"
+    assert policy.move_source(advisory, "us-east", loaded, TOPOLOGY) == ("node-2", 4_000)
+    # ap-south down (its scheduler): its node's copy still moves.
+    down = [v for v in all_idle() if v.name != "ap-south"]
+    assert rank_regions(policy, advisory, down, TOPOLOGY).regions[0] == "us-east"
+    assert policy.move_source(advisory, "us-east", down, TOPOLOGY) == ("node-2", 4_000)
+    # A request (no advisory) never counts on a move: us-east recomputes (2,061 ms), eu-west too.
+    assert policy.move_source(FAR_HOLDS, "us-east", down, TOPOLOGY) is None
+    # Residency: a copy in a region the tenant may not use never moves.
+    eu_topology = build_topology(["us-east:1", "eu-west:1", "ap-south:1"], LINKS, 1.0, ["t=us-east|eu-west"])
+    assert policy.move_source(advisory, "us-east", loaded, eu_topology) is None
+
+
+def test_an_advised_sessions_request_follows_its_advisory_once() -> None:
+    clock = _Clock()
+    advised = AdvisedRegions(2, ttl_s=10, clock=clock)
+    advised.put("a", "us-east")
+    advised.put("b", "eu-west")
+    advised.put("c", "ap-south")  # a is dropped (bound 2)
+    assert advised.get("a") is None and advised.get("b") == "eu-west" and advised.get("b") is None
+    clock.now += 11
+    assert advised.get("c") is None  # too old

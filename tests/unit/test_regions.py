@@ -14,7 +14,10 @@ THREE = ["us-east:1", "eu-west:2", "ap-south:1"]
 
 
 def three_regions(**regions: object) -> object:
-    return load_config(env={}, overrides={"regions": {"layout": THREE, **regions}, "cluster": {"nodes": 4}})
+    return load_config(
+        env={},
+        overrides={"regions": {"layout": THREE, **regions}, "cluster": {"nodes": 4}, "kv": {"data_plane": "grpc"}},
+    )
 
 
 def test_the_default_matrix_links_the_three_regions() -> None:
@@ -39,6 +42,7 @@ def test_the_layout_comes_from_the_environment_too() -> None:
             "SYMPHONY_REGIONS_LAYOUT": "a:1,b:1",
             "SYMPHONY_REGIONS_LINKS": "a~b:30:100:2:0.01",
             "SYMPHONY_CLUSTER_NODES": "2",
+            "SYMPHONY_KV_DATA_PLANE": "grpc",
         }
     )
     shape = config.topology().shape("b", "a")  # type: ignore[union-attr]
@@ -78,7 +82,12 @@ def test_bad_regions_name_the_key(regions: dict[str, object], nodes: int, messag
 def test_a_scheduler_serves_its_regions_nodes_on_its_regions_port() -> None:
     config = load_config(
         env={},
-        overrides={"regions": {"layout": THREE}, "cluster": {"nodes": 4}, "scheduler": {"region": "eu-west"}},
+        overrides={
+            "regions": {"layout": THREE},
+            "cluster": {"nodes": 4},
+            "scheduler": {"region": "eu-west"},
+            "kv": {"data_plane": "grpc"},
+        },
     )
     assert config.scheduler_node_addresses() == ["127.0.0.1:50052", "127.0.0.1:50053"]
     assert config.scheduler_listen_port == config.regions.scheduler_port_base + 1
@@ -88,7 +97,13 @@ def test_a_scheduler_serves_its_regions_nodes_on_its_regions_port() -> None:
 def test_a_scheduler_region_must_be_in_the_layout() -> None:
     with pytest.raises(ConfigError, match=r"scheduler\.region: 'mars' is not in regions\.layout"):
         load_config(
-            env={}, overrides={"regions": {"layout": THREE}, "cluster": {"nodes": 4}, "scheduler": {"region": "mars"}}
+            env={},
+            overrides={
+                "regions": {"layout": THREE},
+                "cluster": {"nodes": 4},
+                "scheduler": {"region": "mars"},
+                "kv": {"data_plane": "grpc"},
+            },
         )
     with pytest.raises(ConfigError, match=r"scheduler\.region: needs regions\.layout"):
         load_config(env={}, overrides={"scheduler": {"region": "us-east"}})
@@ -98,15 +113,21 @@ def test_region_ports_may_not_overlap_the_others() -> None:
     # Entries take scheduler.port + r: a scheduler base right above the first entry collides.
     with pytest.raises(ConfigError, match=r"ports: scheduler, node, engine and region ports overlap at \[8001, 8002\]"):
         three_regions(scheduler_port_base=8001)
-    with pytest.raises(ConfigError, match=r"overlap at \[8010, 8011\]"):
-        three_regions(link_port_base=8005)  # its listeners reach 8011, a regional scheduler's port
+    with pytest.raises(ConfigError, match=r"overlap at \[8010, 8011, 8012\]"):
+        three_regions(link_port_base=8005)  # its listeners reach past 8010, the regional schedulers' ports
 
 
 def test_the_link_plan_gives_every_ordered_pair_its_own_listener() -> None:
     topology = three_regions().topology()  # type: ignore[attr-defined]
     plan = topology.link_plan(7400)
-    assert [p.port for p in plan] == list(range(7401, 7407))
-    assert {(p.source, p.dest) for p in plan} == {(a, b) for a in topology.names for b in topology.names if a != b}
+    # 6 ordered pairs of regions to a scheduler; each region to every node of the others: 3 + 2 + 3.
+    assert [p.port for p in plan] == list(range(7401, 7401 + 6 + 8))
+    schedulers = [(p.source, p.dest) for p in plan if p.target == "scheduler"]
+    assert set(schedulers) == {(a, b) for a in topology.names for b in topology.names if a != b}
+    to_nodes = {(p.source, p.target) for p in plan if p.target != "scheduler"}
+    assert ("us-east", "node-1") in to_nodes and ("us-east", "node-2") in to_nodes
+    assert ("eu-west", "node-1") not in to_nodes  # a region reaches its own nodes directly
+    assert len(to_nodes) == 8
 
 
 def test_parse_link_is_symmetric() -> None:
