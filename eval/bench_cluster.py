@@ -114,7 +114,7 @@ class _PolicyScheduler:
         stop_child(self.process, self.log)
 
 
-async def _reset_prefix_caches(config: SymphonyConfig, timeout_s: float = 30.0) -> None:
+async def reset_prefix_caches(config: SymphonyConfig, timeout_s: float = 30.0) -> None:
     """Empty every engine's prefix cache. vLLM refuses while a request holds blocks, and a finished
     request holds them one engine step longer while its partial last block is copied out: asked
     again until every engine agrees."""
@@ -195,7 +195,7 @@ async def measure_policies(
         prepared = ChatWorkload(conversations, timing).prepare(settings)
     results: dict[str, Any] = {}
     for policy in policies:
-        await _reset_prefix_caches(config)
+        await reset_prefix_caches(config)
         key = uuid.uuid4().hex
         scheduler = _PolicyScheduler(config, policy, home, key, repeat)
         try:

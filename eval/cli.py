@@ -17,6 +17,7 @@ from eval.bench_args import (
     workload_file,
 )
 from eval.cli_cluster import add_cluster_parser
+from eval.cli_regions import add_regions_parser
 from symphony.cli_args import (
     CliError,
     engine_overrides,
@@ -92,6 +93,7 @@ def register(sub: Any) -> None:
     )
     resume.set_defaults(func=cmd_bench_resume)
     add_cluster_parser(bench_sub)
+    add_regions_parser(bench_sub)
     route = bench_sub.add_parser("route", help="cost of one routing decision per policy at fleet scale (no cluster)")
     route.add_argument("--out", type=Path, required=True, help="JSON results file")
     route.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")

@@ -5,7 +5,7 @@ bandwidth in each direction, its draws, its faults).
 `RegionLinks` runs them all in one process (`symphony links`, which `symphony up --regions`
 starts), with a small control API on `regions.link_port_base`:
 - `GET /links`: each pair's figures, fault and counters (bytes per lane: "a>b" is what went
-  from region a to region b);
+  from region a to region b; `kv_bytes`: what went to and from nodes, pulls of KV);
 - `POST /links/{a}~{b}/fault` with `{"fault": "none|blackhole|partition", "extra_latency_ms": x}`:
   break or heal a pair's link (the reliability tests' network faults).
 
@@ -124,10 +124,12 @@ class RegionLinks:
         out = []
         for name, pipe in self.pipes.items():
             lanes = dict.fromkeys(pipe.free_at, 0)
-            connections = refused = open_now = segments = lost = 0
-            for _, link in self.listeners:
+            connections = refused = open_now = segments = lost = kv_bytes = 0
+            for planned, link in self.listeners:
                 if link.pipe is not pipe:
                     continue
+                if planned.target != "scheduler":  # to a node: pulls of KV
+                    kv_bytes += sum(link.counters.bytes.values())
                 for direction, lane in link.lanes.items():
                     lanes[lane] += link.counters.bytes[direction]
                     segments += link.counters.segments[direction]
@@ -146,6 +148,7 @@ class RegionLinks:
                     "fault": pipe.fault.value,
                     "extra_latency_ms": pipe.extra_latency_ms,
                     "bytes": lanes,
+                    "kv_bytes": kv_bytes,  # of them, to and from nodes (KV pulled across regions)
                     "segments": segments,
                     "lost": lost,
                     "connections": connections,

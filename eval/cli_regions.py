@@ -1,0 +1,77 @@
+"""`symphony bench regions`'s command line (registered by `eval.cli.register`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from eval.bench_args import add_bench_cluster_args, add_replay_args, check_human_timing, load_conversations
+from symphony.cli_args import CliError, engine_overrides, int_between, load_from_args, positive_int
+
+
+def add_regions_parser(bench_sub: Any) -> None:
+    regions = bench_sub.add_parser(
+        "regions", help="the global layer's policies on a live 3-region cluster (WAN links emulated here)"
+    )
+    add_bench_cluster_args(regions)
+    add_replay_args(
+        regions, users=9, duration=60, duration_is="seconds of load per policy", max_tokens=64, miss_rate=True
+    )
+    regions.add_argument("--out", type=Path, required=True, help="JSON results file")
+    regions.add_argument(
+        "--policies", default="nearest,skywalker,gorgo,symphony", help="global policies, in the first repeat's order"
+    )
+    regions.add_argument("--repeats", type=positive_int, default=2, help="rotated repeats of every policy (2)")
+    regions.add_argument("--hot-share", type=float, default=0.6, help="share of the users homed in us-east (0.6)")
+    regions.add_argument(
+        "--eu-only-users", type=int_between(0), default=1, help="eu-west users of an EU-only tenant (1)"
+    )
+    regions.add_argument(
+        "--min-turns", type=positive_int, default=2, help="conversations of at least this many turns (2)"
+    )
+    regions.add_argument("--max-turns", type=positive_int, default=8, help="cut conversations to this many turns (8)")
+    regions.add_argument("--seed", type=int, default=7, help="workload seed (7)")
+    regions.set_defaults(func=cmd_bench_regions)
+
+
+def cmd_bench_regions(args: argparse.Namespace) -> int:
+    from eval.bench_regions import RegionLoadSettings, run_regions_bench
+    from eval.workloads import HumanTiming
+    from global_layer.policies import REGION_POLICIES
+
+    check_human_timing(args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in REGION_POLICIES]
+    if not policies or unknown:
+        raise CliError(
+            f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(REGION_POLICIES)}"
+        )
+    if not 0 < args.hot_share < 1:
+        raise CliError(f"--hot-share {args.hot_share}: expected a share in (0, 1)")
+    if args.users < 3:
+        raise CliError(f"--users {args.users}: at least one per region (3)")
+    if args.min_turns > args.max_turns:
+        raise CliError(f"--min-turns {args.min_turns} is above --max-turns {args.max_turns}")
+    config = load_from_args(args, engine_overrides(args))
+    path, conversations = load_conversations(args, min_turns=args.min_turns, max_turns=args.max_turns)
+    load = RegionLoadSettings(
+        users=args.users,
+        duration_s=args.duration,
+        hot_share=args.hot_share,
+        eu_only_users=args.eu_only_users,
+        max_answer_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    timing = HumanTiming(time_scale=args.time_scale, advisory_miss_rate=args.miss_rate)
+    header = {"workload": str(path), "conversations": len(conversations), "time_scale": args.time_scale}
+    return run_regions_bench(
+        config,
+        out=args.out,
+        policies=policies,
+        repeats=args.repeats,
+        load=load,
+        timing=timing,
+        conversations=conversations,
+        header=header,
+    )
