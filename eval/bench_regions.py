@@ -62,7 +62,7 @@ class RegionLoadSettings:
     users: int = 6
     duration_s: float = 40.0
     hot_share: float = 0.6  # of the users, homed in us-east
-    eu_only_users: int = 1  # of eu-west's users, of the EU-only tenant
+    eu_only_users: int = 1  # of eu-west's users, of the EU-only tenant (at most all of them)
     max_answer_tokens: int = 32
     seed: int = 7
 
@@ -99,6 +99,7 @@ def regions_config(
         cluster=dataclasses.replace(config.cluster, nodes=count),
         scheduler=dataclasses.replace(
             config.scheduler,
+            policy="symphony",  # the regional layer, the same under every global policy
             port=free_port_run(count),
             node_addresses=[],
             api_keys=[f"{tenant}:{key}" for tenant, key in keys.values()],
@@ -179,6 +180,19 @@ async def _links_kv_bytes(config: SymphonyConfig) -> int:
         return sum(link["kv_bytes"] for link in (await client.get(url)).json()["links"])
 
 
+async def _settled_kv_bytes(config: SymphonyConfig, quiet_s: float = 2.0, within_s: float = 90.0) -> int:
+    """The links' KV bytes once no move has carried any for `quiet_s` (moves an advisory started
+    go on for up to its lead after the load ends), or after `within_s`."""
+    deadline = time.monotonic() + within_s
+    last, since = await _links_kv_bytes(config), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet_s:
+        await asyncio.sleep(0.25)  # sampling a counter
+        now = await _links_kv_bytes(config)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def _region_conversations(conversations: list[Conversation], names: tuple[str, ...]) -> dict[str, list[Conversation]]:
     """Each region its own conversations (none shared across regions: no prefix any two regions'
     users have in common)."""
@@ -232,12 +246,14 @@ async def measure_region_policies(
                 file=sys.stderr,
             )
             (tenant, key), (eu_tenant, eu_key) = keys[(policy, repeat, False)], keys[(policy, repeat, True)]
-            eu_prefix = f"{eu_tenant}-"
+            # Session names: tenant, ".", region ("r0-symphony.eu-west-u0-c0"): no tenant's prefix
+            # is another's.
+            eu_prefix = f"{eu_tenant}."
             runners = []
             for region, count in users.items():
-                eu_users = min(load.eu_only_users, count - 1) if region == EU_REGION else 0
+                eu_users = min(load.eu_only_users, count) if region == EU_REGION else 0
                 for group, n, group_key, prefix in (
-                    ("all", count - eu_users, key, f"{tenant}-{region}"),
+                    ("all", count - eu_users, key, f"{tenant}.{region}"),
                     ("eu", eu_users, eu_key, f"{eu_prefix}{region}"),
                 ):
                     if n <= 0:
@@ -250,11 +266,11 @@ async def measure_region_policies(
                     )
                     prepared = ChatWorkload(by_region[region], timing).prepare(settings)
                     runners.append(prepared.make(layer.entries[region], model, group_key, prefix))
-            kv_before = await _links_kv_bytes(config)
+            kv_before = await _settled_kv_bytes(config)  # the run before's moves ended
             batches = await asyncio.gather(*(runner.run() for runner in runners))
             records = [record for batch in batches for record in batch]
             summary = summarize_regions(records, eu_prefix, eu_tenant, topology, node_ids)
-            summary["cross_region_kv_bytes"] = await _links_kv_bytes(config) - kv_before
+            summary["cross_region_kv_bytes"] = await _settled_kv_bytes(config) - kv_before
             summary["kv_moves_across_regions"] = await layer.kv_moves()
             summary["users_by_region"] = users
             results[policy] = summary

@@ -55,6 +55,11 @@ SUMMED = frozenset(
         "route_pulls_by_outcome",
         "prefix_pulls_by_outcome",
         "cpu_s_by_role",
+        # bench regions
+        "requests_by_region",
+        "residency_violations",
+        "cross_region_kv_bytes",
+        "kv_moves_across_regions",
     }
 )
 

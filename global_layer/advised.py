@@ -1,5 +1,7 @@
-"""Where each advised session's request should go: the region its advisory went to (its KV moving
-there, its node chosen). Bounded by count (least recently advised out) and by age."""
+"""Where each advised session's request should go: the region its advisory moves its KV to. Bound
+when the advisory goes, dropped when the region does not take it, and when a request of the
+session has been served (anywhere): the next turn is ranked afresh. Bounded by count (least
+recently advised out) and by age."""
 
 from __future__ import annotations
 
@@ -26,10 +28,15 @@ class AdvisedRegions:
         while len(self._regions) > self.max_sessions:
             self._regions.popitem(last=False)
 
-    def get(self, session: str) -> str | None:
-        """The region of the session's advisory, if one came within `ttl_s` (taken: a request
-        follows its advisory once)."""
-        held = self._regions.pop(session, None)
-        if held is None or self.clock() - held[1] > self.ttl_s:
+    def peek(self, session: str) -> str | None:
+        """The region of the session's advisory, if one went within `ttl_s`."""
+        held = self._regions.get(session)
+        if held is None:
+            return None
+        if self.clock() - held[1] > self.ttl_s:
+            del self._regions[session]
             return None
         return held[0]
+
+    def drop(self, session: str) -> None:
+        self._regions.pop(session, None)

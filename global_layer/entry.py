@@ -115,8 +115,9 @@ class Entry:
         self.served: Counter[str] = Counter()  # requests answered, by serving region
         self.failovers: Counter[str] = Counter()  # requests moved on, by the region that failed them
         self.refusals: Counter[str] = Counter()  # by reason (code)
-        self.moves: Counter[str] = Counter()  # advisories that moved KV across regions, by destination
-        # Sessions whose advisory went to a region (their KV moving there): their request follows.
+        # Advisories a region took with a copy of another region's to pull, by that region.
+        self.moves: Counter[str] = Counter()
+        # Sessions whose advisory moves their KV to a region: their next request follows it there.
         self.advised = AdvisedRegions(s.max_advisories, s.advisory_ttl_s)
 
     def base_url(self, region: str) -> str:
@@ -201,8 +202,8 @@ class Entry:
         views = [probe.view() for probe in self.probes.values()]
         ranking = rank_regions(self.policy, request, views, self.topology)
         if ranking.regions:
-            advised = self.advised.get(request.session) if request.session and not request.advisory else None
-            if advised in ranking.regions:  # its KV was moved there for it
+            advised = self.advised.peek(request.session) if request.session and not request.advisory else None
+            if advised in ranking.regions:  # its KV is being moved there for it
                 return [advised, *(r for r in ranking.regions if r != advised)]
             return ranking.regions
         allowed = self.topology.allowed_regions(request.tenant)
@@ -257,9 +258,14 @@ class Entry:
         )
         headers.popall(KV_SOURCE_HEADER, None)  # the entry's to say, never a client's
         last: RegionRefused | None = None
+        inference = request.path in ("/v1/chat/completions", "/v1/completions")
         for region in ranked:
             url = self.base_url(region) + request.path_qs
-            sent = self._with_move(headers, region_request, region)
+            sent, moving = self._with_move(headers, region_request, region)
+            if moving and region_request.session:
+                # Bound before the advisory goes: a request that comes while it is on its way
+                # follows it too. Undone below unless the region takes the advisory.
+                self.advised.put(region_request.session, region)
             try:
                 upstream = await self.session.request(
                     request.method, url, data=body, headers=sent, allow_redirects=False
@@ -272,14 +278,22 @@ class Entry:
                     504, f"region {region} did not answer in {waited:g} s", "region_timeout"
                 ).response()
             except (aiohttp.ClientConnectionError, aiohttp.ClientResponseError, TimeoutError) as exc:
+                if moving and region_request.session:
+                    self.advised.drop(region_request.session)
                 self._failed(region, f"{type(exc).__name__}: {exc}")
                 continue
+            took = upstream.status < 400
+            if moving and region_request.session:
+                if took:
+                    self.moves[region] += 1
+                else:
+                    self.advised.drop(region_request.session)
+            if took and inference and region_request.session:
+                self.advised.drop(region_request.session)  # served: the next turn is ranked afresh
             try:
                 if upstream.status != 503:
-                    if upstream.status < 400:
+                    if took:
                         self.policy.observe(region_request, region)
-                        if region_request.advisory and region_request.session:
-                            self.advised.put(region_request.session, region)
                     return await self._relay(request, upstream, region)
                 try:
                     raw = await _read_error(upstream)
@@ -301,20 +315,21 @@ class Entry:
             503, f"no region could be reached (tried {tried}); retry shortly", "no_region_reachable"
         ).response()
 
-    def _with_move(self, headers: CIMultiDict[str], request: RegionRequest, region: str) -> CIMultiDict[str]:
+    def _with_move(
+        self, headers: CIMultiDict[str], request: RegionRequest, region: str
+    ) -> tuple[CIMultiDict[str], bool]:
         """An advisory's headers for `region`, naming the other region's copy to pull first when
-        the policy moves it (symphony.region_load.KV_SOURCE_HEADER)."""
+        the policy moves it (symphony.region_load.KV_SOURCE_HEADER); and whether they do."""
         if not (request.advisory and self.policy.moves_kv):
-            return headers
+            return headers, False
         views = [probe.view() for probe in self.probes.values()]
         allowed = [v for v in views if v.up and self.topology.allowed(request.tenant, v.name)]
         source = self.policy.move_source(request, region, allowed, self.topology)
         if source is None:
-            return headers
-        self.moves[region] += 1
+            return headers, False
         with_move = headers.copy()
         with_move[KV_SOURCE_HEADER] = format_kv_source(*source)
-        return with_move
+        return with_move, True
 
     def _failed(self, region: str, why: str) -> None:
         self.failovers[region] += 1

@@ -99,8 +99,7 @@ class Dispatcher:
         self.queue = PushQueue(config.max_queued_requests)
         self.pulls = PullRule(config.route_pull_wait_ms, config.route_pull_min_tokens)
         self.links = ObservedLinks(profile)  # pulls' observed times correct the profile's links
-        # A regional scheduler's way to other regions' nodes (its WAN links), for advisories' moves.
-        self.remote_nodes = dict(remote_nodes or {})
+        self.remote_nodes = dict(remote_nodes or {})  # other regions' nodes, through the WAN links
         self.prefetcher = Prefetcher(
             cluster.kv_stub, self._address_of, metrics, config.max_prefetches, self._moved, self._pulled
         )
@@ -126,14 +125,15 @@ class Dispatcher:
             await self._session.close()
             self._session = None
 
-    def _moved(self, key: SessionKey, node_id: str, history_tokens: int) -> None:
+    def _moved(self, key: SessionKey, node_id: str, history_tokens: int, source: str) -> None:
         fingerprint = self.cluster.fingerprint(node_id)
-        if fingerprint is not None:
-            self.sessions.moved(key, node_id, history_tokens, fingerprint)
+        if fingerprint is not None:  # a session moved in from another region enters the table
+            self.sessions.moved(key, node_id, history_tokens, fingerprint, create=source in self.remote_nodes)
 
     def _pulled(self, source: str, node_id: str, tokens: int, ms: float) -> None:
-        """A pull into `node_id`'s DRAM took `ms`: moves over that link are priced by what they take."""
-        if (profile := self.links.observe(source, node_id, tokens, ms)) is not None:
+        """A pull into `node_id`'s DRAM took `ms`: moves over that link are priced by what they take
+        (not one from another region: the global layer prices the WAN, from its links)."""
+        if source not in self.remote_nodes and (profile := self.links.observe(source, node_id, tokens, ms)):
             self.profile = profile
             if isinstance(self.policy, SymphonyPolicy):  # the one policy that prices moves
                 self.policy.profile = profile
@@ -236,9 +236,8 @@ class Dispatcher:
         return self.cluster.address_of(node_id) or self.remote_nodes.get(node_id)
 
     def advise(self, advisory: AdvisoryRequest, tenant: str, remote: Source = None) -> dict[str, object]:
-        """Route the session's next request to a node now and move its KV there. `remote`: (a node
-        of another region, tokens it holds), named by the global layer when moving that copy
-        beats recomputing it and no node here holds more."""
+        """Route the session's next request to a node now and move its KV there (`remote`: another
+        region's node holding more of it, and how much, as the global layer names it)."""
         key: SessionKey = (tenant, advisory.session_id)
         # A newer advisory for the same session replaces the older one, so it must not count as load.
         previous = self.advisories.take(key)
@@ -272,7 +271,6 @@ class Dispatcher:
         source = kv_source(copies, node_id, reachable=self._reachable)
         if remote is not None and remote[1] > (source[1] if source is not None else copies.get(node_id, 0)):
             source = remote  # another region's copy, longer than any here: pulled over the WAN
-            self.metrics.prefetches.labels("from_region").inc()
         history = source[1] if source is not None else copies.get(node_id, 0)
         current = self.prefetches.get(key)
         if current is not None and current.node_id == node_id and current.state == MoveState.PENDING:
@@ -301,6 +299,8 @@ class Dispatcher:
             prefetch = self.prefetcher.start(key, node_id, peer, deadline_ms, request.priority, history, move)
         if prefetch is None:
             return False
+        if remote and source is remote and prefetch.state == MoveState.PENDING:  # a pull from another region
+            self.metrics.prefetches.labels("from_region").inc()
         self.prefetches.record(prefetch)
         return prefetch.state == MoveState.PENDING
 

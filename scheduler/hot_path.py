@@ -151,8 +151,8 @@ class HotPath:
             raise ApiError(400, str(exc), param=KV_SOURCE_HEADER) from None
         remote = self.state.dispatcher.remote_nodes
         topology = self.state.config.topology()
-        index = node_index(node)
-        if node not in remote or topology is None or index is None:
+        index = node_index(node) if node in remote else None
+        if topology is None or index is None:
             raise ApiError(400, f"{KV_SOURCE_HEADER}: {node!r} is no node of another region", param=KV_SOURCE_HEADER)
         if not topology.allowed(tenant, topology.region_of_node(index)):
             raise ApiError(

@@ -122,7 +122,7 @@ class Prefetcher:
         address_of: Callable[[str], str | None],
         metrics: SchedulerMetrics,
         max_inflight: int,
-        on_moved: Callable[[SessionKey, str, int], None],
+        on_moved: Callable[[SessionKey, str, int, str], None],
         on_pulled: Callable[[str, str, int, float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -262,7 +262,7 @@ class Prefetcher:
         prefetch.finished_at = self._clock()
         self._metrics.prefetches.labels(state).inc()
         if state in (MoveState.DONE, MoveState.PARTIAL):
-            self._on_moved(prefetch.session, prefetch.node_id, prefetch.history_tokens)
+            self._on_moved(prefetch.session, prefetch.node_id, prefetch.history_tokens, prefetch.source)
         started = self._job_started.pop(prefetch.prefetch_id, None) if prefetch.prefetch_id else None
         if started is None or state != MoveState.DONE or not self._on_pulled:
             return

@@ -118,16 +118,18 @@ class SessionTable:
         self._changed(key, entry)
         return undo
 
-    def moved(self, key: SessionKey, node_id: str, history_tokens: int, fingerprint: bytes) -> None:
+    def moved(
+        self, key: SessionKey, node_id: str, history_tokens: int, fingerprint: bytes, *, create: bool = False
+    ) -> None:
         """A prefetch brought the `history_tokens` of the session it was asked to move (what was
         known when it started; a turn served elsewhere since is not part of it) to `node_id`, which
         serves the model of `fingerprint` (a move for a model the session has left counts for nothing;
-        one of a session not in the table enters it)."""
+        one of a session not in the table counts only with `create`: moved in from another region)."""
         entry = self._entries.get(key)
-        if entry is None:  # unknown here (moved in from another region, or aged out): known now
+        if entry is None and create:
             entry = self._touch(key)
             entry.fingerprint, entry.history_tokens = fingerprint, history_tokens
-        if entry.fingerprint == fingerprint:
+        if entry is not None and entry.fingerprint == fingerprint:
             entry.kv_tokens[node_id] = max(entry.kv_tokens.get(node_id, 0), history_tokens)
             self._changed(key, entry)
 

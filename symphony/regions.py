@@ -112,7 +112,7 @@ def node_name(index: int) -> str:
 def node_index(name: str) -> int | None:
     """The index of a node named "node-<i>"; None for any other name."""
     prefix, _, index = name.partition("-")
-    return int(index) if prefix == "node" and index.isdigit() else None
+    return int(index) if prefix == "node" and index.isascii() and index.isdigit() else None
 
 
 def parse_layout(entries: Sequence[str]) -> tuple[Region, ...]:

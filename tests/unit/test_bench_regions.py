@@ -51,14 +51,15 @@ def _record(session: str, node: str, ttft_s: float = 0.1) -> RequestRecord:
 
 def test_a_restricted_tenants_request_served_outside_its_region_is_a_violation() -> None:
     records = [
-        _record("r0-symphony-eu-eu-west-u0-c0", "node-1"),  # EU-only, in eu-west: fine
-        _record("r0-symphony-eu-eu-west-u0-c1", "node-0"),  # EU-only, in us-east: a violation
-        _record("r0-symphony-us-east-u0-c0", "node-0"),  # unrestricted
+        _record("r0-symphony-eu.eu-west-u0-c0", "node-1"),  # EU-only, in eu-west: fine
+        _record("r0-symphony-eu.eu-west-u0-c1", "node-0"),  # EU-only, in us-east: a violation
+        _record("r0-symphony.us-east-u0-c0", "node-0"),  # unrestricted
+        _record("r0-symphony.eu-west-u1-c0", "node-2"),  # unrestricted, homed in eu-west: fine anywhere
     ]
-    summary = summarize_regions(records, "r0-symphony-eu-", "r0-symphony-eu", TOPOLOGY, ["node-0", "node-1", "node-2"])
+    summary = summarize_regions(records, "r0-symphony-eu.", "r0-symphony-eu", TOPOLOGY, ["node-0", "node-1", "node-2"])
     assert summary["residency_violations"] == 1
-    assert summary["requests_by_region"] == {"us-east": 2, "eu-west": 1, "ap-south": 0}
-    assert summary["prefill_tokens_computed"] == 180 and summary["prefill_tokens_total"] == 300
+    assert summary["requests_by_region"] == {"us-east": 2, "eu-west": 1, "ap-south": 1}
+    assert summary["prefill_tokens_computed"] == 240 and summary["prefill_tokens_total"] == 400
     assert summary["e2e_ms_p95"] == pytest.approx(200)
 
 

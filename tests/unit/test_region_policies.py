@@ -283,12 +283,14 @@ def test_an_advisory_moves_the_far_copy_when_its_region_is_loaded_or_down() -> N
     assert policy.move_source(advisory, "us-east", loaded, eu_topology) is None
 
 
-def test_an_advised_sessions_request_follows_its_advisory_once() -> None:
+def test_an_advised_region_is_kept_until_dropped_or_too_old() -> None:
     clock = _Clock()
     advised = AdvisedRegions(2, ttl_s=10, clock=clock)
     advised.put("a", "us-east")
     advised.put("b", "eu-west")
     advised.put("c", "ap-south")  # a is dropped (bound 2)
-    assert advised.get("a") is None and advised.get("b") == "eu-west" and advised.get("b") is None
+    assert advised.peek("a") is None and advised.peek("b") == "eu-west" and advised.peek("b") == "eu-west"
+    advised.drop("b")
+    assert advised.peek("b") is None
     clock.now += 11
-    assert advised.get("c") is None  # too old
+    assert advised.peek("c") is None and len(advised) == 0  # too old

@@ -198,3 +198,11 @@ def test_a_region_summary_round_trips_and_refuses_junk() -> None:
     ):
         with pytest.raises(ValueError, match="summary field"):
             RegionLoad.from_json(bad)
+
+
+def test_node_names_take_ascii_digits_only() -> None:
+    from symphony.regions import node_index
+
+    assert node_index("node-12") == 12
+    for name in ("node-\xb2", "node-", "nodes-1", "node-1a", "scheduler"):
+        assert node_index(name) is None
