@@ -13,7 +13,10 @@ from eval.resume_runner import PATHS
 from tests.e2e.conftest import LiveCluster
 from tests.e2e.resume_support import resume_nodes
 
-pytestmark = pytest.mark.e2e
+# 120 resumed turns (20 conversations x 6 paths) at 6-9 s each on a 2-core host, after the cluster
+# starts: 13-16 minutes, past the suite's 900 s default (CI at 0bc4b49 was cut at turn 115 of 120).
+# A hung turn still fails on its own: every engine read has a 300 s deadline.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 CONVERSATIONS = 20
 BLOCK = 32
