@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from eval.child_process import stop_child
+from eval.child_process import await_ready, stop_child
 from eval.cluster_summary import INDEX_LAG_NOTE, print_table, summarize, targets
 from eval.live_workloads import ChatWorkload, LiveWorkload, Prepared
 from eval.loadgen import LoadSettings, RequestRecord, write_records
@@ -85,26 +85,22 @@ class _PolicyScheduler:
         self.url = f"http://{config.scheduler.host}:{self.port}"
 
     async def ready(self, nodes: int, within_s: float = 60.0) -> None:
-        deadline = time.monotonic() + within_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the {self.tenant} scheduler exited; see {self.log.name}")
-                try:
-                    ready = (await client.get(self.url + "/readyz")).json()
-                    # Every policy starts with its tokenizer loaded: none routes its first requests blind.
-                    tokenizers = ready.get("tokenizers", {})
-                    if "none" in tokenizers.values():  # the benchmark names the model's directory
-                        raise RuntimeError(
-                            f"the {self.tenant} scheduler has no tokenizer ({tokenizers}); see {self.log.name}"
-                        )
-                    if ready.get("ready_nodes") == nodes and "loading" not in tokenizers.values():
-                        return
-                except (httpx.HTTPError, ValueError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the {self.tenant} scheduler did not see {nodes} ready nodes")
-                await asyncio.sleep(0.2)  # polling a starting child process
+        async def every_node_ready(client: httpx.AsyncClient) -> bool:
+            ready = (await client.get(self.url + "/readyz")).json()
+            # Every policy starts with its tokenizer loaded: none routes its first requests blind.
+            tokenizers = ready.get("tokenizers", {})
+            if "none" in tokenizers.values():  # the benchmark names the model's directory
+                raise RuntimeError(f"the {self.tenant} scheduler has no tokenizer ({tokenizers}); see {self.log.name}")
+            return bool(ready.get("ready_nodes") == nodes and "loading" not in tokenizers.values())
+
+        await await_ready(
+            self.process,
+            f"the {self.tenant} scheduler",
+            self.log,
+            every_node_ready,
+            f"the {self.tenant} scheduler did not see {nodes} ready nodes",
+            within_s,
+        )
 
     async def metrics(self) -> str:
         async with httpx.AsyncClient(timeout=5.0) as client:

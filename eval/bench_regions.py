@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from eval.bench_cluster import on_private_cluster, reset_prefix_caches
-from eval.child_process import stop_child
+from eval.child_process import await_ready, stop_child
 from eval.cluster_summary import summarize
 from eval.live_workloads import ChatWorkload
 from eval.loadgen import LoadSettings, RequestRecord
@@ -149,20 +149,19 @@ class _GlobalLayer:
 
     async def ready(self, within_s: float = 60.0) -> None:
         """Every entry answers and sees every region up."""
-        deadline = time.monotonic() + within_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the global layer exited; see {self.log.name}")
-                try:
-                    views = [(await client.get(url + "/regions")).json()["regions"] for url in self.entries.values()]
-                    if all(info["up"] for view in views for info in view.values()):
-                        return
-                except (httpx.HTTPError, ValueError, KeyError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the global layer's entries did not see every region up; see {self.log.name}")
-                await asyncio.sleep(0.2)  # polling a starting child process
+
+        async def every_region_up(client: httpx.AsyncClient) -> bool:
+            views = [(await client.get(url + "/regions")).json()["regions"] for url in self.entries.values()]
+            return all(info["up"] for view in views for info in view.values())
+
+        await await_ready(
+            self.process,
+            "the global layer",
+            self.log,
+            every_region_up,
+            "the global layer's entries did not see every region up",
+            within_s,
+        )
 
     async def kv_moves(self) -> int:
         async with httpx.AsyncClient(timeout=5.0) as client:

@@ -17,7 +17,7 @@ from eval.bench_args import (
     workload_file,
 )
 from eval.cli_cluster import add_cluster_parser
-from eval.cli_regions import add_regions_parser
+from eval.cli_regions import add_regions_parser, add_sim_regions_args, cmd_bench_sim_regions
 from symphony.cli_args import (
     CliError,
     engine_overrides,
@@ -165,8 +165,8 @@ def register(sub: Any) -> None:
     sim.add_argument(
         "--scenario",
         required=True,
-        help="users, missed_advisories, imbalance, priority, agents (--users: projects) or trace "
-        "(--workload: a Mooncake .jsonl or Azure .csv trace, --time-scale its clock)",
+        help="users, missed_advisories, imbalance, priority, agents (--users: projects), trace "
+        "(--workload: a Mooncake .jsonl or Azure .csv trace, --time-scale its clock) or regions",
     )
     sim.add_argument("--out", type=Path, required=True, help="JSON results file")
     sim.add_argument("--plot", type=Path, metavar="PNG", help="also draw the scenario to this PNG")
@@ -187,15 +187,20 @@ def register(sub: Any) -> None:
         help="user counts, comma-separated; users: where the search starts (by workload: sharegpt "
         "64,128,256,512,1024; mooncake 32,64,128,256; agentic 4,8,16,32); one-point scenarios take the first (64)",
     )
-    sim.add_argument("--policies", default="symphony,recompute,sticky", help="comma-separated (%(default)s)")
+    sim.add_argument(
+        "--policies", help="comma-separated (symphony,recompute,sticky; regions: nearest,skywalker,gorgo,..."
+    )
     sim.add_argument(
         "--duration",
         type=positive_int,
-        help="simulated seconds per point (600; --scenario users --workload mooncake: 3600, the trace's hour)",
+        help="simulated seconds per point (600; --scenario users --workload mooncake: 3600, the trace's hour; "
+        "regions: 120, the simulated day)",
     )
     sim.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
     sim.add_argument(
-        "--time-scale", type=float, default=1.0, help="human reading and typing time, scaled (1: real human speeds)"
+        "--time-scale",
+        type=float,
+        help="human reading and typing time, scaled (1: real human speeds; regions: 0.1)",
     )
     sim.add_argument(
         "--workload",
@@ -231,6 +236,7 @@ def register(sub: Any) -> None:
     agent.add_argument("--agent-output-tokens", type=positive_int, default=182, help="answer per call (182)")
     agent.add_argument("--agent-tool-tokens", type=int_between(0), default=400, help="tool output per call (400)")
     agent.add_argument("--agent-tool-s", type=float, default=5.0, help="seconds a tool runs between calls (5)")
+    add_sim_regions_args(sim)
     sim.set_defaults(func=cmd_bench_sim)
 
 
@@ -334,8 +340,8 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
     from eval.sim.users_scenario import WORKLOADS
     from eval.traces import MOONCAKE_SAMPLE
 
-    if args.scenario not in SCENARIOS:
-        raise CliError(f"--scenario {args.scenario!r}: known scenarios are {', '.join(SCENARIOS)}")
+    if args.scenario not in (*SCENARIOS, "regions"):
+        raise CliError(f"--scenario {args.scenario!r}: known scenarios are {', '.join(SCENARIOS)}, regions")
     if args.preset_file is not None:
         try:
             preset = load_preset(args.preset_file)
@@ -345,7 +351,11 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
         preset = PRESETS[args.preset]
     else:
         raise CliError(f"--preset {args.preset!r}: known presets are {', '.join(PRESETS)}")
-    policies = policy_names(args.policies)
+    if args.scenario == "regions":
+        return cmd_bench_sim_regions(args, preset)
+    if args.time_scale is None:
+        args.time_scale = 1.0
+    policies = policy_names(args.policies or "symphony,recompute,sticky")
     users = None
     if args.users is not None:
         try:

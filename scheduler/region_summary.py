@@ -3,21 +3,27 @@ new request would wait and pay here by its cost profile, and the feed of session
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from scheduler.cost_profile import CostProfile
 from scheduler.policies.symphony import SymphonyPolicy
+from scheduler.routing import NodeSnapshot
 from scheduler.state import SchedulerState
 from symphony.region_load import RegionLoad
 
 
 def region_load(state: SchedulerState) -> RegionLoad:
-    nodes = state.cluster.available_snapshots()
-    profile = state.dispatcher.profile
+    return load_of(state.cluster.available_snapshots(), len(state.dispatcher.queue), state.dispatcher.profile)
+
+
+def load_of(nodes: Sequence[NodeSnapshot], queued: int, profile: CostProfile) -> RegionLoad:
+    """A region's load from its ready nodes' snapshots and the requests its scheduler holds back,
+    priced by its cost profile (pure: the simulator's regions report theirs with it too)."""
     # The wait the `symphony` policy prices at each node, whatever policy routes here; a request
     # that finds every node with a queue waits in the scheduler for one of them, behind `queued`.
     estimator = SymphonyPolicy(profile)
     queue_ms = min((estimator.queue_ms(n) for n in nodes), default=0.0)
-    queued = len(state.dispatcher.queue)
     if nodes and queued:
         queue_ms += queued / len(nodes) * estimator.unknown_prefill_ms
     return RegionLoad(

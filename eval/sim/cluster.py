@@ -25,13 +25,13 @@ least recently used first out, within the engine's KV capacity.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
+from eval.sim.events import EventLoop
 from scheduler.decisions import HeldQueue, PullRule, QueueFull, Routing, advisory_choice, rooms
 from scheduler.routing import PRIORITY_RANK, HeldPrefix, NodeSnapshot, Priority, RouteRequest, RoutingPolicy, kv_source
 from symphony.config import SchedulerConfig
@@ -123,6 +123,7 @@ class ClusterSim:
         typing_lead_ms: float = _SCHEDULER.typing_lead_ms,
         max_queued_requests: int = _SCHEDULER.max_queued_requests,
         prefix_caching: bool = True,
+        loop: EventLoop | None = None,
     ) -> None:
         self.policy = policy
         # vLLM's automatic prefix caching (on by default): off, a request finds in the engine only
@@ -134,9 +135,8 @@ class ClusterSim:
             node_id: SimEngine(node_id, model, engine_priority_scheduling) for node_id, model in engines.items()
         }
         self.link = link
-        self.now_ms = 0.0
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
-        self._order = itertools.count()  # ties run in the order they were scheduled
+        # The clock, this cluster's own unless it shares one with others (the regions' simulator).
+        self.loop = loop if loop is not None else EventLoop()
         self._kv: dict[str, dict[str, int]] = {}  # session -> node -> history tokens its tiers hold
         # node -> session -> tokens in the engine's prefix cache (LRU first), bounded by its KV capacity
         self._engine_cache: dict[str, OrderedDict[str, int]] = {node_id: OrderedDict() for node_id in engines}
@@ -165,8 +165,12 @@ class ClusterSim:
         kv[node_id] = max(kv.get(node_id, 0), tokens)
 
     # -- the loop --------------------------------------------------------------------------------
+    @property
+    def now_ms(self) -> float:
+        return self.loop.now_ms
+
     def at(self, time_ms: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._events, (time_ms, next(self._order), action))
+        self.loop.at(time_ms, action)
 
     def run(
         self, turns: Iterable[Turn] = (), scripts: Iterable[Script] = (), until_ms: float | None = None
@@ -174,6 +178,12 @@ class ClusterSim:
         """Open-loop `turns` at their times, and closed-loop `scripts` (each turn once the last one
         is answered and the user has thought); with `until_ms`, no turn arrives after it (those in
         flight still finish)."""
+        self.start(turns, scripts, until_ms)
+        self.loop.run()
+        return self.result()
+
+    def start(self, turns: Iterable[Turn] = (), scripts: Iterable[Script] = (), until_ms: float | None = None) -> None:
+        """`run`'s first half, for a loop that someone else runs."""
         self._until_ms = until_ms
         for turn in sorted(turns, key=lambda t: t.arrival_ms):
             self._schedule(turn)
@@ -192,15 +202,23 @@ class ClusterSim:
                     )
                 )
                 self._scripts[script.session] = (script, 0)
-        while self._events:
-            self.now_ms, _, action = heapq.heappop(self._events)
-            action()
+
+    def result(self) -> SimResult:
         return SimResult(
             self.requests,
             {n: e.busy_ms for n, e in self.engines.items()},
             sum(e.preemptions for e in self.engines.values()),
             self.refused,
         )
+
+    def load(self) -> tuple[list[NodeSnapshot], int]:
+        """The nodes' snapshots and the requests held back, as a region's summary reads them."""
+        return self._snapshots(), len(self._queue)
+
+    def held(self, session: str) -> tuple[str, int] | None:
+        """The node whose tiers hold the most of `session`'s KV, and how many tokens (None: none)."""
+        best = max(((tokens, node) for node, tokens in self._kv.get(session, {}).items()), default=None)
+        return None if best is None else (best[1], best[0])
 
     # -- routing ---------------------------------------------------------------------------------
     def _snapshots(self) -> list[NodeSnapshot]:

@@ -16,7 +16,7 @@ def _words(text: str) -> int:
     return len(text.split())
 
 
-def _script(
+def conversation_script(
     conversation: Conversation,
     session: str,
     user: UserTiming,
@@ -64,7 +64,7 @@ def sharegpt_users(
         chain: Script | None = None
         for k in reversed(range(conversations_per_user)):
             conversation = conversations[(u * conversations_per_user + k) % len(conversations)]
-            chain = _script(
+            chain = conversation_script(
                 conversation,
                 f"u{u}-c{k}",
                 user,

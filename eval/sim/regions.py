@@ -1,0 +1,338 @@
+"""Regions on the simulator: one `ClusterSim` per region on one clock, and above them the global
+layer's policies (`global_layer.policies`, the code the live entries run) choosing each request's
+region from the regions' summaries (`scheduler.region_summary.load_of`, the code the live
+schedulers report with), refreshed every probe period.
+
+A user lives in one region and talks to its nearest entry. Each turn:
+- its typing advisory (when the user sends one) is ranked as an advisory: the region chosen is
+  bound to the turn, as the live entry binds it, and that region's scheduler picks a node for it
+  (`ClusterSim.advise`). When the policy moves KV across regions and names a copy to move, the
+  copy travels over the WAN link (its round trip, then its bytes at the link's bandwidth) to that
+  node;
+- the request reaches its region half a client round trip later and is routed there by the region's
+  own policy. A WAN move still under way is waited for up to the scheduler's pull wait, as the live
+  node's pull joins the prefetch; after that the request computes what is missing;
+- the client sees the first token half a round trip after the region sent it (its TTFT is the
+  region's plus the round trip), and starts reading once the answer is back.
+
+Kept simple, and said so: summaries are exact when read (the live ones are a link's half round trip
+old as well), regions never go down, and a session's KV moves whole (live, a remote pull copies the
+gap in one stream too).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from eval.sim.cluster import ClusterSim, Script, Turn
+from eval.sim.engine import SimRequest
+from eval.sim.events import EventLoop
+from eval.sim.presets import Preset, sim_cost_profile, sim_policy
+from eval.stats import percentile
+from global_layer.costs import move_ms
+from global_layer.policies import RegionPolicy, RegionRequest, RegionView, rank_regions
+from scheduler.region_summary import load_of
+from symphony.config import SchedulerConfig
+from symphony.region_load import session_digest
+from symphony.regions import RegionTopology
+
+# What SkyWalker's prefix tree sees of a prompt: a chat template's opening, shared by every prompt,
+# then the conversation's own text (here its digest: conversations share nothing else).
+_TEMPLATE = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+_PULL_WAIT_MS = float(SchedulerConfig().route_pull_wait_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionUser:
+    """A user of the regions: where they are, what they send, under which tenant."""
+
+    region: str
+    script: Script  # its chain of conversations (`Script.after`)
+    tenant: str = "default"
+
+
+@dataclass(slots=True)
+class ClientRecord:
+    """One request as its client saw it."""
+
+    request: SimRequest
+    client_region: str
+    region: str  # where it was served
+    rtt_ms: float  # between the client and that region
+    tenant: str
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.request.ttft_ms + self.rtt_ms
+
+    @property
+    def e2e_ms(self) -> float:
+        assert self.request.finished_ms is not None
+        return self.request.finished_ms - self.request.arrival_ms + self.rtt_ms
+
+
+@dataclass(slots=True)
+class _Session:
+    user: RegionUser
+    script: Script
+    step: int = 0
+    history: int = 0  # tokens of the conversation so far (its last prompt and answer)
+
+
+@dataclass(slots=True)
+class RegionsResult:
+    records: list[ClientRecord]
+    refused: list[tuple[RegionUser, SimRequest | None]]  # refused by a region, or with no region allowed
+    busy_ms: dict[str, float]  # region -> its engines' busy time, summed
+    cross_region_kv_bytes: int
+    kv_moves: int
+    residency_violations: int
+    served_by_region: dict[str, int] = field(default_factory=dict)
+    # Stopped once more than 5% of the most requests the users could send had a TTFT past the SLO:
+    # the run's p95 was past it whatever came next.
+    stopped_past_slo: bool = False
+
+
+class RegionsSim:
+    def __init__(
+        self,
+        topology: RegionTopology,
+        policy: RegionPolicy,
+        preset: Preset,
+        replicas: int,
+        *,
+        local_policy: str = "symphony",
+        probe_interval_ms: float = 100.0,
+    ) -> None:
+        self.topology = topology
+        self.policy = policy
+        self.preset = preset
+        self.loop = EventLoop()
+        self.probe_interval_ms = probe_interval_ms
+        self.profile = sim_cost_profile(preset.engine, preset.link, f"simulator preset {preset.name}")
+        self.clusters = {
+            name: ClusterSim(
+                sim_policy(local_policy, preset),
+                {f"{name}/node-{i}": preset.engine for i in range(replicas)},
+                preset.link,
+                loop=self.loop,
+            )
+            for name in topology.names
+        }
+        self._views: list[RegionView] = []
+        self._advised: dict[str, str] = {}  # session -> the region its advisory chose
+        self._moves_due: dict[tuple[str, str], float] = {}  # (session, region) -> when a WAN move lands
+        self._until_ms = 0.0
+        self._slo_ms: float | None = None
+        self._late_limit = 0
+        self._late = 0
+        self._stopped = False
+        self.records: list[ClientRecord] = []
+        self.refused: list[tuple[RegionUser, SimRequest | None]] = []
+        self.cross_region_kv_bytes = 0
+        self.kv_moves = 0
+        self.residency_violations = 0
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self, users: Sequence[RegionUser], until_ms: float, slo_ms: float | None = None) -> RegionsResult:
+        """Every user's conversations, closed loop; no turn arrives after `until_ms`. With
+        `slo_ms`, stops as soon as the p95 TTFT cannot end within it (`stopped_past_slo`)."""
+        self._until_ms = until_ms
+        self._slo_ms = slo_ms
+        most = sum(len(s.steps) for user in users for s in _chain(user.script))
+        self._late_limit = math.floor(0.05 * most)
+        for cluster in self.clusters.values():
+            cluster.start()
+        self._probe()
+        for user in users:
+            self._begin(user, user.script, user.script.start_ms)
+        self.loop.run()
+        served: dict[str, int] = defaultdict(int)
+        for record in self.records:
+            served[record.region] += 1
+        return RegionsResult(
+            self.records,
+            self.refused,
+            {name: sum(c.result().busy_ms.values()) for name, c in self.clusters.items()},
+            self.cross_region_kv_bytes,
+            self.kv_moves,
+            self.residency_violations,
+            dict(served),
+            self._stopped,
+        )
+
+    def _probe(self) -> None:
+        """Every region's summary, as the entries read it each probe period."""
+        self._views = [
+            RegionView(name, True, load_of(*cluster.load(), self.profile)) for name, cluster in self.clusters.items()
+        ]
+        if self.loop.now_ms < self._until_ms or any(_busy(c) for c in self.clusters.values()):
+            self.loop.at(self.loop.now_ms + self.probe_interval_ms, self._probe)
+
+    # -- a user's turns --------------------------------------------------------------------------
+    def _begin(self, user: RegionUser, script: Script, arrival_ms: float) -> None:
+        if script.steps:
+            self._turn(_Session(user, script), arrival_ms)
+
+    def _turn(self, session: _Session, arrival_ms: float) -> None:
+        if arrival_ms > self._until_ms:
+            return
+        step = session.script.steps[session.step]
+        prompt = session.history + step.new_tokens
+        if step.advised:
+            self.loop.at(max(self.loop.now_ms, arrival_ms - step.typing_ms), lambda: self._advise(session, prompt))
+        self.loop.at(arrival_ms, lambda: self._arrive(session, prompt))
+
+    def _request(self, session: _Session, prompt: int, advisory: bool) -> RegionRequest:
+        name = session.script.session
+        held: dict[str, int] = {}
+        holders: dict[str, str] = {}
+        for region, cluster in self.clusters.items():
+            copy = cluster.held(name)
+            if copy is not None:
+                holders[region], held[region] = copy
+        digest = session_digest(session.user.tenant, name)
+        return RegionRequest(
+            session.user.tenant,
+            session.user.region,
+            session=digest,
+            text=_TEMPLATE + digest,
+            prompt_tokens=prompt,
+            held=held,
+            holders=holders,
+            advisory=advisory,
+        )
+
+    def _sim_turn(self, session: _Session, arrival_ms: float, prompt: int) -> Turn:
+        step = session.script.steps[session.step]
+        return Turn(session.script.session, arrival_ms, prompt, step.output_tokens, tenant=session.user.tenant)
+
+    def _advise(self, session: _Session, prompt: int) -> None:
+        request = self._request(session, prompt, advisory=True)
+        ranking = rank_regions(self.policy, request, self._views, self.topology)
+        if not ranking.regions:
+            return
+        region = ranking.regions[0]
+        self._advised[session.script.session] = region
+        candidates = [v for v in self._views if v.name in ranking.regions]
+        source = self.policy.move_source(request, region, candidates, self.topology) if self.policy.moves_kv else None
+        one_way = self.topology.rtt_ms(session.user.region, region) / 2
+        self.loop.at(self.loop.now_ms + one_way, lambda: self._advised_at_region(session, prompt, region, source))
+
+    def _advised_at_region(self, session: _Session, prompt: int, region: str, source: tuple[str, int] | None) -> None:
+        cluster = self.clusters[region]
+        node = cluster.advise(self._sim_turn(session, self.loop.now_ms, prompt))
+        if source is None or node is None:
+            return
+        holder, tokens = source
+        from_region = holder.split("/", 1)[0]
+        if not self.topology.allowed(session.user.tenant, from_region):
+            self.residency_violations += 1
+        have = cluster.held(session.script.session)
+        gap = tokens - (have[1] if have is not None else 0)
+        if gap <= 0:
+            return
+        due = self.loop.now_ms + move_ms(self.topology, from_region, region, gap, self.profile.kv_bytes_per_token)
+        key = (session.script.session, region)
+        self._moves_due[key] = due
+        self.kv_moves += 1
+        self.cross_region_kv_bytes += gap * self.profile.kv_bytes_per_token
+
+        def landed() -> None:
+            cluster.seed_kv(session.script.session, node, tokens)
+            if self._moves_due.get(key) == due:
+                del self._moves_due[key]
+
+        self.loop.at(due, landed)
+
+    def _arrive(self, session: _Session, prompt: int) -> None:
+        name = session.script.session
+        advised = self._advised.pop(name, None)
+        allowed = [v.name for v in self._views if self.topology.allowed(session.user.tenant, v.name)]
+        if advised in allowed:
+            region = advised
+            request = self._request(session, prompt, advisory=False)
+        else:
+            request = self._request(session, prompt, advisory=False)
+            ranking = rank_regions(self.policy, request, self._views, self.topology)
+            if not ranking.regions:
+                self.refused.append((session.user, None))  # no allowed region: the entry's 503
+                return
+            region = ranking.regions[0]
+        self.policy.observe(request, region)
+        if not self.topology.allowed(session.user.tenant, region):
+            self.residency_violations += 1
+        rtt = self.topology.rtt_ms(session.user.region, region)
+        at_region = self.loop.now_ms + rtt / 2
+        due = self._moves_due.get((name, region))
+        if due is not None and due > at_region:  # the region's pull joins the move, for a while
+            at_region = min(due, at_region + _PULL_WAIT_MS)
+        self.clusters[region].submit(
+            self._sim_turn(session, at_region, prompt),
+            lambda served: self._answered(session, served, region, rtt),
+        )
+
+    def _answered(self, session: _Session, request: SimRequest, region: str, rtt: float) -> None:
+        if request.finished_ms is None:
+            self.refused.append((session.user, request))
+            return
+        record = ClientRecord(request, session.user.region, region, rtt, session.user.tenant)
+        self.records.append(record)
+        if self._slo_ms is not None and record.ttft_ms > self._slo_ms:
+            self._late += 1
+            if self._late > self._late_limit:
+                self._stopped = True
+                self.loop.stop()
+                return
+        back = self.loop.now_ms + rtt / 2  # the answer's last token reaches the client
+        session.history = request.prompt_tokens + request.generated
+        session.step += 1
+        if session.step < len(session.script.steps):
+            self._turn(session, back + session.script.steps[session.step].think_ms)
+        elif session.script.after is not None and session.script.after.steps:
+            following = session.script.after
+            self._begin(session.user, following, back + following.steps[0].think_ms)
+
+
+def _chain(script: Script | None) -> Iterator[Script]:
+    while script is not None:
+        yield script
+        script = script.after
+
+
+def _busy(cluster: ClusterSim) -> bool:
+    nodes, queued = cluster.load()
+    return queued > 0 or any(n.running or n.waiting or n.inflight for n in nodes)
+
+
+def summarize_regions(result: RegionsResult, duration_ms: float) -> dict[str, Any]:
+    """The live bench's keys (eval.bench_regions), from the client's side."""
+    ttft = [r.ttft_ms for r in result.records]
+    e2e = [r.e2e_ms for r in result.records]
+    computed = sum(r.request.prompt_tokens - r.request.cached_tokens for r in result.records)
+    total = sum(r.request.prompt_tokens for r in result.records)
+    busy = list(result.busy_ms.values())
+    mean_busy = statistics.fmean(busy) if busy else 0.0
+    return {
+        "stopped_past_slo": result.stopped_past_slo,  # the figures below cover the run until then
+        "completed": len(result.records),
+        "errors": len(result.refused),
+        "ttft_ms_p50": percentile(ttft, 50) if ttft else None,
+        "ttft_ms_p95": percentile(ttft, 95) if ttft else None,
+        "e2e_ms_p95": percentile(e2e, 95) if e2e else None,
+        "output_tokens_per_s": sum(r.request.generated for r in result.records) / (duration_ms / 1000),
+        "cross_region_kv_bytes": result.cross_region_kv_bytes,
+        "kv_moves_across_regions": result.kv_moves,
+        "prefill_tokens_computed": computed,
+        "prefill_tokens_total": total,
+        "max_over_mean_load": max(busy) / mean_busy if mean_busy else None,
+        "busy_ms_by_region": {name: round(ms, 1) for name, ms in result.busy_ms.items()},
+        "served_by_region": result.served_by_region,
+        "served_away_from_client": sum(1 for r in result.records if r.region != r.client_region),
+        "residency_violations": result.residency_violations,
+    }
