@@ -47,9 +47,10 @@ from eval.calibrate_costs import build_profile, check_queue, measure_links, meas
 from eval.loadgen import LoadSettings, RequestRecord
 from eval.results import write_result
 from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, fit_slowdown, load_preset, save_preset
-from eval.sim.cluster import ClusterSim, LinkModel, SimResult, Turn
+from eval.sim.cluster import ClusterSim, LinkModel, SimResult
 from eval.sim.presets import Preset, sim_policy
 from eval.sim.scenarios import summarize
+from eval.sim.turns import Turn
 from eval.workloads import Conversation, HumanTiming
 from scheduler.cost_profile import CostProfile, problems, to_dict, to_json
 from symphony.config import SymphonyConfig

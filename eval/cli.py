@@ -188,7 +188,8 @@ def register(sub: Any) -> None:
         "64,128,256,512,1024; mooncake 32,64,128,256; agentic 4,8,16,32); one-point scenarios take the first (64)",
     )
     sim.add_argument(
-        "--policies", help="comma-separated (symphony,recompute,sticky; regions: nearest,skywalker,gorgo,..."
+        "--policies",
+        help="comma-separated (symphony,recompute,sticky; regions: the global policies, all five by default)",
     )
     sim.add_argument(
         "--duration",
@@ -355,7 +356,7 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
         return cmd_bench_sim_regions(args, preset)
     if args.time_scale is None:
         args.time_scale = 1.0
-    policies = policy_names(args.policies or "symphony,recompute,sticky")
+    policies = policy_names("symphony,recompute,sticky" if args.policies is None else args.policies)
     users = None
     if args.users is not None:
         try:

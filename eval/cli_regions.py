@@ -81,28 +81,46 @@ def cmd_bench_regions(args: argparse.Namespace) -> int:
 
 def add_sim_regions_args(sim: argparse.ArgumentParser) -> None:
     """`bench sim --scenario regions`'s own flags (eval.sim.regions_scenario cites the defaults)."""
+    from eval.sim import regions_defaults as scenario
+
     group = sim.add_argument_group("--scenario regions: 3 regions, a diurnal load, replicas for the SLO")
     group.add_argument(
-        "--arrivals-per-min", type=float, default=4500.0, help="users arriving per region per minute, mean (4500)"
+        "--arrivals-per-min",
+        type=float,
+        default=scenario.ARRIVALS_PER_MIN,
+        help="users arriving per region per minute, mean (%(default)g)",
     )
-    group.add_argument("--amplitude", type=float, default=0.8, help="the diurnal swing around the mean (0.8)")
-    group.add_argument("--slo-ms", type=float, default=500.0, help="p95 TTFT the replicas must keep (500)")
-    group.add_argument("--max-replicas", type=positive_int, default=16, help="replicas per region searched up to (16)")
     group.add_argument(
-        "--reference-replicas", type=positive_int, default=8, help="replicas per region of the figures table (8)"
+        "--amplitude", type=float, default=scenario.AMPLITUDE, help="the diurnal swing around the mean (%(default)g)"
+    )
+    group.add_argument(
+        "--slo-ms", type=float, default=scenario.SLO_MS, help="p95 TTFT the replicas must keep (%(default)g)"
+    )
+    group.add_argument(
+        "--max-replicas",
+        type=positive_int,
+        default=scenario.MAX_REPLICAS,
+        help="replicas per region searched up to (%(default)s)",
+    )
+    group.add_argument(
+        "--reference-replicas",
+        type=positive_int,
+        default=scenario.REFERENCE_REPLICAS,
+        help="replicas per region of the figures table (%(default)s)",
     )
 
 
 def cmd_bench_sim_regions(args: argparse.Namespace, preset: Any) -> int:
     from eval.bench_sim_regions import run_sim_regions_bench
-    from eval.sim.regions_scenario import POLICIES
+    from eval.sim.regions_defaults import DAY_S, POLICIES, TIME_SCALE
     from eval.workloads import HumanTiming
     from global_layer.policies import REGION_POLICIES
 
     if args.time_scale is None:
-        args.time_scale = 0.1
+        args.time_scale = TIME_SCALE
     check_human_timing(args)
-    policies = [p.strip() for p in (args.policies or ",".join(POLICIES)).split(",") if p.strip()]
+    given = ",".join(POLICIES) if args.policies is None else args.policies
+    policies = [p.strip() for p in given.split(",") if p.strip()]
     unknown = [p for p in policies if p not in REGION_POLICIES]
     if not policies or unknown:
         raise CliError(
@@ -113,7 +131,7 @@ def cmd_bench_sim_regions(args: argparse.Namespace, preset: Any) -> int:
     if not 0 <= args.amplitude <= 1:
         raise CliError(f"--amplitude {args.amplitude}: expected a share in [0, 1]")
     if not 0 < args.slo_ms < 1e7:
-        raise CliError(f"--slo-ms {args.slo_ms}: expected milliseconds above 0")
+        raise CliError(f"--slo-ms {args.slo_ms}: expected milliseconds in (0, 10000000)")
     if args.reference_replicas > args.max_replicas:
         raise CliError(f"--reference-replicas {args.reference_replicas} is above --max-replicas {args.max_replicas}")
     if args.workload is not None:
@@ -126,7 +144,7 @@ def cmd_bench_sim_regions(args: argparse.Namespace, preset: Any) -> int:
         conversations=conversations,
         policies=policies,
         arrivals_per_min=args.arrivals_per_min,
-        duration_s=float(args.duration or 120),
+        duration_s=float(args.duration or DAY_S),
         timing=HumanTiming(time_scale=args.time_scale, advisory_miss_rate=args.miss_rate),
         slo_ms=args.slo_ms,
         reference_replicas=args.reference_replicas,

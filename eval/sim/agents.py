@@ -19,8 +19,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from eval.sim.cluster import ClusterSim, Turn
+from eval.sim.cluster import ClusterSim
 from eval.sim.engine import SimRequest
+from eval.sim.turns import Turn
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
 from eval.sim.events import EventLoop
+from eval.sim.turns import Script, Turn
 from scheduler.decisions import HeldQueue, PullRule, QueueFull, Routing, advisory_choice, rooms
 from scheduler.routing import PRIORITY_RANK, HeldPrefix, NodeSnapshot, Priority, RouteRequest, RoutingPolicy, kv_source
 from symphony.config import SchedulerConfig
@@ -49,49 +50,6 @@ class LinkModel:
 
     def move_ms(self, tokens: int) -> float:
         return self.rtt_ms + tokens * self.kv_bytes_per_token / (self.bandwidth_gbps * 1e6)
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """One request of the workload: its arrival, and an advisory ahead of it (None: no advisory)."""
-
-    session: str
-    arrival_ms: float
-    prompt_tokens: int  # the whole prompt: the session's history plus the new message
-    output_tokens: int
-    advisory_ms: float | None = None
-    tenant: str = "default"
-    priority: Priority = Priority.NORMAL
-    # Of the prompt, the leading tokens that continue the session's KV (None: as many as it holds);
-    # a turn whose prompt drops part of the history reuses no more than what it kept.
-    history_tokens: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One turn of a scripted (closed-loop) session: the user's think time starts when the previous
-    answer is complete, so the turn's arrival depends on how fast the cluster answered."""
-
-    new_tokens: int  # the message the user adds to the history
-    output_tokens: int
-    think_ms: float  # after the previous answer: reading it, then typing this message
-    typing_ms: float  # the last part of think_ms: the advisory fires when typing starts
-    advised: bool = True
-    # How much of the session's context (its last prompt and answer) the prompt carries before
-    # the new tokens: None, all of it; fewer, a prompt that dropped the rest (a recorded trace's).
-    history_tokens: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Script:
-    session: str
-    start_ms: float  # the first turn's arrival
-    steps: tuple[Step, ...]
-    tenant: str = "default"
-    priority: Priority = Priority.NORMAL
-    # The same user's next conversation (a new session): its first turn arrives its first step's
-    # think time after this one's last answer.
-    after: Script | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +114,8 @@ class ClusterSim:
         self.refused: list[SimRequest] = []
         self._ids = itertools.count()
         self._scripts: dict[str, tuple[Script, int]] = {}  # session -> (its script, the turn in flight)
-        self._on_done: dict[int, Callable[[SimRequest], None]] = {}  # request id -> its submitter's callback
+        # request id -> its submitter's callbacks: answered, refused (None: not told)
+        self._on_done: dict[int, tuple[Callable[[SimRequest], None], Callable[[SimRequest], None] | None]] = {}
         self._until_ms: float | None = None
 
     def seed_kv(self, session: str, node_id: str, tokens: int) -> None:
@@ -215,10 +174,14 @@ class ClusterSim:
         """The nodes' snapshots and the requests held back, as a region's summary reads them."""
         return self._snapshots(), len(self._queue)
 
-    def held(self, session: str) -> tuple[str, int] | None:
-        """The node whose tiers hold the most of `session`'s KV, and how many tokens (None: none)."""
-        best = max(((tokens, node) for node, tokens in self._kv.get(session, {}).items()), default=None)
-        return None if best is None else (best[1], best[0])
+    def kv_of(self, session: str) -> dict[str, int]:
+        """Node -> tokens of `session`'s history its tiers hold."""
+        return dict(self._kv.get(session, {}))
+
+    def retract(self, session: str) -> None:
+        """`session`'s advisory here will not be followed: its request went elsewhere."""
+        if (node := self._advised.pop(session, None)) is not None:
+            self._announced[node] -= 1
 
     # -- routing ---------------------------------------------------------------------------------
     def _snapshots(self) -> list[NodeSnapshot]:
@@ -258,12 +221,14 @@ class ClusterSim:
             held=held,
         )
 
-    def submit(self, turn: Turn, on_done: Callable[[SimRequest], None]) -> None:
+    def submit(
+        self, turn: Turn, on_done: Callable[[SimRequest], None], on_refused: Callable[[SimRequest], None] | None = None
+    ) -> None:
         """A turn that another part of the workload schedules (an agent's step, once its predecessors
-        are done): handled like any turn, and `on_done` runs when its answer is complete."""
-        request_id = self._schedule(turn)
-        if request_id is not None:
-            self._on_done[request_id] = on_done
+        are done): handled like any turn; `on_done` runs when its answer is complete, `on_refused`
+        if it is refused (429, 503, or too big for the engine)."""
+        if (request_id := self._schedule(turn)) is not None:
+            self._on_done[request_id] = (on_done, on_refused)
 
     def advise(self, turn: Turn) -> str | None:
         """An advisory for `turn` now (an agent framework's predecessor hint, naming no arrival).
@@ -399,6 +364,8 @@ class ClusterSim:
     def _refuse(self, request: SimRequest) -> None:
         self.refused.append(request)
         self._scripts.pop(request.session, None)  # its user gets an error and leaves
+        if (on_refused := self._on_done.pop(request.request_id, (None, None))[1]) is not None:
+            on_refused(request)
 
     def _cache(self, node_id: str, session: str, tokens: int) -> None:
         cache = self._engine_cache[node_id]
@@ -492,9 +459,8 @@ class ClusterSim:
             block_size = self.engines[node_id].model.block_size
             self._cache(node_id, request.session, computed // block_size * block_size)
             self._next_turn(request)
-            callback = self._on_done.pop(request.request_id, None)
-            if callback is not None:
-                callback(request)
+            if (callbacks := self._on_done.pop(request.request_id, None)) is not None:
+                callbacks[0](request)
         self._wake_held()
         for other in self.engines:
             self._kick(other)

@@ -29,10 +29,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.sim.cluster import ClusterSim, Script, Turn
+from eval.sim.cluster import ClusterSim
 from eval.sim.engine import SimRequest
 from eval.sim.events import EventLoop
 from eval.sim.presets import Preset, sim_cost_profile, sim_policy
+from eval.sim.turns import Script, Turn
 from eval.stats import percentile
 from global_layer.costs import move_ms
 from global_layer.policies import RegionPolicy, RegionRequest, RegionView, rank_regions
@@ -65,15 +66,18 @@ class ClientRecord:
     region: str  # where it was served
     rtt_ms: float  # between the client and that region
     tenant: str
+    sent_ms: float  # when the client sent it (it reached the region half a round trip later, or
+    # later still when it waited there for a move of its KV)
 
     @property
     def ttft_ms(self) -> float:
-        return self.request.ttft_ms + self.rtt_ms
+        assert self.request.first_token_ms is not None
+        return self.request.first_token_ms + self.rtt_ms / 2 - self.sent_ms
 
     @property
     def e2e_ms(self) -> float:
         assert self.request.finished_ms is not None
-        return self.request.finished_ms - self.request.arrival_ms + self.rtt_ms
+        return self.request.finished_ms + self.rtt_ms / 2 - self.sent_ms
 
 
 @dataclass(slots=True)
@@ -93,8 +97,8 @@ class RegionsResult:
     kv_moves: int
     residency_violations: int
     served_by_region: dict[str, int] = field(default_factory=dict)
-    # Stopped once more than 5% of the most requests the users could send had a TTFT past the SLO:
-    # the run's p95 was past it whatever came next.
+    # Stopped once enough requests had a TTFT past the SLO that p95 was past it whatever came next
+    # (about 5% of the most requests the users could send).
     stopped_past_slo: bool = False
 
 
@@ -125,7 +129,8 @@ class RegionsSim:
             for name in topology.names
         }
         self._views: list[RegionView] = []
-        self._advised: dict[str, str] = {}  # session -> the region its advisory chose
+        self._advised: dict[str, str] = {}  # session -> the region its moving advisory binds it to
+        self._advisory_at: dict[str, str] = {}  # session -> the region whose scheduler took its advisory
         self._moves_due: dict[tuple[str, str], float] = {}  # (session, region) -> when a WAN move lands
         self._until_ms = 0.0
         self._slo_ms: float | None = None
@@ -144,8 +149,10 @@ class RegionsSim:
         `slo_ms`, stops as soon as the p95 TTFT cannot end within it (`stopped_past_slo`)."""
         self._until_ms = until_ms
         self._slo_ms = slo_ms
+        # p95 (linear between ranks, eval.stats.percentile) of n <= `most` values sits at or above
+        # the value of rank floor(0.95 (n - 1)): past the SLO once this many are past it.
         most = sum(len(s.steps) for user in users for s in _chain(user.script))
-        self._late_limit = math.floor(0.05 * most)
+        self._late_limit = math.ceil(0.05 * (most - 1) + 1)
         for cluster in self.clusters.values():
             cluster.start()
         self._probe()
@@ -171,7 +178,7 @@ class RegionsSim:
         self._views = [
             RegionView(name, True, load_of(*cluster.load(), self.profile)) for name, cluster in self.clusters.items()
         ]
-        if self.loop.now_ms < self._until_ms or any(_busy(c) for c in self.clusters.values()):
+        if self.loop.now_ms < self._until_ms:  # no turn is ranked after it
             self.loop.at(self.loop.now_ms + self.probe_interval_ms, self._probe)
 
     # -- a user's turns --------------------------------------------------------------------------
@@ -193,9 +200,10 @@ class RegionsSim:
         held: dict[str, int] = {}
         holders: dict[str, str] = {}
         for region, cluster in self.clusters.items():
-            copy = cluster.held(name)
-            if copy is not None:
-                holders[region], held[region] = copy
+            kv = cluster.kv_of(name)
+            if kv:
+                tokens, holders[region] = max((t, node) for node, t in kv.items())
+                held[region] = tokens
         digest = session_digest(session.user.tenant, name)
         return RegionRequest(
             session.user.tenant,
@@ -218,23 +226,30 @@ class RegionsSim:
         if not ranking.regions:
             return
         region = ranking.regions[0]
-        self._advised[session.script.session] = region
         candidates = [v for v in self._views if v.name in ranking.regions]
         source = self.policy.move_source(request, region, candidates, self.topology) if self.policy.moves_kv else None
+        if source is not None:  # as the live entry: only a moving advisory binds its request
+            self._advised[session.script.session] = region
+        self.policy.observe(request, region)
         one_way = self.topology.rtt_ms(session.user.region, region) / 2
         self.loop.at(self.loop.now_ms + one_way, lambda: self._advised_at_region(session, prompt, region, source))
 
     def _advised_at_region(self, session: _Session, prompt: int, region: str, source: tuple[str, int] | None) -> None:
         cluster = self.clusters[region]
+        name = session.script.session
         node = cluster.advise(self._sim_turn(session, self.loop.now_ms, prompt))
-        if source is None or node is None:
+        if node is None:
+            if self._advised.get(name) == region:
+                del self._advised[name]
+            return
+        self._advisory_at[name] = region
+        if source is None:
             return
         holder, tokens = source
         from_region = holder.split("/", 1)[0]
         if not self.topology.allowed(session.user.tenant, from_region):
             self.residency_violations += 1
-        have = cluster.held(session.script.session)
-        gap = tokens - (have[1] if have is not None else 0)
+        gap = tokens - cluster.kv_of(name).get(node, 0)
         if gap <= 0:
             return
         due = self.loop.now_ms + move_ms(self.topology, from_region, region, gap, self.profile.kv_bytes_per_token)
@@ -267,25 +282,29 @@ class RegionsSim:
         self.policy.observe(request, region)
         if not self.topology.allowed(session.user.tenant, region):
             self.residency_violations += 1
+        advised_at = self._advisory_at.pop(name, None)
+        if advised_at is not None and advised_at != region:  # that scheduler's advisory goes unused
+            self.clusters[advised_at].retract(name)
         rtt = self.topology.rtt_ms(session.user.region, region)
-        at_region = self.loop.now_ms + rtt / 2
+        sent = self.loop.now_ms
+        at_region = sent + rtt / 2
         due = self._moves_due.get((name, region))
         if due is not None and due > at_region:  # the region's pull joins the move, for a while
             at_region = min(due, at_region + _PULL_WAIT_MS)
         self.clusters[region].submit(
             self._sim_turn(session, at_region, prompt),
-            lambda served: self._answered(session, served, region, rtt),
+            lambda served: self._answered(session, served, region, rtt, sent),
+            lambda refused: self.refused.append((session.user, refused)),  # its user leaves
         )
 
-    def _answered(self, session: _Session, request: SimRequest, region: str, rtt: float) -> None:
-        if request.finished_ms is None:
-            self.refused.append((session.user, request))
-            return
-        record = ClientRecord(request, session.user.region, region, rtt, session.user.tenant)
+    def _answered(self, session: _Session, request: SimRequest, region: str, rtt: float, sent: float) -> None:
+        if self._stopped:
+            return  # the rest of the step that stopped the run: its figures end where it stopped
+        record = ClientRecord(request, session.user.region, region, rtt, session.user.tenant, sent)
         self.records.append(record)
         if self._slo_ms is not None and record.ttft_ms > self._slo_ms:
             self._late += 1
-            if self._late > self._late_limit:
+            if self._late >= self._late_limit:
                 self._stopped = True
                 self.loop.stop()
                 return
@@ -303,11 +322,6 @@ def _chain(script: Script | None) -> Iterator[Script]:
     while script is not None:
         yield script
         script = script.after
-
-
-def _busy(cluster: ClusterSim) -> bool:
-    nodes, queued = cluster.load()
-    return queued > 0 or any(n.running or n.waiting or n.inflight for n in nodes)
 
 
 def summarize_regions(result: RegionsResult, duration_ms: float) -> dict[str, Any]:

@@ -27,20 +27,25 @@ from tqdm import tqdm
 
 from eval.sim.presets import Preset
 from eval.sim.regions import RegionsSim, RegionUser, summarize_regions
+from eval.sim.regions_defaults import (  # noqa: F401 (the scenario's settings, re-exported)
+    AMPLITUDE,
+    ARRIVALS_PER_MIN,
+    DAY_S,
+    EU_TENANT,
+    HACKING_FACTOR,
+    MAX_REPLICAS,
+    POLICIES,
+    REFERENCE_REPLICAS,
+    REGIONS,
+    REPLICAS_TARGET,
+    SLO_MS,
+    TIME_SCALE,
+)
 from eval.sim.workload import conversation_script
 from eval.workloads import Conversation, HumanTiming
 from global_layer.policies import make_region_policy
 from symphony.priority import Priority
 from symphony.regions import DEFAULT_WAN_LINKS, RegionTopology, build_topology
-
-REGIONS = ("us-east", "eu-west", "ap-south")
-POLICIES = ("nearest", "skywalker", "gorgo", "gorgo_no_queue", "symphony")
-EU_TENANT = "eu-only"
-SLO_MS = 1000.0
-REFERENCE_REPLICAS = 8  # the scale: 3 regions x 8 replicas
-MAX_REPLICAS = 16
-REPLICAS_TARGET = 0.75  # symphony's replicas over nearest's (SkyWalker: 9 / 12)
-HACKING_FACTOR = 1.5  # gorgo_no_queue's p95 over gorgo's that counts as shown
 
 
 def regions_topology(eu_tenant: str = EU_TENANT) -> RegionTopology:
@@ -59,7 +64,7 @@ def diurnal_users(
     *,
     arrivals_per_min: float,
     day_ms: float,
-    amplitude: float = 0.8,
+    amplitude: float = AMPLITUDE,
     eu_only_share: float = 0.25,
     max_answer_tokens: int = 512,
     seed: int = 0,
@@ -136,7 +141,7 @@ def regions_scenario(
     slo_ms: float = SLO_MS,
     reference_replicas: int = REFERENCE_REPLICAS,
     max_replicas: int = MAX_REPLICAS,
-    amplitude: float = 0.8,
+    amplitude: float = AMPLITUDE,
     seed: int = 0,
 ) -> dict[str, Any]:
     users = diurnal_users(

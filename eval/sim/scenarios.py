@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from eval.sim.agents import ProjectRun, agent_projects
-from eval.sim.cluster import ClusterSim, Script, SimResult, Turn
+from eval.sim.cluster import ClusterSim, SimResult
 from eval.sim.engine import EngineModel, SimRequest
 from eval.sim.presets import Preset, sim_policy
+from eval.sim.turns import Script, Turn
 from eval.sim.workload import sharegpt_users
 from eval.stats import percentile
 from eval.traces import TraceRequest, sessions_of

@@ -30,7 +30,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from eval.sim.cluster import Script, Step
+from eval.sim.turns import Script, Step
 
 
 @dataclass(frozen=True, slots=True)

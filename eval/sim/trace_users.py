@@ -24,7 +24,7 @@ import random
 import statistics
 from collections.abc import Sequence
 
-from eval.sim.cluster import Script, Step
+from eval.sim.turns import Script, Step
 from eval.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, sessions_of
 from eval.workloads import TOKENS_PER_WORD, HumanTiming, UserTiming
 

@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from eval.sim.cluster import Script
 from eval.sim.engine import EngineModel
 from eval.sim.tool_agents import AgentShape, agent_users
 from eval.sim.trace_users import trace_users
+from eval.sim.turns import Script
 from eval.sim.workload import sharegpt_users
 from eval.traces import TraceRequest
 from eval.workloads import Conversation, HumanTiming

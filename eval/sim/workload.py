@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from eval.sim.cluster import Script, Step
+from eval.sim.turns import Script, Step
 from eval.workloads import TOKENS_PER_WORD, Conversation, HumanTiming, UserTiming, answer_tokens
 from symphony.priority import Priority
 

@@ -26,9 +26,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eval.sim.cluster import ClusterSim, LinkModel, Turn
+from eval.sim.cluster import ClusterSim, LinkModel
 from eval.sim.engine import EngineModel, SimRequest
 from eval.sim.presets import sim_cost_profile
+from eval.sim.turns import Turn
 from scheduler.advisories import AdvisoryTable
 from scheduler.decisions import Pull, PullRule
 from scheduler.dispatch import Dispatcher

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from eval.sim.agents import AgentProject, ProjectRun, agent_projects
-from eval.sim.cluster import ClusterSim, LinkModel, Script, Step, Turn
+from eval.sim.cluster import ClusterSim, LinkModel
 from eval.sim.engine import EngineModel, SimEngine, SimRequest
 from eval.sim.presets import PRESETS, sim_cost_profile
 from eval.sim.scenarios import turn_work_ms, work_ratio
+from eval.sim.turns import Script, Step, Turn
 from eval.sim.workload import sharegpt_users
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from scheduler.policies import make_policy

@@ -12,9 +12,10 @@ import pytest
 from eval.bench_calibrate import compare, live_figures, replay_turns, sim_figures, simulate_replay
 from eval.loadgen import RequestRecord
 from eval.sim.calibration import DecodeSample, PrefillSample, fit_engine, fit_slowdown, load_preset, save_preset
-from eval.sim.cluster import ClusterSim, LinkModel, Turn
+from eval.sim.cluster import ClusterSim, LinkModel
 from eval.sim.engine import EngineModel
 from eval.sim.presets import Preset
+from eval.sim.turns import Turn
 from scheduler.policies import make_policy
 
 TRUE = EngineModel(

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from eval.sim.cluster import ClusterSim, LinkModel, Script, Step
+from eval.sim.cluster import ClusterSim, LinkModel
 from eval.sim.engine import EngineModel, SimEngine, SimRequest
 from eval.sim.presets import A100_LLAMA3_8B_PREFILL, PRESETS, STEP_OVERHEAD_MS, _gpu_engine
 from eval.sim.tool_agents import AgentShape, agent_task, agent_users
 from eval.sim.trace_users import shared_blocks, trace_users
+from eval.sim.turns import Script, Step
 from eval.sim.users_scenario import crossing, limit, search_users, turn_sizes, work_ratio_bound
 from eval.sim.vidur_profile import DECODE_LINEAR_MS, LAYERS, PREFILL_POINTS, fit_prefill, preset_gpu_ms
 from eval.traces import TraceRequest
