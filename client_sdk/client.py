@@ -281,6 +281,15 @@ class AdminClient:
     def priorities(self) -> dict[str, Any]:
         return cast("dict[str, Any]", self.openai.get("/priorities", cast_to=object))
 
+    def set_residency(self, tenant: str, regions: list[str] | None) -> dict[str, Any]:
+        """The only regions `tenant`'s requests and KV may enter (None: any), at this one process
+        (a regional scheduler or the global layer; `symphony admin residency` sets every one)."""
+        reply = self.openai.put("/residency", cast_to=object, body={"tenant": tenant, "regions": regions})
+        return cast("dict[str, Any]", reply)
+
+    def residency(self) -> dict[str, Any]:
+        return cast("dict[str, Any]", self.openai.get("/residency", cast_to=object))
+
     def close(self) -> None:
         self.openai.close()
 

@@ -35,6 +35,7 @@ from global_layer.advised import AdvisedRegions
 from global_layer.policies import rank_regions
 from global_layer.probe import RegionProbe
 from global_layer.request_content import request_content
+from global_layer.residency_admin import SharedTopology, add_residency_routes
 from global_layer.views import RegionPolicy, RegionRequest
 from symphony.api_errors import error_body
 from symphony.config import SymphonyConfig
@@ -87,9 +88,18 @@ class RegionRefused(Exception):
 class Entry:
     """The entry of region `region`; `probes` are its views of every region (its own included)."""
 
-    def __init__(self, config: SymphonyConfig, topology: RegionTopology, region: str, policy: RegionPolicy) -> None:
+    def __init__(
+        self,
+        config: SymphonyConfig,
+        topology: RegionTopology,
+        region: str,
+        policy: RegionPolicy,
+        shared: SharedTopology | None = None,
+    ) -> None:
         self.config = config
-        self.topology = topology
+        # The topology and residency rules of every entry of this process (the admin API replaces
+        # them); `topology` reads the current one.
+        self.shared = shared if shared is not None else SharedTopology(topology)
         self.region = region
         self.policy = policy
         self.keys = TenantKeys(config.scheduler.api_keys)
@@ -120,6 +130,10 @@ class Entry:
         # Sessions whose advisory moves their KV to a region: their next request follows it there.
         self.advised = AdvisedRegions(s.max_advisories, s.advisory_ttl_s)
 
+    @property
+    def topology(self) -> RegionTopology:
+        return self.shared.current
+
     def base_url(self, region: str) -> str:
         host, port = region_address(self.config, self.topology, self.region, region)
         return f"http://{host}:{port}"
@@ -131,6 +145,7 @@ class Entry:
         app.router.add_get("/v1/models", self.forward)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/regions", self.describe_handler)
+        add_residency_routes(app, self.config, self.shared)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from global_layer.entry import Entry
 from global_layer.policies import make_region_policy
+from global_layer.residency_admin import SharedTopology
 from symphony.config import SymphonyConfig
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
@@ -20,7 +21,8 @@ log = get_logger(__name__)
 def make_entries(config: SymphonyConfig, topology: RegionTopology) -> list[Entry]:
     # Each entry its own policy: what a stateful one learns is what its entry sent (SkyWalker's
     # per-balancer tree).
-    return [Entry(config, topology, name, make_region_policy(config.regions.policy)) for name in topology.names]
+    shared = SharedTopology(topology)  # one set of residency rules for all of them
+    return [Entry(config, topology, name, make_region_policy(config.regions.policy), shared) for name in topology.names]
 
 
 async def serve_entries(config: SymphonyConfig, topology: RegionTopology) -> None:

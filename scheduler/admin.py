@@ -1,6 +1,8 @@
 """The admin API (`/admin/v1/...`, bearer `scheduler.admin_token`): priority tiers per tenant or per
 session. Setting a session or a tenant to high moves the KV of its sessions to the top tier of
-their nodes at once (`promoted`: how many moves started)."""
+their nodes at once (`promoted`: how many moves started). A regional scheduler also takes
+residency rules (`/admin/v1/residency`, symphony.residency_rules): a tenant refused here from
+the next request on."""
 
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ from scheduler.errors import ApiError
 from scheduler.routing import PRIORITIES
 from scheduler.state import SchedulerState
 from scheduler.validation import check_session_id, parse_json_object
+from symphony.logs import get_logger
+from symphony.regions import RegionTopology
+from symphony.residency_rules import RuleError, known_tenants, listing, parse_update, with_rule
+
+log = get_logger(__name__)
 
 MAX_TENANT_LEN = 128
 
@@ -51,7 +58,36 @@ def admin_routes(state: SchedulerState) -> APIRouter:
             }
         )
 
+    @router.get("/residency")
+    async def list_residency(request: Request) -> JSONResponse:
+        state.auth.check_admin(request.headers.get("authorization"))
+        topology = _regions(state)
+        region = state.config.scheduler.region
+        return JSONResponse({"object": "residency", "region": region, "rules": listing(topology)})
+
+    @router.put("/residency")
+    async def set_residency(request: Request) -> JSONResponse:
+        state.auth.check_admin(request.headers.get("authorization"))
+        topology = _regions(state)
+        body = parse_json_object(await request.body())
+        try:
+            tenant, regions = parse_update(body, topology, known_tenants(state.config.scheduler.api_keys))
+            state.topology = with_rule(topology, tenant, regions)
+        except RuleError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except OverflowError as exc:
+            raise ApiError(409, str(exc), code="residency_table_full") from None
+        log.info("residency rule set", tenant=tenant, regions=",".join(sorted(regions)) if regions else "any")
+        rule = listing(state.topology).get(tenant)
+        return JSONResponse({"object": "residency_rule", "tenant": tenant, "regions": rule})
+
     return router
+
+
+def _regions(state: SchedulerState) -> RegionTopology:
+    if state.topology is None or not state.config.scheduler.region:
+        raise ApiError(404, "residency rules are a regional scheduler's: this one has no scheduler.region")
+    return state.topology
 
 
 def _tenant(body: dict[str, Any]) -> str:

@@ -13,11 +13,10 @@ each request's `cache_salt` from its tenant (`symphony.tenancy.engine_cache_salt
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 
 from scheduler.errors import ApiError
-from symphony.tenancy import DEFAULT_TENANT, TenantKeys, bearer
+from symphony.tenancy import DEFAULT_TENANT, TenantKeys, admin_refusal, bearer
 
 __all__ = ["Authenticator", "bearer"]
 
@@ -30,7 +29,7 @@ class Authenticator:
         refuse_tenant: Callable[[str], ApiError | None] | None = None,
     ) -> None:
         self._keys = TenantKeys(api_keys)
-        self._admin = admin_token.encode()
+        self._admin = admin_token
         # The error for a tenant this scheduler may not serve (data residency: a regional
         # scheduler refuses tenants whose data may not enter its region, whoever sends them).
         self._refuse = refuse_tenant
@@ -57,12 +56,7 @@ class Authenticator:
         return tenant
 
     def check_admin(self, authorization: str | None) -> None:
-        if not self._admin:
-            raise ApiError(403, "the admin API is off: set scheduler.admin_token to use it", code="admin_disabled")
-        token = bearer(authorization)
-        if token is None:
-            raise ApiError(
-                401, "missing admin token: send it as 'Authorization: Bearer <token>'", code="missing_admin_token"
-            )
-        if not hmac.compare_digest(token.encode(), self._admin):
-            raise ApiError(403, "wrong admin token", code="invalid_admin_token")
+        refused = admin_refusal(self._admin, authorization)
+        if refused is not None:
+            status, message, code = refused
+            raise ApiError(status, message, code=code)

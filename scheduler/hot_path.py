@@ -150,7 +150,7 @@ class HotPath:
         except ValueError as exc:
             raise ApiError(400, str(exc), param=KV_SOURCE_HEADER) from None
         remote = self.state.dispatcher.remote_nodes
-        topology = self.state.config.topology()
+        topology = self.state.topology
         index = node_index(node) if node in remote else None
         if topology is None or index is None:
             raise ApiError(400, f"{KV_SOURCE_HEADER}: {node!r} is no node of another region", param=KV_SOURCE_HEADER)

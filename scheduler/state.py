@@ -44,11 +44,13 @@ class SchedulerState:
     def _residency_check(self) -> Callable[[str], ApiError | None] | None:
         """A regional scheduler's refusal of tenants whose data may not enter its region (the
         global layer never sends them; this holds for whoever calls it directly)."""
-        topology, region = self.config.topology(), self.config.scheduler.region
-        if topology is None or not region or not topology.residency:
+        region = self.config.scheduler.region
+        if self.topology is None or not region:
             return None
 
         def refuse(tenant: str) -> ApiError | None:
+            topology = self.topology  # the rules as they are now (the admin API replaces them)
+            assert topology is not None
             if topology.allowed(tenant, region):
                 return None
             self.metrics.residency_refused.labels(tenant).inc()
@@ -69,6 +71,9 @@ class SchedulerState:
 
     def __init__(self, config: SymphonyConfig) -> None:
         self.config = config
+        # The regions, and the residency rules this scheduler holds now: the configuration's, as
+        # the admin API replaced them since (scheduler.admin, symphony.residency_rules).
+        self.topology = config.topology()
         sc = config.scheduler
         self.metrics = SchedulerMetrics()
         self.cluster = NodeMonitor(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from symphony.cli_args import CliError, add_config_args, engine_overrides, load_from_args, positive_int
+from symphony.cli_residency import add_residency_parser
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
 from symphony.models import ModelError
 
@@ -297,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("--url", help="scheduler URL (default from config)")
         action.add_argument("--token", help="admin token (default $SYMPHONY_ADMIN_TOKEN or scheduler.admin_token)")
         action.set_defaults(func=cmd_admin_priority)
+    add_residency_parser(admin_sub)
 
     from eval.cli import register as register_bench  # the one import of eval: its commands join this parser
 

@@ -33,7 +33,7 @@ from symphony.config_schema import (
     SchedulerConfig,
     SymphonyConfig,
 )
-from symphony.tenancy import DEFAULT_TENANT
+from symphony.residency_rules import known_tenants
 
 __all__ = [
     "ENV_PREFIX",
@@ -414,7 +414,7 @@ def _region_ports(config: SymphonyConfig, check: Any, port: Any) -> list[int]:
         "cluster.nodes",
         f"{config.cluster.nodes}, but regions.layout places {total} nodes",
     )
-    tenants = {entry.partition(":")[0] for entry in config.scheduler.api_keys} or {DEFAULT_TENANT}
+    tenants = known_tenants(config.scheduler.api_keys)
     for tenant in topology.residency:
         check(
             tenant in tenants,

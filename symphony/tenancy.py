@@ -10,6 +10,7 @@ events name (`node_manager/engine_event_keys.py`)."""
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 DEFAULT_TENANT = "default"  # every request's tenant when the scheduler has no API keys
 _SALT_DOMAIN = b"symphony-engine-cache-salt\0"
@@ -33,6 +34,19 @@ def bearer(authorization: str | None) -> str | None:
     scheme, _, token = authorization.strip().partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
+
+
+def admin_refusal(admin_token: str, authorization: str | None) -> tuple[int, str, str] | None:
+    """None when `authorization` carries the admin token; else the answer: (status, message,
+    code). An empty token turns the admin API off. Compared in constant time."""
+    if not admin_token:
+        return 403, "the admin API is off: set scheduler.admin_token to use it", "admin_disabled"
+    token = bearer(authorization)
+    if token is None:
+        return 401, "missing admin token: send it as 'Authorization: Bearer <token>'", "missing_admin_token"
+    if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), admin_token.encode()):
+        return 403, "wrong admin token", "invalid_admin_token"
+    return None
 
 
 class TenantKeys:

@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,7 +22,8 @@ from eval.ports import free_port_run
 from global_layer.entry import CLIENT_REGION_HEADER, REGION_HEADER, Entry
 from global_layer.server import make_entries
 from scheduler.app import create_app
-from symphony.config import SymphonyConfig, load_config
+from symphony.cli import main
+from symphony.config import SymphonyConfig, dump_toml, load_config
 from symphony.region_links import RegionLinks, remote_node_addresses
 from symphony.region_load import RegionLoad, session_digest
 from symphony.regions import RegionTopology
@@ -32,6 +34,7 @@ REGIONS = ["us-east:1", "eu-west:1", "ap-south:1"]
 # Shorter than the public-cloud matrix, same order: the tests wait on these.
 LINKS = ["us-east~eu-west:40:1000", "us-east~ap-south:100:1000", "eu-west~ap-south:60:1000"]
 KEYS = ["acme:key-acme", "eu:key-eu"]
+ADMIN = "admin-secret"
 LOAD0 = RegionLoad(0, 0, 0, 0, 0, 0, 0.0)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -92,7 +95,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
     config = load_config(
         env={},
         overrides={
-            "scheduler": {"port": entries_port, "api_keys": KEYS, "connect_timeout_s": 1.0},
+            "scheduler": {"port": entries_port, "api_keys": KEYS, "connect_timeout_s": 1.0, "admin_token": ADMIN},
             "cluster": {"nodes": 3},
             "kv": {"data_plane": "grpc"},
             "regions": {**regions_keys, "probe_interval_ms": 20, "region_down_after_ms": 300, "policy": policy},
@@ -121,6 +124,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
                         "poll_interval_ms": 20,
                         "node_down_after_ms": 300,
                         "api_keys": KEYS,
+                        "admin_token": ADMIN,
                         "region": region.name,
                     },
                     "cluster": {"nodes": 3},
@@ -437,3 +441,56 @@ async def test_a_client_cannot_name_a_kv_source(regions: Regions) -> None:
             )
             assert direct.status_code == status, (value, direct.text)
             assert direct.json()["error"]["param"] == "X-Symphony-KV-Source"
+
+
+async def test_admin_residency_moves_a_tenant_at_every_hop_until_cleared(
+    regions: Regions, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`symphony admin residency` sets the rule at each regional scheduler and the global layer:
+    the tenant's next request goes where it may, a direct call elsewhere is refused, and clearing
+    the rule puts it back."""
+    config_file = tmp_path / "regions.toml"
+    config_file.write_text(dump_toml(regions.config))
+    cli = ["admin", "residency"]
+    given = ["--config", str(config_file), "--tenant", "acme"]
+    assert (await _chat(regions.entry_url("us-east"), _headers())).headers[REGION_HEADER] == "us-east"
+    assert await asyncio.to_thread(main, [*cli, "set", *given, "--regions", "ap-south"]) == 0
+    said = capsys.readouterr().out
+    assert "may use ap-south (set at us-east scheduler, eu-west scheduler, ap-south scheduler, global layer)" in said
+    moved = await _chat(regions.entry_url("us-east"), _headers())
+    assert moved.status_code == 200 and moved.headers[REGION_HEADER] == "ap-south"
+    us_east = f"http://127.0.0.1:{regions.config.regions.scheduler_port_base}"
+    refused = await _chat(us_east, _headers())
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "residency"
+    assert await asyncio.to_thread(main, [*cli, "list", "--config", str(config_file)]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert all(rules["acme"] == ["ap-south"] and rules["eu"] == ["eu-west"] for rules in listed.values())
+    assert len(listed) == 4
+    assert await asyncio.to_thread(main, [*cli, "clear", *given]) == 0
+    back = await _chat(regions.entry_url("us-east"), _headers())
+    assert back.headers[REGION_HEADER] == "us-east"
+    assert (await _chat(us_east, _headers())).status_code == 200
+
+
+async def test_residency_admin_refuses_bad_updates_and_callers(regions: Regions) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    urls = [regions.entry_url("eu-west"), f"http://127.0.0.1:{regions.config.regions.scheduler_port_base + 1}"]
+    async with httpx.AsyncClient(timeout=5) as client:
+        for url in urls:
+            path = url + "/admin/v1/residency"
+            body = {"tenant": "acme", "regions": ["eu-west"]}
+            assert (await client.put(path, json=body)).status_code == 401
+            assert (await client.put(path, json=body, headers=_headers())).status_code == 403  # a tenant key
+            for bad, param in [
+                ({"tenant": "acme", "regions": ["mars"]}, "regions"),
+                ({"tenant": "acme", "regions": []}, "regions"),
+                ({"tenant": "nobody", "regions": ["eu-west"]}, "tenant"),
+                ({"tenant": {}, "regions": ["eu-west"]}, "tenant"),
+            ]:
+                answer = await client.put(path, json=bad, headers=admin)
+                assert answer.status_code == 400, (url, bad, answer.text)
+                assert answer.json()["error"]["param"] == param
+            broken = await client.put(path, content=b"{not json", headers=admin)
+            assert broken.status_code == 400 and broken.json()["error"]["message"]
+            rules = (await client.get(path, headers=admin)).json()["rules"]
+            assert rules == {"eu": ["eu-west"]}  # nothing bad was kept
