@@ -275,6 +275,8 @@ class Entry:
         last: RegionRefused | None = None
         inference = request.path in ("/v1/chat/completions", "/v1/completions")
         for region in ranked:
+            if not self.topology.allowed(region_request.tenant, region):
+                continue  # a rule changed since the ranking (the admin API): the new one holds
             url = self.base_url(region) + request.path_qs
             sent, moving = self._with_move(headers, region_request, region)
             if moving and region_request.session:

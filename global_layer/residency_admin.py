@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 from aiohttp import web
+from aiohttp.http_exceptions import PayloadEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from symphony.api_errors import error_body
 from symphony.config import SymphonyConfig
@@ -34,7 +36,7 @@ def add_residency_routes(app: web.Application, config: SymphonyConfig, shared: S
         if refusal is None:
             return None
         status, message, code = refusal
-        return web.json_response(error_body(status, message, code=code), status=status)
+        return _error(status, message, code=code)
 
     async def list_rules(request: web.Request) -> web.Response:
         if (answer := refused(request)) is not None:
@@ -45,18 +47,30 @@ def add_residency_routes(app: web.Application, config: SymphonyConfig, shared: S
         if (answer := refused(request)) is not None:
             return answer
         try:
-            body = json.loads(await request.read())
+            raw = await request.read()  # bounded by the app's client_max_size
+        except web.HTTPRequestEntityTooLarge:
+            limit = config.scheduler.max_body_bytes
+            return _error(413, f"request body larger than {limit} bytes", code="body_too_large")
+        except (RequestPayloadError, PayloadEncodingError) as exc:  # a broken chunked or compressed body
+            return _error(400, f"the request body could not be read: {exc}", code="invalid_body")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON (or not UTF-8), or nested past Python's stack
+            return _error(400, "the request body is not valid JSON")
+        try:
             tenant, regions = parse_update(body, shared.current, tenants)
             shared.current = with_rule(shared.current, tenant, regions)
-        except (ValueError, UnicodeDecodeError) as exc:  # RuleError, or a body that is no JSON
-            param = exc.param if isinstance(exc, RuleError) else "body"
-            message = str(exc) if isinstance(exc, RuleError) else "the body is not JSON"
-            return web.json_response(error_body(400, message, param=param), status=400)
+        except RuleError as exc:
+            return _error(400, str(exc), param=exc.param)
         except OverflowError as exc:
-            return web.json_response(error_body(409, str(exc), code="residency_table_full"), status=409)
+            return _error(409, str(exc), code="residency_table_full")
         log.info("residency rule set", tenant=tenant, regions=",".join(sorted(regions)) if regions else "any")
         rule = listing(shared.current).get(tenant)
         return web.json_response({"object": "residency_rule", "tenant": tenant, "regions": rule})
 
     app.router.add_get("/admin/v1/residency", list_rules)
     app.router.add_put("/admin/v1/residency", set_rule)
+
+
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param=param, code=code), status=status)

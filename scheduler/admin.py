@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from scheduler.errors import ApiError
+from scheduler.hot_path import read_body
 from scheduler.routing import PRIORITIES
 from scheduler.state import SchedulerState
 from scheduler.validation import check_session_id, parse_json_object
@@ -35,7 +36,7 @@ def admin_routes(state: SchedulerState) -> APIRouter:
     @router.put("/priorities")
     async def set_priority(request: Request) -> JSONResponse:
         state.auth.check_admin(request.headers.get("authorization"))
-        body = parse_json_object(await request.body())
+        body = parse_json_object(await read_body(request.scope, request.receive, state.config.scheduler.max_body_bytes))
         tenant = _tenant(body)
         session_id = None
         if body.get("session_id") is not None:
@@ -68,9 +69,11 @@ def admin_routes(state: SchedulerState) -> APIRouter:
     @router.put("/residency")
     async def set_residency(request: Request) -> JSONResponse:
         state.auth.check_admin(request.headers.get("authorization"))
-        topology = _regions(state)
-        body = parse_json_object(await request.body())
+        _regions(state)
+        body = parse_json_object(await read_body(request.scope, request.receive, state.config.scheduler.max_body_bytes))
         try:
+            # The rules as they are once the body is in: a change made meanwhile is kept.
+            topology = _regions(state)
             tenant, regions = parse_update(body, topology, known_tenants(state.config.scheduler.api_keys))
             state.topology = with_rule(topology, tenant, regions)
         except RuleError as exc:

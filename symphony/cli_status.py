@@ -71,7 +71,7 @@ def _region_status(config: SymphonyConfig, topology: RegionTopology, as_json: bo
     for line in describe_region_links((links or {}).get("links", [])):
         print(line)
     for tenant, allowed in sorted(topology.residency.items()):
-        print(f"  residency: tenant {tenant} stays in {', '.join(sorted(allowed))}")
+        print(f"  residency (configured): tenant {tenant} stays in {', '.join(sorted(allowed))}")
     for name, (url, body) in schedulers.items():
         print(f"[{name}] ", end="")
         if body is None:

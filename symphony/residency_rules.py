@@ -39,6 +39,9 @@ def parse_update(body: Any, topology: RegionTopology, tenants: frozenset[str]) -
     removed and the tenant may use every region). RuleError naming the field otherwise."""
     if not isinstance(body, Mapping):
         raise RuleError("body", "expected a JSON object")
+    unknown_keys = sorted(set(body) - {"tenant", "regions"})
+    if unknown_keys:
+        raise RuleError(unknown_keys[0], f"unknown field {unknown_keys[0]!r} (fields: tenant, regions)")
     tenant = body.get("tenant")
     if (
         not isinstance(tenant, str)
@@ -48,11 +51,15 @@ def parse_update(body: Any, topology: RegionTopology, tenants: frozenset[str]) -
         raise RuleError("tenant", f"tenant must be 1 to {MAX_TENANT_LEN} visible ASCII characters")
     if tenant not in tenants:
         raise RuleError("tenant", f"tenant {tenant!r} has no API key (known: {', '.join(sorted(tenants))})")
-    regions = body.get("regions")
+    if "regions" not in body:  # never read as "remove the rule": that takes an explicit null
+        raise RuleError("regions", "regions is required: a list of region names, or null to remove the rule")
+    regions = body["regions"]
     if regions is None:
         return tenant, None
     if not isinstance(regions, list) or not regions or not all(isinstance(r, str) for r in regions):
         raise RuleError("regions", "regions must be a non-empty list of region names, or null to remove the rule")
+    if len(set(regions)) != len(regions):
+        raise RuleError("regions", "regions names a region twice")
     unknown = [r for r in regions if r not in topology.names]
     if unknown:
         raise RuleError(

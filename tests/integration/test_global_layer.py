@@ -459,6 +459,9 @@ async def test_admin_residency_moves_a_tenant_at_every_hop_until_cleared(
     assert "may use ap-south (set at us-east scheduler, eu-west scheduler, ap-south scheduler, global layer)" in said
     moved = await _chat(regions.entry_url("us-east"), _headers())
     assert moved.status_code == 200 and moved.headers[REGION_HEADER] == "ap-south"
+    # Set through one entry, it holds at every entry of the global layer.
+    other_entry = await _chat(regions.entry_url("eu-west"), _headers())
+    assert other_entry.status_code == 200 and other_entry.headers[REGION_HEADER] == "ap-south"
     us_east = f"http://127.0.0.1:{regions.config.regions.scheduler_port_base}"
     refused = await _chat(us_east, _headers())
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "residency"
@@ -466,7 +469,12 @@ async def test_admin_residency_moves_a_tenant_at_every_hop_until_cleared(
     listed = json.loads(capsys.readouterr().out)
     assert all(rules["acme"] == ["ap-south"] and rules["eu"] == ["eu-west"] for rules in listed.values())
     assert len(listed) == 4
-    assert await asyncio.to_thread(main, [*cli, "clear", *given]) == 0
+    # A process that does not answer is named, and the others still take the change.
+    await regions.stop_scheduler("eu-west")
+    assert await asyncio.to_thread(main, [*cli, "clear", *given]) == 2
+    said = capsys.readouterr()
+    assert "eu-west scheduler at" in said.err and "unreachable" in said.err
+    assert "set at us-east scheduler, ap-south scheduler, global layer" in said.out
     back = await _chat(regions.entry_url("us-east"), _headers())
     assert back.headers[REGION_HEADER] == "us-east"
     assert (await _chat(us_east, _headers())).status_code == 200
@@ -490,7 +498,11 @@ async def test_residency_admin_refuses_bad_updates_and_callers(regions: Regions)
                 answer = await client.put(path, json=bad, headers=admin)
                 assert answer.status_code == 400, (url, bad, answer.text)
                 assert answer.json()["error"]["param"] == param
-            broken = await client.put(path, content=b"{not json", headers=admin)
-            assert broken.status_code == 400 and broken.json()["error"]["message"]
+            for body_bytes in (b"{not json", b"[" * 100_000, b"\xff\xfe"):
+                broken = await client.put(path, content=body_bytes, headers=admin)
+                assert broken.status_code == 400, (url, body_bytes[:8], broken.text)
+                assert broken.json()["error"]["type"] == "invalid_request_error"
+            huge = await client.put(path, content=b" " * (regions.config.scheduler.max_body_bytes + 1), headers=admin)
+            assert huge.status_code == 413 and huge.json()["error"]["message"]
             rules = (await client.get(path, headers=admin)).json()["rules"]
             assert rules == {"eu": ["eu-west"]}  # nothing bad was kept

@@ -46,6 +46,9 @@ def test_a_rule_replaces_the_configurations_and_clearing_lets_the_tenant_anywher
         ({"tenant": "acme", "regions": "eu-west"}, "regions"),
         ({"tenant": "acme", "regions": [1]}, "regions"),
         ({"tenant": "acme", "regions": ["eu-west", "mars"]}, "regions"),
+        ({"tenant": "acme"}, "regions"),  # a missing list never reads as "remove the rule"
+        ({"tenant": "acme", "region": ["eu-west"]}, "region"),
+        ({"tenant": "acme", "regions": ["eu-west", "eu-west"]}, "regions"),
     ],
 )
 def test_a_bad_update_names_its_field(body: object, param: str) -> None:
