@@ -8,9 +8,10 @@ enter before a policy sees the candidates, so no policy can send a tenant's requ
 - `nearest`: the client's region, then the others by round trip (a GKE multi-cluster-gateway-like
   baseline; load is the regional scheduler's business).
 - `skywalker` (SkyWalker, EuroSys'26): a bounded prefix tree of the text sent to each region; the
-  region with the longest match if it has an idle node, else the client's region if it has one,
-  else the consistent-hash owner among regions with one (selective pushing: a region whose every
-  node has a queue is passed over while another has room); all saturated: the shortest wait.
+  region with the longest match (the nearest of those tied) if it has an idle node, else the
+  client's region if it has one, else the consistent-hash owner among regions with one (selective
+  pushing: a region whose every node has a queue is passed over while another has room); all
+  saturated: the shortest wait.
 - `gorgo` (GORGO): `w_rtt`·RTT + residual prefill + `w_queue`·queue wait, static weights;
   `gorgo_no_queue` drops the queue term, which piles requests onto the region holding the best
   prefix (the reward hacking GORGO's paper reports).
@@ -91,8 +92,12 @@ class SkyWalker(_Baseline):
         first: str | None = None
         if request.text:
             _, matched = self.tree.match(request.text)
-            best = max(((chars, name) for name, chars in matched.items() if name in room), default=None)
-            first = best[1] if best is not None else None
+            longest = max((chars for name, chars in matched.items() if name in room), default=0)
+            # Of the regions with the longest match, the nearest: a tie (the chat template every
+            # prompt opens with) is no reason to cross the world.
+            tied = [name for name, chars in matched.items() if name in room and longest and chars == longest]
+            if tied:
+                first = min(tied, key=lambda n: (topology.rtt_ms(request.client_region, n), n))
         if first is None and request.client_region in room:
             first = request.client_region
         if first is None and room:

@@ -120,6 +120,19 @@ def test_skywalker_follows_the_prefix_while_its_region_has_room() -> None:
     assert rank_regions(policy, follow, full, TOPOLOGY).regions[0] == "us-east"
 
 
+def test_skywalker_breaks_a_tie_of_matches_by_round_trip_not_by_name() -> None:
+    """Every prompt opens with the same chat template: matching only that, the nearest region with
+    it wins (before, the last name: a client in ap-south was sent to us-east, 190 ms away)."""
+    policy = SkyWalker(trie_chars=10_000)
+    template = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    for region, session in (("us-east", "a1"), ("eu-west", "b2")):
+        policy.observe(RegionRequest("t", region, session, template + session), region)
+    fresh = RegionRequest("t", "ap-south", "c3", template + "c3")
+    assert rank_regions(policy, fresh, all_idle(), TOPOLOGY).regions[0] == "eu-west"
+    policy.observe(RegionRequest("t", "ap-south", "d4", template + "d4"), "ap-south")
+    assert rank_regions(policy, fresh, all_idle(), TOPOLOGY).regions[0] == "ap-south"
+
+
 def test_skywalker_without_a_match_hashes_sessions_across_regions_with_room() -> None:
     policy = SkyWalker(trie_chars=10_000)
     away = all_idle(us_east={"idle_nodes": 0})
