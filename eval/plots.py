@@ -273,6 +273,9 @@ def plot_sim_regions(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("replicas per region")
     ax.set_ylabel("p95 TTFT (ms, client side)")
     ax.set_yscale("log")
-    ax.set_title(f"{len(result['regions'])} regions, {result['users']:,} users over a simulated day")
+    ax.set_title(
+        f"{len(result['regions'])} regions, {result['users']:,} users over a simulated day\n"
+        f"(a run stopped once its p95 had to miss the SLO is drawn at {10 * result['slo_ms']:g} ms)"
+    )
     ax.legend()
     _save(plt, fig, path)
