@@ -98,7 +98,9 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
             "scheduler": {"port": entries_port, "api_keys": KEYS, "connect_timeout_s": 1.0, "admin_token": ADMIN},
             "cluster": {"nodes": 3},
             "kv": {"data_plane": "grpc"},
-            "regions": {**regions_keys, "probe_interval_ms": 20, "region_down_after_ms": 300, "policy": policy},
+            # Down after 1.5 s without a summary: long enough that a loaded host (CI, a GIL-bound
+            # thread in this process) does not read a live region as down between a test's steps.
+            "regions": {**regions_keys, "probe_interval_ms": 20, "region_down_after_ms": 1500, "policy": policy},
         },
     )
     topology = config.topology()
@@ -122,7 +124,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
                         "port": entries_port,  # it listens on its region's port, as below
                         "node_addresses": [node.address],
                         "poll_interval_ms": 20,
-                        "node_down_after_ms": 300,
+                        "node_down_after_ms": 1500,
                         "api_keys": KEYS,
                         "admin_token": ADMIN,
                         "region": region.name,
@@ -457,8 +459,12 @@ async def test_admin_residency_moves_a_tenant_at_every_hop_until_cleared(
     assert await asyncio.to_thread(main, [*cli, "set", *given, "--regions", "ap-south"]) == 0
     said = capsys.readouterr().out
     assert "may use ap-south (set at us-east scheduler, eu-west scheduler, ap-south scheduler, global layer)" in said
+    # The command ran in a thread of this process and held the GIL while it parsed and loaded:
+    # the entries' probes may have missed their deadline meanwhile. Wait until they see again.
+    await regions.all_up("us-east")
+    await regions.all_up("eu-west")
     moved = await _chat(regions.entry_url("us-east"), _headers())
-    assert moved.status_code == 200 and moved.headers[REGION_HEADER] == "ap-south"
+    assert moved.status_code == 200 and moved.headers[REGION_HEADER] == "ap-south", moved.text
     # Set through one entry, it holds at every entry of the global layer.
     other_entry = await _chat(regions.entry_url("eu-west"), _headers())
     assert other_entry.status_code == 200 and other_entry.headers[REGION_HEADER] == "ap-south"
@@ -475,6 +481,7 @@ async def test_admin_residency_moves_a_tenant_at_every_hop_until_cleared(
     said = capsys.readouterr()
     assert "eu-west scheduler at" in said.err and "unreachable" in said.err
     assert "set at us-east scheduler, ap-south scheduler, global layer" in said.out
+    await regions.all_up("us-east", regions=["us-east", "ap-south"])
     back = await _chat(regions.entry_url("us-east"), _headers())
     assert back.headers[REGION_HEADER] == "us-east"
     assert (await _chat(us_east, _headers())).status_code == 200
