@@ -19,10 +19,9 @@ from scheduler.validation import check_session_id, parse_json_object
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
 from symphony.residency_rules import RuleError, known_tenants, listing, parse_update, with_rule
+from symphony.tenancy import tenant_name_error
 
 log = get_logger(__name__)
-
-MAX_TENANT_LEN = 128
 
 
 def admin_routes(state: SchedulerState) -> APIRouter:
@@ -95,11 +94,7 @@ def _regions(state: SchedulerState) -> RegionTopology:
 
 def _tenant(body: dict[str, Any]) -> str:
     tenant = body.get("tenant")
-    if (
-        not isinstance(tenant, str)
-        or not tenant
-        or len(tenant) > MAX_TENANT_LEN
-        or not all("\x21" <= ch <= "\x7e" for ch in tenant)
-    ):
-        raise ApiError(400, f"tenant must be 1 to {MAX_TENANT_LEN} visible ASCII characters", param="tenant")
+    if (invalid := tenant_name_error(tenant)) is not None:
+        raise ApiError(400, invalid, param="tenant")
+    assert isinstance(tenant, str)
     return tenant

@@ -14,10 +14,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from symphony.regions import RegionTopology
-from symphony.tenancy import DEFAULT_TENANT
+from symphony.tenancy import DEFAULT_TENANT, tenant_name_error
 
 MAX_RESIDENCY_RULES = 4096  # tenants with a rule, per process
-MAX_TENANT_LEN = 128
 
 
 class RuleError(ValueError):
@@ -43,12 +42,9 @@ def parse_update(body: Any, topology: RegionTopology, tenants: frozenset[str]) -
     if unknown_keys:
         raise RuleError(unknown_keys[0], f"unknown field {unknown_keys[0]!r} (fields: tenant, regions)")
     tenant = body.get("tenant")
-    if (
-        not isinstance(tenant, str)
-        or not 0 < len(tenant) <= MAX_TENANT_LEN
-        or not all("\x21" <= ch <= "\x7e" for ch in tenant)
-    ):
-        raise RuleError("tenant", f"tenant must be 1 to {MAX_TENANT_LEN} visible ASCII characters")
+    if (invalid := tenant_name_error(tenant)) is not None:
+        raise RuleError("tenant", invalid)
+    assert isinstance(tenant, str)
     if tenant not in tenants:
         raise RuleError("tenant", f"tenant {tenant!r} has no API key (known: {', '.join(sorted(tenants))})")
     if "regions" not in body:  # never read as "remove the rule": that takes an explicit null

@@ -36,6 +36,17 @@ def bearer(authorization: str | None) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
+MAX_TENANT_LEN = 128  # a tenant name the admin APIs accept
+
+
+def tenant_name_error(tenant: object) -> str | None:
+    """Why `tenant` is no tenant name the admin APIs accept (None: it is one): 1 to
+    MAX_TENANT_LEN visible ASCII characters."""
+    if isinstance(tenant, str) and 0 < len(tenant) <= MAX_TENANT_LEN and all("\x21" <= ch <= "\x7e" for ch in tenant):
+        return None
+    return f"tenant must be 1 to {MAX_TENANT_LEN} visible ASCII characters"
+
+
 def admin_refusal(admin_token: str, authorization: str | None) -> tuple[int, str, str] | None:
     """None when `authorization` carries the admin token; else the answer: (status, message,
     code). An empty token turns the admin API off. Compared in constant time."""
