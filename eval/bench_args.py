@@ -5,6 +5,7 @@ names, the --workload file. Heavy imports happen inside the checks that need the
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,20 @@ def add_replay_args(
         help="share of turns without an advisory (0)" if miss_rate else argparse.SUPPRESS,
     )
     parser.add_argument("--workload", type=Path, help=workload_help)
+
+
+def refuse_given(args: argparse.Namespace, names: Iterable[str], why: str) -> None:
+    """A CliError naming each flag of `names` (attribute names) given on the command line (not None)."""
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name, None) is not None]
+    if given:
+        raise CliError(f"{', '.join(given)}: {why}")
+
+
+def fill_defaults(args: argparse.Namespace, defaults: Mapping[str, Any]) -> None:
+    """Each of `defaults` not given on the command line (None) takes its default."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def add_bench_cluster_args(parser: argparse.ArgumentParser) -> None:

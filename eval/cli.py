@@ -12,12 +12,14 @@ from eval.bench_args import (
     add_bench_cluster_args,
     add_replay_args,
     check_human_timing,
+    fill_defaults,
     load_conversations,
     policy_names,
+    refuse_given,
     workload_file,
 )
 from eval.cli_cluster import add_cluster_parser
-from eval.cli_regions import add_regions_parser, add_sim_regions_args, cmd_bench_sim_regions
+from eval.cli_regions import SIM_REGIONS_DEFAULTS, add_regions_parser, add_sim_regions_args, cmd_bench_sim_regions
 from symphony.cli_args import (
     CliError,
     engine_overrides,
@@ -25,6 +27,20 @@ from symphony.cli_args import (
     load_from_args,
     positive_int,
 )
+
+# `bench sim`'s flags that every scenario but regions reads, and their defaults.
+SIM_DEFAULTS: dict[str, Any] = {
+    "nodes": 8,
+    "max_users": 65_536,
+    "refine": 2,
+    "no_prefix_cache": False,
+    "tpot_bound": 1.15,
+    "agent_steps": 40,
+    "agent_prefix_tokens": 2000,
+    "agent_output_tokens": 182,
+    "agent_tool_tokens": 400,
+    "agent_tool_s": 5.0,
+}
 
 
 def register(sub: Any) -> None:
@@ -181,7 +197,9 @@ def register(sub: Any) -> None:
         metavar="JSON",
         help="engine and link constants from `symphony bench calibrate` (instead of --preset)",
     )
-    sim.add_argument("--nodes", type=positive_int, default=8, help="engines (8)")
+    # Flags one family of scenarios reads default to None, so that the other refuses them when given
+    # (`refuse_given`) rather than ignoring them; each family fills in its own defaults.
+    sim.add_argument("--nodes", type=positive_int, help=f"engines ({SIM_DEFAULTS['nodes']})")
     sim.add_argument(
         "--users",
         help="user counts, comma-separated; users: where the search starts (by workload: sharegpt "
@@ -216,27 +234,23 @@ def register(sub: Any) -> None:
     )
     sim.add_argument("--seed", type=int, default=0, help="workload seed (0)")
     search = sim.add_argument_group("--scenario users: the search for each policy's limit")
-    search.add_argument(
-        "--max-users", type=positive_int, default=65_536, help="no more users than this per point (65536)"
-    )
-    search.add_argument("--refine", type=int_between(0, 10), default=2, help="bisections of each policy's crossing (2)")
+    search.add_argument("--max-users", type=positive_int, help="no more users than this per point (65536)")
+    search.add_argument("--refine", type=int_between(0, 10), help="bisections of each policy's crossing (2)")
     search.add_argument(
         "--no-prefix-cache",
         action="store_true",
+        default=None,
         help="engines without vLLM's prefix caching: recompute then finds nothing of a history (default: on)",
     )
     search.add_argument(
-        "--tpot-bound",
-        type=float,
-        default=1.15,
-        help="the bound: this many times recompute's mean TPOT at the fewest users (1.15)",
+        "--tpot-bound", type=float, help="the bound: this many times recompute's mean TPOT at the fewest users (1.15)"
     )
     agent = sim.add_argument_group("--workload agentic: one task's shape (eval/sim/tool_agents.py cites the defaults)")
-    agent.add_argument("--agent-steps", type=positive_int, default=40, help="LLM calls per task (40)")
-    agent.add_argument("--agent-prefix-tokens", type=positive_int, default=2000, help="the opening prompt (2000)")
-    agent.add_argument("--agent-output-tokens", type=positive_int, default=182, help="answer per call (182)")
-    agent.add_argument("--agent-tool-tokens", type=int_between(0), default=400, help="tool output per call (400)")
-    agent.add_argument("--agent-tool-s", type=float, default=5.0, help="seconds a tool runs between calls (5)")
+    agent.add_argument("--agent-steps", type=positive_int, help="LLM calls per task (40)")
+    agent.add_argument("--agent-prefix-tokens", type=positive_int, help="the opening prompt (2000)")
+    agent.add_argument("--agent-output-tokens", type=positive_int, help="answer per call (182)")
+    agent.add_argument("--agent-tool-tokens", type=int_between(0), help="tool output per call (400)")
+    agent.add_argument("--agent-tool-s", type=float, help="seconds a tool runs between calls (5)")
     add_sim_regions_args(sim)
     sim.set_defaults(func=cmd_bench_sim)
 
@@ -353,7 +367,11 @@ def cmd_bench_sim(args: argparse.Namespace) -> int:
     else:
         raise CliError(f"--preset {args.preset!r}: known presets are {', '.join(PRESETS)}")
     if args.scenario == "regions":
+        refuse_given(args, SIM_DEFAULTS, "not read by --scenario regions")
+        refuse_given(args, ("users", "trace"), "not read by --scenario regions (users arrive at --arrivals-per-min)")
         return cmd_bench_sim_regions(args, preset)
+    refuse_given(args, SIM_REGIONS_DEFAULTS, f"read only by --scenario regions, not {args.scenario}")
+    fill_defaults(args, SIM_DEFAULTS)
     if args.time_scale is None:
         args.time_scale = 1.0
     policies = policy_names("symphony,recompute,sticky" if args.policies is None else args.policies)

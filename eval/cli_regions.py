@@ -6,7 +6,14 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from eval.bench_args import add_bench_cluster_args, add_replay_args, check_human_timing, load_conversations
+from eval.bench_args import (
+    add_bench_cluster_args,
+    add_replay_args,
+    check_human_timing,
+    fill_defaults,
+    load_conversations,
+)
+from eval.sim import regions_defaults as scenario
 from symphony.cli_args import CliError, engine_overrides, int_between, load_from_args, positive_int
 
 
@@ -79,34 +86,39 @@ def cmd_bench_regions(args: argparse.Namespace) -> int:
     )
 
 
-def add_sim_regions_args(sim: argparse.ArgumentParser) -> None:
-    """`bench sim --scenario regions`'s own flags (eval.sim.regions_scenario cites the defaults)."""
-    from eval.sim import regions_defaults as scenario
+# `bench sim --scenario regions`'s own flags and their defaults (eval.sim.regions_scenario cites
+# them); None on the command line until given, so that the other scenarios can refuse them.
+SIM_REGIONS_DEFAULTS: dict[str, Any] = {
+    "arrivals_per_min": scenario.ARRIVALS_PER_MIN,
+    "amplitude": scenario.AMPLITUDE,
+    "slo_ms": scenario.SLO_MS,
+    "max_replicas": scenario.MAX_REPLICAS,
+    "reference_replicas": scenario.REFERENCE_REPLICAS,
+    "pooled_bound": True,
+}
 
+
+def add_sim_regions_args(sim: argparse.ArgumentParser) -> None:
+    d = SIM_REGIONS_DEFAULTS
     group = sim.add_argument_group("--scenario regions: 3 regions, a diurnal load, replicas for the SLO")
     group.add_argument(
-        "--arrivals-per-min",
-        type=float,
-        default=scenario.ARRIVALS_PER_MIN,
-        help="users arriving per region per minute, mean (%(default)g)",
+        "--arrivals-per-min", type=float, help=f"users arriving per region per minute, mean ({d['arrivals_per_min']:g})"
     )
+    group.add_argument("--amplitude", type=float, help=f"the diurnal swing around the mean ({d['amplitude']:g})")
+    group.add_argument("--slo-ms", type=float, help=f"p95 TTFT the replicas must keep ({d['slo_ms']:g})")
     group.add_argument(
-        "--amplitude", type=float, default=scenario.AMPLITUDE, help="the diurnal swing around the mean (%(default)g)"
-    )
-    group.add_argument(
-        "--slo-ms", type=float, default=scenario.SLO_MS, help="p95 TTFT the replicas must keep (%(default)g)"
-    )
-    group.add_argument(
-        "--max-replicas",
-        type=positive_int,
-        default=scenario.MAX_REPLICAS,
-        help="replicas per region searched up to (%(default)s)",
+        "--max-replicas", type=positive_int, help=f"replicas per region searched up to ({d['max_replicas']})"
     )
     group.add_argument(
         "--reference-replicas",
         type=positive_int,
-        default=scenario.REFERENCE_REPLICAS,
-        help="replicas per region of the figures table (%(default)s)",
+        help=f"replicas per region of the figures table ({d['reference_replicas']})",
+    )
+    group.add_argument(
+        "--pooled-bound",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also search the replicas one pool with no round trips would need (on)",
     )
 
 
@@ -118,6 +130,7 @@ def cmd_bench_sim_regions(args: argparse.Namespace, preset: Any) -> int:
 
     if args.time_scale is None:
         args.time_scale = TIME_SCALE
+    fill_defaults(args, SIM_REGIONS_DEFAULTS)
     check_human_timing(args)
     given = ",".join(POLICIES) if args.policies is None else args.policies
     policies = [p.strip() for p in given.split(",") if p.strip()]
@@ -150,6 +163,7 @@ def cmd_bench_sim_regions(args: argparse.Namespace, preset: Any) -> int:
         reference_replicas=args.reference_replicas,
         max_replicas=args.max_replicas,
         amplitude=args.amplitude,
+        pooled_bound=args.pooled_bound,
         seed=args.seed,
         plot=args.plot,
     )

@@ -9,6 +9,16 @@ tokens of (its best node's copy) and other regions more:
 - `prefill_ms`: computing what r lacks, or, when `can_move` and cheaper, moving the longer copy of
   another region s over the s~r link (its round trip, then the bytes at its bandwidth) and
   computing only what no region holds (`move_ms` then says how long the move takes).
+
+Both `queue_ms` and the computing part of `prefill_ms` are priced by r's fill (`fill`: the share of
+the requests its engines can run at once that are taken, with those its scheduler holds back), as
+a queue's wait grows with its utilization u, by 1 / (1 - u):
+- the prefill a request computes in r delays every request r runs: computing a session's history
+  again in a filling region costs the region's other requests, not only this one;
+- a request that starts a session (no region holds any of it) settles it: its later turns follow
+  its KV. Its wait is priced for the session's life, `queue_ms` / (1 - u), so new sessions go to
+  the regions with room while a hot region still has some, and its own sessions stay home.
+Without a capacity (`RegionLoad.capacity` 0) the fill is 0 and nothing changes.
 """
 
 from __future__ import annotations
@@ -16,9 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from global_layer.views import RegionRequest, RegionView
+from symphony.region_load import RegionLoad
 from symphony.regions import RegionTopology
 
 _BYTES_PER_MS_PER_MBPS = 1e6 / 8 / 1000  # one Mb/s moves this many bytes a millisecond
+MAX_FILL = 0.99  # a full region (or one past full, by the requests held back) costs 100x, not infinity
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +41,7 @@ class RegionCost:
     prefill_ms: float
     move_ms: float = 0.0  # a move of KV from `source` over the WAN, before the prefill
     source: str | None = None  # the region KV is moved from (None: none is)
+    fill: float = 0.0  # the region's (`fill`), which `queue_ms` and `prefill_ms` are priced by
 
     @property
     def total_ms(self) -> float:
@@ -39,6 +52,15 @@ def prompt_tokens(request: RegionRequest) -> int:
     """The prompt's tokens: the entry's estimate, but never fewer than a held copy plus one."""
     longest = max(request.held.values(), default=0)
     return max(request.prompt_tokens, longest + 1)
+
+
+def fill(load: RegionLoad) -> float:
+    """The share of what a region's engines can run at once that its requests take, those its
+    scheduler holds back counted too, at most `MAX_FILL`; 0 without a capacity."""
+    if load.capacity <= 0:
+        return 0.0
+    taken = max(load.running + load.waiting, load.inflight) + load.queued
+    return min(MAX_FILL, taken / load.capacity)
 
 
 def move_ms(topology: RegionTopology, source: str, dest: str, tokens: int, kv_bytes_per_token: int) -> float:
@@ -58,7 +80,10 @@ def region_cost(request: RegionRequest, region: RegionView, topology: RegionTopo
     total = prompt_tokens(request)
     held = request.held.get(region.name, 0)
     rtt = topology.rtt_ms(request.client_region, region.name)
-    best = RegionCost(rtt, load.queue_ms, load.request_overhead_ms, load.prefill_ms_per_token * (total - held))
+    u = fill(load)
+    per_token = load.prefill_ms_per_token / (1 - u)
+    queue = load.queue_ms / (1 - u) if not request.held else load.queue_ms
+    best = RegionCost(rtt, queue, load.request_overhead_ms, per_token * (total - held), fill=u)
     if not can_move:
         return best
     for source, tokens in request.held.items():
@@ -66,7 +91,7 @@ def region_cost(request: RegionRequest, region: RegionView, topology: RegionTopo
         if source == region.name or more <= 0 or not topology.allowed(request.tenant, source):
             continue
         moving = move_ms(topology, source, region.name, more, load.kv_bytes_per_token)
-        computing = load.prefill_ms_per_token * (total - held - more)
+        computing = per_token * (total - held - more)
         if moving + computing < best.prefill_ms + best.move_ms:
-            best = RegionCost(rtt, load.queue_ms, load.request_overhead_ms, computing, moving, source)
+            best = RegionCost(rtt, queue, load.request_overhead_ms, computing, moving, source, u)
     return best

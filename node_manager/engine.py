@@ -90,6 +90,8 @@ def engine_launch(
         str(engine.block_size),
         "--max-model-len",
         str(engine.max_model_len),
+        "--max-num-seqs",
+        str(engine.max_num_seqs),
         "--disable-uvicorn-access-log",
         "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits per request
     ]

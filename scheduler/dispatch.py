@@ -46,6 +46,7 @@ from scheduler.routing import (
 from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
+from symphony.finish_rate import FinishRate
 from symphony.logs import get_logger
 from symphony.priority import Priority
 
@@ -105,6 +106,9 @@ class Dispatcher:
         )
         self.prefetches = LatestMoves(config.max_advisories)
         self.inflight_total = 0
+        # Requests sent to engines that ended (answered, failed or cut off): the region's summary
+        # prices the wait for a free engine by it (scheduler.region_summary). Event loop only.
+        self.finishes = FinishRate()
         self._session: aiohttp.ClientSession | None = None
         cluster.on_status = self.wake_queued
 
@@ -457,6 +461,7 @@ class Dispatcher:
                 forget()
                 node.inflight -= 1
                 self.inflight_total -= 1
+                self.finishes.finished(time.monotonic() * 1000)
                 self.wake_queued()
 
         forget = (lambda: None) if request.stream else node.count_until_gauged(time.monotonic(), first_token)

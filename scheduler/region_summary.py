@@ -3,6 +3,7 @@ new request would wait and pay here by its cost profile, and the feed of session
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,18 +15,34 @@ from symphony.region_load import RegionLoad
 
 
 def region_load(state: SchedulerState) -> RegionLoad:
-    return load_of(state.cluster.available_snapshots(), len(state.dispatcher.queue), state.dispatcher.profile)
+    dispatcher = state.dispatcher
+    finishing = dispatcher.finishes.per_s(time.monotonic() * 1000)
+    nodes = state.cluster.available_snapshots()
+    max_running = state.config.engine.max_running()  # every node's engine runs the cluster's [engine]
+    return load_of(nodes, len(dispatcher.queue), dispatcher.profile, finishing, max_running)
 
 
-def load_of(nodes: Sequence[NodeSnapshot], queued: int, profile: CostProfile) -> RegionLoad:
+def load_of(
+    nodes: Sequence[NodeSnapshot],
+    queued: int,
+    profile: CostProfile,
+    finishing_per_s: float = 0.0,
+    max_running: int = 0,
+) -> RegionLoad:
     """A region's load from its ready nodes' snapshots and the requests its scheduler holds back,
-    priced by its cost profile (pure: the simulator's regions report theirs with it too)."""
+    priced by its cost profile (pure: the simulator's regions report theirs with it too).
+    `finishing_per_s`: how fast the region's requests finish lately (symphony.finish_rate);
+    `max_running`: requests each node's engine runs at once (0: not known)."""
     # The wait the `symphony` policy prices at each node, whatever policy routes here; a request
-    # that finds every node with a queue waits in the scheduler for one of them, behind `queued`.
+    # that finds every node with a queue waits in the scheduler for one of them, behind `queued`:
+    # each of those starts when a running request ends, so the wait is the time for `queued + 1`
+    # to end at the rate they have lately (without a rate, the prefills of those ahead).
     estimator = SymphonyPolicy(profile)
     queue_ms = min((estimator.queue_ms(n) for n in nodes), default=0.0)
     if nodes and queued:
-        queue_ms += queued / len(nodes) * estimator.unknown_prefill_ms
+        prefills_ms = queued / len(nodes) * estimator.unknown_prefill_ms
+        slots_ms = (queued + 1) / finishing_per_s * 1000.0 if finishing_per_s > 0 else 0.0
+        queue_ms += max(prefills_ms, slots_ms)
     return RegionLoad(
         ready_nodes=len(nodes),
         idle_nodes=sum(1 for n in nodes if n.waiting == 0),
@@ -34,6 +51,7 @@ def load_of(nodes: Sequence[NodeSnapshot], queued: int, profile: CostProfile) ->
         inflight=sum(n.inflight for n in nodes),
         queued=queued,
         kv_usage=sum(n.kv_usage for n in nodes) / len(nodes) if nodes else 0.0,
+        capacity=len(nodes) * max_running,
         queue_ms=queue_ms,
         prefill_ms_per_token=profile.prefill_ms_per_token,
         request_overhead_ms=profile.request_overhead_ms,

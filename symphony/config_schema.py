@@ -109,6 +109,9 @@ class EngineConfig:
     dtype: EngineDtype = "bfloat16"
     block_size: int = 32  # vLLM CPU needs a multiple of 32
     max_model_len: int = 8192
+    # Requests the engine runs at once (vLLM's --max-num-seqs; vLLM CPU's own default). The global
+    # layer prices a region's fill by it (global_layer.costs); `extra_args` may override it.
+    max_num_seqs: int = 128
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU builds
     enforce_eager: bool = True  # skip torch.compile: ~30 s start instead of minutes on CPU
     kv_connector: bool = True  # Symphony's KV connector: turns load from and save to the node's tiers
@@ -141,6 +144,21 @@ class EngineConfig:
     stable_after_s: float = 120.0  # a run this long resets the consecutive-crash count
     stop_timeout_s: float = 20.0  # SIGTERM grace before SIGKILL
     liveness_timeout_s: float = 60.0  # a ready engine failing /health this long is restarted as hung
+
+    def max_running(self) -> int:
+        """Requests the engine runs at once: the last --max-num-seqs of `extra_args` (vLLM reads the
+        command line's last), else `max_num_seqs`."""
+        value = self.max_num_seqs
+        args = self.extra_args
+        for i, arg in enumerate(args):
+            given = None
+            if arg == "--max-num-seqs" and i + 1 < len(args):
+                given = args[i + 1]
+            elif arg.startswith("--max-num-seqs="):
+                given = arg.partition("=")[2]
+            if given is not None and given.isdigit() and int(given) > 0:
+                value = int(given)
+        return value
 
 
 @dataclass(frozen=True)

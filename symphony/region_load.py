@@ -46,6 +46,7 @@ class RegionLoad:
     prefill_ms_per_token: float = 0.0  # the region's cost profile: per prompt token computed
     request_overhead_ms: float = 0.0  # ... per request, outside the engine
     kv_bytes_per_token: int = 0  # ... one token's KV (all layers, K and V)
+    capacity: int = 0  # requests the ready nodes' engines run at once, summed (0: not known)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -39,6 +39,7 @@ from global_layer.costs import move_ms
 from global_layer.policies import RegionPolicy, RegionRequest, RegionView, rank_regions
 from scheduler.region_summary import load_of
 from symphony.config import SchedulerConfig
+from symphony.finish_rate import FinishRate
 from symphony.region_load import session_digest
 from symphony.regions import RegionTopology
 
@@ -55,6 +56,7 @@ class RegionUser:
     region: str
     script: Script  # its chain of conversations (`Script.after`)
     tenant: str = "default"
+    home: str = ""  # where its figures are reported (per-window SLO cells); "": `region`
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ class ClientRecord:
     tenant: str
     sent_ms: float  # when the client sent it (it reached the region half a round trip later, or
     # later still when it waited there for a move of its KV)
+    home: str = ""  # the client's home as reported (RegionUser.home, else its region)
 
     @property
     def ttft_ms(self) -> float:
@@ -129,6 +132,7 @@ class RegionsSim:
             for name in topology.names
         }
         self._views: list[RegionView] = []
+        self._finishes = {name: FinishRate() for name in topology.names}  # as each scheduler counts them
         self._advised: dict[str, str] = {}  # session -> the region its moving advisory binds it to
         self._advisory_at: dict[str, str] = {}  # session -> the region whose scheduler took its advisory
         self._moves_due: dict[tuple[str, str], float] = {}  # (session, region) -> when a WAN move lands
@@ -175,8 +179,14 @@ class RegionsSim:
 
     def _probe(self) -> None:
         """Every region's summary, as the entries read it each probe period."""
+        now = self.loop.now_ms
         self._views = [
-            RegionView(name, True, load_of(*cluster.load(), self.profile)) for name, cluster in self.clusters.items()
+            RegionView(
+                name,
+                True,
+                load_of(*cluster.load(), self.profile, self._finishes[name].per_s(now), self.preset.engine.max_batch),
+            )
+            for name, cluster in self.clusters.items()
         ]
         if self.loop.now_ms < self._until_ms:  # no turn is ranked after it
             self.loop.at(self.loop.now_ms + self.probe_interval_ms, self._probe)
@@ -298,9 +308,11 @@ class RegionsSim:
         )
 
     def _answered(self, session: _Session, request: SimRequest, region: str, rtt: float, sent: float) -> None:
+        self._finishes[region].finished(self.loop.now_ms)
         if self._stopped:
             return  # the rest of the step that stopped the run: its figures end where it stopped
-        record = ClientRecord(request, session.user.region, region, rtt, session.user.tenant, sent)
+        user = session.user
+        record = ClientRecord(request, user.region, region, rtt, user.tenant, sent, user.home or user.region)
         self.records.append(record)
         if self._slo_ms is not None and record.ttft_ms > self._slo_ms:
             self._late += 1
@@ -324,8 +336,30 @@ def _chain(script: Script | None) -> Iterator[Script]:
         script = script.after
 
 
-def summarize_regions(result: RegionsResult, duration_ms: float) -> dict[str, Any]:
-    """The live bench's keys (eval.bench_regions), from the client's side."""
+def worst_window(records: Sequence[ClientRecord], window_ms: float) -> dict[str, Any] | None:
+    """The worst p95 TTFT of any (window of the day, client home) cell: requests grouped by when
+    they were sent (`window_ms` apart) and where their clients live. A fleet sized for its peak hour
+    keeps every cell within the SLO; a p95 over the whole day lets one region's peak hour miss it
+    while the other regions' quiet hours make up the count."""
+    cells: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for record in records:
+        cells[(int(record.sent_ms // window_ms), record.home)].append(record.ttft_ms)
+    if not cells:
+        return None
+    p95 = {cell: percentile(ttfts, 95) for cell, ttfts in cells.items()}
+    (window, home), worst = max(p95.items(), key=lambda item: (item[1], item[0]))
+    return {
+        "ttft_ms_p95": worst,
+        "window_start_s": window * window_ms / 1000,
+        "client_home": home,
+        "requests": len(cells[(window, home)]),
+        "cells": len(cells),
+    }
+
+
+def summarize_regions(result: RegionsResult, duration_ms: float, window_ms: float | None = None) -> dict[str, Any]:
+    """The live bench's keys (eval.bench_regions), from the client's side; with `window_ms`, the
+    worst window's p95 as well (`worst_window`)."""
     ttft = [r.ttft_ms for r in result.records]
     e2e = [r.e2e_ms for r in result.records]
     computed = sum(r.request.prompt_tokens - r.request.cached_tokens for r in result.records)
@@ -349,4 +383,5 @@ def summarize_regions(result: RegionsResult, duration_ms: float) -> dict[str, An
         "served_by_region": result.served_by_region,
         "served_away_from_client": sum(1 for r in result.records if r.region != r.client_region),
         "residency_violations": result.residency_violations,
+        "worst_window": worst_window(result.records, window_ms) if window_ms else None,
     }

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from global_layer.advised import AdvisedRegions
-from global_layer.costs import region_cost
+from global_layer.costs import MAX_FILL, fill, region_cost
 from global_layer.held import HeldSessions
 from global_layer.policies import Gorgo, SkyWalker, SymphonyRegions, rank_regions
 from global_layer.probe import RegionProbe
@@ -85,6 +85,47 @@ def test_a_queue_sends_the_request_away_from_its_prefix() -> None:
     # ap-south holds it but has 3 s of queue: us-east recomputes (2,061 ms) sooner than 3,250.
     regions = all_idle(ap_south={"queue_ms": 3_000.0, "idle_nodes": 0})
     assert rank_regions(SymphonyRegions(), FAR_HOLDS, regions, TOPOLOGY).regions[0] == "us-east"
+
+
+# A us-east client's new session of 100 tokens (no region holds any of it).
+NEW_SESSION = RegionRequest("t", "us-east", "n", "", 100, {})
+# us-east 80% full (80 of the 100 requests its engines run at once), eu-west empty, both 50 ms of queue.
+FILLING = [
+    view("us-east", queue_ms=50.0, capacity=100, running=80, inflight=80),
+    view("eu-west", queue_ms=50.0, capacity=100),
+    view("ap-south", queue_ms=50.0, capacity=100, running=95, inflight=90, queued=10),
+]
+
+
+def test_fill_counts_what_runs_and_what_is_held_back_and_needs_a_capacity() -> None:
+    assert fill(FILLING[0].load) == pytest.approx(0.8)  # type: ignore[arg-type]
+    assert fill(FILLING[1].load) == 0.0  # type: ignore[arg-type]
+    assert fill(FILLING[2].load) == MAX_FILL  # 105 of 100: past full, capped  # type: ignore[arg-type]
+    assert fill(IDLE) == 0.0 and fill(dataclasses.replace(IDLE, running=500)) == 0.0  # no capacity known
+
+
+def test_a_new_session_goes_where_there_is_room_before_its_region_is_full() -> None:
+    home = region_cost(NEW_SESSION, FILLING[0], TOPOLOGY, can_move=False)
+    away = region_cost(NEW_SESSION, FILLING[1], TOPOLOGY, can_move=False)
+    # us-east: 1 ms + 50 / 0.2 + 10 + 100 x 0.5 / 0.2; eu-west: 75 + 50 + 10 + 100 x 0.5.
+    assert home.total_ms == pytest.approx(1 + 250 + 10 + 250)
+    assert away.total_ms == pytest.approx(75 + 50 + 10 + 50)
+    assert rank_regions(SymphonyRegions(), NEW_SESSION, FILLING, TOPOLOGY).regions == ["eu-west", "us-east", "ap-south"]
+    # With no capacity known, the same loads keep it home (1 + 50 + 10 + 50 against 185).
+    unknown = [dataclasses.replace(v, load=dataclasses.replace(v.load, capacity=0)) for v in FILLING]  # type: ignore[arg-type]
+    assert rank_regions(SymphonyRegions(), NEW_SESSION, unknown, TOPOLOGY).regions[0] == "us-east"
+
+
+def test_a_session_held_in_a_filling_region_stays_rather_than_recompute_elsewhere() -> None:
+    """Its wait is not scaled (it settled there already), and its history would be computed
+    again in eu-west: 1 + 50 + 10 + 100 x 0.5 / 0.2 at home against 75 + 50 + 10 + 4,100 x 0.5."""
+    held = RegionRequest("t", "us-east", "s", "", 4_100, {"us-east": 4_000})
+    home = region_cost(held, FILLING[0], TOPOLOGY, can_move=False)
+    assert home.total_ms == pytest.approx(1 + 50 + 10 + 250) and home.fill == pytest.approx(0.8)
+    assert rank_regions(SymphonyRegions(), held, FILLING, TOPOLOGY).regions[0] == "us-east"
+    # Recomputing it in a region 50% full costs twice its prefill there: the region's other requests wait.
+    half = dataclasses.replace(FILLING[1], load=dataclasses.replace(FILLING[1].load, running=50, inflight=50))  # type: ignore[arg-type]
+    assert region_cost(held, half, TOPOLOGY, can_move=False).prefill_ms == pytest.approx(4_100 * 0.5 * 2)
 
 
 def test_gorgo_weighs_the_queue_and_without_it_piles_onto_the_prefix() -> None:
