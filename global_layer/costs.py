@@ -10,14 +10,15 @@ tokens of (its best node's copy) and other regions more:
   another region s over the s~r link (its round trip, then the bytes at its bandwidth) and
   computing only what no region holds (`move_ms` then says how long the move takes).
 
-Both `queue_ms` and the computing part of `prefill_ms` are priced by r's fill (`fill`: the share of
-the requests its engines can run at once that are taken, with those its scheduler holds back), as
-a queue's wait grows with its utilization u, by 1 / (1 - u):
+The computing part of `prefill_ms` is priced by r's fill u (`fill`: the share of the requests its
+engines can run at once that are taken, with those its scheduler holds back), as a queue's wait
+grows with its utilization, by 1 / (1 - u); so is `queue_ms` for a request that starts a session:
 - the prefill a request computes in r delays every request r runs: computing a session's history
   again in a filling region costs the region's other requests, not only this one;
-- a request that starts a session (no region holds any of it) settles it: its later turns follow
-  its KV. Its wait is priced for the session's life, `queue_ms` / (1 - u), so new sessions go to
-  the regions with room while a hot region still has some, and its own sessions stay home.
+- a request that starts a session (it names one, and no region holds any of it) settles it: its
+  later turns follow its KV. Its wait is priced for the session's life, `queue_ms` / (1 - u), so
+  new sessions go to the regions with room while a hot region still has some, and the sessions it
+  holds stay home.
 Without a capacity (`RegionLoad.capacity` 0) the fill is 0 and nothing changes.
 """
 
@@ -41,7 +42,7 @@ class RegionCost:
     prefill_ms: float
     move_ms: float = 0.0  # a move of KV from `source` over the WAN, before the prefill
     source: str | None = None  # the region KV is moved from (None: none is)
-    fill: float = 0.0  # the region's (`fill`), which `queue_ms` and `prefill_ms` are priced by
+    fill: float = 0.0  # the region's (`fill`), which `prefill_ms` (and a new session's `queue_ms`) is priced by
 
     @property
     def total_ms(self) -> float:
@@ -82,7 +83,8 @@ def region_cost(request: RegionRequest, region: RegionView, topology: RegionTopo
     rtt = topology.rtt_ms(request.client_region, region.name)
     u = fill(load)
     per_token = load.prefill_ms_per_token / (1 - u)
-    queue = load.queue_ms / (1 - u) if not request.held else load.queue_ms
+    starts_session = request.session is not None and not request.held
+    queue = load.queue_ms / (1 - u) if starts_session else load.queue_ms
     best = RegionCost(rtt, queue, load.request_overhead_ms, per_token * (total - held), fill=u)
     if not can_move:
         return best

@@ -90,13 +90,13 @@ def engine_launch(
         str(engine.block_size),
         "--max-model-len",
         str(engine.max_model_len),
-        "--max-num-seqs",
-        str(engine.max_num_seqs),
         "--disable-uvicorn-access-log",
         "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: prefix hits per request
     ]
     if engine.enforce_eager:
         argv.append("--enforce-eager")
+    if engine.max_num_seqs:
+        argv += ["--max-num-seqs", str(engine.max_num_seqs)]
     if kv_socket is not None:
         if identity is None:
             raise ValueError("the KV connector needs the served model's identity")

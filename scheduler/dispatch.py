@@ -453,7 +453,7 @@ class Dispatcher:
                 node.prefilling -= 1
                 node.prefilling_work -= work
 
-        def release() -> None:
+        def release(reached_engine: bool = True) -> None:
             nonlocal released
             if not released:
                 released = True
@@ -461,7 +461,8 @@ class Dispatcher:
                 forget()
                 node.inflight -= 1
                 self.inflight_total -= 1
-                self.finishes.finished(time.monotonic() * 1000)
+                if reached_engine:  # one that never did freed no engine's slot
+                    self.finishes.finished(time.monotonic() * 1000)
                 self.wake_queued()
 
         forget = (lambda: None) if request.stream else node.count_until_gauged(time.monotonic(), first_token)
@@ -478,7 +479,7 @@ class Dispatcher:
                 node.engine_url + ENGINE_PATHS[request.endpoint], data=body, headers=headers
             )
         except _NOT_STARTED:
-            release()
+            release(reached_engine=False)
             raise
         except (TimeoutError, aiohttp.ClientError) as exc:
             # The engine took the request but sent no status line in time (a plain request's

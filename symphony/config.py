@@ -313,7 +313,7 @@ def _validate(config: SymphonyConfig) -> None:
         f"{e.block_size} is not a positive multiple of 32 (vLLM CPU attention needs it)",
     )
     check(e.max_model_len > 0, "engine.max_model_len", "must be positive")
-    check(e.max_num_seqs > 0, "engine.max_num_seqs", "must be positive")
+    check(e.max_num_seqs >= 0, "engine.max_num_seqs", "must be 0 (vLLM's default) or positive")
     check(e.kv_cache_space_gib > 0, "engine.kv_cache_space_gib", "must be positive")
     check(
         e.cpu_cores in ("auto", "vllm") or bool(re.fullmatch(r"[0-9,\-]+(\|[0-9,\-]+)*", e.cpu_cores)),

@@ -101,6 +101,9 @@ class NodeConfig:
     engine_scrape_interval_ms: int = 100  # how often the node manager reads the engine's /metrics
 
 
+VLLM_CPU_MAX_NUM_SEQS = 128  # vLLM CPU's --max-num-seqs for its OpenAI server (vllm/engine/arg_utils.py)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     enabled: bool = True  # false: the node manager runs only its KV store (storage-only nodes, tests)
@@ -109,9 +112,10 @@ class EngineConfig:
     dtype: EngineDtype = "bfloat16"
     block_size: int = 32  # vLLM CPU needs a multiple of 32
     max_model_len: int = 8192
-    # Requests the engine runs at once (vLLM's --max-num-seqs; vLLM CPU's own default). The global
-    # layer prices a region's fill by it (global_layer.costs); `extra_args` may override it.
-    max_num_seqs: int = 128
+    # Requests the engine runs at once, passed to vLLM as --max-num-seqs; 0: not passed, vLLM's own
+    # default (vLLM CPU's is 128, which the region then counts: set it on GPU builds, whose default
+    # depends on the GPU). The global layer prices a region's fill by it (global_layer.costs).
+    max_num_seqs: int = 0
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE; ignored on GPU builds
     enforce_eager: bool = True  # skip torch.compile: ~30 s start instead of minutes on CPU
     kv_connector: bool = True  # Symphony's KV connector: turns load from and save to the node's tiers
@@ -147,15 +151,18 @@ class EngineConfig:
 
     def max_running(self) -> int:
         """Requests the engine runs at once: the last --max-num-seqs of `extra_args` (vLLM reads the
-        command line's last), else `max_num_seqs`."""
-        value = self.max_num_seqs
+        command line's last; it takes --max_num_seqs too), else `max_num_seqs`, else vLLM CPU's default."""
+        value = self.max_num_seqs or VLLM_CPU_MAX_NUM_SEQS
         args = self.extra_args
         for i, arg in enumerate(args):
             given = None
-            if arg == "--max-num-seqs" and i + 1 < len(args):
+            flag, _, inline = arg.partition("=")
+            if flag not in ("--max-num-seqs", "--max_num_seqs"):
+                continue
+            if inline:
+                given = inline
+            elif i + 1 < len(args):
                 given = args[i + 1]
-            elif arg.startswith("--max-num-seqs="):
-                given = arg.partition("=")[2]
             if given is not None and given.isdigit() and int(given) > 0:
                 value = int(given)
         return value

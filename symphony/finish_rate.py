@@ -15,7 +15,9 @@ DEFAULT_BUCKETS = 10
 
 class FinishRate:
     """Requests finished per second over the last `window_ms` (the window's part since the first
-    event, early on: the rate is not diluted by time before anything ran).
+    event, early on: the rate is not diluted by time before anything ran, and at least one bucket).
+    Once anything has finished, a window with none reads as one: the rate is below one a window,
+    which keeps a stalled region's wait long rather than unknown.
 
     Not thread-safe: one owner (the scheduler's event loop, the simulator's loop)."""
 
@@ -36,10 +38,10 @@ class FinishRate:
         return index
 
     def finished(self, now_ms: float, count: int = 1) -> None:
-        """`count` requests finished at `now_ms` (times never go back; an earlier one counts now)."""
+        """`count` requests finished at `now_ms` (one earlier than the last counts in the newest bucket)."""
         if self._first_ms is None:
             self._first_ms = now_ms
-        index = self._advance(now_ms)
+        index = max(self._advance(now_ms), self._current)
         self._counts[index % len(self._counts)] += count
 
     def per_s(self, now_ms: float) -> float:
@@ -48,7 +50,5 @@ class FinishRate:
             return 0.0
         self._advance(now_ms)
         start = (self._current - len(self._counts) + 1) * self.bucket_ms
-        span_ms = now_ms - max(start, self._first_ms)
-        if span_ms <= 0:
-            return 0.0
-        return sum(self._counts) * 1000.0 / span_ms
+        span_ms = max(now_ms - max(start, self._first_ms), self.bucket_ms)
+        return max(sum(self._counts), 1) * 1000.0 / span_ms

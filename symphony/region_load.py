@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 # An advisory the global layer sends to a region that lacks the session's KV, when moving the copy
@@ -53,9 +53,12 @@ class RegionLoad:
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> RegionLoad:
-        """ValueError naming the field when `body` is not a summary."""
+        """ValueError naming the field when `body` is not a summary. A field with a default may be
+        missing (a scheduler of an earlier version, during an upgrade): it takes its default."""
         values: dict[str, Any] = {}
         for f in fields(cls):
+            if f.name not in body and f.default is not MISSING:
+                continue
             value = body.get(f.name)
             kind = float if f.type == "float" else int
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):

@@ -16,8 +16,9 @@ the day (`window_ms`) for the clients of every region, and no request failed; fo
 taking p95 to fall as replicas are added. `replicas_for_slo_whole_day` reads the SLO as one p95 over
 the whole day instead, which a policy can meet while one region's peak hour misses it.
 
-`pooled_bound`: the same users served by one pool of 3 x n replicas with no round trip and nothing
-recomputed for being sent away: what perfect pooling would need, the least any global policy can.
+`pooled_bound`: the same users served by one pool of 3 x n replicas, every client 1 ms from it and
+nothing recomputed for being sent away: what pooling without the WAN's costs needs (a reference for
+the global policies, which pay round trips and recomputes to pool).
 """
 
 from __future__ import annotations
@@ -120,16 +121,16 @@ def run_regions_point(
     slo_ms: float | None = None,
     window_ms: float = WINDOW_S * 1000,
 ) -> dict[str, Any]:
-    """One policy at one replica count (with `slo_ms`: stopped once its p95 must miss it, which
-    then misses it in some window as well: more than 5% of the requests late means more than 5%
-    of some window's). `POOLED`: every region's users on one pool of `replicas` x the regions."""
+    """One policy at one replica count (with `slo_ms`: stopped once its p95 must miss it, over the
+    day and in some window, `RegionsSim.run`). `POOLED`: every region's users on one pool of
+    `replicas` x the regions, with the pool's 1 ms round trip for every client."""
     if policy == POOLED:
         pool = build_topology(["pool:1"], [], 1.0, [], links_are_default=True)
         users = [RegionUser("pool", u.script, u.tenant, u.region) for u in users]
         sim = RegionsSim(pool, make_region_policy("nearest"), preset, replicas * len(REGIONS))
     else:
         sim = RegionsSim(regions_topology(), make_region_policy(policy), preset, replicas)
-    return summarize_regions(sim.run(users, duration_ms, slo_ms), duration_ms, window_ms)
+    return summarize_regions(sim.run(users, duration_ms, slo_ms, window_ms), duration_ms, window_ms)
 
 
 def fewest_replicas(meets: Callable[[int], bool], most: int) -> int | None:

@@ -55,6 +55,18 @@ def test_enforce_eager_flag_only_when_configured(enforce_eager: bool, present: b
     assert ("--enforce-eager" in argv) is present
 
 
+def test_max_num_seqs_is_passed_when_set_and_extra_args_override_what_the_region_counts() -> None:
+    assert "--max-num-seqs" not in launch(EngineConfig()).argv  # 0: vLLM's own default
+    assert EngineConfig().max_running() == 128  # vLLM CPU's, which the region counts
+    argv = launch(EngineConfig(max_num_seqs=64)).argv
+    assert argv[argv.index("--max-num-seqs") + 1] == "64"
+    assert EngineConfig(max_num_seqs=64).max_running() == 64
+    # vLLM reads the command line's last, in either spelling; a value that is no count is vLLM's to refuse
+    assert EngineConfig(max_num_seqs=64, extra_args=["--max-num-seqs", "8"]).max_running() == 8
+    assert EngineConfig(extra_args=["--max_num_seqs=16", "--max-num-seqs=32"]).max_running() == 32
+    assert EngineConfig(extra_args=["--max-num-seqs", "lots"]).max_running() == 128
+
+
 def test_extra_args_are_appended_last_in_order() -> None:
     extra = ["--seed", "7", "--max-num-seqs", "8"]
     argv = launch(EngineConfig(extra_args=extra)).argv

@@ -11,6 +11,7 @@ from eval.sim.presets import PRESETS, sim_cost_profile
 from scheduler.region_summary import load_of
 from scheduler.routing import NodeSnapshot
 from symphony.finish_rate import FinishRate
+from symphony.region_load import RegionLoad
 
 
 def test_finish_rate_counts_the_window_and_forgets_what_left_it() -> None:
@@ -21,7 +22,7 @@ def test_finish_rate_counts_the_window_and_forgets_what_left_it() -> None:
     assert rate.per_s(1000.0) == pytest.approx(100.0, rel=0.02)
     # the window's buckets now start at 600 ms: the 40 finishes since, over 0.9 s
     assert rate.per_s(1500.0) == pytest.approx(40 / 0.9)
-    assert rate.per_s(2500.0) == 0.0  # all of it left the window
+    assert rate.per_s(2500.0) == pytest.approx(1 / 0.9)  # all of it left the window: below one in it
     rate.finished(2500.0, count=3)
     assert rate.per_s(3000.0) == pytest.approx(3 / 0.9)  # the window from 2.1 s
 
@@ -39,8 +40,24 @@ def test_finish_rate_is_at_most_what_the_window_saw(times: list[float], window_m
     for t in sorted(times):
         rate.finished(t)
     now = max(times, default=0.0) + 1.0
-    span = min(window_ms + rate.bucket_ms, now - min(times, default=0.0))
-    assert 0.0 <= rate.per_s(now) <= len(times) * 1000.0 / max(span - rate.bucket_ms, 1.0) + 1e-9
+    if not times:
+        assert rate.per_s(now) == 0.0
+        return
+    # the window read spans at least all but its newest bucket, or the time since the first finish
+    span = min(window_ms - rate.bucket_ms, now - min(times))
+    assert 0.0 < rate.per_s(now) <= max(len(times), 1) * 1000.0 / max(span, 1e-9) + 1e-9
+
+
+def test_finish_rate_reads_a_window_with_none_as_below_one_a_window_and_early_as_one_bucket() -> None:
+    rate = FinishRate(window_ms=1000.0, buckets=10)
+    rate.finished(0.0)
+    assert rate.per_s(1.0) == pytest.approx(10.0)  # one finish over one bucket, not over 1 ms
+    # none for a minute: below one in the window (its buckets from 59.1 s)
+    assert rate.per_s(60_000.0) == pytest.approx(1 / 0.9)
+    later = FinishRate(window_ms=1000.0, buckets=10)
+    later.finished(9_000.0)
+    later.finished(8_000.0)  # an earlier time than the last counts in the newest bucket, still in the window
+    assert later.per_s(9_500.0) == pytest.approx(2 / 0.5)  # both, over the 0.5 s since the first
 
 
 def test_finish_rate_refuses_a_window_of_nothing() -> None:
@@ -67,3 +84,18 @@ def test_a_full_regions_wait_is_the_time_for_those_held_back_to_start() -> None:
     assert without.queue_ms < with_rate.queue_ms
     # nothing held back: the rate changes nothing
     assert idle.queue_ms == load_of(nodes, 0, PROFILE).queue_ms
+
+
+def test_a_summary_counts_its_capacity_and_reads_without_it_from_an_older_scheduler() -> None:
+    load = load_of([_full("node-0"), _full("node-1")], 3, PROFILE, max_running=256)
+    assert load.capacity == 512
+    body = load.to_json()
+    assert RegionLoad.from_json(body) == load
+    del body["capacity"]  # a scheduler of the version before
+    assert RegionLoad.from_json(body).capacity == 0
+    body["capacity"] = "many"
+    with pytest.raises(ValueError, match="capacity"):
+        RegionLoad.from_json(body)
+    del body["capacity"], body["running"]  # a field without a default is required
+    with pytest.raises(ValueError, match="running"):
+        RegionLoad.from_json(body)
