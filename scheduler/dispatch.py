@@ -18,13 +18,7 @@ from fastapi.responses import Response
 from scheduler.advisories import AdvisoryTable, advisory_reply
 from scheduler.cost_profile import DEFAULT_PROFILE, CostProfile
 from scheduler.decisions import PullRule, QueueFull, Routing, advisory_choice, advisory_move, rooms
-from scheduler.errors import (
-    ApiError,
-    error_response,
-    no_engine_error,
-    queue_timeout_error,
-    too_many_inflight_error,
-)
+from scheduler.errors import ApiError, error_response, no_engine_error, queue_timeout_error, too_many_inflight_error
 from scheduler.kv_locator import RequestLocator
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor, NodeView
@@ -106,9 +100,7 @@ class Dispatcher:
         )
         self.prefetches = LatestMoves(config.max_advisories)
         self.inflight_total = 0
-        # Requests sent to engines that ended (answered, failed or cut off): the region's summary
-        # prices the wait for a free engine by it (scheduler.region_summary). Event loop only.
-        self.finishes = FinishRate()
+        self.finishes = FinishRate()  # requests that reached an engine and ended (region_summary); loop only
         self._session: aiohttp.ClientSession | None = None
         cluster.on_status = self.wake_queued
 
