@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from node_manager.engine_event_keys import Emit, EngineEventKeys, TenantSalts, TenantSource
 from symphony.config import SymphonyConfig
+from symphony.config_schema import flag_values
 from symphony.kv_addressing import BlockKey, ModelFingerprint
 from symphony.kv_geometry import KVGeometry
 from symphony.logs import get_logger
@@ -59,13 +60,8 @@ def kv_events_config(endpoint: str) -> dict[str, object]:
 def engine_kv_blocks(extra_args: Sequence[str], kv_cache_space_gib: int, geometry: KVGeometry) -> int:
     """The blocks of the engine's KV cache: --num-gpu-blocks-override when `extra_args` sets it,
     else what VLLM_CPU_KVCACHE_SPACE holds (an upper bound: vLLM's CPU cache is that size)."""
-    args = list(extra_args)
-    for i, arg in enumerate(args):
-        if arg == "--num-gpu-blocks-override" and i + 1 < len(args) and args[i + 1].isdigit():
-            return int(args[i + 1])
-        if arg.startswith("--num-gpu-blocks-override=") and arg.partition("=")[2].isdigit():
-            return int(arg.partition("=")[2])
-    return kv_cache_space_gib * 1024**3 // geometry.block_bytes
+    given = (int(v) for v in flag_values(extra_args, "--num-gpu-blocks-override") if v.isdigit())
+    return next(given, kv_cache_space_gib * 1024**3 // geometry.block_bytes)
 
 
 class EngineEventMetrics:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from symphony.config import EngineConfig
+from symphony.config_schema import flag_values
 from symphony.kv_geometry import KVGeometry, cpu_attention_isa, page_layout
 from symphony.logs import get_logger
 from symphony.model_identity import FingerprintCost, ModelIdentity, identify_model
@@ -22,13 +23,7 @@ log = get_logger(__name__)
 
 def kv_cache_dtype(extra_args: Sequence[str]) -> str:
     """The engine's `--kv-cache-dtype` from its extra arguments (vLLM's default "auto" without)."""
-    args = list(extra_args)
-    for i, arg in enumerate(args):
-        if arg == "--kv-cache-dtype" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--kv-cache-dtype="):
-            return arg.partition("=")[2]
-    return "auto"
+    return next(iter(flag_values(extra_args, "--kv-cache-dtype")), "auto")
 
 
 # vLLM arguments that leave the KV of a given prompt as it is (scheduling, capacity, logging, the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -101,6 +102,21 @@ class NodeConfig:
     engine_scrape_interval_ms: int = 100  # how often the node manager reads the engine's /metrics
 
 
+def flag_values(args: Sequence[str], *flags: str) -> list[str]:
+    """The values `args` (a vLLM command line's) gives any of `flags`, in order: "--flag value" or
+    "--flag=value" (a flag last with no value gives none)."""
+    values = []
+    for i, arg in enumerate(args):
+        flag, eq, inline = arg.partition("=")
+        if flag not in flags:
+            continue
+        if eq:
+            values.append(inline)
+        elif i + 1 < len(args):
+            values.append(args[i + 1])
+    return values
+
+
 VLLM_CPU_MAX_NUM_SEQS = 128  # vLLM CPU's --max-num-seqs for its OpenAI server (vllm/engine/arg_utils.py)
 
 
@@ -152,20 +168,8 @@ class EngineConfig:
     def max_running(self) -> int:
         """Requests the engine runs at once: the last --max-num-seqs of `extra_args` (vLLM reads the
         command line's last; it takes --max_num_seqs too), else `max_num_seqs`, else vLLM CPU's default."""
-        value = self.max_num_seqs or VLLM_CPU_MAX_NUM_SEQS
-        args = self.extra_args
-        for i, arg in enumerate(args):
-            given = None
-            flag, _, inline = arg.partition("=")
-            if flag not in ("--max-num-seqs", "--max_num_seqs"):
-                continue
-            if inline:
-                given = inline
-            elif i + 1 < len(args):
-                given = args[i + 1]
-            if given is not None and given.isdigit() and int(given) > 0:
-                value = int(given)
-        return value
+        given = [int(v) for v in flag_values(self.extra_args, "--max-num-seqs", "--max_num_seqs") if v.isdigit()]
+        return next((v for v in reversed(given) if v > 0), self.max_num_seqs or VLLM_CPU_MAX_NUM_SEQS)
 
 
 @dataclass(frozen=True)
