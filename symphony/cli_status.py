@@ -100,7 +100,28 @@ def describe_region_links(links: list[dict[str, Any]]) -> list[str]:
             f"  link {link['pair']:<20} rtt {link['rtt_ms']:g} ms  {link['bandwidth_mbps']:g} Mb/s  "
             f"jitter {link['jitter_ms']:g} ms  loss {link['loss']:g}  open {link['open']}  {moved}{fault}"
         )
+        owners = _tenant_line(link)
+        if owners:
+            lines.append(owners)
     return lines
+
+
+STATUS_TENANTS = 4  # a link's biggest owners of bytes printed (--json has every label, per lane)
+
+
+def _tenant_line(link: dict[str, Any]) -> str:
+    """Whose a link's bytes were, both lanes together, biggest first ("" from links without it)."""
+    totals: dict[str, int] = {}
+    for counts in link.get("tenant_bytes", {}).values():
+        for label, n in counts.items():
+            totals[label] = totals.get(label, 0) + n
+    if not totals:
+        return ""
+    ranked = sorted(totals.items(), key=lambda item: (-item[1], item[0]))
+    shown = ", ".join(f"{label} {_bytes(n)}" for label, n in ranked[:STATUS_TENANTS])
+    more = f" (+{len(ranked) - STATUS_TENANTS} more)" if len(ranked) > STATUS_TENANTS else ""
+    errors = f"  unread connections {link['sniff_errors']}" if link.get("sniff_errors") else ""
+    return f"    by owner: {shown}{more}{errors}"
 
 
 def _bytes(n: int) -> str:

@@ -5,7 +5,9 @@ bandwidth in each direction, its draws, its faults).
 `RegionLinks` runs them all in one process (`symphony links`, which `symphony up --regions`
 starts), with a small control API on `regions.link_port_base`:
 - `GET /links`: each pair's figures, fault and counters (bytes per lane: "a>b" is what went
-  from region a to region b; `kv_bytes`: what went to and from nodes, pulls of KV);
+  from region a to region b; `kv_bytes`: what went to and from nodes, pulls of KV), and whose
+  those bytes were (`tenant_bytes` per lane, `tenant_kv_bytes`, read from the traffic itself by
+  `symphony.link_tenants`: the evidence that a residency rule held);
 - `POST /links/{a}~{b}/fault` with `{"fault": "none|blackhole|partition", "extra_latency_ms": x}`:
   break or heal a pair's link (the reliability tests' network faults).
 
@@ -24,7 +26,10 @@ from aiohttp import web
 
 from symphony.api_errors import error_body
 from symphony.config import SymphonyConfig
+from symphony.link_sniff import Sniff
+from symphony.link_tenants import http_tenant_of
 from symphony.regions import PlannedLink, RegionTopology, node_index
+from symphony.tenancy import TenantKeys
 from symphony.wan_link import LinkFault, LinkPipe, WanLink
 
 # A pair's control-API name: its two regions, sorted, joined by "~".
@@ -89,6 +94,7 @@ class RegionLinks:
         for i, (pair, shape) in enumerate(sorted(topology.links.items(), key=lambda item: sorted(item[0]))):
             self.pipes[pair_name(*pair)] = LinkPipe(shape, seed + i)
         host = config.scheduler.host
+        tenant_of = http_tenant_of(TenantKeys(config.scheduler.api_keys))
         for planned in topology.link_plan(config.regions.link_port_base):
             pipe = self.pipes[pair_name(planned.source, planned.dest)]
             lanes = (lane_name(planned.source, planned.dest), lane_name(planned.dest, planned.source))
@@ -100,6 +106,7 @@ class RegionLinks:
                 port=planned.port,
                 pipe=pipe,
                 lanes=lanes,
+                attributor=lambda: Sniff(tenant_of),
             )
             self.listeners.append((planned, link))
         self._runner: web.AppRunner | None = None
@@ -124,7 +131,9 @@ class RegionLinks:
         out = []
         for name, pipe in self.pipes.items():
             lanes = dict.fromkeys(pipe.free_at, 0)
-            connections = refused = open_now = segments = lost = kv_bytes = 0
+            tenant_lanes: dict[str, dict[str, int]] = {lane: {} for lane in lanes}
+            tenant_kv: dict[str, int] = {}
+            connections = refused = open_now = segments = lost = kv_bytes = sniff_errors = 0
             for planned, link in self.listeners:
                 if link.pipe is not pipe:
                     continue
@@ -134,6 +143,11 @@ class RegionLinks:
                     lanes[lane] += link.counters.bytes[direction]
                     segments += link.counters.segments[direction]
                     lost += link.counters.lost[direction]
+                    counts = link.counters.tenants.snapshot(direction)
+                    _add(tenant_lanes[lane], counts)
+                    if planned.target != "scheduler":
+                        _add(tenant_kv, counts)
+                sniff_errors += link.counters.tenants.sniff_errors
                 connections += link.counters.connections
                 refused += link.counters.refused
                 open_now += link.open_connections
@@ -149,6 +163,11 @@ class RegionLinks:
                     "extra_latency_ms": pipe.extra_latency_ms,
                     "bytes": lanes,
                     "kv_bytes": kv_bytes,  # of them, to and from nodes (KV pulled across regions)
+                    # Whose (symphony.link_tenants): per lane, by label, summing to "bytes"; of
+                    # kv_bytes, by label; and connections the readers gave up on.
+                    "tenant_bytes": tenant_lanes,
+                    "tenant_kv_bytes": tenant_kv,
+                    "sniff_errors": sniff_errors,
                     "segments": segments,
                     "lost": lost,
                     "connections": connections,
@@ -177,6 +196,11 @@ class RegionLinks:
             choices = "|".join(f.value for f in LinkFault)
             return _error(400, f'expected {{"fault": "{choices}", "extra_latency_ms": >= 0}}: {exc}')
         return web.json_response({"pair": request.match_info["pair"], "fault": fault.value, "extra_latency_ms": extra})
+
+
+def _add(into: dict[str, int], counts: dict[str, int]) -> None:
+    for label, n in counts.items():
+        into[label] = into.get(label, 0) + n
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -44,8 +44,11 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from symphony.link_tenants import Attributor, ConnectionTally, TenantTally
 
 SEGMENT_BYTES = 64 * 1024
 MIN_QUEUE_BYTES = 1 << 20
@@ -97,6 +100,8 @@ class LinkCounters:
     lost: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_DIRECTIONS, 0))
     connections: int = 0
     refused: int = 0
+    # Whose the bytes were (symphony.link_tenants), when the link is given an attributor.
+    tenants: TenantTally = field(default_factory=lambda: TenantTally(_DIRECTIONS))
 
 
 class _Direction:
@@ -171,7 +176,9 @@ class WanLink:
     to `target_host`:`target_port` through `shape`. `seed` makes the jitter and loss draws
     repeatable for the same sequence of segments. Given a `pipe` (of the same shape), it shares
     that pipe's bandwidth, draws and faults with its other listeners, its forward direction on lane
-    `lanes[0]` and its reverse on `lanes[1]`. Runs on one event loop; not thread-safe."""
+    `lanes[0]` and its reverse on `lanes[1]`. Given an `attributor` factory, each connection's
+    bytes are read by one of its attributors and counted by owner in `counters.tenants`
+    (`symphony.link_tenants`). Runs on one event loop; not thread-safe."""
 
     def __init__(
         self,
@@ -188,6 +195,7 @@ class WanLink:
         connect_timeout_s: float = 5.0,
         pipe: LinkPipe | None = None,
         lanes: tuple[str, str] = _DIRECTIONS,
+        attributor: Callable[[], Attributor] | None = None,
     ) -> None:
         self.shape = shape
         self.target = (target_host, target_port)
@@ -205,6 +213,7 @@ class WanLink:
         self.idle_timeout_s = idle_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.counters = LinkCounters()
+        self.attributor = attributor
         self._server: asyncio.Server | None = None
         self._closing = False
         # Open connections: each one's task, and the event that resets it (a partition, `close`).
@@ -275,9 +284,12 @@ class WanLink:
     ) -> None:
         forward, reverse = _Direction(self, "forward"), _Direction(self, "reverse")
         last_activity = [time.monotonic()]
+        tally = None
+        if self.attributor is not None:
+            tally = ConnectionTally(self.attributor(), self.counters.tenants, f"{self.port}>{self.target[1]}")
         pumps = [
-            asyncio.create_task(self._pump(reader, forward, last_activity)),
-            asyncio.create_task(self._pump(up_reader, reverse, last_activity)),
+            asyncio.create_task(self._pump(reader, forward, last_activity, tally)),
+            asyncio.create_task(self._pump(up_reader, reverse, last_activity, tally)),
         ]
         deliveries = [
             asyncio.create_task(self._deliver(forward, up_writer, last_activity)),
@@ -304,15 +316,24 @@ class WanLink:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if tally is not None:
+                tally.close()
             for w in (writer, up_writer):
                 if clean:
                     w.close()
                 else:
                     _reset(w)
 
-    async def _pump(self, reader: asyncio.StreamReader, direction: _Direction, last_activity: list[float]) -> None:
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        direction: _Direction,
+        last_activity: list[float],
+        tally: ConnectionTally | None,
+    ) -> None:
         """Read what the sender writes, segment by segment, into the link (waiting while the link
-        holds `queue_bytes` of it, or is blackholed); an empty segment marks the end."""
+        holds `queue_bytes` of it, or is blackholed), each segment told to `tally` before it is
+        queued; an empty segment marks the end."""
         while True:
             while direction.queued_bytes >= self.queue_bytes:
                 direction.room.clear()
@@ -320,6 +341,8 @@ class WanLink:
             await self.pipe.flowing.wait()
             data = await reader.read(SEGMENT_BYTES)  # the idle watch bounds how long this waits
             last_activity[0] = time.monotonic()
+            if tally is not None:
+                tally.feed(direction.name, data)
             direction.admit(data, time.monotonic())
             if not data:
                 return

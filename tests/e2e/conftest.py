@@ -138,6 +138,7 @@ def _write_config(
     engine: str,
     kv: str,
     regions: str = "",
+    scheduler: str = "",
 ) -> Path:
     config = home / "symphony.toml"
     config.write_text(f"""
@@ -148,6 +149,7 @@ nodes = {nodes}
 
 [scheduler]
 port = {scheduler_port}
+{scheduler}
 
 [node]
 grpc_port_base = {grpc_base}
@@ -180,10 +182,13 @@ def start_cluster(
     model: str = DEFAULT_MODEL_NAME,
     regions: list[str] | None = None,
     regions_policy: str = "nearest",
+    api_keys: list[str] | None = None,
+    residency: list[str] | None = None,
 ) -> LiveCluster:
     """`symphony up` on `home` with a config of its own ports (plus `engine_toml` and `kv_toml`, lines
     of those tables); returns once it says it is up. Stop it with `stop_cluster`. With `regions`
-    ("name:nodes" each, `nodes` ignored): a multi-region cluster, its url the first region's entry."""
+    ("name:nodes" each, `nodes` ignored): a multi-region cluster, its url the first region's entry;
+    `residency` its `regions.residency` rules. `api_keys`: the scheduler's ("tenant:key" each)."""
     regions_toml = ""
     if regions:
         count = len(regions)
@@ -192,12 +197,24 @@ def start_cluster(
         regions_toml = (
             f"[regions]\nlayout = {regions!r}\nscheduler_port_base = {free_port_run(count)}\n"
             f"link_port_base = {free_port_run(1 + listeners)}\npolicy = {regions_policy!r}\n"
+            f"residency = {residency or []!r}\n"
         ).replace("'", '"')
         kv_toml += '\ndata_plane = "grpc"\n'  # as `symphony up --regions` sets it
     scheduler_port = free_port_run(len(regions)) if regions else free_port()
     grpc_base, engine_base, metrics_base = free_port_run(nodes), free_port_run(nodes), free_port_run(nodes)
+    scheduler_toml = f"api_keys = {api_keys!r}".replace("'", '"') if api_keys else ""
     config = _write_config(
-        home, model_dir, scheduler_port, grpc_base, engine_base, metrics_base, nodes, engine_toml, kv_toml, regions_toml
+        home,
+        model_dir,
+        scheduler_port,
+        grpc_base,
+        engine_base,
+        metrics_base,
+        nodes,
+        engine_toml,
+        kv_toml,
+        regions_toml,
+        scheduler_toml,
     )
     output = home / "up.out"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}

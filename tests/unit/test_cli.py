@@ -216,3 +216,27 @@ def test_a_scheduler_of_a_multi_region_cluster_needs_its_region(
     assert "--region: regions.layout names regions; say which this scheduler serves (us-east, eu-west)" in (
         capsys.readouterr().err
     )
+
+
+def test_status_shows_a_links_biggest_owners_of_bytes() -> None:
+    from symphony.cli_status import STATUS_TENANTS, describe_region_links
+
+    owners = {f"t{i}": 1_000 * (i + 1) for i in range(STATUS_TENANTS + 2)}
+    link = {
+        "pair": "eu-west~us-east",
+        "rtt_ms": 75.0,
+        "bandwidth_mbps": 1000.0,
+        "jitter_ms": 0.0,
+        "loss": 0.0,
+        "fault": "none",
+        "open": 1,
+        "bytes": {"us-east>eu-west": sum(owners.values()) + 5_000_000, "eu-west>us-east": 0},
+        "tenant_bytes": {"us-east>eu-west": {**owners, "acme": 5_000_000}, "eu-west>us-east": {}},
+        "sniff_errors": 2,
+    }
+    lines = describe_region_links([link])
+    assert len(lines) == 2
+    assert lines[1].strip().startswith("by owner: acme 5.0 MB, t5 6.0 kB, t4 5.0 kB, t3 4.0 kB (+3 more)")
+    assert "unread connections 2" in lines[1]
+    del link["tenant_bytes"]  # a links process from before the counters: one line, as before
+    assert len(describe_region_links([link])) == 1
