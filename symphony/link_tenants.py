@@ -38,7 +38,9 @@ UNKNOWN_KEY = "unknown_key"
 UNATTRIBUTED = "unattributed"
 OTHER = "other"
 PENDING = "pending"
-MAX_LABELS = 256  # per listener, per direction
+RESERVED = frozenset({NONE, UNKNOWN_KEY, UNATTRIBUTED, OTHER, PENDING})  # never a tenant's label
+UNRESOLVED = frozenset({UNATTRIBUTED, OTHER, PENDING})  # bytes that may be any tenant's
+MAX_LABELS = 256  # tenants per listener, per direction (the reserved labels besides)
 MAX_PENDING_BYTES = 256 * 1024  # per direction of one connection
 
 # (direction, label, bytes): that many of the bytes fed so far in that direction were the label's
@@ -76,7 +78,7 @@ class TenantTally:
 
     def credit(self, direction: str, label: str, n: int) -> None:
         counts = self.labels[direction]
-        if label not in counts and len(counts) >= MAX_LABELS:
+        if label not in counts and label not in RESERVED and len(counts.keys() - RESERVED) >= MAX_LABELS:
             label = OTHER
         counts[label] = counts.get(label, 0) + n
 
@@ -150,7 +152,8 @@ def http_tenant_of(keys: TenantKeys) -> Callable[[str | None], str]:
         token = bearer(authorization)
         if token is None:
             return NONE
-        return keys.tenant(token) or UNKNOWN_KEY
+        tenant = keys.tenant(token)
+        return UNKNOWN_KEY if tenant is None else _tenant_label(tenant)
 
     return tenant_of
 
@@ -158,17 +161,24 @@ def http_tenant_of(keys: TenantKeys) -> Callable[[str | None], str]:
 def grpc_tenant_label(tenant: str) -> str:
     """The label of an RPC by its request's `SessionRef.tenant`: NONE when empty, UNATTRIBUTED
     when the peer sent something no tenant could be named."""
-    if not tenant:
-        return NONE
-    return UNATTRIBUTED if tenant_name_error(tenant) else tenant
+    return _tenant_label(tenant) if tenant else NONE
+
+
+def _tenant_label(tenant: str) -> str:
+    """A tenant's own label; UNATTRIBUTED for a name that is no tenant's or is a reserved label
+    (so a tenant called "none" or "pending" can neither hide its bytes nor break the sums)."""
+    return UNATTRIBUTED if tenant in RESERVED or tenant_name_error(tenant) else tenant
 
 
 def residency_crossings(
     links: list[dict[str, Any]], residency: Mapping[str, frozenset[str]], field: str = "tenant_bytes"
 ) -> dict[str, int]:
-    """Per restricted tenant, the bytes of its that crossed a link touching a region it is not
+    """Per restricted tenant, the bytes that may be its on links touching a region it is not
     allowed in (`GET /links`'s pairs; `field`: "tenant_bytes", or "tenant_kv_bytes" for the KV
-    pulls). A tenant with no bytes on such a link is 0, so every restricted tenant is present."""
+    pulls): its own, plus every byte that could not be placed (UNRESOLVED), which may be anyone's.
+    So 0 means none of its bytes crossed, as far as the links could read them all. Bytes that name
+    no tenant (NONE: preambles, probes, connection control) are not counted. Every restricted
+    tenant is present."""
     crossed = dict.fromkeys(residency, 0)
     for link in links:
         regions = set(link["pair"].split("~"))
@@ -177,5 +187,5 @@ def residency_crossings(
         for tenant, allowed in residency.items():
             if regions <= allowed:
                 continue
-            crossed[tenant] += sum(lane.get(tenant, 0) for lane in lanes)
+            crossed[tenant] += sum(n for lane in lanes for label, n in lane.items() if label in {tenant, *UNRESOLVED})
     return crossed

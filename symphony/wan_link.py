@@ -315,9 +315,11 @@ class WanLink:
             tasks = (*pumps, *deliveries, idle, aborted)
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if tally is not None:
-                tally.close()
+            try:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                if tally is not None:  # after the pumps: nothing is fed once it has closed
+                    tally.close()
             for w in (writer, up_writer):
                 if clean:
                     w.close()

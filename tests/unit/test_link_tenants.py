@@ -9,7 +9,16 @@ from collections.abc import Iterable
 import h11
 import hpack
 import pytest
-from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, SettingsFrame, WindowUpdateFrame
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,12 +44,24 @@ KEYS = TenantKeys(["acme:key-acme", "globex:key-globex"])
 Chunk = tuple[str, bytes]  # (direction, bytes), in the order the relay reads them
 
 
+def _merged(chunks: Iterable[Chunk]) -> list[Chunk]:
+    """Consecutive chunks of one direction as one: a read may hold several frames or messages."""
+    out: list[Chunk] = []
+    for direction, data in chunks:
+        if out and out[-1][0] == direction:
+            out[-1] = (direction, out[-1][1] + data)
+        else:
+            out.append((direction, data))
+    return out
+
+
 def _run(chunks: Iterable[Chunk], cuts: list[int] | None = None) -> TenantTally:
-    """Feed `chunks` through a Sniff, each cut at the offsets `cuts` draws (mod its length)."""
+    """Feed `chunks` through a Sniff, consecutive ones of a direction joined, then cut at the
+    offsets `cuts` draws (mod the length)."""
     tally = TenantTally(("forward", "reverse"))
     connection = ConnectionTally(Sniff(http_tenant_of(KEYS)), tally)
     draws = iter(cuts or [])
-    for direction, data in chunks:
+    for direction, data in _merged(chunks):
         at = 0
         while at < len(data):
             step = 1 + (next(draws, len(data) - 1) % len(data))
@@ -123,9 +144,62 @@ def test_pipelined_requests_of_two_tenants_in_one_read_are_unattributed() -> Non
     assert tally.snapshot("forward") == {UNATTRIBUTED: len(first[0][1]) + len(second[0][1])}
 
 
-def test_an_answer_nobody_asked_for_is_unattributed() -> None:
+def test_an_answer_before_any_request_gives_the_connection_up() -> None:
     tally = _run([("reverse", b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"), ("forward", b"GET / HTTP/1.1\r\n")])
     assert tally.snapshot("reverse") == {UNATTRIBUTED: 38}
+    assert tally.sniff_errors == 1
+
+
+def _feed_all(chunks: Iterable[Chunk]) -> TenantTally:
+    tally = TenantTally(("forward", "reverse"))
+    connection = ConnectionTally(Sniff(http_tenant_of(KEYS)), tally)
+    for direction, data in chunks:
+        connection.feed(direction, data)
+    return tally
+
+
+def test_a_request_answered_before_its_body_ended_leaves_the_next_one_readable() -> None:
+    """The scheduler answers 401 or 413 without reading the body; the connection is kept alive."""
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer key-acme\r\ncontent-length: 10\r\n\r\n"
+    refusal = b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 2\r\n\r\n{}"
+    follow = _http_exchange("key-globex", b"GET", b"", b"ok", False)
+    tally = _feed_all([("forward", head), ("reverse", refusal), ("forward", b"0123456789"), *follow])
+    assert _labels(tally) == {
+        "forward": {"acme": len(head) + 10, "globex": len(follow[0][1])},
+        "reverse": {"acme": len(refusal), "globex": len(follow[1][1])},
+    }
+    assert tally.sniff_errors == 0
+
+
+def test_a_request_sent_as_the_server_closed_is_still_its_owners() -> None:
+    first = _http_exchange("key-acme", b"GET", b"", b"a", False)
+    late = _http_exchange("key-globex", b"GET", b"", b"b", False)[0]
+    tally = _feed_all([*first, ("reverse", b""), late])
+    assert tally.snapshot("forward") == {"acme": len(first[0][1]), "globex": len(late[1])}
+    assert tally.sniff_errors == 0
+
+
+def test_a_keyless_request_with_a_body_is_unattributed_and_one_without_is_none() -> None:
+    with_body = _http_exchange(None, b"POST", b"secret prompt", b"401", False)
+    bare = _http_exchange(None, b"GET", b"", b"{}", False)
+    tally = _feed_all([*with_body, *bare])
+    assert tally.snapshot("forward") == {UNATTRIBUTED: len(with_body[0][1]), NONE: len(bare[0][1])}
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nabc",
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\ndata: one\n\ndata: two\n\n",  # ends at close
+    ],
+    ids=["100-continue", "204", "close-delimited"],
+)
+def test_answers_of_every_framing_are_their_requests(answer: bytes) -> None:
+    request = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer key-acme\r\n\r\n"
+    tally = _feed_all([("forward", request), ("reverse", answer), ("reverse", b""), ("forward", b"")])
+    assert _labels(tally) == {"forward": {"acme": len(request)}, "reverse": {"acme": len(answer)}}
+    assert tally.sniff_errors == 0
 
 
 # gRPC over h2c, as grpc's channel sends it: frames built with hyperframe, headers with hpack.
@@ -143,23 +217,37 @@ class _Grpc:
         self.expected: dict[str, dict[str, int]] = {"forward": {NONE: len(PREFACE)}, "reverse": {}}
 
     def frame(self, direction: str, frame: object, owner: str) -> None:
-        data = frame.serialize()  # type: ignore[attr-defined]
+        data = frame if isinstance(frame, bytes) else frame.serialize()  # type: ignore[attr-defined]
         self.chunks.append((direction, data))
         counts = self.expected[direction]
         counts[owner] = counts.get(owner, 0) + len(data)
 
-    def call(self, stream: int, path: str, message: bytes, owner: str, split_headers: bool = False) -> None:
-        block = self.encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path), ("te", "trailers")])
-        if split_headers:
-            self.frame("forward", HeadersFrame(stream, block[:5]), owner)
+    def open(self, stream: int, path: str, owner: str, split: bool = False, binary: bool = False) -> None:
+        """A call's headers (in a HEADERS and a CONTINUATION when `split`; with raw binary
+        metadata, as grpc allows for "-bin" keys, when `binary`)."""
+        headers: list[tuple[str, str | bytes]] = [(":method", "POST"), (":path", path), ("te", "trailers")]
+        if binary:
+            headers.append(("trace-bin", b"\xff\x00\xfe"))
+        block = self.encoder.encode(headers)
+        if split:
+            self.frame("forward", HeadersFrame(stream, block[:5], flags=["PRIORITY"]), owner)
             self.frame("forward", ContinuationFrame(stream, block[5:], flags=["END_HEADERS"]), owner)
         else:
             self.frame("forward", HeadersFrame(stream, block, flags=["END_HEADERS"]), owner)
+
+    def send(self, stream: int, message: bytes, owner: str) -> None:
+        """The request message, in two DATA frames (the first padded), the second ending the stream."""
+        wire = b"\x00" + len(message).to_bytes(4, "big") + message
+        first = DataFrame(stream, wire[:3], flags=["PADDED"])
+        first.pad_length = 7
+        self.frame("forward", first, owner)
+        self.frame("forward", DataFrame(stream, wire[3:], flags=["END_STREAM"]), owner)
+
+    def call(self, stream: int, path: str, message: bytes, owner: str, split: bool = False) -> None:
+        self.open(stream, path, owner, split)
         # The server opens its window before the message is whole: held, then the stream's.
         self.frame("reverse", WindowUpdateFrame(stream, window_increment=1000), owner)
-        wire = b"\x00" + len(message).to_bytes(4, "big") + message
-        self.frame("forward", DataFrame(stream, wire[:3]), owner)
-        self.frame("forward", DataFrame(stream, wire[3:], flags=["END_STREAM"]), owner)
+        self.send(stream, message, owner)
 
     def answer(self, stream: int, size: int, owner: str) -> None:
         self.frame("reverse", HeadersFrame(stream, b"\x88", flags=["END_HEADERS"]), owner)
@@ -179,12 +267,26 @@ def _grpc_connection() -> _Grpc:
     wire.frame("reverse", SettingsFrame(0), NONE)
     wire.call(1, FETCH, _fetch("acme"), "acme")
     wire.call(3, "/symphony.v1.KVStore/GetStoreInfo", b"", NONE)
-    wire.call(5, FETCH, _fetch("globex"), "globex", split_headers=True)
+    wire.call(5, FETCH, _fetch("globex"), "globex", split=True)
     wire.answer(5, 20_000, "globex")
     wire.answer(1, 7_000, "acme")
     wire.frame("reverse", WindowUpdateFrame(0, window_increment=5), NONE)
-    wire.call(7, FETCH, _fetch("acme"), "acme")  # the HPACK table now holds :path: a reference
+    wire.frame("forward", PingFrame(0, opaque_data=b"12345678"), NONE)
+    # A frame of a type HTTP/2 does not define (hyperframe serializes none with a body).
+    wire.frame("reverse", b"\x00\x00\x07\xf0\x00\x00\x00\x00\x00unknown", NONE)
+    wire.frame("reverse", WindowUpdateFrame(1, window_increment=9), "acme")  # after stream 1 ended
+    wire.encoder.header_table_size = 1024  # the next block opens with a table size update
+    wire.call(7, FETCH, _fetch("acme"), "acme")
+    # Two calls interleaved, one with binary metadata; one answered, the other reset.
+    wire.open(9, FETCH, "globex", binary=True)
+    wire.open(11, FETCH, "acme")
+    wire.frame("reverse", WindowUpdateFrame(11, window_increment=4), "acme")
+    wire.send(11, _fetch("acme"), "acme")
+    wire.send(9, _fetch("globex"), "globex")
     wire.answer(7, 100, "acme")
+    wire.frame("reverse", RstStreamFrame(9, error_code=8), "globex")
+    wire.answer(11, 300, "acme")
+    wire.frame("forward", GoAwayFrame(0, last_stream_id=11), NONE)
     return wire
 
 
@@ -210,6 +312,32 @@ def test_an_rpc_whose_tenant_cannot_be_read_is_unattributed(path: str, message: 
     wire.call(1, path, message, UNATTRIBUTED)
     wire.answer(1, 50, UNATTRIBUTED)
     assert _labels(_run(wire.chunks)) == wire.expected, why
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        (
+            "/symphony.v1.KVStore/WritePages",
+            kv_pb2.PageBatch(session=kv_pb2.SessionRef(tenant="acme")).SerializeToString(),
+        ),
+        ("/symphony.v1.KVStore/GetPrefetch", kv_pb2.PrefetchRef(prefetch_id="7").SerializeToString()),
+        ("//symphony.v1.KVStore/FetchPages", _fetch("acme")),
+    ],
+    ids=["client-streaming", "names-no-session", "malformed-path"],
+)
+def test_an_rpc_whose_owner_its_first_message_cannot_tell_is_unattributed(path: str, message: bytes) -> None:
+    wire = _Grpc()
+    wire.call(1, path, message, UNATTRIBUTED)
+    assert _labels(_run(wire.chunks)) == wire.expected
+
+
+def test_a_tenant_named_like_a_label_is_unattributed() -> None:
+    wire = _Grpc()
+    wire.call(1, FETCH, _fetch(PENDING), UNATTRIBUTED)
+    wire.call(3, FETCH, _fetch(NONE), UNATTRIBUTED)
+    assert _labels(_run(wire.chunks)) == wire.expected
+    assert http_tenant_of(TenantKeys(["none:k"]))("Bearer k") == UNATTRIBUTED
 
 
 def test_a_compressed_request_is_unattributed() -> None:
@@ -270,11 +398,14 @@ def test_a_reader_that_fails_or_holds_too_much_is_given_up_and_counted() -> None
     assert tally.sniff_errors == 2 and tally.pending == {"forward": 0, "reverse": 0}
 
 
-def test_labels_past_the_bound_are_counted_as_other() -> None:
+def test_tenants_past_the_bound_are_counted_as_other_and_the_reserved_labels_kept() -> None:
     tally = TenantTally(("forward",))
     for i in range(MAX_LABELS + 5):
         tally.credit("forward", f"t{i}", 1)
-    assert len(tally.labels["forward"]) == MAX_LABELS + 1 and tally.labels["forward"][OTHER] == 5
+    tally.credit("forward", UNATTRIBUTED, 2)
+    tally.credit("forward", NONE, 3)
+    assert len(tally.labels["forward"]) == MAX_LABELS + 3 and tally.labels["forward"][OTHER] == 5
+    assert tally.labels["forward"][UNATTRIBUTED] == 2 and tally.labels["forward"][NONE] == 3
 
 
 def test_residency_crossings_count_a_tenants_bytes_on_links_outside_its_regions() -> None:
@@ -286,6 +417,9 @@ def test_residency_crossings_count_a_tenants_bytes_on_links_outside_its_regions(
     rules = {"atl": frozenset({"us-east", "eu-west"}), "eu": frozenset({"eu-west"})}
     assert residency_crossings(links, rules) == {"atl": 3, "eu": 0}
     assert residency_crossings(links, rules, "tenant_kv_bytes") == {"atl": 4, "eu": 0}
+    # Bytes that could not be placed may be anyone's: on a forbidden link they count.
+    links[1]["tenant_bytes"]["ap-south>us-east"] = {UNATTRIBUTED: 2, OTHER: 1, NONE: 50}
+    assert residency_crossings(links, rules) == {"atl": 6, "eu": 3}
 
 
 @settings(max_examples=150, deadline=None)
@@ -293,7 +427,7 @@ def test_residency_crossings_count_a_tenants_bytes_on_links_outside_its_regions(
     st.sampled_from([PREFACE, b"POST /v1/chat/completions HTTP/1.1\r\n", b""]),
     st.lists(st.tuples(st.sampled_from(["forward", "reverse"]), st.binary(min_size=1, max_size=300)), max_size=12),
 )
-def test_any_bytes_after_any_start_are_all_counted_once_and_never_raise(start: bytes, chunks: list[Chunk]) -> None:
+def test_any_bytes_after_any_start_are_all_counted_once(start: bytes, chunks: list[Chunk]) -> None:
     tally = _run([("forward", start), *chunks] if start else chunks)
     for direction in ("forward", "reverse"):
         fed = sum(len(data) for d, data in [("forward", start), *chunks] if d == direction)
