@@ -10,7 +10,9 @@ of the same regions, in turn; every engine's prefix cache is emptied between pol
 The load: ShareGPT users with typing advisories (eval.loadgen), each homed in a region and calling
 its region's entry; `hot_share` of them in us-east (its daytime), the rest split between the
 others. Some eu-west users belong to an EU-only tenant (`regions.residency`): a request of theirs
-served outside eu-west is a residency violation.
+served outside eu-west is a residency violation (`residency_violations`), and so is a byte of
+theirs, or one the links could not place, on a link out of eu-west, as the links read their own
+traffic (`residency_violation_bytes`, symphony.link_tenants).
 
 Per policy, over the records: eval.cluster_summary's figures (TTFT, errors, prefill computed over
 total, max over mean load across regions: one node per region), `e2e_ms_p95`, and from the links
@@ -46,6 +48,7 @@ from eval.stats import percentile
 from eval.workloads import Conversation, HumanTiming
 from scheduler.tokenizer_load import tokenizer_dirs
 from symphony.config import SymphonyConfig, dump_toml
+from symphony.link_tenants import residency_crossings
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 from symphony.regions import RegionTopology
 
@@ -172,11 +175,24 @@ class _GlobalLayer:
         stop_child(self.process, self.log)
 
 
-async def _links_kv_bytes(config: SymphonyConfig) -> int:
-    """Bytes the links have carried to and from nodes so far (pulls of KV between regions)."""
+async def _links(config: SymphonyConfig) -> list[dict[str, Any]]:
+    """The links' `GET /links` (symphony.region_links): their counters so far."""
     url = f"http://{config.scheduler.host}:{config.regions.link_port_base}/links"
     async with httpx.AsyncClient(timeout=5.0) as client:
-        return sum(link["kv_bytes"] for link in (await client.get(url)).json()["links"])
+        links: list[dict[str, Any]] = (await client.get(url)).json()["links"]
+        return links
+
+
+async def _links_kv_bytes(config: SymphonyConfig) -> int:
+    """Bytes the links have carried to and from nodes so far (pulls of KV between regions)."""
+    return sum(link["kv_bytes"] for link in await _links(config))
+
+
+def _crossed_bytes(links: list[dict[str, Any]], tenant: str, topology: RegionTopology) -> int:
+    """Bytes that may be `tenant`'s on links to regions it may not enter, by the links' own
+    reading of their traffic (symphony.link_tenants.residency_crossings)."""
+    allowed = topology.residency.get(tenant, frozenset(topology.names))
+    return residency_crossings(links, {tenant: allowed})[tenant]
 
 
 async def _settled_kv_bytes(config: SymphonyConfig, quiet_s: float = 2.0, within_s: float = 90.0) -> int:
@@ -266,10 +282,14 @@ async def measure_region_policies(
                     prepared = ChatWorkload(by_region[region], timing).prepare(settings)
                     runners.append(prepared.make(layer.entries[region], model, group_key, prefix))
             kv_before = await _settled_kv_bytes(config)  # the run before's moves ended
+            crossed_before = _crossed_bytes(await _links(config), eu_tenant, topology)
             batches = await asyncio.gather(*(runner.run() for runner in runners))
             records = [record for batch in batches for record in batch]
             summary = summarize_regions(records, eu_prefix, eu_tenant, topology, node_ids)
             summary["cross_region_kv_bytes"] = await _settled_kv_bytes(config) - kv_before
+            # The same bar read from the wire: the EU-only tenant's bytes on links out of eu-west.
+            crossed = _crossed_bytes(await _links(config), eu_tenant, topology) - crossed_before
+            summary["residency_violation_bytes"] = crossed
             summary["kv_moves_across_regions"] = await layer.kv_moves()
             summary["users_by_region"] = users
             results[policy] = summary
@@ -281,7 +301,9 @@ async def measure_region_policies(
 def region_targets(policies: dict[str, Any]) -> dict[str, Any]:
     """The issue's bars on the aggregated figures (None where a policy was not run)."""
     out: dict[str, Any] = {
-        "residency_violations_zero": all(p["residency_violations"] == 0 for p in policies.values()),
+        "residency_violations_zero": all(
+            p["residency_violations"] == 0 and p.get("residency_violation_bytes", 0) == 0 for p in policies.values()
+        ),
     }
     if "symphony" not in policies:
         return out

@@ -58,6 +58,7 @@ SUMMED = frozenset(
         # bench regions
         "requests_by_region",
         "residency_violations",
+        "residency_violation_bytes",
         "cross_region_kv_bytes",
         "kv_moves_across_regions",
     }

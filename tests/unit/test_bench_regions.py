@@ -77,6 +77,8 @@ def test_the_targets_compare_symphony_with_the_better_baseline_and_nearest() -> 
     )
     assert not missed["symphony_p95_vs_best_met"] and not missed["symphony_p95_vs_nearest_met"]
     assert not missed["residency_violations_zero"]
+    on_the_wire = region_targets({"symphony": {**policy(500), "residency_violation_bytes": 120}})
+    assert not on_the_wire["residency_violations_zero"]  # no request crossed, but its bytes did
 
 
 @pytest.mark.parametrize(
