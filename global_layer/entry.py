@@ -10,16 +10,19 @@ Contracts:
 - A tenant's request goes only to a region its residency rule allows. When none of those is up,
   the client gets 503 `no_allowed_region` naming them; the refusal is logged and counted.
 - Failover: a region that cannot be reached (connection refused or reset, no answer within the
-  connect timeout) or that answers 503 because it has no engine, is marked unreachable and the
-  next region in the policy's order is tried, so no client sees an error for a request whose
-  answer had not started. Once an answer's status line has been relayed, an error ends the
-  stream (the client sees a cut-off answer, as from a one-region scheduler).
+  connect timeout), that answers 503 because it has no engine, or that its probe sees go down
+  while the request waits for its answer's status line (a blackholed link, a hung scheduler: the
+  request there is abandoned), is marked unreachable and the next region in the policy's order is
+  tried, so no client sees an error for a request whose answer had not started. Once an answer's
+  status line has been relayed, an error ends the stream (the client sees a cut-off answer, as
+  from a one-region scheduler).
 - Bounded: request bodies by `scheduler.max_body_bytes`, upstream connections by the pool, reads
   by `scheduler.request_timeout_s` between bytes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections import Counter
@@ -284,9 +287,7 @@ class Entry:
                 # follows it too. Undone below unless the region takes the advisory.
                 self.advised.put(region_request.session, region)
             try:
-                upstream = await self.session.request(
-                    request.method, url, data=body, headers=sent, allow_redirects=False
-                )
+                upstream = await self._answer_while_up(region, request.method, url, body, sent)
             except aiohttp.SocketTimeoutError:
                 # Connected, but no answer in scheduler.request_timeout_s: the region may have run
                 # it, so it is not sent again elsewhere.
@@ -331,6 +332,27 @@ class Entry:
         return RegionRefused(
             503, f"no region could be reached (tried {tried}); retry shortly", "no_region_reachable"
         ).response()
+
+    async def _answer_while_up(
+        self, region: str, method: str, url: str, body: bytes, headers: CIMultiDict[str]
+    ) -> aiohttp.ClientResponse:
+        """The region's answer (its status line and headers), unless its probe sees the region
+        down first: then the request is abandoned (nothing of it has reached the client) and
+        TimeoutError says so. Polled every probe interval: down is the absence of summaries."""
+        probe = self.probes[region]
+        sent = self.session.request(method, url, data=body, headers=headers, allow_redirects=False)
+        call = asyncio.ensure_future(sent)
+        try:
+            while not call.done():
+                await asyncio.wait({call}, timeout=probe.interval_s)
+                if not call.done() and not probe.view().up:
+                    raise TimeoutError(f"region {region} went down before answering")
+            return call.result()
+        finally:
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await call
 
     def _with_move(
         self, headers: CIMultiDict[str], request: RegionRequest, region: str

@@ -142,7 +142,7 @@ class FakeEngine:
     "stall": stream one chunk then wait (to test disconnects), "linger": a whole stream, `[DONE]`
     included, whose end comes only once the caller hangs up, "break": stream two chunks then drop the
     connection, "bad": answer 400 like vLLM's validation, "slow": a plain answer only after 10 s (or
-    until the caller hangs up), "prefill": a stream whose first chunk waits for `prefill_done`,
+    until the caller hangs up, or `slow_done` is set), "prefill": a stream whose first chunk waits for `prefill_done`,
     anything else: a normal answer."""
 
     port: int = field(default_factory=free_port)
@@ -150,6 +150,7 @@ class FakeEngine:
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
     prefill_done: asyncio.Event = field(default_factory=asyncio.Event)
+    slow_done: asyncio.Event = field(default_factory=asyncio.Event)
     tokenize_requests: list[dict[str, Any]] = field(default_factory=list)
     tokenize_with: Callable[[dict[str, Any]], list[int]] | None = None
     _runner: web.AppRunner | None = None
@@ -179,6 +180,8 @@ class FakeEngine:
             for _ in range(500):
                 if request.transport is None or request.transport.is_closing():
                     self.disconnected.set()
+                    break
+                if self.slow_done.is_set():
                     break
                 await asyncio.sleep(0.02)
         if not body.get("stream"):

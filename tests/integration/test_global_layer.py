@@ -47,6 +47,7 @@ class Regions:
     entries: dict[str, Entry]
     schedulers: dict[str, tuple[uvicorn.Server, asyncio.Task[None]]] = field(default_factory=dict)
     nodes: dict[str, FakeNodeManager] = field(default_factory=dict)
+    engine: FakeEngine = field(default_factory=FakeEngine)  # every region's nodes' engine
 
     def entry_url(self, region: str) -> str:
         return f"http://127.0.0.1:{self.config.scheduler.port + self.topology.region(region).index}"
@@ -110,7 +111,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
     nodes = []
     runners: list[web.AppRunner] = []
     links = RegionLinks(config, topology)
-    cluster = Regions(config, topology, links, {})
+    cluster = Regions(config, topology, links, {}, engine=engine)
     try:
         for region in topology.regions:
             node = FakeNodeManager(ready_status(f"node-{region.index}", engine.url))
@@ -268,6 +269,27 @@ async def test_a_partitioned_link_fails_over_to_the_next_region(regions: Regions
     await regions.all_up("us-east", regions=["ap-south"])
     answer = await _chat(regions.entry_url("us-east"), _headers(**{CLIENT_REGION_HEADER: "ap-south"}))
     assert answer.headers[REGION_HEADER] == "ap-south"
+
+
+async def test_a_request_waiting_on_a_region_whose_link_goes_dark_fails_over(regions: Regions) -> None:
+    """ap-south is running the request ("slow": no answer yet) when its link to us-east is
+    blackholed. Once the entry's probe sees ap-south down, the request is abandoned there and
+    sent to the next region: the client gets its answer, never an error."""
+    slow = {**CHAT, "messages": [{"role": "user", "content": "slow"}]}
+    ask = asyncio.create_task(_chat(regions.entry_url("us-east"), _headers(**{CLIENT_REGION_HEADER: "ap-south"}), slow))
+    await async_wait_until(lambda: len(regions.engine.requests) == 1, 5, "ap-south's engine to get the request")
+    async with httpx.AsyncClient(timeout=5) as client:
+        dark = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json={"fault": "blackhole"})
+        assert dark.status_code == 200
+        await async_wait_until(lambda: len(regions.engine.requests) == 2, 8, "the request to be sent on")
+        regions.engine.slow_done.set()
+        answer = await ask
+        assert answer.status_code == 200, answer.text
+        assert answer.headers[REGION_HEADER] == "eu-west"
+        assert regions.entries["us-east"].failovers["ap-south"] == 1
+        healed = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json={"fault": "none"})
+        assert healed.status_code == 200
+    await regions.all_up("us-east", regions=["ap-south"])
 
 
 @pytest.mark.parametrize(
