@@ -18,6 +18,12 @@ from symphony.region_load import RegionLoad, SessionDelta
 
 log = get_logger(__name__)
 
+# A region with no summary for this long may have lost the KV its feed named (nodes restarted or
+# replaced): its sessions stop being offered as a move's source, and the feed starts afresh when
+# the region answers again. Long against a probe period, so a region that is only briefly
+# unreachable (a stopped scheduler whose nodes still serve pulls) keeps it.
+HELD_KEPT_DOWN_S = 60.0
+
 
 class RegionProbe:
     """Up while a summary arrived within `down_after_s` and none of the entry's requests failed to
@@ -90,6 +96,9 @@ class RegionProbe:
             self.probe_errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             log.debug("region probe failed", region=self.name, error=self.last_error)
+            if len(self.held) and self.clock() - self.last_ok_at > HELD_KEPT_DOWN_S:
+                log.info("forgetting a silent region's sessions", region=self.name, sessions=len(self.held))
+                self.held = HeldSessions(self.held.max_sessions)
             return
         self.load = load
         if delta is not None:

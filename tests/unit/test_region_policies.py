@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import aiohttp
 import pytest
 
 from global_layer.advised import AdvisedRegions
 from global_layer.costs import MAX_FILL, fill, region_cost
 from global_layer.held import HeldSessions
 from global_layer.policies import Gorgo, SkyWalker, SymphonyRegions, rank_regions
-from global_layer.probe import RegionProbe
+from global_layer.probe import HELD_KEPT_DOWN_S, RegionProbe
 from global_layer.request_content import request_content
 from global_layer.views import RegionRequest, RegionView
 from scheduler.region_feed import SessionFeed
@@ -348,3 +349,23 @@ def test_an_advised_region_is_kept_until_dropped_or_too_old() -> None:
     assert advised.peek("b") is None
     clock.now += 11
     assert advised.peek("c") is None and len(advised) == 0  # too old
+
+
+class _Refused:
+    def get(self, *_: object, **__: object) -> object:
+        raise aiohttp.ClientConnectionError("connection refused")
+
+
+async def test_a_region_silent_for_long_stops_being_offered_as_a_moves_source() -> None:
+    clock = _Clock()
+    probe = RegionProbe("eu-west", "http://x", _Refused(), interval_s=0.1, down_after_s=0.5, clock=clock)  # type: ignore[arg-type]
+    feed = SessionFeed()
+    feed.changed(("acme", "s"), 640, "node-1")
+    probe.held.apply(feed.since(probe.held.seq, probe.held.epoch))
+    probe.last_ok_at = clock.now
+    clock.now += HELD_KEPT_DOWN_S / 2  # down, but briefly: its nodes may still serve a pull
+    await probe.probe_once()
+    assert probe.held.tokens(session_digest("acme", "s")) == 640
+    clock.now += HELD_KEPT_DOWN_S
+    await probe.probe_once()
+    assert probe.held.tokens(session_digest("acme", "s")) == 0 and probe.held.epoch == ""
