@@ -11,8 +11,9 @@ The load: ShareGPT users with typing advisories (eval.loadgen), each homed in a 
 its region's entry; `hot_share` of them in us-east (its daytime), the rest split between the
 others. Some eu-west users belong to an EU-only tenant (`regions.residency`): a request of theirs
 served outside eu-west is a residency violation (`residency_violations`), and so is a byte of
-theirs, or one the links could not place, on a link out of eu-west, as the links read their own
-traffic (`residency_violation_bytes`, symphony.link_tenants).
+theirs on a link out of eu-west, as the links read their own traffic
+(`residency_violation_bytes`, symphony.link_tenants); the bytes the links could not place
+(`residency_unplaced_bytes`, any link: they could be anyone's) must be 0 for the bar to hold.
 
 Per policy, over the records: eval.cluster_summary's figures (TTFT, errors, prefill computed over
 total, max over mean load across regions: one node per region), `e2e_ms_p95`, and from the links
@@ -48,7 +49,7 @@ from eval.stats import percentile
 from eval.workloads import Conversation, HumanTiming
 from scheduler.tokenizer_load import tokenizer_dirs
 from symphony.config import SymphonyConfig, dump_toml
-from symphony.link_tenants import residency_crossings
+from symphony.link_tenants import OTHER, PENDING, UNATTRIBUTED, residency_crossings
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 from symphony.regions import RegionTopology
 
@@ -188,13 +189,6 @@ async def _links_kv_bytes(config: SymphonyConfig) -> int:
     return sum(link["kv_bytes"] for link in await _links(config))
 
 
-def _crossed_bytes(links: list[dict[str, Any]], tenant: str, topology: RegionTopology) -> int:
-    """Bytes that may be `tenant`'s on links to regions it may not enter, by the links' own
-    reading of their traffic (symphony.link_tenants.residency_crossings)."""
-    allowed = topology.residency.get(tenant, frozenset(topology.names))
-    return residency_crossings(links, {tenant: allowed})[tenant]
-
-
 async def _settled_kv_bytes(config: SymphonyConfig, quiet_s: float = 2.0, within_s: float = 90.0) -> int:
     """The links' KV bytes once no move has carried any for `quiet_s` (moves an advisory started
     go on for up to its lead after the load ends), or after `within_s`."""
@@ -206,6 +200,37 @@ async def _settled_kv_bytes(config: SymphonyConfig, quiet_s: float = 2.0, within
         if now != last:
             last, since = now, time.monotonic()
     return last
+
+
+def _wire_residency(links: list[dict[str, Any]], tenant: str, topology: RegionTopology) -> tuple[int, int, int]:
+    """From the links' own reading of their traffic (symphony.link_tenants), counters so far:
+    `tenant`'s bytes on links touching a region it may not enter; the bytes no link could place
+    (unattributed, or a tenant's past a link's label bound), which could be anyone's; and the
+    connections the links' readers gave up on."""
+    allowed = topology.residency.get(tenant)
+    if allowed is None:
+        raise ValueError(f"tenant {tenant!r} has no residency rule")
+    own = residency_crossings(links, {tenant: allowed}, unresolved=False)[tenant]
+    unplaced = sum(
+        n
+        for link in links
+        for lane in link["tenant_bytes"].values()
+        for label, n in lane.items()
+        if label in (UNATTRIBUTED, OTHER)
+    )
+    return own, unplaced, sum(link["sniff_errors"] for link in links)
+
+
+async def _settled_links(config: SymphonyConfig, within_s: float = 30.0) -> list[dict[str, Any]]:
+    """The links' counters once no byte is pending an owner (a request half read), or after
+    `within_s` (then pending bytes count as unplaced)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        links = await _links(config)
+        pending = any(PENDING in lane for link in links for lane in link["tenant_bytes"].values())
+        if not pending or time.monotonic() > deadline:
+            return links
+        await asyncio.sleep(0.1)  # polling a counter
 
 
 def _region_conversations(conversations: list[Conversation], names: tuple[str, ...]) -> dict[str, list[Conversation]]:
@@ -282,14 +307,18 @@ async def measure_region_policies(
                     prepared = ChatWorkload(by_region[region], timing).prepare(settings)
                     runners.append(prepared.make(layer.entries[region], model, group_key, prefix))
             kv_before = await _settled_kv_bytes(config)  # the run before's moves ended
-            crossed_before = _crossed_bytes(await _links(config), eu_tenant, topology)
+            wire_before = _wire_residency(await _settled_links(config), eu_tenant, topology)
             batches = await asyncio.gather(*(runner.run() for runner in runners))
             records = [record for batch in batches for record in batch]
             summary = summarize_regions(records, eu_prefix, eu_tenant, topology, node_ids)
             summary["cross_region_kv_bytes"] = await _settled_kv_bytes(config) - kv_before
-            # The same bar read from the wire: the EU-only tenant's bytes on links out of eu-west.
-            crossed = _crossed_bytes(await _links(config), eu_tenant, topology) - crossed_before
+            # The same bar read from the wire: the EU-only tenant's bytes on links out of eu-west,
+            # and the bytes the links could not place (which could be its: the bar needs 0 too).
+            wire = _wire_residency(await _settled_links(config), eu_tenant, topology)
+            crossed, unplaced, sniff_errors = (now - then for now, then in zip(wire, wire_before, strict=True))
             summary["residency_violation_bytes"] = crossed
+            summary["residency_unplaced_bytes"] = unplaced
+            summary["link_sniff_errors"] = sniff_errors
             summary["kv_moves_across_regions"] = await layer.kv_moves()
             summary["users_by_region"] = users
             results[policy] = summary
@@ -302,7 +331,10 @@ def region_targets(policies: dict[str, Any]) -> dict[str, Any]:
     """The issue's bars on the aggregated figures (None where a policy was not run)."""
     out: dict[str, Any] = {
         "residency_violations_zero": all(
-            p["residency_violations"] == 0 and p.get("residency_violation_bytes", 0) == 0 for p in policies.values()
+            p["residency_violations"] == 0
+            and p.get("residency_violation_bytes", 0) == 0
+            and p.get("residency_unplaced_bytes", 0) == 0
+            for p in policies.values()
         ),
     }
     if "symphony" not in policies:

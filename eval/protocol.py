@@ -59,6 +59,8 @@ SUMMED = frozenset(
         "requests_by_region",
         "residency_violations",
         "residency_violation_bytes",
+        "residency_unplaced_bytes",
+        "link_sniff_errors",
         "cross_region_kv_bytes",
         "kv_moves_across_regions",
     }

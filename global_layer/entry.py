@@ -10,10 +10,13 @@ Contracts:
 - A tenant's request goes only to a region its residency rule allows. When none of those is up,
   the client gets 503 `no_allowed_region` naming them; the refusal is logged and counted.
 - Failover: a region that cannot be reached (connection refused or reset, no answer within the
-  connect timeout), that answers 503 because it has no engine, or that its probe sees go down
-  while the request waits for its answer's status line (a blackholed link, a hung scheduler: the
-  request there is abandoned), is marked unreachable and the next region in the policy's order is
-  tried, so no client sees an error for a request whose answer had not started. Once an answer's
+  connect timeout), that answers 503 because it has no engine, or that sends no summary for
+  ABANDON_AFTER_DOWN x `regions.region_down_after_ms` while the request waits for its answer's
+  status line (a blackholed link, a hung scheduler), is marked unreachable and the next region in
+  the policy's order is tried, so no client sees an error for a request whose answer had not
+  started. An abandoned request may still run in the region it left (nothing reaches it to say
+  otherwise), so it can run twice; a non-streaming one waits for its status line until its whole
+  answer is ready, and is exposed for that long (counted in `/regions` as `abandoned`). Once an answer's
   status line has been relayed, an error ends the stream (the client sees a cut-off answer, as
   from a one-region scheduler).
 - Bounded: request bodies by `scheduler.max_body_bytes`, upstream connections by the pool, reads
@@ -52,6 +55,10 @@ log = get_logger(__name__)
 
 CLIENT_REGION_HEADER = "X-Client-Region"
 SESSION_HEADER = "X-Session-ID"  # as the schedulers read it (else the body's session_id)
+# A request waiting on a region silent for this many times `regions.region_down_after_ms` is sent
+# to the next region (twice the time that stops new requests: a summary delayed by a busy link,
+# or a loaded host, does not abandon running work).
+ABANDON_AFTER_DOWN = 2.0
 REGION_HEADER = "X-Symphony-Region"  # on every answer: the region that served it
 # A scheduler's 503 codes that mean "no engine here": the next region is tried.
 FAILOVER_CODES = frozenset({"no_engine_ready", "no_engine_available", "engine_unreachable"})
@@ -127,6 +134,7 @@ class Entry:
         }
         self.served: Counter[str] = Counter()  # requests answered, by serving region
         self.failovers: Counter[str] = Counter()  # requests moved on, by the region that failed them
+        self.abandoned: Counter[str] = Counter()  # of them, left waiting on a region gone silent
         self.refusals: Counter[str] = Counter()  # by reason (code)
         # Advisories a region took with a copy of another region's to pull, by that region.
         self.moves: Counter[str] = Counter()
@@ -176,6 +184,7 @@ class Entry:
                 "load": view.load.to_json() if view.load else None,
                 "served": self.served[name],
                 "failovers": self.failovers[name],
+                "abandoned": self.abandoned[name],
                 "kv_moves_in": self.moves[name],
                 "sessions_known": len(probe.held),  # sessions its feed says it holds KV of
                 "probe_errors": probe.probe_errors,
@@ -336,23 +345,27 @@ class Entry:
     async def _answer_while_up(
         self, region: str, method: str, url: str, body: bytes, headers: CIMultiDict[str]
     ) -> aiohttp.ClientResponse:
-        """The region's answer (its status line and headers), unless its probe sees the region
-        down first: then the request is abandoned (nothing of it has reached the client) and
-        TimeoutError says so. Polled every probe interval: down is the absence of summaries."""
+        """The region's answer (its status line and headers), unless the region's probe gets no
+        summary for ABANDON_AFTER_DOWN x its down time first: then the request is abandoned
+        (nothing of it has reached the client) and TimeoutError says so. Silence alone decides:
+        another request's failure, or a summary with no ready node, does not abandon this one.
+        Polled every probe interval."""
         probe = self.probes[region]
         sent = self.session.request(method, url, data=body, headers=headers, allow_redirects=False)
         call = asyncio.ensure_future(sent)
         try:
             while not call.done():
                 await asyncio.wait({call}, timeout=probe.interval_s)
-                if not call.done() and not probe.view().up:
-                    raise TimeoutError(f"region {region} went down before answering")
+                if not call.done() and probe.silent_for() > ABANDON_AFTER_DOWN * probe.down_after_s:
+                    self.abandoned[region] += 1
+                    raise TimeoutError(f"region {region} sent no summary for {probe.silent_for():.1f} s")
             return call.result()
         finally:
             if not call.done():
                 call.cancel()
-                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
-                    await call
+                await asyncio.wait({call})  # aiohttp closes the connection of a cancelled request
+                if not call.cancelled() and call.exception() is None:
+                    call.result().release()  # answered as it was being abandoned
 
     def _with_move(
         self, headers: CIMultiDict[str], request: RegionRequest, region: str

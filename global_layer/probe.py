@@ -62,6 +62,11 @@ class RegionProbe:
         fresh = now - self.last_ok_at <= self.down_after_s and self.last_ok_at > self.failed_at
         return RegionView(self.name, fresh and self.load is not None and self.load.ready_nodes > 0, self.load)
 
+    def silent_for(self) -> float:
+        """Seconds since the last summary that arrived was asked for (inf before the first): the
+        region's silence alone, whatever requests to it did meanwhile."""
+        return self.clock() - self.last_ok_at
+
     def mark_unreachable(self, why: str) -> None:
         """A request could not reach the region: it takes no more until a probe gets through."""
         self.failed_at = self.clock()

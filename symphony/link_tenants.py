@@ -171,14 +171,17 @@ def _tenant_label(tenant: str) -> str:
 
 
 def residency_crossings(
-    links: list[dict[str, Any]], residency: Mapping[str, frozenset[str]], field: str = "tenant_bytes"
+    links: list[dict[str, Any]],
+    residency: Mapping[str, frozenset[str]],
+    field: str = "tenant_bytes",
+    unresolved: bool = True,
 ) -> dict[str, int]:
     """Per restricted tenant, the bytes that may be its on links touching a region it is not
     allowed in (`GET /links`'s pairs; `field`: "tenant_bytes", or "tenant_kv_bytes" for the KV
     pulls): its own, plus every byte that could not be placed (UNRESOLVED), which may be anyone's.
     So 0 means none of its bytes crossed, as far as the links could read them all. Bytes that name
     no tenant (NONE: preambles, probes, connection control) are not counted. Every restricted
-    tenant is present."""
+    tenant is present. `unresolved=False`: the tenant's own bytes only."""
     crossed = dict.fromkeys(residency, 0)
     for link in links:
         regions = set(link["pair"].split("~"))
@@ -187,5 +190,6 @@ def residency_crossings(
         for tenant, allowed in residency.items():
             if regions <= allowed:
                 continue
-            crossed[tenant] += sum(n for lane in lanes for label, n in lane.items() if label in {tenant, *UNRESOLVED})
+            counted = {tenant, *UNRESOLVED} if unresolved else {tenant}
+            crossed[tenant] += sum(n for lane in lanes for label, n in lane.items() if label in counted)
     return crossed

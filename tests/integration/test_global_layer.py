@@ -19,7 +19,7 @@ import uvicorn
 from aiohttp import web
 
 from eval.ports import free_port_run
-from global_layer.entry import CLIENT_REGION_HEADER, REGION_HEADER, Entry
+from global_layer.entry import ABANDON_AFTER_DOWN, CLIENT_REGION_HEADER, REGION_HEADER, Entry
 from global_layer.server import make_entries
 from scheduler.app import create_app
 from symphony.cli import main
@@ -287,9 +287,25 @@ async def test_a_request_waiting_on_a_region_whose_link_goes_dark_fails_over(reg
         assert answer.status_code == 200, answer.text
         assert answer.headers[REGION_HEADER] == "eu-west"
         assert regions.entries["us-east"].failovers["ap-south"] == 1
+        assert regions.entries["us-east"].abandoned["ap-south"] == 1
         healed = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json={"fault": "none"})
         assert healed.status_code == 200
     await regions.all_up("us-east", regions=["ap-south"])
+
+
+async def test_a_request_on_a_slow_region_that_still_answers_probes_is_kept(regions: Regions) -> None:
+    slow = {**CHAT, "messages": [{"role": "user", "content": "slow"}]}
+    started = time.monotonic()
+    ask = asyncio.create_task(_chat(regions.entry_url("us-east"), _headers(**{CLIENT_REGION_HEADER: "ap-south"}), slow))
+    probe = regions.entries["us-east"].probes["ap-south"]
+    past = started + ABANDON_AFTER_DOWN * probe.down_after_s + probe.interval_s
+    # ap-south answers its probes well past the time a silent region's request is abandoned.
+    await async_wait_until(lambda: probe.last_ok_at > past, 10, "ap-south's summaries past the abandon time")
+    assert len(regions.engine.requests) == 1
+    regions.engine.slow_done.set()
+    answer = await ask
+    assert answer.status_code == 200 and answer.headers[REGION_HEADER] == "ap-south"
+    assert regions.entries["us-east"].abandoned["ap-south"] == 0 and len(regions.engine.requests) == 1
 
 
 @pytest.mark.parametrize(

@@ -93,3 +93,21 @@ def test_the_targets_compare_symphony_with_the_better_baseline_and_nearest() -> 
 def test_bad_flags_are_named(capsys: pytest.CaptureFixture[str], flags: list[str], named: str) -> None:
     assert main(["bench", "regions", "--out", "/tmp/never-written.json", *flags]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_residency_on_the_wire_counts_the_tenants_bytes_out_of_its_regions_and_what_no_link_placed() -> None:
+    from eval.bench_regions import _wire_residency
+    from symphony.link_tenants import UNATTRIBUTED
+    from symphony.regions import DEFAULT_WAN_LINKS, build_topology
+
+    topology = build_topology(
+        ["us-east:1", "eu-west:1", "ap-south:1"], list(DEFAULT_WAN_LINKS), 1.0, ["eu=eu-west"], links_are_default=True
+    )
+    links = [
+        {"pair": "eu-west~us-east", "sniff_errors": 1, "tenant_bytes": {"eu-west>us-east": {"eu": 7, UNATTRIBUTED: 3}}},
+        {"pair": "ap-south~us-east", "sniff_errors": 0, "tenant_bytes": {"us-east>ap-south": {"eu": 2, "other": 4}}},
+        {"pair": "ap-south~eu-west", "sniff_errors": 0, "tenant_bytes": {"eu-west>ap-south": {"none": 50, "x": 9}}},
+    ]
+    assert _wire_residency(links, "eu", topology) == (9, 7, 1)
+    with pytest.raises(ValueError, match="no residency rule"):
+        _wire_residency(links, "x", topology)
