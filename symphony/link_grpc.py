@@ -186,12 +186,12 @@ class GrpcAttributor:
     def _end_frame(self, direction: str, reader: _Reader) -> None:
         frame, stream, body = reader.frame, reader.stream, reader.body
         reader.frame = reader.stream = reader.body = None
-        if frame is not None and stream is not None and stream is not _UNKNOWN:
-            if body is not None:
-                self._read_frame(frame, stream, body)
-            self._end_stream(direction, frame, stream)
-        elif frame is not None and body is not None:
+        if frame is None:
+            return
+        if body is not None:
             self._read_frame(frame, stream, body)
+        if stream is not None and stream is not _UNKNOWN:
+            self._end_stream(direction, frame, stream)
 
     def _read_frame(self, frame: Frame, stream: _Stream | None, body: bytearray) -> None:
         """A forward frame whose payload is read: a header block's part, or an awaited message's."""
