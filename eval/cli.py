@@ -213,7 +213,7 @@ def register(sub: Any) -> None:
         "--duration",
         type=positive_int,
         help="simulated seconds per point (600; --scenario users --workload mooncake: 3600, the trace's hour; "
-        "regions: 120, the simulated day)",
+        "regions: 360, the simulated day)",
     )
     sim.add_argument("--miss-rate", type=float, default=0.0, help="share of turns without an advisory (0)")
     sim.add_argument(

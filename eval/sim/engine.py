@@ -145,6 +145,12 @@ class SimEngine:
         self.busy_until_ms = 0.0
         self.busy_ms = 0.0  # time spent in steps (load balance)
         self.preemptions = 0
+        # Kept as requests come and go (routing reads them at every decision): the requests here
+        # without their first token, and their prefills' size. Exact: a request's context and
+        # cached tokens do not change between `add` and its first token, and the work's sums are of
+        # integers and half-integers far below 2**53.
+        self._prefilling = 0
+        self._prefilling_work = NO_WORK
 
     @property
     def kv_usage(self) -> float:
@@ -154,21 +160,30 @@ class SimEngine:
     def prefilling(self) -> int:
         """Requests here without their first token (queued or in prefill): what the scheduler counts
         of its streams (`NodeSnapshot.prefilling`)."""
-        return sum(1 for r in (*self.waiting, *self.running) if r.first_token_ms is None)
+        return self._prefilling
 
     @property
     def prefilling_work(self) -> PrefillWork:
         """The size of those requests' prefills (what the scheduler estimates of its streams,
         `NodeSnapshot.prefilling_work`): the tokens each computes, as `step` will compute them."""
-        work = NO_WORK
-        for r in (*self.waiting, *self.running):
-            if r.first_token_ms is None:
-                computed = r.context - min(r.cached_tokens, r.context - 1)
-                work += PrefillWork(computed, computed * (r.context - computed / 2))
-        return work
+        return self._prefilling_work
+
+    @staticmethod
+    def _prefill_of(request: SimRequest) -> PrefillWork:
+        computed = request.context - min(request.cached_tokens, request.context - 1)
+        return PrefillWork(computed, computed * (request.context - computed / 2))
+
+    def _started(self, request: SimRequest) -> None:
+        """`request`, counted in `prefilling` since `add`, no longer is (first token, or refused)."""
+        self._prefilling -= 1
+        self._prefilling_work -= self._prefill_of(request)
 
     def add(self, request: SimRequest) -> None:
+        """Queue `request`, which has no first token yet; its context and `cached_tokens` stay as
+        they are until it has one."""
         request.node_id = self.node_id
+        self._prefilling += 1
+        self._prefilling_work += self._prefill_of(request)
         if not self.priority_scheduling:
             self.waiting.append(request)
             return
@@ -200,6 +215,8 @@ class SimEngine:
             need = self._blocks_for(request.context + 1)
             if need > m.kv_blocks:
                 plan.refused.append(self.waiting.popleft())
+                if request.first_token_ms is None:
+                    self._started(request)
                 continue
             if need > self.free_blocks:
                 break  # FIFO: nothing behind it jumps ahead
@@ -270,12 +287,14 @@ class SimEngine:
             if not request.blocks:  # preempted since the step was planned
                 continue
             if request.first_token_ms is None:
+                self._started(request)
                 request.first_token_ms = now_ms
             request.generated += 1
             if request.generated >= request.output_tokens:
                 request.finished_ms = now_ms
-                self.running.remove(request)
                 self.free_blocks += request.blocks
                 request.blocks = 0
                 finished.append(request)
+        if finished:  # every request running holds a block; these hold none now
+            self.running = [r for r in self.running if r.blocks]
         return finished

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eval.sim.agents import AgentProject, ProjectRun, agent_projects
 from eval.sim.cluster import ClusterSim, LinkModel
@@ -17,7 +19,7 @@ from eval.sim.turns import Script, Step, Turn
 from eval.sim.workload import sharegpt_users
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from scheduler.policies import make_policy
-from scheduler.routing import RoutingPolicy
+from scheduler.routing import NO_WORK, PrefillWork, RoutingPolicy
 from symphony.cli import main
 
 # Step = 10 ms + 1 ms per prefilled token + 2 ms per decoding request; blocks of 32 tokens.
@@ -63,6 +65,46 @@ def test_a_request_counts_as_prefilling_until_its_first_token() -> None:
     plan = engine.step()
     engine.finish_step(plan, 172)
     assert b.first_token_ms == 172 and engine.prefilling == 0
+
+
+def _recounted(engine: SimEngine) -> tuple[int, PrefillWork]:
+    """`prefilling` and `prefilling_work` counted afresh from the engine's queues."""
+    unstarted = [r for r in (*engine.waiting, *engine.running) if r.first_token_ms is None]
+    work = NO_WORK
+    for r in unstarted:
+        computed = r.context - min(r.cached_tokens, r.context - 1)
+        work += PrefillWork(computed, computed * (r.context - computed / 2))
+    return len(unstarted), work
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            # a request: prompt tokens (up to past the whole cache: refused), answer, cached tokens
+            st.tuples(st.integers(1, 3500), st.integers(1, 200), st.integers(0, 3500)),
+            st.just("step"),
+        ),
+        max_size=80,
+    ),
+    st.booleans(),
+)
+def test_the_prefilling_counts_kept_match_a_recount(ops: list, priority: bool) -> None:
+    """The engine keeps `prefilling` and `prefilling_work` as requests come, start, get preempted
+    (a 100-block cache that long answers outgrow), are refused and finish: after every operation
+    they equal a recount."""
+    engine = SimEngine("n0", ENGINE, priority_scheduling=priority)
+    for index, op in enumerate(ops):
+        if op == "step":
+            if engine.has_work():
+                plan = engine.step()
+                engine.finish_step(plan, float(index))
+        else:
+            prompt, answer, cached = op
+            request = SimRequest(index, f"s{index}", float(index), prompt, answer, cached_tokens=min(cached, prompt))
+            request.priority_rank = index % 3
+            engine.add(request)
+        assert (engine.prefilling, engine.prefilling_work) == _recounted(engine)
 
 
 def test_an_advised_turn_leaves_its_node_when_a_prefill_started_there_after_the_advisory() -> None:

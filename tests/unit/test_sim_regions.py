@@ -162,7 +162,7 @@ def test_bench_sim_regions_writes_replicas_for_the_slo_per_policy(tmp_path: Path
         ("--amplitude", "1.5", "--amplitude 1.5"),
         ("--arrivals-per-min", "0", "--arrivals-per-min 0"),
         ("--slo-ms", "-1", "--slo-ms -1"),
-        ("--reference-replicas", "20", "--reference-replicas 20 is above --max-replicas 16"),
+        ("--reference-replicas", "24", "--reference-replicas 24 is above --max-replicas 20"),
         # flags the other scenarios read are refused, not ignored
         ("--nodes", "8", "--nodes: not read by --scenario regions"),
         ("--agent-steps", "6", "--agent-steps: not read by --scenario regions"),
