@@ -34,7 +34,7 @@ from scheduler.routing import (
     NodeSnapshot,
     RouteRequest,
     RoutingPolicy,
-    kv_source,
+    move_sources,
     prefill_work,
 )
 from scheduler.sessions import SessionKey, SessionTable
@@ -264,9 +264,8 @@ class Dispatcher:
         node's engine caches, and KV the request would load at its arrival faster than a warm-up
         pass costs the engine stays where it is (`advisory_move`). True when a move is under way."""
         copies = self._same_model_copies(request.kv_tokens, node_id)
-        source = kv_source(copies, node_id, reachable=self._reachable)
-        if remote is not None and remote[1] > (source[1] if source is not None else copies.get(node_id, 0)):
-            source = remote  # another region's copy, longer than any here: pulled over the WAN
+        sources = move_sources(copies, node_id, remote, self._node(node_id).block_size, self._reachable)
+        source = sources.source  # another region's node when its copy is longer: pulled over the WAN
         history = source[1] if source is not None else copies.get(node_id, 0)
         current = self.prefetches.get(key)
         if current is not None and current.node_id == node_id and current.state == MoveState.PENDING:
@@ -292,7 +291,8 @@ class Dispatcher:
                 self.prefetches.pop(key, None)  # no earlier move counts for its request
                 return False
             peer = source[0] if source is not None else ""
-            prefetch = self.prefetcher.start(key, node_id, peer, deadline_ms, request.priority, history, move)
+            near = (sources.near, sources.near_blocks) if sources.near else None
+            prefetch = self.prefetcher.start(key, node_id, peer, deadline_ms, request.priority, history, move, 0, near)
         if prefetch is None:
             return False
         if remote and source is remote and prefetch.state == MoveState.PENDING:  # a pull from another region

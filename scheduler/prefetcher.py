@@ -75,6 +75,7 @@ class Prefetch:
     prefetch_id: str = ""  # the node's id for the move, once it answered
     task: asyncio.Task[None] | None = None  # what follows it
     source: str = ""  # the node it pulls from; "": from the node's own tiers
+    near: str = ""  # a node of the target's region the first blocks come from, before `source`
     target: str = "hbm"  # the tier it brings the KV to: "hbm" (ending in a warm-up) or "dram"
     # Of the pages the node's job left in the target tier, those it fetched from the peer (final status).
     pages_in_target: int = 0
@@ -153,15 +154,19 @@ class Prefetcher:
         history_tokens: int,
         target: Literal["hbm", "dram"] = "hbm",
         max_blocks: int = 0,
+        near: tuple[str, int] | None = None,
     ) -> Prefetch | None:
         """Ask `node_id` to bring the session's KV into its `target` tier (pulling what it lacks from
         node `source`, if given) by `deadline_ms` from now. Returns at once.
         "hbm" ends in the engine's own prefix cache (a warm-up pass), for a request still to come;
         "dram" only brings the pages to the node, for a request about to be sent there, whose own
         prefill loads them. `max_blocks` > 0: pull only the session's first blocks (another
-        request's shared prefix)."""
+        request's shared prefix). `near`: (node, blocks), a node of `node_id`'s region holding the
+        session's first blocks, pulled from before `source` (another region's node), which then
+        sends only the rest; left out if that node has no address."""
         stub = self._stub_for(node_id)
         address = self._address_of(source) if source else ""
+        near_address = self._address_of(near[0]) if near is not None and source else None
         if stub is None or address is None:
             self._metrics.prefetches.labels("skipped_gone").inc()  # the node or the source left
             return None
@@ -177,6 +182,9 @@ class Prefetcher:
             source_peer=address,
             max_blocks=max_blocks,
         )
+        if near is not None and near_address and near_address != address and near[1] > 0:
+            request.near_peer, request.near_blocks = near_address, near[1]
+            prefetch.near = near[0]
         if target == "hbm":
             # The salt of the session's next request: the warm-up must land where that request's
             # prefix-cache lookup will look. Only there: a node refuses a salt with any other target
@@ -266,7 +274,8 @@ class Prefetcher:
         started = self._job_started.pop(prefetch.prefetch_id, None) if prefetch.prefetch_id else None
         if started is None or state != MoveState.DONE or not self._on_pulled:
             return
-        if prefetch.source and prefetch.target == "dram" and prefetch.pages_from_peer:
+        # A move that also pulled from a near node timed two links at once: no sample of either.
+        if prefetch.source and not prefetch.near and prefetch.target == "dram" and prefetch.pages_from_peer:
             # The history's share the node fetched (it pulls only what its tiers lack), in tokens.
             fetched = prefetch.pages_from_peer / max(prefetch.pages_in_target, prefetch.pages_from_peer)
             ms = (prefetch.finished_at - started) * 1000

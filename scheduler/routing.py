@@ -268,3 +268,33 @@ def kv_source(
         return None
     source = max(holders, key=holders.__getitem__)
     return source, holders[source]
+
+
+@dataclass(frozen=True, slots=True)
+class MoveSources:
+    """Where a move to a node pulls a session's KV from: `source` (a node here or, when another
+    region's copy is longer than any here, that region's node), and with a far source, `near` (a
+    node here holding the session's first `near_blocks` full blocks, beyond what the node itself
+    holds: pulled first over the region's own network, so the far link carries only the rest)."""
+
+    source: tuple[str, int] | None  # (node, its tokens); None: the node's own tiers
+    near: str | None = None
+    near_blocks: int = 0
+
+
+def move_sources(
+    kv_tokens: Mapping[str, int],
+    node_id: str,
+    remote: tuple[str, int] | None,
+    block_size: int,
+    reachable: Callable[[str], bool] = lambda _node: True,
+) -> MoveSources:
+    """`kv_tokens`: this region's nodes' copies; `remote`: another region's node and its copy (the
+    global layer's pick), taken only if longer than every copy here."""
+    local = kv_source(kv_tokens, node_id, reachable=reachable)
+    here = local[1] if local is not None else kv_tokens.get(node_id, 0)
+    if remote is None or remote[1] <= here:
+        return MoveSources(local)
+    if local is None or local[1] // block_size <= kv_tokens.get(node_id, 0) // block_size:
+        return MoveSources(remote)  # no node here holds a whole block more than the node itself
+    return MoveSources(remote, local[0], local[1] // block_size)

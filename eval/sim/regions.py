@@ -38,6 +38,7 @@ from eval.stats import percentile
 from global_layer.costs import move_ms
 from global_layer.policies import RegionPolicy, RegionRequest, RegionView, rank_regions
 from scheduler.region_summary import load_of
+from scheduler.routing import move_sources
 from symphony.config import SchedulerConfig
 from symphony.finish_rate import FinishRate
 from symphony.region_load import session_digest
@@ -272,10 +273,22 @@ class RegionsSim:
         from_region = holder.split("/", 1)[0]
         if not self.topology.allowed(session.user.tenant, from_region):
             self.residency_violations += 1
-        gap = tokens - cluster.kv_of(name).get(node, 0)
+        # As the live move (`move_sources`): a node of this region holding whole blocks of the
+        # session beyond `node`'s sends them first, over the region's network; the WAN the rest.
+        held = cluster.kv_of(name)
+        block_size = cluster.engines[node].model.block_size
+        sources = move_sources(held, node, source, block_size)
+        if sources.source is not source:
+            return  # a copy here is as long: the region's own pull brings it
+        near_ms, here = 0.0, held.get(node, 0)
+        if sources.near is not None:
+            near_ms = cluster.link.move_ms(sources.near_blocks * block_size - here)
+            here = sources.near_blocks * block_size
+        gap = tokens - here
         if gap <= 0:
             return
-        due = self.loop.now_ms + move_ms(self.topology, from_region, region, gap, self.profile.kv_bytes_per_token)
+        wan_ms = move_ms(self.topology, from_region, region, gap, self.profile.kv_bytes_per_token)
+        due = self.loop.now_ms + near_ms + wan_ms
         key = (session.script.session, region)
         self._moves_due[key] = due
         self.kv_moves += 1

@@ -86,10 +86,15 @@ class PrefetchJob:
     source_peer: str = ""
     engine_salt: str = ""  # the cache_salt of the session's next request, for the engine's prefix cache
     max_blocks: int = 0  # pull at most the session's first this many blocks from source_peer; 0: all
+    # A peer of this node's region holding the session's first `near_blocks` blocks: pulled from it
+    # before source_peer, which then sends only what the near pull left missing.
+    near_peer: str = ""
+    near_blocks: int = 0
     state: PrefetchState = QUEUED
     pages_in_target: int = 0
     pages_failed: int = 0
-    pages_from_peer: int = 0
+    pages_from_peer: int = 0  # both peers' pages
+    pages_from_near_peer: int = 0
     lead_time_s: float = 0.0
     error: str = ""
     engine_cached_tokens: int = 0
@@ -143,9 +148,11 @@ class PrefetchQueue:
         source_peer: str = "",
         engine_salt: str = "",
         max_blocks: int = 0,
+        near: tuple[str, int] = ("", 0),
     ) -> PrefetchJob:
-        """Queue a prefetch (or return the session's active one to `target`, whose engine salt stays;
-        one still queued widens to the blocks asked for now)."""
+        """Queue a prefetch (or return the session's active one to `target`, whose engine salt and
+        peers stay; one still queued widens to the blocks asked for now). `near`: (peer, blocks), a
+        peer of this region to pull the session's first blocks from before `source_peer`."""
         existing = self._active.get((session, target))
         if existing is not None:
             if existing.state == QUEUED and existing.max_blocks:
@@ -167,6 +174,7 @@ class PrefetchQueue:
             source_peer,
             engine_salt,
             max_blocks,
+            *near,
         )
         self._active[(session, target)] = job
         self._jobs[job.id] = job
@@ -228,8 +236,19 @@ class PrefetchQueue:
     async def _run(self, job: PrefetchJob) -> None:
         tenant, session_id = job.session
         if job.source_peer and self._puller is not None:
+            if job.near_peer and job.near_blocks:
+                # Best effort: whatever it leaves missing, source_peer's pull below starts at the
+                # first block no local tier holds, so a failed near pull costs only its time.
+                blocks = min(job.near_blocks, job.max_blocks) if job.max_blocks else job.near_blocks
+                near = await self._puller(tenant, session_id, job.near_peer, blocks)
+                job.pages_from_near_peer = near.pages_received
+                if not near.complete:
+                    log.info("near pull fell short", peer=job.near_peer, session=session_id, error=near.error)
+            if job.state == CANCELLED:
+                self._finish(job, CANCELLED)
+                return
             outcome = await self._puller(tenant, session_id, job.source_peer, job.max_blocks)
-            job.pages_from_peer = outcome.pages_received
+            job.pages_from_peer = job.pages_from_near_peer + outcome.pages_received
             if not outcome.complete:
                 job.error = outcome.error
         if job.state == CANCELLED:
@@ -281,6 +300,7 @@ class PrefetchQueue:
             state=state,
             pages=job.pages_in_target,
             from_peer=job.pages_from_peer,
+            from_near_peer=job.pages_from_near_peer,
             engine_cached=job.engine_cached_tokens,
             ran_ms=round((now - job.started_at) * 1000, 1) if job.started_at else None,
             lead_s=round(job.lead_time_s, 2),

@@ -212,6 +212,11 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             if request.deadline_ms > MAX_DEADLINE_MS:
                 raise _Invalid(f"deadline_ms {request.deadline_ms} is more than a day away")
             peer = _peer(request.source_peer)
+            near_peer = _peer(request.near_peer)
+            if (near_peer or request.near_blocks) and not (peer and near_peer and request.near_blocks):
+                raise _Invalid("near_peer and near_blocks go together, with source_peer")
+            if near_peer == peer and peer:
+                raise _Invalid("near_peer is source_peer")
             salt = request.engine_cache_salt
             if salt and target is not Tier.HBM:
                 raise _Invalid("engine_cache_salt goes with target_tier TIER_HBM (the engine's own cache)")
@@ -227,6 +232,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
                 peer,
                 salt,
                 max_blocks=request.max_blocks,
+                near=(near_peer, request.near_blocks),
             )
         except _CLIENT_ERRORS as exc:
             await _abort_for(context, exc)
@@ -278,6 +284,7 @@ class KVStoreService(kv_pb2_grpc.KVStoreServicer):
             pages_in_target=job.pages_in_target,
             pages_failed=job.pages_failed,
             pages_from_peer=job.pages_from_peer,
+            pages_from_near_peer=job.pages_from_near_peer,
             lead_time_ms=int(job.lead_time_s * 1000),
             error=job.error,
             engine_cached_tokens=job.engine_cached_tokens,

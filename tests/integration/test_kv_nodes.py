@@ -1,6 +1,6 @@
-"""Two real node-manager processes (`symphony node`, engine disabled) exchanging KV over gRPC:
-prefetch from a peer, layer-ordered streams, restart with the SSD index rebuilt, bad input, a peer
-that dies mid-stream, and kill -9 during SSD writes."""
+"""Three real node-manager processes (`symphony node`, engine disabled) exchanging KV over gRPC:
+prefetch from a peer (and from a near peer first), layer-ordered streams, restart with the SSD
+index rebuilt, bad input, a peer that dies mid-stream, and kill -9 during SSD writes."""
 
 from __future__ import annotations
 
@@ -76,15 +76,15 @@ def _model_dir(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Node]]:
     home = tmp_path_factory.mktemp("kv-home")
-    grpc_base, metrics_base = free_port_run(2), free_port_run(2)
+    grpc_base, metrics_base = free_port_run(3), free_port_run(3)
     config = home / "symphony.toml"
     config.write_text(f"""
 home = "{home}"
 [cluster]
-nodes = 2
+nodes = 3
 [node]
 grpc_port_base = {grpc_base}
-engine_port_base = {free_port_run(2)}
+engine_port_base = {free_port_run(3)}
 [engine]
 enabled = false
 model = "{_model_dir(home)}"
@@ -104,7 +104,7 @@ metrics_port_base = {metrics_base}
             home / f"node-{i}.out",
             env,
         )
-        for i in range(2)
+        for i in range(3)
     ]
     for node in result:
         node.start()
@@ -233,6 +233,42 @@ async def test_prefetch_pulls_a_session_from_the_peer_into_the_top_tier(
     assert await _download(stubs[1], ref) == _expected(pages)
 
 
+async def test_a_prefetch_takes_a_near_peers_blocks_first_and_only_the_rest_from_the_far_one(
+    stubs: list[kv_pb2_grpc.KVStoreStub], nodes: list[Node]
+) -> None:
+    """Node 0 (another region's, say) holds all 64 blocks of the session, node 1 (the target's
+    region) its first 48. Node 2 pulls those 48 from node 1 and only the last 16 from node 0; with
+    a near peer that lacks the session, everything comes from node 0. The pages are the session's
+    either way."""
+    ref, token_ids, pages = _session("near-far", 2048 + 17, seed=7)
+    await _upload(stubs[0], ref, token_ids, pages)
+    await _upload(stubs[1], ref, token_ids[: 48 * 32], [layer_pages[:48] for layer_pages in pages])
+    layers = GEOMETRY.num_layers
+
+    def prefetch(session: kv_pb2.SessionRef) -> kv_pb2.PrefetchRequest:
+        return kv_pb2.PrefetchRequest(
+            session=session,
+            target_tier=kv_pb2.TIER_DRAM,
+            deadline_ms=5000,
+            source_peer=nodes[0].address,
+            near_peer=nodes[1].address,
+            near_blocks=48,
+            wait_ms=30_000,
+        )
+
+    done = await stubs[2].Prefetch(prefetch(ref), timeout=40)
+    assert done.state == kv_pb2.PREFETCH_STATE_DONE, done
+    assert (done.pages_from_near_peer, done.pages_from_peer) == (48 * layers, 64 * layers)
+    assert await _download(stubs[2], ref) == _expected(pages)
+
+    other, other_ids, other_pages = _session("far-only", 1024, seed=8)  # node 1 never had it
+    await _upload(stubs[0], other, other_ids, other_pages)
+    done = await stubs[2].Prefetch(prefetch(other), timeout=40)
+    assert done.state == kv_pb2.PREFETCH_STATE_DONE, done
+    assert (done.pages_from_near_peer, done.pages_from_peer) == (0, 32 * layers)
+    assert await _download(stubs[2], other) == _expected(other_pages)
+
+
 async def test_another_process_maps_the_dram_arena(stubs: list[kv_pb2_grpc.KVStoreStub]) -> None:
     ref, token_ids, pages = _session("arena", 256, seed=2)
     await _upload(stubs[0], ref, token_ids, pages)
@@ -340,6 +376,40 @@ async def test_bad_requests_get_clear_codes(stubs: list[kv_pb2_grpc.KVStoreStub]
         (
             stub.Prefetch(
                 kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_DRAM, engine_cache_salt="s"), timeout=5
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (  # a near peer goes with a far one, and blocks to take from it
+            stub.Prefetch(
+                kv_pb2.PrefetchRequest(session=unknown, target_tier=kv_pb2.TIER_DRAM, near_peer="a:1", near_blocks=4),
+                timeout=5,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Prefetch(
+                kv_pb2.PrefetchRequest(
+                    session=unknown, target_tier=kv_pb2.TIER_DRAM, source_peer="a:1", near_peer="b:2"
+                ),
+                timeout=5,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Prefetch(
+                kv_pb2.PrefetchRequest(
+                    session=unknown, target_tier=kv_pb2.TIER_DRAM, source_peer="a:1", near_peer="a:1", near_blocks=4
+                ),
+                timeout=5,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            stub.Prefetch(
+                kv_pb2.PrefetchRequest(
+                    session=unknown, target_tier=kv_pb2.TIER_DRAM, source_peer="a:1", near_peer="no port", near_blocks=4
+                ),
+                timeout=5,
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
         ),

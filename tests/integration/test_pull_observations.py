@@ -66,3 +66,34 @@ async def test_a_joined_pull_is_one_sample_timed_from_its_first_request(node: Fa
     finally:
         await prefetcher.stop()
         await channel.close()
+
+
+async def test_a_move_past_a_near_nodes_blocks_names_both_peers_and_is_no_sample(node: FakeNodeManager) -> None:
+    """A far source with a near node: the node is asked to pull the near node's blocks first. Its
+    timing spans two links, so it calibrates neither; a near node without an address is left out."""
+    channel = grpc.aio.insecure_channel(node.address)
+    stub = kv_pb2_grpc.KVStoreStub(channel)
+    pulled: list[tuple[str, str, int, float]] = []
+    addresses = {"node-far": "far:1", "node-near": "near:1"}
+    prefetcher = Prefetcher(
+        lambda _node: stub, addresses.get, SchedulerMetrics(), 8, lambda *_: None, lambda *a: pulled.append(a)
+    )
+    node.kv.final_pages = (40, 40)
+    try:
+        move = prefetcher.start(
+            SESSION, "node-b", "node-far", 5_000, Priority.NORMAL, 2_000, "dram", 0, ("node-near", 46)
+        )
+        assert move is not None and move.task is not None
+        await move.task
+        asked = node.kv.prefetches[-1]
+        assert (asked.source_peer, asked.near_peer, asked.near_blocks) == ("far:1", "near:1", 46)
+        assert move.state == "done" and move.near == "node-near" and pulled == []
+        gone = prefetcher.start(SESSION, "node-b", "node-far", 5_000, Priority.NORMAL, 2_000, "dram", 0, ("node-x", 9))
+        assert gone is not None and gone.task is not None
+        await gone.task
+        asked = node.kv.prefetches[-1]
+        assert (asked.source_peer, asked.near_peer, asked.near_blocks) == ("far:1", "", 0)
+        assert len(pulled) == 1 and pulled[0][0] == "node-far"  # one link timed: a sample
+    finally:
+        await prefetcher.stop()
+        await channel.close()

@@ -6,7 +6,7 @@ import itertools
 
 from scheduler.policies import make_policy
 from scheduler.policies.least_load import LeastLoadPolicy
-from scheduler.routing import NodeSnapshot, RouteRequest, advisory_holds, kv_source
+from scheduler.routing import MoveSources, NodeSnapshot, RouteRequest, advisory_holds, kv_source, move_sources
 
 REQUEST = RouteRequest(tenant="t", session_id=None, model="m")
 
@@ -152,6 +152,27 @@ def test_kv_is_pulled_from_the_reachable_node_holding_the_most_beyond_a_margin()
     assert kv_source(held, "b") is None  # nobody holds more than b
     assert kv_source(held, "c", at_least=401) is None and kv_source(held, "c", at_least=400) == ("b", 900)
     assert kv_source({}, "a") is None
+
+
+# -- move_sources -----------------------------------------------------------------------------------
+def test_a_far_copy_moves_only_past_the_whole_blocks_a_node_here_holds() -> None:
+    """Blocks of 32 tokens. "far" (another region) holds 2,000 tokens of the session; here "b"
+    holds 1,500 and "c" 600, the target "a" 100."""
+    here, far = {"a": 100, "b": 1500, "c": 600}, ("far", 2000)
+    # b's 46 whole blocks come over the region's network first; the far link carries the rest.
+    assert move_sources(here, "a", far, 32) == MoveSources(far, "b", 46)
+    assert move_sources(here, "a", far, 32).source is far  # the remote, as given (callers compare)
+    # b out of reach: c's 18 blocks instead.
+    assert move_sources(here, "a", far, 32, reachable=lambda n: n != "b") == MoveSources(far, "c", 18)
+    # Nothing here beyond a's own whole blocks: all from far (a's 3 blocks; b's 95 tokens are 2).
+    assert move_sources({"a": 100, "b": 95}, "a", far, 32) == MoveSources(far)
+    assert move_sources({"a": 100}, "a", far, 32) == MoveSources(far)
+
+
+def test_a_copy_here_as_long_as_the_far_one_is_pulled_from_here() -> None:
+    assert move_sources({"a": 0, "b": 2000}, "a", ("far", 2000), 32) == MoveSources(("b", 2000))
+    assert move_sources({"a": 2000}, "a", ("far", 2000), 32) == MoveSources(None)
+    assert move_sources({"a": 10, "b": 700}, "a", None, 32) == MoveSources(("b", 700))
 
 
 # -- advisory_holds ---------------------------------------------------------------------------------
