@@ -136,7 +136,9 @@ class Prefetcher:
         # from the first request for that node job to its end). Once per job: a later request that
         # joins a running job (the node hands back its id) is not a second sample of the link.
         self._on_pulled = on_pulled
-        self._job_started: dict[str, float] = {}  # node job id -> earliest start; popped at its end
+        # Node job id -> (earliest start, the peers of the move that started it: its source and
+        # near node); popped at its end. A later move joins the job with the first one's peers.
+        self._job_started: dict[str, tuple[float, str, str]] = {}
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -223,7 +225,7 @@ class Prefetcher:
             async with asyncio.timeout(request.deadline_ms / 1000 + FOLLOW_GRACE_S):
                 status = await stub.Prefetch(request, timeout=10)
                 prefetch.prefetch_id = status.prefetch_id
-                self._job_started.setdefault(status.prefetch_id, prefetch.started_at)
+                self._job_started.setdefault(status.prefetch_id, (prefetch.started_at, prefetch.source, prefetch.near))
                 while status.state not in _FINAL:
                     status = await stub.GetPrefetch(
                         kv_pb2.PrefetchRef(prefetch_id=status.prefetch_id, wait_ms=FOLLOW_WAIT_MS),
@@ -271,11 +273,19 @@ class Prefetcher:
         self._metrics.prefetches.labels(state).inc()
         if state in (MoveState.DONE, MoveState.PARTIAL):
             self._on_moved(prefetch.session, prefetch.node_id, prefetch.history_tokens, prefetch.source)
-        started = self._job_started.pop(prefetch.prefetch_id, None) if prefetch.prefetch_id else None
-        if started is None or state != MoveState.DONE or not self._on_pulled:
+        job = self._job_started.pop(prefetch.prefetch_id, None) if prefetch.prefetch_id else None
+        if job is None or state != MoveState.DONE or not self._on_pulled:
             return
-        # A move that also pulled from a near node timed two links at once: no sample of either.
-        if prefetch.source and not prefetch.near and prefetch.target == "dram" and prefetch.pages_from_peer:
+        started, source, near = job
+        # A job that also pulled from a near node timed two links at once: no sample of either. One
+        # started by a move from another source pulled from that one: none of this move's link.
+        if (
+            prefetch.source
+            and source == prefetch.source
+            and not near
+            and prefetch.target == "dram"
+            and prefetch.pages_from_peer
+        ):
             # The history's share the node fetched (it pulls only what its tiers lack), in tokens.
             fetched = prefetch.pages_from_peer / max(prefetch.pages_in_target, prefetch.pages_from_peer)
             ms = (prefetch.finished_at - started) * 1000

@@ -291,6 +291,7 @@ def move_sources(
 ) -> MoveSources:
     """`kv_tokens`: this region's nodes' copies; `remote`: another region's node and its copy (the
     global layer's pick), taken only if longer than every copy here."""
+    block_size = max(1, block_size)  # 0 from a node that has not reported its engine's yet
     local = kv_source(kv_tokens, node_id, reachable=reachable)
     here = local[1] if local is not None else kv_tokens.get(node_id, 0)
     if remote is None or remote[1] <= here:

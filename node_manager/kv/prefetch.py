@@ -95,6 +95,7 @@ class PrefetchJob:
     pages_failed: int = 0
     pages_from_peer: int = 0  # both peers' pages
     pages_from_near_peer: int = 0
+    pulled: bool = False  # its peers' pulls have run
     lead_time_s: float = 0.0
     error: str = ""
     engine_cached_tokens: int = 0
@@ -235,7 +236,8 @@ class PrefetchQueue:
 
     async def _run(self, job: PrefetchJob) -> None:
         tenant, session_id = job.session
-        if job.source_peer and self._puller is not None:
+        if job.source_peer and self._puller is not None and not job.pulled:
+            job.pulled = True  # once: a job re-queued below (store busy) does not pull again
             if job.near_peer and job.near_blocks:
                 # Best effort: whatever it leaves missing, source_peer's pull below starts at the
                 # first block no local tier holds, so a failed near pull costs only its time.

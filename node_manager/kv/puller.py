@@ -13,14 +13,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
-from node_manager.kv.errors import KVStoreError
+from node_manager.kv.errors import KVStoreError, SessionNotFound
 from node_manager.kv.page_stream import Plan, StreamOutcome, fetch_pages
 from node_manager.kv.pages import Priority
 from node_manager.kv.prefetch import PullOutcome
+from node_manager.kv.sessions import SessionRecord
 from node_manager.kv.store import TieredStore
 from node_manager.kv.transfer import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD, submit_batch
 from symphony.logs import get_logger
@@ -129,14 +132,16 @@ class PeerPuller:
         """Register the session as the peer describes it and choose the blocks to fetch: from the
         first one no local tier holds to the end of what the peer can deliver, or to block
         `pull.max_blocks` when > 0 (None: nothing). The peer's partial last block, when it has one
-        and this node not and no limit stops short of it, goes into `pull.tail` (fetched after the
-        full blocks, over gRPC: the page stream carries whole blocks)."""
+        and this node not and no limit stops short of it (`max_blocks` counts full blocks: one equal
+        to the peer's does), goes into `pull.tail` (fetched after the full blocks, over gRPC: the
+        page stream carries whole blocks). A history registered here that the peer's is a prefix of
+        stays (another pull of the session may be bringing its later blocks)."""
         ref, reply, tail, max_blocks = pull.ref, pull.reply, pull.tail, pull.max_blocks
         tenant, session_id = ref.tenant, ref.session_id
         # Before the session is registered here: another model's token history and pages stay out.
         self._store.check_model(remote.model_fingerprint, "receiver")
         priority = Priority.from_proto(remote.priority)
-        record = self._store.sessions.put(tenant, session_id, list(remote.token_ids), priority)
+        record = self._registered(tenant, session_id, remote.token_ids, priority)
         start = self._store.loadable_prefix_blocks(tenant, session_id)
         deliverable = remote.loadable_prefix_blocks
         if max_blocks:
@@ -147,6 +152,7 @@ class PeerPuller:
         reply.pages_expected = wanted * layers
         if (
             remote.loadable_tail_tokens
+            and (not max_blocks or max_blocks > remote.loadable_prefix_blocks)
             and deliverable == remote.loadable_prefix_blocks == record.blocks.num_blocks
             and self._store.loadable_tail_tokens(tenant, session_id) < remote.loadable_tail_tokens
         ):
@@ -166,6 +172,20 @@ class PeerPuller:
         return kv_pb2.FetchPagesRequest(
             session=ref, first_block=first, num_blocks=wanted, model_fingerprint=self._store.model
         )
+
+    def _registered(
+        self, tenant: str, session_id: str, token_ids: Sequence[int], priority: Priority | None
+    ) -> SessionRecord:
+        """The session registered with the peer's history (and priority), unless the history here
+        extends it: then that one is kept."""
+        history: Sequence[int] | np.ndarray = list(token_ids)
+        try:
+            here = self._store.sessions.get(tenant, session_id).token_ids
+        except SessionNotFound:
+            here = None
+        if here is not None and len(here) > len(history) and np.array_equal(here[: len(history)], history):
+            history = here
+        return self._store.sessions.put(tenant, session_id, history, priority)
 
     async def _pull_with_session(self, peer: str, pull: _Pull) -> bool:
         """The pull over one page stream connection that first describes the session; False (nothing

@@ -11,7 +11,7 @@ import pytest
 
 from scheduler.decisions import Pull
 from scheduler.metrics import SchedulerMetrics
-from scheduler.prefetcher import Prefetcher
+from scheduler.prefetcher import MoveState, Prefetch, Prefetcher
 from symphony.priority import Priority
 from symphony.rpc import kv_pb2_grpc
 from tests.helpers import async_wait_until
@@ -97,3 +97,26 @@ async def test_a_move_past_a_near_nodes_blocks_names_both_peers_and_is_no_sample
     finally:
         await prefetcher.stop()
         await channel.close()
+
+
+async def test_a_pull_that_joins_a_two_link_move_is_no_sample_either() -> None:
+    """An advisory's move (far source, near node) is under way when its request's own pull, from
+    the near node alone, joins the node's job (which keeps the move's peers). If the pull's follower
+    ends first, the job it reports timed two links: no sample. Driven in that order directly (over
+    the network either follower may end first). A job the near-only pull started is its sample."""
+    pulled: list[tuple[str, str, int, float]] = []
+    prefetcher = Prefetcher(
+        lambda _node: None, {}.get, SchedulerMetrics(), 8, lambda *_: None, lambda *a: pulled.append(a)
+    )
+
+    def pull_ends(job: str) -> None:
+        pull = Prefetch(SESSION, "node-b", 2_000, 1.0, prefetch_id=job, source="node-near", target="dram")
+        pull.pages_in_target = pull.pages_from_peer = 40
+        prefetcher._finish(pull, MoveState.DONE)
+
+    prefetcher._job_started["1"] = (1.0, "node-far", "node-near")  # the move started job 1
+    pull_ends("1")
+    assert pulled == []
+    prefetcher._job_started["2"] = (1.0, "node-near", "")  # the pull started job 2
+    pull_ends("2")
+    assert [sample[:3] for sample in pulled] == [("node-near", "node-b", 2_000)]

@@ -255,3 +255,46 @@ async def test_a_pull_limited_to_a_prefix_fetches_only_its_blocks(
     assert held == 2
     assert (rest.complete, rest.pages_received) == (True, (BLOCKS - 2) * LAYERS)
     assert all(torch.equal(got, want) for got, want in zip(_pages(receiver, "s"), data, strict=True))
+
+
+async def test_a_pull_of_a_peers_full_blocks_leaves_its_partial_tail(peer: _Peer, make_store: MakeStore) -> None:
+    """`max_blocks` counts full blocks: a limit equal to the peer's stops short of its partial last
+    block (a near pull, whose far pull registers a longer history where that page is no use)."""
+    save_session(peer.store, "s", BLOCKS, seed=9)
+    history = peer.store.sessions.get("acme", "s").token_ids.tolist()
+    peer.store.sessions.put("acme", "s", [*history, *range(5, 5 + BLOCK - 1)])
+    tail = page_data(1, seed=10)
+    for layer in range(LAYERS):
+        saved = peer.store.ingest.save_layer("acme", "s", layer, BLOCKS, tail[layer], tail_tokens=BLOCK - 1)
+        assert saved.result(TIMEOUT) == 1
+    receiver = make_store()
+    puller = PeerPuller(receiver, timeout_s=TIMEOUT)
+    try:
+        reply = await puller.pull("acme", "s", peer.address, max_blocks=BLOCKS)
+    finally:
+        await puller.close()
+    assert (reply.complete, reply.pages_expected, reply.pages_received) == (True, BLOCKS * LAYERS, BLOCKS * LAYERS)
+    assert receiver.loadable_prefix_blocks("acme", "s") == BLOCKS
+    assert receiver.loadable_tail_tokens("acme", "s") == 0
+
+
+async def test_a_pull_from_a_peer_with_less_of_the_history_keeps_the_longer_one_here(
+    peer: _Peer, make_store: MakeStore
+) -> None:
+    """The receiver knows the session's whole history (a far pull registered it, say); a peer with
+    its first 3 blocks sends those and leaves the history as it was, so the pages of the far pull
+    still under way, past those 3, stay wanted."""
+    data = save_session(peer.store, "s", 3, seed=11, base=70_000)
+    receiver = make_store()
+    whole = tokens(BLOCKS, 70_000)
+    receiver.sessions.put("acme", "s", whole)
+    puller = PeerPuller(receiver, timeout_s=TIMEOUT)
+    try:
+        reply = await puller.pull("acme", "s", peer.address)
+    finally:
+        await puller.close()
+    assert reply.complete and reply.pages_received == 3 * LAYERS
+    assert receiver.sessions.get("acme", "s").token_ids.tolist() == whole
+    assert receiver.loadable_prefix_blocks("acme", "s") == 3
+    got = [store_pages[:3] for store_pages in _pages(receiver, "s")]
+    assert all(torch.equal(g, want) for g, want in zip(got, data, strict=True))
