@@ -47,6 +47,7 @@ from eval.results import write_result
 from eval.workloads import Conversation, HumanTiming
 from scheduler.tokenizer_load import tokenizer_dirs
 from symphony.config import SymphonyConfig, dump_toml
+from symphony.config_secrets import write_private
 from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 
@@ -72,8 +73,7 @@ class _PolicyScheduler:
             tokenizers=tokenizers,
         )
         path = home / "run" / f"scheduler-{policy}-r{repeat}.toml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(dump_toml(dataclasses.replace(config, scheduler=scheduler)))
+        write_private(path, dump_toml(dataclasses.replace(config, scheduler=scheduler)))  # holds its API key
         log_path = home / "logs" / f"scheduler-{policy}-r{repeat}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = log_path.open("wb")

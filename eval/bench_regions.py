@@ -49,6 +49,7 @@ from eval.stats import percentile
 from eval.workloads import Conversation, HumanTiming
 from scheduler.tokenizer_load import tokenizer_dirs
 from symphony.config import SymphonyConfig, dump_toml
+from symphony.config_secrets import write_private
 from symphony.link_tenants import OTHER, PENDING, UNATTRIBUTED, residency_crossings
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 from symphony.regions import RegionTopology
@@ -140,8 +141,7 @@ class _GlobalLayer:
             regions=dataclasses.replace(config.regions, policy=policy),  # type: ignore[arg-type]
         )
         path = home / "run" / f"global-{policy}-r{repeat}.toml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(dump_toml(self.config))
+        write_private(path, dump_toml(self.config))  # holds the API keys
         self.log = (home / "logs" / f"global-{policy}-r{repeat}.log").open("wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "symphony.cli", "global", "--effective-config", str(path)],

@@ -25,6 +25,7 @@ from node_manager.engine_metrics import (
 )
 from node_manager.vllm_plugin import AMX_ATTENTION_ENV
 from symphony.config import EngineConfig
+from symphony.config_secrets import scrubbed_env
 from symphony.logs import get_logger
 from symphony.model_identity import ModelIdentity
 from symphony.models import ModelInfo
@@ -104,7 +105,7 @@ def engine_launch(
     if kv_events_endpoint is not None:
         argv += ["--enable-prefix-caching", "--kv-events-config", json.dumps(kv_events_config(kv_events_endpoint))]
     argv += engine.extra_args
-    env = dict(os.environ if base_env is None else base_env)
+    env = scrubbed_env(os.environ if base_env is None else base_env)  # the engine holds no secret of ours
     env.update(
         {
             "VLLM_CPU_KVCACHE_SPACE": str(engine.kv_cache_space_gib),

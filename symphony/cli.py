@@ -8,13 +8,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from symphony.cli_args import CliError, add_config_args, engine_overrides, load_from_args, positive_int
+from symphony.cli_args import (
+    CliError,
+    add_config_args,
+    add_token_args,
+    admin_token,
+    engine_overrides,
+    load_from_args,
+    positive_int,
+)
 from symphony.cli_residency import add_residency_parser
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
 from symphony.models import ModelError
@@ -162,7 +169,9 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    print(dump_toml(load_from_args(args)), end="")
+    from symphony.config_secrets import redacted
+
+    print(dump_toml(redacted(load_from_args(args))), end="")  # keys and tokens: in the files, never printed
     return 0
 
 
@@ -178,9 +187,7 @@ def cmd_admin_priority(args: argparse.Namespace) -> int:
     from client_sdk import AdminClient
 
     config = load_from_args(args)
-    token = args.token or os.environ.get("SYMPHONY_ADMIN_TOKEN") or config.scheduler.admin_token
-    if not token:
-        raise CliError("no admin token: pass --token, set $SYMPHONY_ADMIN_TOKEN or scheduler.admin_token")
+    token = admin_token(args, config)
     admin = AdminClient(args.url or config.scheduler_url, token=token)
     try:
         if args.priority_command == "set":
@@ -296,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     for action in (priority_set, priority_list):
         add_config_args(action)
         action.add_argument("--url", help="scheduler URL (default from config)")
-        action.add_argument("--token", help="admin token (default $SYMPHONY_ADMIN_TOKEN or scheduler.admin_token)")
+        add_token_args(action)
         action.set_defaults(func=cmd_admin_priority)
     add_residency_parser(admin_sub)
 

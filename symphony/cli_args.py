@@ -4,6 +4,7 @@ configuration flags and their loading, and the one error a command reports to it
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,3 +62,28 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if getattr(args, "served_model_name", None):
         overrides.setdefault("engine", {})["served_model_name"] = args.served_model_name
     return overrides
+
+
+def add_token_args(parser: argparse.ArgumentParser) -> None:
+    """An admin command's token flags (`admin_token` reads them)."""
+    given = parser.add_mutually_exclusive_group()
+    given.add_argument(
+        "--token-file", metavar="FILE", help="read the admin token from FILE ('-': stdin), out of sight of `ps`"
+    )
+    given.add_argument("--token", help="admin token (visible to `ps`: prefer --token-file or $SYMPHONY_ADMIN_TOKEN)")
+
+
+def admin_token(args: argparse.Namespace, config: SymphonyConfig) -> str:
+    """The admin token: --token-file, --token, $SYMPHONY_ADMIN_TOKEN, then scheduler.admin_token."""
+    from symphony.config_secrets import ADMIN_TOKEN_ENV, read_token_file
+
+    token = args.token
+    if args.token_file is not None:
+        try:
+            token = read_token_file(args.token_file)
+        except ValueError as exc:
+            raise CliError(f"--token-file: {exc}") from None
+    token = token or os.environ.get(ADMIN_TOKEN_ENV) or config.scheduler.admin_token
+    if not token:
+        raise CliError(f"no admin token: pass --token-file or --token, set ${ADMIN_TOKEN_ENV} or scheduler.admin_token")
+    return str(token)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
-from symphony.cli_args import CliError, add_config_args, load_from_args
+from symphony.cli_args import CliError, add_config_args, add_token_args, admin_token, load_from_args
 
 ADMIN_READ_TIMEOUT_S = 10.0  # an admin call is a table update: a process slower than this is stuck
 
@@ -24,7 +23,7 @@ def add_residency_parser(admin_sub: Any) -> None:
     shown = actions.add_parser("list", help="print the rules every process holds")
     for action in (allow, clear, shown):
         add_config_args(action)
-        action.add_argument("--token", help="admin token (default $SYMPHONY_ADMIN_TOKEN or scheduler.admin_token)")
+        add_token_args(action)
         action.set_defaults(func=cmd_admin_residency)
 
 
@@ -35,9 +34,7 @@ def cmd_admin_residency(args: argparse.Namespace) -> int:
     topology = config.topology()
     if topology is None:
         raise CliError("regions.layout is empty: residency rules are for a cluster of several regions")
-    token = args.token or os.environ.get("SYMPHONY_ADMIN_TOKEN") or config.scheduler.admin_token
-    if not token:
-        raise CliError("no admin token: pass --token, set $SYMPHONY_ADMIN_TOKEN or scheduler.admin_token")
+    token = admin_token(args, config)
     regions: list[str] | None = None
     if args.residency_command == "set":
         regions = [name.strip() for name in args.regions.split(",") if name.strip()]

@@ -16,6 +16,7 @@ import grpc
 import httpx
 
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
+from symphony.config_secrets import scrubbed_env, write_private
 from symphony.logs import get_logger
 from symphony.models import ModelInfo
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy
@@ -126,6 +127,7 @@ class LocalCluster:
             argv,
             log_path=self.logs_dir / f"{name}.log",
             ready_probe=self._http_ok(ready_url),
+            env=scrubbed_env(),
             policy=CHILD_RESTARTS,
             startup_timeout_s=60.0,
             stop_timeout_s=10.0,
@@ -133,7 +135,9 @@ class LocalCluster:
 
     def spawn(self) -> None:
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(dump_toml(self.config))
+        # Owner-only: it holds the tenants' API keys and the admin token, which the children read
+        # from it and not from the environment (scrubbed of them, as are the engines').
+        write_private(self.config_path, dump_toml(self.config))
         config_arg = ["--effective-config", str(self.config_path)]
         for i in range(self.config.cluster.nodes):
             name = self.config.node_id(i)
@@ -144,6 +148,7 @@ class LocalCluster:
                 _child_argv("node", *config_arg, "--index", str(i)),
                 log_path=self.logs_dir / f"{name}.log",
                 ready_probe=probe,
+                env=scrubbed_env(),
                 # Ready once its store is up: after the model fingerprint, which on a first start
                 # reads every byte of the weights (a minute or more for a large model).
                 policy=CHILD_RESTARTS,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from pathlib import Path
 
 import httpx
 import openai
@@ -441,11 +442,18 @@ async def test_the_sdk_debounces_typing_sends_agent_hints_and_sets_priorities(
 
 
 async def test_the_cli_sets_and_lists_priorities(
-    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler, capsys: pytest.CaptureFixture[str]
+    make_node: MakeNode,
+    engine: FakeEngine,
+    start_scheduler: StartScheduler,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     url, state = await start_scheduler([await make_node(engine.url)], admin_token="s3cret")
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("s3cret\n")
     base = ["--url", url, "--token", "s3cret"]
-    assert await asyncio.to_thread(main, ["admin", "priority", "set", "low", "--tenant", "acme", *base]) == 0
+    from_file = ["--url", url, "--token-file", str(token_file)]  # out of sight of `ps`
+    assert await asyncio.to_thread(main, ["admin", "priority", "set", "low", "--tenant", "acme", *from_file]) == 0
     assert "tenant 'acme': priority low" in capsys.readouterr().out
     assert state.priorities.of("acme", "any") == "low"
     assert await asyncio.to_thread(main, ["admin", "priority", "list", *base]) == 0

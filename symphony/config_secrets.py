@@ -1,0 +1,74 @@
+"""The configuration's secrets (tenants' API keys, the admin token): kept out of what others on the
+host can read. Config files that hold them are written owner-only (0600) and atomically; what is
+printed shows a tenant's name, never its key; child processes, which get their configuration from
+such a file, do not inherit the environment variables that carry them; and the admin token can be
+read from a file or stdin rather than a command line that `ps` shows."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from symphony.config import ENV_PREFIX, SymphonyConfig
+
+REDACTED = "<redacted>"
+ADMIN_TOKEN_ENV = "SYMPHONY_ADMIN_TOKEN"  # the admin commands' token (not a config key)
+# (section, key) of every configuration key that holds a secret.
+SECRET_KEYS = (("scheduler", "api_keys"), ("scheduler", "admin_token"))
+SECRET_ENV_VARS = frozenset({ADMIN_TOKEN_ENV, *(f"{ENV_PREFIX}{s}_{k}".upper() for s, k in SECRET_KEYS)})
+MAX_TOKEN_FILE_BYTES = 4096  # a token file is one line; more is the wrong file
+
+
+def redacted(config: SymphonyConfig) -> SymphonyConfig:
+    """`config` with every API key and the admin token replaced by `REDACTED` (a key's tenant kept:
+    "tenant:<redacted>"), for printing. An unset token stays empty: whether one is set shows."""
+    scheduler = config.scheduler
+    keys = [f"{entry.split(':', 1)[0]}:{REDACTED}" for entry in scheduler.api_keys]
+    token = REDACTED if scheduler.admin_token else ""
+    return dataclasses.replace(config, scheduler=dataclasses.replace(scheduler, api_keys=keys, admin_token=token))
+
+
+def scrubbed_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) without the variables that carry secrets."""
+    source = os.environ if env is None else env
+    return {name: value for name, value in source.items() if name not in SECRET_ENV_VARS}
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by its owner only (0600) from the first byte, replacing any
+    earlier file whole (a reader sees the old file or the new one, never part of either)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mkstemp: mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_token_file(path: str) -> str:
+    """The token in file `path` ("-": stdin), its first line stripped. ValueError names what is
+    wrong (unreadable, empty, too long)."""
+    try:
+        if path == "-":
+            text = sys.stdin.read(MAX_TOKEN_FILE_BYTES + 1)
+        else:
+            with open(path, encoding="utf-8") as source:
+                text = source.read(MAX_TOKEN_FILE_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if len(text) > MAX_TOKEN_FILE_BYTES:
+        raise ValueError(f"{path} is longer than {MAX_TOKEN_FILE_BYTES} bytes: not a token file")
+    lines = text.strip().splitlines()
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ValueError(f"{path} holds no token")
+    return token
