@@ -40,7 +40,7 @@ from eval.cluster_summary import INDEX_LAG_NOTE, print_table, summarize, targets
 from eval.live_workloads import ChatWorkload, LiveWorkload, Prepared
 from eval.loadgen import LoadSettings, RequestRecord, write_records
 from eval.plots import plot_cluster
-from eval.ports import free_port_run
+from eval.ports import free_port_run, private_cluster_config
 from eval.process_cpu import cpu_seconds_between, cpu_seconds_by_role
 from eval.protocol import aggregate, comparisons, order_balance, rotation
 from eval.results import write_result
@@ -287,13 +287,9 @@ async def on_private_cluster(config: SymphonyConfig, model: ModelInfo, work: Cal
 def bench_cluster_config(config: SymphonyConfig, home: Path, model: ModelInfo) -> SymphonyConfig:
     """The private cluster's configuration: `config`'s, with its own home, ports and 2 nodes, and
     the model it serves named (its schedulers find the tokenizer there, not under the new home)."""
+    private = private_cluster_config(config, home, 2)
     return dataclasses.replace(
-        config,
-        home=str(home),
-        cluster=dataclasses.replace(config.cluster, nodes=2),
-        scheduler=dataclasses.replace(config.scheduler, port=free_port_run(1), node_addresses=[]),
-        node=dataclasses.replace(config.node, grpc_port_base=free_port_run(2), engine_port_base=free_port_run(2)),
-        kv=dataclasses.replace(config.kv, metrics_port_base=free_port_run(2), ssd_dir="", data_port_base=0),
+        private,
         engine=dataclasses.replace(
             config.engine, kv_connector=True, model=str(model.path), served_model_name=model.served_name
         ),

@@ -22,9 +22,11 @@ import asyncio
 import dataclasses
 import json
 import random
+import shutil
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ import openai
 from tqdm import tqdm
 
 from eval.plots import plot_proxy
-from eval.ports import free_port
+from eval.ports import private_cluster_config
 from eval.results import write_result
 from eval.scheduler_cpu import CpuSettings, measure_scheduler_cpu
 from eval.stats import percentile
@@ -179,25 +181,30 @@ async def measure(
 
 
 async def _with_private_cluster(config: SymphonyConfig, **kwargs: Any) -> dict[str, Any]:
-    """Start a 1-node cluster on free ports (so the scheduler fronts exactly the engine measured)."""
-    config = dataclasses.replace(
-        config,
-        cluster=dataclasses.replace(config.cluster, nodes=1),
-        scheduler=dataclasses.replace(config.scheduler, port=free_port(), node_addresses=[]),
-        node=dataclasses.replace(config.node, grpc_port_base=free_port(), engine_port_base=free_port()),
-    )
+    """Start a 1-node cluster of its own (so the scheduler fronts exactly the engine measured): its
+    own home and ports, beside any cluster already running."""
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+    home = config.home_path / "bench" / f"proxy-{uuid.uuid4().hex[:8]}"
+    private = private_cluster_config(config, home, 1)
+    config = dataclasses.replace(
+        private, engine=dataclasses.replace(config.engine, model=str(model.path), served_model_name=model.served_name)
+    )
     cluster = LocalCluster(config, model, sys.stderr)
     cluster.spawn()
     try:
         if not await cluster.wait_ready(asyncio.Event()):
             raise RuntimeError("the benchmark cluster did not become ready")
         engine_url = f"http://{config.node.host}:{config.engine_port(0)}"
-        return await measure(config.scheduler_url, engine_url, model.served_name, **kwargs)
-    finally:
+        result = await measure(config.scheduler_url, engine_url, model.served_name, **kwargs)
+    except BaseException:
         await cluster.shutdown()
+        print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
+        raise
+    await cluster.shutdown()
+    shutil.rmtree(home, ignore_errors=True)
+    return result
 
 
 def _tokenizer_dir(config: SymphonyConfig) -> Path:

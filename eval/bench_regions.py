@@ -42,7 +42,7 @@ from eval.child_process import await_ready, stop_child
 from eval.cluster_summary import summarize
 from eval.live_workloads import ChatWorkload
 from eval.loadgen import LoadSettings, RequestRecord
-from eval.ports import free_port_run
+from eval.ports import free_port_run, private_cluster_config
 from eval.protocol import aggregate, comparisons, order_balance, rotation
 from eval.results import write_result
 from eval.stats import percentile
@@ -96,36 +96,24 @@ def regions_config(
 ) -> SymphonyConfig:
     """The private 3-region cluster: `config`'s settings with its own home and ports, the run's
     tenants (the EU-only ones restricted to eu-west), pulls over gRPC (through the links)."""
-    count = len(REGIONS)
-    listeners = count * (count - 1) * 2  # one node per region: to each scheduler, to each node
+    private = private_cluster_config(config, home, len(REGIONS), regions=len(REGIONS))  # a node per region
     return dataclasses.replace(
-        config,
-        home=str(home),
-        cluster=dataclasses.replace(config.cluster, nodes=count),
+        private,
         scheduler=dataclasses.replace(
-            config.scheduler,
+            private.scheduler,
             policy="symphony",  # the regional layer, the same under every global policy
-            port=free_port_run(count),
-            node_addresses=[],
             api_keys=[f"{tenant}:{key}" for tenant, key in keys.values()],
             tokenizer="",
             tokenizers=[f"{name}={path}" for name, path in tokenizer_dirs(config).items()],
         ),
-        node=dataclasses.replace(
-            config.node, grpc_port_base=free_port_run(count), engine_port_base=free_port_run(count)
-        ),
-        kv=dataclasses.replace(
-            config.kv, metrics_port_base=free_port_run(count), ssd_dir="", data_port_base=0, data_plane="grpc"
-        ),
+        kv=dataclasses.replace(private.kv, data_plane="grpc"),
         engine=dataclasses.replace(
             config.engine, kv_connector=True, model=str(model.path), served_model_name=model.served_name
         ),
         regions=dataclasses.replace(
-            config.regions,
+            private.regions,
             layout=list(REGIONS),
             residency=[f"{tenant}={EU_REGION}" for (_, _, eu), (tenant, _) in keys.items() if eu],
-            scheduler_port_base=free_port_run(count),
-            link_port_base=free_port_run(1 + listeners),
         ),
     )
 

@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from eval.match_latency import match_latency
 from eval.plots import plot_resume
-from eval.ports import free_port_run
+from eval.ports import private_cluster_config
 from eval.process_cpu import wait_until_quiet
 from eval.results import write_result
 from eval.resume_correctness import check_resume_correctness
@@ -159,13 +159,9 @@ def _bench_config(config: SymphonyConfig, context_tokens: int, home: Path, windo
     """Two nodes on free ports, a private home (its SSD tier starts empty), room for the context
     (within the model's window, which the caller checked the turn fits)."""
     max_model_len = max(config.engine.max_model_len, context_tokens + FOLLOW_UP_TOKENS + OUTPUT_TOKENS)
+    private = private_cluster_config(config, home, 2)
     return dataclasses.replace(
-        config,
-        home=str(home),
-        cluster=dataclasses.replace(config.cluster, nodes=2),
-        scheduler=dataclasses.replace(config.scheduler, port=free_port_run(1), node_addresses=[]),
-        node=dataclasses.replace(config.node, grpc_port_base=free_port_run(2), engine_port_base=free_port_run(2)),
-        kv=dataclasses.replace(config.kv, metrics_port_base=free_port_run(2), ssd_dir="", data_port_base=0),
+        private,
         engine=dataclasses.replace(
             config.engine, kv_connector=True, max_model_len=min(max_model_len, window) if window else max_model_len
         ),

@@ -10,11 +10,12 @@ ports of one started with the defaults (`make run`).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
 from pathlib import Path
 
-from symphony.config import KVConfig, NodeConfig, RegionsConfig, SchedulerConfig
+from symphony.config import KVConfig, NodeConfig, RegionsConfig, SchedulerConfig, SymphonyConfig
 
 LOWEST_PORT = 10_000  # above the well-known services
 DEFAULT_NODES = 8  # of a cluster started with the defaults, whose ports are left alone
@@ -78,3 +79,28 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def private_cluster_config(config: SymphonyConfig, home: Path, nodes: int, *, regions: int = 0) -> SymphonyConfig:
+    """`config` moved off everything a running cluster holds: its own `home` (logs, run files, SSD
+    segments under home/kv), free ports for the scheduler (one per region with `regions`, and then
+    their schedulers and WAN links too) and for each of `nodes` nodes' gRPC, engine and KV metrics,
+    and page streams on ports the kernel picks. A benchmark adds its own settings on top."""
+    entries = max(1, regions)
+    # The links' control API; per ordered region pair, to its scheduler; per region, to each node elsewhere.
+    links = 1 + regions * (regions - 1) + max(0, regions - 1) * nodes
+    return dataclasses.replace(
+        config,
+        home=str(home),
+        cluster=dataclasses.replace(config.cluster, nodes=nodes),
+        scheduler=dataclasses.replace(config.scheduler, port=free_port_run(entries), node_addresses=[]),
+        node=dataclasses.replace(
+            config.node, grpc_port_base=free_port_run(nodes), engine_port_base=free_port_run(nodes)
+        ),
+        kv=dataclasses.replace(config.kv, metrics_port_base=free_port_run(nodes), ssd_dir="", data_port_base=0),
+        regions=dataclasses.replace(
+            config.regions, scheduler_port_base=free_port_run(entries), link_port_base=free_port_run(links)
+        )
+        if regions
+        else config.regions,
+    )

@@ -3,11 +3,14 @@ could be handed to an outgoing connection or a port-0 listener before the cluste
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+from pathlib import Path
 
 import pytest
 
 from eval import ports
+from symphony.config import SymphonyConfig, load_config
 
 
 def test_a_run_of_ports_lies_below_the_ephemeral_range_and_is_free() -> None:
@@ -36,3 +39,53 @@ def test_without_room_below_the_ephemeral_range_the_kernel_picks(monkeypatch: py
     port = ports.free_port()
     assert ports._port_free(port)
     assert port not in ports.DEFAULT_PORTS
+
+
+@pytest.mark.parametrize(("nodes", "regions"), [(1, 0), (2, 0), (3, 3)])
+def test_a_private_cluster_takes_no_port_or_file_of_a_default_one(tmp_path: Path, nodes: int, regions: int) -> None:
+    """Every port and path a running cluster on the defaults holds (`make run`, or `symphony up
+    --regions`) moves: found by walking the configuration, so a key added later is checked too.
+    Every process of the private cluster listens somewhere none of it else does."""
+    default = load_config(None, env={"SYMPHONY_HOME": str(tmp_path / "default")})
+    private = ports.private_cluster_config(default, tmp_path / "private", nodes, regions=regions)
+    assert private.home_path == tmp_path / "private" and private.cluster.nodes == nodes
+    held_by_default = _listening(default, ports.DEFAULT_NODES, ports.DEFAULT_REGIONS)
+    taken = _listening(private, nodes, regions)
+    assert not taken & held_by_default
+    assert private.kv.data_port_base == 0  # a page stream binds port 0: the kernel's pick
+    assert all(not private.kv_ssd_dir(i).is_relative_to(default.home_path) for i in range(nodes))
+    checked = {
+        f"{section.name}.{key.name}"
+        for section in dataclasses.fields(default)
+        if dataclasses.is_dataclass(getattr(default, section.name))
+        for key in dataclasses.fields(getattr(default, section.name))
+        if key.name.endswith(("port", "port_base"))
+    }
+    assert checked == _PORT_KEYS, "a new port key: say where a private cluster puts it"
+
+
+_PORT_KEYS = {
+    "scheduler.port",
+    "node.grpc_port_base",
+    "node.engine_port_base",
+    "kv.data_port_base",
+    "kv.metrics_port_base",
+    "regions.scheduler_port_base",
+    "regions.link_port_base",
+}
+
+
+def _listening(config: SymphonyConfig, nodes: int, regions: int) -> set[int]:
+    """The ports a cluster of `config` with `nodes` nodes and `regions` regions listens on (as
+    `DEFAULT_PORTS` counts them)."""
+    links = 1 + regions * (regions - 1) + max(0, regions - 1) * nodes
+    listed = [
+        *(config.scheduler.port + i for i in range(max(1, regions))),
+        *(config.node.grpc_port_base + i for i in range(nodes)),
+        *(config.node.engine_port_base + i for i in range(nodes)),
+        *(config.kv.metrics_port_base + i for i in range(nodes)),
+    ]
+    if regions:
+        listed += [config.regions.scheduler_port_base + i for i in range(regions)]
+        listed += [config.regions.link_port_base + i for i in range(links)]
+    return set(listed)
