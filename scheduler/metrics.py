@@ -47,6 +47,11 @@ class SchedulerMetrics:
             ["tenant"],
             registry=r,
         )
+        self.read_timeouts = Counter(
+            "symphony_http_read_timeouts",
+            "Client connections closed for not sending a whole request within scheduler.request_read_timeout_s",
+            registry=r,
+        )
         self.retries = Counter(
             "symphony_dispatch_retries",
             "Requests re-sent to another node because the first engine could not be reached",

@@ -5,25 +5,30 @@ from __future__ import annotations
 import uvicorn
 
 from scheduler.app import create_app
+from scheduler.read_deadline import read_deadline_protocol
+from scheduler.state import SchedulerState
 from symphony.config import SymphonyConfig
 from symphony.logs import get_logger
 
 log = get_logger(__name__)
 
 
-def serve(config: SymphonyConfig) -> None:
-    app = create_app(config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.scheduler.host,
-            port=config.scheduler_listen_port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            timeout_graceful_shutdown=5,
-        )
+def server_config(config: SymphonyConfig, state: SchedulerState) -> uvicorn.Config:
+    """uvicorn's settings for the scheduler of `config` (each request read within its deadline)."""
+    return uvicorn.Config(
+        create_app(config, state),
+        http=read_deadline_protocol(config.scheduler.request_read_timeout_s, state.metrics.read_timeouts.inc),
+        host=config.scheduler.host,
+        port=config.scheduler_listen_port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
     )
+
+
+def serve(config: SymphonyConfig) -> None:
+    server = uvicorn.Server(server_config(config, SchedulerState(config)))
     log.info(
         "scheduler listening",
         url=f"http://{config.scheduler.host}:{config.scheduler_listen_port}",

@@ -242,6 +242,7 @@ def _validate(config: SymphonyConfig) -> None:
         "max_expected_arrival_ms",
         "connect_timeout_s",
         "request_timeout_s",
+        "request_read_timeout_s",
         "advisory_ttl_s",
         "typing_lead_ms",
         "max_prefetches",

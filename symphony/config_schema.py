@@ -45,6 +45,9 @@ class SchedulerConfig:
     request_timeout_s: float = 600.0  # between bytes from an engine once connected
     max_inflight_requests: int = 1024  # beyond this the scheduler answers 429
     max_body_bytes: int = 4 * 1024 * 1024
+    # A client must send each request whole (request line, headers, body) within this many seconds
+    # of its first byte (of opening the connection, for the first): else the connection is closed.
+    request_read_timeout_s: float = 30.0
     max_session_id_len: int = 128
     advisory_ttl_s: float = 120.0  # an advisory not followed by a request within this is dropped
     max_advisories: int = 100_000  # pending advisories kept (LRU beyond)

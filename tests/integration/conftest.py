@@ -12,8 +12,8 @@ import httpx
 import pytest
 import uvicorn
 
-from scheduler.app import create_app
 from scheduler.cost_profile import DEFAULT_PROFILE
+from scheduler.server import server_config
 from scheduler.state import SchedulerState
 from symphony.config import load_config
 from tests.helpers import async_wait_until, free_port
@@ -46,9 +46,7 @@ async def start_scheduler() -> AsyncIterator[StartScheduler]:
         }
         config = load_config(env={}, overrides={"scheduler": settings})
         state = SchedulerState(config)
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(config, state), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-        )
+        server = uvicorn.Server(server_config(config, state))  # as `symphony scheduler` serves it
         task = asyncio.create_task(server.serve())
         servers.append((server, task))
         await async_wait_until(lambda: server.started, 10, "the scheduler to listen")

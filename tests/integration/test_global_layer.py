@@ -366,6 +366,11 @@ async def test_a_sessions_next_turn_goes_back_to_the_region_holding_its_kv(regio
     probe = regions.entries["us-east"].probes["eu-west"]
     digest = session_digest("acme", "story")
     await async_wait_until(lambda: probe.held.tokens(digest) > 1_000, 10, "eu-west's feed to name the session")
+    # ... and to show its first turn ended: a summary taken while it was in flight prices eu-west's
+    # queue by a prefill of unknown size, which a loaded host can leave the entry holding.
+    await async_wait_until(
+        lambda: (probe.view().load or LOAD0).inflight == 0, 10, "eu-west's feed to show its turn ended"
+    )
     second = await _chat(
         regions.entry_url("us-east"),
         _headers(**{"X-Session-ID": "story"}),
