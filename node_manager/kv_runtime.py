@@ -98,6 +98,7 @@ def store_config(config: SymphonyConfig, index: int, model: ModelFingerprint) ->
         max_sessions=kv.max_sessions,
         max_session_tokens=kv.max_session_tokens,
         ssd_keep_other_models=kv.ssd_keep_other_models,
+        ssd_headroom_bytes=kv.ssd_headroom_bytes,
     )
 
 

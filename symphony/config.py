@@ -350,6 +350,7 @@ def _validate(config: SymphonyConfig) -> None:
         f"{kv.engine_warmup_max_kv_usage} is not a fraction in [0, 1]",
     )
     check(kv.engine_warmup_timeout_s > 0, "kv.engine_warmup_timeout_s", "must be positive")
+    check(kv.ssd_headroom_bytes >= 0, "kv.ssd_headroom_bytes", "must not be negative")
     for name in (
         "block_events_ring_batches",
         "block_events_ring_entries",

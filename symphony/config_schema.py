@@ -207,6 +207,9 @@ class KVConfig:
     # size or page layout) are never loaded. false: they are deleted; true: kept on disk for a
     # rollback to that model, counted against ssd_bytes and evicted first when room is needed.
     ssd_keep_other_models: bool = False
+    # What the SSD tier leaves free on its filesystem: it holds at most ssd_bytes, and less when the
+    # disk has less room than that beyond this (others' files, a small disk), evicting to stay so.
+    ssd_headroom_bytes: int = 1024**3
     # Block events (KVStore.WatchBlocks: the scheduler's cluster KV index follows them). An entry is
     # a block key or an event; a batch holds at most block_events_batch_entries of them.
     block_events_ring_batches: int = 4096  # recent batches kept for a subscriber resuming after a seq

@@ -11,6 +11,8 @@ import contextlib
 import errno
 import mmap
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,11 @@ def _aligned_copy(data: bytes) -> mmap.mmap:
     buffer = mmap.mmap(-1, len(data))
     buffer[:] = data
     return buffer
+
+
+def _disk_free(directory: Path) -> int:
+    """Bytes free to an unprivileged writer on `directory`'s filesystem."""
+    return shutil.disk_usage(directory).free
 
 
 def _unlink(path: Path) -> None:
@@ -106,18 +113,26 @@ class SsdTier:
         *,
         direct_io: bool = False,
         keep_other_models: bool = False,
+        headroom_bytes: int = 0,
+        disk_free: Callable[[Path], int] | None = None,
     ) -> None:
         """`model`: the fingerprint of the model whose pages this tier holds; segments of any other
         are never loaded. At `rebuild` they are deleted, or with `keep_other_models` left on disk
         unloaded (for a rollback to that model) as the least recently used segments: they count
         against the capacity and are the first to go when room is needed.
         `direct_io`: the caller's page buffers are page-aligned (the DRAM arena's are when a page
-        is a whole number of 4 KiB), so segments may bypass the page cache (see `write`)."""
+        is a whole number of 4 KiB), so segments may bypass the page cache (see `write`).
+        `headroom_bytes`: what the tier leaves free on its filesystem. Every reservation is held
+        under the capacity and under what the disk has free (`disk_free`, default its statvfs)
+        less the headroom, evicting segments as for the capacity: a disk that others fill, or one
+        smaller than the capacity, shrinks the tier instead of failing its writes."""
         self.directory = Path(directory)
         self.page_bytes = page_bytes
         self.capacity_bytes = capacity_bytes
         self.model = model
         self.keep_other_models = keep_other_models
+        self.headroom_bytes = headroom_bytes
+        self._disk_free = disk_free or _disk_free
         self.other_model_segments = 0  # kept segments of other models on disk (not loaded)
         self.segments: dict[int, Segment] = {}
         self.used_bytes = 0  # bytes of committed segments plus reservations
@@ -191,6 +206,15 @@ class SsdTier:
             for index, entry in enumerate(header.entries):
                 location = SsdLocation(header.seq, index)
                 report.pages.append(((entry.block_key, entry.layer), location, entry.checksum, entry.tail))
+        room = self.room_bytes()
+        if room < self.capacity_bytes:
+            log.warning(
+                "the SSD tier's disk is short of its capacity: the tier holds what fits",
+                directory=str(self.directory),
+                capacity_bytes=self.capacity_bytes,
+                room_bytes=max(room, 0),
+                headroom_bytes=self.headroom_bytes,
+            )
         return report
 
     def _add(self, segment: Segment) -> None:
@@ -217,7 +241,7 @@ class SsdTier:
         if nbytes > self.capacity_bytes:
             raise SsdFullError(f"a {nbytes}-byte segment exceeds the SSD tier capacity {self.capacity_bytes}")
         evicted: list[Segment] = []
-        excess = self.used_bytes + nbytes - self.capacity_bytes
+        excess = self.used_bytes + nbytes - self.room_bytes()
         if excess > 0:
             for seq in self._lru.oldest_first():
                 segment = self.segments[seq]
@@ -235,6 +259,16 @@ class SsdTier:
         self._next_seq += 1
         self.used_bytes += nbytes
         return seq, evicted
+
+    def room_bytes(self) -> int:
+        """What the tier may hold now: its capacity, or less when the disk is short of room (its
+        segments and reservations, plus what the disk has free beyond the headroom). Reservations
+        not yet written count twice (used, and not yet out of the free space): a margin."""
+        try:
+            free = self._disk_free(self.directory)
+        except OSError:
+            return self.capacity_bytes  # cannot tell: the capacity, and writes report ENOSPC if it comes
+        return min(self.capacity_bytes, self.used_bytes + free - self.headroom_bytes)
 
     def release_reservation(self, nbytes: int) -> None:
         self.used_bytes -= nbytes

@@ -93,14 +93,14 @@ class TieredStore:
         self.dram: ArenaTier = DramArena(
             config.arena_name, geometry, config.dram_bytes, pin_for_cuda=config.device != "cpu"
         )
-        # The arena's pages are page-aligned, so the write-behind may use O_DIRECT straight from them.
         self.ssd: SegmentTier = SsdTier(
             config.ssd_dir,
             geometry.page_bytes,
             config.ssd_bytes,
             config.model,
-            direct_io=True,
+            direct_io=True,  # the arena's pages are page-aligned: the write-behind writes them O_DIRECT
             keep_other_models=config.ssd_keep_other_models,
+            headroom_bytes=config.ssd_headroom_bytes,
         )
         # Blocks complete in some tier, for the connector to look up without asking (block_index). A
         # complete block has a page per layer, so the tiers' pages bound how many there can be.

@@ -27,6 +27,7 @@ class StoreConfig:
     # How long the write-behind may hold off while a foreground transfer (a peer pull) runs.
     write_behind_max_delay_s: float = 0.5
     ssd_keep_other_models: bool = False  # keep other models' segments on disk, unloaded (`SsdTier`)
+    ssd_headroom_bytes: int = 0  # left free on the SSD tier's filesystem (`SsdTier`)
 
     def validate(self) -> None:
         capacities = tier_capacities_error(self.hbm_bytes, self.dram_bytes, self.ssd_bytes)
