@@ -47,7 +47,7 @@ from eval.results import write_result
 from eval.workloads import Conversation, HumanTiming
 from scheduler.tokenizer_load import tokenizer_dirs
 from symphony.config import SymphonyConfig, dump_toml
-from symphony.config_secrets import write_private
+from symphony.config_secrets import scrubbed_env, write_private
 from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 
@@ -81,6 +81,7 @@ class _PolicyScheduler:
             [sys.executable, "-m", "symphony.cli", "scheduler", "--effective-config", str(path)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env=scrubbed_env(),  # its keys are in its file
         )
         self.url = f"http://{config.scheduler.host}:{self.port}"
 

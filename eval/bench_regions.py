@@ -49,7 +49,7 @@ from eval.stats import percentile
 from eval.workloads import Conversation, HumanTiming
 from scheduler.tokenizer_load import tokenizer_dirs
 from symphony.config import SymphonyConfig, dump_toml
-from symphony.config_secrets import write_private
+from symphony.config_secrets import scrubbed_env, write_private
 from symphony.link_tenants import OTHER, PENDING, UNATTRIBUTED, residency_crossings
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 from symphony.regions import RegionTopology
@@ -135,6 +135,7 @@ class _GlobalLayer:
             [sys.executable, "-m", "symphony.cli", "global", "--effective-config", str(path)],
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env=scrubbed_env(),  # its keys are in its file
         )
         host = config.scheduler.host
         self.entries = {name.split(":")[0]: f"http://{host}:{port + i}" for i, name in enumerate(REGIONS)}

@@ -37,6 +37,7 @@ from eval.noop_node import NoopNode
 from eval.ports import free_port
 from eval.stats import percentile
 from eval.workloads import SHAREGPT_SAMPLE
+from symphony.config_secrets import scrubbed_env
 from symphony.process import proc_stat_fields
 
 READY_TIMEOUT_S = 60.0
@@ -164,7 +165,7 @@ async def measure_scheduler_cpu(
         await node.start()
     with tempfile.TemporaryDirectory(prefix="symphony-cpu-") as home:
         env = {
-            **os.environ,
+            **scrubbed_env(),  # a private scheduler: none of the caller's keys or tokens
             "SYMPHONY_HOME": home,
             "SYMPHONY_SCHEDULER_HOST": host,
             "SYMPHONY_SCHEDULER_PORT": str(port),

@@ -24,7 +24,6 @@ nodes only, or the index itself plus `synced(node_id)`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -48,6 +47,7 @@ from symphony.logs import get_logger
 from symphony.rpc import kv_pb2
 
 log = get_logger(__name__)
+STOP_WAIT_S = 1.0  # `stop` cancels a watch task again if it has not ended by then
 
 BACKOFF_INITIAL_S = 0.1
 _TIERS = {
@@ -185,9 +185,13 @@ class KVWatch:
         tasks = [link.task for link in self._links if link.task is not None]
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Bounded: on Python 3.11 `asyncio.wait_for` can swallow a cancel that lands as its read
+        # completes (CPython gh-86296), and the stream then reads on; cancelled again until it ends.
+        while tasks:
+            _, pending = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+            for task in pending:
+                task.cancel()
+            tasks = list(pending)
         for link in self._links:
             link.task, link.connected = None, False
 

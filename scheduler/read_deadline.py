@@ -7,7 +7,8 @@ when the connection opens and when each request's first byte arrives, disarmed o
 is whole (headers and body). If it fires the connection is closed: a client still sending
 headers gets nothing (there is no request to answer), and an application reading a body sees the
 client disconnect (`hot_path.read_body`: 400, which the closed connection never carries). Only
-reading is timed: a request whose body is in, waiting in a queue or streaming its answer, is not.
+reading is timed: a request whose body is in, waiting in a queue or streaming its answer, is not;
+nor is a request pipelined behind another's answer (uvicorn reads it only once that ends).
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._arm()
+        if self.cycle is None or self.cycle.response_complete:
+            self._arm()
+        # else a request pipelined behind one still answering: uvicorn stops reading until that
+        # answer ends, so its own reading cannot be timed from here (left untimed).
 
     def on_message_complete(self) -> None:
         self._disarm()

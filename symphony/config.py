@@ -60,6 +60,7 @@ __all__ = [
 ]
 
 ENV_PREFIX = "SYMPHONY_"
+REDACTED = "<redacted>"  # a secret as `config show` prints it (symphony.config_secrets)
 # Nodes the scheduler's KV index can hold: one bit each in a 64-bit mask (scheduler.kv_index.MAX_NODES).
 KV_INDEX_MAX_NODES = 64
 
@@ -274,6 +275,10 @@ def _validate(config: SymphonyConfig) -> None:
         "scheduler.kv_index_enabled",
         f"the KV index holds up to {KV_INDEX_MAX_NODES} nodes; turn it off for more",
     )
+    # What `config show` prints in place of a secret: a file copied from its output must not turn
+    # the admin API on with a token anyone can read there.
+    redacted = "must be the secret itself, not config show's <redacted>"
+    check(s.admin_token != REDACTED, "scheduler.admin_token", redacted)
     tenants_by_key: dict[str, str] = {}
     for entry in s.api_keys:
         tenant, sep, key = entry.partition(":")
@@ -282,6 +287,7 @@ def _validate(config: SymphonyConfig) -> None:
             "scheduler.api_keys",
             'entries must be "tenant:key" (the tenant, a colon, the key)',
         )
+        check(key != REDACTED, "scheduler.api_keys", f"{tenant!r}'s key {redacted}")
         check(
             key not in tenants_by_key,
             "scheduler.api_keys",

@@ -13,9 +13,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from symphony.config import ENV_PREFIX, SymphonyConfig
+from symphony.config import ENV_PREFIX, REDACTED, SymphonyConfig
 
-REDACTED = "<redacted>"
 ADMIN_TOKEN_ENV = "SYMPHONY_ADMIN_TOKEN"  # the admin commands' token (not a config key)
 # (section, key) of every configuration key that holds a secret.
 SECRET_KEYS = (("scheduler", "api_keys"), ("scheduler", "admin_token"))

@@ -251,8 +251,8 @@ class SsdTier:
                 excess -= segment.file_bytes
                 if excess <= 0:
                     break
-            if excess > 0:
-                raise SsdFullError("the SSD tier is full of segments under I/O")
+            if excess > 0:  # evicting all it could would not make room: it evicts nothing
+                raise SsdFullError("no room on the SSD tier: its segments are under I/O or its disk is full")
             for segment in evicted:
                 self._remove(segment)
         seq = self._next_seq
@@ -262,8 +262,10 @@ class SsdTier:
 
     def room_bytes(self) -> int:
         """What the tier may hold now: its capacity, or less when the disk is short of room (its
-        segments and reservations, plus what the disk has free beyond the headroom). Reservations
-        not yet written count twice (used, and not yet out of the free space): a margin."""
+        segments and reservations, plus what the disk has free beyond the headroom). A reservation
+        not yet written is still in the disk's free bytes, so writers reserving at once may each
+        count the same free bytes: the headroom must cover `ssd_writers` segments (the default 1 GiB
+        does, many times), or a write can still end in ENOSPC (the batch is then degraded)."""
         try:
             free = self._disk_free(self.directory)
         except OSError:

@@ -135,3 +135,21 @@ def test_the_admin_cli_names_a_bad_token_file(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):  # one way of giving the token at a time
         main(["admin", "priority", "list", "--token", "a", "--token-file", absent])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ('admin_token = "<redacted>"', "scheduler.admin_token"),
+        ('api_keys = ["acme:<redacted>"]', "scheduler.api_keys"),
+    ],
+)
+def test_config_shows_output_is_no_config_with_a_known_secret(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, section: str, message: str
+) -> None:
+    """A file copied from `config show` does not load: its placeholder would be a token anyone knows."""
+    path = tmp_path / "copied.toml"
+    path.write_text(f"[scheduler]\n{section}\n")
+    assert main(["config", "show", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "<redacted>" in err
