@@ -277,7 +277,7 @@ def _validate(config: SymphonyConfig) -> None:
     )
     # What `config show` prints in place of a secret: a file copied from its output must not turn
     # the admin API on with a token anyone can read there.
-    redacted = "must be the secret itself, not config show's <redacted>"
+    redacted = f"must be the secret itself, not config show's {REDACTED}"
     check(s.admin_token != REDACTED, "scheduler.admin_token", redacted)
     tenants_by_key: dict[str, str] = {}
     for entry in s.api_keys:

@@ -134,7 +134,6 @@ class LocalCluster:
         )
 
     def spawn(self) -> None:
-        self.config_path.parent.mkdir(parents=True, exist_ok=True)
         # Owner-only: it holds the tenants' API keys and the admin token, which the children read
         # from it and not from the environment (scrubbed of them, as are the engines').
         write_private(self.config_path, dump_toml(self.config))
