@@ -77,12 +77,15 @@ def test_guidellm_multi_turn_benchmark_completes(live_cluster: LiveCluster, tmp_
     assert run.returncode == 0, f"guidellm exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
 
     (benchmark,) = json.loads(out.read_text())["benchmarks"]
-    state = benchmark["scheduler_state"]
-    assert (state["successful_requests"], state["errored_requests"], state["cancelled_requests"]) == (
-        REQUESTS,
-        0,
-        0,
-    ), state
+    # Every request GuideLLM made is in its per-request record, and all of them succeeded. The
+    # record, not `scheduler_state`'s counts: those are the snapshot attached to the last update
+    # GuideLLM 0.8.1 happened to yield, and a CI run once read 5 successful of 6 there with nothing
+    # errored, cancelled or missing (its run ended normally, in 20 s).
+    requests = benchmark["requests"]
+    state = {k: v for k, v in benchmark["scheduler_state"].items() if k.endswith("_requests")}
+    outcomes = {kind: len(requests.get(kind) or []) for kind in ("successful", "errored", "incomplete")}
+    assert outcomes == {"successful": REQUESTS, "errored": 0, "incomplete": 0}, (outcomes, state)
+    assert (state["errored_requests"], state["cancelled_requests"]) == (0, 0), state
     after = _chat_requests(live_cluster)
     grew = {status: n - before.get(status, 0.0) for status, n in after.items() if n != before.get(status, 0.0)}
     assert grew == {"200": REQUESTS}, grew  # each went through the scheduler, served in full
