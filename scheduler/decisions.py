@@ -1,7 +1,7 @@
 """The dispatcher's decisions as plain functions and small classes: which node an advisory picks,
 where a request goes (its advisory's node, the policy's choice, or held back), whether and how long
-it waits for its session's KV to be pulled, and the order in which held-back requests get another
-try.
+it waits for its session's KV to be pulled. The order in which held-back requests get another try
+is `scheduler.held_queue`'s.
 
 No I/O, no clocks, no asyncio: callers pass the cluster as they see it (`NodeSnapshot`s) and any
 time as a number. The scheduler's dispatcher (`scheduler.dispatch`) and the cluster simulator
@@ -11,19 +11,15 @@ scheduler runs; `tests/unit/test_decision_parity.py` checks that they decide ali
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, Literal, TypeVar
+from typing import Literal
 
 from scheduler.cost_profile import CostProfile
 from scheduler.routing import (
-    PRIORITIES,
-    PRIORITY_RANK,
     HeldPrefix,
     NodeSnapshot,
     PolicyTraits,
-    Priority,
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
@@ -31,7 +27,6 @@ from scheduler.routing import (
     kv_source,
 )
 
-T = TypeVar("T")
 # What an advisory asks of its node: a move into its engine's cache ("hbm", ending in a warm-up
 # pass), a pull into its DRAM ("dram"), or nothing (the request loads what the node has).
 AdvisoryMove = Literal["hbm", "dram", "loads_on_arrival"]
@@ -146,59 +141,3 @@ class PullRule:
             return None
         source = kv_source(kv_tokens, node_id, self.min_tokens, usable)
         return Pull(source[0], source[1], self.wait_ms) if source is not None else None
-
-
-# -- the held-back queue ----------------------------------------------------------------------------
-class QueueFull(Exception):
-    pass
-
-
-class HeldQueue(Generic[T]):
-    """Requests held back by selective pushing: higher priority tiers first, FIFO within a tier.
-    Bounded: a newcomer beyond `max_waiting` raises QueueFull; a request going back to the head of
-    its tier (`front`, it was woken but found no room) always gets its place."""
-
-    def __init__(self, max_waiting: int) -> None:
-        if max_waiting <= 0:
-            raise ValueError("max_waiting must be positive")
-        self.max_waiting = max_waiting
-        self._tiers: dict[Priority, deque[T]] = {p: deque() for p in PRIORITIES}
-
-    def __len__(self) -> int:
-        return sum(len(q) for q in self._tiers.values())
-
-    def waiting(self, priority: Priority) -> int:
-        return len(self._tiers[priority])
-
-    def ahead_of(self, priority: Priority) -> bool:
-        """Whether a request of `priority` arriving now has others to wait behind (same or higher
-        tier): it must not take a node that frees up before them."""
-        return any(self._tiers[p] for p in PRIORITIES[PRIORITY_RANK[priority] :])
-
-    def push(self, item: T, priority: Priority, *, front: bool = False) -> None:
-        if not front and len(self) >= self.max_waiting:
-            raise QueueFull(f"{self.max_waiting} requests are waiting for a node already")
-        if front:
-            self._tiers[priority].appendleft(item)
-        else:
-            self._tiers[priority].append(item)
-
-    def pop(self) -> T | None:
-        """The next to try: the oldest of the highest tier; None when empty."""
-        for priority in reversed(PRIORITIES):
-            if self._tiers[priority]:
-                return self._tiers[priority].popleft()
-        return None
-
-    def take(self, count: int) -> list[T]:
-        """The next `count` to try (fewer if fewer wait), in order."""
-        taken: list[T] = []
-        while len(taken) < count and (item := self.pop()) is not None:
-            taken.append(item)
-        return taken
-
-    def remove(self, item: T, priority: Priority) -> None:
-        """Drop `item` (it gave up) if it still waits."""
-        tier = self._tiers[priority]
-        if item in tier:
-            tier.remove(item)

@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from scheduler.advisories import AdvisoryTable, advisory_reply
 from scheduler.cost_profile import DEFAULT_PROFILE, CostProfile
-from scheduler.decisions import PullRule, QueueFull, Routing, advisory_choice, advisory_move, rooms
+from scheduler.decisions import PullRule, Routing, advisory_choice, advisory_move, rooms
 from scheduler.errors import ApiError, error_response, no_engine_error, queue_timeout_error, too_many_inflight_error
 from scheduler.kv_locator import RequestLocator
 from scheduler.metrics import SchedulerMetrics
@@ -26,7 +26,7 @@ from scheduler.policies.symphony import SymphonyPolicy
 from scheduler.prefetcher import LatestMoves, MoveState, Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
 from scheduler.pull_costs import ObservedLinks
-from scheduler.push_queue import PushQueue
+from scheduler.push_queue import PushQueue, QueueFull
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
 from scheduler.routing import (
     NOTHING_HELD,
@@ -42,7 +42,7 @@ from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
 from symphony.finish_rate import FinishRate
 from symphony.logs import get_logger
-from symphony.priority import Priority
+from symphony.tenant_quotas import TenantQuotas
 
 log = get_logger(__name__)
 
@@ -80,6 +80,7 @@ class Dispatcher:
         locator: RequestLocator | None = None,
         profile: CostProfile = DEFAULT_PROFILE,
         remote_nodes: Mapping[str, str] | None = None,
+        quotas: TenantQuotas | None = None,
     ) -> None:
         self.cluster = cluster
         self.locator = locator  # prices requests by content for policies that locate KV
@@ -91,7 +92,7 @@ class Dispatcher:
         # Given or new (not `or`: an empty table is falsy).
         self.sessions = sessions if sessions is not None else SessionTable(config.max_sessions, config.session_ttl_s)
         self.priorities = priorities if priorities is not None else PriorityTable(config.max_priority_settings)
-        self.queue = PushQueue(config.max_queued_requests)
+        self.queue = PushQueue(config.max_queued_requests, quotas)  # tenants' turns and shares
         self.pulls = PullRule(config.route_pull_wait_ms, config.route_pull_min_tokens)
         self.links = ObservedLinks(profile)  # pulls' observed times correct the profile's links
         self.remote_nodes = dict(remote_nodes or {})  # other regions' nodes, through the WAN links
@@ -185,9 +186,9 @@ class Dispatcher:
         requeued = False
         while True:
             if not requeued and self.queue.ahead_of(request.priority):
-                # Held requests of this tier or above go first (FIFO within a tier): a newcomer
+                # Held requests of this tier or above go first (scheduler.held_queue): a newcomer
                 # must not take the node that frees up for them.
-                await self._wait_for_room(request.priority, wait_until, requeued)
+                await self._wait_for_room(request, wait_until, requeued)
                 requeued = True
             placement = routing.attempt(self.policy, self._snapshot(request.model, exclude))
             if placement.followup is not None:
@@ -196,19 +197,19 @@ class Dispatcher:
                 return Route(self._node(placement.node_id), placement.reason)
             if not placement.queue:
                 raise no_engine_error(request.model, self.cluster.states())
-            await self._wait_for_room(request.priority, wait_until, requeued)
+            await self._wait_for_room(request, wait_until, requeued)
             requeued = True
 
-    async def _wait_for_room(self, priority: Priority, wait_until: float, requeued: bool) -> None:
+    async def _wait_for_room(self, request: RouteRequest, wait_until: float, requeued: bool) -> None:
         remaining = wait_until - time.monotonic()
         if remaining <= 0:
             raise queue_timeout_error(self.config.queue_timeout_s)
         self.metrics.queued.inc()
         try:
-            with self.metrics.queue_wait.labels(priority).time():
-                woken = await self.queue.wait(priority, remaining, front=requeued)
+            with self.metrics.queue_wait.labels(request.priority).time():
+                woken = await self.queue.wait(request.priority, remaining, request.tenant, front=requeued)
         except QueueFull as exc:
-            raise ApiError(429, f"{exc}; retry later", code="queue_full") from None
+            raise ApiError(429, f"{exc}; retry later", code=exc.code) from None
         finally:
             self.metrics.queued.dec()
         if not woken:

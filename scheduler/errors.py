@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from fastapi import Request
@@ -18,18 +19,29 @@ __all__ = [
     "http_error_handler",
     "no_engine_error",
     "queue_timeout_error",
+    "rate_limited_error",
     "sse_error_event",
+    "tenant_inflight_error",
     "too_many_inflight_error",
 ]
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # sent with the error (Retry-After on a rate limit)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
@@ -51,6 +63,26 @@ def no_engine_error(model: str, states: dict[str, str]) -> ApiError:
 def too_many_inflight_error(inflight: int, limit: int) -> ApiError:
     return ApiError(
         429, f"the scheduler has {inflight} requests in flight (limit {limit}); retry later", code="too_many_requests"
+    )
+
+
+def rate_limited_error(tenant: str, what: str, retry_after_s: float) -> ApiError:
+    """A tenant over its rate (`what`: "requests", "advisories"): 429 with Retry-After in whole
+    seconds, rounded up (RFC 9110 allows no fraction)."""
+    wait = max(1, math.ceil(min(retry_after_s, 86_400.0)))
+    return ApiError(
+        429,
+        f"tenant {tenant!r} is over its rate of {what}; retry in {wait} s",
+        code="rate_limit_exceeded",
+        headers={"retry-after": str(wait)},
+    )
+
+
+def tenant_inflight_error(tenant: str, limit: int) -> ApiError:
+    return ApiError(
+        429,
+        f"tenant {tenant!r} has {limit} requests in flight (its limit); retry later",
+        code="tenant_too_many_requests",
     )
 
 

@@ -14,13 +14,14 @@ import time
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from scheduler.errors import ApiError, error_response
+from scheduler.errors import ApiError, error_response, rate_limited_error, tenant_inflight_error
 from scheduler.relay import UpstreamRelay
 from scheduler.state import SchedulerState
 from scheduler.validation import validate_advisory, validate_inference
 from symphony.logs import get_logger
 from symphony.region_load import KV_SOURCE_HEADER, parse_kv_source
 from symphony.regions import node_index
+from symphony.tenant_quotas import QuotaKind
 
 log = get_logger(__name__)
 
@@ -92,7 +93,9 @@ class HotPath:
             if endpoint != "advisories":
                 self.state.metrics.count_request(endpoint, exc.status)
             if not started:
-                await error_response(exc.status, exc.message, param=exc.param, code=exc.code)(scope, receive, send)
+                await error_response(exc.status, exc.message, param=exc.param, code=exc.code, headers=exc.headers)(
+                    scope, receive, send
+                )
         except Exception:
             # Never a bare traceback to the client; the log keeps it for us.
             log.exception("unhandled error", endpoint=endpoint)
@@ -104,6 +107,7 @@ class HotPath:
     async def _inference(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
         received_at = time.perf_counter()
         tenant = self.state.auth.tenant(header(scope, AUTHORIZATION_HEADER))
+        self._take_quota("requests", tenant)
         raw = await read_body(scope, receive, self._limits.max_body_bytes)
         parsed = validate_inference(
             endpoint,
@@ -126,11 +130,19 @@ class HotPath:
             client_gone = True
             exchange.cancel()
 
+        quotas = self.state.quotas
+        if not quotas.enter(tenant):  # counted until its answer ends, streamed or whole
+            self.state.metrics.quota_refused.labels(tenant, "inflight").inc()
+            raise tenant_inflight_error(tenant, quotas.limits(tenant).max_inflight)
         watcher = asyncio.ensure_future(cancel_on_disconnect())
         response = None
         try:
             response = await self.state.dispatcher.dispatch(parsed, tenant, received_at)
             await response(scope, receive, send)
+        except ApiError as exc:
+            if exc.code == "tenant_queue_full":
+                self.state.metrics.quota_refused.labels(tenant, "queued").inc()
+            raise
         except asyncio.CancelledError:
             if not client_gone:
                 raise
@@ -139,6 +151,14 @@ class HotPath:
                 self.state.metrics.count_request(endpoint, 499)  # nginx's "client closed request"
         finally:
             watcher.cancel()
+            quotas.leave(tenant)
+
+    def _take_quota(self, kind: QuotaKind, tenant: str) -> None:
+        """One of the tenant's `kind` tokens, else 429 with Retry-After."""
+        retry_after_s = self.state.quotas.take(kind, tenant, time.monotonic())
+        if retry_after_s > 0:
+            self.state.metrics.quota_refused.labels(tenant, f"{kind}_rate").inc()
+            raise rate_limited_error(tenant, kind, retry_after_s)
 
     def _kv_source(self, value: str | None, tenant: str) -> tuple[str, int] | None:
         """The other region's copy the global layer names (KV_SOURCE_HEADER), checked: a node this
@@ -163,6 +183,7 @@ class HotPath:
     async def _advisory(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         tenant = self.state.auth.tenant(header(scope, AUTHORIZATION_HEADER))
+        self._take_quota("advisories", tenant)
         raw = await read_body(scope, receive, self._limits.max_body_bytes)
         parsed = validate_advisory(
             raw,

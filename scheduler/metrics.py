@@ -47,6 +47,13 @@ class SchedulerMetrics:
             ["tenant"],
             registry=r,
         )
+        self.quota_refused = Counter(
+            "symphony_quota_refused",
+            "Requests and advisories refused (429) by the tenant's own quota ([quotas]): over its rate of "
+            "requests or advisories, at its cap of requests in flight, or of requests held back",
+            ["tenant", "reason"],
+            registry=r,
+        )
         self.read_timeouts = Counter(
             "symphony_http_read_timeouts",
             "Client connections closed for not sending a whole request within scheduler.request_read_timeout_s",

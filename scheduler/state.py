@@ -34,6 +34,8 @@ from symphony.logs import get_logger
 from symphony.models import DEFAULT_MODEL_NAME
 from symphony.region_links import remote_node_addresses
 from symphony.region_load import MAX_DELTA_SESSIONS
+from symphony.residency_rules import known_tenants
+from symphony.tenant_quotas import quotas_from_config
 
 log = get_logger(__name__)
 
@@ -95,6 +97,8 @@ class SchedulerState:
             on_change=self.region_feed.changed if self.region_feed is not None else None,
         )
         self.priorities = PriorityTable(sc.max_priority_settings)
+        # Each tenant's rates, caps and share of the hold-back queue (checked by load_config).
+        self.quotas = quotas_from_config(config.quotas, known_tenants(sc.api_keys))
         # The cluster KV index, fed by the nodes' block event streams; None when turned off.
         self.kv_index: ClusterKVIndex | None = None
         self.kv_watch: KVWatch | None = None
@@ -141,6 +145,7 @@ class SchedulerState:
             locator=self.locator,
             profile=self.cost_profile.profile,
             remote_nodes=self._remote_nodes(),
+            quotas=self.quotas,
         )
 
     def kv_prefix(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:

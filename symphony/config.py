@@ -28,12 +28,14 @@ from symphony.config_schema import (
     LogLevel,
     NodeConfig,
     PolicyName,
+    QuotasConfig,
     RegionPolicyName,
     RegionsConfig,
     SchedulerConfig,
     SymphonyConfig,
 )
 from symphony.residency_rules import known_tenants
+from symphony.tenant_quotas import quotas_from_config
 
 __all__ = [
     "ENV_PREFIX",
@@ -50,6 +52,7 @@ __all__ = [
     "LoggingConfig",
     "NodeConfig",
     "PolicyName",
+    "QuotasConfig",
     "RegionPolicyName",
     "RegionsConfig",
     "SchedulerConfig",
@@ -294,6 +297,11 @@ def _validate(config: SymphonyConfig) -> None:
             f"a key is given to both {tenants_by_key.get(key)!r} and {tenant!r}",
         )
         tenants_by_key[key] = tenant
+    try:
+        quotas_from_config(config.quotas, known_tenants(s.api_keys))
+    except ValueError as exc:
+        key, _, message = str(exc).partition(": ")
+        raise ConfigError(f"quotas.{key}: {message}") from None
     served_names: set[str] = set()
     for entry in s.tokenizers:
         name, sep, path = entry.partition("=")

@@ -249,6 +249,24 @@ class RegionsConfig:
 
 
 @dataclass(frozen=True)
+class QuotasConfig:
+    """Per-tenant limits (symphony/tenant_quotas.py), each tenant's own; 0 turns one off (the
+    scheduler's own bounds still hold). Refusals answer 429, with Retry-After for the rates."""
+
+    requests_per_s: float = 0.0  # inference requests a tenant may send per second, sustained
+    request_burst: int = 0  # ... and at once after a pause; 0: the rate rounded up (at least 1)
+    advisories_per_s: float = 0.0
+    advisory_burst: int = 0
+    max_inflight: int = 0  # a tenant's requests from admission to the end of their answers
+    max_queued: int = 0  # a tenant's requests held back by selective pushing
+    # A tenant's share of the hold-back queue within a priority tier (tenants take turns by weight).
+    weight: float = 1.0
+    # One tenant's own values: "tenant:key=value,key=value" (keys as above), the rest as above. In
+    # SYMPHONY_QUOTAS_TENANTS, a JSON list (a comma there would split the entry).
+    tenants: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class SymphonyConfig:
     home: str = ""  # state directory; empty: $SYMPHONY_HOME or ~/.cache/symphony
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -258,6 +276,7 @@ class SymphonyConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     regions: RegionsConfig = field(default_factory=RegionsConfig)
+    quotas: QuotasConfig = field(default_factory=QuotasConfig)
 
     @property
     def home_path(self) -> Path:

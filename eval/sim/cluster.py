@@ -33,9 +33,11 @@ from dataclasses import dataclass, field, replace
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
 from eval.sim.events import EventLoop
 from eval.sim.turns import Script, Turn
-from scheduler.decisions import HeldQueue, PullRule, QueueFull, Routing, advisory_choice, rooms
+from scheduler.decisions import PullRule, Routing, advisory_choice, rooms
+from scheduler.held_queue import HeldQueue, QueueFull
 from scheduler.routing import PRIORITY_RANK, HeldPrefix, NodeSnapshot, Priority, RouteRequest, RoutingPolicy, kv_source
 from symphony.config import SchedulerConfig
+from symphony.tenant_quotas import TenantQuotas
 
 _SCHEDULER = SchedulerConfig()  # the scheduler's defaults, which the simulated one follows
 
@@ -80,6 +82,7 @@ class ClusterSim:
         route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens,
         typing_lead_ms: float = _SCHEDULER.typing_lead_ms,
         max_queued_requests: int = _SCHEDULER.max_queued_requests,
+        quotas: TenantQuotas | None = None,
         prefix_caching: bool = True,
         loop: EventLoop | None = None,
     ) -> None:
@@ -102,7 +105,9 @@ class ClusterSim:
         self._advised: dict[str, str] = {}  # session -> node its advisory picked
         # (session, node) -> when an advisory's move there ends; bounded by the moves under way
         self._moves_due: dict[tuple[str, str], float] = {}
-        self._queue: HeldQueue[_Held] = HeldQueue(max_queued_requests)
+        # The scheduler's held-back queue, tenants' weights and shares included (`[quotas]`; None:
+        # its defaults, every tenant weighing 1 with no share of its own).
+        self._queue: HeldQueue[_Held] = HeldQueue(max_queued_requests, quotas)
         self._inflight: dict[str, int] = dict.fromkeys(self.engines, 0)
         self._announced: dict[str, int] = dict.fromkeys(self.engines, 0)
         # As the scheduler's session table: high-priority sessions per node their last turn went to.
@@ -350,7 +355,7 @@ class ClusterSim:
 
     def _hold(self, held: _Held, front: bool = False) -> None:
         try:
-            self._queue.push(held, held.turn.priority, front=front)
+            self._queue.push(held, held.turn.priority, held.turn.tenant, front=front)
         except QueueFull:
             self._refuse(held.request)  # the scheduler answers 429
 
