@@ -154,6 +154,10 @@ class LocalCluster:
                 startup_timeout_s=max(60.0, self.config.engine.startup_timeout_s),
                 # The node manager stops its engine first; give it the engine's grace plus margin.
                 stop_timeout_s=self.config.engine.stop_timeout_s + 15.0,
+                # Its engine (a session of its own) maps shared memory once it starts, after the node
+                # manager is ready: recorded every so often, so that a SIGKILLed node manager's
+                # engine leaves none behind in /dev/shm.
+                shm_scan_interval_s=10.0,
             )
             self.nodes.append(proc)
         if self.topology is None:

@@ -6,9 +6,13 @@ managers, so every level of the process tree stops the same way and leaves nothi
 - each child leads its own process group (Ctrl-C in a terminal reaches only `symphony up`, which then
   stops children in order) and gets PDEATHSIG, so a killed parent never leaves orphans;
 - stopping is SIGTERM to the leader, then SIGTERM and SIGKILL to the whole group;
-- POSIX shared memory (/dev/shm) mapped by the group is recorded while it runs and unlinked after it
-  exits, because a SIGKILLed vLLM cannot clean its own segments; segments the supervisor maps itself
-  (the node manager's DRAM arena, which the engine's worker attaches) are the supervisor's, not leaks.
+- POSIX shared memory (/dev/shm) mapped by the child's process tree (its group, and descendants
+  that lead groups of their own: a node manager's engine) is recorded while it runs (when it is
+  ready, then every `shm_scan_interval_s` where set: node managers, whose engines start late) and
+  unlinked after it exits, because a SIGKILLed vLLM
+  cannot clean its own segments, nor can a SIGKILLed node manager clean its engine's; segments the
+  supervisor maps itself (the node manager's DRAM arena, which the engine's worker attaches) are the
+  supervisor's, not leaks.
 """
 
 from __future__ import annotations
@@ -74,8 +78,11 @@ class ManagedProcess:
         liveness_timeout_s: float = 30.0,
         on_state_change: StateListener | None = None,
         nice: int = 0,
+        shm_scan_interval_s: float = 0.0,
     ) -> None:
         self.name = name
+        # How often a READY child's shared memory is recorded again (0: only when it becomes ready).
+        self.shm_scan_interval_s = shm_scan_interval_s
         self.nice = nice  # 0..19; the child's whole session runs at it (see symphony.pdeathsig_exec)
         self.argv = argv
         self.env = env
@@ -245,7 +252,7 @@ class ManagedProcess:
         assert self._proc is not None
         exited = asyncio.ensure_future(self._proc.wait())
         stopping = asyncio.ensure_future(self._stopping.wait())
-        last_ok = time.monotonic()
+        last_ok = last_scan = time.monotonic()
         try:
             while True:
                 done, _ = await asyncio.wait(
@@ -259,6 +266,12 @@ class ManagedProcess:
                 with contextlib.suppress(Exception):
                     ok = await asyncio.wait_for(self._probe(), timeout=self._liveness_interval_s * 2)
                 now = time.monotonic()
+                if self.shm_scan_interval_s and now - last_scan >= self.shm_scan_interval_s:
+                    # Descendants map segments after the child is ready (an engine starting), and a
+                    # SIGKILLed tree can no longer be read: record them while it lives. A walk of
+                    # /proc and of large maps files: off the event loop.
+                    last_scan = now
+                    await asyncio.to_thread(self._record_shm)
                 if ok:
                     last_ok = now
                 elif now - last_ok > self.liveness_timeout_s:
@@ -310,8 +323,11 @@ class ManagedProcess:
         self._proc = None
 
     def _record_shm(self) -> None:
-        if self._proc is not None:
-            self._shm_paths |= _shm_mapped_by_group(self._proc.pid)
+        # Only while the child is not reaped: until then its pid cannot be reused, so the tree walked
+        # is its own (an exited, unreaped child's descendants have been reparented away from it).
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            self._shm_paths |= _shm_mapped_by_pids(process_tree(proc.pid))
 
     def _unlink_shm(self) -> None:
         # Checked at unlink time, not when recorded: the supervisor may map a segment after the child did.
@@ -364,6 +380,31 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def process_tree(pid: int) -> list[int]:
+    """Live processes of `pid`'s process group and every live descendant of `pid` (also those in
+    groups or sessions of their own), from one walk of /proc."""
+    children: dict[int, list[int]] = {}
+    tree: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        fields = proc_stat_fields(entry.name)
+        if fields is None or len(fields) < 3 or fields[0] == "Z":
+            continue
+        child = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(child)
+        if int(fields[2]) == pid:
+            tree.add(child)
+    seen, todo = {pid}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    alive = {child for listed in children.values() for child in listed}
+    return sorted(p for p in tree | seen if p in alive)
+
+
 def _group_alive(pgid: int) -> bool:
     return bool(group_members(pgid))
 
@@ -373,10 +414,6 @@ async def _wait_group_gone(pgid: int, timeout_s: float) -> None:
     # Grandchildren are not ours to wait() on, so /proc is the only place their exit shows.
     while _group_alive(pgid) and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
-
-
-def _shm_mapped_by_group(pgid: int) -> set[str]:
-    return _shm_mapped_by_pids(group_members(pgid))
 
 
 def _shm_mapped_by_pids(pids: list[int]) -> set[str]:

@@ -25,6 +25,11 @@ def main() -> None:
     parser.add_argument("--shm", help="create and map /dev/shm/<name>.<pid>")
     parser.add_argument("--attach-shm", type=Path, help="map this existing /dev/shm file (as vLLM maps the arena)")
     parser.add_argument("--grandchild", action="store_true", help="spawn a long sleep in our process group")
+    parser.add_argument(
+        "--session-shm",
+        help="spawn a descendant in a session of its own (as a node manager starts its engine) that, once we "
+        "are up, creates and maps /dev/shm/<name>.<its pid> and waits",
+    )
     parser.add_argument("--unhealthy-flag", type=Path, help="answer 503 once this file exists")
     parser.add_argument("--pidfile", type=Path, help="append our pid (and the grandchild's) to this file")
     parser.add_argument("--metrics", type=Path, help="serve this file's text at /metrics (vLLM-style gauges)")
@@ -52,6 +57,15 @@ def main() -> None:
     pids = [os.getpid()]
     if args.grandchild:
         pids.append(subprocess.Popen(["sleep", "600"]).pid)
+    if args.session_shm:
+        # After a pause: the shared memory appears only after we answer /health (an engine starts late).
+        script = (
+            "import mmap, os, signal, time; time.sleep(0.5); "
+            f"p = '/dev/shm/{args.session_shm}.' + str(os.getpid()); "
+            "fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o600); os.ftruncate(fd, 4096); "
+            "m = mmap.mmap(fd, 4096); signal.pause()"
+        )
+        pids.append(subprocess.Popen([sys.executable, "-c", script], start_new_session=True).pid)
     if args.pidfile:
         with args.pidfile.open("a") as fh:
             fh.write(" ".join(map(str, pids)) + "\n")

@@ -74,7 +74,7 @@ def _alive(pid: int) -> bool:
 
 async def test_becomes_ready_and_stop_kills_the_whole_group(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
-    proc = _process(tmp_path, "--grandchild", "--pidfile", str(pidfile))
+    proc = _process(tmp_path, "--grandchild", "--pidfile", str(pidfile), shm_scan_interval_s=0.05)
     proc.start()
     assert await proc.wait_ready(timeout_s=20)
     leader, grandchild = map(int, pidfile.read_text().split())
@@ -108,7 +108,7 @@ async def test_a_niced_child_lowers_its_whole_sessions_priority(tmp_path: Path) 
 
 async def test_crash_is_restarted_with_backoff_and_reported(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
-    proc = _process(tmp_path, "--pidfile", str(pidfile))
+    proc = _process(tmp_path, "--pidfile", str(pidfile), shm_scan_interval_s=0.05)
     proc.start()
     try:
         assert await proc.wait_ready(timeout_s=20)
@@ -207,6 +207,36 @@ def _mapped_here(path: Path) -> Iterator[mmap.mmap]:
             yield mapping
     finally:
         path.unlink(missing_ok=True)
+
+
+async def test_shared_memory_of_a_killed_childs_own_child_is_removed(tmp_path: Path) -> None:
+    """A node manager and its engine (a session of its own) both SIGKILLed: neither can clean up, and
+    the engine's segments, mapped only after the node manager was ready, go with the node manager's
+    crash, before its restart."""
+    name = f"symphony-test-{os.getpid()}-{free_port()}"
+    pidfile = tmp_path / "pids"
+    proc = _process(tmp_path, "--session-shm", name, "--pidfile", str(pidfile), shm_scan_interval_s=0.05)
+    proc.start()
+    try:
+        assert await proc.wait_ready(timeout_s=20)
+        await async_wait_until(lambda: len(_shm_files(name)) == 1, 20, "the descendant's shared memory")
+        (leaked,) = _shm_files(name)
+        child, descendant = map(int, pidfile.read_text().split()[:2])
+        assert os.getpgid(descendant) != os.getpgid(child)  # not in the group a stop signals
+        await async_wait_until(lambda: str(leaked) in proc._shm_paths, 10, "the segment to be recorded")
+        for pid in (descendant, child):
+            os.kill(pid, signal.SIGKILL)
+        await async_wait_until(lambda: proc.restarts == 1, 20, "the restart")
+        assert not leaked.exists()
+    finally:
+        await proc.stop()
+        # The restarted child's descendant, in a session of its own, outlives the stop (a real
+        # engine dies with its node manager, by PDEATHSIG): ours to end, with what it made.
+        for pid in map(int, pidfile.read_text().split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for path in _shm_files(name):
+            path.unlink(missing_ok=True)
 
 
 async def test_shared_memory_the_supervisor_maps_survives_the_childs_crash(tmp_path: Path) -> None:
