@@ -121,17 +121,19 @@ class TenantSalts:
         source: TenantSource | None = None,
         always: Iterable[str] = (DEFAULT_TENANT,),
         max_tenants: int = MAX_TENANTS,
+        key: bytes = b"",
     ) -> None:
         if max_tenants <= 0:
             raise ValueError("max_tenants must be positive")
-        self._always = {engine_cache_salt(tenant): tenant for tenant in always}
+        self._key = key  # the cluster's secret, which keys the scheduler's salts
+        self._always = {engine_cache_salt(tenant, key=key): tenant for tenant in always}
         self._learned: OrderedDict[str, str] = OrderedDict()
         self._source = source
         self._generation: int | None = None  # the source's, when last read
         self._max = max_tenants
 
     def learn(self, tenant: str) -> None:
-        salt = engine_cache_salt(tenant)
+        salt = engine_cache_salt(tenant, key=self._key)
         if salt in self._always:
             return
         self._learned[salt] = tenant

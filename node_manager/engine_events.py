@@ -261,7 +261,7 @@ def engine_block_events(
         config.engine_events_endpoint(index),
         model,
         geometry.block_size,
-        TenantSalts(tenants, always=configured_tenants(config)),
+        TenantSalts(tenants, always=configured_tenants(config), key=config.cluster.secret.encode()),
         emit,
         max_blocks=max_blocks,
         metrics=metrics,

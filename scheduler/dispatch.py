@@ -81,6 +81,7 @@ class Dispatcher:
         profile: CostProfile = DEFAULT_PROFILE,
         remote_nodes: Mapping[str, str] | None = None,
         quotas: TenantQuotas | None = None,
+        salt_key: bytes = b"",  # the cluster's secret (the warm-ups' cache salts)
     ) -> None:
         self.cluster = cluster
         self.locator = locator  # prices requests by content for policies that locate KV
@@ -97,7 +98,7 @@ class Dispatcher:
         self.links = ObservedLinks(profile)  # pulls' observed times correct the profile's links
         self.remote_nodes = dict(remote_nodes or {})  # other regions' nodes, through the WAN links
         self.prefetcher = Prefetcher(
-            cluster.kv_stub, self._address_of, metrics, config.max_prefetches, self._moved, self._pulled
+            cluster.kv_stub, self._address_of, metrics, config.max_prefetches, self._moved, self._pulled, salt_key
         )
         self.prefetches = LatestMoves(config.max_advisories)
         self.inflight_total = 0

@@ -64,6 +64,7 @@ class HotPath:
         self.app = app
         self.state = state
         self._limits = state.config.scheduler
+        self._salt_key = state.config.cluster.secret.encode()  # keys the tenants' engine cache salts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -115,6 +116,7 @@ class HotPath:
             header(scope, SESSION_HEADER),
             self.state.cluster.served_models(),
             self._limits.max_session_id_len,
+            self._salt_key,
         )
         # If the client hangs up at any point (waiting for a plain answer, or mid-stream), cancel
         # this exchange: the engine connection closes and vLLM aborts the generation. One watcher

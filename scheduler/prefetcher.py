@@ -125,9 +125,11 @@ class Prefetcher:
         max_inflight: int,
         on_moved: Callable[[SessionKey, str, int, str], None],
         on_pulled: Callable[[str, str, int, float], None] | None = None,
+        salt_key: bytes = b"",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._stub_for = stub_for
+        self._salt_key = salt_key  # the cluster's secret: keys the warm-ups' cache salts
         self._address_of = address_of  # a node's manager address, for a peer to pull from (None: gone)
         self._metrics = metrics
         self._max_inflight = max_inflight
@@ -191,7 +193,7 @@ class Prefetcher:
             # The salt of the session's next request: the warm-up must land where that request's
             # prefix-cache lookup will look. Only there: a node refuses a salt with any other target
             # (INVALID_ARGUMENT), which failed every pull a request waited for until this was split.
-            request.engine_cache_salt = engine_cache_salt(session[0])
+            request.engine_cache_salt = engine_cache_salt(session[0], key=self._salt_key)
         task = asyncio.create_task(self._follow(stub, request, prefetch), name=f"prefetch-{session[1]}")
         prefetch.task = task
         self._tasks.add(task)

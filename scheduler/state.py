@@ -97,6 +97,11 @@ class SchedulerState:
             on_change=self.region_feed.changed if self.region_feed is not None else None,
         )
         self.priorities = PriorityTable(sc.max_priority_settings)
+        if sc.api_keys and not config.cluster.secret:
+            log.warning(
+                "cluster.secret is empty: each tenant's engine cache salt is a digest of its name, which "
+                "anyone who reaches an engine can compute (symphony up sets one; give every process the same)"
+            )
         # Each tenant's rates, caps and share of the hold-back queue (checked by load_config).
         self.quotas = quotas_from_config(config.quotas, known_tenants(sc.api_keys))
         # The cluster KV index, fed by the nodes' block event streams; None when turned off.
@@ -146,6 +151,7 @@ class SchedulerState:
             profile=self.cost_profile.profile,
             remote_nodes=self._remote_nodes(),
             quotas=self.quotas,
+            salt_key=config.cluster.secret.encode(),
         )
 
     def kv_prefix(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:

@@ -27,6 +27,7 @@ class InferenceRequest:
     session_id: str | None
     body: dict[str, Any]  # the parsed request, as the engine will get it (plus Symphony's parameters)
     history_tokens: int  # estimated prompt tokens
+    salt_key: bytes = b""  # the cluster's secret, which keys the tenant's cache salt (none: b"")
 
     def engine_body(self, tenant: str, uses_tiers: bool) -> bytes:
         """The request as the engine gets it: with the tenant and session that key its KV in the
@@ -38,7 +39,7 @@ class InferenceRequest:
             params[SESSION_PARAM] = self.session_id
         if not uses_tiers:
             params[TIERS_PARAM] = False
-        salt = engine_cache_salt(tenant, self.body.get("cache_salt"))
+        salt = engine_cache_salt(tenant, self.body.get("cache_salt"), self.salt_key)
         return json.dumps({**self.body, "kv_transfer_params": params, "cache_salt": salt}).encode()
 
     def routing_text(self) -> str:
@@ -127,7 +128,12 @@ def _check_max_tokens(body: Mapping[str, Any], max_model_len: int) -> None:
 
 
 def validate_inference(
-    endpoint: str, raw: bytes, session_header: str | None, served: Mapping[str, int], max_session_id_len: int
+    endpoint: str,
+    raw: bytes,
+    session_header: str | None,
+    served: Mapping[str, int],
+    max_session_id_len: int,
+    salt_key: bytes = b"",
 ) -> InferenceRequest:
     body = parse_json_object(raw)
     check(ChatBody if endpoint == "chat" else CompletionBody, body)
@@ -136,7 +142,7 @@ def validate_inference(
     model = resolve_model(body, served)
     _check_max_tokens(body, served[model])
     body["model"] = model  # vLLM needs it when the client left it to us
-    return InferenceRequest(endpoint, model, stream, session_id, body, estimated_tokens(body, endpoint))
+    return InferenceRequest(endpoint, model, stream, session_id, body, estimated_tokens(body, endpoint), salt_key)
 
 
 def validate_advisory(

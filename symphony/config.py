@@ -282,6 +282,8 @@ def _validate(config: SymphonyConfig) -> None:
     # the admin API on with a token anyone can read there.
     redacted = f"must be the secret itself, not config show's {REDACTED}"
     check(s.admin_token != REDACTED, "scheduler.admin_token", redacted)
+    secret = config.cluster.secret  # 16 characters or more: never config show's REDACTED
+    check(not secret or len(secret) >= 16, "cluster.secret", f"must be empty or 16 characters or more, {redacted}")
     tenants_by_key: dict[str, str] = {}
     for entry in s.api_keys:
         tenant, sep, key = entry.partition(":")

@@ -25,6 +25,11 @@ RegionPolicyName = Literal["nearest", "skywalker", "gorgo", "gorgo_no_queue", "s
 @dataclass(frozen=True)
 class ClusterConfig:
     nodes: int = 2  # node managers (each with one engine) that `symphony up` starts
+    # The secret the cluster's processes share (at least 16 characters): it keys each tenant's
+    # engine cache salt, so a salt cannot be computed from a tenant's name. Empty: `symphony up`
+    # generates one for its cluster (in its owner-only effective config); a scheduler and nodes
+    # started on their own must be given the same one.
+    secret: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The configuration's secrets (tenants' API keys, the admin token): kept out of what others on the
+"""The configuration's secrets (tenants' API keys, the admin token, the cluster's secret): kept
 host can read. Config files that hold them are written owner-only (0600) and atomically; what is
 printed shows a tenant's name, never its key; child processes, which get their configuration from
 such a file, do not inherit the environment variables that carry them; and the admin token can be
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from symphony.config import ENV_PREFIX, REDACTED, SymphonyConfig
 
 ADMIN_TOKEN_ENV = "SYMPHONY_ADMIN_TOKEN"  # the admin commands' token (not a config key)
 # (section, key) of every configuration key that holds a secret.
-SECRET_KEYS = (("scheduler", "api_keys"), ("scheduler", "admin_token"))
+SECRET_KEYS = (("scheduler", "api_keys"), ("scheduler", "admin_token"), ("cluster", "secret"))
 SECRET_ENV_VARS = frozenset({ADMIN_TOKEN_ENV, *(f"{ENV_PREFIX}{s}_{k}".upper() for s, k in SECRET_KEYS)})
 MAX_TOKEN_FILE_BYTES = 4096  # a token file is one line; more is the wrong file
 
@@ -28,7 +29,19 @@ def redacted(config: SymphonyConfig) -> SymphonyConfig:
     scheduler = config.scheduler
     keys = [f"{entry.split(':', 1)[0]}:{REDACTED}" for entry in scheduler.api_keys]
     token = REDACTED if scheduler.admin_token else ""
-    return dataclasses.replace(config, scheduler=dataclasses.replace(scheduler, api_keys=keys, admin_token=token))
+    secret = REDACTED if config.cluster.secret else ""
+    return dataclasses.replace(
+        config,
+        scheduler=dataclasses.replace(scheduler, api_keys=keys, admin_token=token),
+        cluster=dataclasses.replace(config.cluster, secret=secret),
+    )
+
+
+def with_cluster_secret(config: SymphonyConfig) -> SymphonyConfig:
+    """`config`, with a new random `cluster.secret` (256 bits, hex) when it has none."""
+    if config.cluster.secret:
+        return config
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, secret=secrets.token_hex(32)))
 
 
 def scrubbed_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -16,7 +16,7 @@ import grpc
 import httpx
 
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
-from symphony.config_secrets import scrubbed_env, write_private
+from symphony.config_secrets import scrubbed_env, with_cluster_secret, write_private
 from symphony.logs import get_logger
 from symphony.models import ModelInfo
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy
@@ -87,9 +87,10 @@ class LocalCluster:
     its engine), started, probed for readiness and stopped together."""
 
     def __init__(self, config: SymphonyConfig, model: ModelInfo, out: TextIO) -> None:
-        # Children get the model already resolved, so they neither re-verify nor re-fetch it.
+        # Children get the model already resolved, so they neither re-verify nor re-fetch it, and
+        # the cluster's secret (this cluster's own, new, unless the configuration gives one).
         self.config = dataclasses.replace(
-            config,
+            with_cluster_secret(config),
             engine=dataclasses.replace(config.engine, model=str(model.path), served_model_name=model.served_name),
         )
         self.model = model

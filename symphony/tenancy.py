@@ -5,7 +5,11 @@ The scheduler sets each request's `cache_salt` from its tenant (`engine_cache_sa
 prefix cache, which every request of an engine shares, never serves one tenant's blocks to another
 (without it a tenant could time, or read in `usage.prompt_tokens_details.cached_tokens`, whether
 another tenant sent a given prompt). A node computes the same salts to tell whose blocks vLLM's KV
-events name (`node_manager/engine_event_keys.py`)."""
+events name (`node_manager/engine_event_keys.py`).
+
+The salts are keyed by the cluster's secret (`cluster.secret`, which `symphony up` generates when
+none is set), so that nobody who reaches an engine directly can compute a tenant's salt from its
+name and probe that tenant's cache. With no secret they are plain digests."""
 
 from __future__ import annotations
 
@@ -16,14 +20,17 @@ DEFAULT_TENANT = "default"  # every request's tenant when the scheduler has no A
 _SALT_DOMAIN = b"symphony-engine-cache-salt\0"
 
 
-def engine_cache_salt(tenant: str, client_salt: str | None = None) -> str:
+def engine_cache_salt(tenant: str, client_salt: str | None = None, key: bytes = b"") -> str:
     """The `cache_salt` an engine gets with a tenant's request: a digest of the tenant (and of the
-    client's own salt, which may split a tenant's cache further but never joins another's). Not a
-    secret: clients cannot choose it, the scheduler overwrites whatever they send. 32 hex digits."""
+    client's own salt, which may split a tenant's cache further but never joins another's), an
+    HMAC-SHA256 under `key` (the cluster's secret) when there is one. Clients cannot choose it: the
+    scheduler overwrites whatever they send. 32 hex digits."""
     name = tenant.encode()
     material = len(name).to_bytes(4, "big") + name  # length-prefixed: no tenant/salt split collides
     if client_salt is not None:
         material += client_salt.encode()
+    if key:
+        return hmac.new(key, _SALT_DOMAIN + material, hashlib.sha256).hexdigest()[:32]
     return hashlib.sha256(_SALT_DOMAIN + material).hexdigest()[:32]
 
 

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from symphony.config import default_home, load_config
 from symphony.models import DEFAULT_MODEL_NAME, fetch_default_model
+from symphony.tenancy import engine_cache_salt
 from tests.helpers import free_port, free_port_run, wait_until
 
 NODES = 2
@@ -60,6 +61,15 @@ class LiveCluster:
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5).text
+
+    @property
+    def secret(self) -> bytes:
+        """The cluster's secret, as `symphony up` gave its processes (its owner-only effective config)."""
+        return load_config(self.home / "run" / "cluster.toml", env={}).cluster.secret.encode()
+
+    def cache_salt(self, tenant: str) -> str:
+        """The `cache_salt` the scheduler gives `tenant`'s requests (keyed by the cluster's secret)."""
+        return engine_cache_salt(tenant, key=self.secret)
 
     def node_metric(self, index: int, name: str, **labels: str) -> float:
         """One sample from node `index`'s KV metrics (0 when not yet exported)."""

@@ -18,7 +18,6 @@ from node_manager.engine_events import EngineEventSubscriber
 from symphony.config import load_config
 from symphony.kv_addressing import BlockKey, ModelFingerprint, chain_block_keys
 from symphony.rpc import node_pb2, node_pb2_grpc
-from symphony.tenancy import engine_cache_salt
 from tests.e2e.conftest import LiveCluster, reset_engine_cache
 from tests.e2e.kv_support import BLOCK
 from tests.helpers import EmitRecorder, wait_until
@@ -51,7 +50,8 @@ def subscriber(live_cluster: LiveCluster, tenant: str, recorder: EmitRecorder) -
         config.engine_events_endpoint(NODE),
         node_fingerprint(live_cluster),
         BLOCK,
-        TenantSalts(always=[tenant]),  # this test's tenant only: no other traffic is translated
+        # This test's tenant only (no other traffic is translated), its salts as the cluster's.
+        TenantSalts(always=[tenant], key=live_cluster.secret),
         recorder,
         max_blocks=4096,
     )
@@ -60,7 +60,7 @@ def subscriber(live_cluster: LiveCluster, tenant: str, recorder: EmitRecorder) -
     sub.stop()
 
 
-def complete(engine_url: str, model: str, prompt: str, tenant: str) -> dict[str, object]:
+def complete(engine_url: str, model: str, prompt: str, tenant: str, salt: str) -> dict[str, object]:
     """One token of completion, as the scheduler relays a tenant's request: its cache_salt and the
     connector's kv_transfer_params (the node registers the session, so it learns the tenant)."""
     response = httpx.post(
@@ -70,7 +70,7 @@ def complete(engine_url: str, model: str, prompt: str, tenant: str) -> dict[str,
             "prompt": prompt,
             "max_tokens": 1,  # the prompt's blocks only: a generated token never gets KV here
             "temperature": 0,
-            "cache_salt": engine_cache_salt(tenant),
+            "cache_salt": salt,
             "kv_transfer_params": {"tenant": tenant, "session_id": f"s-{uuid.uuid4().hex[:6]}"},
             "return_token_ids": True,
         },
@@ -99,13 +99,15 @@ def test_the_engines_prefix_cache_is_reported_as_the_tenants_block_keys(
     # is up: requests of new blocks until some are seen (the first batch seen is also a gap), then
     # one more whose blocks, once in, say nothing earlier is still on its way (ZMQ keeps the order).
     def some_block_seen() -> bool:
-        complete(engine_url, live_cluster.model, f"warm {uuid.uuid4().hex} " * 12, tenant)
+        complete(
+            engine_url, live_cluster.model, f"warm {uuid.uuid4().hex} " * 12, tenant, live_cluster.cache_salt(tenant)
+        )
         return bool(recorder.keys(STORED))
 
     wait_until(some_block_seen, TIMEOUT_S, "the test's subscriber to receive the engine's events", interval_s=0.2)
     marker = f"marker {uuid.uuid4().hex} " * 12
     _, marker_keys = prompt_keys(marker)
-    complete(engine_url, live_cluster.model, marker, tenant)
+    complete(engine_url, live_cluster.model, marker, tenant, live_cluster.cache_salt(tenant))
     wait_until(lambda: recorder.keys(STORED)[-len(marker_keys) :] == marker_keys, TIMEOUT_S, "the marker's blocks")
     recorder.clear()
 
@@ -119,7 +121,7 @@ def test_the_engines_prefix_cache_is_reported_as_the_tenants_block_keys(
     prompt = f"Tell the story of ticket {uuid.uuid4().hex}. " + "The lighthouse keeper counted the waves. " * 20
     token_ids, expected = prompt_keys(prompt)
     assert len(expected) >= 4, "the prompt must span blocks for the chain to mean anything"
-    choice = complete(engine_url, live_cluster.model, prompt, tenant)
+    choice = complete(engine_url, live_cluster.model, prompt, tenant, live_cluster.cache_salt(tenant))
     assert choice["prompt_token_ids"] == token_ids  # the engine computed the tokens /tokenize named
 
     wait_until(lambda: len(recorder.keys(STORED)) >= len(expected), TIMEOUT_S, "the prompt's blocks")
@@ -141,7 +143,7 @@ def test_the_engines_prefix_cache_is_reported_as_the_tenants_block_keys(
     reset_engine_cache(engine_url)
     after = f"After the reset {uuid.uuid4().hex}: " + "the keeper wrote the log. " * 12
     _, after_keys = prompt_keys(after)
-    complete(engine_url, live_cluster.model, after, tenant)
+    complete(engine_url, live_cluster.model, after, tenant, live_cluster.cache_salt(tenant))
     wait_until(lambda: len(recorder.keys(STORED)) >= len(after_keys), TIMEOUT_S, "the next request's blocks")
     assert recorder.calls[0] == (CLEARED, [])
     assert recorder.keys(STORED) == after_keys

@@ -20,7 +20,7 @@ import pytest
 
 from symphony.config import load_config
 from symphony.rpc import kv_pb2, kv_pb2_grpc
-from symphony.tenancy import DEFAULT_TENANT, engine_cache_salt
+from symphony.tenancy import DEFAULT_TENANT
 from tests.e2e.conftest import LiveCluster, reset_engine_cache
 from tests.e2e.index_support import (
     Holdings,
@@ -138,7 +138,12 @@ def test_evictions_by_the_node_and_by_the_engine_reach_the_index_within_one_poll
         reset_engine_cache(engine_url)
         reply = httpx.post(
             engine_url + "/v1/completions",
-            json={"model": model, "prompt": "Hello", "max_tokens": 1, "cache_salt": engine_cache_salt(DEFAULT_TENANT)},
+            json={
+                "model": model,
+                "prompt": "Hello",
+                "max_tokens": 1,
+                "cache_salt": live_cluster.cache_salt(DEFAULT_TENANT),
+            },
             timeout=120,
         )
         answered = time.time()

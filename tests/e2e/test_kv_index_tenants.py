@@ -51,7 +51,9 @@ def _located(url: str, source: str) -> float:
 @pytest.fixture
 def tenants_scheduler(live_cluster: LiveCluster, tmp_path: Path) -> Iterator[str]:
     """A `symphony scheduler` with acme's and globex's API keys over the live cluster's nodes; its URL
-    once both nodes are ready, its index in sync with both and its tokenizer loaded."""
+    once both nodes are ready, its index in sync with both and its tokenizer loaded. It has the
+    cluster's secret, as every process of a cluster must: the nodes tell whose blocks the engines
+    hold by the tenants' salts, which the secret keys."""
     model = fetch_default_model(default_home(), progress=lambda _: None)
     port = free_port()
     addresses = ", ".join(f'"{n["address"]}"' for n in nodes(live_cluster.url).values())
@@ -60,6 +62,7 @@ def tenants_scheduler(live_cluster: LiveCluster, tmp_path: Path) -> Iterator[str
     config.write_text(
         f'home = "{tmp_path}"\n[scheduler]\nport = {port}\nnode_addresses = [{addresses}]\n'
         f'api_keys = [{keys}]\ntokenizer = "{model}"\n[engine]\nmodel = "{model}"\n'
+        f'[cluster]\nsecret = "{live_cluster.secret.decode()}"\n'
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
     out = tmp_path / "scheduler.out"

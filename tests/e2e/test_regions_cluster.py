@@ -25,7 +25,7 @@ from global_layer.entry import CLIENT_REGION_HEADER, REGION_HEADER
 from symphony.config import default_home, load_config
 from symphony.link_tenants import OTHER, PENDING, UNATTRIBUTED, UNKNOWN_KEY, residency_crossings
 from symphony.models import fetch_default_model
-from symphony.tenancy import DEFAULT_TENANT, engine_cache_salt
+from symphony.tenancy import DEFAULT_TENANT
 from tests.e2e.conftest import LiveCluster, SharedCluster, start_cluster, stop_cluster
 from tests.helpers import wait_until
 
@@ -257,6 +257,8 @@ def test_an_advisory_moves_kv_out_of_a_region_that_went_down(regions_cluster: Li
         # one's KV (the tenant's salt): the moved pages are those bytes, so the answer is the same.
         engine = f"http://127.0.0.1:{regions_cluster.engine_ports[1]}/v1/chat/completions"
         body = {"model": regions_cluster.model, "messages": follow, "max_tokens": 12, "temperature": 0.0}
-        reference = httpx.post(engine, json={**body, "cache_salt": engine_cache_salt(DEFAULT_TENANT)}, timeout=300)
+        reference = httpx.post(
+            engine, json={**body, "cache_salt": regions_cluster.cache_salt(DEFAULT_TENANT)}, timeout=300
+        )
         assert reference.status_code == 200, reference.text
         assert answer == reference.json()["choices"][0]["message"]["content"]

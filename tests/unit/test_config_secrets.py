@@ -13,8 +13,15 @@ import pytest
 
 from node_manager.engine import engine_launch
 from symphony.cli import main
-from symphony.config import load_config
-from symphony.config_secrets import REDACTED, read_token_file, redacted, scrubbed_env, write_private
+from symphony.config import ConfigError, load_config
+from symphony.config_secrets import (
+    REDACTED,
+    read_token_file,
+    redacted,
+    scrubbed_env,
+    with_cluster_secret,
+    write_private,
+)
 from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo
 from symphony.process import ManagedProcess
@@ -55,6 +62,16 @@ def test_config_show_names_tenants_and_never_prints_a_key_or_the_token(
     assert tomllib.loads(capsys.readouterr().out)["scheduler"]["admin_token"] == ""
 
 
+def test_a_cluster_secret_is_checked_and_a_given_one_kept() -> None:
+    for bad, fragment in [("short", "16 characters or more"), (REDACTED, "not config show's")]:
+        with pytest.raises(ConfigError, match=f"cluster.secret: .*{fragment}"):
+            load_config(env={}, overrides={"cluster": {"secret": bad}})
+    given = load_config(env={}, overrides={"cluster": {"secret": "s" * 16}})
+    assert with_cluster_secret(given) is given
+    made = {with_cluster_secret(load_config(env={})).cluster.secret for _ in range(3)}
+    assert len(made) == 3  # random each time
+
+
 def test_redacting_leaves_the_configuration_itself_alone(tmp_path: Path) -> None:
     path = tmp_path / "symphony.toml"
     path.write_text(CONFIG)
@@ -88,7 +105,11 @@ async def test_the_launcher_writes_the_cluster_file_owner_only_and_scrubs_its_ch
     cluster = LocalCluster(config, ModelInfo(tmp_path / "model", "m"), io.StringIO())
     cluster.spawn()
     assert stat.S_IMODE(cluster.config_path.stat().st_mode) == 0o600
-    assert load_config(cluster.config_path, env={}).scheduler.admin_token == "env-token-2"  # children read it there
+    effective = load_config(cluster.config_path, env={})
+    assert effective.scheduler.admin_token == "env-token-2"  # children read it there
+    # A cluster secret of its own, shared by every child through that file, never printed.
+    assert len(effective.cluster.secret) == 64 and config.cluster.secret == ""
+    assert redacted(effective).cluster.secret == REDACTED
     children = [*cluster.nodes, *cluster.schedulers, *cluster.services]
     assert len(cluster.nodes) == 2 and len(cluster.schedulers) == 2 and len(cluster.services) == 2
     for child in children:

@@ -304,6 +304,15 @@ def test_bounded_salts_forget_the_least_recently_used_tenant() -> None:
     assert salts.tenant_of(engine_cache_salt("default")) == "default"  # kept whatever the bound
 
 
+def test_salts_keyed_by_the_cluster_secret_are_told_apart_only_with_it() -> None:
+    key = b"cluster-secret-0123456789"
+    salts = TenantSalts(None, always=["default"], key=key)
+    salts.learn("acme")
+    assert salts.tenant_of(engine_cache_salt("acme", key=key)) == "acme"
+    assert salts.tenant_of(engine_cache_salt("default", key=key)) == "default"
+    assert salts.tenant_of(engine_cache_salt("acme")) is None  # the public digest names no one
+
+
 def test_removed_blocks_are_reported_by_their_keys() -> None:
     stream = Stream("acme")
     h = [vllm_hash() for _ in range(3)]

@@ -53,6 +53,8 @@ def test_a_private_cluster_takes_no_port_or_file_of_a_default_one(tmp_path: Path
     taken = _listening(private, nodes, regions)
     assert not taken & held_by_default
     assert private.kv.data_port_base == 0  # a page stream binds port 0: the kernel's pick
+    # A secret of its own, in the configuration its benchmark's own schedulers are given too.
+    assert len(private.cluster.secret) == 64 and not default.cluster.secret
     assert all(not private.kv_ssd_dir(i).is_relative_to(default.home_path) for i in range(nodes))
     checked = {
         f"{section.name}.{key.name}"

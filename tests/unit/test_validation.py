@@ -158,6 +158,16 @@ def test_engine_cache_salt_separates_tenants_and_client_salts() -> None:
     assert engine_cache_salt("a", "b\0c") != engine_cache_salt("a\0b", "c")
 
 
+def test_a_cluster_secret_keys_the_salt_the_engine_gets() -> None:
+    key, other = b"k" * 32, b"o" * 32
+    keyed = engine_cache_salt("a", key=key)
+    assert keyed not in {engine_cache_salt("a"), engine_cache_salt("a", key=other)}  # not computable without it
+    assert keyed == engine_cache_salt("a", key=key) and len(keyed) == 32
+    request = validate_inference("chat", chat(), None, SERVED, MAX_SESSION, key)
+    body = json.loads(request.engine_body("a", True))
+    assert body["cache_salt"] == keyed
+
+
 # -- stream -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stream", ["true", 1, 0, {}])
 def test_non_bool_stream_is_400(stream: Any) -> None:
