@@ -20,7 +20,8 @@ Contracts:
   status line has been relayed, an error ends the stream (the client sees a cut-off answer, as
   from a one-region scheduler).
 - Bounded: request bodies by `scheduler.max_body_bytes`, upstream connections by the pool, reads
-  by `scheduler.request_timeout_s` between bytes.
+  by `scheduler.request_timeout_s` between bytes; a client must send each request whole within
+  `scheduler.request_read_timeout_s` (global_layer.read_deadline, counted in `/regions`).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class Entry:
         self.failovers: Counter[str] = Counter()  # requests moved on, by the region that failed them
         self.abandoned: Counter[str] = Counter()  # of them, left waiting on a region gone silent
         self.refusals: Counter[str] = Counter()  # by reason (code)
+        self.read_timeouts = 0  # connections closed for not sending a whole request in time
         # Advisories a region took with a copy of another region's to pull, by that region.
         self.moves: Counter[str] = Counter()
         # Sessions whose advisory moves their KV to a region: their next request follows it there.
@@ -195,7 +197,11 @@ class Entry:
             "policy": self.policy.name,
             "regions": regions,
             "refusals": dict(self.refusals),
+            "read_timeouts": self.read_timeouts,
         }
+
+    def count_read_timeout(self) -> None:
+        self.read_timeouts += 1
 
     async def describe_handler(self, _: web.Request) -> web.Response:
         return web.json_response(self.describe())

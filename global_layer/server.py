@@ -10,6 +10,7 @@ from aiohttp import web
 
 from global_layer.entry import Entry
 from global_layer.policies import make_region_policy
+from global_layer.read_deadline import ReadDeadlines
 from global_layer.residency_admin import SharedTopology
 from symphony.config import SymphonyConfig
 from symphony.logs import get_logger
@@ -25,17 +26,40 @@ def make_entries(config: SymphonyConfig, topology: RegionTopology) -> list[Entry
     return [Entry(config, topology, name, make_region_policy(config.regions.policy), shared) for name in topology.names]
 
 
+class EntryServer:
+    """One entry listening: its aiohttp runner behind a server whose connections have a deadline on
+    sending each request (`scheduler.request_read_timeout_s`, global_layer.read_deadline)."""
+
+    def __init__(self, runner: web.AppRunner, server: asyncio.Server, deadlines: ReadDeadlines) -> None:
+        self.runner, self.server, self.deadlines = runner, server, deadlines
+
+    async def close(self) -> None:
+        self.server.close()  # no new connections; the runner's cleanup ends the open ones
+        await self.runner.cleanup()
+
+
+async def start_entry(entry: Entry, host: str, port: int) -> EntryServer:
+    """Serve `entry` on host:port, as `symphony global` does."""
+    deadlines = ReadDeadlines(entry.config.scheduler.request_read_timeout_s, entry.count_read_timeout)
+    app = entry.app()
+    app.middlewares.append(deadlines.middleware)
+    # handler_cancellation: a client that leaves before its answer began cancels the relay, and with
+    # it the request upstream.
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    assert runner.server is not None
+    server = await asyncio.get_running_loop().create_server(
+        deadlines.protocol_factory(runner.server), host, port, reuse_address=True
+    )
+    return EntryServer(runner, server, deadlines)
+
+
 async def serve_entries(config: SymphonyConfig, topology: RegionTopology) -> None:
-    runners: list[web.AppRunner] = []
+    servers: list[EntryServer] = []
     try:
         for region in make_entries(config, topology):
-            # handler_cancellation: a client that leaves before its answer began cancels the relay,
-            # and with it the request upstream.
-            runner = web.AppRunner(region.app(), access_log=None, handler_cancellation=True)
-            await runner.setup()
-            runners.append(runner)
             port = config.scheduler.port + topology.region(region.region).index
-            await web.TCPSite(runner, config.scheduler.host, port).start()
+            servers.append(await start_entry(region, config.scheduler.host, port))
         log.info("global layer up", regions=",".join(topology.names), policy=config.regions.policy)
         stopped = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -43,5 +67,5 @@ async def serve_entries(config: SymphonyConfig, topology: RegionTopology) -> Non
             loop.add_signal_handler(signum, stopped.set)
         await stopped.wait()
     finally:
-        for runner in runners:
-            await runner.cleanup()
+        for server in servers:
+            await server.close()

@@ -6,6 +6,7 @@ failover), that cross-region traffic takes its link's time, and the links' contr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gzip
 import json
 import time
@@ -16,11 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from aiohttp import web
 
 from eval.ports import free_port_run
 from global_layer.entry import ABANDON_AFTER_DOWN, CLIENT_REGION_HEADER, REGION_HEADER, Entry
-from global_layer.server import make_entries
+from global_layer.server import EntryServer, make_entries, start_entry
 from scheduler.app import create_app
 from symphony.cli import main
 from symphony.config import SymphonyConfig, dump_toml, load_config
@@ -109,7 +109,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
     engine = FakeEngine()
     await engine.start()
     nodes = []
-    runners: list[web.AppRunner] = []
+    servers: list[EntryServer] = []
     links = RegionLinks(config, topology)
     cluster = Regions(config, topology, links, {}, engine=engine)
     try:
@@ -143,17 +143,15 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
         await links.start()
         for entry in make_entries(config, topology):
             cluster.entries[entry.region] = entry
-            runner = web.AppRunner(entry.app(), access_log=None)
-            await runner.setup()
-            runners.append(runner)
-            await web.TCPSite(runner, "127.0.0.1", config.scheduler.port + topology.region(entry.region).index).start()
+            port = config.scheduler.port + topology.region(entry.region).index
+            servers.append(await start_entry(entry, "127.0.0.1", port))  # as `symphony global` serves it
         for name in topology.names:
             await cluster.all_up(name)
             # Every region's node is ready in its scheduler.
         yield cluster
     finally:
-        for runner in runners:
-            await runner.cleanup()
+        for server in servers:
+            await server.close()
         await links.close()
         for name in list(cluster.schedulers):
             await cluster.stop_scheduler(name)
@@ -556,3 +554,40 @@ async def test_residency_admin_refuses_bad_updates_and_callers(regions: Regions)
             assert huge.status_code == 413 and huge.json()["error"]["message"]
             rules = (await client.get(path, headers=admin)).json()["rules"]
             assert rules == {"eu": ["eu-west"]}  # nothing bad was kept
+
+
+async def test_an_entry_closes_slow_clients_at_its_deadline_and_serves_the_rest(regions: Regions) -> None:
+    """Slowloris at an entry: connections that send nothing, part of their headers or part of their
+    body are closed after `scheduler.request_read_timeout_s`; a request sent in time whose answer
+    takes longer than that (a slow engine) is served whole."""
+    deadline_s = 0.5
+    scheduler = dataclasses.replace(regions.config.scheduler, request_read_timeout_s=deadline_s)
+    config = dataclasses.replace(regions.config, scheduler=scheduler)
+    entry = make_entries(config, regions.topology)[0]
+    port = free_port_run(1)
+    server = await start_entry(entry, "127.0.0.1", port)
+    try:
+        await async_wait_until(lambda: entry.probes[entry.region].view().up, 10, "the entry to see its region")
+        body = json.dumps(CHAT).encode()
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer key-acme\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        slow = [await asyncio.open_connection("127.0.0.1", port) for _ in range(30)]
+        for n, (_, writer) in enumerate(slow):
+            writer.write([b"", head[:20], head + body[:1]][n % 3])  # nothing, part of the headers, of the body
+            await writer.drain()
+        regions.engine.slow_done.clear()
+        asyncio.get_running_loop().call_later(3 * deadline_s, regions.engine.slow_done.set)
+        slow_answer = {**CHAT, "messages": [{"role": "user", "content": "slow"}]}
+        started = time.monotonic()
+        reply = await _chat(f"http://127.0.0.1:{port}", _headers(), slow_answer)
+        assert reply.status_code == 200, reply.text
+        assert time.monotonic() - started >= 2 * deadline_s  # longer than the deadline, not cut
+        for reader, writer in slow:
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing answered
+            writer.close()
+        assert entry.read_timeouts == 30
+        assert (await _chat(f"http://127.0.0.1:{port}", _headers())).status_code == 200  # served as before
+    finally:
+        await server.close()
