@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+from filelock import FileLock, Timeout
 from prometheus_client import start_http_server
 
 from node_manager.engine_warmup import EngineView, EngineWarmer
@@ -43,6 +45,7 @@ class KVRuntime:
     page_stream: PageStreamServer | None
     local_channel: LocalKVServer
     warmer: EngineWarmer | None = None
+    ssd_lock: FileLock | None = None  # held until `close`: the SSD directory is this node's alone
 
     @property
     def events(self) -> BlockEventLog:
@@ -64,6 +67,30 @@ class KVRuntime:
         if self.page_stream is not None:
             await asyncio.to_thread(self.page_stream.close)
         await asyncio.to_thread(self.store.close)
+        if self.ssd_lock is not None:
+            self.ssd_lock.release()
+
+
+class SsdDirectoryInUse(OSError):
+    pass
+
+
+def lock_ssd_dir(directory: Path) -> FileLock:
+    """Hold `directory` for this node manager alone: `.lock` in it, flock'ed (the kernel frees it when
+    the process dies, so a killed node's successor takes it at once). Two node managers sharing an
+    SSD directory (one index given twice, one `kv.ssd_dir` for two nodes, a predecessor still
+    running) would delete and overwrite each other's segments: the second raises
+    SsdDirectoryInUse before it touches any."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(directory / ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise SsdDirectoryInUse(
+            f"the SSD directory {directory} is in use by another node manager: give each node its own "
+            "(kv.ssd_dir, the node index) or stop the other first"
+        ) from None
+    return lock
 
 
 def block_event_settings(config: SymphonyConfig) -> BlockEventSettings:
@@ -113,64 +140,71 @@ async def start_kv(
 ) -> KVRuntime:
     """`model`: the fingerprint of the model whose KV the store holds. With `engine` (a node serving a
     model through Symphony's connector), top-tier prefetches end in that engine's own prefix cache."""
-    metrics = KVMetrics()
-    port = config.kv_metrics_port(index)
-    if port:  # bound before the store exists: a port in use then fails the start without leaving its arena
-        start_http_server(port, addr=config.node.host, registry=metrics.registry)
-    # One log per start: a new epoch, so every subscriber begins with a snapshot of what it rebuilt.
-    events = BlockEventLog(block_event_settings(config), metrics)
-    # Rebuilding the index reads every segment header: off the event loop.
-    store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index, model), metrics, events)
-    tcp = config.kv.data_plane == "tcp"
+    ssd_lock = lock_ssd_dir(config.kv_ssd_dir(index))  # first: before anything reads or deletes there
     try:
-        page_stream = (
-            PageStreamServer(store, config.node.host, config.kv_data_port(index), config.kv.peer_timeout_s)
-            if tcp
+        metrics = KVMetrics()
+        port = config.kv_metrics_port(index)
+        if port:  # bound before the store exists: a port in use then fails the start without leaving its arena
+            start_http_server(port, addr=config.node.host, registry=metrics.registry)
+        # One log per start: a new epoch, so every subscriber begins with a snapshot of what it rebuilt.
+        events = BlockEventLog(block_event_settings(config), metrics)
+        # Rebuilding the index reads every segment header: off the event loop.
+        store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index, model), metrics, events)
+        tcp = config.kv.data_plane == "tcp"
+        try:
+            page_stream = (
+                PageStreamServer(store, config.node.host, config.kv_data_port(index), config.kv.peer_timeout_s)
+                if tcp
+                else None
+            )
+        except OSError:
+            await asyncio.to_thread(store.close)
+            raise
+        try:
+            local_channel = LocalKVServer(store, config.kv_socket_path(index))
+        except OSError:
+            if page_stream is not None:
+                await asyncio.to_thread(page_stream.close)
+            await asyncio.to_thread(store.close)
+            raise
+        puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp)
+        warmer = (
+            EngineWarmer(
+                engine,
+                served_model,
+                metrics,
+                max_kv_usage=config.kv.engine_warmup_max_kv_usage,
+                timeout_s=config.kv.engine_warmup_timeout_s,
+            )
+            if engine is not None
             else None
         )
-    except OSError:
-        await asyncio.to_thread(store.close)
-        raise
-    try:
-        local_channel = LocalKVServer(store, config.kv_socket_path(index))
-    except OSError:
-        if page_stream is not None:
-            await asyncio.to_thread(page_stream.close)
-        await asyncio.to_thread(store.close)
-        raise
-    puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp)
-    warmer = (
-        EngineWarmer(
-            engine,
-            served_model,
+        prefetches = PrefetchQueue(
+            store,
             metrics,
-            max_kv_usage=config.kv.engine_warmup_max_kv_usage,
-            timeout_s=config.kv.engine_warmup_timeout_s,
+            puller.pull_outcome,
+            max_pending=config.kv.max_pending_prefetches,
+            concurrency=config.kv.prefetch_concurrency,
+            warm=warmer.warm if warmer else None,
         )
-        if engine is not None
-        else None
-    )
-    prefetches = PrefetchQueue(
-        store,
-        metrics,
-        puller.pull_outcome,
-        max_pending=config.kv.max_pending_prefetches,
-        concurrency=config.kv.prefetch_concurrency,
-        warm=warmer.warm if warmer else None,
-    )
-    local_channel.prefetches = prefetches
-    service = KVStoreService(config.node_id(index), store, prefetches, puller, page_stream.port if page_stream else 0)
-    kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)
-    log.info(
-        "KV store ready",
-        node=config.node_id(index),
-        page_bytes=geometry.page_bytes,
-        hbm_mib=config.kv.hbm_bytes >> 20,
-        dram_mib=config.kv.dram_bytes >> 20,
-        ssd_mib=config.kv.ssd_bytes >> 20,
-        ssd_dir=str(store.ssd.directory),
-        metrics_port=port or "off",
-        page_stream_port=page_stream.port if page_stream else "off",
-        local_channel=str(local_channel.path),
-    )
-    return KVRuntime(store, prefetches, puller, service, page_stream, local_channel, warmer)
+        local_channel.prefetches = prefetches
+        service = KVStoreService(
+            config.node_id(index), store, prefetches, puller, page_stream.port if page_stream else 0
+        )
+        kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)
+        log.info(
+            "KV store ready",
+            node=config.node_id(index),
+            page_bytes=geometry.page_bytes,
+            hbm_mib=config.kv.hbm_bytes >> 20,
+            dram_mib=config.kv.dram_bytes >> 20,
+            ssd_mib=config.kv.ssd_bytes >> 20,
+            ssd_dir=str(store.ssd.directory),
+            metrics_port=port or "off",
+            page_stream_port=page_stream.port if page_stream else "off",
+            local_channel=str(local_channel.path),
+        )
+    except BaseException:
+        ssd_lock.release()
+        raise
+    return KVRuntime(store, prefetches, puller, service, page_stream, local_channel, warmer, ssd_lock)

@@ -667,3 +667,19 @@ metrics_port_base = {taken.getsockname()[1]}
     assert done.returncode != 0
     assert "Address already in use" in done.stderr
     assert not list(Path("/dev/shm").glob(f"symphony-kv-node-0-{grpc_port}*"))
+
+
+def test_a_second_node_manager_on_a_nodes_ssd_directory_is_refused(nodes: list[Node]) -> None:
+    """Node 0's index started again beside it (other ports, the same home: the same SSD directory)
+    exits with an error naming the directory, before touching its segments; node 0 serves on."""
+    first = nodes[0]
+    env = {
+        **first.env,
+        "SYMPHONY_NODE_GRPC_PORT_BASE": str(free_port_run(1)),
+        "SYMPHONY_KV_METRICS_PORT_BASE": "0",
+    }
+    done = subprocess.run(first.argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "is in use by another node manager" in done.stderr and "kv/node-0" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    _wait_serving(first)  # still serving, its lock still held
