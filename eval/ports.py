@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 
 from symphony.config import KVConfig, NodeConfig, RegionsConfig, SchedulerConfig, SymphonyConfig
-from symphony.config_secrets import with_cluster_secret
+from symphony.config_secrets import new_cluster_secret
 
 LOWEST_PORT = 10_000  # above the well-known services
 DEFAULT_NODES = 8  # of a cluster started with the defaults, whose ports are left alone
@@ -86,17 +86,16 @@ def private_cluster_config(config: SymphonyConfig, home: Path, nodes: int, *, re
     """`config` moved off everything a running cluster holds: its own `home` (logs, run files, SSD
     segments under home/kv), free ports for the scheduler (one per region with `regions`, and then
     their schedulers and WAN links too) and for each of `nodes` nodes' gRPC, engine and KV metrics,
-    and page streams on ports the kernel picks, and a cluster secret of its own (`config`'s, if it
-    has one), which the benchmark's own schedulers must share. A benchmark adds its own settings on
-    top."""
+    and page streams on ports the kernel picks, and a new cluster secret of its own (never `config`'s:
+    the private cluster's files are kept when a benchmark fails), which the benchmark's own
+    schedulers must share. A benchmark adds its own settings on top."""
     entries = max(1, regions)
     # The links' control API; per ordered region pair, to its scheduler; per region, to each node elsewhere.
     links = 1 + regions * (regions - 1) + max(0, regions - 1) * nodes
-    config = with_cluster_secret(config)
     return dataclasses.replace(
         config,
         home=str(home),
-        cluster=dataclasses.replace(config.cluster, nodes=nodes),
+        cluster=dataclasses.replace(config.cluster, nodes=nodes, secret=new_cluster_secret()),
         scheduler=dataclasses.replace(config.scheduler, port=free_port_run(entries), node_addresses=[]),
         node=dataclasses.replace(
             config.node, grpc_port_base=free_port_run(nodes), engine_port_base=free_port_run(nodes)

@@ -48,9 +48,13 @@ async def start_entry(entry: Entry, host: str, port: int) -> EntryServer:
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     assert runner.server is not None
-    server = await asyncio.get_running_loop().create_server(
-        deadlines.protocol_factory(runner.server), host, port, reuse_address=True
-    )
+    try:
+        server = await asyncio.get_running_loop().create_server(
+            deadlines.protocol_factory(runner.server), host, port, reuse_address=True
+        )
+    except BaseException:  # the port taken: the entry's probes and sessions, started, go too
+        await runner.cleanup()
+        raise
     return EntryServer(runner, server, deadlines)
 
 

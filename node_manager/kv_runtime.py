@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from filelock import FileLock, Timeout
 from prometheus_client import start_http_server
 
 from node_manager.engine_warmup import EngineView, EngineWarmer
@@ -45,7 +47,7 @@ class KVRuntime:
     page_stream: PageStreamServer | None
     local_channel: LocalKVServer
     warmer: EngineWarmer | None = None
-    ssd_lock: FileLock | None = None  # held until `close`: the SSD directory is this node's alone
+    ssd_lock: SsdLock | None = None  # held until `close`: the SSD directory is this node's alone
 
     @property
     def events(self) -> BlockEventLog:
@@ -58,39 +60,54 @@ class KVRuntime:
         self.store.events.close()
 
     async def close(self) -> None:
-        self.end_streams()
-        await asyncio.to_thread(self.local_channel.close)
-        await self.prefetches.close()
-        if self.warmer is not None:
-            await self.warmer.aclose()
-        await self.puller.close()
-        if self.page_stream is not None:
-            await asyncio.to_thread(self.page_stream.close)
-        await asyncio.to_thread(self.store.close)
-        if self.ssd_lock is not None:
-            self.ssd_lock.release()
+        try:
+            self.end_streams()
+            await asyncio.to_thread(self.local_channel.close)
+            await self.prefetches.close()
+            if self.warmer is not None:
+                await self.warmer.aclose()
+            await self.puller.close()
+            if self.page_stream is not None:
+                await asyncio.to_thread(self.page_stream.close)
+            await asyncio.to_thread(self.store.close)
+        finally:
+            if self.ssd_lock is not None:
+                self.ssd_lock.release()
 
 
 class SsdDirectoryInUse(OSError):
     pass
 
 
-def lock_ssd_dir(directory: Path) -> FileLock:
-    """Hold `directory` for this node manager alone: `.lock` in it, flock'ed (the kernel frees it when
-    the process dies, so a killed node's successor takes it at once). Two node managers sharing an
-    SSD directory (one index given twice, one `kv.ssd_dir` for two nodes, a predecessor still
-    running) would delete and overwrite each other's segments: the second raises
-    SsdDirectoryInUse before it touches any."""
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(directory / ".lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise SsdDirectoryInUse(
-            f"the SSD directory {directory} is in use by another node manager: give each node its own "
-            "(kv.ssd_dir, the node index) or stop the other first"
-        ) from None
-    return lock
+class SsdLock:
+    """This node manager's hold on its SSD directory: an exclusive flock on `.lock` in it, on a
+    descriptor no child inherits (O_CLOEXEC). The kernel frees it when the process dies, so a killed
+    node's successor takes it at once. flock itself, not a lock library: one that falls back to a
+    marker file where flock is missing would outlive a killed holder."""
+
+    def __init__(self, directory: Path) -> None:
+        """Two node managers sharing an SSD directory (one index given twice, one `kv.ssd_dir` for
+        two nodes, a predecessor still running) would delete and overwrite each other's segments:
+        the second raises SsdDirectoryInUse before it touches any (OSError where the filesystem
+        has no flock)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise SsdDirectoryInUse(
+                f"the SSD directory {directory} is in use by another node manager: give each node its own "
+                "(kv.ssd_dir, the node index) or stop the other first"
+            ) from None
+        except OSError:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor releases the flock
+            self._fd = None
 
 
 def block_event_settings(config: SymphonyConfig) -> BlockEventSettings:
@@ -140,7 +157,7 @@ async def start_kv(
 ) -> KVRuntime:
     """`model`: the fingerprint of the model whose KV the store holds. With `engine` (a node serving a
     model through Symphony's connector), top-tier prefetches end in that engine's own prefix cache."""
-    ssd_lock = lock_ssd_dir(config.kv_ssd_dir(index))  # first: before anything reads or deletes there
+    ssd_lock = SsdLock(config.kv_ssd_dir(index))  # first: before anything reads or deletes there
     try:
         metrics = KVMetrics()
         port = config.kv_metrics_port(index)
@@ -149,7 +166,18 @@ async def start_kv(
         # One log per start: a new epoch, so every subscriber begins with a snapshot of what it rebuilt.
         events = BlockEventLog(block_event_settings(config), metrics)
         # Rebuilding the index reads every segment header: off the event loop.
-        store = await asyncio.to_thread(TieredStore, geometry, store_config(config, index, model), metrics, events)
+        build = asyncio.ensure_future(
+            asyncio.to_thread(TieredStore, geometry, store_config(config, index, model), metrics, events)
+        )
+        try:
+            store = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            # The rebuild goes on in its thread, deleting segments: hold the directory until it ends,
+            # and close what it built (its arena).
+            with contextlib.suppress(Exception):
+                built = await build
+                await asyncio.to_thread(built.close)
+            raise
         tcp = config.kv.data_plane == "tcp"
         try:
             page_stream = (

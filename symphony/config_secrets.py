@@ -37,11 +37,16 @@ def redacted(config: SymphonyConfig) -> SymphonyConfig:
     )
 
 
+def new_cluster_secret() -> str:
+    """A random `cluster.secret`: 256 bits, hex."""
+    return secrets.token_hex(32)
+
+
 def with_cluster_secret(config: SymphonyConfig) -> SymphonyConfig:
-    """`config`, with a new random `cluster.secret` (256 bits, hex) when it has none."""
+    """`config`, with a new `cluster.secret` when it has none."""
     if config.cluster.secret:
         return config
-    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, secret=secrets.token_hex(32)))
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, secret=new_cluster_secret()))
 
 
 def scrubbed_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -12,6 +12,7 @@ starts once (`--e2e-order` runs them in the order given, reversed or shuffled, f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -28,7 +29,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from symphony.config import default_home, load_config
+from symphony.config import SymphonyConfig, default_home, load_config
 from symphony.models import DEFAULT_MODEL_NAME, fetch_default_model
 from symphony.tenancy import engine_cache_salt
 from tests.helpers import free_port, free_port_run, wait_until
@@ -66,6 +67,12 @@ class LiveCluster:
     def secret(self) -> bytes:
         """The cluster's secret, as `symphony up` gave its processes (its owner-only effective config)."""
         return load_config(self.home / "run" / "cluster.toml", env={}).cluster.secret.encode()
+
+    def config(self) -> SymphonyConfig:
+        """The cluster's configuration file (home/symphony.toml) with its secret: what a process
+        joining it (a benchmark's own scheduler) must be started with."""
+        config = load_config(self.home / "symphony.toml", env={})
+        return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, secret=self.secret.decode()))
 
     def cache_salt(self, tenant: str) -> str:
         """The `cache_salt` the scheduler gives `tenant`'s requests (keyed by the cluster's secret)."""

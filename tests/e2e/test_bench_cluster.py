@@ -14,14 +14,13 @@ from eval.live_workloads import SharedPrefixWorkload
 from eval.loadgen import LoadSettings, RequestRecord
 from eval.open_loop import SharedPrefixSettings
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
-from symphony.config import load_config
 from tests.e2e.conftest import LiveCluster
 
 pytestmark = pytest.mark.e2e
 
 
 def test_two_policies_replay_the_same_users(live_cluster: LiveCluster, tmp_path: Path) -> None:
-    config = load_config(live_cluster.home / "symphony.toml", env={})
+    config = live_cluster.config()  # its secret too: the benchmark's schedulers join it
     settings = LoadSettings(users=2, duration_s=20, max_answer_tokens=16)
     result = asyncio.run(
         measure_policies(
@@ -50,7 +49,7 @@ def test_two_policies_replay_the_same_users(live_cluster: LiveCluster, tmp_path:
 def test_open_loop_shared_prefix_requests_are_served_and_their_reuse_counted(
     live_cluster: LiveCluster, tmp_path: Path
 ) -> None:
-    config = load_config(live_cluster.home / "symphony.toml", env={})
+    config = live_cluster.config()  # its secret too: the benchmark's schedulers join it
     settings = LoadSettings(users=1, duration_s=6, max_answer_tokens=4)
     shared = SharedPrefixSettings(groups=2, prefix_tokens=(192, 256), question_tokens=(16, 32), rate_per_s=1.5)
     prepared = SharedPrefixWorkload(shared).prepare(settings)

@@ -13,7 +13,6 @@ from eval.bench_calibrate import ProbePlan, calibrate, compare, live_figures, re
 from eval.bench_cluster import measure_policies
 from eval.loadgen import LoadSettings, RequestRecord
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
-from symphony.config import load_config
 from tests.e2e.conftest import LiveCluster
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +23,7 @@ QUICK = ProbePlan(prefill_tokens=(32, 256), decode_points=((1, 32), (2, 32), (1,
 def test_the_simulator_is_fitted_to_the_engines_and_replays_a_live_run(
     live_cluster: LiveCluster, tmp_path: Path
 ) -> None:
-    config = load_config(live_cluster.home / "symphony.toml", env={})
+    config = live_cluster.config()  # its secret too: the benchmark's schedulers join it
     preset, details = asyncio.run(calibrate(config, live_cluster.model, QUICK))
     engine = preset.engine
     # Real CPU engines: prefill costs grow with the prompt, a decode step has a cost, KV has room.

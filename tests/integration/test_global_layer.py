@@ -589,5 +589,28 @@ async def test_an_entry_closes_slow_clients_at_its_deadline_and_serves_the_rest(
             writer.close()
         assert entry.read_timeouts == 30
         assert (await _chat(f"http://127.0.0.1:{port}", _headers())).status_code == 200  # served as before
+
+        # Each request on a kept-alive connection has its own deadline, from its first bytes: one sent
+        # after most of a deadline's idling, its body a while behind its headers, is answered.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for idle_s in (0.0, 0.8 * deadline_s):
+            await asyncio.sleep(idle_s)
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.3 * deadline_s)
+            writer.write(body)
+            assert (await _read_answer(reader)).startswith(b"HTTP/1.1 200"), "a request sent in time was cut"
+        writer.close()
+        assert entry.read_timeouts == 30  # an idle connection is no slow client
     finally:
         await server.close()
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP/1.1 answer with a Content-Length, whole (its status line and headers returned)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = next(
+        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+    )
+    await asyncio.wait_for(reader.readexactly(length), 10)
+    return head

@@ -55,6 +55,8 @@ def test_a_private_cluster_takes_no_port_or_file_of_a_default_one(tmp_path: Path
     assert private.kv.data_port_base == 0  # a page stream binds port 0: the kernel's pick
     # A secret of its own, in the configuration its benchmark's own schedulers are given too.
     assert len(private.cluster.secret) == 64 and not default.cluster.secret
+    given = dataclasses.replace(default, cluster=dataclasses.replace(default.cluster, secret="s" * 32))
+    assert ports.private_cluster_config(given, tmp_path / "p2", nodes).cluster.secret not in {"", "s" * 32}
     assert all(not private.kv_ssd_dir(i).is_relative_to(default.home_path) for i in range(nodes))
     checked = {
         f"{section.name}.{key.name}"
