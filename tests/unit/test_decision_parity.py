@@ -40,10 +40,22 @@ from scheduler.policies import POLICIES, make_policy
 from scheduler.routing import NO_WORK, PRIORITIES, NodeSnapshot, RouteDecision, RouteRequest, RoutingPolicy
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
+from symphony.tenant_quotas import TenantLimits, TenantQuotas
 
-TENANT, MODEL, FINGERPRINT = "t", "model", b"f" * 32
+MODEL, FINGERPRINT = "model", b"f" * 32
 MAX_QUEUED = 3  # small, so that some cases fill the held-back queue
 CONFIG = SchedulerConfig(max_queued_requests=MAX_QUEUED)
+# Two tenants, one weighing twice the other in the held-back queue with a share of its own there:
+# both sides order and refuse held requests by the same quotas.
+QUOTAS = TenantQuotas(TenantLimits(), {"t0": TenantLimits(weight=2.0, max_queued=2)})
+
+
+def tenant_of(session: str) -> str:
+    """Sessions "x<n>" alternate between tenants t0 and t1 by n; any other is t1's."""
+    number = session[1:]
+    return f"t{int(number) % 2}" if number.isdigit() else "t1"
+
+
 ENGINE = EngineModel(step_ms=10, prefill_ms_per_token=1, decode_ms_per_seq=2, decode_ms_per_kilotoken=0, kv_blocks=100)
 LINK = LinkModel(kv_bytes_per_token=1_000_000, bandwidth_gbps=1.0, rtt_ms=5.0)
 PROFILE = sim_cost_profile(ENGINE, LINK)  # the simulator's costs, which both sides' policies price by
@@ -159,25 +171,28 @@ async def live(case: Case) -> list[tuple]:
         AdvisoryTable(CONFIG.max_advisories, CONFIG.advisory_ttl_s),
         SchedulerMetrics(),
         CONFIG,
+        quotas=QUOTAS,
     )
     engines = _Engines(cluster)
     dispatcher._session = engines  # type: ignore[assignment]
     dispatcher.pulls = RecordedPulls(dispatcher.pulls, log)  # type: ignore[assignment]
     for session, copies in case.kv.items():
-        dispatcher.priorities.set(TENANT, case.priority[session], session)
+        tenant = tenant_of(session)
+        dispatcher.priorities.set(tenant, case.priority[session], session)
         for index, (node, tokens) in enumerate(copies.items()):
             if index == 0:
-                dispatcher.sessions.served((TENANT, session), node, tokens, fingerprint=FINGERPRINT, model=MODEL)
+                dispatcher.sessions.served((tenant, session), node, tokens, fingerprint=FINGERPRINT, model=MODEL)
             else:
-                dispatcher.sessions.moved((TENANT, session), node, tokens, FINGERPRINT)
+                dispatcher.sessions.moved((tenant, session), node, tokens, FINGERPRINT)
 
     async def send(session: str) -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         request = InferenceRequest("chat", MODEL, False, session, body, case.prompt(session))
         try:
-            await dispatcher.dispatch(request, TENANT, time.perf_counter())
+            await dispatcher.dispatch(request, tenant_of(session), time.perf_counter())
         except ApiError as exc:
-            log.append(("refused", session, exc.code))
+            # The simulator counts a refusal, not which bound refused it: the whole queue or the tenant's share.
+            log.append(("refused", session, "queue_full" if exc.code == "tenant_queue_full" else exc.code))
 
     tasks = []
     for event in case.events:
@@ -192,7 +207,7 @@ async def live(case: Case) -> list[tuple]:
             )
             dispatcher.wake_queued()  # as `NodeMonitor.on_status` does after a status
         elif isinstance(event, Advise):
-            reply = dispatcher.advise(AdvisoryRequest(event.session, "typing", None, MODEL), TENANT)
+            reply = dispatcher.advise(AdvisoryRequest(event.session, "typing", None, MODEL), tenant_of(event.session))
             log.append(("advised", event.session, reply["node"]))
         else:
             tasks.append(asyncio.create_task(send(event.session)))
@@ -232,6 +247,7 @@ def simulated(case: Case) -> list[tuple]:
         dict.fromkeys(case.nodes, ENGINE),
         LINK,
         max_queued_requests=MAX_QUEUED,
+        quotas=QUOTAS,
     )
     engines = {node: _Engine() for node in case.nodes}
     sim.engines = engines  # type: ignore[assignment]
@@ -241,7 +257,8 @@ def simulated(case: Case) -> list[tuple]:
             sim.seed_kv(session, node, tokens)
 
     def turn(session: str) -> Turn:
-        return Turn(session, sim.now_ms, case.prompt(session), 1, tenant=TENANT, priority=case.priority[session])
+        tenant, priority = tenant_of(session), case.priority[session]
+        return Turn(session, sim.now_ms, case.prompt(session), 1, tenant=tenant, priority=priority)
 
     for index, event in enumerate(case.events):
         if isinstance(event, Status):
