@@ -21,6 +21,7 @@ from symphony.logs import get_logger
 from symphony.loop_watchdog import LoopWatchdog
 from symphony.models import ModelInfo
 from symphony.rpc import node_pb2_grpc
+from symphony.tenancy import secret_check
 
 log = get_logger(__name__)
 
@@ -52,7 +53,10 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     )
     server = grpc.aio.server(options=GRPC_OPTIONS)
     node_pb2_grpc.add_NodeManagerServicer_to_server(
-        NodeManagerService(node_id, engine, model.served_name, identity.fingerprint), server
+        NodeManagerService(
+            node_id, engine, model.served_name, identity.fingerprint, secret_check(config.cluster.secret.encode())
+        ),
+        server,
     )
     serving = config.engine.enabled and config.engine.kv_connector  # the engine loads from this node's tiers
     kv = await start_kv(

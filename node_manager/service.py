@@ -9,11 +9,14 @@ from symphony.rpc import node_pb2, node_pb2_grpc
 
 
 class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
-    def __init__(self, node_id: str, engine: Engine, served_model: str, model_fingerprint: bytes) -> None:
+    def __init__(
+        self, node_id: str, engine: Engine, served_model: str, model_fingerprint: bytes, secret_check: bytes = b""
+    ) -> None:
         self.node_id = node_id
         self.engine = engine
         self.served_model = served_model
         self.model_fingerprint = model_fingerprint
+        self.secret_check = secret_check  # symphony.tenancy.secret_check of the cluster secret
 
     async def Health(
         self, request: node_pb2.HealthRequest, context: grpc.aio.ServicerContext
@@ -34,6 +37,7 @@ class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
             last_engine_error=engine.process.last_error,
             metrics_age_ms=engine.metrics_age_ms(),
             model_fingerprint=self.model_fingerprint,
+            secret_check=self.secret_check,
         )
         # Figures from an engine that is not serving describe requests that no longer exist.
         if load is not None and status.engine_state == node_pb2.ENGINE_STATE_READY:

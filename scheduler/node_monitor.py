@@ -35,6 +35,7 @@ class NodeView:
     engine_url: str = ""
     served_model: str = ""
     model_fingerprint: bytes = b""  # the served model's identity: KV moves only between equal ones
+    secret_check: bytes = b""  # which cluster secret keys its salts (symphony.tenancy.secret_check)
     max_model_len: int = 0
     block_size: int = 0  # tokens per KV block, as the node keys them (0: not reported)
     running: int = 0
@@ -133,8 +134,13 @@ class NodeMonitor:
         down_after_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_status: Callable[[], None] | None = None,
+        secret_check: bytes = b"",
     ) -> None:
         self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
+        # This scheduler's own (symphony.tenancy.secret_check): a node reporting another keys
+        # tenants' engine cache salts by another secret, so its engine's blocks are nobody's to it
+        # and warm-ups land under salts requests never carry. Reported, not refused: it still serves.
+        self.secret_check = secret_check
         self.poll_interval_s = poll_interval_s
         self.down_after_s = down_after_s
         self.lag_limit_s = max(down_after_s, LAG_LIMIT_S)
@@ -215,6 +221,7 @@ class NodeMonitor:
                 "engine_url": n.engine_url,
                 "model": n.served_model,
                 "model_fingerprint": n.model_fingerprint.hex()[:12],
+                "same_secret": n.secret_check == self.secret_check,
                 "running": n.running,
                 "waiting": n.waiting,
                 "inflight": n.inflight,
@@ -289,6 +296,13 @@ class NodeMonitor:
                 new=status.model_fingerprint.hex()[:12],
             )
         node.model_fingerprint = status.model_fingerprint
+        if status.secret_check != self.secret_check and (not node.reported or status.secret_check != node.secret_check):
+            log.error(
+                "node keys tenants' cache salts with another cluster secret than this scheduler: give every "
+                "process of the cluster the same cluster.secret",
+                node=node_id,
+            )
+        node.secret_check = status.secret_check
         node.max_model_len = status.max_model_len
         node.block_size = status.block_size
         node.kv_tokens = status.engine_kv_tokens

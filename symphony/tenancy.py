@@ -34,6 +34,12 @@ def engine_cache_salt(tenant: str, client_salt: str | None = None, key: bytes = 
     return hashlib.sha256(_SALT_DOMAIN + material).hexdigest()[:32]
 
 
+def secret_check(key: bytes) -> bytes:
+    """What processes of a cluster compare to learn they share its secret (`key`) without sending
+    it: the first 8 bytes of an HMAC of a fixed label under it; b"" for no secret."""
+    return hmac.new(key, b"symphony-secret-check", hashlib.sha256).digest()[:8] if key else b""
+
+
 def bearer(authorization: str | None) -> str | None:
     """The token of an `Authorization: Bearer <token>` header, None when absent or of another kind."""
     if authorization is None:

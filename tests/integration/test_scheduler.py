@@ -19,6 +19,7 @@ from symphony.cli_status import _kv_index_text
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.models import DEFAULT_MODEL_NAME
 from symphony.rpc import node_pb2
+from symphony.tenancy import secret_check
 from tests.helpers import async_wait_until, free_port
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
 from tests.integration.fakes import FakeEngine, FakeNodeManager
@@ -546,3 +547,23 @@ async def test_the_kv_index_can_be_turned_off(
     assert "kv_index" not in body and "kv_index" not in body["nodes"]["node-0"]
     assert state.kv_prefix([]) == {} and not state.kv_synced("node-0")
     assert node.kv.watch_requests == []
+
+
+async def test_a_node_under_another_cluster_secret_is_reported(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    node = await make_node(engine.url)
+    url, state = await start_scheduler([node])  # no cluster secret: its check is empty
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        assert (await client.get("/readyz")).json()["nodes"]["node-0"]["same_secret"] is True
+        node.status.secret_check = secret_check(b"another cluster's secret")
+        await async_wait_until(
+            lambda: state.cluster.nodes[0].secret_check == node.status.secret_check, 10, "the node's next status"
+        )
+        shown = (await client.get("/readyz")).json()
+        assert shown["nodes"]["node-0"]["same_secret"] is False
+        assert shown["nodes"]["node-0"]["state"] == "ready"  # reported, still serving
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    assert secret_check(b"") == b"" and len(secret_check(b"k")) == 8
+    assert secret_check(b"k") == secret_check(b"k") != secret_check(b"j")
