@@ -272,6 +272,23 @@ class SsdTier:
             return self.capacity_bytes  # cannot tell: the capacity, and writes report ENOSPC if it comes
         return min(self.capacity_bytes, self.used_bytes + free - self.headroom_bytes)
 
+    def evict_for(self, nbytes: int) -> list[Segment]:
+        """Evict least recently used unpinned segments holding at least `nbytes`, whatever the
+        capacity and the disk say: a write found the disk full all the same (others filled it
+        since, or writers counted the same free bytes). Fewer when fewer can go. Returns them."""
+        evicted: list[Segment] = []
+        for seq in self._lru.oldest_first():
+            if nbytes <= 0:
+                break
+            segment = self.segments[seq]
+            if segment.pins:
+                continue
+            evicted.append(segment)
+            nbytes -= segment.file_bytes
+        for segment in evicted:
+            self._remove(segment)
+        return evicted
+
     def release_reservation(self, nbytes: int) -> None:
         self.used_bytes -= nbytes
 
@@ -326,21 +343,26 @@ class SsdTier:
         final = self.directory / segment_name(seq)
         tmp = final.with_suffix(TMP_SUFFIX)
         header = encode_header(seq, self.page_bytes, self.model, entries)
-        if self._direct:
-            try:
-                self._write_file(tmp, _aligned_copy(header), pages, os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._direct = False
-                log.info(
-                    "the SSD tier writes through the page cache: O_DIRECT was refused",
-                    directory=str(self.directory),
-                    error=str(exc),
-                )
+        try:
+            if self._direct:
+                try:
+                    self._write_file(tmp, _aligned_copy(header), pages, os.O_DIRECT)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._direct = False
+                    log.info(
+                        "the SSD tier writes through the page cache: O_DIRECT was refused",
+                        directory=str(self.directory),
+                        error=str(exc),
+                    )
+                    self._write_file(tmp, header, pages, 0)
+            else:
                 self._write_file(tmp, header, pages, 0)
-        else:
-            self._write_file(tmp, header, pages, 0)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # a part written (a full disk) holds room the retry needs
+            raise
         os.rename(tmp, final)
         dir_fd = os.open(self.directory, os.O_RDONLY)
         try:

@@ -76,6 +76,11 @@ class SegmentTier(Protocol):
 
     def release_reservation(self, nbytes: int) -> None: ...
 
+    def evict_for(self, nbytes: int) -> list[Segment]:
+        """Least recently used unpinned segments of at least `nbytes` removed, whatever the capacity:
+        a write found the disk full all the same."""
+        ...
+
     def commit(self, seq: int, entries: list[SegmentEntry]) -> Segment:
         """A reserved segment, written, joins the index with every entry live."""
         ...

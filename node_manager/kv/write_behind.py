@@ -13,6 +13,7 @@ symphony_kv_save_degraded_total and logged once per episode (`degraded` until a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import threading
 import time
 from collections import deque
@@ -190,13 +191,27 @@ class WriteBehind:
             self._degrade(batch, "ssd_full", exc)
             return
         started = time.perf_counter()
-        try:
-            ssd.write(seq, entries, views)
-        except OSError as exc:
-            with front.lock:
-                ssd.release_reservation(nbytes)
-            self._degrade(batch, "ssd_full" if exc.errno == 28 else "ssd_error", exc)
-            return
+        for attempt in range(2):
+            try:
+                ssd.write(seq, entries, views)
+                break
+            except OSError as exc:
+                full = exc.errno == errno.ENOSPC
+                retry = False
+                with front.lock:
+                    ssd.release_reservation(nbytes)
+                    if full and attempt == 0:
+                        # The disk is fuller than it said: older segments make room, and it writes again.
+                        freed = ssd.evict_for(nbytes)
+                        self._forget_segments(freed, "disk_full")
+                        if freed:
+                            with contextlib.suppress(SsdFullError):
+                                seq, evicted = ssd.reserve(nbytes)
+                                self._forget_segments(evicted)
+                                retry = True
+                if not retry:
+                    self._degrade(batch, "ssd_full" if full else "ssd_error", exc)
+                    return
         front.meters.observe_io(Tier.SSD, "write", len(batch), started)
         with front.lock:
             segment = ssd.commit(seq, entries)
@@ -219,9 +234,9 @@ class WriteBehind:
                 log.info("KV saves reach SSD again", segment=segment.path.name)
             front.refresh_gauges()
 
-    def _forget_segments(self, segments: list[Segment]) -> None:
-        """Segments the SSD tier evicted to make room: their pages lose their SSD copy. Caller holds
-        the lock."""
+    def _forget_segments(self, segments: list[Segment], reason: str = "capacity") -> None:
+        """Segments the SSD tier evicted to make room (`reason`: for its capacity, or for a disk
+        found full): their pages lose their SSD copy. Caller holds the lock."""
         front = self._front
         d = front.directory
         for segment in segments:
@@ -234,8 +249,8 @@ class WriteBehind:
             front.holdings.removing_keys(Tier.SSD, [key for key, _, _ in gone])
             for _, layer, row in gone:  # a row keeps a copy of each layer still to clear: none is released early
                 d.set_ssd(row, layer, None)
-                front.metrics.evictions.labels(Tier.SSD.name, "capacity").inc()
-                front.after_copy_dropped(row, layer, "capacity")
+                front.metrics.evictions.labels(Tier.SSD.name, reason).inc()
+                front.after_copy_dropped(row, layer, reason)
 
     def _degrade(self, batch: list[WritePending], reason: str, exc: BaseException) -> None:
         front = self._front

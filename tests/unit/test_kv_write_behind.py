@@ -111,6 +111,42 @@ def test_ssd_write_failure_keeps_pages_in_dram(
     assert all_true(store.residency("acme", "s2")[Tier.SSD])
 
 
+def test_a_disk_found_full_evicts_older_segments_and_the_write_lands(
+    make_store: MakeStore, ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills behind the tier's back (its statvfs said there was room): the write that gets
+    ENOSPC, its partial file removed, evicts the oldest segments and is written again."""
+    store = make_store(hbm_pages=0)
+    save_session(store, "old", 1, seed=40)
+    assert store.write_behind.flush(TIMEOUT)
+    before = segment_files(ssd_dir)
+    assert before and all_true(store.residency("acme", "old")[Tier.SSD])
+    real_file = store.ssd._write_file
+    full_once: list[Path] = []
+
+    def fills(path: Path, *args: object) -> None:
+        if not full_once:
+            full_once.append(path)
+            path.write_bytes(b"part of a segment")  # as far as it got
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_file(path, *args)
+
+    monkeypatch.setattr(store.ssd, "_write_file", fills)
+    data = save_session(store, "new", 1, seed=41)
+    assert store.write_behind.flush(TIMEOUT)
+    assert full_once and not full_once[0].exists()  # the part written went
+    assert not store.write_behind.degraded
+    assert metric(store, "symphony_kv_save_degraded_total", reason="ssd_full") == 0
+    assert metric(store, "symphony_kv_evictions_total", tier="SSD", reason="disk_full") >= 1
+    assert all_true(store.residency("acme", "new")[Tier.SSD])
+    gone = set(before) - set(segment_files(ssd_dir))
+    assert gone and len(gone) < len(before)  # older segments made the room, no more than it needed
+    assert not list(ssd_dir.glob("*.tmp"))
+    tensors, results = load_rows(store, "new", 1)
+    assert all(r.failed == () for r in results)
+    assert all(torch.equal(tensors[layer], data[layer]) for layer in range(LAYERS))
+
+
 def test_other_ssd_errors_are_counted_separately(make_store: MakeStore, monkeypatch: pytest.MonkeyPatch) -> None:
     store = make_store()
 
