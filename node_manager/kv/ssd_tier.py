@@ -39,6 +39,10 @@ from symphony.logs import get_logger
 log = get_logger(__name__)
 
 
+QUARANTINE_DIR = "quarantine"  # under the tier's directory: segments a rebuild could not read
+MAX_QUARANTINED = 64  # kept there, newest first
+
+
 def _aligned_copy(data: bytes) -> mmap.mmap:
     """`data` in page-aligned memory, as O_DIRECT requires of every buffer it writes."""
     buffer = mmap.mmap(-1, len(data))
@@ -97,7 +101,8 @@ class RebuildReport:
 
     # (page, location, checksum, partial tail block), oldest segment first
     pages: list[tuple[PageId, SsdLocation, int, bool]]
-    damaged: int = 0  # unreadable or inconsistent segments, deleted
+    damaged: int = 0  # segments that fail the format's checks (bad bytes, too short), deleted
+    quarantined: int = 0  # segments that could not be read (an I/O error, not their bytes), moved aside
     outdated: int = 0  # segments of an older format, deleted
     other_models: dict[ModelFingerprint, int] = field(default_factory=dict)  # segments per foreign fingerprint
     kept_other_models: bool = False  # those were kept on disk (else deleted)
@@ -173,10 +178,17 @@ class SsdTier:
                 report.outdated += 1
                 _unlink(path)
                 continue
-            except (OSError, SegmentFormatError) as exc:
+            except SegmentFormatError as exc:
                 report.damaged += 1
                 log.warning("dropping a damaged KV segment", path=str(path), error=str(exc))
                 _unlink(path)
+                continue
+            except OSError as exc:
+                # Its bytes were never judged: a disk error, a permission. Not loaded, not deleted:
+                # moved aside, for an operator to look at (what a later start cannot read either).
+                report.quarantined += 1
+                log.warning("quarantined a KV segment that could not be read", path=str(path), error=str(exc))
+                self._quarantine(path)
                 continue
             headers.append((header, path))
         if report.outdated:
@@ -216,6 +228,21 @@ class SsdTier:
                 headroom_bytes=self.headroom_bytes,
             )
         return report
+
+    def _quarantine(self, path: Path) -> None:
+        """Move `path` into QUARANTINE_DIR under the tier's directory, keeping the newest
+        MAX_QUARANTINED there (the oldest deleted beyond). Its bytes still take disk room, which
+        `room_bytes` sees; a file that cannot be moved stays where it is (seen again next start)."""
+        aside = self.directory / QUARANTINE_DIR
+        try:
+            aside.mkdir(exist_ok=True)
+            path.rename(aside / path.name)
+            kept = sorted(aside.iterdir(), key=lambda p: p.stat().st_mtime)
+        except OSError as exc:
+            log.warning("cannot quarantine a KV segment", path=str(path), error=str(exc))
+            return
+        for old in kept[: max(0, len(kept) - MAX_QUARANTINED)]:
+            _unlink(old)
 
     def _add(self, segment: Segment) -> None:
         self.segments[segment.seq] = segment

@@ -1,0 +1,58 @@
+"""At start the SSD tier deletes only segments that fail the format's checks; one it cannot read at
+all (an I/O error: its bytes never judged) is moved aside to a bounded quarantine, not deleted."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from node_manager.kv import ssd_tier
+from node_manager.kv.segments import SegmentEntry
+from node_manager.kv.ssd_tier import QUARANTINE_DIR, SsdTier
+from tests.helpers import TEST_MODEL
+from tests.unit.kv_store_support import PAGE
+
+
+def _write(tier: SsdTier, n: int) -> Path:
+    seq, _ = tier.reserve(tier.segment_bytes(1))
+    entries = [SegmentEntry(bytes([n]) * 16, 0, n)]
+    tier.write(seq, entries, [memoryview(bytes([n]) * PAGE)])
+    return tier.commit(seq, entries).path
+
+
+def test_unreadable_segments_are_quarantined_and_damaged_ones_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = SsdTier(tmp_path, PAGE, 1 << 20, TEST_MODEL)
+    good, unreadable, damaged = (_write(first, n) for n in range(3))
+    damaged.write_bytes(b"\0" * 64)  # its header fails the format's checks
+    real_read = SsdTier._read_header
+
+    def read(self: SsdTier, path: Path) -> object:
+        if path == unreadable:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_read(self, path)
+
+    monkeypatch.setattr(SsdTier, "_read_header", read)
+    report = SsdTier(tmp_path, PAGE, 1 << 20, TEST_MODEL).rebuild()
+    assert (report.damaged, report.quarantined) == (1, 1)
+    assert [location.seq for _, location, _, _ in report.pages] == [int(good.stem.split("-")[1])]
+    assert not damaged.exists() and not unreadable.exists()
+    assert (tmp_path / QUARANTINE_DIR / unreadable.name).read_bytes()[:4] == good.read_bytes()[:4]  # kept whole
+
+
+def test_the_quarantine_keeps_the_newest_few(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ssd_tier, "MAX_QUARANTINED", 2)
+    tier = SsdTier(tmp_path, PAGE, 1 << 20, TEST_MODEL)
+    paths = [_write(tier, n) for n in range(4)]
+
+    def unreadable(self: SsdTier, path: Path) -> object:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(SsdTier, "_read_header", unreadable)
+    report = SsdTier(tmp_path, PAGE, 1 << 20, TEST_MODEL).rebuild()
+    assert report.quarantined == 4 and report.pages == []
+    assert len(list((tmp_path / QUARANTINE_DIR).iterdir())) == 2
+    assert not any(path.exists() for path in paths)
