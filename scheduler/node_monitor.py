@@ -221,7 +221,7 @@ class NodeMonitor:
                 "engine_url": n.engine_url,
                 "model": n.served_model,
                 "model_fingerprint": n.model_fingerprint.hex()[:12],
-                "same_secret": n.secret_check == self.secret_check,
+                "same_secret": n.secret_check == self.secret_check if n.reported else None,
                 "running": n.running,
                 "waiting": n.waiting,
                 "inflight": n.inflight,

@@ -140,7 +140,7 @@ def _print_scheduler(url: str, body: dict[str, Any]) -> None:
             f"of {info.get('kv_cache_tokens') or '?'} tokens "
             f"restarts={info['engine_restarts']} "
             f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}{_kv_index_text(info)}"
-            + ("" if info.get("same_secret", True) else "  ANOTHER cluster.secret (its engine's blocks go unseen)")
+            + ("  ANOTHER cluster.secret (its engine's blocks go unseen)" if info.get("same_secret") is False else "")
         )
     profile = body.get("cost_profile")
     if profile:

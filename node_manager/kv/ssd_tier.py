@@ -12,6 +12,7 @@ import errno
 import mmap
 import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,8 +162,6 @@ class SsdTier:
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:
                 header = self._read_header(path)
-                if path.stat().st_size < header.file_bytes:
-                    raise SegmentFormatError("file shorter than its header says")
                 if header.model != self.model:
                     # Before the page size check: another model's pages may well be another size.
                     report.other_models[header.model] = report.other_models.get(header.model, 0) + 1
@@ -183,14 +182,24 @@ class SsdTier:
                 log.warning("dropping a damaged KV segment", path=str(path), error=str(exc))
                 _unlink(path)
                 continue
+            except FileNotFoundError:
+                continue  # gone meanwhile
             except OSError as exc:
                 # Its bytes were never judged: a disk error, a permission. Not loaded, not deleted:
-                # moved aside, for an operator to look at (what a later start cannot read either).
+                # moved aside for an operator to look at, up to MAX_QUARANTINED a start (a whole
+                # unreadable disk is left in place beyond that, never loaded).
                 report.quarantined += 1
-                log.warning("quarantined a KV segment that could not be read", path=str(path), error=str(exc))
-                self._quarantine(path)
+                if report.quarantined <= MAX_QUARANTINED:
+                    self._quarantine(path)
+                log.warning("a KV segment could not be read; not loaded, not deleted", path=str(path), error=str(exc))
                 continue
             headers.append((header, path))
+        if report.quarantined:
+            log.warning(
+                "KV segments that could not be read were moved aside",
+                segments=report.quarantined,
+                quarantine=str(self.directory / QUARANTINE_DIR),
+            )
         if report.outdated:
             log.warning(
                 "dropped KV segments written in an older format; their sessions recompute",
@@ -234,9 +243,12 @@ class SsdTier:
         MAX_QUARANTINED there (the oldest deleted beyond). Its bytes still take disk room, which
         `room_bytes` sees; a file that cannot be moved stays where it is (seen again next start)."""
         aside = self.directory / QUARANTINE_DIR
+        # A name of its own (a later segment may take this one's number) and the time it came in.
+        moved = aside / f"{path.stem}-{time.time_ns()}{path.suffix}"
         try:
             aside.mkdir(exist_ok=True)
-            path.rename(aside / path.name)
+            path.rename(moved)
+            os.utime(moved)
             kept = sorted(aside.iterdir(), key=lambda p: p.stat().st_mtime)
         except OSError as exc:
             log.warning("cannot quarantine a KV segment", path=str(path), error=str(exc))
@@ -252,10 +264,18 @@ class SsdTier:
         self.other_model_segments += segment.header.model != self.model
 
     def _read_header(self, path: Path) -> SegmentHeader:
+        """The segment's header: SegmentFormatError for bytes that fail the format's checks (a
+        header or pages past the file's end among them), OSError for a file that cannot be read."""
         with path.open("rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
             prefix = fh.read(fixed_header_size())
             _, header_len = decode_header(prefix)
-            return parse_header(prefix + fh.read(header_len - len(prefix)))
+            if header_len > size:  # before reading it: a forged length must not allocate gigabytes
+                raise SegmentFormatError(f"a {header_len}-byte header in a {size}-byte file")
+            header = parse_header(prefix + fh.read(header_len - len(prefix)))
+        if size < header.file_bytes:
+            raise SegmentFormatError("file shorter than its header says")
+        return header
 
     # ---- space ------------------------------------------------------------------------------------
 
@@ -386,16 +406,21 @@ class SsdTier:
                     self._write_file(tmp, header, pages, 0)
             else:
                 self._write_file(tmp, header, pages, 0)
+            os.rename(tmp, final)
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()  # a part written (a full disk) holds room the retry needs
             raise
-        os.rename(tmp, final)
-        dir_fd = os.open(self.directory, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                final.unlink()  # not durable: the caller counts it unwritten, so it must not stay
+            raise
 
     @staticmethod
     def _write_file(path: Path, header: bytes | mmap.mmap, pages: list[memoryview], flags: int) -> None:

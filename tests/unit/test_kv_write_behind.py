@@ -117,7 +117,7 @@ def test_a_disk_found_full_evicts_older_segments_and_the_write_lands(
     """The disk fills behind the tier's back (its statvfs said there was room): the write that gets
     ENOSPC, its partial file removed, evicts the oldest segments and is written again."""
     store = make_store(hbm_pages=0)
-    save_session(store, "old", 1, seed=40)
+    save_session(store, "old", 1, seed=40, flush_each=True)  # one segment per layer
     assert store.write_behind.flush(TIMEOUT)
     before = segment_files(ssd_dir)
     assert before and all_true(store.residency("acme", "old")[Tier.SSD])
@@ -132,7 +132,7 @@ def test_a_disk_found_full_evicts_older_segments_and_the_write_lands(
         real_file(path, *args)
 
     monkeypatch.setattr(store.ssd, "_write_file", fills)
-    data = save_session(store, "new", 1, seed=41)
+    data = save_session(store, "new", 1, seed=41, flush_each=True)
     assert store.write_behind.flush(TIMEOUT)
     assert full_once and not full_once[0].exists()  # the part written went
     assert not store.write_behind.degraded

@@ -40,7 +40,8 @@ def test_unreadable_segments_are_quarantined_and_damaged_ones_deleted(
     assert (report.damaged, report.quarantined) == (1, 1)
     assert [location.seq for _, location, _, _ in report.pages] == [int(good.stem.split("-")[1])]
     assert not damaged.exists() and not unreadable.exists()
-    assert (tmp_path / QUARANTINE_DIR / unreadable.name).read_bytes()[:4] == good.read_bytes()[:4]  # kept whole
+    (aside,) = (tmp_path / QUARANTINE_DIR).iterdir()
+    assert aside.name.startswith(unreadable.stem) and aside.stat().st_size == good.stat().st_size  # kept whole
 
 
 def test_the_quarantine_keeps_the_newest_few(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,6 +54,14 @@ def test_the_quarantine_keeps_the_newest_few(tmp_path: Path, monkeypatch: pytest
 
     monkeypatch.setattr(SsdTier, "_read_header", unreadable)
     report = SsdTier(tmp_path, PAGE, 1 << 20, TEST_MODEL).rebuild()
+    # A whole unreadable disk is not moved (nor deleted) past the bound: two aside, two in place.
     assert report.quarantined == 4 and report.pages == []
-    assert len(list((tmp_path / QUARANTINE_DIR).iterdir())) == 2
+    first_aside = sorted(p.name for p in (tmp_path / QUARANTINE_DIR).iterdir())
+    left = [path for path in paths if path.exists()]
+    assert len(first_aside) == 2 and len(left) == 2
+    # The next start moves those two; the quarantine keeps the newest arrivals, whatever their age.
+    assert SsdTier(tmp_path, PAGE, 1 << 20, TEST_MODEL).rebuild().quarantined == 2
+    now_aside = sorted(p.name for p in (tmp_path / QUARANTINE_DIR).iterdir())
+    assert not set(now_aside) & set(first_aside)  # the earlier arrivals went, whatever their files' age
+    assert {name.rsplit("-", 1)[0] for name in now_aside} == {path.stem for path in left}
     assert not any(path.exists() for path in paths)
