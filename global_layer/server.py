@@ -30,8 +30,8 @@ class EntryServer:
     """One entry listening: its aiohttp runner behind a server whose connections have a deadline on
     sending each request (`scheduler.request_read_timeout_s`, global_layer.read_deadline)."""
 
-    def __init__(self, runner: web.AppRunner, server: asyncio.Server, deadlines: ReadDeadlines) -> None:
-        self.runner, self.server, self.deadlines = runner, server, deadlines
+    def __init__(self, runner: web.AppRunner, server: asyncio.Server) -> None:
+        self.runner, self.server = runner, server
 
     async def close(self) -> None:
         self.server.close()  # no new connections; the runner's cleanup ends the open ones
@@ -55,7 +55,7 @@ async def start_entry(entry: Entry, host: str, port: int) -> EntryServer:
     except BaseException:  # the port taken: the entry's probes and sessions, started, go too
         await runner.cleanup()
         raise
-    return EntryServer(runner, server, deadlines)
+    return EntryServer(runner, server)
 
 
 async def serve_entries(config: SymphonyConfig, topology: RegionTopology) -> None:

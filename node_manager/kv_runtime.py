@@ -157,44 +157,26 @@ async def start_kv(
 ) -> KVRuntime:
     """`model`: the fingerprint of the model whose KV the store holds. With `engine` (a node serving a
     model through Symphony's connector), top-tier prefetches end in that engine's own prefix cache."""
-    ssd_lock = SsdLock(config.kv_ssd_dir(index))  # first: before anything reads or deletes there
-    try:
+    async with contextlib.AsyncExitStack() as undo:  # on failure: what was started, in reverse
+        ssd_lock = SsdLock(config.kv_ssd_dir(index))  # first: before anything reads or deletes there
+        undo.callback(ssd_lock.release)
         metrics = KVMetrics()
         port = config.kv_metrics_port(index)
         if port:  # bound before the store exists: a port in use then fails the start without leaving its arena
             start_http_server(port, addr=config.node.host, registry=metrics.registry)
         # One log per start: a new epoch, so every subscriber begins with a snapshot of what it rebuilt.
         events = BlockEventLog(block_event_settings(config), metrics)
-        # Rebuilding the index reads every segment header: off the event loop.
-        build = asyncio.ensure_future(
-            asyncio.to_thread(TieredStore, geometry, store_config(config, index, model), metrics, events)
-        )
-        try:
-            store = await asyncio.shield(build)
-        except asyncio.CancelledError:
-            # The rebuild goes on in its thread, deleting segments: hold the directory until it ends,
-            # and close what it built (its arena).
-            with contextlib.suppress(Exception):
-                built = await build
-                await asyncio.to_thread(built.close)
-            raise
+        store = await _build_store(geometry, store_config(config, index, model), metrics, events)
+        undo.push_async_callback(asyncio.to_thread, store.close)
         tcp = config.kv.data_plane == "tcp"
-        try:
-            page_stream = (
-                PageStreamServer(store, config.node.host, config.kv_data_port(index), config.kv.peer_timeout_s)
-                if tcp
-                else None
-            )
-        except OSError:
-            await asyncio.to_thread(store.close)
-            raise
-        try:
-            local_channel = LocalKVServer(store, config.kv_socket_path(index))
-        except OSError:
-            if page_stream is not None:
-                await asyncio.to_thread(page_stream.close)
-            await asyncio.to_thread(store.close)
-            raise
+        page_stream = (
+            PageStreamServer(store, config.node.host, config.kv_data_port(index), config.kv.peer_timeout_s)
+            if tcp
+            else None
+        )
+        if page_stream is not None:
+            undo.push_async_callback(asyncio.to_thread, page_stream.close)
+        local_channel = LocalKVServer(store, config.kv_socket_path(index))
         puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp)
         warmer = (
             EngineWarmer(
@@ -232,7 +214,21 @@ async def start_kv(
             page_stream_port=page_stream.port if page_stream else "off",
             local_channel=str(local_channel.path),
         )
-    except BaseException:
-        ssd_lock.release()
-        raise
+        undo.pop_all()  # started: `KVRuntime.close` ends it all
     return KVRuntime(store, prefetches, puller, service, page_stream, local_channel, warmer, ssd_lock)
+
+
+async def _build_store(
+    geometry: KVGeometry, settings: StoreConfig, metrics: KVMetrics, events: BlockEventLog
+) -> TieredStore:
+    """The store, its SSD index rebuilt (every segment header read): off the event loop. Cancelled
+    meanwhile, it waits for the rebuild, which goes on in its thread deleting segments (the
+    directory stays held until then), and closes what it built (its arena)."""
+    build = asyncio.ensure_future(asyncio.to_thread(TieredStore, geometry, settings, metrics, events))
+    try:
+        return await asyncio.shield(build)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            built = await build
+            await asyncio.to_thread(built.close)
+        raise

@@ -11,8 +11,9 @@ turns for each of the second's. One tenant alone gets FIFO. A request put back a
 tier (`front`: it was woken but found no room) goes before every other request of that tier.
 
 Bounds: `max_waiting` requests in all (a newcomer beyond raises QueueFull), and a tenant's own
-`max_queued` of its quotas; a request put back always gets its place. State is kept only for tenants with requests
-waiting: a tenant whose lane empties starts again at V (it gains at most one turn's credit).
+`max_queued` of its quotas; a request put back always gets its place. State is kept only for
+tenants with requests waiting: a tenant whose lane empties starts again at V (it gains at most one
+turn's credit).
 
 Pure: no I/O, no clocks, no asyncio; not thread-safe (the scheduler's event loop, or the simulator,
 is its only user).

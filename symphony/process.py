@@ -9,10 +9,9 @@ managers, so every level of the process tree stops the same way and leaves nothi
 - POSIX shared memory (/dev/shm) mapped by the child's process tree (its group, and descendants
   that lead groups of their own: a node manager's engine) is recorded while it runs (when it is
   ready, then every `shm_scan_interval_s` where set: node managers, whose engines start late) and
-  unlinked after it exits, because a SIGKILLed vLLM
-  cannot clean its own segments, nor can a SIGKILLed node manager clean its engine's; segments the
-  supervisor maps itself (the node manager's DRAM arena, which the engine's worker attaches) are the
-  supervisor's, not leaks.
+  unlinked after it exits, because a SIGKILLed vLLM cannot clean its own segments, nor can a
+  SIGKILLed node manager clean its engine's; segments the supervisor maps itself (the node
+  manager's DRAM arena, which the engine's worker attaches) are the supervisor's, not leaks.
 """
 
 from __future__ import annotations
@@ -384,7 +383,8 @@ def process_tree(pid: int) -> list[int]:
     """Live processes of `pid`'s process group and every live descendant of `pid` (also those in
     groups or sessions of their own), from one walk of /proc."""
     children: dict[int, list[int]] = {}
-    tree: set[int] = set()
+    tree: set[int] = set()  # the live members of its group
+    alive: set[int] = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -392,17 +392,17 @@ def process_tree(pid: int) -> list[int]:
         if fields is None or len(fields) < 3 or fields[0] == "Z":
             continue
         child = int(entry.name)
+        alive.add(child)
         children.setdefault(int(fields[1]), []).append(child)
         if int(fields[2]) == pid:
             tree.add(child)
     seen, todo = {pid}, [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
+        for child in children.get(todo.pop(), []):  # every child listed is alive
             if child not in seen:
                 seen.add(child)
                 todo.append(child)
-    alive = {child for listed in children.values() for child in listed}
-    return sorted(p for p in tree | seen if p in alive)
+    return sorted(tree | (seen & alive))
 
 
 def _group_alive(pgid: int) -> bool:

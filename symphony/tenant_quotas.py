@@ -143,9 +143,6 @@ class TenantQuotas:
     def limits(self, tenant: str) -> TenantLimits:
         return self.overrides.get(tenant, self.default)
 
-    def weight(self, tenant: str) -> float:
-        return self.limits(tenant).weight
-
     def take(self, kind: QuotaKind, tenant: str, now_s: float) -> float:
         """One `kind` token of the tenant's bucket: 0.0 when admitted, else the seconds to wait."""
         rate, burst = self.limits(tenant).rate(kind)

@@ -94,7 +94,7 @@ def test_overrides_parse_and_name_what_is_wrong() -> None:
 def test_the_configuration_is_checked_when_loaded() -> None:
     keys = {"api_keys": ["acme:k1"]}
     config = load_config(env={}, overrides={"scheduler": keys, "quotas": {"tenants": ["acme:weight=3"]}})
-    assert quotas_from_config(config.quotas, frozenset({"acme"})).weight("acme") == 3.0
+    assert quotas_from_config(config.quotas, frozenset({"acme"})).limits("acme").weight == 3.0
     for quotas, fragment in [
         ({"tenants": ["rival:weight=3"]}, "quotas.tenants: tenant 'rival' has no API key"),
         ({"max_inflight": -1}, "quotas.max_inflight"),
