@@ -55,6 +55,7 @@ from eval.workloads import Conversation, HumanTiming
 from scheduler.cost_profile import CostProfile, problems, to_dict, to_json
 from symphony.config import SymphonyConfig
 from symphony.kv_geometry import geometry_from_model_dir, smollm2_geometry
+from symphony.kv_transfer import TENANT_PARAM, params_key, sign_params
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 
 
@@ -76,6 +77,7 @@ class ProbePlan:
 
 FULL_PLAN = ProbePlan()
 TOKEN_ID_RANGE = (1_000, 40_000)  # ordinary vocabulary entries of SmolLM2 (49,152), no special tokens
+CALIBRATION_TENANT = "calibrate"  # the probes' tenant: their KV is nobody's
 # Node-to-node KV moves in the local preset: of the order of a `bench tiers` peer pull on one host
 # (docs/benchmarks.md#bench-calibrate-and-bench-validate).
 LOCAL_LINK_GBPS = 1.0
@@ -95,9 +97,11 @@ class _Streamed:
     tokens: int
 
 
-async def _stream(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> _Streamed:
+async def _stream(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int, key: bytes) -> _Streamed:
     """Send one completion and time its stream. Tokens are counted from each chunk's logprobs: a
-    chunk can carry several tokens when the server falls behind the engine."""
+    chunk can carry several tokens when the server falls behind the engine. Its params are signed
+    under `key`, as the scheduler's are: the connector does the work of a routed request."""
+    params = sign_params({TENANT_PARAM: CALIBRATION_TENANT}, model, key, time.time())
     started = time.perf_counter()
     first = last = 0.0
     tokens = 0
@@ -108,7 +112,7 @@ async def _stream(client: openai.AsyncOpenAI, model: str, prompt: list[int], max
         temperature=0,
         stream=True,
         logprobs=1,
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, "kv_transfer_params": params},
     )
     async for chunk in stream:
         if not chunk.choices or chunk.choices[0].logprobs is None:
@@ -127,9 +131,10 @@ async def _stream(client: openai.AsyncOpenAI, model: str, prompt: list[int], max
 class _EngineProbe:
     """One engine's OpenAI client and its own stream of random prompts."""
 
-    def __init__(self, base_url: str, model: str, seed: int) -> None:
+    def __init__(self, base_url: str, model: str, seed: int, signing: bytes) -> None:
         self.base_url = base_url
         self.model = model
+        self.signing = signing
         self._rng = random.Random(seed)
         self.client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="calibration", timeout=600.0, max_retries=0)
 
@@ -142,10 +147,10 @@ class _EngineProbe:
         sees it, so a probe whose connection fails is sent again, once, on a fresh prompt and a
         fresh clock."""
         try:
-            return await _stream(self.client, self.model, self.prompt(tokens), max_tokens)
+            return await _stream(self.client, self.model, self.prompt(tokens), max_tokens, self.signing)
         except openai.APIConnectionError as exc:
             print(f"calibrate {self.base_url}: probe connection failed ({exc}); sending it again", file=sys.stderr)
-            return await _stream(self.client, self.model, self.prompt(tokens), max_tokens)
+            return await _stream(self.client, self.model, self.prompt(tokens), max_tokens, self.signing)
 
     async def warm(self, plan: ProbePlan) -> None:
         """Run each probe's prompt length and the largest batch once, unmeasured: an engine's first
@@ -215,7 +220,8 @@ async def calibrate(
     load is the same steady background for every busy probe
     (docs/benchmarks.md#bench-calibrate-and-bench-validate)."""
     urls = [f"http://{config.node.host}:{config.engine_port(i)}" for i in range(config.cluster.nodes)]
-    engines = [_EngineProbe(url, served_model, seed=i) for i, url in enumerate(urls)]
+    signing = params_key(config.cluster.secret.encode())
+    engines = [_EngineProbe(url, served_model, seed=i, signing=signing) for i, url in enumerate(urls)]
     prefill_alone: list[PrefillSample] = []
     decode_alone: list[DecodeSample] = []
     prefill_busy: list[PrefillSample] = []

@@ -50,6 +50,7 @@ from symphony.config import SymphonyConfig, dump_toml
 from symphony.config_secrets import scrubbed_env, write_private
 from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
+from symphony.tenancy import internal_headers
 
 T = TypeVar("T")
 
@@ -84,10 +85,12 @@ class _PolicyScheduler:
             env=scrubbed_env(),  # its keys are in its file
         )
         self.url = f"http://{config.scheduler.host}:{self.port}"
+        # With its tenant's key set, /readyz's details and /metrics are for the cluster's own token.
+        self.internal = internal_headers(config.cluster.secret)
 
     async def ready(self, nodes: int, within_s: float = 60.0) -> None:
         async def every_node_ready(client: httpx.AsyncClient) -> bool:
-            ready = (await client.get(self.url + "/readyz")).json()
+            ready = (await client.get(self.url + "/readyz", headers=self.internal)).json()
             # Every policy starts with its tokenizer loaded: none routes its first requests blind.
             tokenizers = ready.get("tokenizers", {})
             if "none" in tokenizers.values():  # the benchmark names the model's directory
@@ -105,7 +108,7 @@ class _PolicyScheduler:
 
     async def metrics(self) -> str:
         async with httpx.AsyncClient(timeout=5.0) as client:
-            return (await client.get(self.url + "/metrics")).text
+            return (await client.get(self.url + "/metrics", headers=self.internal)).text
 
     def stop(self) -> None:
         stop_child(self.process, self.log)

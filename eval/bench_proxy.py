@@ -39,8 +39,11 @@ from eval.results import write_result
 from eval.scheduler_cpu import CpuSettings, measure_scheduler_cpu
 from eval.stats import percentile
 from symphony.config import SymphonyConfig
+from symphony.config_secrets import with_cluster_secret
+from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, params_key, sign_params
 from symphony.launcher import LocalCluster
 from symphony.models import default_model_dir, fetch_default_model, resolve_model
+from symphony.tenancy import DEFAULT_TENANT
 
 PROMPTS = [
     "What is the capital of France?",
@@ -70,8 +73,15 @@ CONTEXT_SENTENCE = (
 )
 
 
-async def _ttft_ms(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, session: str) -> float:
+async def _ttft_ms(
+    client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, session: str, signing: bytes | None
+) -> float:
+    """`signing`: for a request straight to the engine, the key of the kv_transfer_params the scheduler
+    would send with it (`symphony.kv_transfer`): the engine's connector then does the same work on
+    both paths."""
     started = time.perf_counter()
+    params = {TENANT_PARAM: DEFAULT_TENANT, SESSION_PARAM: session}
+    extra = None if signing is None else {"kv_transfer_params": sign_params(params, model, signing, time.time())}
     stream = await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
@@ -79,6 +89,7 @@ async def _ttft_ms(client: openai.AsyncOpenAI, model: str, prompt: str, max_toke
         temperature=0.0,
         stream=True,
         extra_headers={"X-Session-ID": session},
+        extra_body=extra,
     )
     ttft = None
     async for chunk in stream:
@@ -89,10 +100,12 @@ async def _ttft_ms(client: openai.AsyncOpenAI, model: str, prompt: str, max_toke
     return ttft
 
 
-async def _round(client: openai.AsyncOpenAI, model: str, prompts: list[str], max_tokens: int, tag: str) -> list[float]:
+async def _round(
+    client: openai.AsyncOpenAI, model: str, prompts: list[str], max_tokens: int, tag: str, signing: bytes | None
+) -> list[float]:
     return list(
         await asyncio.gather(
-            *(_ttft_ms(client, model, p, max_tokens, f"bench-{tag}-{i}") for i, p in enumerate(prompts))
+            *(_ttft_ms(client, model, p, max_tokens, f"bench-{tag}-{i}", signing) for i, p in enumerate(prompts))
         )
     )
 
@@ -122,8 +135,11 @@ async def measure(
     rounds: int,
     max_tokens: int,
     prompt_tokens: int,
+    secret: str,
 ) -> dict[str, Any]:
+    """`secret`: the cluster's, which the scheduler signs the engine's kv_transfer_params with."""
     prompts = proxy_prompts(concurrency, prompt_tokens)
+    signing: dict[str, bytes | None] = {"direct": params_key(secret.encode()), "via_scheduler": None}
     clients = {
         "direct": openai.AsyncOpenAI(base_url=engine_url.rstrip("/") + "/v1", api_key="bench", max_retries=0),
         "via_scheduler": openai.AsyncOpenAI(base_url=scheduler_url.rstrip("/") + "/v1", api_key="bench", max_retries=0),
@@ -131,12 +147,14 @@ async def measure(
     samples: dict[str, list[list[float]]] = {"direct": [], "via_scheduler": []}
     try:
         for path, client in clients.items():  # warm-up: fills the prefix cache, opens connections
-            await _round(client, model, prompts, max_tokens, f"warm-{path}")
+            await _round(client, model, prompts, max_tokens, f"warm-{path}", signing[path])
         with tqdm(total=2 * rounds, desc="proxy bench rounds", unit="round", file=sys.stderr) as bar:
             for r in range(rounds):
                 order = ["direct", "via_scheduler"] if r % 2 == 0 else ["via_scheduler", "direct"]
                 for path in order:
-                    samples[path].append(await _round(clients[path], model, prompts, max_tokens, f"{path}-{r}"))
+                    samples[path].append(
+                        await _round(clients[path], model, prompts, max_tokens, f"{path}-{r}", signing[path])
+                    )
                     bar.update(1)
     finally:
         for client in clients.values():
@@ -197,7 +215,9 @@ async def _with_private_cluster(config: SymphonyConfig, **kwargs: Any) -> dict[s
         if not await cluster.wait_ready(asyncio.Event()):
             raise RuntimeError("the benchmark cluster did not become ready")
         engine_url = f"http://{config.node.host}:{config.engine_port(0)}"
-        result = await measure(config.scheduler_url, engine_url, model.served_name, **kwargs)
+        result = await measure(
+            config.scheduler_url, engine_url, model.served_name, **kwargs, secret=config.cluster.secret
+        )
     except BaseException:
         await cluster.shutdown()
         print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
@@ -268,7 +288,8 @@ def run_proxy_bench(
         import httpx
 
         model = httpx.get(scheduler_url.rstrip("/") + "/v1/models", timeout=5).json()["data"][0]["id"]
-        result = asyncio.run(measure(scheduler_url, engine_url, model, **kwargs))
+        secret = with_cluster_secret(config).cluster.secret  # a deployment on this host: its home's
+        result = asyncio.run(measure(scheduler_url, engine_url, model, **kwargs, secret=secret))
     else:
         result = asyncio.run(_with_private_cluster(config, **kwargs))
     if cpu_requests:

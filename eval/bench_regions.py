@@ -53,6 +53,7 @@ from symphony.config_secrets import scrubbed_env, write_private
 from symphony.link_tenants import OTHER, PENDING, UNATTRIBUTED, residency_crossings
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
 from symphony.regions import RegionTopology
+from symphony.tenancy import internal_headers
 
 REGIONS = ("us-east:1", "eu-west:1", "ap-south:1")
 HOT_REGION, EU_REGION = "us-east", "eu-west"
@@ -139,12 +140,16 @@ class _GlobalLayer:
         )
         host = config.scheduler.host
         self.entries = {name.split(":")[0]: f"http://{host}:{port + i}" for i, name in enumerate(REGIONS)}
+        self.internal = internal_headers(config.cluster.secret)  # /regions, once keys are set
 
     async def ready(self, within_s: float = 60.0) -> None:
         """Every entry answers and sees every region up."""
 
         async def every_region_up(client: httpx.AsyncClient) -> bool:
-            views = [(await client.get(url + "/regions")).json()["regions"] for url in self.entries.values()]
+            views = [
+                (await client.get(url + "/regions", headers=self.internal)).json()["regions"]
+                for url in self.entries.values()
+            ]
             return all(info["up"] for view in views for info in view.values())
 
         await await_ready(
@@ -158,7 +163,10 @@ class _GlobalLayer:
 
     async def kv_moves(self) -> int:
         async with httpx.AsyncClient(timeout=5.0) as client:
-            views = [(await client.get(url + "/regions")).json()["regions"] for url in self.entries.values()]
+            views = [
+                (await client.get(url + "/regions", headers=self.internal)).json()["regions"]
+                for url in self.entries.values()
+            ]
         return sum(info["kv_moves_in"] for view in views for info in view.values())
 
     def stop(self) -> None:
@@ -169,7 +177,8 @@ async def _links(config: SymphonyConfig) -> list[dict[str, Any]]:
     """The links' `GET /links` (symphony.region_links): their counters so far."""
     url = f"http://{config.scheduler.host}:{config.regions.link_port_base}/links"
     async with httpx.AsyncClient(timeout=5.0) as client:
-        links: list[dict[str, Any]] = (await client.get(url)).json()["links"]
+        reply = await client.get(url, headers=internal_headers(config.cluster.secret))
+        links: list[dict[str, Any]] = reply.json()["links"]
         return links
 
 

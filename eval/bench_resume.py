@@ -62,6 +62,7 @@ from eval.resume_runner import (
 )
 from eval.stats import histogram_quantile, percentile
 from symphony.config import SymphonyConfig
+from symphony.kv_transfer import params_key
 from symphony.launcher import LocalCluster
 from symphony.models import ModelError, ModelInfo, context_window, fetch_default_model, resolve_model
 from symphony.rpc import kv_pb2_grpc
@@ -198,6 +199,7 @@ async def _with_private_cluster(
                     f"http://{config.node.host}:{config.kv_metrics_port(i)}/metrics",
                     config.kv_ssd_dir(i),
                     config.kv_socket_path(i),
+                    params_key(cluster.config.cluster.secret.encode()),
                 )
             )
         base_url = f"http://{config.node.host}:{config.engine_port(0)}"

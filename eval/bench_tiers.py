@@ -34,11 +34,12 @@ from eval.plots import plot_tiers
 from eval.ports import free_port
 from eval.results import write_result
 from node_manager.kv.loader import RowTarget
-from node_manager.kv.pages import Tier
+from node_manager.kv.pages import PageMac, Tier
 from node_manager.kv.puller import PeerPuller
 from node_manager.kv.store import TieredStore
 from node_manager.kv.store_config import StoreConfig
 from node_manager.kv.transfer import page_batch
+from symphony.config_secrets import new_cluster_secret
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.kv_geometry import KVGeometry, hf_config_for, smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
@@ -58,6 +59,9 @@ PEER_PAIRS = 3  # (loopback bound, peer pull) pairs per trial, medians kept
 TENANT = "bench"
 # The local stores' model: any fixed fingerprint (a pull's store takes its peer's, which it must match).
 BENCH_MODEL = ModelFingerprint(hashlib.sha256(b"symphony-bench-tiers").digest())
+# Every store and peer of a run shares a cluster secret, as a cluster's nodes do: pages carry MACs
+# under it (`PageMac`), which cost what they cost whatever the key.
+BENCH_SECRET = new_cluster_secret()
 
 
 @contextlib.contextmanager
@@ -109,6 +113,7 @@ def _store(
                 arena_name=f"symphony-bench-{os.getpid()}-{name}",
                 model=model,
                 device=device,
+                page_secret=BENCH_SECRET.encode(),
             ),
         )
 
@@ -266,6 +271,7 @@ class PeerNode:
             f'home = "{work}"\n[node]\ngrpc_port_base = {port}\n[engine]\nenabled = false\n'
             f'model = "{model}"\nblock_size = {geometry.block_size}\n[kv]\nmetrics_port_base = 0\n'
             f"hbm_bytes = {256 << 20}\ndram_bytes = {512 << 20}\nssd_bytes = {4 << 30}\n"
+            f'[cluster]\nsecret = "{BENCH_SECRET}"\n'
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
         self.log = (work / "peer.log").open("wb")
@@ -326,8 +332,10 @@ async def measure_peer_fetch(
         await stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids), timeout=30)
         model = ModelFingerprint((await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=30)).model_fingerprint)
         keys = chain_block_keys(model, TENANT, token_ids, geometry.block_size).block_keys
+        mac = PageMac(BENCH_SECRET.encode())
         batches = [
-            page_batch(ref, keys, layer, 0, layer_pages.numpy().tobytes()) for layer, layer_pages in enumerate(pages)
+            page_batch(mac, ref, keys, layer, 0, layer_pages.numpy().tobytes())
+            for layer, layer_pages in enumerate(pages)
         ]
         await stub.WritePages(iter(batches), timeout=60)
         nbytes = len(keys) * geometry.block_bytes

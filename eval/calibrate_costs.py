@@ -33,6 +33,7 @@ import openai
 from eval.bench_tiers import measure_store_paths, session_pages
 from eval.sim.engine import EngineModel
 from eval.sim.presets import engine_cost_profile
+from node_manager.kv.pages import PageMac
 from node_manager.kv.transfer import page_batch
 from scheduler.cost_profile import CostProfile, LinkCost, NodeLink, TierLoadCosts
 from scheduler.policies.symphony import SymphonyPolicy
@@ -111,14 +112,14 @@ async def _node(address: str, channel: grpc.aio.Channel) -> _Node:
     return _Node(info.node_id, address, stub, ModelFingerprint(info.model_fingerprint), geometry)
 
 
-async def _put(node: _Node, session: str, blocks: int, rng: random.Random) -> kv_pb2.SessionRef:
+async def _put(node: _Node, session: str, blocks: int, rng: random.Random, mac: PageMac) -> kv_pb2.SessionRef:
     """A session of `blocks` full blocks of random KV on `node`."""
     ref = kv_pb2.SessionRef(tenant=TENANT, session_id=session)
     token_ids = [rng.randrange(1_000, 40_000) for _ in range(blocks * node.geometry.block_size)]
     await node.stub.PutSession(kv_pb2.PutSessionRequest(session=ref, token_ids=token_ids), timeout=30)
     keys = chain_block_keys(node.model, TENANT, token_ids, node.geometry.block_size).block_keys
     data = [rng.randbytes(blocks * node.geometry.page_bytes) for _ in range(node.geometry.num_layers)]
-    batches = [page_batch(ref, keys, layer, 0, layer_data) for layer, layer_data in enumerate(data)]
+    batches = [page_batch(mac, ref, keys, layer, 0, layer_data) for layer, layer_data in enumerate(data)]
     reply = await node.stub.WritePages(iter(batches), timeout=60)
     if reply.pages_stored != blocks * node.geometry.num_layers:
         raise RuntimeError(f"{node.node_id} stored {reply.pages_stored} of a calibration session's pages")
@@ -149,6 +150,7 @@ async def measure_links(config: SymphonyConfig, seed: int = 0) -> tuple[list[Nod
     addresses = config.scheduler_node_addresses()
     channels = [grpc.aio.insecure_channel(address) for address in addresses]
     rng = random.Random(seed)
+    mac = PageMac(config.cluster.secret.encode())  # the private cluster's: its nodes refuse pages without it
     try:
         nodes = [await _node(address, channel) for address, channel in zip(addresses, channels, strict=True)]
         links, raw = [], []
@@ -156,12 +158,12 @@ async def measure_links(config: SymphonyConfig, seed: int = 0) -> tuple[list[Nod
             for target in nodes:
                 if source is target:
                     continue
-                warm = await _put(source, f"warm-{uuid.uuid4().hex}", 1, rng)
+                warm = await _put(source, f"warm-{uuid.uuid4().hex}", 1, rng, mac)
                 await _pull_ms(source, target, warm)  # connects the target to the source
                 samples = []
                 for blocks in LINK_SIZES_BLOCKS:
                     for _ in range(LINK_PULLS):
-                        ref = await _put(source, f"pull-{uuid.uuid4().hex}", blocks, rng)
+                        ref = await _put(source, f"pull-{uuid.uuid4().hex}", blocks, rng, mac)
                         nbytes = blocks * source.geometry.block_bytes
                         samples.append((float(nbytes), await _pull_ms(source, target, ref)))
                 fit = fit_link(samples)

@@ -16,6 +16,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, sign_params
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
 PATHS = ("recompute", "engine_cache", "dram", "ssd_on_demand", "ssd_prefetched", "remote_prefetched")
@@ -34,6 +35,7 @@ class Node:
     metrics_url: str
     ssd_dir: Path
     kv_socket: Path  # the node-local channel the engine's connector asks
+    params_key: bytes  # signs the kv_transfer_params the engine's connector trusts (`symphony.kv_transfer`)
 
 
 @dataclasses.dataclass
@@ -70,7 +72,9 @@ def _turn(
 ) -> Turn:
     started = time.perf_counter()
     extra: dict[str, Any] = {
-        "kv_transfer_params": {"tenant": tenant, "session_id": "conversation"},
+        "kv_transfer_params": sign_params(
+            {TENANT_PARAM: tenant, SESSION_PARAM: "conversation"}, model, node.params_key, time.time()
+        ),
         "cache_salt": salt,
         "ignore_eos": True,
     }

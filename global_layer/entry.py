@@ -50,7 +50,7 @@ from symphony.logs import get_logger
 from symphony.region_links import region_address
 from symphony.region_load import KV_SOURCE_HEADER, format_kv_source, session_digest
 from symphony.regions import RegionTopology
-from symphony.tenancy import DEFAULT_TENANT, TenantKeys, bearer
+from symphony.tenancy import DEFAULT_TENANT, TenantKeys, bearer, internal_headers, observer_refusal
 
 log = get_logger(__name__)
 
@@ -130,6 +130,7 @@ class Entry:
                 self.probe_session,
                 interval_s=r.probe_interval_ms / 1000,
                 down_after_s=r.region_down_after_ms / 1000,
+                headers=internal_headers(config.cluster.secret),
             )
             for name in topology.names
         }
@@ -203,7 +204,14 @@ class Entry:
     def count_read_timeout(self) -> None:
         self.read_timeouts += 1
 
-    async def describe_handler(self, _: web.Request) -> web.Response:
+    async def describe_handler(self, request: web.Request) -> web.Response:
+        s = self.config.scheduler
+        refusal = observer_refusal(
+            s.api_keys, s.admin_token, self.config.cluster.secret.encode(), request.headers.get("Authorization")
+        )
+        if refusal is not None:  # the regions' loads and links: for the admin or internal token
+            status, message, code = refusal
+            return web.json_response(error_body(status, message, code=code), status=status)
         return web.json_response(self.describe())
 
     def _tenant(self, request: web.Request) -> str:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import aiohttp
 
@@ -39,8 +39,12 @@ class RegionProbe:
         interval_s: float,
         down_after_s: float,
         clock: Callable[[], float] = time.monotonic,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
+        """`headers`: sent with each /summary request (the cluster's internal token, which the
+        scheduler asks for once keys are set)."""
         self.name = name
+        self.headers = dict(headers or {})
         self.base_url = base_url
         self.session = session
         self.interval_s = interval_s
@@ -89,7 +93,9 @@ class RegionProbe:
         try:
             timeout = aiohttp.ClientTimeout(total=self.down_after_s)
             query = {"since": str(self.held.seq), "epoch": self.held.epoch}
-            async with self.session.get(self.base_url + "/summary", params=query, timeout=timeout) as response:
+            async with self.session.get(
+                self.base_url + "/summary", params=query, timeout=timeout, headers=self.headers
+            ) as response:
                 if response.status != 200:
                     raise ValueError(f"/summary answered {response.status}")
                 body = await response.json()

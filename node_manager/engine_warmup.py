@@ -30,6 +30,7 @@ from node_manager.kv.ipc_wire import WARMUP_PARAM, WARMUP_PRIORITY_PARAM
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import Priority
 from node_manager.kv.prefetch import WarmOutcome
+from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, sign_params
 from symphony.logs import get_logger
 from symphony.rpc import node_pb2
 
@@ -58,8 +59,10 @@ class EngineWarmer:
         max_kv_usage: float,
         timeout_s: float,
         transport: httpx.AsyncBaseTransport | None = None,
+        params_key: bytes = b"",
     ) -> None:
         self._engine = engine
+        self._params_key = params_key  # signs the warm-ups' kv_transfer_params, as the scheduler signs its own
         self._model = served_model
         self._metrics = metrics
         self._max_kv_usage = max_kv_usage
@@ -96,12 +99,17 @@ class EngineWarmer:
             "prompt": [*token_ids, *token_ids[-1:]],
             "max_tokens": 1,
             "temperature": 0,
-            "kv_transfer_params": {
-                "tenant": tenant,
-                "session_id": session_id,
-                WARMUP_PARAM: True,
-                WARMUP_PRIORITY_PARAM: int(priority),
-            },
+            "kv_transfer_params": sign_params(
+                {
+                    TENANT_PARAM: tenant,
+                    SESSION_PARAM: session_id,
+                    WARMUP_PARAM: True,
+                    WARMUP_PRIORITY_PARAM: int(priority),
+                },
+                self._model,
+                self._params_key,
+                time.time(),
+            ),
         }
         if salt:
             body["cache_salt"] = salt

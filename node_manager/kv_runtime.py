@@ -23,9 +23,11 @@ from node_manager.kv.service import KVStoreService
 from node_manager.kv.store import TieredStore
 from node_manager.kv.store_config import StoreConfig
 from node_manager.kv.transfer import MAX_MESSAGE_BYTES
+from symphony.cluster_tls import ClusterTLS
 from symphony.config import SymphonyConfig
 from symphony.kv_addressing import ModelFingerprint
 from symphony.kv_geometry import KVGeometry
+from symphony.kv_transfer import params_key
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2_grpc
 
@@ -143,6 +145,7 @@ def store_config(config: SymphonyConfig, index: int, model: ModelFingerprint) ->
         max_session_tokens=kv.max_session_tokens,
         ssd_keep_other_models=kv.ssd_keep_other_models,
         ssd_headroom_bytes=kv.ssd_headroom_bytes,
+        page_secret=config.cluster.secret.encode(),
     )
 
 
@@ -154,9 +157,11 @@ async def start_kv(
     server: grpc.aio.Server,
     engine: EngineView | None = None,
     served_model: str = "",
+    tls: ClusterTLS | None = None,
 ) -> KVRuntime:
     """`model`: the fingerprint of the model whose KV the store holds. With `engine` (a node serving a
-    model through Symphony's connector), top-tier prefetches end in that engine's own prefix cache."""
+    model through Symphony's connector), top-tier prefetches end in that engine's own prefix cache.
+    `tls`: the cluster's credentials, for the page stream and the pulls from peers (members only)."""
     async with contextlib.AsyncExitStack() as undo:  # on failure: what was started, in reverse
         ssd_lock = SsdLock(config.kv_ssd_dir(index))  # first: before anything reads or deletes there
         undo.callback(ssd_lock.release)
@@ -170,14 +175,23 @@ async def start_kv(
         undo.push_async_callback(asyncio.to_thread, store.close)
         tcp = config.kv.data_plane == "tcp"
         page_stream = (
-            PageStreamServer(store, config.node.host, config.kv_data_port(index), config.kv.peer_timeout_s)
+            PageStreamServer(
+                store,
+                config.node.host,
+                config.kv_data_port(index),
+                config.kv.peer_timeout_s,
+                tls=tls.server_context() if tls is not None else None,
+            )
             if tcp
             else None
         )
         if page_stream is not None:
             undo.push_async_callback(asyncio.to_thread, page_stream.close)
-        local_channel = LocalKVServer(store, config.kv_socket_path(index))
-        puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp)
+        # The kv_transfer_params' key (symphony.kv_transfer); with no secret, none: a key derived from
+        # nothing would be anyone's, so the connector then takes no request onto the tiers.
+        signing = params_key(config.cluster.secret.encode()) if config.cluster.secret else b""
+        local_channel = LocalKVServer(store, config.kv_socket_path(index), params_key=signing)
+        puller = PeerPuller(store, config.kv.peer_timeout_s, use_page_stream=tcp, tls=tls)
         warmer = (
             EngineWarmer(
                 engine,
@@ -185,6 +199,7 @@ async def start_kv(
                 metrics,
                 max_kv_usage=config.kv.engine_warmup_max_kv_usage,
                 timeout_s=config.kv.engine_warmup_timeout_s,
+                params_key=signing,
             )
             if engine is not None
             else None

@@ -14,6 +14,7 @@ from node_manager.engine_events import EngineEventMetrics, counting_emit, engine
 from node_manager.identity import identify_served_model
 from node_manager.kv_runtime import GRPC_OPTIONS, start_kv
 from node_manager.service import NodeManagerService
+from symphony.cluster_tls import add_port, cluster_tls
 from symphony.config import SymphonyConfig
 from symphony.kv_addressing import BlockKey
 from symphony.kv_geometry import geometry_from_model_dir
@@ -59,8 +60,9 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
         server,
     )
     serving = config.engine.enabled and config.engine.kv_connector  # the engine loads from this node's tiers
+    tls = cluster_tls(config)  # node RPCs and page streams for the cluster's members only
     kv = await start_kv(
-        config, index, geometry, identity.fingerprint, server, engine if serving else None, model.served_name
+        config, index, geometry, identity.fingerprint, server, engine if serving else None, model.served_name, tls
     )
     # The one wiring point of the engine tier's block events (vLLM's prefix cache as Symphony block
     # keys): each is counted, then published to the node's block event log as TIER_ENGINE, which
@@ -76,7 +78,7 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
         engine_block_events(config, index, identity.fingerprint, geometry, kv.store.sessions, emit, events_metrics)
     )
     address = config.node_grpc_address(index)
-    if server.add_insecure_port(address) == 0:
+    if add_port(server, address, tls) == 0:
         await kv.close()
         raise OSError(f"cannot listen on {address} (port in use?)")
     stop = asyncio.Event()

@@ -54,12 +54,16 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
         return JSONResponse({"status": "ok"})
 
     @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    async def readyz(request: Request) -> JSONResponse:
+        """Readiness: the status and the count of ready nodes for anyone (a load balancer's probe);
+        the details (nodes, costs, the index) for the admin or internal token once keys are set."""
         nodes = state.cluster.describe()
         ready = sum(1 for n in nodes.values() if n["state"] == "ready")
-        body: dict[str, object] = {
-            "status": "ready" if ready else "not_ready",
-            "ready_nodes": ready,
+        status = 200 if ready else 503
+        body: dict[str, object] = {"status": "ready" if ready else "not_ready", "ready_nodes": ready}
+        if not state.auth.observer(request.headers.get("Authorization")):
+            return JSONResponse(body, status_code=status)
+        body |= {
             "nodes": nodes,
             "models": sorted(state.cluster.served_models()),
             "cost_profile": state.cost_profile.describe(),
@@ -78,18 +82,20 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
                 "bytes": state.kv_index.approx_bytes(),
                 "evictions": state.kv_index.evictions,
             }
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/summary")
-    async def summary(since: int = 0, epoch: str = "") -> JSONResponse:
+    async def summary(request: Request, since: int = 0, epoch: str = "") -> JSONResponse:
         """This region's load and costs, and the sessions it holds KV of (changes since `since` of
         the feed `epoch`), as the global layer of a multi-region cluster reads them."""
+        state.auth.check_observer(request.headers.get("Authorization"))
         if since < 0 or len(epoch) > 64:
             raise ApiError(400, "since must be >= 0 and epoch at most 64 characters", param="since")
         return JSONResponse(region_summary(state, since, epoch))
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        state.auth.check_observer(request.headers.get("Authorization"))
         state.export_gauges()
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -5,7 +5,8 @@ With keys, a request without a known key is refused (401) before anything else h
 tenant comes from the key alone: the tenant keys the session table, advisories, priority tiers and
 the KV in the nodes' tiers, so one tenant can never advise, read or reuse another's sessions or KV.
 Keys are looked up by digest (symphony.tenancy.TenantKeys); the admin token is compared in
-constant time.
+constant time. Operational detail (/metrics, /readyz's details, /summary) is for the admin token
+or the cluster's internal token once any key is set (`observer_refusal`), never a tenant's key.
 
 The engines' own prefix caches are shared by every request they serve, so the scheduler also sets
 each request's `cache_salt` from its tenant (`symphony.tenancy.engine_cache_salt`).
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scheduler.errors import ApiError
-from symphony.tenancy import DEFAULT_TENANT, TenantKeys, admin_refusal, bearer
+from symphony.tenancy import DEFAULT_TENANT, TenantKeys, admin_refusal, bearer, observer_refusal
 
 __all__ = ["Authenticator", "bearer"]
 
@@ -27,9 +28,12 @@ class Authenticator:
         api_keys: list[str],
         admin_token: str,
         refuse_tenant: Callable[[str], ApiError | None] | None = None,
+        secret: bytes = b"",
     ) -> None:
         self._keys = TenantKeys(api_keys)
+        self._api_keys = api_keys
         self._admin = admin_token
+        self._secret = secret  # the cluster's: its internal token reads operational detail
         # The error for a tenant this scheduler may not serve (data residency: a regional
         # scheduler refuses tenants whose data may not enter its region, whoever sends them).
         self._refuse = refuse_tenant
@@ -54,6 +58,16 @@ class Authenticator:
         if tenant is None:
             raise ApiError(401, "unknown API key", code="invalid_api_key")
         return tenant
+
+    def observer(self, authorization: str | None) -> bool:
+        """Whether `authorization` may read operational detail (`symphony.tenancy.observer_refusal`)."""
+        return observer_refusal(self._api_keys, self._admin, self._secret, authorization) is None
+
+    def check_observer(self, authorization: str | None) -> None:
+        refused = observer_refusal(self._api_keys, self._admin, self._secret, authorization)
+        if refused is not None:
+            status, message, code = refused
+            raise ApiError(status, message, code=code)
 
     def check_admin(self, authorization: str | None) -> None:
         refused = admin_refusal(self._admin, authorization)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from scheduler.routing import NO_WORK, NodeSnapshot, PrefillWork
+from symphony.cluster_tls import ClusterTLS, grpc_channel
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2_grpc, node_pb2, node_pb2_grpc
 
@@ -135,8 +136,10 @@ class NodeMonitor:
         clock: Callable[[], float] = time.monotonic,
         on_status: Callable[[], None] | None = None,
         secret_check: bytes = b"",
+        tls: ClusterTLS | None = None,
     ) -> None:
         self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
+        self.tls = tls  # the cluster's credentials: node RPCs take members only (symphony.cluster_tls)
         # This scheduler's own (symphony.tenancy.secret_check): a node reporting another keys
         # tenants' engine cache salts by another secret, so its engine's blocks are nobody's to it
         # and warm-ups land under salts requests never carry. Reported, not refused: it still serves.
@@ -240,7 +243,7 @@ class NodeMonitor:
 
     async def start(self) -> None:
         for node in self.nodes:
-            channel = grpc.aio.insecure_channel(node.address)
+            channel = grpc_channel(node.address, self.tls)
             self._channels.append(channel)
             stub = node_pb2_grpc.NodeManagerStub(channel)
             node.kv = kv_pb2_grpc.KVStoreStub(channel)

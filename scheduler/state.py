@@ -28,6 +28,7 @@ from scheduler.sessions import SessionTable
 from scheduler.tokenizer_check import check_tokenizers
 from scheduler.tokenizer_load import tokenizer_dirs
 from scheduler.tokens import TokenService
+from symphony.cluster_tls import cluster_tls
 from symphony.config import SymphonyConfig
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
@@ -84,13 +85,16 @@ class SchedulerState:
             poll_interval_s=sc.poll_interval_ms / 1000,
             down_after_s=sc.node_down_after_ms / 1000,
             secret_check=secret_check(config.cluster.secret.encode()),
+            tls=cluster_tls(config),
         )
         self.advisories = AdvisoryTable(
             sc.max_advisories,
             sc.advisory_ttl_s,
             on_drop=lambda reason: self.metrics.advisories_dropped.labels(reason).inc(),
         )
-        self.auth = Authenticator(sc.api_keys, sc.admin_token, self._residency_check())
+        self.auth = Authenticator(
+            sc.api_keys, sc.admin_token, self._residency_check(), secret=config.cluster.secret.encode()
+        )
         # A region's scheduler tells the global layer which sessions it holds (scheduler.region_feed).
         self.region_feed = SessionFeed(min(sc.max_sessions, MAX_DELTA_SESSIONS)) if sc.region else None
         self.sessions = SessionTable(

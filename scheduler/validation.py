@@ -8,13 +8,14 @@ is checked here. Finer sampling-parameter checks stay with vLLM, whose 400s pass
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from scheduler.errors import ApiError
 from scheduler.schemas import AdvisoryBody, ChatBody, CompletionBody, check
-from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
+from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM, params_key, sign_params
 from symphony.prompt_text import estimated_tokens, routing_text
 from symphony.tenancy import engine_cache_salt
 
@@ -29,18 +30,20 @@ class InferenceRequest:
     history_tokens: int  # estimated prompt tokens
     salt_key: bytes = b""  # the cluster's secret, which keys the tenant's cache salt (none: b"")
 
-    def engine_body(self, tenant: str, uses_tiers: bool) -> bytes:
+    def engine_body(self, tenant: str, uses_tiers: bool, now_s: float | None = None) -> bytes:
         """The request as the engine gets it: with the tenant and session that key its KV in the
-        node's tiers (none when the policy does not use them: `uses_tiers`) and the tenant's cache
-        salt for the engine's prefix cache. Whatever the client put in kv_transfer_params is
+        node's tiers (none when the policy does not use them: `uses_tiers`), signed for the
+        connector (`symphony.kv_transfer`; `now_s`: unix seconds, default now), and the tenant's
+        cache salt for the engine's prefix cache. Whatever the client put in kv_transfer_params is
         replaced: a client must not name another tenant's KV."""
         params: dict[str, object] = {TENANT_PARAM: tenant}
         if self.session_id is not None:
             params[SESSION_PARAM] = self.session_id
         if not uses_tiers:
             params[TIERS_PARAM] = False
+        signed = sign_params(params, self.model, params_key(self.salt_key), time.time() if now_s is None else now_s)
         salt = engine_cache_salt(tenant, self.body.get("cache_salt"), self.salt_key)
-        return json.dumps({**self.body, "kv_transfer_params": params, "cache_salt": salt}).encode()
+        return json.dumps({**self.body, "kv_transfer_params": signed, "cache_salt": salt}).encode()
 
     def routing_text(self) -> str:
         return routing_text(self.body, self.endpoint)

@@ -22,6 +22,7 @@ from symphony.cli_args import (
     load_from_args,
     positive_int,
 )
+from symphony.cli_certs import add_certs_parser
 from symphony.cli_residency import add_residency_parser
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
 from symphony.models import ModelError
@@ -56,7 +57,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         overrides.setdefault("kv", {})["data_plane"] = "grpc"  # pulls across regions go through the links
     if args.policy:
         overrides.setdefault("scheduler", {})["policy"] = args.policy
-    config = load_from_args(args, overrides)
+    config = with_home_secret(load_from_args(args, overrides))
+    if config.topology() is not None and config.cluster.tls:
+        raise CliError(
+            "cluster.tls: the emulated WAN links of a multi-region cluster count each tenant's bytes by "
+            "reading them, which TLS would hide; run regions with cluster.tls = false for now"
+        )
     from scheduler.policies import make_policy
 
     make_policy(config.scheduler.policy)  # reject an unknown policy before starting anything
@@ -71,11 +77,30 @@ def cmd_up(args: argparse.Namespace) -> int:
     return asyncio.run(run_cluster(config, model))
 
 
+def with_home_secret(config: SymphonyConfig) -> SymphonyConfig:
+    """`config` with its cluster secret (`config_secrets.with_cluster_secret`): a process started
+    alone, not by `symphony up`, shares the secret kept in its home with the others started so."""
+    from symphony.config_secrets import with_cluster_secret
+
+    try:
+        resolved = with_cluster_secret(config)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cluster.secret: {exc}") from None
+    if not config.cluster.secret and config.scheduler.node_addresses:
+        # Nodes elsewhere keep secrets of their own homes: pages, signatures and salts would disagree.
+        print(
+            "note: cluster.secret is not set; using the one in this home. Processes on other hosts must "
+            "be given the same cluster.secret (symphony status shows same_secret per node).",
+            file=sys.stderr,
+        )
+    return resolved
+
+
 def cmd_scheduler(args: argparse.Namespace) -> int:
     from scheduler.policies import make_policy
     from scheduler.server import serve
 
-    config = load_from_args(args, {"scheduler": {"region": args.region}} if args.region else None)
+    config = with_home_secret(load_from_args(args, {"scheduler": {"region": args.region}} if args.region else None))
     topology = config.topology()
     if topology is not None and not config.scheduler.region:
         # One scheduler over every region's nodes would bypass the links and the residency rules.
@@ -92,7 +117,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     from symphony.model_identity import ModelIdentityError
     from symphony.models import resolve_model
 
-    config = load_from_args(args, engine_overrides(args))
+    config = with_home_secret(load_from_args(args, engine_overrides(args)))
     if args.index >= config.cluster.nodes and not config.scheduler.node_addresses:
         print(
             f"note: --index {args.index} is outside cluster.nodes={config.cluster.nodes}; "
@@ -129,7 +154,7 @@ def cmd_link(args: argparse.Namespace) -> int:
 
 
 def _topology(args: argparse.Namespace) -> tuple[SymphonyConfig, RegionTopology]:
-    config = load_from_args(args)
+    config = with_home_secret(load_from_args(args))
     topology = config.topology()
     if topology is None:
         raise CliError("regions.layout is empty: this command serves a multi-region cluster")
@@ -306,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_token_args(action)
         action.set_defaults(func=cmd_admin_priority)
     add_residency_parser(admin_sub)
+    add_certs_parser(sub)
 
     from eval.cli import register as register_bench  # the one import of eval: its commands join this parser
 

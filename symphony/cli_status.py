@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -12,16 +13,19 @@ import httpx
 
 from symphony.cli_args import CliError, load_from_args
 from symphony.config import SymphonyConfig
+from symphony.config_secrets import ADMIN_TOKEN_ENV, SECRET_FILE, home_secret
 from symphony.regions import RegionTopology
+from symphony.tenancy import internal_headers
 
 
 def show_status(args: argparse.Namespace) -> int:
     config = load_from_args(args)
+    headers = _credentials(config, args.url)
     topology = config.topology()
     if topology is not None and not args.url:
-        return _region_status(config, topology, args.json)
+        return _region_status(config, topology, args.json, headers)
     url = (args.url or config.scheduler_url).rstrip("/")
-    body = _get_json(url + "/readyz", "the scheduler")
+    body = _get_json(url + "/readyz", "the scheduler", headers)
     if args.json:
         print(json.dumps(body, indent=2))
         return 0 if body.get("status") == "ready" else 1
@@ -29,23 +33,45 @@ def show_status(args: argparse.Namespace) -> int:
     return 0 if body.get("status") == "ready" else 1
 
 
-def _get_json(url: str, what: str) -> Any:
+def _credentials(config: SymphonyConfig, url: str | None) -> dict[str, str]:
+    """What reads the details once keys are set: the admin token from `$SYMPHONY_ADMIN_TOKEN` if
+    given, else the cluster's internal token (`symphony.tenancy`), sent only to the configured
+    cluster's own addresses (never to another `--url`) and only from a secret that exists: this
+    command makes none."""
+    token = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
+    if token:
+        return {"Authorization": f"Bearer {token}"}
+    secret = config.cluster.secret
+    path = config.home_path / SECRET_FILE
+    if not secret and not url and path.exists():
+        try:
+            secret = home_secret(path)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"cluster.secret: {exc}") from None
+    return internal_headers(secret) if secret and not url else {}
+
+
+def _get_json(url: str, what: str, headers: dict[str, str]) -> Any:
     try:
-        return httpx.get(url, timeout=5.0).json()
+        body = httpx.get(url, timeout=5.0, headers=headers).json()
     except (httpx.HTTPError, ValueError) as exc:
         raise CliError(f"cannot reach {what} at {url}: {exc}") from None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):  # refused: say why rather than print an empty cluster
+        raise CliError(f"{what} at {url} refused: {error.get('message')} (set {ADMIN_TOKEN_ENV} to the admin token)")
+    return body
 
 
-def _region_status(config: SymphonyConfig, topology: RegionTopology, as_json: bool) -> int:
+def _region_status(config: SymphonyConfig, topology: RegionTopology, as_json: bool, headers: dict[str, str]) -> int:
     """A multi-region cluster: the global layer's view from the first region's entry, the WAN
     links, and each region's scheduler. A part that does not answer is shown as such."""
     host = config.scheduler.host
-    entry = _try_json(config.scheduler_url + "/regions")
-    links = _try_json(f"http://{host}:{config.regions.link_port_base}/links")
+    entry = _try_json(config.scheduler_url + "/regions", headers)
+    links = _try_json(f"http://{host}:{config.regions.link_port_base}/links", headers)
     schedulers = {}
     for region in topology.regions:
         url = f"http://{host}:{config.regions.scheduler_port_base + region.index}"
-        schedulers[region.name] = (url, _try_json(url + "/readyz"))
+        schedulers[region.name] = (url, _try_json(url + "/readyz", headers))
     ready = entry is not None and all(b is not None and b.get("status") == "ready" for _, b in schedulers.values())
     if as_json:
         body = {"global": entry, "links": links, "schedulers": {n: b for n, (_, b) in schedulers.items()}}
@@ -81,11 +107,13 @@ def _region_status(config: SymphonyConfig, topology: RegionTopology, as_json: bo
     return 0 if ready else 1
 
 
-def _try_json(url: str) -> Any:
+def _try_json(url: str, headers: dict[str, str]) -> Any:
+    """The JSON body at `url`; None when nothing answers or it refused (an error body)."""
     try:
-        return httpx.get(url, timeout=5.0).json()
+        body = httpx.get(url, timeout=5.0, headers=headers).json()
     except (httpx.HTTPError, ValueError):
         return None
+    return None if isinstance(body, dict) and isinstance(body.get("error"), dict) else body
 
 
 def describe_region_links(links: list[dict[str, Any]]) -> list[str]:

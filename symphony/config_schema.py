@@ -25,11 +25,17 @@ RegionPolicyName = Literal["nearest", "skywalker", "gorgo", "gorgo_no_queue", "s
 @dataclass(frozen=True)
 class ClusterConfig:
     nodes: int = 2  # node managers (each with one engine) that `symphony up` starts
-    # The secret the cluster's processes share (at least 16 characters): it keys each tenant's
-    # engine cache salt, so a salt cannot be computed from a tenant's name. Empty: `symphony up`
-    # generates one for its cluster (in its owner-only effective config); a scheduler and nodes
-    # started on their own must be given the same one.
+    # The secret the cluster's processes share (at least 16 characters): it keys the tenants'
+    # engine cache salts, the pages' MACs, the signed kv_transfer_params and the internal token
+    # (docs/architecture.md). Empty: the one kept in <home>/cluster.secret, made on first use
+    # (symphony.config_secrets); processes on other homes must be given the same one.
     secret: str = ""
+    # Mutual TLS on the node managers' gRPC and page streams (symphony.cluster_tls): only holders
+    # of a certificate of the cluster's CA may call them. Certificates in `tls_dir` (empty:
+    # <home>/tls), made there on first use for this host (`symphony certs init`). Off by default
+    # for now: a cluster whose processes all listen on loopback (the local default) is contained.
+    tls: bool = False
+    tls_dir: str = ""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ ADMIN_TOKEN_ENV = "SYMPHONY_ADMIN_TOKEN"  # the admin commands' token (not a con
 SECRET_KEYS = (("scheduler", "api_keys"), ("scheduler", "admin_token"), ("cluster", "secret"))
 SECRET_ENV_VARS = frozenset({ADMIN_TOKEN_ENV, *(f"{ENV_PREFIX}{s}_{k}".upper() for s, k in SECRET_KEYS)})
 MAX_TOKEN_FILE_BYTES = 4096  # a token file is one line; more is the wrong file
+SECRET_FILE = "cluster.secret"  # in the home: the cluster's secret when the configuration sets none
+MIN_SECRET_CHARS = 16  # as `cluster.secret` requires
 
 
 def redacted(config: SymphonyConfig) -> SymphonyConfig:
@@ -43,10 +45,43 @@ def new_cluster_secret() -> str:
 
 
 def with_cluster_secret(config: SymphonyConfig) -> SymphonyConfig:
-    """`config`, with a new `cluster.secret` when it has none."""
+    """`config` with its `cluster.secret`: the configured one, else the one kept in the home
+    (`SECRET_FILE`, owner-only), made on first use. Kept, not made anew at each start: it keys the
+    MACs of the SSD tier's pages, which a restarted cluster must still verify. ValueError names a
+    secret file that cannot be read or holds no usable secret."""
     if config.cluster.secret:
         return config
-    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, secret=new_cluster_secret()))
+    secret = home_secret(config.home_path / SECRET_FILE)
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, secret=secret))
+
+
+def home_secret(path: Path) -> str:
+    """The secret in `path`, made there first (atomically: racing processes all read the same one)
+    if there is none. ValueError for a file others may read (mode beyond 0600), as ssh refuses a
+    private key's: the secret keys everything the cluster signs."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(new_cluster_secret() + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+            try:
+                os.link(tmp, path)  # whole or not at all; another process's made first wins
+            except FileExistsError:
+                pass
+            except OSError:  # a filesystem without hard links: a rename, the last writer wins
+                os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ValueError(f"{path} may be read by others (mode {mode:o}): chmod 600 it")
+    secret = read_token_file(str(path))
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"{path} holds a secret of {len(secret)} characters; at least {MIN_SECRET_CHARS} are needed")
+    return secret
 
 
 def scrubbed_env(env: Mapping[str, str] | None = None) -> dict[str, str]:

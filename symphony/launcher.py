@@ -15,12 +15,14 @@ from typing import Any, TextIO
 import grpc
 import httpx
 
+from symphony.cluster_tls import ClusterTLS, cluster_tls, grpc_channel
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
 from symphony.config_secrets import scrubbed_env, with_cluster_secret, write_private
 from symphony.logs import get_logger
 from symphony.models import ModelInfo
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy
 from symphony.rpc import node_pb2, node_pb2_grpc
+from symphony.tenancy import internal_headers
 
 log = get_logger(__name__)
 
@@ -68,8 +70,8 @@ def _child_argv(*args: str) -> list[str]:
 class _NodeHealthProbe:
     """Readiness/liveness probe of one node manager over one long-lived gRPC channel."""
 
-    def __init__(self, address: str) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+    def __init__(self, address: str, tls: ClusterTLS | None) -> None:
+        self._channel = grpc_channel(address, tls)
         self._stub = node_pb2_grpc.NodeManagerStub(self._channel)
 
     async def __call__(self) -> bool:
@@ -88,7 +90,7 @@ class LocalCluster:
 
     def __init__(self, config: SymphonyConfig, model: ModelInfo, out: TextIO) -> None:
         # Children get the model already resolved, so they neither re-verify nor re-fetch it, and
-        # the cluster's secret (this cluster's own, new, unless the configuration gives one).
+        # the cluster's secret (the configuration's, else the one kept in the home).
         self.config = dataclasses.replace(
             with_cluster_secret(config),
             engine=dataclasses.replace(config.engine, model=str(model.path), served_model_name=model.served_name),
@@ -98,6 +100,9 @@ class LocalCluster:
         self.logs_dir = config.home_path / "logs"
         self.config_path = config.home_path / "run" / "cluster.toml"
         self._http = httpx.AsyncClient(timeout=2.0)
+        self._internal = internal_headers(self.config.cluster.secret)  # reads /readyz's details
+        # Made before any child starts (each would make the same on first use, under a lock).
+        self.tls = cluster_tls(self.config)
         self.nodes: list[ManagedProcess] = []
         self.topology = self.config.topology()  # None: one region
         # One scheduler, or one per region; then the WAN links and the global layer.
@@ -141,7 +146,7 @@ class LocalCluster:
         config_arg = ["--effective-config", str(self.config_path)]
         for i in range(self.config.cluster.nodes):
             name = self.config.node_id(i)
-            probe = _NodeHealthProbe(self.config.node_grpc_address(i))
+            probe = _NodeHealthProbe(self.config.node_grpc_address(i), self.tls)
             self._probes.append(probe)
             proc = ManagedProcess(
                 name,
@@ -183,7 +188,7 @@ class LocalCluster:
         answered = False
         for url in self.scheduler_urls:
             try:
-                ready = (await self._http.get(url + "/readyz")).json()
+                ready = (await self._http.get(url + "/readyz", headers=self._internal)).json()
             except (httpx.HTTPError, ValueError):
                 continue
             answered = True

@@ -29,7 +29,7 @@ from symphony.config import SymphonyConfig
 from symphony.link_sniff import Sniff
 from symphony.link_tenants import http_tenant_of
 from symphony.regions import PlannedLink, RegionTopology, node_index
-from symphony.tenancy import TenantKeys
+from symphony.tenancy import TenantKeys, observer_refusal
 from symphony.wan_link import LinkFault, LinkPipe, WanLink
 
 # A pair's control-API name: its two regions, sorted, joined by "~".
@@ -177,10 +177,22 @@ class RegionLinks:
             )
         return out
 
-    async def _describe(self, _: web.Request) -> web.Response:
+    def _refusal(self, request: web.Request) -> web.Response | None:
+        """Tenants' byte counts and fault injection: for the admin or internal token once keys are set."""
+        s = self.config.scheduler
+        refused = observer_refusal(
+            s.api_keys, s.admin_token, self.config.cluster.secret.encode(), request.headers.get("Authorization")
+        )
+        return None if refused is None else _error(refused[0], refused[1])
+
+    async def _describe(self, request: web.Request) -> web.Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
         return web.json_response({"links": self.describe()})
 
     async def _set_fault(self, request: web.Request) -> web.Response:
+        if (refused := self._refusal(request)) is not None:
+            return refused
         pipe = self.pipes.get(request.match_info["pair"])
         if pipe is None:
             known = ", ".join(self.pipes)

@@ -7,8 +7,8 @@ prefix cache, which every request of an engine shares, never serves one tenant's
 another tenant sent a given prompt). A node computes the same salts to tell whose blocks vLLM's KV
 events name (`node_manager/engine_event_keys.py`).
 
-The salts are keyed by the cluster's secret (`cluster.secret`, which `symphony up` generates when
-none is set), so that nobody who reaches an engine directly can compute a tenant's salt from its
+The salts are keyed by the cluster's secret (`cluster.secret`, else the one kept in the home,
+`symphony.config_secrets`), so that nobody who reaches an engine directly can compute a tenant's salt from its
 name and probe that tenant's cache. With no secret they are plain digests."""
 
 from __future__ import annotations
@@ -70,6 +70,41 @@ def admin_refusal(admin_token: str, authorization: str | None) -> tuple[int, str
         return 401, "missing admin token: send it as 'Authorization: Bearer <token>'", "missing_admin_token"
     if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), admin_token.encode()):
         return 403, "wrong admin token", "invalid_admin_token"
+    return None
+
+
+def internal_token(secret: bytes) -> str:
+    """The bearer token the cluster's own processes (the global layer, `symphony status`, the
+    launcher, benchmarks) read operational endpoints with: derived from the cluster's secret, so
+    it needs no configuring and says nothing of the secret. 48 hex digits."""
+    return hmac.new(secret, b"symphony-internal-token", hashlib.sha256).hexdigest()[:48]
+
+
+def internal_headers(secret: str) -> dict[str, str]:
+    """The `Authorization` header of `internal_token` for a cluster whose secret is `secret`."""
+    return {"Authorization": f"Bearer {internal_token(secret.encode())}"}
+
+
+def observer_refusal(
+    api_keys: list[str], admin_token: str, secret: bytes, authorization: str | None
+) -> tuple[int, str, str] | None:
+    """None when `authorization` may read operational detail (/metrics, /readyz's details, a
+    region's /summary, the global layer's /regions); else the answer: (status, message, code).
+
+    Open while no key is set (no API keys and no admin token: a local cluster); once one is, the
+    admin token or the cluster's `internal_token` is needed, compared in constant time. Tenants'
+    API keys are not enough: the detail spans every tenant."""
+    if not api_keys and not admin_token:
+        return None
+    token = bearer(authorization)
+    if token is None:
+        return 401, "missing token: send the admin token as 'Authorization: Bearer <token>'", "missing_token"
+    given = token.encode("utf-8", "surrogateescape")
+    # With no secret the internal token is public (an HMAC under an empty key): not accepted then.
+    allowed = ([internal_token(secret).encode()] if secret else []) + ([admin_token.encode()] if admin_token else [])
+    matches = [hmac.compare_digest(given, token) for token in allowed]  # each compared: no early exit
+    if not any(matches):
+        return 403, "this token may not read the cluster's operational detail", "invalid_token"
     return None
 
 

@@ -78,6 +78,8 @@ class HistoryLookup:
         self._index: BlockIndexReader | None = None
         self._block_size = 0
         self._attached_connection = -1  # the client connection whose hello named the index
+        # What signs requests' kv_transfer_params (`symphony.kv_transfer`), from the hello.
+        self.params_key: bytes | None = None
         self._unsent: list[bytes] = []  # registration frames not sent yet (`send_registrations`)
 
     def match(
@@ -152,6 +154,7 @@ class HistoryLookup:
             self.close()
             self._index = BlockIndexReader(hello["block_index"])
             self._block_size = int(hello["block_size"])
+            self.params_key = bytes.fromhex(str(hello.get("params_key", ""))) or None  # empty: none to check with
             self._attached_connection = self._client.connections
             self._sessions.clear()  # keyed under the old block size, possibly
             self._kept_tokens = 0

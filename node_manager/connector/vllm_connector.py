@@ -11,9 +11,10 @@ both sides refuse a node manager that stores another model's KV; the worker side
 attach when vLLM's real cache is not in that layout (another dtype, another attention kernel).
 
 A request names its session through `kv_transfer_params` ({"tenant", "session_id"}, see
-`symphony.kv_transfer`) or vLLM's own `session_id`; without either it still gets and leaves KV under
-its content-derived block keys. `"symphony_tiers": false` there keeps the request off the tiers
-entirely (it neither loads nor saves: vLLM alone, the `recompute` baseline).
+`symphony.kv_transfer`), signed by the scheduler (or the node manager's warm-up) under a key the
+node manager hands over at hello. Unsigned, forged or expired params keep the request off the
+tiers entirely (it neither loads nor saves: vLLM alone), as `"symphony_tiers": false` does (the
+`recompute` baseline): a client that calls the engine directly cannot name a tenant's KV.
 `"symphony_warmup": true` there marks the node manager's own warm-up of a prefetched session
 (`node_manager.engine_warmup`), which must not count as the session's next turn arriving.
 Anything that goes wrong on the way (node manager away, pages lost) means recompute, never a
@@ -23,6 +24,7 @@ failed request: loads are best effort and run with `kv_load_failure_policy = "re
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,13 +37,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from node_manager.connector.kv_client import KVChannelError, NodeKVClient
 from node_manager.connector.lookup import HeldHistory, HistoryLookup, OtherModelError
+from node_manager.connector.params import RequestParams, read_params
 from node_manager.connector.plan import ConnectorPlanner, LoadSpec, SaveSpec, TailSave
 from node_manager.connector.warm_order import WarmedBlocks
 from node_manager.connector.worker import WorkerSide
-from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES, WARMUP_PARAM, WARMUP_PRIORITY_PARAM
+from node_manager.kv.ipc_wire import PROMPT_TOKEN_SOURCES, WARMUP_PRIORITY_PARAM
 from node_manager.kv.pages import Priority
 from symphony.kv_addressing import FINGERPRINT_BYTES, ModelFingerprint
-from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, TIERS_PARAM
 from symphony.logs import get_logger
 
 if TYPE_CHECKING:
@@ -55,8 +57,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = get_logger(__name__)
-
-DEFAULT_TENANT = "default"
 
 
 @dataclass
@@ -98,6 +98,9 @@ class SymphonyConnector(KVConnectorBase_V1):
         self._requests_by_id: dict[str, Request] = {}  # live requests (vLLM adds and finishes each once)
         self._prompt_tokens = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # not yet reported to the node manager
         self._block_pool: BlockPool | None = None  # vLLM's, bound on the scheduler side
+        self._model_name = str(vllm_config.model_config.served_model_name)  # what signed params name
+        self._refusals_logged: set[str] = set()
+        self._key_asked_at = -1.0  # time.time() of the last hello asked for a refused key
         self._warmed = WarmedBlocks()
 
     @property
@@ -107,18 +110,42 @@ class SymphonyConnector(KVConnectorBase_V1):
     # ---- scheduler side ---------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params or {}
-        tenant = str(params.get(TENANT_PARAM) or DEFAULT_TENANT)
-        session = str(params.get(SESSION_PARAM) or request.session_id or f"request-{request.request_id}")
-        warmup = bool(params.get(WARMUP_PARAM))
-        tiers = params.get(TIERS_PARAM) is not False
-        if not warmup:
-            self._warmed.arrived((tenant, session))  # its warmed blocks, if any, are this request's now
-        state = self._planner.track(request.request_id, tenant, session, warmup, tiers)
+        state = self._planner.requests.get(request.request_id)
+        if state is None:  # its params are read, and their signature checked, once per request
+            params = self._read_params(request)
+            state = self._planner.track(request.request_id, params.tenant, params.session, params.warmup, params.tiers)
+        if not state.warmup:
+            self._warmed.arrived((state.tenant, state.session))  # its warmed blocks, if any, are this request's now
         if state.held_keys is None:
-            held = self._match(tenant, session, request.prompt_token_ids or [], warmup) if tiers else None
+            held = (
+                self._match(state.tenant, state.session, request.prompt_token_ids or [], state.warmup)
+                if state.tiers
+                else None
+            )
             state.held_keys, state.held_tail = (held.keys, held.tail_tokens) if held is not None else ((), 0)
         return self._planner.matched(state, num_computed_tokens, request.num_tokens), False
+
+    def _read_params(self, request: Request) -> RequestParams:
+        """The request's params as the connector believes them (`connector.params`); a refusal is
+        logged once per reason (a client calling the engine directly sends many). A key refused
+        ("forged", or none yet) is asked for again, at most once a second: the node manager may
+        have restarted with another."""
+        assert self._lookup is not None
+        lookup, now = self._lookup, time.time()
+
+        def read() -> RequestParams:
+            return read_params(request.kv_transfer_params, request.request_id, self._model_name, lookup.params_key, now)
+
+        params = read()
+        if params.refusal in ("no key", "forged") and now - self._key_asked_at >= 1.0:
+            self._key_asked_at = now
+            with contextlib.suppress(Exception):  # the channel's trouble is _match's to report
+                lookup.attach()
+                params = read()
+        if params.refusal is not None and params.refusal not in self._refusals_logged:
+            self._refusals_logged.add(params.refusal)
+            log.warning("request's kv_transfer_params refused; it runs without the KV tiers", reason=params.refusal)
+        return params
 
     def _match(self, tenant: str, session: str, token_ids: list[int], warmup: bool) -> HeldHistory | None:
         assert self._lookup is not None

@@ -27,7 +27,7 @@ import torch
 
 from node_manager.kv.errors import InvalidRequest
 from node_manager.kv.eviction import PageMeta
-from node_manager.kv.pages import Tier, run_checksums
+from node_manager.kv.pages import Tier
 from node_manager.kv.sessions import SessionRecord, addressed_keys, check_range
 from node_manager.kv.slots import consecutive_runs, copy_rows
 from node_manager.kv.store_front import StoreFront
@@ -172,7 +172,7 @@ class PageIngest:
         """The checksums of the reservation's pages first, first + 1, ... given their bytes back to
         back: for a receiver that checksums pages the moment they land, still in the CPU cache."""
         page_bytes = self._front.geometry.page_bytes
-        return run_checksums(
+        return self._front.ssd.mac.run_tags(
             reservation.keys[first : first + len(data) // page_bytes], reservation.layer, data, page_bytes
         )
 

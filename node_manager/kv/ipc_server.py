@@ -81,8 +81,10 @@ class LocalKVServer:
         prefetches: PrefetchQueue | None = None,
         registration_wait_s: float = REGISTRATION_WAIT_S,
         dropped_hold_s: float = DROPPED_HOLD_S,
+        params_key: bytes = b"",
     ) -> None:
         self.store = store
+        self._params_key = params_key  # handed to the connector at hello: it checks requests' params
         self.dropped_hold_s = dropped_hold_s
         self.registration_wait_s = registration_wait_s
         self.loads_awaiting_registration = 0  # loads waiting right now for their session's registration
@@ -225,6 +227,7 @@ class LocalKVServer:
                     "dtype": g.dtype,
                     "page_bytes": g.page_bytes,
                     "model_fingerprint": self.store.model.hex(),
+                    "params_key": self._params_key.hex(),
                 },
             )
         elif op == "register":

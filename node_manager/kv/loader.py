@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from node_manager.kv.pages import Tier, page_checksum
+from node_manager.kv.pages import Tier
 from node_manager.kv.slots import copy_rows
 from node_manager.kv.ssd_tier import Segment
 from node_manager.kv.tiers import SegmentTier
@@ -180,6 +180,7 @@ def read_verified_pages(
         by_segment.setdefault(seq, []).append((page, view))
         members.setdefault(seq, []).append(i)
     bad: dict[int, str] = {}
+    tag = ssd.mac.tag
     for seq, reads in by_segment.items():
         segment = segments.get(seq)
         try:
@@ -190,7 +191,7 @@ def read_verified_pages(
             log.warning("KV segment read failed", segment=seq, error=str(exc))
             bad.update(dict.fromkeys(members[seq], "io_error"))
     for i, (key, view, expected) in enumerate(zip(keys, views, checksums, strict=True)):
-        if i not in bad and page_checksum(key, layer, view) != expected:
+        if i not in bad and tag(key, layer, view) != expected:
             bad[i] = "checksum"
     return bad
 

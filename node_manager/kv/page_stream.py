@@ -3,7 +3,7 @@
 gRPC's FetchPages carries pages in protobuf messages; each 4 MiB batch is serialized, framed by
 HTTP/2, and copied several times on both sides, which caps its throughput
 (docs/design-notes.md#page-stream).
-This stream carries the same content (pages in layer order, each with its xxh3 checksum) as fixed
+This stream carries the same content (pages in layer order, each with its keyed MAC) as fixed
 binary frames, so the sender writes staged pages straight from their tensors and the receiver reads
 them straight into tensors (`recv_into`), one kernel copy each way. gRPC stays the fallback: a peer
 that advertises no data port, or whose data port refuses the connection, is read over FetchPages.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -57,6 +58,7 @@ from symphony.rpc import kv_pb2
 
 log = get_logger(__name__)
 
+TLS = ssl.SSLContext | None  # the cluster's context (`symphony.cluster_tls`); None: plaintext
 MAGIC = b"SKV1"
 _REQUEST = struct.Struct("<4sI")
 _FRAME = struct.Struct("<BxxxIIII")
@@ -102,8 +104,13 @@ class PageStreamServer:
     """Serves FetchPages requests over raw TCP: one thread per stream, at most `max_streams` at once
     (a stream beyond that gets an END frame saying so, and the puller falls back to gRPC)."""
 
-    def __init__(self, store: TieredStore, host: str, port: int, timeout_s: float, max_streams: int = 8) -> None:
+    def __init__(
+        self, store: TieredStore, host: str, port: int, timeout_s: float, max_streams: int = 8, tls: TLS = None
+    ) -> None:
+        """`tls`: the cluster's server context: a stream starts with a handshake only a member passes
+        (one refused as busy is closed unanswered: its puller falls back to gRPC)."""
         self._store = store
+        self._tls = tls
         self._timeout_s = timeout_s
         self._slots = threading.BoundedSemaphore(max_streams)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -131,7 +138,10 @@ class PageStreamServer:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.settimeout(self._timeout_s)
                 if not self._slots.acquire(blocking=False):
-                    self._refuse(conn, "busy: too many page streams; retry")
+                    if self._tls is None:
+                        self._refuse(conn, "busy: too many page streams; retry")
+                    else:
+                        conn.close()
                     continue
                 thread = threading.Thread(target=self._serve, args=(conn,), name="kv-page-stream", daemon=True)
                 with self._streams_lock:
@@ -152,6 +162,10 @@ class PageStreamServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self._tls is not None:
+                conn = self._tls.wrap_socket(conn, server_side=True)  # a non-member ends here (ssl.SSLError)
+                with self._streams_lock:
+                    self._streams[threading.current_thread()] = conn  # what close() shuts down now
             asked = _read_request(conn)
             # Before anything of the session goes out.
             self._store.check_model(asked.model_fingerprint, "sender")
@@ -309,17 +323,19 @@ def fetch_pages(
     timeout_s: float,
     stop: threading.Event | None = None,
     plan: Plan | None = None,
+    tls: TLS = None,
 ) -> StreamOutcome:
     """Read one page stream into `store` (blocking; run it off the event loop); `stop` set ends it
-    at the next frame. Raises OSError only if no connection could be made, so the caller can fall
-    back to gRPC; everything after that is an outcome, partial or complete.
+    at the next frame. Raises OSError only if no connection could be made (a failed TLS handshake
+    under `tls`, the cluster's client context, included), so the caller can fall back to gRPC;
+    everything after that is an outcome, partial or complete.
 
     A request `with_session` needs `plan`: it gets the sender's SessionStatus (on this thread, before
     any page) and returns the range to fetch, or None for nothing."""
     if request.with_session and plan is None:
         raise ValueError("a request with_session needs a plan for the pages")
     # A short connect timeout: a port that drops packets should send the caller to gRPC quickly.
-    sock = _connect(host.strip("[]"), port, min(timeout_s, _CONNECT_TIMEOUT_S))
+    sock = _connect(host.strip("[]"), port, min(timeout_s, _CONNECT_TIMEOUT_S), tls)
     outcome = StreamOutcome()
     try:
         sock.settimeout(timeout_s)
@@ -361,8 +377,9 @@ def _read_session(sock: socket.socket) -> tuple[kv_pb2.SessionStatus | None, str
     return status, ""
 
 
-def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
-    """`socket.create_connection`, with the receive buffer enlarged before the handshake."""
+def _connect(host: str, port: int, timeout_s: float, tls: TLS = None) -> socket.socket:
+    """`socket.create_connection`, with the receive buffer enlarged before the handshake (TCP's,
+    then TLS's under `tls`, checking the peer's certificate names `host`)."""
     error: OSError | None = None
     for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
         sock = socket.socket(family, kind, proto)
@@ -370,7 +387,7 @@ def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
             sock.settimeout(timeout_s)
             sock.connect(address)
-            return sock
+            return sock if tls is None else tls.wrap_socket(sock, server_hostname=host)
         except OSError as exc:
             sock.close()
             error = exc

@@ -26,6 +26,7 @@ from node_manager.kv.prefetch import PullOutcome
 from node_manager.kv.sessions import SessionRecord
 from node_manager.kv.store import TieredStore
 from node_manager.kv.transfer import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD, submit_batch
+from symphony.cluster_tls import ClusterTLS, grpc_channel
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
@@ -46,9 +47,19 @@ class PeerPuller:
     """Pulls sessions from peer node managers over long-lived channels (one per peer)."""
 
     def __init__(
-        self, store: TieredStore, timeout_s: float, max_peers: int = 256, use_page_stream: bool = True
+        self,
+        store: TieredStore,
+        timeout_s: float,
+        max_peers: int = 256,
+        use_page_stream: bool = True,
+        tls: ClusterTLS | None = None,
     ) -> None:
+        """`tls`: the cluster's credentials; with them a peer is pulled from only if its certificate
+        is the cluster CA's (gRPC and page stream alike), so an address that names no member gives
+        nothing."""
         self._store = store
+        self._tls = tls
+        self._stream_tls = tls.client_context() if tls is not None else None
         self._timeout_s = timeout_s
         self._max_peers = max_peers
         self._use_page_stream = use_page_stream
@@ -69,7 +80,7 @@ class PeerPuller:
                 self._data_ports.pop(oldest, None)
                 asyncio.get_running_loop().create_task(self._channels.pop(oldest).close())
             options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES + MESSAGE_OVERHEAD)]
-            channel = grpc.aio.insecure_channel(peer, options=options)
+            channel = grpc_channel(peer, self._tls, options)
             self._channels[peer] = channel
         return kv_pb2_grpc.KVStoreStub(channel)
 
@@ -243,7 +254,9 @@ class PeerPuller:
         host = peer.rpartition(":")[0]
         stop = threading.Event()
         try:
-            return await asyncio.to_thread(fetch_pages, self._store, host, port, request, self._timeout_s, stop, plan)
+            return await asyncio.to_thread(
+                fetch_pages, self._store, host, port, request, self._timeout_s, stop, plan, self._stream_tls
+            )
         except OSError as exc:
             log.info("peer page stream unreachable; pulling over gRPC", peer=peer, port=port, error=str(exc))
             return None

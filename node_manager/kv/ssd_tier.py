@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node_manager.kv.eviction import LRUPolicy
-from node_manager.kv.pages import PageId
+from node_manager.kv.pages import PageId, PageMac
 from node_manager.kv.segments import (
     ALIGN,
     SUFFIX,
@@ -121,6 +121,7 @@ class SsdTier:
         keep_other_models: bool = False,
         headroom_bytes: int = 0,
         disk_free: Callable[[Path], int] | None = None,
+        mac: PageMac | None = None,
     ) -> None:
         """`model`: the fingerprint of the model whose pages this tier holds; segments of any other
         are never loaded. At `rebuild` they are deleted, or with `keep_other_models` left on disk
@@ -131,11 +132,14 @@ class SsdTier:
         `headroom_bytes`: what the tier leaves free on its filesystem. Every reservation is held
         under the capacity and under what the disk has free (`disk_free`, default its statvfs)
         less the headroom, evicting segments as for the capacity: a disk that others fill, or one
-        smaller than the capacity, shrinks the tier instead of failing its writes."""
+        smaller than the capacity, shrinks the tier instead of failing its writes.
+        `mac`: the pages' MAC (default: no secret); another key's segments count as another model's."""
         self.directory = Path(directory)
         self.page_bytes = page_bytes
         self.capacity_bytes = capacity_bytes
         self.model = model
+        self.mac = mac or PageMac(b"")
+        self.owner = model + self.mac.key_id  # `SegmentHeader.owner` of the segments it may load
         self.keep_other_models = keep_other_models
         self.headroom_bytes = headroom_bytes
         self._disk_free = disk_free or _disk_free
@@ -162,7 +166,7 @@ class SsdTier:
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:
                 header = self._read_header(path)
-                if header.model != self.model:
+                if header.owner != self.owner:
                     # Before the page size check: another model's pages may well be another size.
                     report.other_models[header.model] = report.other_models.get(header.model, 0) + 1
                     if self.keep_other_models:
@@ -208,7 +212,7 @@ class SsdTier:
             )
         if report.other_models:
             log.warning(
-                "KV segments of another model were not loaded"
+                "KV segments of another model or cluster secret were not loaded"
                 + (
                     "; kept on disk for a rollback (kv.ssd_keep_other_models)"
                     if self.keep_other_models
@@ -261,7 +265,7 @@ class SsdTier:
         self._lru.insert(segment.seq)
         self.used_bytes += segment.file_bytes
         self._next_seq = max(self._next_seq, segment.seq + 1)  # kept segments' names stay taken
-        self.other_model_segments += segment.header.model != self.model
+        self.other_model_segments += segment.header.owner != self.owner
 
     def _read_header(self, path: Path) -> SegmentHeader:
         """The segment's header: SegmentFormatError for bytes that fail the format's checks (a
@@ -340,7 +344,9 @@ class SsdTier:
         self.used_bytes -= nbytes
 
     def commit(self, seq: int, entries: list[SegmentEntry]) -> Segment:
-        header = SegmentHeader(seq, self.page_bytes, header_length(len(entries)), self.model, tuple(entries))
+        header = SegmentHeader(
+            seq, self.page_bytes, header_length(len(entries)), self.model, tuple(entries), self.mac.key_id
+        )
         segment = Segment(header, self.directory / segment_name(seq), live=set(range(len(entries))))
         self.segments[seq] = segment
         self._lru.insert(seq)
@@ -357,7 +363,7 @@ class SsdTier:
 
     def _remove(self, segment: Segment) -> None:
         if self.segments.get(segment.seq) is segment:
-            self.other_model_segments -= segment.header.model != self.model
+            self.other_model_segments -= segment.header.owner != self.owner
         self.segments.pop(segment.seq, None)
         self._lru.remove(segment.seq)
         self.used_bytes -= segment.file_bytes
@@ -389,7 +395,7 @@ class SsdTier:
         system that refuses it (tmpfs) gets buffered writes."""
         final = self.directory / segment_name(seq)
         tmp = final.with_suffix(TMP_SUFFIX)
-        header = encode_header(seq, self.page_bytes, self.model, entries)
+        header = encode_header(seq, self.page_bytes, self.model, entries, self.mac.key_id)
         try:
             if self._direct:
                 try:

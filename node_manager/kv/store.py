@@ -40,7 +40,7 @@ from node_manager.kv.ingest import PageIngest
 from node_manager.kv.loader import copy_lanes
 from node_manager.kv.loads import Loads
 from node_manager.kv.metrics import KVMetrics, TierMeters
-from node_manager.kv.pages import PageId, Tier
+from node_manager.kv.pages import PageId, PageMac, Tier
 from node_manager.kv.sessions import SessionRecord, SessionRegistry, addressed_keys, check_range
 from node_manager.kv.slots import DevicePool, DramArena, SlotAllocator
 from node_manager.kv.ssd_tier import SsdTier
@@ -101,6 +101,7 @@ class TieredStore:
             direct_io=True,  # the arena's pages are page-aligned: the write-behind writes them O_DIRECT
             keep_other_models=config.ssd_keep_other_models,
             headroom_bytes=config.ssd_headroom_bytes,
+            mac=PageMac(config.page_secret),
         )
         # Blocks complete in some tier, for the connector to look up without asking (block_index). A
         # complete block has a page per layer, so the tiers' pages bound how many there can be.
@@ -186,8 +187,7 @@ class TieredStore:
         with self.lock:
             record = self.sessions.get(tenant, session_id)
             d = self.directory
-            ids = d.rows(record.blocks.block_keys)
-            return d.lookup(d.dram, ids).T.tolist()
+            return d.lookup(d.dram, d.rows(record.blocks.block_keys)).T.tolist()
 
     def page_checksums(self, tenant: str, session_id: str, first_block: int, count: int) -> np.ndarray:
         """[count, layers] uint64: the checksum on record for page (first_block + i, layer), 0 where no

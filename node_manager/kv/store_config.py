@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from symphony.config import STORE_POSITIVE_KEYS, tier_capacities_error
@@ -28,6 +28,8 @@ class StoreConfig:
     write_behind_max_delay_s: float = 0.5
     ssd_keep_other_models: bool = False  # keep other models' segments on disk, unloaded (`SsdTier`)
     ssd_headroom_bytes: int = 0  # left free on the SSD tier's filesystem (`SsdTier`)
+    # The cluster's secret, which keys every page's MAC (`pages.PageMac`); empty: an unkeyed check.
+    page_secret: bytes = field(default=b"", repr=False)
 
     def validate(self) -> None:
         capacities = tier_capacities_error(self.hbm_bytes, self.dram_bytes, self.ssd_bytes)

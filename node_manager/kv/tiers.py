@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from node_manager.kv.pages import PageMac
 from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.ssd_tier import RebuildReport, Segment, SsdLocation
 
@@ -52,7 +53,7 @@ class SegmentTier(Protocol):
 
     Stores: each segment's header (block key, layer, checksum per entry) and page bytes; `live` holds
     the entries the page directory still points at. `used_bytes` counts committed segments plus
-    reservations; `other_model_segments` segments of another model kept on disk, never loaded.
+    reservations; `other_model_segments` segments of another model (or MAC key) kept on disk, never loaded.
     Lock: the bookkeeping methods (`rebuild` to `unpin`) are called with the store's lock held and do
     no I/O beyond unlinking files; `write`, `read_into`, `advise_willneed` and `drop_cache` do file
     I/O and are called without it, on segments reserved (`write`) or pinned (the reads).
@@ -60,6 +61,7 @@ class SegmentTier(Protocol):
 
     directory: Path
     page_bytes: int
+    mac: PageMac  # of every page it writes and reads
     used_bytes: int
     other_model_segments: int
     segments: dict[int, Segment]

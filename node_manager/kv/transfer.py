@@ -18,7 +18,7 @@ import torch
 
 from node_manager.kv.errors import InvalidRequest
 from node_manager.kv.loader import LayerResult, LayerwiseLoad, RowTarget
-from node_manager.kv.pages import run_checksums
+from node_manager.kv.pages import PageMac
 from node_manager.kv.sessions import SessionRecord, addressed_keys
 from node_manager.kv.store import TieredStore
 from symphony.kv_addressing import BlockKey
@@ -122,6 +122,7 @@ async def stream_pages(
             result = await handle.wait_layer(layer)
             for start, stop in loaded_runs(result, chunk_start, count, per_message):
                 yield page_batch(
+                    store.ssd.mac,
                     ref,
                     record.blocks.block_keys[chunk_start + start : chunk_start + stop],
                     layer,
@@ -145,16 +146,23 @@ async def _stream_tail(
     for layer in range(store.geometry.num_layers):
         result = await handle.wait_layer(layer)
         if not result.failed:
-            yield page_batch(ref, [key], layer, first_block, staging[layer].numpy().tobytes(), tail_tokens)
+            data = staging[layer].numpy().tobytes()
+            yield page_batch(store.ssd.mac, ref, [key], layer, first_block, data, tail_tokens)
 
 
 def page_batch(
-    ref: kv_pb2.SessionRef, keys: Sequence[BlockKey], layer: int, first_block: int, data: bytes, tail_tokens: int = 0
+    mac: PageMac,
+    ref: kv_pb2.SessionRef,
+    keys: Sequence[BlockKey],
+    layer: int,
+    first_block: int,
+    data: bytes,
+    tail_tokens: int = 0,
 ) -> kv_pb2.PageBatch:
-    """A batch of `len(keys)` pages of one layer (bytes back to back), each with its checksum; the
-    last a partial block of `tail_tokens` tokens if that is > 0."""
+    """A batch of `len(keys)` pages of one layer (bytes back to back), each with its MAC under
+    `mac`; the last a partial block of `tail_tokens` tokens if that is > 0."""
     page_bytes = len(data) // len(keys) if keys else 0
-    checksums = run_checksums(keys, layer, memoryview(data), page_bytes)
+    checksums = mac.run_tags(keys, layer, memoryview(data), page_bytes)
     return kv_pb2.PageBatch(
         session=ref, layer=layer, first_block=first_block, checksums=checksums, data=data, tail_tokens=tail_tokens
     )

@@ -18,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,8 +31,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from symphony.config import SymphonyConfig, default_home, load_config
+from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, params_key, sign_params
 from symphony.models import DEFAULT_MODEL_NAME, fetch_default_model
-from symphony.tenancy import engine_cache_salt
+from symphony.tenancy import engine_cache_salt, internal_headers
 from tests.helpers import free_port, free_port_run, wait_until
 
 NODES = 2
@@ -55,13 +57,18 @@ class LiveCluster:
     kv_sockets: list[Path]
 
     def readyz(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/readyz", timeout=5).json()
+        return httpx.get(self.url + "/readyz", timeout=5, headers=self.internal_headers).json()
 
     def node_state(self, node: str) -> dict[str, Any]:
         return self.readyz()["nodes"][node]
 
     def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=5).text
+        return httpx.get(self.url + "/metrics", timeout=5, headers=self.internal_headers).text
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        """What reads /readyz's details and /metrics once keys are set (`symphony.tenancy`)."""
+        return internal_headers(self.secret.decode())
 
     @property
     def secret(self) -> bytes:
@@ -73,6 +80,14 @@ class LiveCluster:
         joining it (a benchmark's own scheduler) must be started with."""
         config = load_config(self.home / "symphony.toml", env={})
         return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, secret=self.secret.decode()))
+
+    def kv_params(self, tenant: str, session: str | None = None) -> dict[str, object]:
+        """`kv_transfer_params` naming `tenant` (and `session`), signed as the scheduler signs them:
+        what a test that calls an engine directly sends for its request to use the KV tiers."""
+        params: dict[str, object] = {TENANT_PARAM: tenant}
+        if session is not None:
+            params[SESSION_PARAM] = session
+        return sign_params(params, self.model, params_key(self.secret), time.time())
 
     def cache_salt(self, tenant: str) -> str:
         """The `cache_salt` the scheduler gives `tenant`'s requests (keyed by the cluster's secret)."""

@@ -92,8 +92,9 @@ def store_fingerprint(address: str) -> ModelFingerprint:
     return ModelFingerprint(info.model_fingerprint)
 
 
-def nodes(url: str) -> dict[str, dict[str, Any]]:
-    return dict(httpx.get(url + "/readyz", timeout=5).json()["nodes"])
+def nodes(url: str, headers: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """/readyz's nodes; `headers`: the token that reads them from a scheduler with keys set."""
+    return dict(httpx.get(url + "/readyz", timeout=5, headers=headers).json()["nodes"])
 
 
 def prompt_keys(

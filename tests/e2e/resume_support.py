@@ -10,6 +10,7 @@ import grpc
 import openai
 
 from eval.resume_runner import Node
+from symphony.kv_transfer import params_key
 from symphony.rpc import kv_pb2_grpc
 from tests.e2e.conftest import LiveCluster
 
@@ -26,6 +27,7 @@ def resume_nodes(cluster: LiveCluster) -> Iterator[list[Node]]:
                 f"http://127.0.0.1:{metrics}/metrics",
                 cluster.home / "kv" / f"node-{i}",
                 cluster.kv_sockets[i],
+                params_key(cluster.secret),
             )
             for i, (engine, channel, grpc_port, metrics) in enumerate(
                 zip(cluster.engine_ports, channels, cluster.grpc_ports, cluster.kv_metrics_ports, strict=True)

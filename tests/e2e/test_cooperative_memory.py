@@ -15,6 +15,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from node_manager.kv.pages import PageMac
 from node_manager.kv.transfer import page_batch
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.kv_geometry import smollm2_geometry
@@ -52,6 +53,7 @@ def _synthetic_ids(seed: int, blocks: int) -> list[int]:
 
 def _prefetched_session(
     stub: kv_pb2_grpc.KVStoreStub,
+    mac: PageMac,
     tenant: str,
     seed: int,
     blocks: int = SESSION_BLOCKS,
@@ -69,6 +71,7 @@ def _prefetched_session(
     values = geometry.page_bytes // 2  # bf16 values per page
     batches = [
         page_batch(
+            mac,
             ref,
             keys,
             layer,
@@ -119,8 +122,9 @@ def test_prefetched_kv_yields_before_any_request_is_preempted_or_refused(live_cl
     sessions = capacity_tokens // (SESSION_BLOCKS * BLOCK) + 1  # more than the engine's whole cache
     with grpc.insecure_channel(f"127.0.0.1:{live_cluster.grpc_ports[NODE]}") as channel:
         stub = kv_pb2_grpc.KVStoreStub(channel)
+        mac = PageMac(live_cluster.secret)  # pages the node accepts carry MACs under the cluster's secret
         tenant = f"filler-{uuid.uuid4().hex[:8]}"
-        warmed = [_prefetched_session(stub, f"{tenant}-{i}", seed=i) for i in range(sessions)]
+        warmed = [_prefetched_session(stub, mac, f"{tenant}-{i}", seed=i) for i in range(sessions)]
     assert all(status.state == kv_pb2.PREFETCH_STATE_DONE and not status.engine_note for status in warmed), warmed
     assert sum(status.engine_cached_tokens for status in warmed) >= capacity_tokens  # every block holds one
 
@@ -130,8 +134,8 @@ def test_prefetched_kv_yields_before_any_request_is_preempted_or_refused(live_cl
 
 
 def _vllm_hit_tokens(client: openai.OpenAI, model: str, token_ids: list[int]) -> int:
-    """How much of `token_ids` vLLM's own prefix cache holds: asked under a tenant no Symphony tier
-    knows, so the connector adds nothing (one token more, so that the last block can hit)."""
+    """How much of `token_ids` vLLM's own prefix cache holds: asked with unsigned params, so the
+    connector adds nothing (one token more, so that the last block can hit)."""
     reply = client.completions.create(
         model=model,
         prompt=[*token_ids, token_ids[-1]],
@@ -156,8 +160,9 @@ def test_warmed_sessions_yield_in_symphonys_order_not_lru(live_cluster: LiveClus
     tenant = f"order-{uuid.uuid4().hex[:8]}"
     with grpc.insecure_channel(f"127.0.0.1:{live_cluster.grpc_ports[NODE]}") as channel:
         stub = kv_pb2_grpc.KVStoreStub(channel)
+        mac = PageMac(live_cluster.secret)  # pages the node accepts carry MACs under the cluster's secret
         for seed, (name, (blocks, priority)) in enumerate(sessions.items(), start=100):
-            status = _prefetched_session(stub, f"{tenant}-{name}", seed, blocks, priority)
+            status = _prefetched_session(stub, mac, f"{tenant}-{name}", seed, blocks, priority)
             assert status.engine_cached_tokens >= blocks * BLOCK, status
     warmed = sum(blocks for blocks, _ in sessions.values())
     # New blocks beyond the never-used ones come off the warmed sessions, first in line first: enough
@@ -169,7 +174,7 @@ def test_warmed_sessions_yield_in_symphonys_order_not_lru(live_cluster: LiveClus
             model=live_cluster.model,
             prompt=_synthetic_ids(seed, demand // 2 + 1)[:per_request],
             max_tokens=1,
-            extra_body={"kv_transfer_params": {"tenant": "burst"}},
+            extra_body={"kv_transfer_params": live_cluster.kv_params("burst")},
         )
     ids = {name: _synthetic_ids(seed, blocks) for seed, (name, (blocks, _)) in enumerate(sessions.items(), start=100)}
     assert _vllm_hit_tokens(client, live_cluster.model, ids["high"]) == sessions["high"][0] * BLOCK

@@ -60,18 +60,18 @@ def subscriber(live_cluster: LiveCluster, tenant: str, recorder: EmitRecorder) -
     sub.stop()
 
 
-def complete(engine_url: str, model: str, prompt: str, tenant: str, salt: str) -> dict[str, object]:
+def complete(engine_url: str, cluster: LiveCluster, prompt: str, tenant: str, salt: str) -> dict[str, object]:
     """One token of completion, as the scheduler relays a tenant's request: its cache_salt and the
     connector's kv_transfer_params (the node registers the session, so it learns the tenant)."""
     response = httpx.post(
         engine_url + "/v1/completions",
         json={
-            "model": model,
+            "model": cluster.model,
             "prompt": prompt,
             "max_tokens": 1,  # the prompt's blocks only: a generated token never gets KV here
             "temperature": 0,
             "cache_salt": salt,
-            "kv_transfer_params": {"tenant": tenant, "session_id": f"s-{uuid.uuid4().hex[:6]}"},
+            "kv_transfer_params": cluster.kv_params(tenant, f"s-{uuid.uuid4().hex[:6]}"),
             "return_token_ids": True,
         },
         timeout=120,
@@ -99,15 +99,13 @@ def test_the_engines_prefix_cache_is_reported_as_the_tenants_block_keys(
     # is up: requests of new blocks until some are seen (the first batch seen is also a gap), then
     # one more whose blocks, once in, say nothing earlier is still on its way (ZMQ keeps the order).
     def some_block_seen() -> bool:
-        complete(
-            engine_url, live_cluster.model, f"warm {uuid.uuid4().hex} " * 12, tenant, live_cluster.cache_salt(tenant)
-        )
+        complete(engine_url, live_cluster, f"warm {uuid.uuid4().hex} " * 12, tenant, live_cluster.cache_salt(tenant))
         return bool(recorder.keys(STORED))
 
     wait_until(some_block_seen, TIMEOUT_S, "the test's subscriber to receive the engine's events", interval_s=0.2)
     marker = f"marker {uuid.uuid4().hex} " * 12
     _, marker_keys = prompt_keys(marker)
-    complete(engine_url, live_cluster.model, marker, tenant, live_cluster.cache_salt(tenant))
+    complete(engine_url, live_cluster, marker, tenant, live_cluster.cache_salt(tenant))
     wait_until(lambda: recorder.keys(STORED)[-len(marker_keys) :] == marker_keys, TIMEOUT_S, "the marker's blocks")
     recorder.clear()
 
@@ -121,7 +119,7 @@ def test_the_engines_prefix_cache_is_reported_as_the_tenants_block_keys(
     prompt = f"Tell the story of ticket {uuid.uuid4().hex}. " + "The lighthouse keeper counted the waves. " * 20
     token_ids, expected = prompt_keys(prompt)
     assert len(expected) >= 4, "the prompt must span blocks for the chain to mean anything"
-    choice = complete(engine_url, live_cluster.model, prompt, tenant, live_cluster.cache_salt(tenant))
+    choice = complete(engine_url, live_cluster, prompt, tenant, live_cluster.cache_salt(tenant))
     assert choice["prompt_token_ids"] == token_ids  # the engine computed the tokens /tokenize named
 
     wait_until(lambda: len(recorder.keys(STORED)) >= len(expected), TIMEOUT_S, "the prompt's blocks")
@@ -143,7 +141,7 @@ def test_the_engines_prefix_cache_is_reported_as_the_tenants_block_keys(
     reset_engine_cache(engine_url)
     after = f"After the reset {uuid.uuid4().hex}: " + "the keeper wrote the log. " * 12
     _, after_keys = prompt_keys(after)
-    complete(engine_url, live_cluster.model, after, tenant, live_cluster.cache_salt(tenant))
+    complete(engine_url, live_cluster, after, tenant, live_cluster.cache_salt(tenant))
     wait_until(lambda: len(recorder.keys(STORED)) >= len(after_keys), TIMEOUT_S, "the next request's blocks")
     assert recorder.calls[0] == (CLEARED, [])
     assert recorder.keys(STORED) == after_keys

@@ -43,8 +43,10 @@ SYSTEM = (
 ) * 12  # about 400 tokens: a dozen blocks
 
 
-def _located(url: str, source: str) -> float:
-    found = re.search(rf'symphony_kv_located_total{{source="{source}"}} (\S+)', httpx.get(url + "/metrics").text)
+def _located(url: str, source: str, headers: dict[str, str]) -> float:
+    metrics = httpx.get(url + "/metrics", headers=headers)
+    assert metrics.status_code == 200, metrics.text  # keys are set: the cluster's internal token reads them
+    found = re.search(rf'symphony_kv_located_total{{source="{source}"}} (\S+)', metrics.text)
     return float(found.group(1)) if found else 0.0
 
 
@@ -79,7 +81,7 @@ def tenants_scheduler(live_cluster: LiveCluster, tmp_path: Path) -> Iterator[str
         if process.poll() is not None:
             raise AssertionError(f"the scheduler exited: {out.read_text(errors='replace')[-3000:]}")
         try:
-            body = httpx.get(url + "/readyz", timeout=5).json()
+            body = httpx.get(url + "/readyz", timeout=5, headers=live_cluster.internal_headers).json()
         except (httpx.HTTPError, ValueError):
             return False
         views = [IndexView.of(n) for n in body["nodes"].values()]
@@ -111,7 +113,8 @@ def test_a_shared_system_prompt_is_found_for_its_tenant_and_never_for_another(
         return [{"role": "system", "content": f"[{tag}] {SYSTEM}"}, {"role": "user", "content": question}]
 
     first = chat(url, model, f"acme-1-{tag}", messages("What size is this chain?"), KEYS["acme"])
-    cluster = nodes(url)
+    ops = live_cluster.internal_headers  # reads /readyz's nodes and /metrics: this scheduler has keys
+    cluster = nodes(url, ops)
     holder = cluster[first.node]
     fingerprint = store_fingerprint(str(holder["address"]))
     asked = messages("Which tyre fits a 622 rim?")
@@ -124,22 +127,22 @@ def test_a_shared_system_prompt_is_found_for_its_tenant_and_never_for_another(
 
     def in_step() -> bool:
         held = node_holdings(str(holder["address"]))
-        view = IndexView.of(nodes(url)[first.node])
+        view = IndexView.of(nodes(url, ops)[first.node])
         return held.holds("engine", acme_keys[: shared - 1]) and view is not None and view.matches(held)
 
     wait_until(in_step, 60, f"the index to see {first.node}'s engine hold acme's system prompt")
     for node in cluster.values():
         held = node_holdings(str(node["address"]))
         assert not any(set(globex_keys) & keys for keys in held.keys.values()), "globex's blocks exist nowhere yet"
-    located = _located(url, "index")
+    located = _located(url, "index", ops)
 
     other = chat(url, model, f"globex-1-{tag}", asked, KEYS["globex"])
     # The index was asked and named no node ("symphony_local_kv" would name the holder); vLLM's own
     # cache found nothing under globex's salt either.
     assert other.route == "symphony" and other.cached_tokens == 0, other
-    assert _located(url, "index") == located + 1
+    assert _located(url, "index", ops) == located + 1
 
     again = chat(url, model, f"acme-2-{tag}", asked, KEYS["acme"])
     assert (again.node, again.route) == (first.node, "symphony_local_kv"), again
     assert again.cached_tokens >= (shared - 1) * 32, again
-    assert _located(url, "index") == located + 2
+    assert _located(url, "index", ops) == located + 2

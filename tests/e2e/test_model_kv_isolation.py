@@ -197,7 +197,7 @@ def test_a_new_dtype_or_new_weights_on_the_same_home_load_nothing_old(
         _second_turn_is_clean(other, PERTURBED, second)
         with node_log.open("rb") as fh:
             fh.seek(logged_before)
-            assert b"KV segments of another model were not loaded; deleted" in fh.read()
+            assert b"KV segments of another model or cluster secret were not loaded; deleted" in fh.read()
     finally:
         stop_cluster(other)
     assert _fingerprints_on_disk(home) == {other_model}

@@ -20,16 +20,16 @@ ANSWER_TOKENS = 96
 
 
 def _complete(
-    client: openai.OpenAI, model: str, prompt: str | list[int], tenant: str, salt: str, max_tokens: int
+    client: openai.OpenAI, cluster: LiveCluster, prompt: str | list[int], tenant: str, salt: str, max_tokens: int
 ) -> openai.types.Completion:
     return client.completions.create(
-        model=model,
+        model=cluster.model,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
         logprobs=1,
         extra_body={
-            "kv_transfer_params": {"tenant": tenant, "session_id": "chat"},
+            "kv_transfer_params": cluster.kv_params(tenant, "chat"),
             "cache_salt": salt,
             "return_token_ids": True,
             "ignore_eos": True,
@@ -45,7 +45,7 @@ def test_a_top_tier_prefetch_makes_the_next_turn_a_prefix_cache_hit(live_cluster
     tenant = f"warm-{uuid.uuid4().hex[:8]}"
     built_salt, next_salt = f"{tenant}-built", f"{tenant}-next"
     tails_before = live_cluster.node_metric(0, "symphony_connector_tail_tokens_saved_total")
-    turn_one = _complete(client, live_cluster.model, first, tenant, built_salt, ANSWER_TOKENS).choices[0]
+    turn_one = _complete(client, live_cluster, first, tenant, built_salt, ANSWER_TOKENS).choices[0]
     history = [*turn_one.prompt_token_ids, *turn_one.token_ids]
     history_tokens = (len(history) - 1) // BLOCK * BLOCK  # what a prefix-cache hit can cover
     tail = len(history) - 1 - history_tokens  # the partial last block, which vLLM's cache never holds
@@ -85,7 +85,7 @@ def test_a_top_tier_prefetch_makes_the_next_turn_a_prefix_cache_hit(live_cluster
     loaded_before = live_cluster.node_metric(0, "symphony_connector_prompt_tokens_total", source="symphony")
     hits_before = live_cluster.node_metric(0, "symphony_connector_prompt_tokens_total", source="engine_cache")
     arrivals_before = live_cluster.node_metric(0, "symphony_kv_prefetch_arrivals_total", ready="yes")
-    warmed = _complete(client, live_cluster.model, prompt, tenant, next_salt, 24)
+    warmed = _complete(client, live_cluster, prompt, tenant, next_salt, 24)
     assert warmed.usage.prompt_tokens_details.cached_tokens >= history_tokens
     # The connector reports a step's prompt tokens with the next step's plan: wait for them.
     wait_until(
@@ -102,6 +102,6 @@ def test_a_top_tier_prefetch_makes_the_next_turn_a_prefix_cache_hit(live_cluster
     )
     assert live_cluster.node_metric(0, "symphony_kv_prefetch_arrivals_total", ready="yes") == arrivals_before + 1
 
-    reference = _complete(client, live_cluster.model, prompt, tenant, built_salt, 24)  # turn 1's own cache
+    reference = _complete(client, live_cluster, prompt, tenant, built_salt, 24)  # turn 1's own cache
     assert warmed.choices[0].token_ids == reference.choices[0].token_ids
     assert_logprobs_close(warmed, reference)

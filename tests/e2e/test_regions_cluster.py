@@ -136,7 +136,11 @@ def _advise_to_us_east(entry: str, session: str, key: str) -> None:
 def _prefetches_done(cluster: LiveCluster) -> int:
     """Prefetches us-east's scheduler has seen finish (its node's pulls among them)."""
     config = load_config(cluster.home / "symphony.toml", env={})
-    text = httpx.get(f"http://127.0.0.1:{config.regions.scheduler_port_base}/metrics", timeout=5).text
+    metrics = httpx.get(
+        f"http://127.0.0.1:{config.regions.scheduler_port_base}/metrics", timeout=5, headers=cluster.internal_headers
+    )
+    assert metrics.status_code == 200, metrics.text  # keys are set: read with the cluster's internal token
+    text = metrics.text
     done = 'symphony_prefetches_total{outcome="done"}'
     line = next((line for line in text.splitlines() if line.startswith(done)), "")
     return int(float(line.split()[-1])) if line else 0
@@ -144,7 +148,10 @@ def _prefetches_done(cluster: LiveCluster) -> int:
 
 def _links(cluster: LiveCluster) -> list[dict[str, Any]]:
     config = load_config(cluster.home / "symphony.toml", env={})
-    return httpx.get(f"http://127.0.0.1:{config.regions.link_port_base}/links", timeout=5).json()["links"]
+    links = httpx.get(
+        f"http://127.0.0.1:{config.regions.link_port_base}/links", timeout=5, headers=cluster.internal_headers
+    )
+    return links.json()["links"]  # type: ignore[no-any-return]
 
 
 def _owned(links: list[dict[str, Any]], pair: str, tenant: str) -> tuple[int, int, int]:
@@ -211,7 +218,8 @@ def test_killing_a_regions_scheduler_fails_its_traffic_over(regions_cluster: Liv
 
 
 def _regions(cluster: LiveCluster, index: int) -> dict[str, Any]:
-    return httpx.get(_entry(cluster, index).removesuffix("/v1") + "/regions", timeout=5).json()["regions"]
+    url = _entry(cluster, index).removesuffix("/v1") + "/regions"
+    return httpx.get(url, timeout=5, headers=cluster.internal_headers).json()["regions"]  # type: ignore[no-any-return]
 
 
 def _chat_turn(url: str, session: str, messages: list[dict[str, str]], key: str = "none") -> tuple[str, str, int]:

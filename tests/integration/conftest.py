@@ -35,7 +35,10 @@ async def start_scheduler() -> AsyncIterator[StartScheduler]:
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
     async def start(
-        nodes: list[FakeNodeManager], quotas: dict[str, Any] | None = None, **scheduler: Any
+        nodes: list[FakeNodeManager],
+        quotas: dict[str, Any] | None = None,
+        cluster: dict[str, Any] | None = None,
+        **scheduler: Any,
     ) -> tuple[str, SchedulerState]:
         port = free_port()
         settings = {
@@ -46,7 +49,9 @@ async def start_scheduler() -> AsyncIterator[StartScheduler]:
             "connect_timeout_s": 1.0,
             **scheduler,
         }
-        config = load_config(env={}, overrides={"scheduler": settings, "quotas": quotas or {}})
+        config = load_config(
+            env={}, overrides={"scheduler": settings, "quotas": quotas or {}, "cluster": cluster or {}}
+        )
         state = SchedulerState(config)
         server = uvicorn.Server(server_config(config, state))  # as `symphony scheduler` serves it
         task = asyncio.create_task(server.serve())

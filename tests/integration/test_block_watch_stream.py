@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from node_manager.kv.pages import Tier
+from node_manager.kv.pages import PageMac, Tier
 from node_manager.kv.transfer import page_batch
 from node_manager.kv_runtime import GRPC_OPTIONS, KVRuntime, start_kv
 from scheduler.kv_index import ClusterKVIndex, NodePrefix, Outcome
@@ -30,6 +30,7 @@ from tests.helpers import OTHER_MODEL, TEST_MODEL, async_wait_until, free_port
 GEOMETRY = KVGeometry(num_layers=3, kv_heads=1, head_size=8, block_size=16)
 TENANT = "acme"
 READ_TIMEOUT_S = 10.0
+SECRET = "a cluster secret for the block watch tests"
 STORED, REMOVED = kv_pb2.BLOCK_EVENT_STORED, kv_pb2.BLOCK_EVENT_REMOVED
 
 
@@ -46,6 +47,7 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
     config = load_config(
         env={},
         overrides={
+            "cluster": {"secret": SECRET},
             "node": {"grpc_port_base": free_port()},
             "kv": {
                 "hbm_bytes": 64 * GEOMETRY.page_bytes,
@@ -141,7 +143,10 @@ async def upload(stub: kv_pb2_grpc.KVStoreStub, session: str, blocks: int, seed:
     keys = list(chain_block_keys(TEST_MODEL, TENANT, token_ids, GEOMETRY.block_size).block_keys)
     gen = torch.Generator().manual_seed(seed)
     pages = [torch.randint(0, 2**62, (blocks, GEOMETRY.page_words), generator=gen) for _ in range(GEOMETRY.num_layers)]
-    batches = [page_batch(ref, keys, layer, 0, pages[layer].numpy().tobytes()) for layer in range(GEOMETRY.num_layers)]
+    mac = PageMac(SECRET.encode())
+    batches = [
+        page_batch(mac, ref, keys, layer, 0, pages[layer].numpy().tobytes()) for layer in range(GEOMETRY.num_layers)
+    ]
     reply = await stub.WritePages(iter(batches), timeout=10)
     assert (reply.pages_stored, reply.pages_rejected) == (blocks * GEOMETRY.num_layers, 0)
     return keys

@@ -27,6 +27,7 @@ from symphony.config import SymphonyConfig, dump_toml, load_config
 from symphony.region_links import RegionLinks, remote_node_addresses
 from symphony.region_load import RegionLoad, session_digest
 from symphony.regions import RegionTopology
+from symphony.tenancy import internal_headers
 from tests.helpers import async_wait_until
 from tests.integration.fakes import FakeEngine, FakeNodeManager, ready_status
 
@@ -35,6 +36,8 @@ REGIONS = ["us-east:1", "eu-west:1", "ap-south:1"]
 LINKS = ["us-east~eu-west:40:1000", "us-east~ap-south:100:1000", "eu-west~ap-south:60:1000"]
 KEYS = ["acme:key-acme", "eu:key-eu"]
 ADMIN = "admin-secret"
+SECRET = "the regions' cluster secret"  # every process's: the entries read /summary with its token
+OPS = internal_headers(SECRET)  # what reads /regions, /summary and /metrics (keys are set)
 LOAD0 = RegionLoad(0, 0, 0, 0, 0, 0, 0.0)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -51,6 +54,10 @@ class Regions:
 
     def entry_url(self, region: str) -> str:
         return f"http://127.0.0.1:{self.config.scheduler.port + self.topology.region(region).index}"
+
+    def fault(self, pair: str) -> str:
+        """The links' control URL that sets `pair`'s fault."""
+        return f"{self.links_url}/links/{pair}/fault"
 
     @property
     def links_url(self) -> str:
@@ -97,7 +104,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
         env={},
         overrides={
             "scheduler": {"port": entries_port, "api_keys": KEYS, "connect_timeout_s": 1.0, "admin_token": ADMIN},
-            "cluster": {"nodes": 3},
+            "cluster": {"nodes": 3, "secret": SECRET, "tls": False},  # the fake nodes speak plaintext gRPC
             "kv": {"data_plane": "grpc"},
             # Down after 1.5 s without a summary: long enough that a loaded host (CI, a GIL-bound
             # thread in this process) does not read a live region as down between a test's steps.
@@ -130,7 +137,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
                         "admin_token": ADMIN,
                         "region": region.name,
                     },
-                    "cluster": {"nodes": 3},
+                    "cluster": {"nodes": 3, "secret": SECRET, "tls": False},  # the fake nodes speak plaintext gRPC
                     "kv": {"data_plane": "grpc"},
                     "regions": regions_keys,
                 },
@@ -248,21 +255,21 @@ async def test_a_dead_regions_traffic_fails_over_with_no_client_error(regions: R
     again = await _chat(regions.entry_url("us-east"), _headers())
     assert again.headers[REGION_HEADER] == "eu-west" and entry.failovers["us-east"] == 1
     async with httpx.AsyncClient(timeout=5) as client:
-        described = (await client.get(regions.entry_url("us-east") + "/regions")).json()
+        described = (await client.get(regions.entry_url("us-east") + "/regions", headers=OPS)).json()
     assert described["regions"]["us-east"]["up"] is False
     assert described["regions"]["eu-west"]["served"] == 2
 
 
 async def test_a_partitioned_link_fails_over_to_the_next_region(regions: Regions) -> None:
     async with httpx.AsyncClient(timeout=5) as client:
-        cut = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json={"fault": "partition"})
+        cut = await client.post(regions.fault("ap-south~us-east"), json={"fault": "partition"}, headers=OPS)
         assert cut.status_code == 200 and cut.json()["fault"] == "partition"
         answer = await _chat(regions.entry_url("us-east"), _headers(**{CLIENT_REGION_HEADER: "ap-south"}))
         assert answer.status_code == 200
         assert answer.headers[REGION_HEADER] == "eu-west"  # ap-south unreachable from us-east
-        described = (await client.get(regions.links_url + "/links")).json()["links"]
+        described = (await client.get(regions.links_url + "/links", headers=OPS)).json()["links"]
         assert {link["pair"]: link["fault"] for link in described}["ap-south~us-east"] == "partition"
-        healed = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json={"fault": "none"})
+        healed = await client.post(regions.fault("ap-south~us-east"), json={"fault": "none"}, headers=OPS)
         assert healed.status_code == 200
     await regions.all_up("us-east", regions=["ap-south"])
     answer = await _chat(regions.entry_url("us-east"), _headers(**{CLIENT_REGION_HEADER: "ap-south"}))
@@ -277,7 +284,7 @@ async def test_a_request_waiting_on_a_region_whose_link_goes_dark_fails_over(reg
     ask = asyncio.create_task(_chat(regions.entry_url("us-east"), _headers(**{CLIENT_REGION_HEADER: "ap-south"}), slow))
     await async_wait_until(lambda: len(regions.engine.requests) == 1, 5, "ap-south's engine to get the request")
     async with httpx.AsyncClient(timeout=5) as client:
-        dark = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json={"fault": "blackhole"})
+        dark = await client.post(regions.fault("ap-south~us-east"), json={"fault": "blackhole"}, headers=OPS)
         assert dark.status_code == 200
         await async_wait_until(lambda: len(regions.engine.requests) == 2, 8, "the request to be sent on")
         regions.engine.slow_done.set()
@@ -286,7 +293,7 @@ async def test_a_request_waiting_on_a_region_whose_link_goes_dark_fails_over(reg
         assert answer.headers[REGION_HEADER] == "eu-west"
         assert regions.entries["us-east"].failovers["ap-south"] == 1
         assert regions.entries["us-east"].abandoned["ap-south"] == 1
-        healed = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json={"fault": "none"})
+        healed = await client.post(regions.fault("ap-south~us-east"), json={"fault": "none"}, headers=OPS)
         assert healed.status_code == 200
     await regions.all_up("us-east", regions=["ap-south"])
 
@@ -338,14 +345,37 @@ async def test_an_oversized_body_is_refused_and_bad_json_reaches_the_schedulers_
 
 async def test_the_links_control_api_refuses_bad_faults(regions: Regions) -> None:
     async with httpx.AsyncClient(timeout=5) as client:
-        unknown = await client.post(regions.links_url + "/links/mars~us-east/fault", json={"fault": "partition"})
+        unknown = await client.post(regions.fault("mars~us-east"), json={"fault": "partition"}, headers=OPS)
         assert unknown.status_code == 404 and "known:" in unknown.json()["error"]["message"]
         for body in ({"fault": "melt"}, {"fault": "none", "extra_latency_ms": -1}, {}):
-            bad = await client.post(regions.links_url + "/links/ap-south~us-east/fault", json=body)
+            bad = await client.post(regions.fault("ap-south~us-east"), json=body, headers=OPS)
             assert bad.status_code == 400, body
-        listed = (await client.get(regions.links_url + "/links")).json()["links"]
+        listed = (await client.get(regions.links_url + "/links", headers=OPS)).json()["links"]
     assert sorted(link["pair"] for link in listed) == ["ap-south~eu-west", "ap-south~us-east", "eu-west~us-east"]
     assert all(link["fault"] == "none" for link in listed)
+
+
+async def test_the_control_and_observation_apis_need_a_token_once_keys_are_set(regions: Regions) -> None:
+    """Faults, the links' per-tenant bytes, the entries' /regions and the schedulers' /summary: a
+    tenant's key does not reach them, nor does nothing; the admin or internal token does."""
+    scheduler = f"http://127.0.0.1:{regions.config.regions.scheduler_port_base}"
+    calls = [
+        ("POST", regions.fault("ap-south~us-east")),
+        ("GET", regions.links_url + "/links"),
+        ("GET", regions.entry_url("us-east") + "/regions"),
+        ("GET", scheduler + "/summary"),
+        ("GET", scheduler + "/metrics"),
+    ]
+    async with httpx.AsyncClient(timeout=5) as client:
+        for method, url in calls:
+            for headers, status in (({}, 401), (_headers(), 403)):
+                answer = await client.request(method, url, json={"fault": "partition"}, headers=headers)
+                assert answer.status_code == status, (method, url, headers)
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            allowed = await client.request(method, url, json={"fault": "none"}, headers=admin)
+            assert allowed.status_code == 200, (method, url)
+        described = (await client.get(regions.links_url + "/links", headers=OPS)).json()["links"]
+    assert all(link["fault"] == "none" for link in described)  # no refused call set a fault
 
 
 @pytest.mark.region_policy("symphony")
@@ -384,7 +414,7 @@ async def test_a_sessions_next_turn_goes_back_to_the_region_holding_its_kv(regio
     # No entry ever sees the session's id: the feed names it by digest.
     async with httpx.AsyncClient(timeout=5) as client:
         summary = (
-            await client.get(f"http://127.0.0.1:{regions.config.regions.scheduler_port_base + 1}/summary")
+            await client.get(f"http://127.0.0.1:{regions.config.regions.scheduler_port_base + 1}/summary", headers=OPS)
         ).json()
     assert "story" not in str(summary) and summary["sessions"]["held"][0][0] == digest
 
@@ -450,7 +480,9 @@ async def test_an_advisory_moves_a_sessions_kv_across_regions_and_its_request_fo
     assert [p.source_peer for p in pulls] == [link_to_node_1]
     assert pulls[0].session.session_id == "story" and pulls[0].session.tenant == "acme"
     async with httpx.AsyncClient(timeout=5) as client:
-        metrics = (await client.get(f"http://127.0.0.1:{regions.config.regions.scheduler_port_base}/metrics")).text
+        metrics = (
+            await client.get(f"http://127.0.0.1:{regions.config.regions.scheduler_port_base}/metrics", headers=OPS)
+        ).text
     assert 'symphony_prefetches_total{outcome="from_region"} 1.0' in metrics
     second = await _chat(
         regions.entry_url("us-east"),
@@ -475,7 +507,8 @@ async def test_a_client_cannot_name_a_kv_source(regions: Regions) -> None:
         assert via_entry.status_code == 202
         us_east = f"http://127.0.0.1:{regions.config.regions.scheduler_port_base}"
         # Counted as the advisory is handled, before its answer: no move from another region began.
-        assert "from_region" not in (await client.get(us_east + "/metrics")).text
+        metrics = await client.get(us_east + "/metrics", headers=OPS)
+        assert metrics.status_code == 200 and "from_region" not in metrics.text
         for value, status in (("node-0:10", 400), ("evil:10", 400), ("node-1:x", 400), ("node-1:0", 400)):
             direct = await client.post(
                 us_east + "/v1/advisories",

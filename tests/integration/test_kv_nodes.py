@@ -23,9 +23,10 @@ import httpx
 import pytest
 import torch
 
-from node_manager.kv.pages import page_checksum
+from node_manager.kv.pages import PageMac
 from node_manager.kv.slots import DramArena
 from node_manager.kv.transfer import page_batch
+from symphony.config_secrets import new_cluster_secret
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.kv_geometry import KVGeometry, hf_config_for
 from symphony.rpc import kv_pb2, kv_pb2_grpc
@@ -33,6 +34,8 @@ from tests.helpers import OTHER_MODEL, TEST_MODEL, async_wait_until, free_port, 
 
 GEOMETRY = KVGeometry(num_layers=6, kv_heads=3, head_size=64, block_size=32)  # SmolLM2 pages, fewer layers
 TENANT = "acme"
+SECRET = new_cluster_secret()  # the nodes' cluster secret: pages written to them carry MACs under it
+MAC = PageMac(SECRET.encode())
 
 
 @dataclass
@@ -82,6 +85,7 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Node]]:
 home = "{home}"
 [cluster]
 nodes = 3
+secret = "{SECRET}"
 [node]
 grpc_port_base = {grpc_base}
 engine_port_base = {free_port_run(3)}
@@ -162,7 +166,9 @@ def _batches(
     ref: kv_pb2.SessionRef, token_ids: list[int], pages: list[torch.Tensor], model: ModelFingerprint
 ) -> list[kv_pb2.PageBatch]:
     keys = chain_block_keys(model, ref.tenant, token_ids, GEOMETRY.block_size).block_keys
-    return [page_batch(ref, keys, layer, 0, layer_pages.numpy().tobytes()) for layer, layer_pages in enumerate(pages)]
+    return [
+        page_batch(MAC, ref, keys, layer, 0, layer_pages.numpy().tobytes()) for layer, layer_pages in enumerate(pages)
+    ]
 
 
 async def _upload(
@@ -631,7 +637,7 @@ def test_kill_9_during_writes_leaves_no_torn_page(tmp_path: Path) -> None:
             segment = store.ssd.segments[location.seq]
             view = memoryview(staging[layer][0].numpy()).cast("B")
             store.ssd.read_into(segment, [(location.index, view)])
-            bad += page_checksum(key, layer, view) != checksum
+            bad += store.ssd.mac.tag(key, layer, view) != checksum
         assert bad == 0
     finally:
         store.close()

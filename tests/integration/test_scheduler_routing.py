@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -17,7 +18,9 @@ from eval.loadgen import LoadGenerator, LoadSettings
 from eval.workloads import SHAREGPT_SAMPLE, HumanTiming, load_sharegpt
 from scheduler import prefetcher, pull_costs
 from symphony.cli import main
+from symphony.kv_transfer import AUTH_PARAM, params_key, params_refusal
 from symphony.rpc import kv_pb2
+from symphony.tenancy import internal_headers
 from tests.helpers import async_wait_until
 from tests.integration.conftest import CHAT, WARM_UPS_PAY, MakeNode, StartScheduler, ready
 from tests.integration.fakes import FakeEngine, FakeNodeManager
@@ -246,7 +249,18 @@ async def test_a_predecessor_hint_prefetches_by_its_expected_arrival_and_late_kv
 async def test_tenants_come_from_api_keys_and_key_the_kv_the_engine_gets(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:
-    url, _ = await start_scheduler([await make_node(engine.url)], api_keys=KEYS)
+    url, state = await start_scheduler(
+        [await make_node(engine.url)], api_keys=KEYS, cluster={"secret": "the cluster's secret, signing"}
+    )
+    key = params_key(state.config.cluster.secret.encode())
+    assert state.config.cluster.secret  # a real key: the empty secret's would be anyone's
+
+    def params() -> dict[str, object]:
+        """The last request's kv_transfer_params, once the connector's check of them has passed."""
+        sent = engine.requests[-1]["kv_transfer_params"]
+        assert params_refusal(sent, engine.requests[-1]["model"], key, time.time()) is None
+        return {name: value for name, value in sent.items() if name != AUTH_PARAM}
+
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-acme"}):
@@ -261,16 +275,51 @@ async def test_tenants_come_from_api_keys_and_key_the_kv_the_engine_gets(
         forged = {**CHAT, "kv_transfer_params": {"tenant": "rival", "session_id": "theirs"}}
         reply = await client.post("/v1/chat/completions", json=forged, headers={**ACME, "X-Session-ID": "mine"})
         assert reply.status_code == 200
-        assert engine.requests[-1]["kv_transfer_params"] == {"tenant": "acme", "session_id": "mine"}
+        assert params() == {"tenant": "acme", "session_id": "mine"}
         acme_salt = engine.requests[-1]["cache_salt"]
         await client.post("/v1/chat/completions", json=CHAT, headers={**RIVAL, "X-Session-ID": "mine"})
-        assert engine.requests[-1]["kv_transfer_params"] == {"tenant": "rival", "session_id": "mine"}
+        assert params() == {"tenant": "rival", "session_id": "mine"}
         # The engine's own prefix cache is split by tenant too: a client cannot pick another's salt.
         assert engine.requests[-1]["cache_salt"] != acme_salt
         await client.post(
             "/v1/chat/completions", json={**CHAT, "cache_salt": acme_salt}, headers={**RIVAL, "X-Session-ID": "mine"}
         )
         assert engine.requests[-1]["cache_salt"] not in (acme_salt, engine.requests[-2]["cache_salt"])
+
+
+async def test_operational_detail_needs_the_admin_or_the_internal_token_once_keys_are_set(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """/metrics, /readyz's details and /summary span every tenant: a tenant's key does not read them,
+    nor does nothing; the admin token and the cluster's internal token do. /readyz's status and
+    /healthz stay open for probes."""
+    secret = "the cluster's secret, shared"
+    url, _ = await start_scheduler(
+        [await make_node(engine.url)], api_keys=KEYS, admin_token="s3cret", cluster={"secret": secret}
+    )
+    readers = {"admin": {"Authorization": "Bearer s3cret"}, "internal": internal_headers(secret)}
+    refused = {
+        "nobody": ({}, 401),
+        "a tenant": (ACME, 403),
+        "another cluster": (internal_headers("another cluster's secret"), 403),
+        "the secret itself": ({"Authorization": f"Bearer {secret}"}, 403),
+    }
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        for path in ("/metrics", "/summary"):
+            for who, (headers, status) in refused.items():
+                answer = await client.get(path, headers=headers)
+                assert answer.status_code == status, (path, who)
+                kind = "authentication_error" if status == 401 else "permission_error"
+                assert answer.json()["error"]["type"] == kind, (path, who)
+            for who, headers in readers.items():
+                assert (await client.get(path, headers=headers)).status_code == 200, (path, who)
+        for who, (headers, _) in refused.items():
+            bare = await client.get("/readyz", headers=headers)
+            assert bare.status_code == 200 and bare.json() == {"status": "ready", "ready_nodes": 1}, who
+        for headers in readers.values():
+            assert "node-0" in (await client.get("/readyz", headers=headers)).json()["nodes"]
+        assert (await client.get("/healthz")).status_code == 200
 
 
 async def test_a_tenant_cannot_advise_or_move_another_tenants_session(
@@ -302,7 +351,8 @@ async def test_recompute_baseline_keeps_requests_off_the_tiers_and_ignores_advis
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         await client.post("/v1/chat/completions", json=CHAT, headers={"X-Session-ID": "s"})
-        assert engine.requests[-1]["kv_transfer_params"] == {
+        sent = engine.requests[-1]["kv_transfer_params"]
+        assert {name: value for name, value in sent.items() if name != AUTH_PARAM} == {
             "tenant": "default",
             "session_id": "s",
             "symphony_tiers": False,
@@ -383,7 +433,7 @@ async def test_admin_sets_priority_tiers_and_a_high_session_is_promoted(
         assert listing["tenants"] == {"rival": "low"}
         assert listing["sessions"] == [{"tenant": "acme", "session_id": "vip", "priority": "high"}]
         await client.post("/v1/chat/completions", json=CHAT, headers={**ACME, "X-Session-ID": "vip"})
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.get("/metrics", headers=admin)).text
         assert _metric(metrics, 'symphony_priority_requests_total{priority="high"}') == 1
 
 

@@ -16,6 +16,7 @@ from tests.integration.fakes import FakeEngine
 
 KEYS = ["acme:key-acme", "rival:key-rival"]
 ACME = {"Authorization": "Bearer key-acme"}
+OPS = {"Authorization": "Bearer ops-token"}  # the admin token: /metrics needs it once keys are set
 RIVAL = {"Authorization": "Bearer key-rival"}
 SLOW = {**CHAT, "messages": [{"role": "user", "content": "slow"}]}
 
@@ -25,7 +26,7 @@ async def test_a_tenant_over_its_request_rate_gets_429_with_retry_after(
 ) -> None:
     # One token every 100 s: after its burst of 2, acme waits; rival has a bucket of its own.
     quotas = {"requests_per_s": 0.01, "request_burst": 2}
-    url, _ = await start_scheduler([await make_node(engine.url)], quotas, api_keys=KEYS)
+    url, _ = await start_scheduler([await make_node(engine.url)], quotas, api_keys=KEYS, admin_token="ops-token")
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         for _ in range(2):
@@ -36,7 +37,7 @@ async def test_a_tenant_over_its_request_rate_gets_429_with_retry_after(
         assert 90 <= int(refused.headers["retry-after"]) <= 100
         assert (await client.post("/v1/chat/completions", json=CHAT, headers=RIVAL)).status_code == 200
         assert len(engine.requests) == 3  # the refused one never reached an engine
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.get("/metrics", headers=OPS)).text
         assert 'symphony_quota_refused_total{reason="requests_rate",tenant="acme"} 1.0' in metrics
         assert 'symphony_requests_total{endpoint="chat",status="429"} 1.0' in metrics
 
@@ -105,7 +106,9 @@ async def test_held_back_requests_take_turns_by_tenant_and_a_tenant_has_a_share(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:
     node = await make_node(engine.url, running=4, waiting=2)  # every node has requests waiting
-    url, state = await start_scheduler([node], {"max_queued": 3}, api_keys=KEYS, queue_timeout_s=30)
+    url, state = await start_scheduler(
+        [node], {"max_queued": 3}, api_keys=KEYS, queue_timeout_s=30, admin_token="ops-token"
+    )
     queue = state.dispatcher.queue
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         await ready(client)
@@ -129,5 +132,5 @@ async def test_held_back_requests_take_turns_by_tenant_and_a_tenant_has_a_share(
         order = [r["messages"][0]["content"] for r in engine.requests]
         assert order.index("rival-0") <= 1, order  # not behind all of acme's earlier requests
         assert [o for o in order if o.startswith("acme")] == ["acme-0", "acme-1", "acme-2"]
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.get("/metrics", headers=OPS)).text
         assert 'symphony_quota_refused_total{reason="queued",tenant="acme"} 1.0' in metrics

@@ -3,6 +3,7 @@ environments without them, tokens from a file or stdin."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import stat
@@ -13,9 +14,10 @@ import pytest
 
 from node_manager.engine import engine_launch
 from symphony.cli import main
-from symphony.config import ConfigError, load_config
+from symphony.config import ConfigError, SymphonyConfig, load_config
 from symphony.config_secrets import (
     REDACTED,
+    SECRET_FILE,
     read_token_file,
     redacted,
     scrubbed_env,
@@ -68,8 +70,35 @@ def test_a_cluster_secret_is_checked_and_a_given_one_kept() -> None:
             load_config(env={}, overrides={"cluster": {"secret": bad}})
     given = load_config(env={}, overrides={"cluster": {"secret": "s" * 16}})
     assert with_cluster_secret(given) is given
-    made = {with_cluster_secret(load_config(env={})).cluster.secret for _ in range(3)}
-    assert len(made) == 3  # random each time
+
+
+def _at(home: Path) -> SymphonyConfig:
+    return dataclasses.replace(load_config(env={}), home=str(home))
+
+
+def test_a_home_keeps_the_secret_it_made(tmp_path: Path) -> None:
+    """With none configured, the secret is made once per home, owner-only, and read back at every
+    later start: SSD pages' MACs made under it must still verify after a restart."""
+    homes = [tmp_path / "a", tmp_path / "b"]
+    made = [with_cluster_secret(_at(home)).cluster.secret for home in homes]
+    assert made[0] != made[1] and all(len(secret) == 64 for secret in made)  # random per home
+    path = homes[0] / SECRET_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text().strip() == made[0]
+    again = with_cluster_secret(_at(homes[0])).cluster.secret
+    assert again == made[0]
+    assert sorted(p.name for p in homes[0].iterdir()) == [SECRET_FILE]  # no temporary file left
+
+
+def test_a_short_or_readable_home_secret_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / SECRET_FILE
+    path.write_text("short\n")
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match=f"{SECRET_FILE} holds a secret of 5 characters"):
+        with_cluster_secret(_at(tmp_path))
+    path.write_text("x" * 64 + "\n")
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="may be read by others"):
+        with_cluster_secret(_at(tmp_path))
 
 
 def test_redacting_leaves_the_configuration_itself_alone(tmp_path: Path) -> None:
@@ -101,7 +130,7 @@ async def test_the_launcher_writes_the_cluster_file_owner_only_and_scrubs_its_ch
     monkeypatch.setenv("SYMPHONY_ADMIN_TOKEN", "cli-token")
     monkeypatch.setenv("SYMPHONY_NODE_HOST", "127.0.0.1")  # not a secret: kept
     layout = {"regions": {"layout": ["us-east:1", "eu-west:1"]}, "kv": {"data_plane": "grpc"}}
-    config = load_config(None, overrides=layout)
+    config = dataclasses.replace(load_config(None, overrides=layout), home=str(tmp_path / "home"))
     cluster = LocalCluster(config, ModelInfo(tmp_path / "model", "m"), io.StringIO())
     cluster.spawn()
     assert stat.S_IMODE(cluster.config_path.stat().st_mode) == 0o600
@@ -109,6 +138,7 @@ async def test_the_launcher_writes_the_cluster_file_owner_only_and_scrubs_its_ch
     assert effective.scheduler.admin_token == "env-token-2"  # children read it there
     # A cluster secret of its own, shared by every child through that file, never printed.
     assert len(effective.cluster.secret) == 64 and config.cluster.secret == ""
+    assert (tmp_path / "home" / SECRET_FILE).read_text().strip() == effective.cluster.secret  # kept for restarts
     assert redacted(effective).cluster.secret == REDACTED
     children = [*cluster.nodes, *cluster.schedulers, *cluster.services]
     assert len(cluster.nodes) == 2 and len(cluster.schedulers) == 2 and len(cluster.services) == 2

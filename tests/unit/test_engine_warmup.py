@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -17,8 +18,11 @@ from node_manager.kv.ipc_wire import WARMUP_PARAM, WARMUP_PRIORITY_PARAM
 from node_manager.kv.metrics import KVMetrics
 from node_manager.kv.pages import Priority, Tier
 from node_manager.kv.prefetch import DONE, PrefetchJob, PrefetchQueue, WarmOutcome
+from symphony.kv_transfer import AUTH_PARAM, params_key, params_refusal
 from symphony.rpc import node_pb2
 from tests.unit.kv_store_support import TIMEOUT, MakeStore, save_session
+
+KEY = params_key(b"the node's cluster secret")
 
 
 @dataclass
@@ -35,7 +39,7 @@ def _warmer(
 ) -> tuple[EngineWarmer, KVMetrics]:
     metrics = KVMetrics()
     return EngineWarmer(
-        engine, "smol", metrics, max_kv_usage=max_kv_usage, timeout_s=TIMEOUT, transport=handler
+        engine, "smol", metrics, max_kv_usage=max_kv_usage, timeout_s=TIMEOUT, transport=handler, params_key=KEY
     ), metrics
 
 
@@ -56,6 +60,9 @@ async def test_a_warm_up_sends_the_history_for_one_token_under_the_salt() -> Non
     outcome = await warmer.warm("acme", "chat", list(range(70)), "tenant-salt", Priority.HIGH)
     await warmer.aclose()
     assert outcome == WarmOutcome(64)
+    # Signed as the scheduler signs its requests' params: the connector takes the warm-up onto the tiers.
+    assert params_refusal(sent[0]["kv_transfer_params"], "smol", KEY, time.time()) is None
+    del sent[0]["kv_transfer_params"][AUTH_PARAM]
     assert sent == [
         {
             "model": "smol",

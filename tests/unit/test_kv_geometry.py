@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from node_manager.kv.pages import Priority, Tier, page_checksum, run_checksums
+from node_manager.kv.pages import KEY_ID_BYTES, PageMac, Priority, Tier
 from symphony.kv_addressing import tenant_root
 from symphony.kv_geometry import KVGeometry, geometry_from_model_dir, smollm2_geometry
 from tests.helpers import TEST_MODEL
@@ -85,27 +85,38 @@ def test_geometry_from_bad_model_dir(tmp_path: Path, content: str | None) -> Non
         geometry_from_model_dir(tmp_path, 16, "auto")
 
 
-def test_page_checksum_covers_key_layer_and_bytes() -> None:
+def test_page_mac_covers_key_layer_bytes_and_secret() -> None:
     key_a, key_b = tenant_root(TEST_MODEL, "a"), tenant_root(TEST_MODEL, "b")
+    mac = PageMac(b"a cluster secret of 32 characters")
     data = bytes(range(64))
-    base = page_checksum(key_a, 0, data)
-    assert base == page_checksum(key_a, 0, memoryview(bytearray(data)))
+    base = mac.tag(key_a, 0, data)
+    assert base == mac.tag(key_a, 0, memoryview(bytearray(data)))
+    assert base == PageMac(b"a cluster secret of 32 characters").tag(key_a, 0, data)  # a peer's, same secret
     assert 0 <= base < 2**64
-    assert page_checksum(key_b, 0, data) != base
-    assert page_checksum(key_a, 1, data) != base
+    assert mac.tag(key_b, 0, data) != base
+    assert mac.tag(key_a, 1, data) != base
     flipped = bytearray(data)
     flipped[17] ^= 0x04
-    assert page_checksum(key_a, 0, bytes(flipped)) != base
+    assert mac.tag(key_a, 0, bytes(flipped)) != base
+    # Whoever lacks the secret cannot make the tag: not with another secret, not with none.
+    other = PageMac(b"another secret, also 32 chars...")
+    assert other.tag(key_a, 0, data) != base
+    assert PageMac(b"").tag(key_a, 0, data) != base
+    # The key id names the key and differs between keys, without being the key or a tag under it.
+    assert len(mac.key_id) == KEY_ID_BYTES
+    assert mac.key_id != other.key_id != PageMac(b"").key_id
+    assert mac.key_id == PageMac(b"a cluster secret of 32 characters").key_id
 
 
-def test_run_checksums_equal_page_checksums_one_by_one() -> None:
+def test_run_tags_equal_tags_one_by_one() -> None:
+    mac = PageMac(b"a cluster secret of 32 characters")
     keys = [tenant_root(TEST_MODEL, f"t{i}") for i in range(5)]
     data = memoryview(bytes(range(256)) * 5)  # five 256-byte pages back to back
-    assert run_checksums(keys, 3, data, 256) == [
-        page_checksum(key, 3, data[i * 256 : (i + 1) * 256]) for i, key in enumerate(keys)
+    assert mac.run_tags(keys, 3, data, 256) == [
+        mac.tag(key, 3, data[i * 256 : (i + 1) * 256]) for i, key in enumerate(keys)
     ]
-    assert run_checksums([], 0, memoryview(b""), 256) == []
-    assert run_checksums([], 0, memoryview(b""), 0) == []  # an empty batch: page size unknown
+    assert mac.run_tags([], 0, memoryview(b""), 256) == []
+    assert mac.run_tags([], 0, memoryview(b""), 0) == []  # an empty batch: page size unknown
 
 
 def test_tier_and_priority_values() -> None:

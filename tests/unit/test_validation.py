@@ -17,6 +17,7 @@ from scheduler.validation import (
     validate_advisory,
     validate_inference,
 )
+from symphony.kv_transfer import AUTH_PARAM, PARAMS_TTL_S, params_key, params_refusal
 from symphony.tenancy import engine_cache_salt
 
 SERVED = {"m": 4096}
@@ -166,6 +167,18 @@ def test_a_cluster_secret_keys_the_salt_the_engine_gets() -> None:
     request = validate_inference("chat", chat(), None, SERVED, MAX_SESSION, key)
     body = json.loads(request.engine_body("a", True))
     assert body["cache_salt"] == keyed
+
+
+def test_the_engine_gets_params_signed_under_the_clusters_secret() -> None:
+    """What the connector checks (`symphony.kv_transfer`): the params, for the model the body names."""
+    key = b"k" * 32
+    request = validate_inference("chat", chat(), "s1", SERVED, MAX_SESSION, key)
+    body = json.loads(request.engine_body("a", True, now_s=1_000.0))
+    params = body["kv_transfer_params"]
+    assert params_refusal(params, body["model"], params_key(key), 1_000.0) is None
+    assert params_refusal(params, body["model"], params_key(b"o" * 32), 1_000.0) == "forged"
+    assert params_refusal(params, body["model"], params_key(key), 1_000.0 + PARAMS_TTL_S + 1) == "expired"
+    assert {name: params[name] for name in params if name != AUTH_PARAM} == {"tenant": "a", "session_id": "s1"}
 
 
 # -- stream -----------------------------------------------------------------------------------------
