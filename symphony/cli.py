@@ -58,11 +58,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.policy:
         overrides.setdefault("scheduler", {})["policy"] = args.policy
     config = with_home_secret(load_from_args(args, overrides))
-    if config.topology() is not None and config.cluster.tls:
-        raise CliError(
-            "cluster.tls: the emulated WAN links of a multi-region cluster count each tenant's bytes by "
-            "reading them, which TLS would hide; run regions with cluster.tls = false for now"
-        )
     from scheduler.policies import make_policy
 
     make_policy(config.scheduler.policy)  # reject an unknown policy before starting anything
@@ -79,8 +74,21 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def with_home_secret(config: SymphonyConfig) -> SymphonyConfig:
     """`config` with its cluster secret (`config_secrets.with_cluster_secret`): a process started
-    alone, not by `symphony up`, shares the secret kept in its home with the others started so."""
+    alone, not by `symphony up`, shares the secret kept in its home with the others started so.
+    Its TLS credentials are checked (made on first use) here too, so a bad TLS directory is a
+    message naming it rather than a failed start."""
+    from symphony.cluster_tls import cluster_tls
     from symphony.config_secrets import with_cluster_secret
+
+    if config.topology() is not None and config.cluster.tls:
+        raise CliError(
+            "cluster.tls: the emulated WAN links of a multi-region cluster count each tenant's bytes by "
+            "reading them, which TLS would hide; run regions with cluster.tls = false for now"
+        )
+    try:
+        cluster_tls(config)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cluster.tls: {exc}") from None
 
     try:
         resolved = with_cluster_secret(config)

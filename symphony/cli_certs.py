@@ -16,10 +16,11 @@ def add_certs_parser(sub: Any) -> None:
     init = actions.add_parser("init", help="make the cluster's CA and this host's member certificate")
     issue = actions.add_parser("issue", help="make a member certificate for another host")
     issue.add_argument("name", help="the member's name (its files: NAME.pem, NAME.key)")
+    init.add_argument("--hosts", default="", help="more addresses or names this host is dialled at, comma-separated")
+    issue.add_argument("--hosts", required=True, help="the addresses or names that host is dialled at, comma-separated")
     for action in (init, issue):
         add_config_args(action)
         action.add_argument("--dir", help="where the certificates live (default cluster.tls_dir, else <home>/tls)")
-        action.add_argument("--hosts", default="", help="comma-separated addresses or names the member is dialled at")
         action.set_defaults(func=cmd_certs)
 
 
@@ -29,7 +30,6 @@ def cmd_certs(args: argparse.Namespace) -> int:
     from symphony.cluster_tls import (
         CA_CERT,
         MEMBER_CERT,
-        TLSSetupError,
         config_hosts,
         ensure_tls,
         issue_member,
@@ -48,8 +48,13 @@ def cmd_certs(args: argparse.Namespace) -> int:
             ensure_tls(directory, [*config_hosts(config), *hosts])
             print(f"CA and member certificate in {directory} ({CA_CERT}, {MEMBER_CERT}; keys owner-only)")
         else:
+            if not hosts:
+                raise CliError("--hosts: name the addresses the host is dialled at (the loopback ones are added)")
             cert, key = issue_member(directory, args.name, hosts)
-            print(f"member certificate {cert} and key {key}: copy them and {directory / CA_CERT} to the host")
-    except (OSError, TLSSetupError) as exc:
+            print(
+                f"member certificate {cert} and key {key}: on that host, put them in its TLS directory as "
+                f"{MEMBER_CERT} and member.key (owner-only), beside a copy of {directory / CA_CERT} (never ca.key)"
+            )
+    except (OSError, ValueError) as exc:  # TLSSetupError is a ValueError
         raise CliError(f"certs {args.certs_command}: {exc}") from None
     return 0

@@ -26,6 +26,11 @@ def show_status(args: argparse.Namespace) -> int:
         return _region_status(config, topology, args.json, headers)
     url = (args.url or config.scheduler_url).rstrip("/")
     body = _get_json(url + "/readyz", "the scheduler", headers)
+    if isinstance(body, dict) and "nodes" not in body:  # keys are set and no token read the details
+        raise CliError(
+            f"the scheduler at {url} shows its details to the admin token only: set {ADMIN_TOKEN_ENV} "
+            f"(it reports {body.get('status')}, {body.get('ready_nodes')} ready node(s))"
+        )
     if args.json:
         print(json.dumps(body, indent=2))
         return 0 if body.get("status") == "ready" else 1

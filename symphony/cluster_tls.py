@@ -25,6 +25,8 @@ import ipaddress
 import os
 import re
 import ssl
+import tempfile
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +45,11 @@ MEMBER_CERT, MEMBER_KEY = "member.pem", "member.key"
 CA_DAYS = 3650
 MEMBER_DAYS = 825
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
-_WILDCARDS = {"", "0.0.0.0", "::"}
-_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # listening addresses, not names a peer dials
+_WILDCARDS = {"", "0.0.0.0", "::"}  # listening on every address: no name a peer dials
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # a member's file name (`issue_member`)
+_DNS = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9*]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*"
+)  # an ASCII DNS name (a leading wildcard label allowed)
 
 
 class TLSSetupError(ValueError):
@@ -87,6 +92,27 @@ class ClusterTLS:
         return context
 
 
+HANDSHAKE_S = 5.0  # a page stream's whole TLS handshake: a client that drips bytes holds no slot longer
+
+
+def server_handshake(conn: ssl.SSLSocket, timeout_s: float, within_s: float = HANDSHAKE_S) -> None:
+    """Complete a server-side handshake (`conn` wrapped with do_handshake_on_connect=False) within
+    `within_s` in all, then give the socket `timeout_s` per operation. Raises ssl.SSLError (not a
+    member), TimeoutError (too slow) or OSError."""
+    deadline = time.monotonic() + within_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"TLS handshake not done within {within_s} s")
+        conn.settimeout(remaining)
+        try:
+            conn.do_handshake()
+            break
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            continue
+    conn.settimeout(timeout_s)
+
+
 def grpc_channel(address: str, tls: ClusterTLS | None, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
     """An asyncio channel to a node: mutual TLS with `tls`, plaintext without."""
     if tls is None:
@@ -111,7 +137,21 @@ def cluster_tls(config: SymphonyConfig) -> ClusterTLS | None:
     `cluster.tls` is off. TLSSetupError names what is wrong with the directory."""
     if not config.cluster.tls:
         return None
-    return ensure_tls(tls_dir(config), config_hosts(config))
+    tls = ensure_tls(tls_dir(config), config_hosts(config))
+    cert = x509.load_pem_x509_certificate(tls.cert)
+    if cert.not_valid_after_utc <= datetime.datetime.now(datetime.UTC):
+        raise TLSSetupError(f"{tls.directory / MEMBER_CERT} expired on {cert.not_valid_after_utc:%Y-%m-%d}")
+    named = {
+        _canonical(str(name.value))
+        for name in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    }
+    missing = [host for host in dict.fromkeys(config_hosts(config)) if _canonical(host) not in named]
+    if missing:
+        raise TLSSetupError(
+            f"{tls.directory / MEMBER_CERT} does not name {', '.join(missing)}, where this host is dialled: "
+            "issue one that does (symphony certs issue NAME --hosts ...) and install it as member.pem/member.key"
+        )
+    return tls
 
 
 def tls_dir(config: SymphonyConfig) -> Path:
@@ -119,8 +159,10 @@ def tls_dir(config: SymphonyConfig) -> Path:
 
 
 def config_hosts(config: SymphonyConfig) -> list[str]:
-    """The addresses this host's members are dialled at: the node and scheduler hosts configured."""
-    return [host for host in (config.node.host, config.scheduler.host) if host not in _WILDCARDS]
+    """The addresses this host's members are dialled at (`node.host`), and the scheduler's host,
+    named too so one certificate serves every process of the host."""
+    hosts = (config.node.host, config.scheduler.host)
+    return [host.strip("[]") for host in hosts if host.strip("[]") not in _WILDCARDS]
 
 
 def ensure_tls(directory: Path, hosts: Iterable[str] = ()) -> ClusterTLS:
@@ -130,11 +172,20 @@ def ensure_tls(directory: Path, hosts: Iterable[str] = ()) -> ClusterTLS:
         if not (directory / CA_CERT).exists():
             init_ca(directory)
         if not (directory / MEMBER_CERT).exists():
+            (directory / MEMBER_KEY).unlink(missing_ok=True)  # a key whose certificate was never written
+            if not (directory / CA_KEY).exists():
+                raise TLSSetupError(
+                    f"{directory} has the cluster's {CA_CERT} but no {MEMBER_CERT}: install this host's member "
+                    f"certificate there (made with `symphony certs issue` where {CA_KEY} is)"
+                )
             issue_member(directory, "member", hosts, cert_name=MEMBER_CERT, key_name=MEMBER_KEY)
     return load_tls(directory)
 
 
 def load_tls(directory: Path) -> ClusterTLS:
+    for private in (directory / MEMBER_KEY, directory / CA_KEY):
+        if private.exists() and private.stat().st_mode & 0o077:
+            raise TLSSetupError(f"{private} may be read by others: chmod 600 it")
     try:
         ca, cert, key = ((directory / name).read_bytes() for name in (CA_CERT, MEMBER_CERT, MEMBER_KEY))
         authority = x509.load_pem_x509_certificate(ca)
@@ -147,7 +198,7 @@ def load_tls(directory: Path) -> ClusterTLS:
 
 def init_ca(directory: Path) -> None:
     """A new CA in `directory` (its key owner-only). Refuses to replace one."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     if (directory / CA_CERT).exists():
         raise TLSSetupError(f"{directory / CA_CERT} exists: a cluster has one CA")
     key = ec.generate_private_key(ec.SECP256R1())
@@ -165,6 +216,7 @@ def init_ca(directory: Path) -> None:
         .add_extension(
             x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
         )  # key_cert_sign, crl_sign
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
     _write(directory / CA_KEY, _key_pem(key), private=True)
@@ -211,6 +263,11 @@ def issue_member(
         .add_extension(
             x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
         )
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, False, False, False, False), critical=True
+        )  # digital_signature
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     _write(key_path, _key_pem(key), private=True)
@@ -218,15 +275,26 @@ def issue_member(
     return cert_path, key_path
 
 
+def _canonical(host: str) -> str:
+    """An address in its one spelling (fd00:0::5 is fd00::5), a name as it is."""
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return host.lower()
+
+
 def _names(hosts: Iterable[str]) -> Iterator[x509.GeneralName]:
     seen: set[str] = set()
-    for host in hosts:
+    for raw in hosts:
+        host = raw.strip().strip("[]")  # "[fd00::5]", as node.host may write it, is an address
         if host in seen or host in _WILDCARDS:
             continue
         seen.add(host)
         try:
             yield x509.IPAddress(ipaddress.ip_address(host))
         except ValueError:
+            if not _DNS.fullmatch(host):
+                raise TLSSetupError(f"host {raw!r} is neither an IP address nor a DNS name") from None
             yield x509.DNSName(host)
 
 
@@ -237,19 +305,23 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    """Written whole (a temporary file renamed over), a key owner-only from its first byte."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    """Written whole (a new temporary file renamed over), a key owner-only from its first byte."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # 0600, O_EXCL
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        if not private:
+            os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def _locked(directory: Path) -> Iterator[None]:
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(directory / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:

@@ -56,9 +56,11 @@ def with_cluster_secret(config: SymphonyConfig) -> SymphonyConfig:
 
 
 def home_secret(path: Path) -> str:
-    """The secret in `path`, made there first (atomically: racing processes all read the same one)
-    if there is none. ValueError for a file others may read (mode beyond 0600), as ssh refuses a
-    private key's: the secret keys everything the cluster signs."""
+    """The secret in `path`, made there first if there is none (atomically: processes racing to
+    make it all read the same one, on a filesystem with hard links; elsewhere the last one written
+    wins, which a cluster started by one `symphony up` never races). ValueError for a file others
+    may read (mode beyond 0600), as ssh refuses a private key's: the secret keys all the cluster
+    signs."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600

@@ -10,9 +10,10 @@ directly, with no signature or a forged, altered or expired one, is served by vL
 loads or saves a tenant's KV. A clock skew between hosts smaller than `PARAMS_TTL_S` is absorbed.
 
 What it does not cover: the prompt. Params seen on the scheduler-to-engine wire can be replayed,
-with any prompt, to that model's engines until they expire (at most `PARAMS_TTL_S`); the wire is
-the cluster's own, and mutual TLS on it is the cluster's to add. `params_refusal` never raises,
-whatever a client put in the params: it runs inside vLLM's scheduler loop.
+with any prompt, to that model's engines until they expire (at most `PARAMS_TTL_S`); that wire is
+plain HTTP on the cluster's own network (`cluster.tls` does not cover it yet). Params are checked
+once, when the engine first considers the request: one queued in vLLM past its expiry runs alone.
+`params_refusal` never raises, whatever a client put in the params: it runs in vLLM's scheduler loop.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def params_refusal(params: Mapping[str, object], model: str, key: bytes, now_s: 
     expires, mac = int(match[1]), match[2]
     if expires < now_s * 1000:
         return "expired"
+    if expires > (now_s + 2 * PARAMS_TTL_S) * 1000:  # no signer gives that much: a clock far off, or not ours
+        return "malformed"
     try:
         expected = _mac(key, params, model, expires)
     except (TypeError, ValueError, RecursionError):  # params no signer makes (deep, huge, not JSON)

@@ -99,7 +99,7 @@ class SymphonyConnector(KVConnectorBase_V1):
         self._prompt_tokens = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # not yet reported to the node manager
         self._block_pool: BlockPool | None = None  # vLLM's, bound on the scheduler side
         self._model_name = str(vllm_config.model_config.served_model_name)  # what signed params name
-        self._refusals_logged: set[str] = set()
+        self._refusals_logged: dict[str, float] = {}  # reason -> time.time() it was last logged
         self._key_asked_at = -1.0  # time.time() of the last hello asked for a refused key
         self._warmed = WarmedBlocks()
 
@@ -127,7 +127,7 @@ class SymphonyConnector(KVConnectorBase_V1):
 
     def _read_params(self, request: Request) -> RequestParams:
         """The request's params as the connector believes them (`connector.params`); a refusal is
-        logged once per reason (a client calling the engine directly sends many). A key refused
+        logged at most once a minute per reason. A key refused
         ("forged", or none yet) is asked for again, at most once a second: the node manager may
         have restarted with another."""
         assert self._lookup is not None
@@ -142,8 +142,8 @@ class SymphonyConnector(KVConnectorBase_V1):
             with contextlib.suppress(Exception):  # the channel's trouble is _match's to report
                 lookup.attach()
                 params = read()
-        if params.refusal is not None and params.refusal not in self._refusals_logged:
-            self._refusals_logged.add(params.refusal)
+        if params.refusal is not None and now - self._refusals_logged.get(params.refusal, -60.0) >= 60.0:
+            self._refusals_logged[params.refusal] = now  # once a minute per reason: direct callers send many
             log.warning("request's kv_transfer_params refused; it runs without the KV tiers", reason=params.refusal)
         return params
 

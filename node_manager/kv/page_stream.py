@@ -1,12 +1,11 @@
 """Raw TCP page stream between node managers: the data plane beside gRPC's control plane.
 
-gRPC's FetchPages carries pages in protobuf messages; each 4 MiB batch is serialized, framed by
-HTTP/2, and copied several times on both sides, which caps its throughput
-(docs/design-notes.md#page-stream).
-This stream carries the same content (pages in layer order, each with its keyed MAC) as fixed
-binary frames, so the sender writes staged pages straight from their tensors and the receiver reads
-them straight into tensors (`recv_into`), one kernel copy each way. gRPC stays the fallback: a peer
-that advertises no data port, or whose data port refuses the connection, is read over FetchPages.
+gRPC's FetchPages serializes, frames and copies each 4 MiB batch several times on both sides, which
+caps its throughput (docs/design-notes.md#page-stream). This stream carries the same content (pages
+in layer order, each with its keyed MAC) as fixed binary frames, written straight from staged
+tensors and read straight into them (`recv_into`): one kernel copy each way (TLS's too under
+`cluster.tls`). gRPC stays the fallback: a peer that advertises no data port, or whose data port
+refuses the connection, is read over FetchPages.
 
 Wire format (little-endian):
   request   b"SKV1" u32 length | FetchPagesRequest (protobuf, <= 64 KiB)
@@ -19,11 +18,10 @@ Wire format (little-endian):
   request naming the blocks it wants (or hangs up if it wants none), and the PAGES follow. A pull
   learns the session and gets its pages over one connection, without a gRPC round trip first.
 
-The receiver reads each frame's pages straight into reserved DRAM slots, checks every page against
-its checksum there (`PageIngest.verify_reserved`, then `install_verified`), and derives the block
-keys from its own copy of the token ids, so a page is kept only if it matches its own key and layer.
-A stream that breaks midway leaves the verified pages stored and the rest missing: a partial
-result, never a bad page.
+The receiver reads each frame's pages straight into reserved DRAM slots, checks every page's MAC
+there (`PageIngest.verify_reserved`, then `install_verified`) under block keys derived from its own
+copy of the token ids, so a page is kept only if it matches its own key and layer. A stream that
+breaks midway leaves the verified pages stored and the rest missing: never a bad page.
 """
 
 from __future__ import annotations
@@ -53,6 +51,7 @@ from node_manager.kv.transfer import (
     stream_chunks,
     stream_end,
 )
+from symphony.cluster_tls import server_handshake
 from symphony.logs import get_logger
 from symphony.rpc import kv_pb2
 
@@ -138,10 +137,7 @@ class PageStreamServer:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn.settimeout(self._timeout_s)
                 if not self._slots.acquire(blocking=False):
-                    if self._tls is None:
-                        self._refuse(conn, "busy: too many page streams; retry")
-                    else:
-                        conn.close()
+                    self._refuse(conn, "busy: too many page streams; retry")
                     continue
                 thread = threading.Thread(target=self._serve, args=(conn,), name="kv-page-stream", daemon=True)
                 with self._streams_lock:
@@ -156,16 +152,20 @@ class PageStreamServer:
                 conn.close()
 
     def _refuse(self, conn: socket.socket, message: str) -> None:
+        """An END frame saying why, then close; under TLS, no handshake for it: closed unanswered."""
         with contextlib.suppress(OSError):
-            conn.sendall(_end_frame(message))
+            conn.sendall(b"" if self._tls is not None else _end_frame(message))
         conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)  # a non-member ends here (ssl.SSLError)
-                with self._streams_lock:
-                    self._streams[threading.current_thread()] = conn  # what close() shuts down now
+                with self._streams_lock:  # registered before the handshake: close() interrupts it too
+                    if self._closed.is_set():
+                        return
+                    conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                    self._streams[threading.current_thread()] = conn
+                server_handshake(conn, self._timeout_s)  # a non-member ends here (ssl.SSLError, TimeoutError)
             asked = _read_request(conn)
             # Before anything of the session goes out.
             self._store.check_model(asked.model_fingerprint, "sender")
@@ -267,8 +267,8 @@ class PageStreamServer:
         with self._streams_lock:
             streams = list(self._streams.items())
         for _, conn in streams:  # a stream blocked on a slow reader ends now, not after its timeout
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):  # the plain socket's shutdown: a TLS one's keeps its state
+                socket.socket.shutdown(conn, socket.SHUT_RDWR)
         for thread, _ in streams:
             thread.join(self._timeout_s)
 
@@ -327,7 +327,8 @@ def fetch_pages(
 ) -> StreamOutcome:
     """Read one page stream into `store` (blocking; run it off the event loop); `stop` set ends it
     at the next frame. Raises OSError only if no connection could be made (a failed TLS handshake
-    under `tls`, the cluster's client context, included), so the caller can fall back to gRPC;
+    under `tls`, the cluster's client context, included; a server that refuses our certificate
+    under TLS 1.3 shows as an outcome's error instead), so the caller can fall back to gRPC;
     everything after that is an outcome, partial or complete.
 
     A request `with_session` needs `plan`: it gets the sender's SessionStatus (on this thread, before

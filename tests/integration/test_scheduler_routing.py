@@ -322,6 +322,26 @@ async def test_operational_detail_needs_the_admin_or_the_internal_token_once_key
         assert (await client.get("/healthz")).status_code == 200
 
 
+async def test_status_says_the_details_need_the_admin_token(
+    make_node: MakeNode,
+    engine: FakeEngine,
+    start_scheduler: StartScheduler,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`symphony status --url` sends no cluster token elsewhere: it says what it needs, not an empty
+    cluster; with the admin token in the environment it shows the nodes."""
+    url, _ = await start_scheduler([await make_node(engine.url)], api_keys=KEYS, admin_token="s3cret")
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+    monkeypatch.delenv("SYMPHONY_ADMIN_TOKEN", raising=False)
+    assert await asyncio.to_thread(main, ["status", "--url", url]) == 2
+    assert "SYMPHONY_ADMIN_TOKEN" in capsys.readouterr().err
+    monkeypatch.setenv("SYMPHONY_ADMIN_TOKEN", "s3cret")
+    assert await asyncio.to_thread(main, ["status", "--url", url]) == 0
+    assert "node-0" in capsys.readouterr().out
+
+
 async def test_a_tenant_cannot_advise_or_move_another_tenants_session(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:

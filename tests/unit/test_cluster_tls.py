@@ -3,10 +3,12 @@ only, on real gRPC servers and real TLS sockets over loopback."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import ssl
 import stat
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from node_manager.kv.page_stream import PageStreamServer
 from node_manager.kv.prefetch import PrefetchQueue
 from node_manager.kv.puller import PeerPuller
 from node_manager.kv.service import KVStoreService
+from symphony.cli import main
 from symphony.cluster_tls import (
     CA_KEY,
     MEMBER_CERT,
@@ -25,12 +28,15 @@ from symphony.cluster_tls import (
     ClusterTLS,
     TLSSetupError,
     add_port,
+    cluster_tls,
     ensure_tls,
     grpc_channel,
     init_ca,
     issue_member,
     load_tls,
+    server_handshake,
 )
+from symphony.config import SymphonyConfig, load_config
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.unit.kv_store_support import LAYERS, TIMEOUT, MakeStore, save_session
 
@@ -188,3 +194,83 @@ async def test_the_page_stream_carries_a_pull_between_members_only(
         await puller.close()
         await server.stop(None)
         stream.close()
+
+
+def _config(tmp_path: Path, host: str = "127.0.0.1") -> SymphonyConfig:
+    base = load_config(env={}, overrides={"cluster": {"tls": True}, "node": {"host": host}})
+    return dataclasses.replace(base, home=str(tmp_path / "home"))
+
+
+def test_a_member_certificate_must_name_where_the_host_is_dialled(tmp_path: Path) -> None:
+    assert cluster_tls(_config(tmp_path)) is not None  # made on first use, for 127.0.0.1
+    with pytest.raises(TLSSetupError, match=r"does not name 10\.4\.4\.4,"):
+        cluster_tls(_config(tmp_path, "10.4.4.4"))  # node.host changed since: said at start, not at a handshake
+
+
+def test_a_bracketed_ipv6_host_is_named_as_an_address(tmp_path: Path) -> None:
+    tls = ensure_tls(tmp_path / "tls", ["[fd00::5]", "[::]"])
+    names = x509.load_pem_x509_certificate(tls.cert).extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    assert "fd00::5" in {str(ip) for ip in names.value.get_values_for_type(x509.IPAddress)}
+    assert not any("[" in name for name in names.value.get_values_for_type(x509.DNSName))
+    with pytest.raises(TLSSetupError, match="neither an IP address nor a DNS name"):
+        ensure_tls(tmp_path / "bad", ["nœud.example"])
+
+
+def test_a_host_with_the_ca_but_no_member_certificate_is_told_to_install_one(tmp_path: Path) -> None:
+    directory = tmp_path / "tls"
+    ensure_tls(directory)
+    (directory / CA_KEY).unlink()  # another host: the CA's certificate copied, never its key
+    (directory / MEMBER_CERT).unlink()
+    with pytest.raises(TLSSetupError, match="install this host's member certificate"):
+        ensure_tls(directory)
+    assert not (directory / MEMBER_KEY).exists()  # a key without its certificate is not kept
+
+
+def test_a_readable_key_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "tls"
+    ensure_tls(directory)
+    (directory / MEMBER_KEY).chmod(0o644)
+    with pytest.raises(TLSSetupError, match="may be read by others"):
+        load_tls(directory)
+
+
+def test_a_client_that_drips_its_handshake_is_dropped_in_time(cluster: ClusterTLS) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname(), timeout=5)
+    conn, _ = listener.accept()
+    try:
+        client.sendall(b"\x16\x03\x01")  # the start of a ClientHello, and no more
+        wrapped = cluster.server_context().wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            server_handshake(wrapped, timeout_s=30, within_s=0.5)
+        assert time.monotonic() - started < 5  # the whole handshake's bound, not a per-read one
+        wrapped.close()
+    finally:
+        client.close()
+        listener.close()
+
+
+def test_closing_a_tls_page_stream_ends_a_stream_in_its_handshake(make_store: MakeStore, cluster: ClusterTLS) -> None:
+    server = PageStreamServer(make_store(), "127.0.0.1", 0, timeout_s=30, tls=cluster.server_context())
+    client = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    try:
+        client.sendall(b"\x16\x03\x01")  # a handshake begun, never finished
+        started = time.monotonic()
+        server.close()
+        assert time.monotonic() - started < 10  # not the stream's 30 s timeout
+    finally:
+        client.close()
+
+
+def test_certs_issue_needs_hosts_and_regions_refuse_tls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["certs", "issue", "node-3", "--dir", str(tmp_path / "tls")])
+    assert "--hosts" in capsys.readouterr().err
+    config = tmp_path / "regions.toml"
+    config.write_text(
+        f'home = "{tmp_path}"\n[cluster]\ntls = true\n[kv]\ndata_plane = "grpc"\n'
+        '[regions]\nlayout = ["a:1", "b:1"]\nlinks = ["a~b:10:100"]\n'
+    )
+    assert main(["node", "--config", str(config), "--index", "0"]) == 2
+    assert "cluster.tls" in capsys.readouterr().err
