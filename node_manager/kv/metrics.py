@@ -63,6 +63,12 @@ class KVMetrics:
         self.segments_damaged = Counter(
             "symphony_kv_ssd_segments_damaged_total", "Segment files dropped at index rebuild as damaged", registry=r
         )
+        self.segments_quarantined = Counter(
+            "symphony_kv_ssd_segments_quarantined_total",
+            "Segment files that could not be read at index rebuild (an I/O error): not loaded, moved to "
+            "<ssd_dir>/quarantine/ (the newest 64 kept) or, past 64 a start, left in place",
+            registry=r,
+        )
         self.segments_other_model = Counter(
             "symphony_kv_ssd_segments_other_model_total",
             "Segment files of another model (fingerprint) found at index rebuild and not loaded: dropped, or kept "
@@ -168,6 +174,12 @@ class KVMetrics:
             "Engine-tier block keys neither remembered nor published: kv.block_events_engine_keys were held",
             registry=r,
         )
+
+    def count_rebuild(self, damaged: int, quarantined: int, other_models: int, kept: bool) -> None:
+        """What an SSD index rebuild set aside (`SsdTier.rebuild`'s report)."""
+        self.segments_damaged.inc(damaged)
+        self.segments_quarantined.inc(quarantined)
+        self.segments_other_model.labels("kept" if kept else "dropped").inc(other_models)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -428,9 +428,8 @@ class TieredStore:
         wins), and complete blocks the block index."""
         report = self.ssd.rebuild()
         pages, damaged = report.pages, report.damaged
-        self.metrics.segments_damaged.inc(damaged)
         other = sum(report.other_models.values())
-        self.metrics.segments_other_model.labels("kept" if report.kept_other_models else "dropped").inc(other)
+        self.metrics.count_rebuild(damaged, report.quarantined, other, report.kept_other_models)
         d = self.directory
         for (key, layer), location, checksum, tail in pages:
             row = d.ensure_row(key, tail=tail)

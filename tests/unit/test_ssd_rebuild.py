@@ -12,7 +12,7 @@ from node_manager.kv import ssd_tier
 from node_manager.kv.segments import SegmentEntry
 from node_manager.kv.ssd_tier import QUARANTINE_DIR, SsdTier
 from tests.helpers import TEST_MODEL
-from tests.unit.kv_store_support import PAGE
+from tests.unit.kv_store_support import PAGE, MakeStore, metric, save_session, segment_files
 
 
 def _write(tier: SsdTier, n: int) -> Path:
@@ -65,3 +65,26 @@ def test_the_quarantine_keeps_the_newest_few(tmp_path: Path, monkeypatch: pytest
     assert not set(now_aside) & set(first_aside)  # the earlier arrivals went, whatever their files' age
     assert {name.rsplit("-", 1)[0] for name in now_aside} == {path.stem for path in left}
     assert not any(path.exists() for path in paths)
+
+
+def test_a_store_counts_the_segments_it_set_aside(
+    make_store: MakeStore, ssd_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rebuild's quarantine shows in the node's metrics, beside the damaged segments."""
+    first = make_store()
+    save_session(first, "s", 2, seed=1, flush_each=True)
+    first.close()
+    files = segment_files(ssd_dir)
+    assert len(files) >= 2
+    read_header = SsdTier._read_header
+
+    def unreadable_first(self: SsdTier, path: Path) -> object:
+        if path == files[0]:
+            raise OSError(errno.EIO, "Input/output error")  # the fault: one file the disk cannot read
+        return read_header(self, path)
+
+    monkeypatch.setattr(SsdTier, "_read_header", unreadable_first)
+    store = make_store()
+    assert metric(store, "symphony_kv_ssd_segments_quarantined_total") == 1
+    assert metric(store, "symphony_kv_ssd_segments_damaged_total") == 0
+    assert (ssd_dir / QUARANTINE_DIR).is_dir() and not files[0].exists()
