@@ -262,7 +262,8 @@ class AsyncSymphonyClient:
 
 
 class AdminClient:
-    """The admin API (`scheduler.admin_token`): priority tiers per tenant or session."""
+    """The admin API (`scheduler.admin_token`): priority tiers per tenant or session, residency
+    rules, tenants' quotas."""
 
     def __init__(self, base_url: str | None = None, *, token: str | None = None, timeout: float = 30.0) -> None:
         kwargs = _openai_kwargs(base_url, token or os.environ.get("SYMPHONY_ADMIN_TOKEN"), timeout, 0)
@@ -290,6 +291,15 @@ class AdminClient:
     def residency(self) -> dict[str, Any]:
         return cast("dict[str, Any]", self.openai.get("/residency", cast_to=object))
 
+    def set_quotas(self, tenant: str, limits: dict[str, float] | None) -> dict[str, Any]:
+        """Change a tenant's quotas at this scheduler (`requests_per_s`, `max_inflight`, `weight`,
+        ...: the keys given; None: back to `[quotas]`' defaults), until it restarts."""
+        reply = self.openai.put("/quotas", cast_to=object, body={"tenant": tenant, "limits": limits})
+        return cast("dict[str, Any]", reply)
+
+    def quotas(self) -> dict[str, Any]:
+        return cast("dict[str, Any]", self.openai.get("/quotas", cast_to=object))
+
     def close(self) -> None:
         self.openai.close()
 
@@ -312,6 +322,13 @@ class AsyncAdminClient:
 
     async def priorities(self) -> dict[str, Any]:
         return cast("dict[str, Any]", await self.openai.get("/priorities", cast_to=object))
+
+    async def set_quotas(self, tenant: str, limits: dict[str, float] | None) -> dict[str, Any]:
+        reply = await self.openai.put("/quotas", cast_to=object, body={"tenant": tenant, "limits": limits})
+        return cast("dict[str, Any]", reply)
+
+    async def quotas(self) -> dict[str, Any]:
+        return cast("dict[str, Any]", await self.openai.get("/quotas", cast_to=object))
 
     async def close(self) -> None:
         await self.openai.close()

@@ -1,11 +1,13 @@
 """The admin API (`/admin/v1/...`, bearer `scheduler.admin_token`): priority tiers per tenant or per
-session. Setting a session or a tenant to high moves the KV of its sessions to the top tier of
-their nodes at once (`promoted`: how many moves started). A regional scheduler also takes
-residency rules (`/admin/v1/residency`, symphony.residency_rules): a tenant refused here from
-the next request on."""
+session; each tenant's quotas (`/admin/v1/quotas`, symphony.tenant_quotas: this scheduler's, until
+it restarts, when `[quotas]` holds again). Setting a session or a tenant to high moves the KV of its
+sessions to the top tier of their nodes at once (`promoted`: how many moves started). A regional
+scheduler also takes residency rules (`/admin/v1/residency`, symphony.residency_rules): a tenant
+refused here from the next request on."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,6 +16,7 @@ from fastapi.responses import JSONResponse
 from scheduler.errors import ApiError
 from scheduler.hot_path import read_body
 from scheduler.routing import PRIORITIES
+from scheduler.schemas import QuotaUpdateBody, check
 from scheduler.state import SchedulerState
 from scheduler.validation import check_session_id, parse_json_object
 from symphony.logs import get_logger
@@ -57,6 +60,29 @@ def admin_routes(state: SchedulerState) -> APIRouter:
                 "promoted": promoted,
             }
         )
+
+    @router.get("/quotas")
+    async def list_quotas(request: Request) -> JSONResponse:
+        state.auth.check_admin(request.headers.get("authorization"))
+        return JSONResponse({"object": "quotas", **state.quotas.listing()})
+
+    @router.put("/quotas")
+    async def set_quotas(request: Request) -> JSONResponse:
+        state.auth.check_admin(request.headers.get("authorization"))
+        body = parse_json_object(await read_body(request.scope, request.receive, state.config.scheduler.max_body_bytes))
+        check(QuotaUpdateBody, body)
+        tenant = _tenant(body)
+        if tenant not in known_tenants(state.config.scheduler.api_keys):
+            raise ApiError(404, f"tenant {tenant!r} has no API key here: its limits would never apply", param="tenant")
+        limits = body["limits"]
+        try:
+            applied = state.quotas.set(
+                tenant, None if limits is None else {k: v for k, v in limits.items() if v is not None}
+            )
+        except ValueError as exc:
+            raise ApiError(400, f"limits.{exc}", param="limits") from None
+        log.info("tenant quotas set", tenant=tenant, limits="defaults" if limits is None else str(limits))
+        return JSONResponse({"object": "quota", "tenant": tenant, "limits": dataclasses.asdict(applied)})
 
     @router.get("/residency")
     async def list_residency(request: Request) -> JSONResponse:

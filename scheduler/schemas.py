@@ -112,6 +112,28 @@ class AdvisoryBody(_Body):
     expected_arrival_ms: Number | None = None
 
 
+class QuotaLimitsBody(BaseModel):
+    """A tenant's limits as `PUT /admin/v1/quotas` takes them (symphony.tenant_quotas.TenantLimits);
+    a key left out keeps its value. Ranges are the limits' own check."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    requests_per_s: Number | None = None
+    request_burst: StrictInt | None = None
+    advisories_per_s: Number | None = None
+    advisory_burst: StrictInt | None = None
+    max_inflight: StrictInt | None = None
+    max_queued: StrictInt | None = None
+    weight: Number | None = None
+
+
+class QuotaUpdateBody(_Body):
+    """`PUT /admin/v1/quotas`: `limits` null clears the tenant's own (back to `[quotas]`' defaults)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    tenant: StrictStr
+    limits: QuotaLimitsBody | None
+
+
 def check(schema: type[_Body], body: dict[str, Any]) -> None:
     """Raise a 400 ApiError naming the first field of `body` that does not fit `schema`."""
     try:

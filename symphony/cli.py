@@ -21,8 +21,10 @@ from symphony.cli_args import (
     engine_overrides,
     load_from_args,
     positive_int,
+    refusal_message,
 )
 from symphony.cli_certs import add_certs_parser
+from symphony.cli_quotas import add_quotas_parser
 from symphony.cli_residency import add_residency_parser
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
 from symphony.models import ModelError
@@ -236,21 +238,12 @@ def cmd_admin_priority(args: argparse.Namespace) -> int:
         else:
             print(json.dumps(admin.priorities(), indent=2))
     except openai.APIStatusError as exc:
-        raise CliError(f"the scheduler refused: {exc.status_code} {_error_message(exc)}") from None
+        raise CliError(f"the scheduler refused: {exc.status_code} {refusal_message(exc)}") from None
     except openai.APIConnectionError:
         raise CliError(f"cannot reach the scheduler at {args.url or config.scheduler_url}") from None
     finally:
         admin.close()
     return 0
-
-
-def _error_message(exc: Any) -> str:
-    body = getattr(exc, "body", None)
-    if isinstance(body, dict):
-        error = body.get("error", body)
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-    return str(exc)
 
 
 # -- parser ---------------------------------------------------------------------------------------
@@ -339,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_token_args(action)
         action.set_defaults(func=cmd_admin_priority)
     add_residency_parser(admin_sub)
+    add_quotas_parser(admin_sub)
     add_certs_parser(sub)
 
     from eval.cli import register as register_bench  # the one import of eval: its commands join this parser

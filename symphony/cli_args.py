@@ -87,3 +87,13 @@ def admin_token(args: argparse.Namespace, config: SymphonyConfig) -> str:
     if not token:
         raise CliError(f"no admin token: pass --token-file or --token, set ${ADMIN_TOKEN_ENV} or scheduler.admin_token")
     return str(token)
+
+
+def refusal_message(exc: Any) -> str:
+    """The message of an OpenAI-style error body an API call was refused with (else the error)."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+    return str(exc)

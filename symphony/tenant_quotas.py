@@ -143,6 +143,26 @@ class TenantQuotas:
     def limits(self, tenant: str) -> TenantLimits:
         return self.overrides.get(tenant, self.default)
 
+    def set(self, tenant: str, changes: Mapping[str, float | int] | None) -> TenantLimits:
+        """The admin API's update: `changes` (LIMIT_KEYS) over the tenant's limits now, or, for
+        None, back to the defaults. ValueError as "key: message" for a value out of range (nothing
+        changed). Its buckets keep their tokens: a new rate or burst applies from its next request."""
+        if changes is None:
+            self.overrides.pop(tenant, None)
+            return self.default
+        limits = dataclasses.replace(self.limits(tenant), **changes)  # type: ignore[arg-type]
+        if (problem := limits.error()) is not None:
+            raise ValueError(problem)
+        self.overrides[tenant] = limits
+        return limits
+
+    def listing(self) -> dict[str, object]:
+        """The defaults and every tenant's own limits, as the admin API shows them."""
+        return {
+            "default": dataclasses.asdict(self.default),
+            "tenants": {tenant: dataclasses.asdict(limits) for tenant, limits in sorted(self.overrides.items())},
+        }
+
     def take(self, kind: QuotaKind, tenant: str, now_s: float) -> float:
         """One `kind` token of the tenant's bucket: 0.0 when admitted, else the seconds to wait."""
         rate, burst = self.limits(tenant).rate(kind)

@@ -1,7 +1,7 @@
 """Each tenant's own quotas ([quotas]) on a real scheduler: a tenant over its rate of requests or
 advisories, at its cap of requests in flight, or at its share of the hold-back queue gets a 429 with
 an OpenAI-style body (and Retry-After for a rate), while another tenant is served; held-back
-requests of two tenants take turns."""
+requests of two tenants take turns; an admin changes a tenant's quotas while it runs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import asyncio
 
 import httpx
 import openai
+import pytest
 
+from client_sdk import AsyncAdminClient
+from symphony.cli import main
 from tests.helpers import async_wait_until
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
 from tests.integration.fakes import FakeEngine
@@ -134,3 +137,67 @@ async def test_held_back_requests_take_turns_by_tenant_and_a_tenant_has_a_share(
         assert [o for o in order if o.startswith("acme")] == ["acme-0", "acme-1", "acme-2"]
         metrics = (await client.get("/metrics", headers=OPS)).text
         assert 'symphony_quota_refused_total{reason="queued",tenant="acme"} 1.0' in metrics
+
+
+async def test_an_admin_changes_a_tenants_quotas_while_it_runs(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """Through the SDK: a rate set on acme refuses its next request but one; rival is untouched;
+    clearing it serves acme again. Bad updates are 400/404 and change nothing; a tenant's key is
+    not the admin's."""
+    url, _ = await start_scheduler([await make_node(engine.url)], api_keys=KEYS, admin_token="ops-token")
+    admin = AsyncAdminClient(url, token="ops-token")
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client)
+        assert (await admin.quotas())["tenants"] == {}
+        # One token every 100 s, a bucket of one: acme's next request goes, the one after waits.
+        applied = await admin.set_quotas("acme", {"requests_per_s": 0.01, "request_burst": 1, "weight": 2})
+        assert applied["limits"]["requests_per_s"] == 0.01 and applied["limits"]["weight"] == 2
+        assert applied["limits"]["max_inflight"] == 0  # the keys not given keep the defaults
+        statuses = [(await client.post("/v1/chat/completions", json=CHAT, headers=ACME)).status_code for _ in range(2)]
+        assert statuses == [200, 429]
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=RIVAL)).status_code == 200
+        listed = await admin.quotas()
+        assert set(listed["tenants"]) == {"acme"} and listed["default"]["requests_per_s"] == 0
+        for tenant, limits, status in (
+            ("acme", {"requests_per_s": -1}, 400),  # out of range
+            ("acme", {"max_inflight": 1.5}, 400),  # not a whole number
+            ("acme", {"weight": True}, 400),  # a bool is no number here
+            ("acme", {"bursts": 3}, 400),  # no such key
+            ("nobody", {"max_inflight": 1}, 404),  # no API key: it would never apply
+        ):
+            with pytest.raises(openai.APIStatusError) as refused:
+                await admin.set_quotas(tenant, limits)
+            assert refused.value.status_code == status, (tenant, limits)
+        assert (await admin.quotas())["tenants"]["acme"]["requests_per_s"] == 0.01  # nothing changed
+        by_tenant = await client.put("/admin/v1/quotas", json={"tenant": "acme", "limits": None}, headers=ACME)
+        assert by_tenant.status_code == 403
+        await admin.set_quotas("acme", None)  # back to the defaults: no rate
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=ACME)).status_code == 200
+        assert (await admin.quotas())["tenants"] == {}
+    await admin.close()
+
+
+async def test_the_admin_cli_sets_lists_and_clears_a_tenants_quotas(
+    make_node: MakeNode,
+    engine: FakeEngine,
+    start_scheduler: StartScheduler,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url, state = await start_scheduler([await make_node(engine.url)], api_keys=KEYS, admin_token="ops-token")
+    monkeypatch.setenv("SYMPHONY_ADMIN_TOKEN", "ops-token")
+
+    async def cli(*args: str) -> int:
+        return await asyncio.to_thread(main, ["admin", "quotas", *args, "--url", url])
+
+    assert await cli("set", "--tenant", "acme", "max_inflight=3", "weight=2") == 0
+    assert state.quotas.limits("acme").max_inflight == 3 and state.quotas.limits("acme").weight == 2
+    assert await cli("set", "--tenant", "acme", "max_inflite=3") == 2  # named before anything is sent
+    assert "max_inflite" in capsys.readouterr().err
+    assert await cli("set", "--tenant", "nobody", "max_inflight=1") == 2
+    assert "404" in capsys.readouterr().err
+    assert await cli("list") == 0
+    assert '"max_inflight": 3' in capsys.readouterr().out
+    assert await cli("clear", "--tenant", "acme") == 0
+    assert state.quotas.limits("acme") == state.quotas.default
