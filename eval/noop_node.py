@@ -68,10 +68,20 @@ class NoopEngine:
         await response.write_eof()
         return response
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/tokenize` and `/detokenize` in shape: a token per word, the words back."""
+        body = await request.json()
+        if request.path == "/detokenize":
+            return web.json_response({"prompt": " ".join("hi" for _ in body.get("tokens") or [])})
+        words = str(body.get("prompt") or body.get("messages") or "").split()
+        return web.json_response({"count": len(words), "max_model_len": 32768, "tokens": [1] * len(words)})
+
     async def start(self) -> None:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self._answer)
         app.router.add_post("/v1/completions", self._answer)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._tokenize)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()

@@ -13,14 +13,16 @@ from collections.abc import AsyncIterator
 # (docs/design-notes.md#scheduler-http-path).
 import anyio._backends._asyncio  # noqa: F401
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from scheduler.admin import admin_routes
 from scheduler.engine_api import engine_routes
-from scheduler.errors import ApiError, http_error_handler
+from scheduler.errors import ApiError, http_error_handler, validation_error_handler
 from scheduler.hot_path import HotPath
+from scheduler.openapi import openapi_document
 from scheduler.region_summary import region_summary
 from scheduler.state import SchedulerState
 from symphony.config import SymphonyConfig
@@ -40,12 +42,14 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
 
     app = FastAPI(title="Symphony scheduler", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
 
     async def api_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     app.add_exception_handler(ApiError, api_error)
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]  # the hot path's paths too
     app.include_router(admin_routes(state))
     app.include_router(engine_routes(state))
 

@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -100,6 +101,17 @@ def error_response(
 def sse_error_event(status: int, message: str, code: str) -> bytes:
     """An error delivered inside an already-started event stream (the status line is gone by then)."""
     return f"data: {json.dumps(error_body(status, message, code=code))}\n\ndata: [DONE]\n\n".encode()
+
+
+async def validation_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """A query or path parameter FastAPI could not parse: a 400 with an OpenAI-style body naming
+    it (FastAPI's own answer is a 422 in a shape no OpenAI client reads)."""
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    location = [str(part) for part in first.get("loc", ()) if part not in ("query", "path", "body")]
+    param = location[0] if location else None
+    message = f"{'.'.join(location) or 'request'}: {first.get('msg', 'invalid')}, got {str(first.get('input'))[:100]!r}"
+    return error_response(400, message, param=param)
 
 
 async def http_error_handler(_: Request, exc: Exception) -> JSONResponse:
