@@ -39,6 +39,7 @@ _ERROR = {
         }
     },
 }
+_ERROR_BODY = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _SESSION_HEADER = {
     "name": "X-Session-ID",
     "in": "header",
@@ -55,23 +56,28 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas: dict[str, Any] = document.setdefault("components", {}).setdefault("schemas", {})
     schemas["Error"] = _ERROR
-    bodies: dict[str, tuple[type[BaseModel], dict[str, Any]]] = {
-        path: (ChatBody if endpoint == "chat" else CompletionBody, {"model": {"type": "string"}})
-        for path, endpoint in INFERENCE_PATHS.items()
-    }
-    bodies[ADVISORY_PATH] = (AdvisoryBody, {"session_id": {"type": "string"}})
-    for path, (model, required) in bodies.items():
-        document.setdefault("paths", {})[path] = {"post": _operation(model, required, schemas)}
+    model = {"type": "string", "description": "a served model; left out: the one the nodes serve, if one"}
+    session = {"type": "string", "description": "the session advised (else the X-Session-ID header)"}
+    for path, endpoint in INFERENCE_PATHS.items():
+        body = ChatBody if endpoint == "chat" else CompletionBody
+        document.setdefault("paths", {})[path] = {"post": _operation(body, {"model": model}, schemas, "200")}
+    advisory = _operation(AdvisoryBody, {"model": model, "session_id": session}, schemas, "202")
+    document["paths"][ADVISORY_PATH] = {"post": advisory}
     # Routes FastAPI serves but whose bodies their handlers read themselves: their schemas too.
     for path, method, models in (
         ("/tokenize", "post", (TokenizeCompletionBody, TokenizeChatBody)),
         ("/detokenize", "post", (DetokenizeBody,)),
         ("/admin/v1/quotas", "put", (QuotaUpdateBody,)),
     ):
-        bodies_of = [_schema(model, schemas) for model in models]
-        body = bodies_of[0] if len(bodies_of) == 1 else {"oneOf": bodies_of}
+        forms = [_schema(form, schemas) for form in models]
+        schema = forms[0] if len(forms) == 1 else {"anyOf": forms}
         operation = document["paths"][path][method]
-        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+    # FastAPI documents a 422 for bad parameters; they get a 400 with an error body (scheduler.errors).
+    for operation in (op for item in document["paths"].values() for op in item.values() if isinstance(op, dict)):
+        responses = operation.get("responses", {})
+        if responses.pop("422", None) is not None:
+            responses["400"] = {"description": "bad input", **_ERROR_BODY}
     app.openapi_schema = document
     return document
 
@@ -82,21 +88,19 @@ def _schema(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def _operation(model: type[BaseModel], required: dict[str, Any], schemas: dict[str, Any]) -> dict[str, Any]:
-    """A hot-path POST: the body's schema (with the fields its handler resolves itself, `required`)
-    and the answers it may give, an OpenAI-style error body for every 4xx and 5xx."""
+def _operation(model: type[BaseModel], fields: dict[str, Any], schemas: dict[str, Any], ok: str) -> dict[str, Any]:
+    """A hot-path POST: the body's schema (with the optional fields its handler resolves itself,
+    `fields`) and the answers it may give: `ok`, or an OpenAI-style error body."""
     schema = _schema(model, schemas)
-    schema.setdefault("properties", {}).update(required)
-    schema["required"] = sorted({*schema.get("required", []), *required})
-    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    schema.setdefault("properties", {}).update(fields)
+    meaning = "the answer (a JSON body, or server-sent events when it streams)" if ok == "200" else "taken"
     return {
         "summary": model.__doc__.splitlines()[0] if model.__doc__ else model.__name__,
         "parameters": [_SESSION_HEADER],
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "responses": {
-            "200": {"description": "the answer (a JSON body, or server-sent events when it streams)"},
-            "202": {"description": "an advisory taken"},
-            **{code: {"description": meaning, **error} for code, meaning in _ERRORS.items()},
+            ok: {"description": meaning},
+            **{code: {"description": meaning, **_ERROR_BODY} for code, meaning in _ERRORS.items()},
         },
     }
 

@@ -32,17 +32,21 @@ def cmd_admin_quotas(args: argparse.Namespace) -> int:
     import openai
 
     from client_sdk import AdminClient
+    from symphony.tenancy import tenant_name_error
     from symphony.tenant_quotas import TenantLimits, parse_overrides
 
     config = load_from_args(args)
     token = admin_token(args, config)
     changes: dict[str, float | int] | None = None
     if args.quotas_command == "set":
+        if (invalid := tenant_name_error(args.tenant)) is not None or ":" in args.tenant:
+            raise CliError(f"--tenant: {invalid or 'no colon in a tenant name'}")
+        settings = ",".join(args.limits)  # KEY=VALUE arguments, or [quotas]' own comma-separated form
         try:  # checked here as [quotas] checks them, so a typo is named before anything is sent
-            parsed = parse_overrides([f"{args.tenant}:{','.join(args.limits)}"], TenantLimits())[args.tenant]
+            parsed = parse_overrides([f"{args.tenant}:{settings}"], TenantLimits())[args.tenant]
         except ValueError as exc:
             raise CliError(f"limits: {exc}") from None
-        given = {part.partition("=")[0].strip() for part in args.limits}
+        given = {part.partition("=")[0].strip() for part in settings.split(",")}
         changes = {key: getattr(parsed, key) for key in given}
     url = args.url or config.scheduler_url
     admin = AdminClient(url, token=token)

@@ -48,7 +48,7 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 _WILDCARDS = {"", "0.0.0.0", "::"}  # listening on every address: no name a peer dials
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # a member's file name (`issue_member`)
 _DNS = re.compile(
-    r"(?=.{1,253}$)[A-Za-z0-9*]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"(?=.{1,253}$)[A-Za-z0-9_*]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*"
 )  # an ASCII DNS name (a leading wildcard label allowed)
 
 
@@ -98,18 +98,24 @@ HANDSHAKE_S = 5.0  # a page stream's whole TLS handshake: a client that drips by
 def server_handshake(conn: ssl.SSLSocket, timeout_s: float, within_s: float = HANDSHAKE_S) -> None:
     """Complete a server-side handshake (`conn` wrapped with do_handshake_on_connect=False) within
     `within_s` in all, then give the socket `timeout_s` per operation. Raises ssl.SSLError (not a
-    member), TimeoutError (too slow) or OSError."""
+    member), TimeoutError (too slow) or OSError; the socket is then non-blocking, so that whatever
+    the caller still writes to it (an error frame) fails at once instead of resuming the handshake."""
     deadline = time.monotonic() + within_s
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"TLS handshake not done within {within_s} s")
-        conn.settimeout(remaining)
-        try:
-            conn.do_handshake()
-            break
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            continue
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"TLS handshake not done within {within_s} s")
+            conn.settimeout(remaining)
+            try:
+                conn.do_handshake()
+                break
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                continue
+    except BaseException:
+        with contextlib.suppress(OSError):
+            conn.settimeout(0.0)
+        raise
     conn.settimeout(timeout_s)
 
 
@@ -159,10 +165,10 @@ def tls_dir(config: SymphonyConfig) -> Path:
 
 
 def config_hosts(config: SymphonyConfig) -> list[str]:
-    """The addresses this host's members are dialled at (`node.host`), and the scheduler's host,
-    named too so one certificate serves every process of the host."""
-    hosts = (config.node.host, config.scheduler.host)
-    return [host.strip("[]") for host in hosts if host.strip("[]") not in _WILDCARDS]
+    """Where this host's TLS servers are dialled: `node.host` (node gRPC and page streams; the
+    scheduler's HTTP API is not under TLS)."""
+    host = config.node.host.strip("[]")
+    return [] if host in _WILDCARDS else [host]
 
 
 def ensure_tls(directory: Path, hosts: Iterable[str] = ()) -> ClusterTLS:
@@ -172,12 +178,12 @@ def ensure_tls(directory: Path, hosts: Iterable[str] = ()) -> ClusterTLS:
         if not (directory / CA_CERT).exists():
             init_ca(directory)
         if not (directory / MEMBER_CERT).exists():
-            (directory / MEMBER_KEY).unlink(missing_ok=True)  # a key whose certificate was never written
-            if not (directory / CA_KEY).exists():
+            if not (directory / CA_KEY).exists():  # another host's: its key, if any, is the operator's
                 raise TLSSetupError(
                     f"{directory} has the cluster's {CA_CERT} but no {MEMBER_CERT}: install this host's member "
                     f"certificate there (made with `symphony certs issue` where {CA_KEY} is)"
                 )
+            (directory / MEMBER_KEY).unlink(missing_ok=True)  # ours, whose certificate was never written
             issue_member(directory, "member", hosts, cert_name=MEMBER_CERT, key_name=MEMBER_KEY)
     return load_tls(directory)
 

@@ -119,9 +119,12 @@ class LocalCluster:
         return [f"http://{c.scheduler.host}:{c.regions.scheduler_port_base + r.index}" for r in self.topology.regions]
 
     def _http_ok(self, url: str) -> Callable[[], Awaitable[bool]]:
+        """A child's readiness: 200 at `url`, read with the cluster's internal token (the links'
+        `/links` asks for it once keys are set)."""
+
         async def probe() -> bool:
             try:
-                return (await self._http.get(url)).status_code == 200
+                return (await self._http.get(url, headers=self._internal)).status_code == 200
             except httpx.HTTPError:
                 return False
 

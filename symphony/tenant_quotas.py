@@ -45,6 +45,7 @@ QuotaKind = Literal["requests", "advisories"]
 # request, and must stay far from float precision's limits.
 MIN_RATE_PER_S, MAX_RATE_PER_S = 0.001, 1e6
 MIN_WEIGHT, MAX_WEIGHT = 0.001, 1000.0
+MAX_COUNT = 10**9  # bursts and caps: past any real need, and within a float's exact integers
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ class TenantLimits:
             if not (value == 0 or MIN_RATE_PER_S <= value <= MAX_RATE_PER_S):
                 return f"{key}: must be 0 (no limit) or in {MIN_RATE_PER_S:g}..{MAX_RATE_PER_S:g}, got {value}"
         for key in ("request_burst", "advisory_burst", "max_inflight", "max_queued"):
-            if getattr(self, key) < 0:
-                return f"{key}: must be 0 (no limit) or positive, got {getattr(self, key)}"
+            if not 0 <= getattr(self, key) <= MAX_COUNT:
+                return f"{key}: must be 0 (no limit) or up to {MAX_COUNT:.0e}, got {getattr(self, key)}"
         if not MIN_WEIGHT <= self.weight <= MAX_WEIGHT:
             return f"weight: must be in {MIN_WEIGHT:g}..{MAX_WEIGHT:g}, got {self.weight}"
         return None

@@ -6,6 +6,7 @@ requests of two tenants take turns; an admin changes a tenant's quotas while it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 import openai
@@ -147,7 +148,8 @@ async def test_an_admin_changes_a_tenants_quotas_while_it_runs(
     not the admin's."""
     url, _ = await start_scheduler([await make_node(engine.url)], api_keys=KEYS, admin_token="ops-token")
     admin = AsyncAdminClient(url, token="ops-token")
-    async with httpx.AsyncClient(base_url=url) as client:
+    async with contextlib.AsyncExitStack() as cleanup, httpx.AsyncClient(base_url=url) as client:
+        cleanup.push_async_callback(admin.close)
         await ready(client)
         assert (await admin.quotas())["tenants"] == {}
         # One token every 100 s, a bucket of one: acme's next request goes, the one after waits.
@@ -175,7 +177,6 @@ async def test_an_admin_changes_a_tenants_quotas_while_it_runs(
         await admin.set_quotas("acme", None)  # back to the defaults: no rate
         assert (await client.post("/v1/chat/completions", json=CHAT, headers=ACME)).status_code == 200
         assert (await admin.quotas())["tenants"] == {}
-    await admin.close()
 
 
 async def test_the_admin_cli_sets_lists_and_clears_a_tenants_quotas(

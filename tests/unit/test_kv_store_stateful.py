@@ -1,8 +1,9 @@
 """The tiered store driven by hypothesis' stateful testing: random sequences of saves, loads,
 flushes, demotions, restarts (DRAM lost, SSD kept) and bit flips in SSD segments, against a model
-of what was saved. The invariant the design promises: a load delivers each page either with the
-bytes last saved under its key, or as failed, never other bytes; a page saved and flushed to SSD
-survives a restart unless its segment was damaged or evicted; nothing stays pinned once idle."""
+of what was saved. What it holds the store to: a load delivers each page either with bytes saved
+under its key, or as failed (evicted, damaged), never other bytes; and once flushed, nothing stays
+pinned. A key is the session's tokens up to the block (content-addressed): a session saved again
+with other bytes, as a model whose numerics wobble would, may keep either copy."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ import tempfile
 from pathlib import Path
 from uuid import uuid4
 
-import torch
 from hypothesis import event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from node_manager.kv.pages import Tier
 from node_manager.kv.store import TieredStore
@@ -40,9 +40,10 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.directory = Path(tempfile.mkdtemp(prefix="symphony-stateful-"))
         self.store: TieredStore | None = None
-        # session -> (blocks, per-layer data as last saved); and the sessions whose SSD copy may be
-        # damaged or evicted (their pages may fail to load, never load wrong).
-        self.saved: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        # session -> its blocks as last saved; (session, block, layer) -> every page saved under
+        # that key (a load may deliver any of them, or fail); the sessions flushed to SSD.
+        self.saved: dict[str, int] = {}
+        self.pages: dict[tuple[str, int, int], set[bytes]] = {}
         self.flushed: set[str] = set()
 
     def _open(self) -> TieredStore:
@@ -72,20 +73,24 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.sessions.put("acme", session, self._tokens(session, blocks))
         for layer in range(LAYERS):
             self.store.ingest.save_layer("acme", session, layer, 0, data[layer]).result(TIMEOUT)
-        self.saved[session] = (blocks, data)
+        self.saved[session] = max(blocks, self.saved.get(session, 0))
+        for layer in range(LAYERS):
+            for block in range(blocks):
+                self.pages.setdefault((session, block, layer), set()).add(data[layer][block].numpy().tobytes())
         self.flushed.discard(session)
 
     @rule()
     def flush(self) -> None:
         assert self.store is not None
         assert self.store.write_behind.flush(TIMEOUT)
+        assert self.store.pinned_pages() == 0  # loads released theirs; saves' are written behind
         self.flushed |= set(self.saved)
 
     @rule(session=st.sampled_from(SESSIONS), tier=st.sampled_from([Tier.HBM, Tier.DRAM]))
     def demote(self, session: str, tier: Tier) -> None:
         assert self.store is not None
         if session in self.saved:  # registered again: a restart forgets sessions, not their pages
-            self.store.sessions.put("acme", session, self._tokens(session, self.saved[session][0]))
+            self.store.sessions.put("acme", session, self._tokens(session, self.saved[session]))
             self.store.demote("acme", session, tier)  # never loses KV: only copies SSD also holds
 
     @precondition(lambda self: bool(self.saved))
@@ -93,7 +98,7 @@ class StoreMachine(RuleBasedStateMachine):
     def load(self, data: st.DataObject) -> None:
         assert self.store is not None
         session = data.draw(st.sampled_from(sorted(self.saved)))
-        blocks, expected = self.saved[session]
+        blocks = self.saved[session]
         self.store.sessions.put("acme", session, self._tokens(session, blocks))
         tensors, results = load_rows(self.store, session, blocks)
         checked = sum(blocks - len(result.failed) for result in results)
@@ -102,8 +107,9 @@ class StoreMachine(RuleBasedStateMachine):
             for block in range(blocks):
                 if block in result.failed:
                     continue  # evicted, damaged or never flushed before a restart: failed, not wrong
-                assert torch.equal(tensors[result.layer][block], expected[result.layer][block]), (
-                    f"session {session} layer {result.layer} block {block}: other bytes than saved"
+                got = tensors[result.layer][block].numpy().tobytes()
+                assert got in self.pages[(session, block, result.layer)], (
+                    f"session {session} layer {result.layer} block {block}: bytes never saved under its key"
                 )
 
     @rule()
@@ -126,13 +132,6 @@ class StoreMachine(RuleBasedStateMachine):
         size = path.stat().st_size
         if size > 4096:  # in the pages, past the 4 KiB header
             flip_bits(path, 4096 + where % (size - 4096), mask)
-
-    @invariant()
-    def nothing_stays_pinned_once_idle(self) -> None:
-        """Loads release their pins; a save's pages stay pinned only until written behind."""
-        if self.store is not None:
-            assert self.store.write_behind.flush(TIMEOUT)
-            assert self.store.pinned_pages() == 0
 
     def teardown(self) -> None:
         if self.store is not None:
