@@ -25,6 +25,7 @@ thread-safe.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -142,15 +143,21 @@ class ConnectionTally:
         self.attributor = Unattributed()
 
 
-def http_tenant_of(keys: TenantKeys) -> Callable[[str | None], str]:
+def http_tenant_of(keys: TenantKeys, cluster_tokens: Iterable[str] = ()) -> Callable[[str | None], str]:
     """The label of an HTTP request by its `Authorization` header, as the entry and the scheduler
-    decide its tenant (`TenantKeys`): without keys configured every request is DEFAULT_TENANT's."""
+    decide its tenant (`TenantKeys`): without keys configured every request is DEFAULT_TENANT's.
+    `cluster_tokens` (the internal and admin tokens) are the cluster's own control traffic, a
+    region's summaries among them: NONE, no tenant's."""
+    own = [token.encode() for token in cluster_tokens if token]
 
     def tenant_of(authorization: str | None) -> str:
         if keys.open:
             return DEFAULT_TENANT
         token = bearer(authorization)
         if token is None:
+            return NONE
+        given = token.encode("utf-8", "surrogateescape")
+        if any([hmac.compare_digest(given, mine) for mine in own]):  # each compared: no early exit
             return NONE
         tenant = keys.tenant(token)
         return UNKNOWN_KEY if tenant is None else _tenant_label(tenant)

@@ -29,7 +29,7 @@ from symphony.config import SymphonyConfig
 from symphony.link_sniff import Sniff
 from symphony.link_tenants import http_tenant_of
 from symphony.regions import PlannedLink, RegionTopology, node_index
-from symphony.tenancy import TenantKeys, observer_refusal
+from symphony.tenancy import TenantKeys, internal_token, observer_refusal
 from symphony.wan_link import LinkFault, LinkPipe, WanLink
 
 # A pair's control-API name: its two regions, sorted, joined by "~".
@@ -94,7 +94,9 @@ class RegionLinks:
         for i, (pair, shape) in enumerate(sorted(topology.links.items(), key=lambda item: sorted(item[0]))):
             self.pipes[pair_name(*pair)] = LinkPipe(shape, seed + i)
         host = config.scheduler.host
-        tenant_of = http_tenant_of(TenantKeys(config.scheduler.api_keys))
+        secret = config.cluster.secret.encode()
+        own = [internal_token(secret) if secret else "", config.scheduler.admin_token]
+        tenant_of = http_tenant_of(TenantKeys(config.scheduler.api_keys), own)
         for planned in topology.link_plan(config.regions.link_port_base):
             pipe = self.pipes[pair_name(planned.source, planned.dest)]
             lanes = (lane_name(planned.source, planned.dest), lane_name(planned.dest, planned.source))

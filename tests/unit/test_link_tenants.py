@@ -433,3 +433,14 @@ def test_any_bytes_after_any_start_are_all_counted_once(start: bytes, chunks: li
         fed = sum(len(data) for d, data in [("forward", start), *chunks] if d == direction)
         assert sum(tally.snapshot(direction).values()) == fed
         assert PENDING not in tally.snapshot(direction)
+
+
+def test_the_clusters_own_tokens_name_no_tenant() -> None:
+    """A region's summaries, read with the internal token, and admin calls cross links too: they
+    are the cluster's control traffic (NONE), not an unknown key."""
+    tenant_of = http_tenant_of(TenantKeys(["acme:k-acme"]), ["internal-123", "admin-456", ""])
+    assert tenant_of("Bearer internal-123") == NONE
+    assert tenant_of("Bearer admin-456") == NONE
+    assert tenant_of("Bearer k-acme") == "acme"
+    assert tenant_of("Bearer internal-12") == UNKNOWN_KEY  # nothing near a token counts
+    assert tenant_of("Bearer ") == NONE  # no token: no tenant
