@@ -10,9 +10,11 @@ ports of one started with the defaults (`make run`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 import socket
+import threading
 from pathlib import Path
 
 from symphony.config import KVConfig, NodeConfig, RegionsConfig, SchedulerConfig, SymphonyConfig
@@ -41,6 +43,13 @@ DEFAULT_PORTS = frozenset(
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LINUX_EPHEMERAL_START = 32_768  # the kernel's default, where the range cannot be read
 ATTEMPTS = 200
+# Ports handed out lately by this process. A port found free is not held, so without this two picks
+# made before either cluster binds (a cluster's scheduler and its nodes, say) could name the same
+# run; and the kernel's port 0 hands a just-closed port straight back. Bounded: only the latest
+# RECENT_PORTS are remembered, far more than one cluster or test session starts at once.
+RECENT_PORTS = 4096
+_recent: collections.deque[int] = collections.deque(maxlen=RECENT_PORTS)
+_recent_lock = threading.Lock()  # guards _recent: pytest-xdist aside, tests pick from threads too
 
 
 def ephemeral_start() -> int:
@@ -59,12 +68,24 @@ def free_port_run(count: int) -> int:
     """The first of `count` consecutive ports free now (node i listens on base + i), below the
     ephemeral range when it leaves room there, else wherever the kernel finds a free one."""
     top = ephemeral_start() - count
-    for _ in range(ATTEMPTS):
-        base = random.randrange(LOWEST_PORT, top) if top > LOWEST_PORT else _kernel_free_port()
-        ports = range(base, base + count)
-        if ports[-1] <= 65535 and DEFAULT_PORTS.isdisjoint(ports) and all(map(_port_free, ports)):
-            return base
+    with _recent_lock:
+        for _ in range(ATTEMPTS):
+            base = random.randrange(LOWEST_PORT, top) if top > LOWEST_PORT else _kernel_free_port()
+            ports = range(base, base + count)
+            if (
+                ports[-1] <= 65535
+                and DEFAULT_PORTS.isdisjoint(ports)
+                and _not_handed_out(ports)
+                and all(map(_port_free, ports))
+            ):
+                _recent.extend(ports)
+                return base
     raise RuntimeError(f"no run of {count} free ports found")
+
+
+def _not_handed_out(ports: range) -> bool:
+    """No port of `ports` was handed out lately. Caller holds _recent_lock."""
+    return not any(port in ports for port in _recent)
 
 
 def _kernel_free_port() -> int:

@@ -41,6 +41,25 @@ def test_without_room_below_the_ephemeral_range_the_kernel_picks(monkeypatch: py
     assert port not in ports.DEFAULT_PORTS
 
 
+def test_picks_made_before_anything_binds_never_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster's ports are all picked before any of it binds, and the kernel's port 0 hands a
+    just-closed port straight back: the picker itself keeps two runs apart."""
+    monkeypatch.setattr(ports, "_recent", ports.collections.deque(maxlen=ports.RECENT_PORTS))
+    monkeypatch.setattr(ports, "ephemeral_start", lambda: ports.LOWEST_PORT)  # the kernel's path
+    monkeypatch.setattr(ports, "_port_free", lambda port: True)  # this test is about the picker's memory
+    same = 20_000
+    draws = iter([same, same + 1, same, same + 3])  # a port of the first run is drawn twice more
+    monkeypatch.setattr(ports, "_kernel_free_port", lambda: next(draws))
+    assert ports.free_port_run(2) == same
+    assert ports.free_port_run(2) == same + 3  # same + 1 and same overlap the first run
+
+
+def test_many_runs_picked_in_a_row_are_disjoint() -> None:
+    runs = [range(base, base + 3) for base in (ports.free_port_run(3) for _ in range(200))]
+    picked = [port for run in runs for port in run]
+    assert len(set(picked)) == len(picked)
+
+
 @pytest.mark.parametrize(("nodes", "regions"), [(1, 0), (2, 0), (3, 3)])
 def test_a_private_cluster_takes_no_port_or_file_of_a_default_one(tmp_path: Path, nodes: int, regions: int) -> None:
     """Every port and path a running cluster on the defaults holds (`make run`, or `symphony up
