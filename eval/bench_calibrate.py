@@ -57,6 +57,7 @@ from symphony.config import SymphonyConfig
 from symphony.kv_geometry import geometry_from_model_dir, smollm2_geometry
 from symphony.kv_transfer import TENANT_PARAM, params_key, sign_params
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
+from symphony.tenancy import engine_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +132,12 @@ async def _stream(client: openai.AsyncOpenAI, model: str, prompt: list[int], max
 class _EngineProbe:
     """One engine's OpenAI client and its own stream of random prompts."""
 
-    def __init__(self, base_url: str, model: str, seed: int, signing: bytes) -> None:
+    def __init__(self, base_url: str, model: str, seed: int, signing: bytes, key: str) -> None:
         self.base_url = base_url
         self.model = model
         self.signing = signing
         self._rng = random.Random(seed)
-        self.client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="calibration", timeout=600.0, max_retries=0)
+        self.client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=key, timeout=600.0, max_retries=0)
 
     def prompt(self, tokens: int) -> list[int]:
         return [self._rng.randrange(*TOKEN_ID_RANGE) for _ in range(tokens)]
@@ -190,9 +191,9 @@ class _EngineProbe:
         await self.client.close()
 
 
-async def engine_capacity(base_url: str) -> tuple[int, int]:
-    """(KV blocks, block size) from the engine's `vllm:cache_config_info` metric."""
-    async with httpx.AsyncClient(timeout=10.0) as http:
+async def engine_capacity(base_url: str, key: str) -> tuple[int, int]:
+    """(KV blocks, block size) from the engine's `vllm:cache_config_info` metric (`key`: its key)."""
+    async with httpx.AsyncClient(timeout=10.0, headers={"Authorization": f"Bearer {key}"}) as http:
         text = (await http.get(base_url + "/metrics")).text
     for line in text.splitlines():
         if line.startswith("vllm:cache_config_info{"):
@@ -221,7 +222,8 @@ async def calibrate(
     (docs/benchmarks.md#bench-calibrate-and-bench-validate)."""
     urls = [f"http://{config.node.host}:{config.engine_port(i)}" for i in range(config.cluster.nodes)]
     signing = params_key(config.cluster.secret.encode())
-    engines = [_EngineProbe(url, served_model, seed=i, signing=signing) for i, url in enumerate(urls)]
+    key = engine_key(config.cluster.secret.encode())
+    engines = [_EngineProbe(url, served_model, seed=i, signing=signing, key=key) for i, url in enumerate(urls)]
     prefill_alone: list[PrefillSample] = []
     decode_alone: list[DecodeSample] = []
     prefill_busy: list[PrefillSample] = []
@@ -247,7 +249,7 @@ async def calibrate(
     finally:
         for engine in engines:
             await engine.close()
-    kv_blocks, block_size = await engine_capacity(urls[0])
+    kv_blocks, block_size = await engine_capacity(urls[0], key)
     fit = fit_engine(prefill_alone, decode_alone, kv_blocks=kv_blocks, block_size=block_size, max_batch=MAX_NUM_SEQS)
     model = dataclasses.replace(fit.model, neighbour_slowdown=fit_slowdown(fit.model, prefill_busy, decode_busy))
     geometry = smollm2_geometry()
@@ -295,16 +297,12 @@ def run_calibrate_bench(config: SymphonyConfig, *, out: Path, preset_out: Path, 
         links, costs["link_samples"] = await measure_links(private)
         source = f"symphony bench calibrate, {time.strftime('%Y-%m-%d')}: {model.served_name}, {len(links)} links"
         profile = build_profile(
-            preset.engine,
-            kv_bytes_per_token=kv_bytes_per_token,
-            tiers=tiers,
-            links=links,
-            model=model.served_name,
+            preset.engine, kv_bytes_per_token=kv_bytes_per_token, tiers=tiers, links=links, model=model.served_name,
             source=source,
-        )
+        )  # fmt: skip
         costs["profile"] = profile
-        url = f"http://{private.node.host}:{private.engine_port(0)}"
-        costs["queue_check"] = await check_queue(profile, url, model.served_name)
+        url, key = f"http://{private.node.host}:{private.engine_port(0)}", engine_key(private.cluster.secret.encode())
+        costs["queue_check"] = await check_queue(profile, url, model.served_name, key)
         return preset, samples
 
     try:

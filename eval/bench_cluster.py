@@ -50,7 +50,7 @@ from symphony.config import SymphonyConfig, dump_toml
 from symphony.config_secrets import scrubbed_env, write_private
 from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
-from symphony.tenancy import internal_headers
+from symphony.tenancy import engine_headers, internal_headers
 
 T = TypeVar("T")
 
@@ -119,7 +119,7 @@ async def reset_prefix_caches(config: SymphonyConfig, timeout_s: float = 30.0) -
     request holds them one engine step longer while its partial last block is copied out: asked
     again until every engine agrees."""
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=60.0) as client:
+    async with httpx.AsyncClient(timeout=60.0, headers=engine_headers(config.cluster.secret)) as client:
         for i in range(config.cluster.nodes):
             url = f"http://{config.node.host}:{config.engine_port(i)}/reset_prefix_cache"
             while True:

@@ -43,7 +43,7 @@ from symphony.config_secrets import with_cluster_secret
 from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, params_key, sign_params
 from symphony.launcher import LocalCluster
 from symphony.models import default_model_dir, fetch_default_model, resolve_model
-from symphony.tenancy import DEFAULT_TENANT
+from symphony.tenancy import DEFAULT_TENANT, engine_key
 
 PROMPTS = [
     "What is the capital of France?",
@@ -137,11 +137,14 @@ async def measure(
     prompt_tokens: int,
     secret: str,
 ) -> dict[str, Any]:
-    """`secret`: the cluster's, which the scheduler signs the engine's kv_transfer_params with."""
+    """`secret`: the cluster's, which the scheduler signs the engine's kv_transfer_params with, and
+    which the engine's key is derived from."""
     prompts = proxy_prompts(concurrency, prompt_tokens)
     signing: dict[str, bytes | None] = {"direct": params_key(secret.encode()), "via_scheduler": None}
     clients = {
-        "direct": openai.AsyncOpenAI(base_url=engine_url.rstrip("/") + "/v1", api_key="bench", max_retries=0),
+        "direct": openai.AsyncOpenAI(
+            base_url=engine_url.rstrip("/") + "/v1", api_key=engine_key(secret.encode()), max_retries=0
+        ),
         "via_scheduler": openai.AsyncOpenAI(base_url=scheduler_url.rstrip("/") + "/v1", api_key="bench", max_retries=0),
     }
     samples: dict[str, list[list[float]]] = {"direct": [], "via_scheduler": []}

@@ -66,6 +66,7 @@ from symphony.kv_transfer import params_key
 from symphony.launcher import LocalCluster
 from symphony.models import ModelError, ModelInfo, context_window, fetch_default_model, resolve_model
 from symphony.rpc import kv_pb2_grpc
+from symphony.tenancy import engine_key
 
 # Targets at 2,048 tokens (issue 4), as ratios to engine_cache's median TTFT.
 TARGETS = {"dram": 1.15, "ssd_prefetched": 1.15, "remote_prefetched": 1.2, "ssd_on_demand": 2.0}
@@ -84,7 +85,7 @@ def measure(
     gap_s: float = 1.0,
     seed: int = 11,
 ) -> dict[str, Any]:
-    corpus = corpus_ids(base_url, model)
+    corpus = corpus_ids(base_url, model, nodes[0].engine_headers)
     bench = ResumeRunner(nodes, model, CorpusHistories(corpus, context_tokens), block_size, gap_s)
     rng = random.Random(seed)
     for path in PATHS:  # warm-up, unrecorded: first-use costs (allocator, page faults, connections)
@@ -193,7 +194,12 @@ async def _with_private_cluster(
             base_url = f"http://{config.node.host}:{config.engine_port(i)}"
             nodes.append(
                 Node(
-                    openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600),
+                    openai.OpenAI(
+                        base_url=base_url + "/v1",
+                        api_key=engine_key(config.cluster.secret.encode()),
+                        max_retries=0,
+                        timeout=600,
+                    ),
                     kv_pb2_grpc.KVStoreStub(channel),
                     config.node_grpc_address(i),
                     f"http://{config.node.host}:{config.kv_metrics_port(i)}/metrics",

@@ -227,8 +227,8 @@ async def _decode(client: openai.AsyncOpenAI, model: str, prompt: list[int], fir
             first.set()
 
 
-async def check_queue(profile: CostProfile, base_url: str, model: str, seed: int = 1) -> list[dict[str, Any]]:
-    """Probes on one otherwise idle engine, each TTFT beside what the `symphony` policy estimates
+async def check_queue(profile: CostProfile, base_url: str, model: str, key: str, seed: int = 1) -> list[dict[str, Any]]:
+    """Probes on one otherwise idle engine (`key`: its key), each TTFT beside what the `symphony` policy estimates
     for it (`SymphonyPolicy.estimate`, the same code that routes): a probe sent together with
     `QUEUE_AHEAD` other prefills of its size, and one sent while `QUEUE_DECODING` requests decode."""
     rng = random.Random(seed)
@@ -240,7 +240,7 @@ async def check_queue(profile: CostProfile, base_url: str, model: str, seed: int
         return [rng.randrange(1_000, 40_000) for _ in range(tokens)]
 
     checks: list[dict[str, Any]] = []
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="calibration", timeout=600.0, max_retries=1)
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=key, timeout=600.0, max_retries=1)
     try:
         await _first_token_ms(client, model, prompt(size), time.perf_counter())  # warm the shape
         for ahead in QUEUE_AHEAD:

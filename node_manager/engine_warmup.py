@@ -41,6 +41,7 @@ class EngineView(Protocol):
     """What the warmer reads of the node's engine (`node_manager.engine.Engine`)."""
 
     url: str
+    headers: dict[str, str]  # what every call to it sends (its key)
 
     @property
     def state(self) -> int: ...  # node_pb2.EngineState
@@ -66,7 +67,7 @@ class EngineWarmer:
         self._model = served_model
         self._metrics = metrics
         self._max_kv_usage = max_kv_usage
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), transport=transport)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), transport=transport, headers=engine.headers)
 
     def busy(self) -> str:
         """Why a warm-up must not be sent now ('' when it may)."""

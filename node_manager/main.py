@@ -22,7 +22,7 @@ from symphony.logs import get_logger
 from symphony.loop_watchdog import LoopWatchdog
 from symphony.models import ModelInfo
 from symphony.rpc import node_pb2_grpc
-from symphony.tenancy import secret_check
+from symphony.tenancy import engine_key, secret_check
 
 log = get_logger(__name__)
 
@@ -44,6 +44,7 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
         cpu_cores=cores,
         identity=identity,
         kv_events_endpoint=config.engine_events_endpoint(index) if config.engine.kv_events else None,
+        api_key=engine_key(config.cluster.secret.encode()),
     )
     engine = Engine(
         f"{node_id}-engine",

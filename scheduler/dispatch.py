@@ -427,7 +427,7 @@ class Dispatcher:
         """Open the exchange with the engine; raises a _NOT_STARTED error if it never began."""
         assert self._session is not None, "Dispatcher.start() was not awaited"
         node = route.node
-        headers = {"content-type": "application/json"}
+        headers = {"content-type": "application/json", **self.cluster.engine_headers}
         if request.session_id is not None:
             headers["x-session-id"] = request.session_id
         node.inflight += 1

@@ -113,7 +113,9 @@ async def _relay(state: SchedulerState, model: str, path: str, body: dict[str, A
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELAY_TIMEOUT_S)) as session,
-            session.post(node.engine_url + path, data=json.dumps(body), headers=_JSON) as reply,
+            session.post(
+                node.engine_url + path, data=json.dumps(body), headers={**_JSON, **state.cluster.engine_headers}
+            ) as reply,
         ):
             content = await reply.read()
             return Response(content, status_code=reply.status, media_type=reply.content_type)

@@ -54,8 +54,11 @@ def tokenize_body(model: str, body: Mapping[str, Any]) -> dict[str, Any] | list[
     return None
 
 
-async def engine_token_ids(engine_url: str, model: str, body: Mapping[str, Any], timeout_s: float) -> np.ndarray | None:
-    """`body`'s prompt ids as the engine at `engine_url` tokenizes them (read-only '<u4'), or None."""
+async def engine_token_ids(
+    engine_url: str, model: str, body: Mapping[str, Any], timeout_s: float, headers: Mapping[str, str] | None = None
+) -> np.ndarray | None:
+    """`body`'s prompt ids as the engine at `engine_url` tokenizes them (read-only '<u4'), or None.
+    `headers`: the engine's key (`NodeMonitor.engine_headers`)."""
     request = tokenize_body(model, body)
     if request is None:
         return None
@@ -64,7 +67,9 @@ async def engine_token_ids(engine_url: str, model: str, body: Mapping[str, Any],
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http,
-            http.post(engine_url + "/tokenize", data=json.dumps(request), headers=_JSON) as reply,
+            http.post(
+                engine_url + "/tokenize", data=json.dumps(request), headers={**_JSON, **(headers or {})}
+            ) as reply,
         ):
             if reply.status != 200:
                 log.debug("engine /tokenize refused", engine=engine_url, status=reply.status)

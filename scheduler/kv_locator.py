@@ -356,7 +356,12 @@ class RequestLocator:
         """The ids from an engine's `/tokenize` (`scheduler.engine_tokens`), while the scheduler's
         own tokenizer loads: a restarted scheduler routes by content from its first request."""
         node = self.cluster.least_busy_engine(model)
-        ids = None if node is None else await engine_token_ids(node.engine_url, model, body, self.engine_timeout_s)
+        if node is None:
+            ids = None
+        else:
+            ids = await engine_token_ids(
+                node.engine_url, model, body, self.engine_timeout_s, self.cluster.engine_headers
+            )
         self.metrics.token_ids_from_engine.labels("ok" if ids is not None else "none").inc()
         return ids
 

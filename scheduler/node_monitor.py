@@ -137,8 +137,11 @@ class NodeMonitor:
         on_status: Callable[[], None] | None = None,
         secret_check: bytes = b"",
         tls: ClusterTLS | None = None,
+        engine_headers: dict[str, str] | None = None,
     ) -> None:
         self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
+        # What every call to a node's engine sends: the cluster's engine key (node_manager.engine_auth).
+        self.engine_headers = engine_headers or {}
         self.tls = tls  # the cluster's credentials: node RPCs take members only (symphony.cluster_tls)
         # This scheduler's own (symphony.tenancy.secret_check): a node reporting another keys
         # tenants' engine cache salts by another secret, so its engine's blocks are nobody's to it

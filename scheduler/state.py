@@ -36,7 +36,7 @@ from symphony.models import DEFAULT_MODEL_NAME
 from symphony.region_links import remote_node_addresses
 from symphony.region_load import MAX_DELTA_SESSIONS
 from symphony.residency_rules import known_tenants
-from symphony.tenancy import secret_check
+from symphony.tenancy import engine_headers, secret_check
 from symphony.tenant_quotas import quotas_from_config
 
 log = get_logger(__name__)
@@ -86,6 +86,7 @@ class SchedulerState:
             down_after_s=sc.node_down_after_ms / 1000,
             secret_check=secret_check(config.cluster.secret.encode()),
             tls=cluster_tls(config),
+            engine_headers=engine_headers(config.cluster.secret),
         )
         self.advisories = AdvisoryTable(
             sc.max_advisories,

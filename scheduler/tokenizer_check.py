@@ -55,7 +55,7 @@ async def check_tokenizers(tokens: TokenService, cluster: NodeMonitor) -> None:
                     continue
                 attempts[model] += 1
                 try:
-                    problem = await _compare(tokens, http, node.engine_url, model)
+                    problem = await _compare(tokens, http, node.engine_url, model, cluster.engine_headers)
                 except (aiohttp.ClientError, TimeoutError, NoTokenIds, ValueError, KeyError) as exc:
                     log.debug("tokenizer check: will ask again", model=model, node=node.node_id, error=repr(exc))
                     continue
@@ -69,11 +69,13 @@ async def check_tokenizers(tokens: TokenService, cluster: NodeMonitor) -> None:
                 await asyncio.sleep(ROUND_S)
 
 
-async def _compare(tokens: TokenService, http: aiohttp.ClientSession, engine_url: str, model: str) -> str:
+async def _compare(
+    tokens: TokenService, http: aiohttp.ClientSession, engine_url: str, model: str, headers: dict[str, str]
+) -> str:
     """Empty when the engine tokenizes every probe as the scheduler does, else what differs."""
     for probe in PROBES:
         body = {"model": model, **probe}
-        async with http.post(engine_url + "/tokenize", data=json.dumps(body), headers=_JSON) as reply:
+        async with http.post(engine_url + "/tokenize", data=json.dumps(body), headers={**_JSON, **headers}) as reply:
             if reply.status != 200:
                 raise ValueError(f"/tokenize answered {reply.status}")
             theirs = (await reply.json())["tokens"]

@@ -15,11 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from symphony.config import ENV_PREFIX, REDACTED, SymphonyConfig
+from symphony.tenancy import ENGINE_KEY_ENV
 
 ADMIN_TOKEN_ENV = "SYMPHONY_ADMIN_TOKEN"  # the admin commands' token (not a config key)
 # (section, key) of every configuration key that holds a secret.
 SECRET_KEYS = (("scheduler", "api_keys"), ("scheduler", "admin_token"), ("cluster", "secret"))
-SECRET_ENV_VARS = frozenset({ADMIN_TOKEN_ENV, *(f"{ENV_PREFIX}{s}_{k}".upper() for s, k in SECRET_KEYS)})
+SECRET_ENV_VARS = frozenset(
+    {ADMIN_TOKEN_ENV, ENGINE_KEY_ENV, *(f"{ENV_PREFIX}{s}_{k}".upper() for s, k in SECRET_KEYS)}
+)
 MAX_TOKEN_FILE_BYTES = 4096  # a token file is one line; more is the wrong file
 SECRET_FILE = "cluster.secret"  # in the home: the cluster's secret when the configuration sets none
 MIN_SECRET_CHARS = 16  # as `cluster.secret` requires

@@ -85,6 +85,24 @@ def internal_headers(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {internal_token(secret.encode())}"}
 
 
+ENGINE_KEY_ENV = "SYMPHONY_ENGINE_KEY"  # how a node manager hands its engine the key (node_manager.engine_auth)
+
+
+def engine_key(secret: bytes) -> str:
+    """The bearer token a node's vLLM engine demands of every caller (`node_manager.engine_auth`):
+    derived from the cluster's secret, so the cluster's own processes (the node manager, the
+    scheduler, benchmarks given the configuration) hold it and a client holds nothing that opens
+    an engine. "" with no secret: the engine is then unguarded. 48 hex digits."""
+    return hmac.new(secret, b"symphony-engine-key", hashlib.sha256).hexdigest()[:48] if secret else ""
+
+
+def engine_headers(secret: str) -> dict[str, str]:
+    """The `Authorization` header an engine of a cluster whose secret is `secret` accepts ({} with
+    no secret)."""
+    key = engine_key(secret.encode())
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def observer_refusal(
     api_keys: list[str], admin_token: str, secret: bytes, authorization: str | None
 ) -> tuple[int, str, str] | None:

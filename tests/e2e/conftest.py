@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from symphony.config import SymphonyConfig, default_home, load_config
 from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, params_key, sign_params
 from symphony.models import DEFAULT_MODEL_NAME, fetch_default_model
-from symphony.tenancy import engine_cache_salt, internal_headers
+from symphony.tenancy import engine_cache_salt, engine_key, internal_headers
 from tests.helpers import free_port, free_port_run, wait_until
 
 NODES = 2
@@ -64,6 +64,16 @@ class LiveCluster:
 
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", timeout=5, headers=self.internal_headers).text
+
+    @property
+    def engine_key(self) -> str:
+        """What a direct call to one of its engines must send as its bearer token: the engines
+        serve the cluster only (`node_manager.engine_auth`)."""
+        return engine_key(self.secret)
+
+    @property
+    def engine_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.engine_key}"}
 
     @property
     def internal_headers(self) -> dict[str, str]:
@@ -148,12 +158,13 @@ class LiveCluster:
         raise AssertionError(f"no such process under `symphony up`:\n{self.output_tail()}")
 
 
-def reset_engine_cache(engine_url: str) -> None:
-    """Empty vLLM's own prefix cache. vLLM refuses while a request holds blocks, and a finished
-    request holds its blocks one engine step longer while its partial last block is copied out:
-    retried until vLLM agrees, not guessed with a sleep."""
+def reset_engine_cache(engine_url: str, headers: dict[str, str]) -> None:
+    """Empty vLLM's own prefix cache (`headers`: the engine's key, `LiveCluster.engine_headers`).
+    vLLM refuses while a request holds blocks, and a finished request holds its blocks one engine
+    step longer while its partial last block is copied out: retried until vLLM agrees, not
+    guessed with a sleep."""
     wait_until(
-        lambda: httpx.post(engine_url + "/reset_prefix_cache", timeout=30).json()["success"],
+        lambda: httpx.post(engine_url + "/reset_prefix_cache", timeout=30, headers=headers).json()["success"],
         30,
         "vLLM's prefix cache to be reset",
     )

@@ -14,12 +14,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import httpx
 
 from symphony.kv_addressing import BlockKey, ModelFingerprint, chain_block_keys
+
+if TYPE_CHECKING:
+    from tests.e2e.conftest import LiveCluster
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from tests.e2e.kv_support import BLOCK
 from tests.helpers import wait_until
@@ -98,14 +101,21 @@ def nodes(url: str, headers: dict[str, str] | None = None) -> dict[str, dict[str
 
 
 def prompt_keys(
-    engine_url: str, model: str, messages: list[dict[str, str]], fingerprint: ModelFingerprint, tenant: str
+    engine_url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    fingerprint: ModelFingerprint,
+    tenant: str,
+    headers: dict[str, str],
 ) -> list[BlockKey]:
     """The block keys of a chat prompt's full blocks under `tenant`, from the engine's own rendering
-    and tokenizer (what the engine computes, caches and the node saves)."""
+    and tokenizer (what the engine computes, caches and the node saves). `headers`: the engine's
+    key (`LiveCluster.engine_headers`)."""
     reply = httpx.post(
         engine_url + "/tokenize",
         json={"model": model, "messages": messages, "add_generation_prompt": True},
         timeout=30,
+        headers=headers,
     )
     reply.raise_for_status()
     return list(chain_block_keys(fingerprint, tenant, reply.json()["tokens"], BLOCK).block_keys)
@@ -127,14 +137,15 @@ def wait_for_content_routing(url: str, model: str, timeout_s: float = 60) -> Non
 
 
 def wait_indexed(
-    url: str, model: str, node_id: str, messages: list[dict[str, str]], tier: str, timeout_s: float = 60
+    cluster: LiveCluster, node_id: str, messages: list[dict[str, str]], tier: str, timeout_s: float = 60
 ) -> int:
     """Wait until `node_id`'s `tier` holds the full blocks of the chat prompt `messages` (in the
-    engine's cache, all but the last, which vLLM may not have cached) and the scheduler's index has
-    applied its stream up to that point. Returns how many blocks that is."""
+    engine's cache, all but the last, which vLLM may not have cached) and `cluster`'s scheduler's
+    index has applied its stream up to that point. Returns how many blocks that is."""
+    url, model = cluster.url, cluster.model
     node = nodes(url)[node_id]
     fingerprint = store_fingerprint(str(node["address"]))
-    keys = prompt_keys(str(node["engine_url"]), model, messages, fingerprint, "default")
+    keys = prompt_keys(str(node["engine_url"]), model, messages, fingerprint, "default", cluster.engine_headers)
     if tier == "engine":
         keys = keys[:-1]
 

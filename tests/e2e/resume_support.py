@@ -21,7 +21,9 @@ def resume_nodes(cluster: LiveCluster) -> Iterator[list[Node]]:
     try:
         yield [
             Node(
-                openai.OpenAI(base_url=f"http://127.0.0.1:{engine}/v1", api_key="unused", max_retries=0, timeout=300),
+                openai.OpenAI(
+                    base_url=f"http://127.0.0.1:{engine}/v1", api_key=cluster.engine_key, max_retries=0, timeout=300
+                ),
                 kv_pb2_grpc.KVStoreStub(channel),
                 f"127.0.0.1:{grpc_port}",
                 f"http://127.0.0.1:{metrics}/metrics",

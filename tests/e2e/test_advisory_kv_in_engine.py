@@ -40,7 +40,7 @@ def test_an_advisory_moves_nothing_into_an_engine_that_caches_the_session(live_c
         {"role": "user", "content": "Who built the first stored-program computer?"},
     ]
     node = chat(live_cluster.url, live_cluster.model, session, messages).node
-    blocks = wait_indexed(live_cluster.url, live_cluster.model, node, messages, "engine")
+    blocks = wait_indexed(live_cluster, node, messages, "engine")
     # As the scheduler sees them, both nodes idle: the advisory goes where the session's KV is.
     wait_until(lambda: live_cluster.settled(), 30, "the scheduler to see every node idle")
 
@@ -61,9 +61,12 @@ def test_an_advisory_moves_nothing_into_an_engine_that_caches_the_session(live_c
     # The engine forgets everything; the index hears of it from the engine's events, which vLLM
     # sends with its next step's: a one-token request straight to the engine makes one.
     engine_url = str(nodes(live_cluster.url)[node]["engine_url"])
-    reset_engine_cache(engine_url)
+    reset_engine_cache(engine_url, live_cluster.engine_headers)
     step = httpx.post(
-        engine_url + "/v1/completions", json={"model": live_cluster.model, "prompt": "Hi", "max_tokens": 1}, timeout=60
+        engine_url + "/v1/completions",
+        json={"model": live_cluster.model, "prompt": "Hi", "max_tokens": 1},
+        timeout=60,
+        headers=live_cluster.engine_headers,
     )
     assert step.status_code == 200, step.text
     address = str(nodes(live_cluster.url)[node]["address"])

@@ -47,7 +47,7 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(
 ) -> None:
     first, second = questions(3)[conversation]
     engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[0]}"
-    client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=engine_url + "/v1", api_key=live_cluster.engine_key, max_retries=0, timeout=120)
     tenant, session = f"conn-{uuid.uuid4().hex[:8]}", f"mt-{conversation}"
     tails_before = live_cluster.node_metric(0, "symphony_connector_tail_tokens_saved_total")
     turn_one = _complete(client, live_cluster, first, tenant, session, ANSWER_TOKENS).choices[0]
@@ -82,7 +82,7 @@ def test_resumed_turn_loaded_from_symphony_matches_vllms_own_cache_hit(
     # turn 1. It holds no partial block, so the connector completes this hit with turn 1's partial
     # last block from the node's tiers (same tenant, so the same keys), as it does for the load below.
     engine_cache = _complete(client, live_cluster, prompt, tenant, f"{session}-reference", 24)
-    reset_engine_cache(engine_url)
+    reset_engine_cache(engine_url, live_cluster.engine_headers)
     loaded_before = live_cluster.node_metric(0, "symphony_connector_tokens_loaded_total", tier="DRAM")
     waits_before = live_cluster.node_metric(0, "symphony_connector_layer_wait_seconds_count")
     loaded = _complete(client, live_cluster, prompt, tenant, session, 24)
@@ -115,7 +115,7 @@ def test_a_direct_call_without_a_valid_signature_gets_none_of_a_sessions_kv(live
     scheduler signs it loads the history (the positive control). Each request has a cache salt of
     its own, so vLLM's prefix cache never answers for the tiers."""
     engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[0]}"
-    client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=engine_url + "/v1", api_key=live_cluster.engine_key, max_retries=0, timeout=120)
     tenant, session = f"victim-{uuid.uuid4().hex[:8]}", "secret-chat"
     prompt = " ".join(questions(4)[3]) * 3
     built = client.completions.create(

@@ -30,21 +30,21 @@ BURST = 6  # concurrent requests in the burst
 OUTPUT_TOKENS = 32
 
 
-def _engine_samples(engine_url: str, name: str) -> list[Sample]:
-    text = httpx.get(engine_url + "/metrics", timeout=10).text
+def _engine_samples(engine_url: str, keyed: dict[str, str], name: str) -> list[Sample]:
+    text = httpx.get(engine_url + "/metrics", timeout=10, headers=keyed).text
     return [
         sample for family in text_string_to_metric_families(text) for sample in family.samples if sample.name == name
     ]
 
 
-def _num_gpu_blocks(engine_url: str) -> int:
-    info = _engine_samples(engine_url, "vllm:cache_config_info")
+def _num_gpu_blocks(engine_url: str, keyed: dict[str, str]) -> int:
+    info = _engine_samples(engine_url, keyed, "vllm:cache_config_info")
     assert info, "vLLM reports its cache size in vllm:cache_config_info"
     return int(info[0].labels["num_gpu_blocks"])
 
 
-def _preemptions(engine_url: str) -> float:
-    return sum(sample.value for sample in _engine_samples(engine_url, "vllm:num_preemptions_total"))
+def _preemptions(engine_url: str, keyed: dict[str, str]) -> float:
+    return sum(sample.value for sample in _engine_samples(engine_url, keyed, "vllm:num_preemptions_total"))
 
 
 def _synthetic_ids(seed: int, blocks: int) -> list[int]:
@@ -111,14 +111,14 @@ def _burst(client: openai.OpenAI, model: str, run: str) -> list[int]:
 
 
 def test_prefetched_kv_yields_before_any_request_is_preempted_or_refused(live_cluster: LiveCluster) -> None:
-    engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[NODE]}"
-    client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    reset_engine_cache(engine_url)
-    before = _preemptions(engine_url)
+    engine_url, keyed = f"http://127.0.0.1:{live_cluster.engine_ports[NODE]}", live_cluster.engine_headers
+    client = openai.OpenAI(base_url=engine_url + "/v1", api_key=live_cluster.engine_key, max_retries=0, timeout=300)
+    reset_engine_cache(engine_url, keyed)
+    before = _preemptions(engine_url, keyed)
     assert _burst(client, live_cluster.model, f"plain-{uuid.uuid4().hex[:8]}") == [OUTPUT_TOKENS] * BURST
-    without_prefetch = _preemptions(engine_url) - before
+    without_prefetch = _preemptions(engine_url, keyed) - before
 
-    capacity_tokens = _num_gpu_blocks(engine_url) * BLOCK
+    capacity_tokens = _num_gpu_blocks(engine_url, keyed) * BLOCK
     sessions = capacity_tokens // (SESSION_BLOCKS * BLOCK) + 1  # more than the engine's whole cache
     with grpc.insecure_channel(f"127.0.0.1:{live_cluster.grpc_ports[NODE]}") as channel:
         stub = kv_pb2_grpc.KVStoreStub(channel)
@@ -128,9 +128,9 @@ def test_prefetched_kv_yields_before_any_request_is_preempted_or_refused(live_cl
     assert all(status.state == kv_pb2.PREFETCH_STATE_DONE and not status.engine_note for status in warmed), warmed
     assert sum(status.engine_cached_tokens for status in warmed) >= capacity_tokens  # every block holds one
 
-    before = _preemptions(engine_url)
+    before = _preemptions(engine_url, keyed)
     assert _burst(client, live_cluster.model, f"full-{uuid.uuid4().hex[:8]}") == [OUTPUT_TOKENS] * BURST
-    assert _preemptions(engine_url) - before == without_prefetch
+    assert _preemptions(engine_url, keyed) - before == without_prefetch
 
 
 def _vllm_hit_tokens(client: openai.OpenAI, model: str, token_ids: list[int]) -> int:
@@ -146,10 +146,10 @@ def _vllm_hit_tokens(client: openai.OpenAI, model: str, token_ids: list[int]) ->
 
 
 def test_warmed_sessions_yield_in_symphonys_order_not_lru(live_cluster: LiveCluster) -> None:
-    engine_url = f"http://127.0.0.1:{live_cluster.engine_ports[NODE]}"
-    client = openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    reset_engine_cache(engine_url)
-    usable = _num_gpu_blocks(engine_url) - 1  # block 0 is vLLM's null block
+    engine_url, keyed = f"http://127.0.0.1:{live_cluster.engine_ports[NODE]}", live_cluster.engine_headers
+    client = openai.OpenAI(base_url=engine_url + "/v1", api_key=live_cluster.engine_key, max_retries=0, timeout=300)
+    reset_engine_cache(engine_url, keyed)
+    usable = _num_gpu_blocks(engine_url, keyed) - 1  # block 0 is vLLM's null block
     # Warmed in this order, so plain LRU would evict the high-priority session first.
     sessions = {
         "high": (64, kv_pb2.PRIORITY_HIGH),

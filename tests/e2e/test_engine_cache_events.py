@@ -75,6 +75,7 @@ def complete(engine_url: str, cluster: LiveCluster, prompt: str, tenant: str, sa
             "return_token_ids": True,
         },
         timeout=120,
+        headers=cluster.engine_headers,
     )
     response.raise_for_status()
     return response.json()["choices"][0]  # type: ignore[no-any-return]
@@ -90,7 +91,10 @@ def test_the_engines_prefix_cache_is_reported_as_the_tenants_block_keys(
     def prompt_keys(prompt: str) -> tuple[list[int], list[BlockKey]]:
         """The prompt's token ids, from the engine's own tokenizer, and its full blocks' keys."""
         response = httpx.post(
-            engine_url + "/tokenize", json={"model": live_cluster.model, "prompt": prompt}, timeout=30
+            engine_url + "/tokenize",
+            json={"model": live_cluster.model, "prompt": prompt},
+            timeout=30,
+            headers=live_cluster.engine_headers,
         )
         token_ids = response.json()["tokens"]
         return token_ids, list(chain_block_keys(fingerprint, tenant, token_ids, BLOCK).block_keys)
@@ -138,7 +142,7 @@ def test_the_engines_prefix_cache_is_reported_as_the_tenants_block_keys(
     # vLLM queues AllBlocksCleared with the events of its next engine step: an idle engine publishes
     # it with the next request's blocks, before them.
     recorder.clear()
-    reset_engine_cache(engine_url)
+    reset_engine_cache(engine_url, live_cluster.engine_headers)
     after = f"After the reset {uuid.uuid4().hex}: " + "the keeper wrote the log. " * 12
     _, after_keys = prompt_keys(after)
     complete(engine_url, live_cluster, after, tenant, live_cluster.cache_salt(tenant))

@@ -105,7 +105,9 @@ def test_evictions_by_the_node_and_by_the_engine_reach_the_index_within_one_poll
     turn = chat(url, model, session, messages)
     node = nodes(url)[turn.node]
     address, engine_url = str(node["address"]), str(node["engine_url"])
-    keys = prompt_keys(engine_url, model, messages, store_fingerprint(address), DEFAULT_TENANT)
+    keys = prompt_keys(
+        engine_url, model, messages, store_fingerprint(address), DEFAULT_TENANT, live_cluster.engine_headers
+    )
     assert len(keys) >= 10
 
     def saved() -> bool:
@@ -135,7 +137,7 @@ def test_evictions_by_the_node_and_by_the_engine_reach_the_index_within_one_poll
         wait_until(lambda: _in_step(url, turn.node, address) is not None, TIMEOUT_S, "the index in step")
         start = node_holdings(address)
         assert start.holds("engine", keys)
-        reset_engine_cache(engine_url)
+        reset_engine_cache(engine_url, live_cluster.engine_headers)
         reply = httpx.post(
             engine_url + "/v1/completions",
             json={
@@ -145,6 +147,7 @@ def test_evictions_by_the_node_and_by_the_engine_reach_the_index_within_one_poll
                 "cache_salt": live_cluster.cache_salt(DEFAULT_TENANT),
             },
             timeout=120,
+            headers=live_cluster.engine_headers,
         )
         answered = time.time()
         assert reply.status_code == 200, reply.text

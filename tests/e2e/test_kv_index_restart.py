@@ -96,6 +96,7 @@ def test_a_restarted_scheduler_rebuilds_its_index_from_the_nodes_within_a_second
         messages("Which platform for Lyon?"),
         store_fingerprint(addresses[first.node]),
         DEFAULT_TENANT,
+        live_cluster.engine_headers,
     )
     assert len(keys) >= 10
     wait_until(

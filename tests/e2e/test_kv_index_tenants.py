@@ -118,11 +118,10 @@ def test_a_shared_system_prompt_is_found_for_its_tenant_and_never_for_another(
     holder = cluster[first.node]
     fingerprint = store_fingerprint(str(holder["address"]))
     asked = messages("Which tyre fits a 622 rim?")
-    acme_keys = prompt_keys(str(holder["engine_url"]), model, asked, fingerprint, "acme")
-    globex_keys = prompt_keys(str(holder["engine_url"]), model, asked, fingerprint, "globex")
-    shared = len(
-        prompt_keys(str(holder["engine_url"]), model, messages("What size is this chain?"), fingerprint, "acme")
-    )
+    engine, keyed = str(holder["engine_url"]), live_cluster.engine_headers
+    acme_keys = prompt_keys(engine, model, asked, fingerprint, "acme", keyed)
+    globex_keys = prompt_keys(engine, model, asked, fingerprint, "globex", keyed)
+    shared = len(prompt_keys(engine, model, messages("What size is this chain?"), fingerprint, "acme", keyed))
     assert not set(acme_keys) & set(globex_keys)
 
     def in_step() -> bool:

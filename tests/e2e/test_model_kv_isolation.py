@@ -27,10 +27,12 @@ import torch
 
 from node_manager.kv.segments import SUFFIX, parse_header
 from symphony.config import default_home
+from symphony.config_secrets import SECRET_FILE, home_secret
 from symphony.kv_transfer import TIERS_PARAM
 from symphony.model_identity import CACHE_NAME
 from symphony.models import DEFAULT_MODEL_NAME, fetch_default_model
 from symphony.rpc import kv_pb2, kv_pb2_grpc
+from symphony.tenancy import engine_headers
 from tests.e2e.conftest import STARTUP_TIMEOUT_S, LiveCluster, start_cluster, stop_cluster
 from tests.helpers import free_port, free_port_run, wait_until
 
@@ -92,7 +94,12 @@ def _greedy(model_dir: Path) -> list[int]:
 
 
 def _chat(
-    url: str, model: str, messages: list[dict[str, str]], session: str | None = None, **extra: Any
+    url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    session: str | None = None,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
     """A temperature-0 chat turn with its answer's tokens (logprobs) and usage."""
     body = {
@@ -103,8 +110,8 @@ def _chat(
         "logprobs": True,
         **extra,
     }
-    headers = {"X-Session-ID": session} if session else {}
-    reply = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=300)
+    sent = {**(headers or {}), **({"X-Session-ID": session} if session else {})}
+    reply = httpx.post(url + "/v1/chat/completions", json=body, headers=sent, timeout=300)
     assert reply.status_code == 200, reply.text
     return dict(reply.json())
 
@@ -117,11 +124,16 @@ def _cached(reply: dict[str, Any]) -> int:
     return int((reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-def _clean(engine_url: str, model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
-    """The same turn straight to the engine, off Symphony's tiers and under a salt nothing else used:
-    what the engine computes from nothing."""
+def _clean(engine_url: str, keyed: dict[str, str], model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """The same turn straight to the engine (`keyed`: its key), off Symphony's tiers and under a
+    salt nothing else used: what the engine computes from nothing."""
     reply = _chat(
-        engine_url, model, messages, kv_transfer_params={TIERS_PARAM: False}, cache_salt=f"clean-{uuid.uuid4().hex}"
+        engine_url,
+        model,
+        messages,
+        headers=keyed,
+        kv_transfer_params={TIERS_PARAM: False},
+        cache_salt=f"clean-{uuid.uuid4().hex}",
     )
     assert _cached(reply) == 0
     return reply
@@ -147,7 +159,7 @@ def _second_turn_is_clean(cluster: LiveCluster, model: str, messages: list[dict[
     reply = _chat(cluster.url, model, messages, session="mid-1")
     assert _cached(reply) == 0, "KV of another model was loaded"
     assert cluster.node_metric(0, "symphony_connector_prompt_tokens_total", source="symphony") == 0
-    clean = _clean(f"http://127.0.0.1:{cluster.engine_ports[0]}", model, messages)
+    clean = _clean(f"http://127.0.0.1:{cluster.engine_ports[0]}", cluster.engine_headers, model, messages)
     assert _tokens(reply) == _tokens(clean)
     return reply
 
@@ -263,6 +275,11 @@ class _TwoModels:
             node["state"] == "ready" for node in nodes.values()
         )
 
+    @property
+    def engine_headers(self) -> dict[str, str]:
+        """The engines' key: the processes share the home's secret, which the first of them made."""
+        return engine_headers(home_secret(self.home / SECRET_FILE))
+
     def metric(self, index: int, name: str, **labels: str) -> float:
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -313,7 +330,7 @@ def test_a_session_of_one_model_is_never_pulled_into_another_models_node(two_mod
     assert advised.status_code == 202 and advised.json()["node"] == "node-1", advised.text
     reply = _chat(two_models.url, PERTURBED, second, session="switch-1")
     assert _cached(reply) == 0
-    assert _tokens(reply) == _tokens(_clean(two_models.engines[1], PERTURBED, second))
+    assert _tokens(reply) == _tokens(_clean(two_models.engines[1], two_models.engine_headers, PERTURBED, second))
     # The scheduler asked for no move of node-0's copy, and node-1 took no page from anyone.
     assert two_models.metric(0, "symphony_kv_peer_refused_total", side="sender") == 0
     assert two_models.metric(1, "symphony_kv_peer_pages_total", outcome="stored") == 0

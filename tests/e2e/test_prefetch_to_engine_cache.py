@@ -40,7 +40,10 @@ def _complete(
 def test_a_top_tier_prefetch_makes_the_next_turn_a_prefix_cache_hit(live_cluster: LiveCluster) -> None:
     first, second = questions(4)[3]
     client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{live_cluster.engine_ports[0]}/v1", api_key="unused", max_retries=0, timeout=120
+        base_url=f"http://127.0.0.1:{live_cluster.engine_ports[0]}/v1",
+        api_key=live_cluster.engine_key,
+        max_retries=0,
+        timeout=120,
     )
     tenant = f"warm-{uuid.uuid4().hex[:8]}"
     built_salt, next_salt = f"{tenant}-built", f"{tenant}-next"

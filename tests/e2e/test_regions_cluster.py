@@ -266,7 +266,10 @@ def test_an_advisory_moves_kv_out_of_a_region_that_went_down(regions_cluster: Li
         engine = f"http://127.0.0.1:{regions_cluster.engine_ports[1]}/v1/chat/completions"
         body = {"model": regions_cluster.model, "messages": follow, "max_tokens": 12, "temperature": 0.0}
         reference = httpx.post(
-            engine, json={**body, "cache_salt": regions_cluster.cache_salt(DEFAULT_TENANT)}, timeout=300
+            engine,
+            json={**body, "cache_salt": regions_cluster.cache_salt(DEFAULT_TENANT)},
+            timeout=300,
+            headers=regions_cluster.engine_headers,
         )
         assert reference.status_code == 200, reference.text
         assert answer == reference.json()["choices"][0]["message"]["content"]

@@ -54,7 +54,7 @@ def test_a_shared_system_prompt_draws_a_new_session_to_the_node_that_holds_it(li
     system = f"[{tag}] {SYSTEM}"  # this test's own blocks: no earlier run's cache holds them
     first = _chat(live_cluster, f"prefix-a-{tag}", system, "Which product answers chats?")
     asked = [{"role": "system", "content": system}, {"role": "user", "content": "Which product answers chats?"}]
-    wait_indexed(live_cluster.url, live_cluster.model, first, asked, "engine")
+    wait_indexed(live_cluster, first, asked, "engine")
     # A new session: the same system prompt, another question. Both nodes are idle (as the scheduler
     # sees them: a status polled while the first turn ran would make its node look busy, and the
     # other node could then pull the prompt from it), so the prefix the first node's engine holds
@@ -93,7 +93,7 @@ def test_a_new_session_sent_past_a_busy_holder_pulls_the_prompts_kv_from_it(live
 
     holder, answer, _ = ask(f"donor-{tag}")
     (other,) = {"node-0", "node-1"} - {holder}
-    assert wait_indexed(live_cluster.url, live_cluster.model, holder, messages, "dram") >= 12
+    assert wait_indexed(live_cluster, holder, messages, "dram") >= 12
     # Busy: a turn of another session sharing the system prompt, generating past its first token.
     # With both nodes idle as the scheduler sees them, it goes to the holder too.
     wait_until(lambda: _sees_idle(live_cluster.readyz()["nodes"]), 30, "the scheduler to see both nodes idle")

@@ -87,7 +87,7 @@ def test_the_schedulers_ids_are_the_engines(live_cluster: LiveCluster, service: 
                 assert mine == body["prompt"]
                 continue
             form = _tokenize_form(live_cluster, {**body, "return_token_strs": True})
-            theirs = client.post(engine + "/tokenize", json=form)
+            theirs = client.post(engine + "/tokenize", json=form, headers=live_cluster.engine_headers)
             assert theirs.status_code == 200, theirs.text
             assert mine == theirs.json()["tokens"], body
             ours = client.post(live_cluster.url + "/tokenize", json=form)
@@ -112,17 +112,18 @@ def test_detokenize_health_version_and_models_answer_as_the_engines(live_cluster
     with httpx.Client(timeout=30) as client:
         for tokens in ([1, 4093, 198, 6004, 2], [28120, 905, 17, 49151], [28120, 60000], []):
             body = {"model": live_cluster.model, "tokens": tokens}
-            theirs = client.post(engine + "/detokenize", json=body)
+            theirs = client.post(engine + "/detokenize", json=body, headers=live_cluster.engine_headers)
             ours = client.post(live_cluster.url + "/detokenize", json=body)
             assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json()), tokens
         for path in ("/health", "/version"):
-            theirs, ours = client.get(engine + path), client.get(live_cluster.url + path)
+            theirs = client.get(engine + path, headers=live_cluster.engine_headers)
+            ours = client.get(live_cluster.url + path)
             assert ours.status_code == theirs.status_code == 200
             if path == "/health":
                 assert ours.content == theirs.content == b""
             else:
                 assert set(ours.json()) == set(theirs.json()) == {"version"}
-        (theirs_card,) = client.get(engine + "/v1/models").json()["data"]
+        (theirs_card,) = client.get(engine + "/v1/models", headers=live_cluster.engine_headers).json()["data"]
         (ours_card,) = client.get(live_cluster.url + "/v1/models").json()["data"]
         assert set(ours_card) == set(theirs_card)
         for key in ("id", "object", "max_model_len", "parent"):

@@ -152,6 +152,7 @@ class FakeEngine:
     prefill_done: asyncio.Event = field(default_factory=asyncio.Event)
     slow_done: asyncio.Event = field(default_factory=asyncio.Event)
     tokenize_requests: list[dict[str, Any]] = field(default_factory=list)
+    tokenize_headers: list[dict[str, str]] = field(default_factory=list)
     tokenize_with: Callable[[dict[str, Any]], list[int]] | None = None
     _runner: web.AppRunner | None = None
 
@@ -246,6 +247,7 @@ class FakeEngine:
         made-up ones."""
         body = await request.json()
         self.tokenize_requests.append(body)
+        self.tokenize_headers.append(dict(request.headers))
         if request.path == "/detokenize":
             return web.json_response({"prompt": "engine text"})
         ids = self.tokenize_with(body) if self.tokenize_with is not None else [7, 8, 9]

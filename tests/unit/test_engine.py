@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from node_manager.engine import EngineLaunch, engine_cpu_cores, engine_launch
+from node_manager.engine_auth import ENGINE_KEY_ENV
 from node_manager.vllm_plugin import AMX_ATTENTION_ENV
 from symphony.config import EngineConfig
 from symphony.models import ModelInfo
@@ -149,3 +150,14 @@ def test_kv_events_are_published_on_the_given_endpoint_with_prefix_caching_on() 
     assert argv.index("--kv-events-config") < argv.index("--seed")  # extra_args still come last and win
     plain = launch().argv
     assert "--kv-events-config" not in plain and "--enable-prefix-caching" not in plain
+
+
+def test_with_a_key_the_engine_loads_the_guard_and_holds_its_key_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENGINE_KEY_ENV, "a key from the caller's environment")  # scrubbed, then set
+    keyed = engine_launch(EngineConfig(), MODEL, "h", 1, api_key="k" * 48)
+    assert option(keyed.argv, "--middleware") == "node_manager.engine_auth.EngineKeyGuard"
+    assert keyed.env[ENGINE_KEY_ENV] == "k" * 48
+    assert keyed.headers == {"Authorization": f"Bearer {'k' * 48}"}
+    assert "k" * 48 not in " ".join(keyed.argv)  # not in `ps`
+    plain = engine_launch(EngineConfig(), MODEL, "h", 1)
+    assert "--middleware" not in plain.argv and ENGINE_KEY_ENV not in plain.env and plain.headers == {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -30,6 +30,7 @@ class _EngineState:
     """The two readings the warmer gates on, as the node's Engine keeps them."""
 
     url: str = "http://engine.invalid"
+    headers: dict[str, str] = field(default_factory=lambda: {"Authorization": "Bearer engine-key"})
     state: int = node_pb2.ENGINE_STATE_READY
     load: EngineLoad | None = None
 
@@ -53,6 +54,7 @@ async def test_a_warm_up_sends_the_history_for_one_token_under_the_salt() -> Non
     def answer(request: httpx.Request) -> httpx.Response:
         sent.append(json.loads(request.content))
         assert request.url.path == "/v1/completions"
+        assert request.headers["authorization"] == "Bearer engine-key"  # the engine's key (engine_auth)
         usage = {"prompt_tokens": 70, "prompt_tokens_details": {"cached_tokens": 64}}
         return httpx.Response(200, json={"usage": usage})
 
