@@ -1,9 +1,10 @@
 """The admin API (`/admin/v1/...`, bearer `scheduler.admin_token`): priority tiers per tenant or per
-session; each tenant's quotas (`/admin/v1/quotas`, symphony.tenant_quotas: this scheduler's, until
-it restarts, when `[quotas]` holds again). Setting a session or a tenant to high moves the KV of its
-sessions to the top tier of their nodes at once (`promoted`: how many moves started). A regional
-scheduler also takes residency rules (`/admin/v1/residency`, symphony.residency_rules): a tenant
-refused here from the next request on."""
+session; each tenant's quotas (`/admin/v1/quotas`, symphony.tenant_quotas: this scheduler's,
+over `[quotas]`). Setting a session or a tenant to high moves the KV of its sessions to the top tier
+of their nodes at once (`promoted`: how many moves started). A regional scheduler also takes
+residency rules (`/admin/v1/residency`, symphony.residency_rules): a tenant refused here from the
+next request on. Every change is saved once applied (scheduler.control) and restored at the next
+start; one that cannot be saved is a 503 `state_not_saved` (it holds until a restart)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def admin_routes(state: SchedulerState) -> APIRouter:
         except OverflowError as exc:
             raise ApiError(409, str(exc), code="priority_table_full") from None
         promoted = state.dispatcher.promote(tenant, session_id) if priority == "high" else 0
+        await state.control.save(state)
         return JSONResponse(
             {
                 "object": "priority",
@@ -82,6 +84,8 @@ def admin_routes(state: SchedulerState) -> APIRouter:
         except ValueError as exc:
             raise ApiError(400, f"limits.{exc}", param="limits") from None
         log.info("tenant quotas set", tenant=tenant, limits="defaults" if limits is None else str(limits))
+        state.control.quota_changed(state, tenant, cleared=limits is None)
+        await state.control.save(state)
         return JSONResponse({"object": "quota", "tenant": tenant, "limits": dataclasses.asdict(applied)})
 
     @router.get("/residency")
@@ -106,6 +110,8 @@ def admin_routes(state: SchedulerState) -> APIRouter:
         except OverflowError as exc:
             raise ApiError(409, str(exc), code="residency_table_full") from None
         log.info("residency rule set", tenant=tenant, regions=",".join(sorted(regions)) if regions else "any")
+        state.control.rule_changed(state, tenant)
+        await state.control.save(state)
         rule = listing(state.topology).get(tenant)
         return JSONResponse({"object": "residency_rule", "tenant": tenant, "regions": rule})
 

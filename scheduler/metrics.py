@@ -41,6 +41,11 @@ class SchedulerMetrics:
         self.routed = Counter(
             "symphony_routed", "Requests dispatched per node and routing reason", ["node", "reason"], registry=r
         )
+        self.control_save_failures = Counter(
+            "symphony_control_save_failures",
+            "Admin changes applied but not saved (they hold until a restart): scheduler.control",
+            registry=r,
+        )
         self.residency_refused = Counter(
             "symphony_residency_refused",
             "Requests and advisories refused because the tenant's data may not enter this region",

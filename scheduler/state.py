@@ -13,6 +13,7 @@ from pathlib import Path
 
 from scheduler.advisories import AdvisoryTable
 from scheduler.auth import Authenticator
+from scheduler.control import SchedulerControl, control_path
 from scheduler.dispatch import Dispatcher
 from scheduler.errors import ApiError
 from scheduler.kv_index import ClusterKVIndex, NodePrefix
@@ -30,6 +31,7 @@ from scheduler.tokenizer_load import tokenizer_dirs
 from scheduler.tokens import TokenService
 from symphony.cluster_tls import cluster_tls
 from symphony.config import SymphonyConfig
+from symphony.control_state import ControlFile
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 from symphony.models import DEFAULT_MODEL_NAME
@@ -160,6 +162,9 @@ class SchedulerState:
             quotas=self.quotas,
             salt_key=config.cluster.secret.encode(),
         )
+        # The admin API's changes, kept across restarts; applied last, over the configuration.
+        self.control = SchedulerControl(ControlFile(control_path(config)))
+        self.control.restore(self)
 
     def kv_prefix(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:
         """Per node whose index entries are in sync: how many leading blocks of `keys` (a request's

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,13 +32,16 @@ async def engine() -> AsyncIterator[FakeEngine]:
 
 
 @pytest.fixture
-async def start_scheduler() -> AsyncIterator[StartScheduler]:
+async def start_scheduler(tmp_path: Path) -> AsyncIterator[StartScheduler]:
+    """Start a scheduler in front of `nodes`; its home (control state: scheduler.control) is the
+    test's `tmp_path` unless `home` names another, so a second one started there is a restart."""
     servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
 
     async def start(
         nodes: list[FakeNodeManager],
         quotas: dict[str, Any] | None = None,
         cluster: dict[str, Any] | None = None,
+        home: Path | None = None,
         **scheduler: Any,
     ) -> tuple[str, SchedulerState]:
         port = free_port()
@@ -50,7 +54,8 @@ async def start_scheduler() -> AsyncIterator[StartScheduler]:
             **scheduler,
         }
         config = load_config(
-            env={}, overrides={"scheduler": settings, "quotas": quotas or {}, "cluster": cluster or {}}
+            env={"SYMPHONY_HOME": str(home or tmp_path)},
+            overrides={"scheduler": settings, "quotas": quotas or {}, "cluster": cluster or {}},
         )
         state = SchedulerState(config)
         server = uvicorn.Server(server_config(config, state))  # as `symphony scheduler` serves it

@@ -87,7 +87,7 @@ def _ports() -> tuple[int, int, int]:
 
 
 @pytest.fixture
-async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
+async def regions(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Regions]:
     """The three regions, the global layer on `regions.policy` "nearest" unless the test is marked
     `@pytest.mark.region_policy(name)`."""
     marker = request.node.get_closest_marker("region_policy")
@@ -101,7 +101,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
         "link_port_base": links_port,
     }
     config = load_config(
-        env={},
+        env={"SYMPHONY_HOME": str(tmp_path)},
         overrides={
             "scheduler": {"port": entries_port, "api_keys": KEYS, "connect_timeout_s": 1.0, "admin_token": ADMIN},
             "cluster": {"nodes": 3, "secret": SECRET, "tls": False},  # the fake nodes speak plaintext gRPC
@@ -126,7 +126,7 @@ async def regions(request: pytest.FixtureRequest) -> AsyncIterator[Regions]:
             nodes.append(node)
             cluster.nodes[region.name] = node
             scheduler_config = load_config(
-                env={},
+                env={"SYMPHONY_HOME": str(tmp_path)},
                 overrides={
                     "scheduler": {
                         "port": entries_port,  # it listens on its region's port, as below
