@@ -13,12 +13,12 @@ GUIDELLM_VERSION := 0.8.1
 GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed-$(GUIDELLM_VERSION)
 PROTOS := $(wildcard proto/symphony/v1/*.proto)
 
-.PHONY: run test test-unit test-cuda install guidellm model proto lint typecheck layers clean
+.PHONY: run test test-unit test-cuda install guidellm model proto lint typecheck layers etcd clean
 
 run: model
 	$(BIN)/symphony up
 
-test: model guidellm lint layers typecheck
+test: model guidellm etcd lint layers typecheck
 	$(BIN)/python -m symphony.protogen --check
 	$(BIN)/pytest
 
@@ -55,6 +55,17 @@ $(GUIDELLM_STAMP):
 	@echo "installing GuideLLM $(GUIDELLM_VERSION) into $(GUIDELLM_VENV) (first time: a minute or two)..."
 	$(GUIDELLM_VENV)/bin/pip --disable-pip-version-check install --quiet "guidellm==$(GUIDELLM_VERSION)" "torch==2.13.0"
 	@touch $(GUIDELLM_STAMP)
+
+# etcd, the coordination store of the scheduler's high availability (symphony/etcd_client.py):
+# Debian's etcd-server, installed from the distribution's registry once. Tests start their own, on
+# loopback ports (tests/etcd_support.py); nothing runs as a service.
+etcd:
+	@command -v etcd > /dev/null || { \
+	  echo "installing etcd-server (Debian) for the coordination tests..."; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends etcd-server > /dev/null; }
+	@etcd --version | head -1
 
 proto: install
 	$(BIN)/python -m symphony.protogen
