@@ -293,7 +293,8 @@ class AdminClient:
 
     def set_quotas(self, tenant: str, limits: dict[str, float] | None) -> dict[str, Any]:
         """Change a tenant's quotas at this scheduler (`requests_per_s`, `max_inflight`, `weight`,
-        ...: the keys given; None: back to `[quotas]`' defaults), until it restarts."""
+        ...: the keys given; None: back to `[quotas]`' defaults). The scheduler keeps the change
+        across a restart (a 503 `state_not_saved` says it could not)."""
         reply = self.openai.put("/quotas", cast_to=object, body={"tenant": tenant, "limits": limits})
         return cast("dict[str, Any]", reply)
 

@@ -69,17 +69,21 @@ def free_port_run(count: int) -> int:
     ephemeral range when it leaves room there, else wherever the kernel finds a free one."""
     top = ephemeral_start() - count
     with _recent_lock:
-        for _ in range(ATTEMPTS):
-            base = random.randrange(LOWEST_PORT, top) if top > LOWEST_PORT else _kernel_free_port()
-            ports = range(base, base + count)
-            if (
-                ports[-1] <= 65535
-                and DEFAULT_PORTS.isdisjoint(ports)
-                and _not_handed_out(ports)
-                and all(map(_port_free, ports))
-            ):
-                _recent.extend(ports)
-                return base
+        # A second round forgets what was handed out: on a host with little room below the
+        # ephemeral range, remembering must not be what runs the picker dry.
+        for _ in range(2):
+            for _ in range(ATTEMPTS):
+                base = random.randrange(LOWEST_PORT, top) if top > LOWEST_PORT else _kernel_free_port()
+                ports = range(base, base + count)
+                if (
+                    ports[-1] <= 65535
+                    and DEFAULT_PORTS.isdisjoint(ports)
+                    and _not_handed_out(ports)
+                    and all(map(_port_free, ports))
+                ):
+                    _recent.extend(ports)
+                    return base
+            _recent.clear()
     raise RuntimeError(f"no run of {count} free ports found")
 
 

@@ -8,8 +8,10 @@ loaded into the engine's API server with vLLM's `--middleware` option and covers
 direct call that skips the scheduler (and with it tenancy, quotas and signed KV params) is refused.
 
 Contract: the engine's environment holds the key in `ENGINE_KEY_ENV`; the guard reads it once,
-when vLLM builds its app, and refuses to build (the engine fails to start) without one: a node
-started with a key never serves unguarded. It runs inside vLLM, so it imports only the standard
+when Starlette first builds the middleware stack, and raises without one. It fails closed: the app
+is then never built, so the engine answers nothing but errors (its /health included), never becomes
+ready, and the node manager restarts it until it gives up. A node started with a key never serves
+unguarded. It runs inside vLLM, so it imports only the standard
 library and `symphony.tenancy` (which does too).
 """
 

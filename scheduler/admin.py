@@ -77,14 +77,13 @@ def admin_routes(state: SchedulerState) -> APIRouter:
         if tenant not in known_tenants(state.config.scheduler.api_keys):
             raise ApiError(404, f"tenant {tenant!r} has no API key here: its limits would never apply", param="tenant")
         limits = body["limits"]
+        changes = None if limits is None else {k: v for k, v in limits.items() if v is not None}
         try:
-            applied = state.quotas.set(
-                tenant, None if limits is None else {k: v for k, v in limits.items() if v is not None}
-            )
+            applied = state.quotas.set(tenant, changes)
         except ValueError as exc:
             raise ApiError(400, f"limits.{exc}", param="limits") from None
         log.info("tenant quotas set", tenant=tenant, limits="defaults" if limits is None else str(limits))
-        state.control.quota_changed(state, tenant, cleared=limits is None)
+        state.control.quota_changed(tenant, changes)
         await state.control.save(state)
         return JSONResponse({"object": "quota", "tenant": tenant, "limits": dataclasses.asdict(applied)})
 
@@ -110,7 +109,8 @@ def admin_routes(state: SchedulerState) -> APIRouter:
         except OverflowError as exc:
             raise ApiError(409, str(exc), code="residency_table_full") from None
         log.info("residency rule set", tenant=tenant, regions=",".join(sorted(regions)) if regions else "any")
-        state.control.rule_changed(state, tenant)
+        configured = state.config.topology()  # the configuration's rule, which a restart compares
+        state.control.rule_changed(state, tenant, listing(configured).get(tenant) if configured else None)
         await state.control.save(state)
         rule = listing(state.topology).get(tenant)
         return JSONResponse({"object": "residency_rule", "tenant": tenant, "regions": rule})

@@ -5,21 +5,30 @@ changes and residency rules. Kept in `<home>/state/scheduler[-<region>].json`.
 Contract: `restore` runs once, in `SchedulerState`'s constructor, before anything is served;
 `save` runs after each admin change has been applied, one at a time (an asyncio lock), so the
 file always ends with the latest state. A save that fails leaves the change applied in this
-process only: the caller answers 503 saying so.
+process only: the caller answers 503 saying so. At restore, the configuration as it is now is the
+baseline: a quota change applies the keys the admin set over it, and a residency rule whose
+configuration changed since it was set gives way to the configuration (a warning says so).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from scheduler.errors import ApiError
 from scheduler.metrics import SchedulerMetrics
 from scheduler.priorities import PriorityTable
 from symphony.config import SymphonyConfig
-from symphony.control_state import ControlDocument, ControlStateError, ControlStore, SessionPriority
+from symphony.control_state import (
+    ControlDocument,
+    ControlStateError,
+    ControlStore,
+    QuotaChange,
+    RuleChange,
+    SessionPriority,
+)
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
 from symphony.residency_rules import RuleError, known_tenants, listing, parse_update, with_rule
@@ -28,7 +37,7 @@ from symphony.tenant_quotas import TenantQuotas
 log = get_logger(__name__)
 
 
-class SchedulerState(Protocol):
+class Controlled(Protocol):
     """What the control state reads and restores of `scheduler.state.SchedulerState`."""
 
     config: SymphonyConfig
@@ -46,38 +55,67 @@ def control_path(config: SymphonyConfig) -> Path:
 class SchedulerControl:
     def __init__(self, store: ControlStore) -> None:
         self.store = store
-        # The admin API's changes since the configuration: tenant -> its limits or rule (None: the
-        # defaults, no rule). Bounded by the tenants with an API key.
-        self.quota_changes: dict[str, dict[str, Any] | None] = {}
-        self.residency_changes: dict[str, list[str] | None] = {}
+        # The admin API's changes since the configuration, per tenant. Bounded by the tenants with
+        # an API key (a change for another is refused by the API and dropped at restore).
+        self.quota_changes: dict[str, QuotaChange] = {}
+        self.residency_changes: dict[str, RuleChange] = {}
         self._saving = asyncio.Lock()
 
-    def restore(self, state: SchedulerState) -> None:
+    def restore(self, state: Controlled) -> None:
         """Apply the stored document to `state`. ControlStateError for one that cannot apply (a
-        value out of range, a table overflowing, a rule naming an unknown region); a change for a
-        tenant that no longer has an API key is dropped, with a warning (it could never apply)."""
+        value out of range, a rule naming a region not in the layout). Dropped with a warning: a
+        change for a tenant that no longer has an API key (it could never apply), a residency rule
+        whose configuration changed since, and tiers past `scheduler.max_priority_settings`."""
         document = self.store.load()
+        path = control_path(state.config)
         tenants = known_tenants(state.config.scheduler.api_keys)
         try:
-            for tenant, priority in document.tenant_priorities.items():
-                state.priorities.set(tenant, priority)
-            for entry in document.session_priorities:
-                state.priorities.set(entry.tenant, entry.priority, entry.session_id)
-            for tenant, limits in document.quotas.items():
+            self._restore_priorities(state, document, tenants)
+            for tenant, change in document.quotas.items():
                 if self._known(tenant, tenants, "quotas"):
-                    state.quotas.set(tenant, limits)
-                    self.quota_changes[tenant] = limits
-            for tenant, regions in document.residency.items():
-                if state.topology is None or not self._known(tenant, tenants, "residency"):
-                    continue
-                name, allowed = parse_update({"tenant": tenant, "regions": regions}, state.topology, tenants)
-                state.topology = with_rule(state.topology, name, allowed)
-                self.residency_changes[tenant] = regions
+                    if change.cleared:
+                        state.quotas.set(tenant, None)
+                    if change.limits:
+                        state.quotas.set(tenant, change.limits)
+                    self.quota_changes[tenant] = change
+            if state.topology is not None:
+                configured = listing(state.topology)  # the configuration's rules: none applied yet
+                for tenant, rule in document.residency.items():
+                    if not self._known(tenant, tenants, "residency"):
+                        continue
+                    if configured.get(tenant) != rule.config:
+                        log.warning(
+                            "stored residency rule dropped: the configuration's rule changed since it was set",
+                            tenant=tenant,
+                            stored=str(rule.regions),
+                            configured=str(configured.get(tenant)),
+                        )
+                        continue
+                    body = {"tenant": tenant, "regions": rule.regions}
+                    name, allowed = parse_update(body, state.topology, tenants)
+                    state.topology = with_rule(state.topology, name, allowed)
+                    self.residency_changes[tenant] = rule
         except (ValueError, TypeError, OverflowError) as exc:  # RuleError is a ValueError
             where = f"{exc.param}: " if isinstance(exc, RuleError) else ""
-            raise ControlStateError(f"{control_path(state.config)}: {where}{exc}") from None
+            raise ControlStateError(f"{path}: {where}{exc}") from None
         if not document.empty():
-            log.info("admin changes restored", path=str(control_path(state.config)))
+            log.info("admin changes restored", path=str(path))
+
+    def _restore_priorities(self, state: Controlled, document: ControlDocument, tenants: frozenset[str]) -> None:
+        settings: list[tuple[str, str | None, str]] = [
+            (tenant, None, tier) for tenant, tier in document.tenant_priorities.items()
+        ]
+        settings += [(entry.tenant, entry.session_id, entry.priority) for entry in document.session_priorities]
+        for tenant, session_id, tier in settings:
+            if not self._known(tenant, tenants, "priority"):
+                continue
+            try:
+                state.priorities.set(tenant, tier, session_id)
+            except OverflowError:
+                log.warning(
+                    "stored priority tiers past scheduler.max_priority_settings dropped", kept=len(state.priorities)
+                )
+                return
 
     @staticmethod
     def _known(tenant: str, tenants: frozenset[str], kind: str) -> bool:
@@ -86,25 +124,31 @@ class SchedulerControl:
         log.warning("stored admin change dropped: the tenant has no API key", tenant=tenant, kind=kind)
         return False
 
-    def snapshot(self, state: SchedulerState) -> ControlDocument:
-        shown = state.priorities.listing()
+    def snapshot(self, state: Controlled) -> ControlDocument:
+        tenant_tiers, session_tiers = state.priorities.entries()
         return ControlDocument(
-            tenant_priorities=shown["tenants"],  # type: ignore[arg-type]
-            session_priorities=[SessionPriority(**entry) for entry in shown["sessions"]],  # type: ignore[attr-defined]
+            tenant_priorities={tenant: tier.value for tenant, tier in tenant_tiers.items()},  # type: ignore[misc]
+            session_priorities=[SessionPriority(tenant=t, session_id=s, priority=p.value) for t, s, p in session_tiers],  # type: ignore[arg-type]
             quotas=dict(self.quota_changes),
             residency=dict(self.residency_changes),
         )
 
-    def quota_changed(self, state: SchedulerState, tenant: str, cleared: bool) -> None:
-        self.quota_changes[tenant] = None if cleared else dataclasses.asdict(state.quotas.limits(tenant))
+    def quota_changed(self, tenant: str, changes: Mapping[str, int | float] | None) -> None:
+        """Record an applied quota update (None: cleared back to the defaults)."""
+        if changes is None:
+            self.quota_changes[tenant] = QuotaChange(cleared=True)
+            return
+        change = self.quota_changes.get(tenant, QuotaChange())
+        self.quota_changes[tenant] = QuotaChange(cleared=change.cleared, limits={**change.limits, **changes})
 
-    def rule_changed(self, state: SchedulerState, tenant: str) -> None:
+    def rule_changed(self, state: Controlled, tenant: str, configured: list[str] | None) -> None:
+        """Record an applied residency rule; `configured`: the configuration's rule for the tenant."""
         assert state.topology is not None
-        self.residency_changes[tenant] = listing(state.topology).get(tenant)
+        self.residency_changes[tenant] = RuleChange(regions=listing(state.topology).get(tenant), config=configured)
 
-    async def save(self, state: SchedulerState) -> None:
+    async def save(self, state: Controlled) -> None:
         """Store the state as it is now. ApiError 503 when the store fails: the change holds in
-        this process until it restarts."""
+        this process, and is lost if it restarts before a later change is saved."""
         async with self._saving:
             document = self.snapshot(state)
             try:
@@ -114,6 +158,7 @@ class SchedulerControl:
                 state.metrics.control_save_failures.inc()
                 raise ApiError(
                     503,
-                    f"the change applies, but could not be saved ({exc.strerror or exc}): a restart will undo it",
+                    f"the change applies here but could not be saved ({exc.strerror or exc}): it is lost if the "
+                    "scheduler restarts before another change is saved",
                     code="state_not_saved",
                 ) from None

@@ -118,6 +118,8 @@ async def _relay(state: SchedulerState, model: str, path: str, body: dict[str, A
             ) as reply,
         ):
             content = await reply.read()
+            if reply.status == 401:  # it refused this scheduler's engine key: the cluster's fault
+                raise ApiError(502, f"{node.node_id}'s engine refused the cluster's key", code="engine_error")
             return Response(content, status_code=reply.status, media_type=reply.content_type)
     except (aiohttp.ClientError, TimeoutError) as exc:
         message = f"{node.node_id}'s engine did not answer: {type(exc).__name__}"

@@ -37,6 +37,9 @@ class NodeView:
     served_model: str = ""
     model_fingerprint: bytes = b""  # the served model's identity: KV moves only between equal ones
     secret_check: bytes = b""  # which cluster secret keys its salts (symphony.tenancy.secret_check)
+    # It reports a secret, not this scheduler's: its engine refuses this scheduler's engine key
+    # (node_manager.engine_auth), so nothing is sent to it.
+    foreign_secret: bool = False
     max_model_len: int = 0
     block_size: int = 0  # tokens per KV block, as the node keys them (0: not reported)
     running: int = 0
@@ -66,7 +69,12 @@ class NodeView:
 
     def _serving(self, now: float) -> bool:
         """Its engine was ready when the node last answered, and dispatch can reach it."""
-        return self.engine_state == READY and now >= self.unreachable_until and bool(self.engine_url)
+        return (
+            self.engine_state == READY
+            and now >= self.unreachable_until
+            and bool(self.engine_url)
+            and not self.foreign_secret
+        )
 
     def available(self, now: float, down_after_s: float) -> bool:
         return self._serving(now) and now - self.last_status_at <= down_after_s
@@ -121,6 +129,8 @@ class NodeView:
             return "unreachable"
         if now < self.unreachable_until:
             return "engine_unreachable"
+        if self.foreign_secret:
+            return "foreign_secret"
         return node_pb2.EngineState.Name(self.engine_state).removeprefix("ENGINE_STATE_").lower()
 
 
@@ -145,7 +155,8 @@ class NodeMonitor:
         self.tls = tls  # the cluster's credentials: node RPCs take members only (symphony.cluster_tls)
         # This scheduler's own (symphony.tenancy.secret_check): a node reporting another keys
         # tenants' engine cache salts by another secret, so its engine's blocks are nobody's to it
-        # and warm-ups land under salts requests never carry. Reported, not refused: it still serves.
+        # and warm-ups land under salts requests never carry; and its engine refuses this
+        # scheduler's engine key. Such a node is reported ("foreign_secret") and sent nothing.
         self.secret_check = secret_check
         self.poll_interval_s = poll_interval_s
         self.down_after_s = down_after_s
@@ -309,6 +320,8 @@ class NodeMonitor:
                 node=node_id,
             )
         node.secret_check = status.secret_check
+        # A node without a secret runs its engine unguarded: it still serves (its salts differ).
+        node.foreign_secret = bool(status.secret_check) and status.secret_check != self.secret_check
         node.max_model_len = status.max_model_len
         node.block_size = status.block_size
         node.kv_tokens = status.engine_kv_tokens

@@ -44,6 +44,10 @@ class PriorityTable:
                 return tier
         return self._tenants.get(tenant, DEFAULT)
 
+    def entries(self) -> tuple[dict[str, Priority], list[tuple[str, str, Priority]]]:
+        """(tenant -> tier, [(tenant, session, tier)]): every setting, sessions in the order set."""
+        return dict(self._tenants), [(t, s, p) for (t, s), p in self._sessions.items()]
+
     def listing(self) -> dict[str, object]:
         return {
             "tenants": dict(self._tenants),

@@ -85,7 +85,9 @@ class BufferedRelay(UpstreamRelay):
             )
         else:
             self.upstream.release()  # keep the connection for the next request
-            if self.upstream.status >= 500:
+            # An engine's 401 is the cluster's fault, not the client's: it refused this scheduler's
+            # engine key (a node started under another cluster secret; node_manager.engine_auth).
+            if self.upstream.status >= 500 or self.upstream.status == 401:
                 self.count(502, stream=False)
                 detail = payload.decode(errors="replace")[:500]
                 answer = error_response(

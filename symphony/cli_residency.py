@@ -1,5 +1,6 @@
 """`symphony admin residency`: a tenant's allowed regions, set at every process that enforces them
-(each regional scheduler first, then the global layer), until they restart."""
+(each regional scheduler first, then the global layer). Regional schedulers keep the rule across a
+restart; the global layer, until it restarts."""
 
 from __future__ import annotations
 

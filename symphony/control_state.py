@@ -15,15 +15,19 @@ raises OSError; the caller reports that the change holds only until a restart.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Literal, Protocol
 
 import pydantic
+from pydantic import StrictFloat, StrictInt
 
 from symphony.config_secrets import write_private
 
-MAX_DOCUMENT_BYTES = 16 << 20  # far above the tables' bounds (priorities, quotas, residency rules)
+# Above what the tables' bounds allow (100,000 session tiers of 128-character names: ~30 MB
+# compact); a save past it is refused (the change is then not saved), never written unreadable.
+MAX_DOCUMENT_BYTES = 64 << 20
 
 
 class ControlStateError(ValueError):
@@ -36,16 +40,33 @@ class SessionPriority(pydantic.BaseModel, extra="forbid"):
     priority: Literal["low", "high"]  # "normal" is no entry
 
 
+class QuotaChange(pydantic.BaseModel, extra="forbid"):
+    """A tenant's quota changes: `cleared`, back to the defaults first (over any `[quotas]`
+    override of the tenant); then `limits`, the keys the admin set, over what the configuration
+    gives (so a later edit of another key in the configuration still reaches the tenant)."""
+
+    cleared: bool = False
+    limits: dict[str, StrictInt | StrictFloat] = {}
+
+
+class RuleChange(pydantic.BaseModel, extra="forbid"):
+    """A tenant's residency rule as the admin set it (`regions`; null: removed), and the
+    configuration's rule for the tenant when it was set (`config`): a configuration that has changed
+    since wins over the stored change."""
+
+    regions: list[str] | None
+    config: list[str] | None
+
+
 class ControlDocument(pydantic.BaseModel, extra="forbid"):
-    """Version 1. Tenants' and sessions' tiers other than normal; per tenant the admin API changed,
-    its quota limits (whole `TenantLimits`; null: back to the defaults, over any `[quotas]`
-    override) and its residency rule (the regions allowed; null: the rule removed)."""
+    """Version 1. Tenants' and sessions' tiers other than normal; per tenant the admin API
+    changed, its quota changes and its residency rule."""
 
     version: Literal[1] = 1
     tenant_priorities: dict[str, Literal["low", "high"]] = {}
     session_priorities: list[SessionPriority] = []
-    quotas: dict[str, dict[str, int | float] | None] = {}
-    residency: dict[str, list[str] | None] = {}
+    quotas: dict[str, QuotaChange] = {}
+    residency: dict[str, RuleChange] = {}
 
     def empty(self) -> bool:
         return not (self.tenant_priorities or self.session_priorities or self.quotas or self.residency)
@@ -84,7 +105,11 @@ class ControlFile:
             ) from None
 
     def save(self, document: ControlDocument) -> None:
-        write_private(self.path, document.model_dump_json(indent=1) + "\n")
+        """OSError when it cannot be written, EFBIG for a document past MAX_DOCUMENT_BYTES."""
+        text = document.model_dump_json() + "\n"
+        if len(text) > MAX_DOCUMENT_BYTES:
+            raise OSError(errno.EFBIG, f"the control state would take {len(text)} bytes, over {MAX_DOCUMENT_BYTES}")
+        write_private(self.path, text)
         directory = os.open(self.path.parent, os.O_RDONLY)
         try:
             os.fsync(directory)  # the rename itself survives a power cut

@@ -359,6 +359,8 @@ def test_proxy_bench_writes_its_keys(live_cluster: LiveCluster, tmp_path: Path) 
         capture_output=True,
         text=True,
         timeout=300,
+        # The cluster's home: the secret its engines' key and the signed params come from.
+        env={**os.environ, "SYMPHONY_HOME": str(live_cluster.home)},
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())

@@ -116,8 +116,10 @@ def ready_status(
     running: int = 0,
     waiting: int = 0,
     fingerprint: bytes | None = None,
+    secret_check: bytes = b"",
 ) -> node_pb2.NodeStatus:
-    """A ready node's status; its model fingerprint defaults to one per model name."""
+    """A ready node's status; its model fingerprint defaults to one per model name; `secret_check`:
+    the cluster secret it reports (symphony.tenancy.secret_check; empty: none)."""
     return node_pb2.NodeStatus(
         node_id=node_id,
         engine_state=node_pb2.ENGINE_STATE_READY,
@@ -128,6 +130,7 @@ def ready_status(
         num_requests_running=running,
         num_requests_waiting=waiting,
         model_fingerprint=fingerprint or hashlib.sha256(model.encode()).digest(),
+        secret_check=secret_check,
     )
 
 
@@ -141,7 +144,8 @@ class FakeEngine:
     """Behaviour per request is picked by the prompt's first message content:
     "stall": stream one chunk then wait (to test disconnects), "linger": a whole stream, `[DONE]`
     included, whose end comes only once the caller hangs up, "break": stream two chunks then drop the
-    connection, "bad": answer 400 like vLLM's validation, "slow": a plain answer only after 10 s (or
+    connection, "bad": answer 400 like vLLM's validation,
+    "unkeyed": 401 like an engine refusing the key, "slow": a plain answer only after 10 s (or
     until the caller hangs up, or `slow_done` is set), "prefill": a stream whose first chunk waits for `prefill_done`,
     anything else: a normal answer."""
 
@@ -177,6 +181,8 @@ class FakeEngine:
                 },
                 status=400,
             )
+        if behaviour == "unkeyed":  # as node_manager.engine_auth refuses a key it does not know
+            return web.json_response({"error": {"code": "engine_key_required"}}, status=401)
         if behaviour == "slow" and not body.get("stream"):
             for _ in range(500):
                 if request.transport is None or request.transport.is_closing():

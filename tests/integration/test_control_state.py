@@ -26,14 +26,18 @@ KEYS = ["acme:key-acme", "globex:key-globex"]
 REGIONS = {"layout": ["us-east:1", "eu-west:1"], "links": ["us-east~eu-west:40:1000"]}
 
 
-def _config(home: Path, **scheduler: Any) -> SymphonyConfig:
+def _config(
+    home: Path, quotas: dict[str, Any] | None = None, residency: list[str] | None = None, **scheduler: Any
+) -> SymphonyConfig:
     overrides: dict[str, Any] = {
         "scheduler": {"api_keys": KEYS, "admin_token": ADMIN, "node_addresses": ["127.0.0.1:1"], **scheduler},
-        "quotas": {"tenants": ["acme:requests_per_s=5"]},  # the configuration's override of acme
+        # The configuration's override of acme.
+        "quotas": {"tenants": ["acme:requests_per_s=5"], **(quotas or {})},
         "cluster": {"secret": "s" * 32, "tls": False},
     }
     if "region" in scheduler:
-        overrides |= {"regions": REGIONS, "cluster": {**overrides["cluster"], "nodes": 2}, "kv": {"data_plane": "grpc"}}
+        regions = {**REGIONS, "residency": residency or []}
+        overrides |= {"regions": regions, "cluster": {**overrides["cluster"], "nodes": 2}, "kv": {"data_plane": "grpc"}}
     return load_config(env={"SYMPHONY_HOME": str(home)}, overrides=overrides)
 
 
@@ -84,14 +88,33 @@ async def test_a_residency_rule_is_back_after_a_restart(tmp_path: Path) -> None:
     assert (await _admin(other_region, "GET", "/residency")).json()["rules"] == {}
 
 
+async def test_the_configuration_as_it_is_now_is_the_baseline(tmp_path: Path) -> None:
+    """A quota change keeps only the keys the admin set: the configuration's later edit of another
+    key reaches the tenant. A residency rule whose configuration changed since gives way to it."""
+    first = SchedulerState(_config(tmp_path, region="us-east"))
+    assert (
+        await _admin(first, "PUT", "/quotas", {"tenant": "globex", "limits": {"max_inflight": 3}})
+    ).status_code == 200
+    assert (await _admin(first, "PUT", "/residency", {"tenant": "acme", "regions": ["eu-west"]})).status_code == 200
+    assert (await _admin(first, "PUT", "/residency", {"tenant": "globex", "regions": ["us-east"]})).status_code == 200
+
+    edited = _config(tmp_path, quotas={"requests_per_s": 7.0}, residency=["acme=us-east"], region="us-east")
+    restarted = SchedulerState(edited)
+    assert restarted.quotas.limits("globex").max_inflight == 3  # the admin's key
+    assert restarted.quotas.limits("globex").requests_per_s == 7.0  # the configuration's edit
+    rules = (await _admin(restarted, "GET", "/residency")).json()["rules"]
+    assert rules == {"acme": ["us-east"], "globex": ["us-east"]}  # acme's configuration changed: it wins
+
+
 @pytest.mark.parametrize(
     ("document", "fault"),
     [
         ("{not json", "Invalid JSON"),
         ('{"version": 2}', "version"),
         ('{"tenant_priorities": {"acme": "urgent"}}', "tenant_priorities.acme"),
-        ('{"quotas": {"acme": {"weight": -1}}}', "weight"),
-        ('{"quotas": {"acme": {"no_such_limit": 1}}}', "no_such_limit"),
+        ('{"quotas": {"acme": {"limits": {"weight": -1}}}}', "weight"),
+        ('{"quotas": {"acme": {"limits": {"no_such_limit": 1}}}}', "no_such_limit"),
+        ('{"quotas": {"acme": {"limits": {"max_inflight": true}}}}', "max_inflight"),  # a bool is no number
         ('{"surprise": 1}', "surprise"),
     ],
 )
@@ -107,7 +130,7 @@ def test_a_damaged_file_stops_the_scheduler_naming_it(tmp_path: Path, document: 
 def test_a_rule_for_an_unknown_region_stops_a_regional_scheduler(tmp_path: Path) -> None:
     path = control_path(_config(tmp_path, region="us-east"))
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"residency": {"acme": ["mars"]}}))
+    path.write_text(json.dumps({"residency": {"acme": {"regions": ["mars"], "config": None}}}))
     with pytest.raises(ControlStateError, match="mars"):
         SchedulerState(_config(tmp_path, region="us-east"))
 
@@ -123,6 +146,21 @@ async def test_a_change_that_cannot_be_saved_is_a_503_and_counted(
     monkeypatch.setattr(state.control.store, "save", full)
     answer = await _admin(state, "PUT", "/priorities", {"tenant": "acme", "priority": "high"})
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "state_not_saved"
-    assert "restart will undo it" in answer.json()["error"]["message"]
+    assert "lost if the scheduler restarts" in answer.json()["error"]["message"]
     assert state.priorities.of("acme", None).value == "high"  # applied here, as the message says
     assert state.metrics.registry.get_sample_value("symphony_control_save_failures_total") == 1
+
+
+async def test_a_document_past_its_bound_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that would write a file too big to load is refused (503), and the file stays as it
+    was: the next start still loads it."""
+    state = SchedulerState(_config(tmp_path))
+    assert (await _admin(state, "PUT", "/priorities", {"tenant": "acme", "priority": "high"})).status_code == 200
+    saved = control_path(state.config).read_bytes()
+    monkeypatch.setattr("symphony.control_state.MAX_DOCUMENT_BYTES", len(saved) + 8)
+    body = {"tenant": "globex", "session_id": "s" * 64, "priority": "low"}
+    answer = await _admin(state, "PUT", "/priorities", body)
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "state_not_saved"
+    assert control_path(state.config).read_bytes() == saved
+    monkeypatch.undo()
+    assert SchedulerState(_config(tmp_path)).priorities.of("acme", None).value == "high"

@@ -549,21 +549,26 @@ async def test_the_kv_index_can_be_turned_off(
     assert node.kv.watch_requests == []
 
 
-async def test_a_node_under_another_cluster_secret_is_reported(
+async def test_a_node_under_another_cluster_secret_is_reported_and_sent_nothing(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:
-    node = await make_node(engine.url)
-    url, state = await start_scheduler([node])  # no cluster secret: its check is empty
+    """Its engine would refuse this scheduler's engine key: a client gets a 503, not a 401."""
+    secret = "this cluster's secret, 32 chars"
+    node = await make_node(engine.url, secret_check=secret_check(secret.encode()))
+    url, state = await start_scheduler([node], cluster={"secret": secret})
     async with httpx.AsyncClient(base_url=url) as client:
         await ready(client)
         assert (await client.get("/readyz")).json()["nodes"]["node-0"]["same_secret"] is True
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
         node.status.secret_check = secret_check(b"another cluster's secret")
         await async_wait_until(
             lambda: state.cluster.nodes[0].secret_check == node.status.secret_check, 10, "the node's next status"
         )
         shown = (await client.get("/readyz")).json()
         assert shown["nodes"]["node-0"]["same_secret"] is False
-        assert shown["nodes"]["node-0"]["state"] == "ready"  # reported, still serving
-        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert shown["nodes"]["node-0"]["state"] == "foreign_secret"
+        refused = await client.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 503, refused.text
+        assert len(engine.requests) == 1  # the first, before the change
     assert secret_check(b"") == b"" and len(secret_check(b"k")) == 8
     assert secret_check(b"k") == secret_check(b"k") != secret_check(b"j")
