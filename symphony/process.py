@@ -12,6 +12,10 @@ managers, so every level of the process tree stops the same way and leaves nothi
   unlinked after it exits, because a SIGKILLed vLLM cannot clean its own segments, nor can a
   SIGKILLed node manager clean its engine's; segments the supervisor maps itself (the node
   manager's DRAM arena, which the engine's worker attaches) are the supervisor's, not leaks.
+  A segment made between two scans (a crashed child's tree cannot be walked any more) is found
+  another way: Python multiprocessing's own files (`sem.mp-*` semaphores, `psm_*` shared memory,
+  what vLLM makes), this user's, created while the child ran and at least ORPHAN_GRACE_S before
+  the sweep, that no process maps or holds open once the child's group is gone.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from symphony.logs import get_logger
 log = get_logger(__name__)
 
 _SHM_DIR = "/dev/shm/"
+_MULTIPROCESSING_SHM = ("sem.mp-", "psm_")  # Python's names for POSIX semaphores and shared memory
+# A file younger than this is left alone: another live process may have made it and not mapped it
+# yet (shm_open, then ftruncate, then mmap).
+ORPHAN_GRACE_S = 1.0
 _MAX_LOG_BYTES = 64 * 1024 * 1024
 
 
@@ -102,6 +110,7 @@ class ManagedProcess:
         self._stopping = asyncio.Event()
         self._state_changed = asyncio.Event()
         self._shm_paths: set[str] = set()
+        self._spawned_at: float | None = None  # wall-clock time of the last spawn (orphaned_shm)
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -209,6 +218,7 @@ class ManagedProcess:
             # Through symphony.pdeathsig_exec (not a preexec_fn): the child dies with us, and no
             # Python code runs between fork and exec (see that module for why that matters).
             niceness = ["--nice", str(self.nice)] if self.nice else []
+            self._spawned_at = time.time()  # wall clock, as a file's ctime: what the sweep compares
             return await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -331,6 +341,8 @@ class ManagedProcess:
     def _unlink_shm(self) -> None:
         # Checked at unlink time, not when recorded: the supervisor may map a segment after the child did.
         ours = _shm_mapped_by_pids([os.getpid()])
+        if self._spawned_at is not None:
+            self._shm_paths |= orphaned_shm(self._spawned_at)
         for path in sorted(self._shm_paths - ours):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -414,6 +426,38 @@ async def _wait_group_gone(pgid: int, timeout_s: float) -> None:
     # Grandchildren are not ours to wait() on, so /proc is the only place their exit shows.
     while _group_alive(pgid) and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
+
+
+def orphaned_shm(since: float, directory: str = _SHM_DIR) -> set[str]:
+    """Paths of Python multiprocessing's shared-memory files in `directory` owned by this user,
+    created (ctime) at or after `since` (wall-clock seconds) and before ORPHAN_GRACE_S ago, that no
+    process maps or holds open. Reads every process's maps and fds only when there is a candidate."""
+    latest = time.time() - ORPHAN_GRACE_S
+    candidates = set()
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if not entry.name.startswith(_MULTIPROCESSING_SHM):
+                continue
+            with contextlib.suppress(OSError):
+                info = entry.stat(follow_symlinks=False)
+                if info.st_uid == os.getuid() and since <= info.st_ctime <= latest:
+                    candidates.add(entry.path)
+    if not candidates:
+        return set()
+    pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    return candidates - _shm_mapped_by_pids(pids) - _shm_open_by_pids(pids)
+
+
+def _shm_open_by_pids(pids: list[int]) -> set[str]:
+    paths = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(_SHM_DIR):
+                        paths.add(target.removesuffix(" (deleted)"))
+    return paths
 
 
 def _shm_mapped_by_pids(pids: list[int]) -> set[str]:

@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -23,6 +25,9 @@ def main() -> None:
     parser.add_argument("--never-ready", action="store_true", help="never answer /health")
     parser.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (forces SIGKILL)")
     parser.add_argument("--shm", help="create and map /dev/shm/<name>.<pid>")
+    parser.add_argument(
+        "--late-shm", help="once serving, create and map /dev/shm/psm_<name>.<pid> (as vLLM's multiprocessing does)"
+    )
     parser.add_argument("--attach-shm", type=Path, help="map this existing /dev/shm file (as vLLM maps the arena)")
     parser.add_argument("--grandchild", action="store_true", help="spawn a long sleep in our process group")
     parser.add_argument(
@@ -95,6 +100,16 @@ def main() -> None:
         def log_message(self, *_: object) -> None:
             pass
 
+    if args.late_shm:
+
+        def late() -> None:  # after the supervisor's readiness scan: only a sweep can find it
+            time.sleep(0.3)
+            path = f"/dev/shm/psm_{args.late_shm}.{os.getpid()}"
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            os.ftruncate(fd, 4096)
+            keep.append(mmap.mmap(fd, 4096))
+
+        threading.Thread(target=late, daemon=True).start()
     if args.never_ready:
         signal.pause()
     ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from symphony import process as process_module
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy, group_members, proc_stat_fields
 from tests.helpers import async_wait_until, free_port, wait_until
 
@@ -180,6 +181,54 @@ async def test_shared_memory_of_a_killed_child_is_removed(tmp_path: Path) -> Non
     assert len(created) == 1
     await proc.stop()
     assert not created[0].exists()
+
+
+@contextlib.contextmanager
+def _segments(name: str) -> Iterator[tuple[Path, Path, Path]]:
+    """Beside the child: a multiprocessing-named file made before it starts; then, once asked, one
+    made while it runs but mapped by this process, and one unmapped under another name."""
+    before, mapped, other = (Path(f"/dev/shm/{n}") for n in (f"psm_{name}-before", f"psm_{name}-mapped", f"{name}-x"))
+    before.write_bytes(b"\0" * 64)
+    try:
+        yield before, mapped, other
+    finally:
+        for path in (before, mapped, other):
+            path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _mapped_while_running(mapped: Path, other: Path) -> Iterator[None]:
+    mapped.write_bytes(b"\0" * 4096)
+    other.write_bytes(b"\0" * 64)
+    with mapped.open("r+b") as fh, mmap.mmap(fh.fileno(), 4096):
+        yield
+
+
+async def test_shared_memory_made_between_scans_is_swept_after_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment the child maps after its readiness scan, then a crash: the tree cannot be walked
+    any more, so the sweep finds it (Python multiprocessing's name, this user's, made while the
+    child ran, mapped by no one). Beside it, what is not the child's stays."""
+    monkeypatch.setattr(process_module, "ORPHAN_GRACE_S", 0.0)  # no file in this test is in mid-creation
+    name = f"symphony-test-{os.getpid()}-{free_port()}"
+    with _segments(name) as (before, mapped, other):
+        proc = _process(tmp_path, "--late-shm", name)
+        proc.start()
+        try:
+            assert await proc.wait_ready(timeout_s=20)
+            with _mapped_while_running(mapped, other):
+                await async_wait_until(lambda: len(_shm_files(f"psm_{name}.")) == 1, 20, "the late segment")
+                (late,) = _shm_files(f"psm_{name}.")
+                assert str(late) not in proc._shm_paths  # recorded by no scan
+                await proc.kill_for_test(signal.SIGKILL)
+                await async_wait_until(lambda: proc.restarts == 1, 20, "the restart")
+                await async_wait_until(lambda: not _shm_files(f"psm_{name}."), 10, "the late segment to be swept")
+                kept = [_shm_files(path.name) for path in (before, mapped, other)]
+                assert kept == [[before], [mapped], [other]]
+        finally:
+            await proc.stop()
+    assert not _shm_files(f"psm_{name}.")
 
 
 async def test_shared_memory_is_removed_after_a_crash_before_restart(tmp_path: Path) -> None:
