@@ -63,6 +63,7 @@ class EtcdClient:
         if not endpoints:
             raise ValueError("etcd needs at least one endpoint")
         self.endpoints = [endpoint.rstrip("/") for endpoint in endpoints]
+        self.timeout_s = timeout_s  # each endpoint's, per call
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s))
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ def running_etcd(directory: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
     assert binary, "etcd is not installed: `make etcd` installs Debian's etcd-server"
     base = free_port_run(2)
     client, peer = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
+    directory.mkdir(parents=True, exist_ok=True)
     log = (directory / "etcd.log").open("wb")
     urls = ["--listen-client-urls", client, "--advertise-client-urls", client]
     urls += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"test={peer}"]
