@@ -109,8 +109,7 @@ def admin_routes(state: SchedulerState) -> APIRouter:
         except OverflowError as exc:
             raise ApiError(409, str(exc), code="residency_table_full") from None
         log.info("residency rule set", tenant=tenant, regions=",".join(sorted(regions)) if regions else "any")
-        configured = state.config.topology()  # the configuration's rule, which a restart compares
-        state.control.rule_changed(state, tenant, listing(configured).get(tenant) if configured else None)
+        state.control.rule_changed(state, tenant)
         await state.control.save(state)
         rule = listing(state.topology).get(tenant)
         return JSONResponse({"object": "residency_rule", "tenant": tenant, "regions": rule})

@@ -59,6 +59,9 @@ class SchedulerControl:
         # an API key (a change for another is refused by the API and dropped at restore).
         self.quota_changes: dict[str, QuotaChange] = {}
         self.residency_changes: dict[str, RuleChange] = {}
+        # The configuration's residency rules, read at restore before any change applies: what a
+        # change is recorded over, and what a later start compares with.
+        self.configured_rules: dict[str, list[str]] = {}
         self._saving = asyncio.Lock()
 
     def restore(self, state: Controlled) -> None:
@@ -79,7 +82,7 @@ class SchedulerControl:
                         state.quotas.set(tenant, change.limits)
                     self.quota_changes[tenant] = change
             if state.topology is not None:
-                configured = listing(state.topology)  # the configuration's rules: none applied yet
+                self.configured_rules = configured = listing(state.topology)  # none applied yet
                 for tenant, rule in document.residency.items():
                     if not self._known(tenant, tenants, "residency"):
                         continue
@@ -141,10 +144,12 @@ class SchedulerControl:
         change = self.quota_changes.get(tenant, QuotaChange())
         self.quota_changes[tenant] = QuotaChange(cleared=change.cleared, limits={**change.limits, **changes})
 
-    def rule_changed(self, state: Controlled, tenant: str, configured: list[str] | None) -> None:
-        """Record an applied residency rule; `configured`: the configuration's rule for the tenant."""
+    def rule_changed(self, state: Controlled, tenant: str) -> None:
+        """Record an applied residency rule, over the configuration's rule for the tenant."""
         assert state.topology is not None
-        self.residency_changes[tenant] = RuleChange(regions=listing(state.topology).get(tenant), config=configured)
+        self.residency_changes[tenant] = RuleChange(
+            regions=listing(state.topology).get(tenant), config=self.configured_rules.get(tenant)
+        )
 
     async def save(self, state: Controlled) -> None:
         """Store the state as it is now. ApiError 503 when the store fails: the change holds in

@@ -4,7 +4,6 @@ one member on loopback ports of its own, its data in a directory the caller give
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from eval.child_process import stop_child
 from tests.helpers import free_port_run, wait_until
 
 STARTUP_TIMEOUT_S = 30.0
@@ -46,11 +46,4 @@ def running_etcd(directory: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]
         wait_until(healthy, STARTUP_TIMEOUT_S, "etcd to be healthy", interval_s=0.1)
         yield client, process
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        log.close()
+        stop_child(process, log)  # SIGTERM, then SIGKILL; nothing sent to one that has exited
