@@ -15,8 +15,9 @@ enter before a policy sees the candidates, so no policy can send a tenant's requ
 - `gorgo` (GORGO): `w_rtt`·RTT + residual prefill + `w_queue`·queue wait, static weights;
   `gorgo_no_queue` drops the queue term, which piles requests onto the region holding the best
   prefix (the reward hacking GORGO's paper reports).
-- `symphony`: the full cost (global_layer.costs): round trip, queue wait, overhead, and the cheaper
-  of computing what the region lacks or moving a longer copy over the WAN first.
+- `symphony`: the full cost (global_layer.costs): round trip, queue wait, overhead, loading the
+  region's copy from its tiers, and the cheaper of computing what the region lacks or moving a
+  longer copy over the WAN first.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from global_layer.costs import prompt_tokens, region_cost
 from global_layer.views import RegionPolicy, RegionRequest, RegionView
 from symphony.hash_ring import HashRing
 from symphony.prefix_tree import PrefixTree
+from symphony.region_load import RegionLoad
 from symphony.regions import RegionTopology
 
 __all__ = [
@@ -50,6 +52,10 @@ KEY_PREFIX_CHARS = 256  # without a session, the prompt's first characters key t
 
 def _by_rtt(request: RegionRequest, views: Sequence[RegionView], topology: RegionTopology) -> list[RegionView]:
     return sorted(views, key=lambda v: (topology.rtt_ms(request.client_region, v.name), v.name))
+
+
+def _loads(views: Sequence[RegionView]) -> dict[str, RegionLoad]:
+    return {v.name: v.load for v in views if v.load is not None}
 
 
 def _queue_ms(view: RegionView) -> float:
@@ -154,7 +160,8 @@ class SymphonyRegions:
     def rank(self, request: RegionRequest, candidates: Sequence[RegionView], topology: RegionTopology) -> list[str]:
         priced = [v for v in candidates if v.load is not None]
         can_move = self._can_move(request)
-        costs = {v.name: region_cost(request, v, topology, can_move=can_move).total_ms for v in priced}
+        loads = _loads(priced)
+        costs = {v.name: region_cost(request, v, topology, can_move=can_move, sources=loads).total_ms for v in priced}
         ordered = sorted(priced, key=lambda v: (costs[v.name], topology.rtt_ms(request.client_region, v.name)))
         unpriced = [v.name for v in _by_rtt(request, candidates, topology) if v.load is None]
         return [v.name for v in ordered] + unpriced
@@ -170,7 +177,7 @@ class SymphonyRegions:
         view = next((v for v in candidates if v.name == region and v.load is not None), None)
         if view is None or not self._can_move(request):
             return None
-        cost = region_cost(request, view, topology, can_move=True)
+        cost = region_cost(request, view, topology, can_move=True, sources=_loads(candidates))
         node = request.holders.get(cost.source or "", "")
         return (node, request.held[cost.source]) if cost.source and node else None
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from scheduler.cost_profile import CostProfile
+from scheduler.kv_index import NodePrefix
 from scheduler.policies.symphony import SymphonyPolicy
 from scheduler.routing import NodeSnapshot
 from scheduler.state import SchedulerState
@@ -16,10 +17,26 @@ from symphony.region_load import RegionLoad
 
 def region_load(state: SchedulerState) -> RegionLoad:
     dispatcher = state.dispatcher
-    finishing = dispatcher.finishes.per_s(time.monotonic() * 1000)
+    now_s = time.monotonic()
+    finishing = dispatcher.finishes.per_s(now_s * 1000)
     nodes = state.cluster.available_snapshots()
     max_running = state.config.engine.max_running()  # every node's engine runs the cluster's [engine]
-    return load_of(nodes, len(dispatcher.queue), dispatcher.profile, finishing, max_running)
+    index = state.kv_index
+    held = index.fastest_tiers((n.node_id for n in nodes), now_s) if index is not None else None
+    return load_of(nodes, len(dispatcher.queue), dispatcher.profile, finishing, max_running, held)
+
+
+def held_prices(profile: CostProfile, held: NodePrefix | None) -> tuple[float, float]:
+    """(load, read) ms per token of KV whose fastest tiers are spread as `held` (blocks per tier):
+    loaded into the engine of its node (the engine's own cache: free), or read out of its node for
+    a pull (the engine's copy is read from the node's store, as DRAM), as the `symphony` policy
+    prices a node's prefix. Nothing sampled (no index, or it holds nothing): DRAM's, where a node
+    saves a session's KV."""
+    tiers = profile.tier_load_ms_per_token
+    if held is None or held.blocks <= 0:
+        return tiers.dram, tiers.dram
+    stored = held.hbm * tiers.hbm + held.dram * tiers.dram + held.ssd * tiers.ssd
+    return stored / held.blocks, (stored + held.engine * tiers.dram) / held.blocks
 
 
 def load_of(
@@ -28,11 +45,13 @@ def load_of(
     profile: CostProfile,
     finishing_per_s: float = 0.0,
     max_running: int = 0,
+    held: NodePrefix | None = None,
 ) -> RegionLoad:
     """A region's load from its ready nodes' snapshots and the requests its scheduler holds back,
     priced by its cost profile (pure: the simulator's regions report theirs with it too).
     `finishing_per_s`: how fast the region's requests finish lately (symphony.finish_rate);
-    `max_running`: requests each node's engine runs at once (0: not known)."""
+    `max_running`: requests each node's engine runs at once (0: not known); `held`: where the
+    blocks its nodes hold sit, by fastest tier (a sample of its KV index; None: not known)."""
     # The wait the `symphony` policy prices at each node, whatever policy routes here; a request
     # that finds every node with a queue waits in the scheduler for one of them, behind `queued`:
     # each of those starts when a running request ends, so the wait is the time for `queued + 1`
@@ -43,6 +62,7 @@ def load_of(
         prefills_ms = queued / len(nodes) * estimator.unknown_prefill_ms
         slots_ms = (queued + 1) / finishing_per_s * 1000.0 if finishing_per_s > 0 else 0.0
         queue_ms += max(prefills_ms, slots_ms)
+    load_ms, read_ms = held_prices(profile, held)
     return RegionLoad(
         ready_nodes=len(nodes),
         idle_nodes=sum(1 for n in nodes if n.waiting == 0),
@@ -56,6 +76,9 @@ def load_of(
         prefill_ms_per_token=profile.prefill_ms_per_token,
         request_overhead_ms=profile.request_overhead_ms,
         kv_bytes_per_token=profile.kv_bytes_per_token,
+        held_load_ms_per_token=load_ms,
+        held_read_ms_per_token=read_ms,
+        pulled_load_ms_per_token=profile.tier_load_ms_per_token.dram,
     )
 
 

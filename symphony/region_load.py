@@ -47,6 +47,14 @@ class RegionLoad:
     request_overhead_ms: float = 0.0  # ... per request, outside the engine
     kv_bytes_per_token: int = 0  # ... one token's KV (all layers, K and V)
     capacity: int = 0  # requests the ready nodes' engines run at once, summed (0: not known)
+    # What KV the region holds costs per token, by the tiers its blocks sit in (its KV index's
+    # sample, priced by its cost profile): loaded into the engine of the node holding it ...
+    held_load_ms_per_token: float = 0.0
+    # ... read out of that node for a pull by another region (the engine's copy read from the
+    # node's store, as DRAM) ...
+    held_read_ms_per_token: float = 0.0
+    # ... and, for KV pulled here from another region, loaded from where a pull lands (DRAM).
+    pulled_load_ms_per_token: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

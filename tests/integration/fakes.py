@@ -33,8 +33,9 @@ class FakeKVStore(kv_pb2_grpc.KVStoreServicer):
         self.release = asyncio.Event()
         self.release.set()
         # WatchBlocks: None answers UNIMPLEMENTED (a node manager without block events); else a
-        # snapshot of these blocks in DRAM, then a heartbeat every HEARTBEAT_S.
+        # snapshot of these blocks in `blocks_tier`, then a heartbeat every HEARTBEAT_S.
         self.blocks: list[bytes] | None = None
+        self.blocks_tier = kv_pb2.TIER_DRAM
         self.fingerprint = b""
         self.watch_requests: list[tuple[str, int]] = []
 
@@ -44,7 +45,7 @@ class FakeKVStore(kv_pb2_grpc.KVStoreServicer):
         if self.blocks is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no block events here")
         self.watch_requests.append((request.epoch, request.after_seq))
-        stored = kv_pb2.BlockEvent(kind=kv_pb2.BLOCK_EVENT_STORED, tier=kv_pb2.TIER_DRAM, block_keys=self.blocks)
+        stored = kv_pb2.BlockEvent(kind=kv_pb2.BLOCK_EVENT_STORED, tier=self.blocks_tier, block_keys=self.blocks)
         batch = kv_pb2.BlockEventBatch(model_fingerprint=self.fingerprint, epoch="boot", seq=1, events=[stored])
         batch.snapshot_begin = batch.snapshot_end = True
         yield batch

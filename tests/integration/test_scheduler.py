@@ -18,7 +18,7 @@ from scheduler.kv_index import NodePrefix
 from symphony.cli_status import _kv_index_text
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys
 from symphony.models import DEFAULT_MODEL_NAME
-from symphony.rpc import node_pb2
+from symphony.rpc import kv_pb2, node_pb2
 from symphony.tenancy import secret_check
 from tests.helpers import async_wait_until, free_port
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
@@ -533,6 +533,30 @@ async def test_the_kv_index_follows_each_nodes_block_stream(
         assert 'symphony_kv_index_fallback{node="node-1"} 1.0' in metrics
         assert "symphony_kv_index_blocks 3.0" in metrics
         assert 'symphony_kv_watch_reconnects_total{reason="unimplemented"}' in metrics
+
+
+async def test_a_regions_summary_prices_what_it_holds_by_the_tiers_its_index_saw(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """/summary tells the global layer what loading (and reading out for a pull) the region's KV
+    costs: node-0's 3 blocks on SSD and node-1's 1 in DRAM price a token at (3 SSD + 1 DRAM) / 4."""
+    on_disk, in_memory = await make_node(engine.url, "node-0"), await make_node(engine.url, "node-1")
+    model = ModelFingerprint(on_disk.status.model_fingerprint)
+    on_disk.kv.blocks = list(chain_block_keys(model, "default", list(range(96)), 32).block_keys)
+    on_disk.kv.blocks_tier = kv_pb2.TIER_SSD
+    in_memory.kv.blocks = list(chain_block_keys(model, "other", list(range(32)), 32).block_keys)
+    url, state = await start_scheduler([on_disk, in_memory])
+    tiers = DEFAULT_PROFILE.tier_load_ms_per_token
+    async with httpx.AsyncClient(base_url=url) as client:
+        await ready(client, 2)
+        await async_wait_until(
+            lambda: state.kv_synced("node-0") and state.kv_synced("node-1"), 10, "both nodes' snapshots in the index"
+        )
+        summary = (await client.get("/summary")).json()
+    expected = (3 * tiers.ssd + tiers.dram) / 4
+    assert summary["held_load_ms_per_token"] == pytest.approx(expected)
+    assert summary["held_read_ms_per_token"] == pytest.approx(expected)
+    assert summary["pulled_load_ms_per_token"] == pytest.approx(tiers.dram)
 
 
 async def test_the_kv_index_can_be_turned_off(

@@ -190,3 +190,66 @@ def test_memory_estimate_matches_tracemalloc() -> None:
     finally:
         tracemalloc.stop()
     assert 45 <= ClusterKVIndex(1_000_000, 64).approx_bytes() / 1_000_000 <= 52, "bytes per block at 64 nodes"
+
+
+def fastest_by_brute_force(stored: dict[int, dict[int, set[int]]], nodes: int) -> np.ndarray:
+    """(tiers, nodes): blocks whose fastest tier on each node is each tier, from what was stored."""
+    counts = np.zeros((4, nodes), np.int64)
+    for holders in stored.values():
+        for node, tiers in holders.items():
+            if tiers:
+                counts[min(tiers), node] += 1
+    return counts
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 3_000), st.integers(0, 2), st.integers(0, 3)), min_size=1, max_size=400),
+    st.integers(1, 40),
+)
+def test_samples_of_where_blocks_sit_cover_every_block_once_over_successive_offsets(
+    stores: list[tuple[int, int, int]], buckets: int
+) -> None:
+    """Each block is counted under its fastest tier per node; `step` successive samples partition
+    the table, so their sum is the exact count, and a node's clear is applied to the sample."""
+    table = BlockTable(1_000, 3, evict_fraction=0)
+    stored: dict[int, dict[int, set[int]]] = {}
+    for key, node, tier in stores:
+        table.store(keys(key), node, tier)
+        stored.setdefault(key, {}).setdefault(node, set()).add(tier)
+    table.clear(1, [0, 1, 2, 3])  # lazy: the sample must apply it
+    for holders in stored.values():
+        holders.pop(1, None)
+    occupied = len(np.flatnonzero(table._fill))
+    step = max(1, occupied // buckets)
+    total = sum(table.fastest_sample(buckets, offset) for offset in range(step))
+    assert (total == fastest_by_brute_force(stored, 3)).all()
+    one = table.fastest_sample(buckets, 0)
+    assert (one <= total).all() and one.sum() <= 16 * 2 * buckets
+
+
+def test_an_empty_table_samples_nothing() -> None:
+    assert not BlockTable(100, 2).fastest_sample().any()
+
+
+def test_the_index_sums_a_sample_over_the_nodes_asked_for() -> None:
+    index = ClusterKVIndex(1_000, 4)
+    for node in ("a", "b", "c"):
+        index.add_node(node)
+    # 60 blocks: a holds them in the engine and DRAM (fastest: engine), b 20 of them in DRAM only,
+    # c 10 of them on SSD only.
+    table, slot = index.table, {n: index.node(n).slot for n in ("a", "b", "c")}
+    table.store(np.arange(1, 61, dtype=np.uint64), slot["a"], 0)
+    table.store(np.arange(1, 61, dtype=np.uint64), slot["a"], DRAM)
+    table.store(np.arange(1, 21, dtype=np.uint64), slot["b"], DRAM)
+    table.store(np.arange(1, 11, dtype=np.uint64), slot["c"], SSD)
+    # 60 blocks fill fewer buckets than one sample takes (256): the sample is the whole table.
+    assert index.fastest_tiers(["a", "b"], 0.0) == (80, 60, 0, 20, 0)
+    assert index.fastest_tiers(["c", "unknown"], 0.0) == (10, 0, 0, 0, 10)
+    assert index.fastest_tiers([], 0.0) == (0, 0, 0, 0, 0)
+    # A sample is reused for the same nodes until it is max_age_s old.
+    assert index.fastest_tiers(["c"], 10.0) == (10, 0, 0, 0, 10)
+    table.store(np.arange(11, 21, dtype=np.uint64), slot["c"], SSD)
+    assert index.fastest_tiers(["c"], 10.5, max_age_s=1.0) == (10, 0, 0, 0, 10)
+    assert index.fastest_tiers(["c"], 11.0, max_age_s=1.0) == (20, 0, 0, 0, 20)
+    assert index.fastest_tiers(["c"], 5.0, max_age_s=1.0) == (20, 0, 0, 0, 20)  # a clock gone back: new

@@ -8,7 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eval.sim.presets import PRESETS, sim_cost_profile
-from scheduler.region_summary import load_of
+from scheduler.cost_profile import DEFAULT_PROFILE
+from scheduler.kv_index import NodePrefix
+from scheduler.region_summary import held_prices, load_of
 from scheduler.routing import NodeSnapshot
 from symphony.finish_rate import FinishRate
 from symphony.region_load import RegionLoad
@@ -99,3 +101,22 @@ def test_a_summary_counts_its_capacity_and_reads_without_it_from_an_older_schedu
     del body["capacity"], body["running"]  # a field without a default is required
     with pytest.raises(ValueError, match="running"):
         RegionLoad.from_json(body)
+
+
+def test_what_a_region_holds_is_priced_by_the_tiers_its_blocks_sit_in() -> None:
+    """The CPU host's measured tiers: HBM 0.97 us a token, DRAM 1.45, SSD 11.9 (DEFAULT_PROFILE)."""
+    tiers = DEFAULT_PROFILE.tier_load_ms_per_token
+    # 100 blocks sampled: 40 fastest in an engine's cache, 10 in HBM, 30 in DRAM, 20 on SSD.
+    mix = NodePrefix(100, engine=40, hbm=10, dram=30, ssd=20)
+    load, read = held_prices(DEFAULT_PROFILE, mix)
+    assert load == pytest.approx((10 * tiers.hbm + 30 * tiers.dram + 20 * tiers.ssd) / 100)
+    assert read == pytest.approx(load + 40 * tiers.dram / 100)  # the engine's copy is read as DRAM
+    # all on SSD against all in engines
+    assert held_prices(DEFAULT_PROFILE, NodePrefix(5, ssd=5)) == pytest.approx((tiers.ssd, tiers.ssd))
+    assert held_prices(DEFAULT_PROFILE, NodePrefix(5, engine=5)) == pytest.approx((0.0, tiers.dram))
+    # nothing sampled: DRAM, where a node saves a session's KV
+    assert held_prices(DEFAULT_PROFILE, None) == held_prices(DEFAULT_PROFILE, NodePrefix(0)) == (tiers.dram,) * 2
+    summary = load_of([_full("node-0")], 0, DEFAULT_PROFILE, held=mix)
+    assert (summary.held_load_ms_per_token, summary.held_read_ms_per_token) == (load, read)
+    assert summary.pulled_load_ms_per_token == tiers.dram
+    assert RegionLoad.from_json(summary.to_json()) == summary

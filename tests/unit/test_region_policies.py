@@ -69,6 +69,44 @@ def test_moving_the_prefix_over_the_wan_is_priced_by_the_links_rtt_and_bandwidth
     assert recompute.source is None and recompute.total_ms == pytest.approx(1 + 10 + 2_050)
 
 
+# The same session's 4,000 tokens held in two regions, for a us-east client.
+BOTH_HOLD = RegionRequest("t", "us-east", "s", "", 4_100, {"eu-west": 4_000, "ap-south": 4_000})
+
+
+def test_a_held_copy_is_priced_by_the_tiers_it_sits_in() -> None:
+    same = all_idle(eu_west={"held_load_ms_per_token": 0.001}, ap_south={"held_load_ms_per_token": 0.001})
+    # eu-west: 75 + 10 + 4,000 x 0.001 + 100 x 0.5; ap-south the same but 190 ms away.
+    eu = region_cost(BOTH_HOLD, same[1], TOPOLOGY, can_move=False)
+    assert (eu.load_ms, eu.total_ms) == (pytest.approx(4.0), pytest.approx(75 + 10 + 4 + 50))
+    assert rank_regions(SymphonyRegions(), BOTH_HOLD, same, TOPOLOGY).regions[0] == "eu-west"
+    # eu-west's copy is on a slow disk (0.1 ms a token: 400 ms to load), ap-south's in memory.
+    disk = all_idle(eu_west={"held_load_ms_per_token": 0.1}, ap_south={"held_load_ms_per_token": 0.001})
+    assert region_cost(BOTH_HOLD, disk[1], TOPOLOGY, can_move=False).total_ms == pytest.approx(75 + 10 + 400 + 50)
+    assert region_cost(BOTH_HOLD, disk[2], TOPOLOGY, can_move=False).total_ms == pytest.approx(190 + 10 + 4 + 50)
+    assert rank_regions(SymphonyRegions(), BOTH_HOLD, disk, TOPOLOGY).regions[0] == "ap-south"
+    # Gorgo's cost (residual prefill only) does not see tiers: it stays with the nearer copy.
+    assert rank_regions(Gorgo(), BOTH_HOLD, disk, TOPOLOGY).regions[0] == "eu-west"
+
+
+def test_a_move_reads_the_copy_at_its_source_and_loads_it_where_it_lands() -> None:
+    # us-east's own copies sit on a slow disk (0.5 ms a token to read out); ap-south's in memory.
+    regions = all_idle(us_east={"pulled_load_ms_per_token": 0.002, "held_read_ms_per_token": 0.5})
+    source = dataclasses.replace(IDLE, held_read_ms_per_token=0.01)
+    wire = 190 + 4_000 * KV_BYTES / 125_000  # 927.28 ms
+    moved = region_cost(FAR_HOLDS, regions[0], TOPOLOGY, can_move=True, sources={"ap-south": source})
+    assert moved.source == "ap-south" and moved.move_ms == pytest.approx(4_000 * (0.01 + 0.002) + wire)
+    # Without the source's summary, its read is priced as the destination's own: 4,000 x 0.502 +
+    # 927 ms would take longer than recomputing the 4,000 tokens (2,000 ms).
+    unseen = region_cost(FAR_HOLDS, regions[0], TOPOLOGY, can_move=True)
+    assert unseen.source is None and unseen.total_ms == pytest.approx(1 + 10 + 2_050)
+    # The policy passes the candidates' summaries: ap-south's read when it is one (its scheduler
+    # answers), else us-east's.
+    advisory = dataclasses.replace(FAR_HOLDS, advisory=True, holders={"ap-south": "node-2"})
+    assert SymphonyRegions().move_source(advisory, "us-east", regions[:2], TOPOLOGY) is None
+    regions[2] = RegionView("ap-south", True, source)
+    assert SymphonyRegions().move_source(advisory, "us-east", regions, TOPOLOGY) == ("node-2", 4_000)
+
+
 @pytest.mark.parametrize(
     ("prefill_ms_per_token", "winner"),
     [
