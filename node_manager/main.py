@@ -16,15 +16,32 @@ from node_manager.kv_runtime import GRPC_OPTIONS, start_kv
 from node_manager.service import NodeManagerService
 from symphony.cluster_tls import add_port, cluster_tls
 from symphony.config import SymphonyConfig
+from symphony.etcd_client import EtcdClient
 from symphony.kv_addressing import BlockKey
 from symphony.kv_geometry import geometry_from_model_dir
 from symphony.logs import get_logger
 from symphony.loop_watchdog import LoopWatchdog
+from symphony.membership import Member, Registration
 from symphony.models import ModelInfo
 from symphony.rpc import node_pb2_grpc
 from symphony.tenancy import engine_key, secret_check
 
 log = get_logger(__name__)
+
+
+def node_registration(config: SymphonyConfig, index: int) -> Registration | None:
+    """Node `index`'s membership in etcd (cluster.etcd_endpoints; None without): its name, the
+    address schedulers reach its gRPC at, and its region."""
+    if not config.cluster.etcd_endpoints:
+        return None
+    topology = config.topology()
+    member = Member(
+        node_id=config.node_id(index),
+        address=config.node_grpc_address(index),
+        region=topology.region_of_node(index) if topology is not None else "",
+    )
+    client = EtcdClient(config.cluster.etcd_endpoints)
+    return Registration(client, config.cluster.etcd_prefix, member, ttl_s=config.cluster.membership_ttl_s)
 
 
 async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None:
@@ -87,6 +104,9 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
+    registration = node_registration(config, index)
+    if registration is not None:  # a member from now on: schedulers following etcd join it
+        await asyncio.to_thread(registration.begin)
     watchdog = LoopWatchdog()  # a stalled loop answers no status poll: the node would look down
     watchdog.start()
     # The engine starts after the gRPC port is up, so the scheduler sees STARTING rather than nothing.
@@ -111,6 +131,8 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
             loop_stalls=watchdog.stalls,
             longest_stall_ms=round(watchdog.longest_s * 1000),
         )
+        if registration is not None:  # leave first: schedulers stop sending before the engine goes
+            await asyncio.to_thread(registration.stop)
         await watchdog.stop()
         await engine.stop()
         kv.end_streams()  # WatchBlocks streams end with OK, not cancelled by the server's stop

@@ -141,21 +141,38 @@ class ClusterKVIndex:
         self.table = BlockTable(max_blocks, max_nodes, evict_fraction=evict_fraction, tick_limit=tick_limit)
         self.max_nodes = max_nodes
         self._nodes: dict[str, NodeSync] = {}
-        self._ids: list[str] = []  # node id by slot
+        self._ids: list[str] = []  # node id by slot ("" for a slot freed by remove_node)
+        self._free_slots: list[int] = []  # slots of removed nodes, reused first
         self._samples = 0  # samples taken by fastest_tiers: each takes other buckets
         self._sample: tuple[float, tuple[int, ...], NodePrefix] = (0.0, (), NodePrefix(0))  # (when, slots, mix)
 
     # -- nodes ------------------------------------------------------------------------------------
     def add_node(self, node_id: str) -> NodeSync:
-        """Give `node_id` a slot (idempotent). Raises ValueError past `max_nodes`."""
+        """Give `node_id` a slot (idempotent): one a removed node freed, else a new one. Raises
+        ValueError past `max_nodes` nodes at once."""
         if node_id in self._nodes:
             return self._nodes[node_id]
-        if len(self._ids) >= self.max_nodes:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self._ids[slot] = node_id
+        elif len(self._ids) < self.max_nodes:
+            slot = len(self._ids)
+            self._ids.append(node_id)
+        else:
             raise ValueError(f"the index has room for {self.max_nodes} nodes")
-        node = NodeSync(node_id, len(self._ids))
+        node = NodeSync(node_id, slot)
         self._nodes[node_id] = node
-        self._ids.append(node_id)
         return node
+
+    def remove_node(self, node_id: str) -> None:
+        """The node left the cluster: forget what it holds (lazily, O(1), as `drop_node`) and free
+        its slot for the next node added. A later add of the same id starts from a snapshot."""
+        node = self._nodes.pop(node_id, None)
+        if node is None:
+            return
+        self.table.clear(node.slot, list(IndexTier))
+        self._ids[node.slot] = ""
+        self._free_slots.append(node.slot)
 
     def rename_node(self, old: str, new: str) -> None:
         """The node `old` is called `new` now (its manager reported its name); its entries stay."""
@@ -173,7 +190,7 @@ class ClusterKVIndex:
 
     @property
     def node_ids(self) -> list[str]:
-        return list(self._ids)
+        return [node_id for node_id in self._ids if node_id]
 
     def synced(self, node_id: str) -> bool:
         node = self._nodes.get(node_id)

@@ -24,6 +24,7 @@ nodes only, or the index itself plus `synced(node_id)`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -105,6 +106,19 @@ class _Link:
     task: asyncio.Task[None] | None = None
 
 
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` and wait for them to end. Bounded per round: on Python 3.11
+    `asyncio.wait_for` can swallow a cancel that lands as its read completes (CPython gh-86296),
+    and the stream then reads on; cancelled again until it ends."""
+    for task in tasks:
+        task.cancel()
+    while tasks:
+        _, pending = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+        for task in pending:
+            task.cancel()
+        tasks = list(pending)
+
+
 class KVWatch:
     """The block event streams of the monitor's nodes, applied to `index`."""
 
@@ -126,6 +140,7 @@ class KVWatch:
         self.backoff_max_s = backoff_max_s
         self._clock = clock
         self._unix_ms = unix_ms
+        self._started = False
         self._links = [_Link(view, view.node_id) for view in monitor.nodes]
         self._by_id = {link.node_id: link for link in self._links}
         for link in self._links:
@@ -177,23 +192,44 @@ class KVWatch:
                 m.kv_index_fallback.labels(link.node_id).set(0 if self.synced(link.node_id) else 1)
 
     # -- lifecycle --------------------------------------------------------------------------------
+    def _begin(self, link: _Link) -> None:
+        link.task = asyncio.create_task(self._run(link), name=f"kv-watch-{link.view.address}")
+
     async def start(self) -> None:
+        self._started = True
         for link in self._links:
-            link.task = asyncio.create_task(self._run(link), name=f"kv-watch-{link.view.address}")
+            self._begin(link)
 
     async def stop(self) -> None:
-        tasks = [link.task for link in self._links if link.task is not None]
-        for task in tasks:
-            task.cancel()
-        # Bounded: on Python 3.11 `asyncio.wait_for` can swallow a cancel that lands as its read
-        # completes (CPython gh-86296), and the stream then reads on; cancelled again until it ends.
-        while tasks:
-            _, pending = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
-            for task in pending:
-                task.cancel()
-            tasks = list(pending)
+        self._started = False
+        await _cancel([link.task for link in self._links if link.task is not None])
         for link in self._links:
             link.task, link.connected = None, False
+
+    def add(self, view: NodeView) -> None:
+        """Watch a node the monitor joined (at once if the watch runs). ValueError when the index
+        has no slot left (the monitor's bound is the index's)."""
+        link = _Link(view, view.node_id)
+        self.index.add_node(link.node_id)
+        self._links.append(link)
+        self._by_id[link.node_id] = link
+        if self._started:
+            self._begin(link)
+
+    async def remove(self, view: NodeView) -> None:
+        """Stop watching a node that left (before the monitor closes its channel) and drop what
+        the index holds of it, freeing its slot."""
+        self._follow_renames()
+        link = next((link for link in self._links if link.view is view), None)
+        if link is None:
+            return
+        self._links.remove(link)
+        del self._by_id[link.node_id]
+        if link.task is not None:
+            await _cancel([link.task])
+        self.index.remove_node(link.node_id)
+        with contextlib.suppress(KeyError):  # no series if it never reported
+            self.metrics.kv_index_fallback.remove(link.node_id)
 
     # -- one node ---------------------------------------------------------------------------------
     def _link(self, node_id: str) -> _Link | None:

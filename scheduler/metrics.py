@@ -46,6 +46,17 @@ class SchedulerMetrics:
             "Admin changes applied but not saved (they hold until a restart): scheduler.control",
             registry=r,
         )
+        self.membership_changes = Counter(
+            "symphony_membership_changes",
+            "Nodes that joined or left this scheduler by etcd's member list (change=join|leave)",
+            ["change"],
+            registry=r,
+        )
+        self.membership_read_failures = Counter(
+            "symphony_membership_read_failures",
+            "Reads of etcd's member list that failed (the nodes followed stay as they were)",
+            registry=r,
+        )
         self.residency_refused = Counter(
             "symphony_residency_refused",
             "Requests and advisories refused because the tenant's data may not enter this region",

@@ -148,7 +148,10 @@ class NodeMonitor:
         secret_check: bytes = b"",
         tls: ClusterTLS | None = None,
         engine_headers: dict[str, str] | None = None,
+        max_nodes: int = 64,
     ) -> None:
+        # The nodes followed, in the order they came; membership (scheduler.membership_watch) adds
+        # and removes them on the event loop (join, leave), nothing else does.
         self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
         # What every call to a node's engine sends: the cluster's engine key (node_manager.engine_auth).
         self.engine_headers = engine_headers or {}
@@ -163,8 +166,10 @@ class NodeMonitor:
         self.lag_limit_s = max(down_after_s, LAG_LIMIT_S)
         self._clock = clock
         self.on_status = on_status  # called after each status applied: room may have opened on a node
-        self._channels: list[grpc.aio.Channel] = []
-        self._tasks: list[asyncio.Task[None]] = []
+        self.max_nodes = max_nodes  # nodes followed at once: join refuses more
+        # address -> the node's channel and polling task, from start (or its join) to stop (or leave)
+        self._polls: dict[str, tuple[grpc.aio.Channel, asyncio.Task[None]]] = {}
+        self._started = False
 
     def by_id(self, node_id: str) -> NodeView | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
@@ -255,24 +260,61 @@ class NodeMonitor:
         """Dispatch saw a connection failure: keep routing away from the node for `for_s`."""
         node.unreachable_until = self._clock() + for_s
 
+    def _connect(self, node: NodeView) -> None:
+        channel = grpc_channel(node.address, self.tls)
+        stub = node_pb2_grpc.NodeManagerStub(channel)
+        node.kv = kv_pb2_grpc.KVStoreStub(channel)
+        self._polls[node.address] = (channel, asyncio.create_task(self._poll(node, stub), name=f"poll-{node.address}"))
+
+    async def _disconnect(self, address: str) -> None:
+        polled = self._polls.pop(address, None)
+        if polled is None:
+            return
+        channel, task = polled
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await channel.close()
+
     async def start(self) -> None:
+        self._started = True
         for node in self.nodes:
-            channel = grpc_channel(node.address, self.tls)
-            self._channels.append(channel)
-            stub = node_pb2_grpc.NodeManagerStub(channel)
-            node.kv = kv_pb2_grpc.KVStoreStub(channel)
-            self._tasks.append(asyncio.create_task(self._poll(node, stub), name=f"poll-{node.address}"))
+            self._connect(node)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for channel in self._channels:
-            await channel.close()
-        self._tasks.clear()
-        self._channels.clear()
+        self._started = False
+        for address in list(self._polls):
+            await self._disconnect(address)
+
+    def at(self, address: str) -> NodeView | None:
+        return next((n for n in self.nodes if n.address == address), None)
+
+    def join(self, address: str) -> NodeView | None:
+        """Follow the node manager at `address` from now on (polled at once if the monitor runs).
+        None when one is followed there already, or `max_nodes` are (logged)."""
+        if self.at(address) is not None:
+            return None
+        if len(self.nodes) >= self.max_nodes:
+            log.error(
+                "node not followed: the scheduler follows at most max_nodes", address=address, max_nodes=self.max_nodes
+            )
+            return None
+        node = NodeView(address=address, node_id=address)
+        self.nodes.append(node)
+        if self._started:
+            self._connect(node)
+        log.info("node joined", address=address)
+        return node
+
+    async def leave(self, node: NodeView) -> None:
+        """Stop following `node`: no request goes to it from now on. Whoever holds its view (a
+        request under way) keeps a view frozen as it was, with no channel."""
+        if node not in self.nodes:
+            return
+        self.nodes.remove(node)
+        await self._disconnect(node.address)
+        node.kv = None
+        log.info("node left", node=node.node_id, address=node.address)
 
     async def poll_once(self, node: NodeView, stub: node_pb2_grpc.NodeManagerStub) -> None:
         # The deadline stays under the down threshold so one hung call cannot hide a dead node.

@@ -19,6 +19,7 @@ from scheduler.errors import ApiError
 from scheduler.kv_index import ClusterKVIndex, NodePrefix
 from scheduler.kv_locator import KVLocator, RequestLocator
 from scheduler.kv_watch import KVWatch
+from scheduler.membership_watch import MembershipWatch
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor
 from scheduler.policies import make_policy
@@ -30,8 +31,9 @@ from scheduler.tokenizer_check import check_tokenizers
 from scheduler.tokenizer_load import tokenizer_dirs
 from scheduler.tokens import TokenService
 from symphony.cluster_tls import cluster_tls
-from symphony.config import SymphonyConfig
+from symphony.config import KV_INDEX_MAX_NODES, SymphonyConfig
 from symphony.control_state import ControlFile
+from symphony.etcd_client import EtcdClient
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
 from symphony.models import DEFAULT_MODEL_NAME
@@ -89,6 +91,7 @@ class SchedulerState:
             secret_check=secret_check(config.cluster.secret.encode()),
             tls=cluster_tls(config),
             engine_headers=engine_headers(config.cluster.secret),
+            max_nodes=KV_INDEX_MAX_NODES,
         )
         self.advisories = AdvisoryTable(
             sc.max_advisories,
@@ -117,7 +120,9 @@ class SchedulerState:
         self.kv_index: ClusterKVIndex | None = None
         self.kv_watch: KVWatch | None = None
         if sc.kv_index_enabled:
-            self.kv_index = ClusterKVIndex(sc.kv_index_max_blocks, max(1, len(self.cluster.nodes)))
+            # Room for every node that may join when membership is followed; else for those given.
+            slots = KV_INDEX_MAX_NODES if config.cluster.etcd_endpoints else max(1, len(self.cluster.nodes))
+            self.kv_index = ClusterKVIndex(sc.kv_index_max_blocks, slots)
             self.kv_watch = KVWatch(
                 self.cluster,
                 self.kv_index,
@@ -165,6 +170,39 @@ class SchedulerState:
         # The admin API's changes, kept across restarts; applied last, over the configuration.
         self.control = SchedulerControl(ControlFile(control_path(config)))
         self.control.restore(self)
+        # With a coordination store, the nodes that registered there (scheduler.membership_watch).
+        self.membership: MembershipWatch | None = None
+        if config.cluster.etcd_endpoints:
+            self.membership = MembershipWatch(
+                EtcdClient(config.cluster.etcd_endpoints),
+                config.cluster.etcd_prefix,
+                sc.region,
+                sc.membership_poll_ms / 1000,
+                join=self.add_node,
+                leave=self.remove_node,
+                metrics=self.metrics,
+                static=config.scheduler_node_addresses(),
+            )
+
+    def add_node(self, address: str) -> bool:
+        """Follow and route to the node manager at `address` (a member that registered)."""
+        view = self.cluster.join(address)
+        if view is None:
+            return False
+        if self.kv_watch is not None:
+            self.kv_watch.add(view)
+        return True
+
+    async def remove_node(self, address: str) -> None:
+        """Stop following the node at `address` (its membership ended): no request goes there, its
+        block stream ends, and neither the index nor the session table counts its copies."""
+        view = self.cluster.at(address)
+        if view is None:
+            return
+        if self.kv_watch is not None:
+            await self.kv_watch.remove(view)  # before its channel closes under the stream
+        await self.cluster.leave(view)
+        self.sessions.forget_node(view.node_id)
 
     def kv_prefix(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:
         """Per node whose index entries are in sync: how many leading blocks of `keys` (a request's
@@ -218,10 +256,14 @@ class SchedulerState:
         await self.cluster.start()
         if self.kv_watch is not None:
             await self.kv_watch.start()  # on the monitor's channels, open now
+        if self.membership is not None:
+            self.membership.start()
         if self.tokens.dirs:
             self.tokenizer_check = asyncio.create_task(check_tokenizers(self.tokens, self.cluster))
 
     async def stop(self) -> None:
+        if self.membership is not None:
+            await self.membership.stop()
         if self.tokenizer_check is not None:
             self.tokenizer_check.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from symphony.config_checks import coordination_checks, region_checks
 from symphony.config_schema import (
     ClusterConfig,
     DataPlane,
@@ -233,7 +234,8 @@ def _validate(config: SymphonyConfig) -> None:
         check(1 <= value <= 65535, key, f"port {value} outside 1..65535")
 
     check(1 <= config.cluster.nodes <= 64, "cluster.nodes", f"{config.cluster.nodes} outside 1..64")
-    region_ports = _region_ports(config, check, port)  # first: the node addresses depend on the regions
+    region_ports = region_checks(config, check, port)  # first: the node addresses depend on the regions
+    coordination_checks(config, check)
     s = config.scheduler
     port("scheduler.port", s.port)
     for name in (
@@ -402,61 +404,6 @@ def _validate(config: SymphonyConfig) -> None:
     ports += region_ports
     twice = sorted({p for p in ports if ports.count(p) > 1})
     check(not twice, "ports", f"scheduler, node, engine and region ports overlap at {twice}")
-
-
-def _region_ports(config: SymphonyConfig, check: Any, port: Any) -> list[int]:
-    """Check `[regions]`; the ports a multi-region cluster adds (none for one region)."""
-    r = config.regions
-    try:
-        topology = config.topology()
-    except ValueError as exc:
-        key, _, message = str(exc).partition(": ")
-        raise ConfigError(f"{key}: {message}") from None
-    for name in ("probe_interval_ms", "region_down_after_ms"):
-        check(getattr(r, name) > 0, f"regions.{name}", "must be positive")
-    check(
-        r.region_down_after_ms >= r.probe_interval_ms,
-        "regions.region_down_after_ms",
-        "must be at least regions.probe_interval_ms",
-    )
-    if topology is None:
-        check(not config.scheduler.region, "scheduler.region", "needs regions.layout")
-        return []
-    check(
-        not config.scheduler.region or config.scheduler.region in topology.names,
-        "scheduler.region",
-        f"{config.scheduler.region!r} is not in regions.layout ({', '.join(topology.names)})",
-    )
-    total = sum(len(region.nodes) for region in topology.regions)
-    check(
-        config.cluster.nodes == total,
-        "cluster.nodes",
-        f"{config.cluster.nodes}, but regions.layout places {total} nodes",
-    )
-    tenants = known_tenants(config.scheduler.api_keys)
-    for tenant in topology.residency:
-        check(
-            tenant in tenants,
-            "regions.residency",
-            f"tenant {tenant!r} has no API key (scheduler.api_keys names {', '.join(sorted(tenants))}): "
-            "its rule would never apply",
-        )
-    check(
-        config.kv.data_plane == "grpc",
-        "kv.data_plane",
-        'must be "grpc" with regions.layout: a page stream goes to the port its peer advertises, past the '
-        "WAN links, where gRPC pulls go through them",
-    )
-    count = len(topology.regions)
-    port("scheduler.port + regions - 1", config.scheduler.port + count - 1)
-    port("regions.scheduler_port_base", r.scheduler_port_base)
-    port("regions.scheduler_port_base + regions - 1", r.scheduler_port_base + count - 1)
-    plan = topology.link_plan(r.link_port_base)
-    port("regions.link_port_base", r.link_port_base)
-    port("regions.link_port_base + links", r.link_port_base + len(plan))
-    ports = [config.scheduler.port + i for i in range(1, count)]
-    ports += [r.scheduler_port_base + i for i in range(count)]
-    return ports + [r.link_port_base] + [link.port for link in plan]
 
 
 # The KV store's keys that must be positive; the store checks them again when built without a config.

@@ -36,6 +36,13 @@ class ClusterConfig:
     # for now: a cluster whose processes all listen on loopback (the local default) is contained.
     tls: bool = False
     tls_dir: str = ""
+    # etcd, the coordination store (symphony.etcd_client): its client URLs. Empty (the default):
+    # none; a scheduler's nodes are scheduler.node_addresses (else the local cluster's) and its
+    # admin changes a file in its home. Set: node managers register under a lease
+    # (symphony.membership) and schedulers follow who is registered.
+    etcd_endpoints: list[str] = field(default_factory=list)
+    etcd_prefix: str = "/symphony"  # the cluster's keys in etcd: clusters sharing an etcd differ here
+    membership_ttl_s: int = 5  # a node manager that stops renewing leaves membership this long after
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class SchedulerConfig:
     policy: PolicyName = "symphony"  # scheduler.policies.POLICIES holds one policy per name
     poll_interval_ms: int = 100  # Status poll period per node
     node_down_after_ms: int = 1000  # no successful Status for this long -> node unroutable
+    membership_poll_ms: int = 500  # with cluster.etcd_endpoints: how often the member list is read
     connect_timeout_s: float = 2.0  # to an engine; a dead engine must fail fast, not hang
     request_timeout_s: float = 600.0  # between bytes from an engine once connected
     max_inflight_requests: int = 1024  # beyond this the scheduler answers 429
@@ -339,8 +347,13 @@ class SymphonyConfig:
         )
 
     def scheduler_node_addresses(self) -> list[str]:
+        """The nodes a scheduler starts with: scheduler.node_addresses, else the local cluster's (its
+        region's), else, with a coordination store (cluster.etcd_endpoints), none: the members
+        registered there join as they come."""
         if self.scheduler.node_addresses:
             return list(self.scheduler.node_addresses)
+        if self.cluster.etcd_endpoints:
+            return []
         topology = self.topology()
         if topology is not None and self.scheduler.region:
             return [self.node_grpc_address(i) for i in topology.region(self.scheduler.region).nodes]

@@ -6,7 +6,8 @@ Layout: `<prefix>/nodes/<node_id>` -> a `Member` as JSON. One lease per registra
 
 Contracts:
 - `Registration.start` registers before it returns (EtcdError if etcd cannot be reached), then
-  renews every third of the TTL on a thread of its own. A renewal that finds the lease gone (it
+  renews every third of the TTL on a thread of its own; `begin` does the same but leaves a first
+  registration that failed to that thread. A renewal that finds the lease gone (it
   expired while the node was stopped or cut off) registers again under a new lease; renewals that
   fail are counted and retried at the same pace, never raised.
 - `Registration.stop` revokes the lease: the member leaves at once, not a TTL later.
@@ -61,6 +62,19 @@ class Registration:
 
     def start(self) -> None:
         self._register()
+        self._start_renewing()
+
+    def begin(self) -> None:
+        """`start`, but etcd out of reach is no error: the renewal thread registers once it answers
+        (a node manager serves whether or not etcd is up yet)."""
+        try:
+            self._register()
+        except EtcdError as exc:
+            self.failed_renewals += 1
+            log.warning("membership: not registered yet, retrying", node=self.member.node_id, error=str(exc))
+        self._start_renewing()
+
+    def _start_renewing(self) -> None:
         self._thread = threading.Thread(target=self._renew, name=f"membership-{self.member.node_id}", daemon=True)
         self._thread.start()
 

@@ -435,6 +435,29 @@ def test_scheduler_node_addresses_explicit_list_wins_and_is_a_copy() -> None:
     assert config.scheduler_node_addresses() == ["a:1", "b:2"]
 
 
+def test_with_etcd_a_scheduler_starts_with_the_nodes_given_or_none() -> None:
+    etcd = {"etcd_endpoints": ["http://127.0.0.1:2379"]}
+    assert load_config(env={}, overrides={"cluster": etcd}).scheduler_node_addresses() == []
+    given = load_config(env={}, overrides={"cluster": etcd, "scheduler": {"node_addresses": ["a:1"]}})
+    assert given.scheduler_node_addresses() == ["a:1"]
+
+
+@pytest.mark.parametrize(
+    ("cluster", "scheduler", "message"),
+    [
+        ({"etcd_endpoints": ["127.0.0.1:2379"]}, {}, r"cluster\.etcd_endpoints: '127\.0\.0\.1:2379' is not an etcd"),
+        ({"etcd_endpoints": ["http://h:2379/v3"]}, {}, r"cluster\.etcd_endpoints: 'http://h:2379/v3'"),
+        ({"etcd_endpoints": ["http://h:1"] * 17}, {}, r"cluster\.etcd_endpoints: at most 16"),
+        ({"etcd_prefix": "symphony"}, {}, r"cluster\.etcd_prefix: 'symphony' must start with /"),
+        ({"membership_ttl_s": 1}, {}, r"cluster\.membership_ttl_s: 1 outside 2\.\.600"),
+        ({}, {"membership_poll_ms": 10}, r"scheduler\.membership_poll_ms: 10 outside 50\.\.60000"),
+    ],
+)
+def test_coordination_settings_are_checked(cluster: dict[str, Any], scheduler: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={}, overrides={"cluster": cluster, "scheduler": scheduler})
+
+
 def test_scheduler_url_uses_host_and_port() -> None:
     config = load_config(env={}, overrides={"scheduler": {"host": "0.0.0.0", "port": 9100}})
     assert config.scheduler_url == "http://0.0.0.0:9100"

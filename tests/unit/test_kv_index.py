@@ -344,3 +344,23 @@ def test_snapshot_apply_time_is_measured() -> None:
     print(f"snapshot of {blocks} blocks applied in {seconds:.3f} s ({seconds / blocks * 1e6:.2f} us/block)")
     assert index.synced("a") and index.tier_blocks("a")["dram"] == blocks
     assert seconds < 4.0, f"{seconds:.2f} s for {blocks} blocks"
+
+
+def test_a_removed_nodes_slot_is_reused_and_holds_nothing_of_it() -> None:
+    index = ClusterKVIndex(1_000, 2)
+    keys = chain(3)
+    for node in ("a", "b"):
+        index.add_node(node)
+        index.table.store(
+            np.array([int.from_bytes(k[:8], "little") for k in keys], np.uint64), index.node(node).slot, 2
+        )
+    assert set(index.prefix(keys)) == {"a", "b"}
+    with pytest.raises(ValueError, match="room for 2"):
+        index.add_node("c")
+    index.remove_node("a")
+    index.remove_node("a")  # gone already: nothing to do
+    assert index.node_ids == ["b"] and set(index.prefix(keys)) == {"b"}
+    assert index.tier_blocks("b")["dram"] == 3
+    assert index.add_node("c").slot == 0  # a's slot, with none of a's blocks
+    assert set(index.prefix(keys)) == {"b"} and index.tier_blocks("c")["dram"] == 0
+    assert index.node_ids == ["c", "b"]
