@@ -20,6 +20,7 @@ from scheduler.routing import PRIORITIES
 from scheduler.schemas import QuotaUpdateBody, check
 from scheduler.state import SchedulerState
 from scheduler.validation import check_session_id, parse_json_object
+from symphony.control_state import Changed
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
 from symphony.residency_rules import RuleError, known_tenants, listing, parse_update, with_rule
@@ -52,7 +53,7 @@ def admin_routes(state: SchedulerState) -> APIRouter:
         except OverflowError as exc:
             raise ApiError(409, str(exc), code="priority_table_full") from None
         promoted = state.dispatcher.promote(tenant, session_id) if priority == "high" else 0
-        await state.control.save(state)
+        await state.control.save(state, Changed(tenant, session_id))
         return JSONResponse(
             {
                 "object": "priority",
@@ -84,7 +85,7 @@ def admin_routes(state: SchedulerState) -> APIRouter:
             raise ApiError(400, f"limits.{exc}", param="limits") from None
         log.info("tenant quotas set", tenant=tenant, limits="defaults" if limits is None else str(limits))
         state.control.quota_changed(tenant, changes)
-        await state.control.save(state)
+        await state.control.save(state, Changed(tenant))
         return JSONResponse({"object": "quota", "tenant": tenant, "limits": dataclasses.asdict(applied)})
 
     @router.get("/residency")
@@ -110,7 +111,7 @@ def admin_routes(state: SchedulerState) -> APIRouter:
             raise ApiError(409, str(exc), code="residency_table_full") from None
         log.info("residency rule set", tenant=tenant, regions=",".join(sorted(regions)) if regions else "any")
         state.control.rule_changed(state, tenant)
-        await state.control.save(state)
+        await state.control.save(state, Changed(tenant))
         rule = listing(state.topology).get(tenant)
         return JSONResponse({"object": "residency_rule", "tenant": tenant, "regions": rule})
 

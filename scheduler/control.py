@@ -21,7 +21,9 @@ from scheduler.errors import ApiError
 from scheduler.metrics import SchedulerMetrics
 from scheduler.priorities import PriorityTable
 from symphony.config import SymphonyConfig
+from symphony.control_etcd import TenantEntry
 from symphony.control_state import (
+    Changed,
     ControlDocument,
     ControlStateError,
     ControlStore,
@@ -32,7 +34,7 @@ from symphony.control_state import (
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
 from symphony.residency_rules import RuleError, known_tenants, listing, parse_update, with_rule
-from symphony.tenant_quotas import TenantQuotas
+from symphony.tenant_quotas import TenantLimits, TenantQuotas
 
 log = get_logger(__name__)
 
@@ -62,6 +64,7 @@ class SchedulerControl:
         # The configuration's residency rules, read at restore before any change applies: what a
         # change is recorded over, and what a later start compares with.
         self.configured_rules: dict[str, list[str]] = {}
+        self.baseline_quotas: dict[str, TenantLimits] = {}  # the configuration's tenant overrides
         self._saving = asyncio.Lock()
 
     def restore(self, state: Controlled) -> None:
@@ -70,8 +73,9 @@ class SchedulerControl:
         change for a tenant that no longer has an API key (it could never apply), a residency rule
         whose configuration changed since, and tiers past `scheduler.max_priority_settings`."""
         document = self.store.load()
-        path = control_path(state.config)
+        path = self.store.where
         tenants = known_tenants(state.config.scheduler.api_keys)
+        self.baseline_quotas = dict(state.quotas.overrides)  # the configuration's, before any change
         try:
             self._restore_priorities(state, document, tenants)
             for tenant, change in document.quotas.items():
@@ -102,7 +106,7 @@ class SchedulerControl:
             where = f"{exc.param}: " if isinstance(exc, RuleError) else ""
             raise ControlStateError(f"{path}: {where}{exc}") from None
         if not document.empty():
-            log.info("admin changes restored", path=str(path))
+            log.info("admin changes restored", source=path)
 
     def _restore_priorities(self, state: Controlled, document: ControlDocument, tenants: frozenset[str]) -> None:
         settings: list[tuple[str, str | None, str]] = [
@@ -119,6 +123,61 @@ class SchedulerControl:
                     "stored priority tiers past scheduler.max_priority_settings dropped", kept=len(state.priorities)
                 )
                 return
+
+    def apply(self, state: Controlled, changed: Changed, entry: TenantEntry | SessionPriority | None) -> None:
+        """A change stored by a replica (this one's own, back from the store, changes nothing):
+        `entry` is the tenant's or session's entry now (None: back to the configuration). It
+        applies over the configuration as at restore, with the same drops (logged)."""
+        tenant = changed.tenant
+        if not self._known(tenant, known_tenants(state.config.scheduler.api_keys), "change"):
+            return
+        if changed.session_id is not None:
+            tier = entry.priority if isinstance(entry, SessionPriority) else "normal"
+            self._set_tier(state, tenant, tier, changed.session_id)
+            return
+        entry = entry if isinstance(entry, TenantEntry) else TenantEntry()
+        self._set_tier(state, tenant, entry.priority or "normal", None)
+        base = self.baseline_quotas.get(tenant)
+        state.quotas.overrides.pop(tenant, None)
+        if base is not None:
+            state.quotas.overrides[tenant] = base
+        self.quota_changes.pop(tenant, None)
+        if entry.quota is not None:
+            try:
+                if entry.quota.cleared:
+                    state.quotas.set(tenant, None)
+                if entry.quota.limits:
+                    state.quotas.set(tenant, entry.quota.limits)
+                self.quota_changes[tenant] = entry.quota
+            except (ValueError, TypeError) as exc:
+                log.warning("stored quota change dropped", tenant=tenant, error=str(exc))
+        if state.topology is not None:
+            self._apply_rule(state, tenant, entry.residency)
+
+    def _apply_rule(self, state: Controlled, tenant: str, rule: RuleChange | None) -> None:
+        assert state.topology is not None
+        configured = self.configured_rules.get(tenant)
+        if rule is not None and rule.config != configured:
+            log.warning("stored residency rule dropped: the configuration's rule differs", tenant=tenant)
+            rule = None
+        body = {"tenant": tenant, "regions": rule.regions if rule is not None else configured}
+        try:
+            name, allowed = parse_update(body, state.topology, known_tenants(state.config.scheduler.api_keys))
+            state.topology = with_rule(state.topology, name, allowed)
+        except (RuleError, OverflowError) as exc:
+            log.warning("stored residency rule dropped", tenant=tenant, error=str(exc))
+            return
+        if rule is None:
+            self.residency_changes.pop(tenant, None)
+        else:
+            self.residency_changes[tenant] = rule
+
+    @staticmethod
+    def _set_tier(state: Controlled, tenant: str, tier: str, session_id: str | None) -> None:
+        try:
+            state.priorities.set(tenant, tier, session_id)
+        except OverflowError:
+            log.warning("stored priority tier dropped: past scheduler.max_priority_settings", tenant=tenant)
 
     @staticmethod
     def _known(tenant: str, tenants: frozenset[str], kind: str) -> bool:
@@ -151,13 +210,14 @@ class SchedulerControl:
             regions=listing(state.topology).get(tenant), config=self.configured_rules.get(tenant)
         )
 
-    async def save(self, state: Controlled) -> None:
-        """Store the state as it is now. ApiError 503 when the store fails: the change holds in
-        this process, and is lost if it restarts before a later change is saved."""
+    async def save(self, state: Controlled, changed: Changed) -> None:
+        """Store the state as it is now, after the change `changed`. ApiError 503 when the store
+        fails: the change holds in this process, and is lost if it restarts before a later change
+        is saved (or, with replicas, the others do not see it)."""
         async with self._saving:
             document = self.snapshot(state)
             try:
-                await asyncio.to_thread(self.store.save, document)
+                await asyncio.to_thread(self.store.save, document, changed)
             except OSError as exc:
                 log.error("admin change not saved", error=repr(exc))
                 state.metrics.control_save_failures.inc()

@@ -14,6 +14,7 @@ from pathlib import Path
 from scheduler.advisories import AdvisoryTable
 from scheduler.auth import Authenticator
 from scheduler.control import SchedulerControl, control_path
+from scheduler.control_watch import ControlWatch
 from scheduler.dispatch import Dispatcher
 from scheduler.errors import ApiError
 from scheduler.kv_index import ClusterKVIndex, NodePrefix
@@ -32,7 +33,8 @@ from scheduler.tokenizer_load import tokenizer_dirs
 from scheduler.tokens import TokenService
 from symphony.cluster_tls import cluster_tls
 from symphony.config import KV_INDEX_MAX_NODES, SymphonyConfig
-from symphony.control_state import ControlFile
+from symphony.control_etcd import EtcdControlStore, control_scope
+from symphony.control_state import ControlFile, ControlStore
 from symphony.etcd_client import EtcdClient
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
@@ -44,6 +46,8 @@ from symphony.tenancy import engine_headers, secret_check
 from symphony.tenant_quotas import quotas_from_config
 
 log = get_logger(__name__)
+
+MAX_TENANTS = 10_000  # tenant entries a control state in etcd may hold, beside the session tiers
 
 
 class SchedulerState:
@@ -167,9 +171,21 @@ class SchedulerState:
             quotas=self.quotas,
             salt_key=config.cluster.secret.encode(),
         )
-        # The admin API's changes, kept across restarts; applied last, over the configuration.
-        self.control = SchedulerControl(ControlFile(control_path(config)))
+        # The admin API's changes, kept across restarts (with etcd, shared by the replicas and
+        # followed as they change); applied last, over the configuration.
+        store: ControlStore = ControlFile(control_path(config))
+        self.control_watch: ControlWatch | None = None
+        if config.cluster.etcd_endpoints:
+            store = EtcdControlStore(
+                EtcdClient(config.cluster.etcd_endpoints),
+                config.cluster.etcd_prefix,
+                control_scope(sc.region),
+                sc.max_priority_settings + MAX_TENANTS,
+            )
+        self.control = SchedulerControl(store)
         self.control.restore(self)
+        if isinstance(store, EtcdControlStore):
+            self.control_watch = ControlWatch(store, lambda changed, entry: self.control.apply(self, changed, entry))
         # With a coordination store, the nodes that registered there (scheduler.membership_watch).
         self.membership: MembershipWatch | None = None
         if config.cluster.etcd_endpoints:
@@ -258,10 +274,14 @@ class SchedulerState:
             await self.kv_watch.start()  # on the monitor's channels, open now
         if self.membership is not None:
             self.membership.start()
+        if self.control_watch is not None:
+            self.control_watch.start(asyncio.get_running_loop())
         if self.tokens.dirs:
             self.tokenizer_check = asyncio.create_task(check_tokenizers(self.tokens, self.cluster))
 
     async def stop(self) -> None:
+        if self.control_watch is not None:
+            self.control_watch.stop()
         if self.membership is not None:
             await self.membership.stop()
         if self.tokenizer_check is not None:

@@ -4,8 +4,8 @@ residency rules), kept so that a restarted process finds it again.
 The document holds the admin API's changes only; the configuration (`[quotas]`,
 `regions.residency`) stays the baseline they apply over, and `symphony admin ... clear` (or a
 rule set back to null) removes a change. Backends share `ControlStore`'s two calls; the local one
-is a JSON file per process (`ControlFile`). A coordination store (etcd, for several scheduler
-replicas) is the next backend behind the same calls.
+is a JSON file per process (`ControlFile`); with a coordination store, one etcd key per tenant and
+per session tier, shared by a scheduler's replicas (`symphony.control_etcd`).
 
 Failure modes: a file that is not a valid document (bad JSON, an unknown field, a value out of
 range) raises `ControlStateError` and the process does not start: quietly dropping a residency
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -72,10 +73,23 @@ class ControlDocument(pydantic.BaseModel, extra="forbid"):
         return not (self.tenant_priorities or self.session_priorities or self.quotas or self.residency)
 
 
+@dataclass(frozen=True, slots=True)
+class Changed:
+    """What one admin change touched: a tenant's settings, or one session's tier."""
+
+    tenant: str
+    session_id: str | None = None
+
+
 class ControlStore(Protocol):
+    where: str  # what it is kept in, for messages
+
     def load(self) -> ControlDocument: ...
 
-    def save(self, document: ControlDocument) -> None: ...
+    def save(self, document: ControlDocument, changed: Changed) -> None:
+        """Store `document`, the state after the change `changed` (a store may write only what it
+        touched). OSError when it cannot."""
+        ...
 
 
 class ControlFile:
@@ -85,6 +99,7 @@ class ControlFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.where = str(path)
 
     def load(self) -> ControlDocument:
         """The stored document; an empty one when there is no file yet."""
@@ -104,8 +119,9 @@ class ControlFile:
                 f"{self.path}: {where}: {first['msg']} (fix or remove the file; it holds the admin API's changes)"
             ) from None
 
-    def save(self, document: ControlDocument) -> None:
-        """OSError when it cannot be written, EFBIG for a document past MAX_DOCUMENT_BYTES."""
+    def save(self, document: ControlDocument, changed: Changed | None = None) -> None:
+        """The whole document, whatever changed. OSError when it cannot be written, EFBIG for a
+        document past MAX_DOCUMENT_BYTES."""
         text = document.model_dump_json() + "\n"
         if len(text) > MAX_DOCUMENT_BYTES:
             raise OSError(errno.EFBIG, f"the control state would take {len(text)} bytes, over {MAX_DOCUMENT_BYTES}")

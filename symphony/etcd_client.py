@@ -16,6 +16,8 @@ A range returns at most `limit` entries (default MAX_RANGE). Thread-safe (httpx.
 from __future__ import annotations
 
 import base64
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,44 @@ class Entry:
     value: bytes
     mod_revision: int
     lease: int = 0
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    key: bytes
+    value: bytes | None  # None: the key was deleted (or its lease ended)
+    previous: bytes | None  # its value before the change (None: it did not exist)
+    mod_revision: int
+
+
+def _watch_events(line: str) -> list[WatchEvent]:
+    """The events of one message of a watch stream. EtcdError for an error, a cancelled watch or a
+    compacted start revision."""
+    if not line.strip():
+        return []
+    try:
+        message = json.loads(line)
+    except ValueError:
+        raise EtcdError(f"a watch message is not JSON: {line[:120]!r}") from None
+    if not isinstance(message, dict) or "error" in message:
+        raise EtcdError(f"watch failed: {str(message)[:200]}")
+    result = message.get("result", {})
+    if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
+        reason = result.get("cancel_reason", "")
+        raise EtcdError(f"watch cancelled (compacted to {result.get('compact_revision')}): {reason}")
+    events = []
+    for event in result.get("events", []):
+        kv, previous = event.get("kv", {}), event.get("prev_kv")
+        deleted = event.get("type") == "DELETE"
+        events.append(
+            WatchEvent(
+                _unb64(kv.get("key")),
+                None if deleted else _unb64(kv.get("value")),
+                _unb64(previous.get("value")) if previous else None,
+                int(kv.get("mod_revision", 0)),
+            )
+        )
+    return events
 
 
 def _b64(data: bytes) -> str:
@@ -104,6 +144,52 @@ class EtcdClient:
 
     def get_prefix(self, prefix: bytes, limit: int = MAX_RANGE) -> list[Entry]:
         return self.range(prefix, prefix_end(prefix), limit)
+
+    def snapshot(self, prefix: bytes, max_entries: int, page: int = MAX_RANGE) -> tuple[list[Entry], int]:
+        """Every entry under `prefix`, read page by page at one revision (a consistent view
+        however many pages), and that revision: a watch from revision + 1 misses nothing after
+        it. EtcdError past `max_entries` (the table it holds is bounded below that)."""
+        body: dict[str, Any] = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "limit": page}
+        entries: list[Entry] = []
+        revision = 0
+        while True:
+            answer = self._call("/v3/kv/range", body)
+            revision = revision or int(answer["header"]["revision"])
+            entries += [
+                Entry(_unb64(kv["key"]), _unb64(kv.get("value")), int(kv["mod_revision"]), int(kv.get("lease", 0)))
+                for kv in answer.get("kvs", [])
+            ]
+            if len(entries) > max_entries:
+                raise EtcdError(f"more than {max_entries} entries under {prefix!r}")
+            if not answer.get("more") or not entries:
+                return entries, revision
+            body.update(key=_b64(entries[-1].key + b"\0"), revision=str(revision))
+
+    def watch(self, prefix: bytes, start_revision: int, idle_timeout_s: float) -> Iterator[WatchEvent]:
+        """The changes under `prefix` from `start_revision` on, as they come, from the first
+        endpoint that answers. Ends (returns) after `idle_timeout_s` without a message, so that a
+        silent stream is never read forever: the caller watches again from the revision after the
+        last event. EtcdError when the revision was compacted (read a snapshot again) or the
+        watch is refused; EtcdUnavailable when no endpoint answers."""
+        create = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "prev_kv": True}
+        create["start_revision"] = str(start_revision)
+        timeout = httpx.Timeout(self.timeout_s, read=idle_timeout_s)
+        failures = []
+        for endpoint in self.endpoints:
+            try:
+                with self._http.stream(
+                    "POST", endpoint + "/v3/watch", json={"create_request": create}, timeout=timeout
+                ) as reply:
+                    if reply.status_code != 200:
+                        raise EtcdError(f"{endpoint}/v3/watch: {reply.status_code}")
+                    for line in reply.iter_lines():
+                        yield from _watch_events(line)
+                return
+            except httpx.ReadTimeout:
+                return  # idle: the caller watches again
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                failures.append(f"{endpoint}: {type(exc).__name__}")
+        raise EtcdUnavailable(f"no etcd endpoint answered a watch: {'; '.join(failures)}")
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         """Store `value` under `key` (attached to `lease` when not 0); the new revision."""

@@ -27,13 +27,17 @@ REGIONS = {"layout": ["us-east:1", "eu-west:1"], "links": ["us-east~eu-west:40:1
 
 
 def _config(
-    home: Path, quotas: dict[str, Any] | None = None, residency: list[str] | None = None, **scheduler: Any
+    home: Path,
+    quotas: dict[str, Any] | None = None,
+    residency: list[str] | None = None,
+    cluster: dict[str, Any] | None = None,
+    **scheduler: Any,
 ) -> SymphonyConfig:
     overrides: dict[str, Any] = {
         "scheduler": {"api_keys": KEYS, "admin_token": ADMIN, "node_addresses": ["127.0.0.1:1"], **scheduler},
         # The configuration's override of acme.
         "quotas": {"tenants": ["acme:requests_per_s=5"], **(quotas or {})},
-        "cluster": {"secret": "s" * 32, "tls": False},
+        "cluster": {"secret": "s" * 32, "tls": False, **(cluster or {})},
     }
     if "region" in scheduler:
         regions = {**REGIONS, "residency": residency or []}
@@ -140,7 +144,7 @@ async def test_a_change_that_cannot_be_saved_is_a_503_and_counted(
 ) -> None:
     state = SchedulerState(_config(tmp_path))
 
-    def full(_: object) -> None:  # the fault: the disk is full
+    def full(*_: object) -> None:  # the fault: the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(state.control.store, "save", full)
