@@ -20,14 +20,21 @@ import contextlib
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+from client_sdk.failover import DEFAULT_URL, Replicas, replica_urls
+
+__all__ = ["DEFAULT_URL", "AdminClient", "Advisory", "AsyncAdminClient", "AsyncSymphonyClient", "SymphonyClient"]
+
+Client = TypeVar("Client")
+# One scheduler URL, several separated by commas, or a list of them (replicas: client_sdk.failover).
+BaseUrl = str | Sequence[str] | None
+
 SESSION_HEADER = "X-Session-ID"
 
 
@@ -52,11 +59,28 @@ def _api_root(base_url: str) -> str:
     return root if root.endswith("/v1") else root + "/v1"
 
 
-def _openai_kwargs(base_url: str | None, api_key: str | None, timeout: float, max_retries: int) -> dict[str, Any]:
-    url = base_url or os.environ.get("SYMPHONY_URL") or DEFAULT_URL
+def _replicas(
+    factory: Callable[..., Client],
+    base_url: BaseUrl,
+    api_key: str | None,
+    timeout: float,
+    max_retries: int,
+    root: Callable[[str], str] = lambda url: url,
+) -> Replicas[Client]:
+    """One `factory` client (openai.OpenAI or AsyncOpenAI) per replica URL (client_sdk.failover)."""
+    urls = replica_urls(base_url)
     # The local cluster needs no key; the openai client insists on one being set.
     key = api_key or os.environ.get("SYMPHONY_API_KEY") or "symphony-local"
-    return {"base_url": _api_root(url), "api_key": key, "timeout": timeout, "max_retries": max_retries}
+    several = len(urls) > 1
+    clients = [
+        factory(base_url=root(_api_root(url)), api_key=key, timeout=timeout, max_retries=0 if several else max_retries)
+        for url in urls
+    ]
+    return Replicas(clients, max_retries + 1 if several else 1)
+
+
+def _admin_root(api_root: str) -> str:
+    return api_root.removesuffix("/v1") + "/admin/v1"
 
 
 def _session_headers(kwargs: dict[str, Any], session_id: str) -> dict[str, str]:
@@ -110,7 +134,7 @@ class SymphonyClient:
 
     def __init__(
         self,
-        base_url: str | None = None,
+        base_url: BaseUrl = None,
         *,
         api_key: str | None = None,
         model: str | None = None,
@@ -118,14 +142,19 @@ class SymphonyClient:
         max_retries: int = 2,
         debounce_s: float = DEBOUNCE_S,
     ) -> None:
-        self.openai = openai.OpenAI(**_openai_kwargs(base_url, api_key, timeout, max_retries))
+        self.replicas = _replicas(openai.OpenAI, base_url, api_key, timeout, max_retries)
         self._model = model
         self._typing = _Debounce(debounce_s)
 
     @property
+    def openai(self) -> openai.OpenAI:
+        """The `openai` client of the replica that answered last (the first, before any call)."""
+        return self.replicas.current
+
+    @property
     def model(self) -> str:
         if self._model is None:
-            self._model = self.openai.models.list().data[0].id
+            self._model = self.replicas.call(lambda c: c.models.list()).data[0].id
         return self._model
 
     def chat(self, session_id: str, messages: Iterable[dict[str, Any]], *, stream: bool = False, **kwargs: Any) -> Any:
@@ -133,23 +162,20 @@ class SymphonyClient:
         kwargs.setdefault("model", self.model)
         headers = _session_headers(kwargs, session_id)
         self._typing.forget(session_id)
-        return self.openai.chat.completions.create(
-            messages=_message_params(messages),
-            stream=stream,
-            extra_headers=headers,
-            **kwargs,
+        params = _message_params(messages)
+        return self.replicas.call(
+            lambda c: c.chat.completions.create(messages=params, stream=stream, extra_headers=headers, **kwargs)
         )
 
     def complete(self, session_id: str, prompt: str, **kwargs: Any) -> Any:
         kwargs.setdefault("model", self.model)
         headers = _session_headers(kwargs, session_id)
         self._typing.forget(session_id)
-        return self.openai.completions.create(prompt=prompt, extra_headers=headers, **kwargs)
+        return self.replicas.call(lambda c: c.completions.create(prompt=prompt, extra_headers=headers, **kwargs))
 
     def advise(self, session_id: str, kind: str, *, expected_arrival_ms: int | None = None) -> Advisory:
-        reply = self.openai.post(
-            "/advisories", cast_to=object, body=_advisory_body(session_id, kind, expected_arrival_ms, self.model)
-        )
+        body = _advisory_body(session_id, kind, expected_arrival_ms, self.model)
+        reply = self.replicas.call(lambda c: c.post("/advisories", cast_to=object, body=body))
         return _advisory(reply)
 
     def typing_started(self, session_id: str) -> Advisory:
@@ -175,7 +201,8 @@ class SymphonyClient:
         yield self.advise(session_id, "predecessor", expected_arrival_ms=expected_arrival_ms)
 
     def close(self) -> None:
-        self.openai.close()
+        for client in self.replicas.clients:
+            client.close()
 
     def __enter__(self) -> SymphonyClient:
         return self
@@ -189,7 +216,7 @@ class AsyncSymphonyClient:
 
     def __init__(
         self,
-        base_url: str | None = None,
+        base_url: BaseUrl = None,
         *,
         api_key: str | None = None,
         model: str | None = None,
@@ -197,13 +224,18 @@ class AsyncSymphonyClient:
         max_retries: int = 2,
         debounce_s: float = DEBOUNCE_S,
     ) -> None:
-        self.openai = openai.AsyncOpenAI(**_openai_kwargs(base_url, api_key, timeout, max_retries))
+        self.replicas = _replicas(openai.AsyncOpenAI, base_url, api_key, timeout, max_retries)
         self._model = model
         self._typing = _Debounce(debounce_s)
 
+    @property
+    def openai(self) -> openai.AsyncOpenAI:
+        """The `openai` client of the replica that answered last (the first, before any call)."""
+        return self.replicas.current
+
     async def model(self) -> str:
         if self._model is None:
-            self._model = (await self.openai.models.list()).data[0].id
+            self._model = (await self.replicas.acall(lambda c: c.models.list())).data[0].id
         return self._model
 
     async def chat(
@@ -212,25 +244,20 @@ class AsyncSymphonyClient:
         kwargs.setdefault("model", await self.model())
         headers = _session_headers(kwargs, session_id)
         self._typing.forget(session_id)
-        return await self.openai.chat.completions.create(
-            messages=_message_params(messages),
-            stream=stream,
-            extra_headers=headers,
-            **kwargs,
+        params = _message_params(messages)
+        return await self.replicas.acall(
+            lambda c: c.chat.completions.create(messages=params, stream=stream, extra_headers=headers, **kwargs)
         )
 
     async def complete(self, session_id: str, prompt: str, **kwargs: Any) -> Any:
         kwargs.setdefault("model", await self.model())
         headers = _session_headers(kwargs, session_id)
         self._typing.forget(session_id)
-        return await self.openai.completions.create(prompt=prompt, extra_headers=headers, **kwargs)
+        return await self.replicas.acall(lambda c: c.completions.create(prompt=prompt, extra_headers=headers, **kwargs))
 
     async def advise(self, session_id: str, kind: str, *, expected_arrival_ms: int | None = None) -> Advisory:
-        reply = await self.openai.post(
-            "/advisories",
-            cast_to=object,
-            body=_advisory_body(session_id, kind, expected_arrival_ms, await self.model()),
-        )
+        body = _advisory_body(session_id, kind, expected_arrival_ms, await self.model())
+        reply = await self.replicas.acall(lambda c: c.post("/advisories", cast_to=object, body=body))
         return _advisory(reply)
 
     async def typing_started(self, session_id: str) -> Advisory:
@@ -252,7 +279,8 @@ class AsyncSymphonyClient:
         yield await self.advise(session_id, "predecessor", expected_arrival_ms=expected_arrival_ms)
 
     async def close(self) -> None:
-        await self.openai.close()
+        for client in self.replicas.clients:
+            await client.close()
 
     async def __aenter__(self) -> AsyncSymphonyClient:
         return self
@@ -265,71 +293,71 @@ class AdminClient:
     """The admin API (`scheduler.admin_token`): priority tiers per tenant or session, residency
     rules, tenants' quotas."""
 
-    def __init__(self, base_url: str | None = None, *, token: str | None = None, timeout: float = 30.0) -> None:
-        kwargs = _openai_kwargs(base_url, token or os.environ.get("SYMPHONY_ADMIN_TOKEN"), timeout, 0)
-        kwargs["base_url"] = kwargs["base_url"].removesuffix("/v1") + "/admin/v1"
-        self.openai = openai.OpenAI(**kwargs)
+    def __init__(self, base_url: BaseUrl = None, *, token: str | None = None, timeout: float = 30.0) -> None:
+        token = token or os.environ.get("SYMPHONY_ADMIN_TOKEN")
+        self.replicas = _replicas(openai.OpenAI, base_url, token, timeout, 0, _admin_root)
+
+    def _put(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return cast("dict[str, Any]", self.replicas.call(lambda c: c.put(path, cast_to=object, body=body)))
+
+    def _get(self, path: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", self.replicas.call(lambda c: c.get(path, cast_to=object)))
 
     def set_priority(self, tenant: str, priority: str, *, session_id: str | None = None) -> dict[str, Any]:
         """priority: "high", "normal" or "low"; for the whole tenant, or one of its sessions."""
-        reply = self.openai.put(
-            "/priorities",
-            cast_to=object,
-            body={"tenant": tenant, "session_id": session_id, "priority": priority},
-        )
-        return cast("dict[str, Any]", reply)
+        return self._put("/priorities", {"tenant": tenant, "session_id": session_id, "priority": priority})
 
     def priorities(self) -> dict[str, Any]:
-        return cast("dict[str, Any]", self.openai.get("/priorities", cast_to=object))
+        return self._get("/priorities")
 
     def set_residency(self, tenant: str, regions: list[str] | None) -> dict[str, Any]:
         """The only regions `tenant`'s requests and KV may enter (None: any), at this one process
         (a regional scheduler or the global layer; `symphony admin residency` sets every one)."""
-        reply = self.openai.put("/residency", cast_to=object, body={"tenant": tenant, "regions": regions})
-        return cast("dict[str, Any]", reply)
+        return self._put("/residency", {"tenant": tenant, "regions": regions})
 
     def residency(self) -> dict[str, Any]:
-        return cast("dict[str, Any]", self.openai.get("/residency", cast_to=object))
+        return self._get("/residency")
 
     def set_quotas(self, tenant: str, limits: dict[str, float] | None) -> dict[str, Any]:
         """Change a tenant's quotas at this scheduler (`requests_per_s`, `max_inflight`, `weight`,
         ...: the keys given; None: back to `[quotas]`' defaults). The scheduler keeps the change
-        across a restart (a 503 `state_not_saved` says it could not)."""
-        reply = self.openai.put("/quotas", cast_to=object, body={"tenant": tenant, "limits": limits})
-        return cast("dict[str, Any]", reply)
+        across a restart (a 503 `state_not_saved` says it could not); with etcd, every replica
+        takes it."""
+        return self._put("/quotas", {"tenant": tenant, "limits": limits})
 
     def quotas(self) -> dict[str, Any]:
-        return cast("dict[str, Any]", self.openai.get("/quotas", cast_to=object))
+        return self._get("/quotas")
 
     def close(self) -> None:
-        self.openai.close()
+        for client in self.replicas.clients:
+            client.close()
 
 
 class AsyncAdminClient:
     """As AdminClient, with coroutine methods."""
 
-    def __init__(self, base_url: str | None = None, *, token: str | None = None, timeout: float = 30.0) -> None:
-        kwargs = _openai_kwargs(base_url, token or os.environ.get("SYMPHONY_ADMIN_TOKEN"), timeout, 0)
-        kwargs["base_url"] = kwargs["base_url"].removesuffix("/v1") + "/admin/v1"
-        self.openai = openai.AsyncOpenAI(**kwargs)
+    def __init__(self, base_url: BaseUrl = None, *, token: str | None = None, timeout: float = 30.0) -> None:
+        token = token or os.environ.get("SYMPHONY_ADMIN_TOKEN")
+        self.replicas = _replicas(openai.AsyncOpenAI, base_url, token, timeout, 0, _admin_root)
+
+    async def _put(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return cast("dict[str, Any]", await self.replicas.acall(lambda c: c.put(path, cast_to=object, body=body)))
+
+    async def _get(self, path: str) -> dict[str, Any]:
+        return cast("dict[str, Any]", await self.replicas.acall(lambda c: c.get(path, cast_to=object)))
 
     async def set_priority(self, tenant: str, priority: str, *, session_id: str | None = None) -> dict[str, Any]:
-        reply = await self.openai.put(
-            "/priorities",
-            cast_to=object,
-            body={"tenant": tenant, "session_id": session_id, "priority": priority},
-        )
-        return cast("dict[str, Any]", reply)
+        return await self._put("/priorities", {"tenant": tenant, "session_id": session_id, "priority": priority})
 
     async def priorities(self) -> dict[str, Any]:
-        return cast("dict[str, Any]", await self.openai.get("/priorities", cast_to=object))
+        return await self._get("/priorities")
 
     async def set_quotas(self, tenant: str, limits: dict[str, float] | None) -> dict[str, Any]:
-        reply = await self.openai.put("/quotas", cast_to=object, body={"tenant": tenant, "limits": limits})
-        return cast("dict[str, Any]", reply)
+        return await self._put("/quotas", {"tenant": tenant, "limits": limits})
 
     async def quotas(self) -> dict[str, Any]:
-        return cast("dict[str, Any]", await self.openai.get("/quotas", cast_to=object))
+        return await self._get("/quotas")
 
     async def close(self) -> None:
-        await self.openai.close()
+        for client in self.replicas.clients:
+            await client.close()

@@ -31,11 +31,26 @@ async def engine() -> AsyncIterator[FakeEngine]:
     await fake.stop()
 
 
+Servers = dict[str, tuple[uvicorn.Server, "asyncio.Task[None]"]]
+
+
 @pytest.fixture
-async def start_scheduler(tmp_path: Path) -> AsyncIterator[StartScheduler]:
+def scheduler_servers() -> Servers:
+    """The schedulers `start_scheduler` started, by URL: a test may stop one (`stop_scheduler`)."""
+    return {}
+
+
+async def stop_scheduler(servers: Servers, url: str) -> None:
+    server, task = servers.pop(url)
+    server.should_exit = True
+    await task
+
+
+@pytest.fixture
+async def start_scheduler(tmp_path: Path, scheduler_servers: Servers) -> AsyncIterator[StartScheduler]:
     """Start a scheduler in front of `nodes`; its home (control state: scheduler.control) is the
     test's `tmp_path` unless `home` names another, so a second one started there is a restart."""
-    servers: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+    servers = scheduler_servers
 
     async def start(
         nodes: list[FakeNodeManager],
@@ -60,14 +75,14 @@ async def start_scheduler(tmp_path: Path) -> AsyncIterator[StartScheduler]:
         state = SchedulerState(config)
         server = uvicorn.Server(server_config(config, state))  # as `symphony scheduler` serves it
         task = asyncio.create_task(server.serve())
-        servers.append((server, task))
+        url = f"http://127.0.0.1:{port}"
+        servers[url] = (server, task)
         await async_wait_until(lambda: server.started, 10, "the scheduler to listen")
-        return f"http://127.0.0.1:{port}", state
+        return url, state
 
     yield start
-    for server, task in servers:
-        server.should_exit = True
-        await task
+    for url in list(servers):
+        await stop_scheduler(servers, url)
 
 
 MakeNode = Callable[..., Awaitable[FakeNodeManager]]
