@@ -17,7 +17,7 @@ import socket
 import threading
 from pathlib import Path
 
-from symphony.config import KVConfig, NodeConfig, RegionsConfig, SchedulerConfig, SymphonyConfig
+from symphony.config import ClusterConfig, KVConfig, NodeConfig, RegionsConfig, SchedulerConfig, SymphonyConfig
 from symphony.config_secrets import new_cluster_secret
 
 LOWEST_PORT = 10_000  # above the well-known services
@@ -38,6 +38,8 @@ DEFAULT_PORTS = frozenset(
             for base in (NodeConfig().engine_port_base, KVConfig().metrics_port_base, NodeConfig().grpc_port_base)
             for i in range(DEFAULT_NODES)
         ),
+        ClusterConfig().etcd_port_base,  # `symphony up --ha`'s etcd: client and peer
+        ClusterConfig().etcd_port_base + 1,
     ]
 )
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -111,7 +113,8 @@ def private_cluster_config(config: SymphonyConfig, home: Path, nodes: int, *, re
     """`config` moved off everything a running cluster holds: its own `home` (logs, run files, SSD
     segments under home/kv), free ports for the scheduler (one per region with `regions`, and then
     their schedulers and WAN links too) and for each of `nodes` nodes' gRPC, engine and KV metrics,
-    and page streams on ports the kernel picks, and a new cluster secret of its own (never `config`'s:
+    and page streams on ports the kernel picks, one scheduler and no etcd (never the user's), and a new
+    cluster secret of its own (never `config`'s:
     the private cluster's files are kept when a benchmark fails), which the benchmark's own
     schedulers must share. A benchmark adds its own settings on top."""
     entries = max(1, regions)
@@ -120,8 +123,16 @@ def private_cluster_config(config: SymphonyConfig, home: Path, nodes: int, *, re
     return dataclasses.replace(
         config,
         home=str(home),
-        cluster=dataclasses.replace(config.cluster, nodes=nodes, secret=new_cluster_secret()),
-        scheduler=dataclasses.replace(config.scheduler, port=free_port_run(entries), node_addresses=[]),
+        # One scheduler, no etcd: a benchmark's cluster is its own, and never joins the user's etcd.
+        cluster=dataclasses.replace(
+            config.cluster,
+            nodes=nodes,
+            secret=new_cluster_secret(),
+            ha=False,
+            etcd_endpoints=[],
+            etcd_port_base=free_port_run(2),
+        ),
+        scheduler=dataclasses.replace(config.scheduler, port=free_port_run(entries), node_addresses=[], replicas=1),
         node=dataclasses.replace(
             config.node, grpc_port_base=free_port_run(nodes), engine_port_base=free_port_run(nodes)
         ),

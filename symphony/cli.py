@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -59,7 +60,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         overrides.setdefault("kv", {})["data_plane"] = "grpc"  # pulls across regions go through the links
     if args.policy:
         overrides.setdefault("scheduler", {})["policy"] = args.policy
+    if args.ha:
+        overrides.setdefault("cluster", {})["ha"] = True
     config = with_home_secret(load_from_args(args, overrides))
+    if config.cluster.ha and config.scheduler.replicas == 1:  # --ha: two replicas unless told more
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, replicas=2))
     from scheduler.policies import make_policy
 
     make_policy(config.scheduler.policy)  # reject an unknown policy before starting anything
@@ -111,6 +116,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from scheduler.server import serve
 
     config = with_home_secret(load_from_args(args, {"scheduler": {"region": args.region}} if args.region else None))
+    if args.replica:
+        if not 0 <= args.replica < config.scheduler.replicas:
+            replicas = config.scheduler.replicas
+            raise CliError(f"--replica {args.replica}: outside 0..{replicas - 1} (scheduler.replicas is {replicas})")
+        port = config.scheduler.port + args.replica  # replica i listens on scheduler.port + i
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, port=port))
     topology = config.topology()
     if topology is not None and not config.scheduler.region:
         # One scheduler over every region's nodes would bypass the links and the residency rules.
@@ -265,11 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="several regions, as us-east:1,eu-west:1,ap-south:1: a scheduler per region, a global "
         "layer with an entry in each (ports scheduler.port + i), WAN links between them",
     )
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="scheduler replicas over etcd (cluster.ha): starts etcd unless cluster.etcd_endpoints names one, "
+        "and 2 schedulers (scheduler.replicas) on scheduler.port + i",
+    )
     up.set_defaults(func=cmd_up)
 
     sched = sub.add_parser("scheduler", help="run only the scheduler (multi-host deployments)")
     add_config_args(sched)
     sched.add_argument("--region", help="the region it serves (multi-region clusters: regions.layout)")
+    sched.add_argument(
+        "--replica", type=int, default=0, help="which of scheduler.replicas this is: it listens on scheduler.port + I"
+    )
     sched.set_defaults(func=cmd_scheduler)
 
     node = sub.add_parser("node", help="run only one node manager and its engine (multi-host deployments)")

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from symphony.config_checks import coordination_checks, region_checks
+from symphony.config_checks import coordination_checks, coordination_ports, region_checks
 from symphony.config_schema import (
     ClusterConfig,
     DataPlane,
@@ -401,7 +401,7 @@ def _validate(config: SymphonyConfig) -> None:
         ports += [kv.metrics_port_base + i for i in range(config.cluster.nodes)]
     if kv.data_port_base:
         ports += [kv.data_port_base + i for i in range(config.cluster.nodes)]
-    ports += region_ports
+    ports += region_ports + coordination_ports(config)
     twice = sorted({p for p in ports if ports.count(p) > 1})
     check(not twice, "ports", f"scheduler, node, engine and region ports overlap at {twice}")
 

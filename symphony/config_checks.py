@@ -90,3 +90,28 @@ def coordination_checks(config: SymphonyConfig, check: Check) -> None:
     check(2 <= c.membership_ttl_s <= 600, "cluster.membership_ttl_s", f"{c.membership_ttl_s} outside 2..600")
     poll = config.scheduler.membership_poll_ms
     check(50 <= poll <= 60_000, "scheduler.membership_poll_ms", f"{poll} outside 50..60000")
+    replicas = config.scheduler.replicas
+    check(1 <= replicas <= 8, "scheduler.replicas", f"{replicas} outside 1..8")
+    last = config.scheduler.port + replicas - 1
+    check(replicas == 1 or last <= 65535, "scheduler.port + scheduler.replicas - 1", f"port {last} outside 1..65535")
+    port = c.etcd_port_base
+    check(1 <= port <= 65534, "cluster.etcd_port_base", f"{port} outside 1..65534 (its peer port is the next)")
+    check(
+        replicas == 1 or c.ha or bool(c.etcd_endpoints),
+        "scheduler.replicas",
+        f"{replicas} replicas share their state through etcd: set cluster.ha (symphony up --ha) "
+        "or cluster.etcd_endpoints",
+    )
+    check(
+        not (c.ha or replicas > 1) or config.topology() is None,
+        "cluster.ha",
+        "scheduler replicas with regions.layout are not supported yet: one scheduler per region",
+    )
+
+
+def coordination_ports(config: SymphonyConfig) -> list[int]:
+    """The ports a local cluster's replicas and its own etcd take (scheduler.host)."""
+    ports = [config.scheduler.port + i for i in range(1, config.scheduler.replicas)]
+    if config.cluster.ha and not config.cluster.etcd_endpoints:
+        ports += [config.cluster.etcd_port_base, config.cluster.etcd_port_base + 1]
+    return ports

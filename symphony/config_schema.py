@@ -43,6 +43,11 @@ class ClusterConfig:
     etcd_endpoints: list[str] = field(default_factory=list)
     etcd_prefix: str = "/symphony"  # the cluster's keys in etcd: clusters sharing an etcd differ here
     membership_ttl_s: int = 5  # a node manager that stops renewing leaves membership this long after
+    # `symphony up` runs scheduler.replicas schedulers (2 or more) over etcd: the one etcd_endpoints
+    # names, else one it starts itself, its data in <home>/run/etcd, its client port
+    # etcd_port_base (its peer port the next). `symphony up --ha` sets this (and 2 replicas).
+    ha: bool = False
+    etcd_port_base: int = 12379
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,9 @@ class SchedulerConfig:
     poll_interval_ms: int = 100  # Status poll period per node
     node_down_after_ms: int = 1000  # no successful Status for this long -> node unroutable
     membership_poll_ms: int = 500  # with cluster.etcd_endpoints: how often the member list is read
+    # Schedulers `symphony up` runs with cluster.ha, replica i on port + i, all over the same nodes
+    # and sharing their admin changes through etcd; clients are given every replica's URL.
+    replicas: int = 1
     connect_timeout_s: float = 2.0  # to an engine; a dead engine must fail fast, not hang
     request_timeout_s: float = 600.0  # between bytes from an engine once connected
     max_inflight_requests: int = 1024  # beyond this the scheduler answers 429

@@ -18,6 +18,7 @@ import httpx
 from symphony.cluster_tls import ClusterTLS, cluster_tls, grpc_channel
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
 from symphony.config_secrets import scrubbed_env, with_cluster_secret, write_private
+from symphony.local_etcd import etcd_argv, etcd_binary
 from symphony.logs import get_logger
 from symphony.models import ModelInfo
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy
@@ -27,12 +28,18 @@ from symphony.tenancy import internal_headers
 log = get_logger(__name__)
 
 # Node managers and the scheduler are light; if one dies, restart it quickly a few times.
+ETCD_STARTUP_S = 30.0  # a local etcd (cluster.ha) serves within this, or the cluster does not start
 CHILD_RESTARTS = RestartPolicy(max_restarts=3, backoff_s=0.5, backoff_max_s=5.0, stable_after_s=60.0)
 
 
 def check_ports_free(config: SymphonyConfig) -> None:
     """Fail before starting anything if a port the cluster needs is taken."""
     wanted = [(config.scheduler.host, config.scheduler.port, "scheduler.port")]
+    for i in range(1, config.scheduler.replicas):
+        wanted.append((config.scheduler.host, config.scheduler.port + i, f"scheduler.port+{i}"))
+    if config.cluster.ha and not config.cluster.etcd_endpoints:
+        for i, key in enumerate(("cluster.etcd_port_base", "cluster.etcd_port_base+1")):
+            wanted.append((config.scheduler.host, config.cluster.etcd_port_base + i, key))
     topology = config.topology()
     if topology is not None:
         r = config.regions
@@ -109,13 +116,21 @@ class LocalCluster:
         self.schedulers: list[ManagedProcess] = []
         self.services: list[ManagedProcess] = []
         self._probes: list[_NodeHealthProbe] = []
+        # cluster.ha without an etcd named: one started here, first, and stopped last.
+        self.etcd: ManagedProcess | None = None
+        self.etcd_url = ""
+        c = self.config.cluster
+        if c.ha and not c.etcd_endpoints:
+            self.etcd_url = f"http://{self.config.scheduler.host}:{c.etcd_port_base}"
+            cluster = dataclasses.replace(c, etcd_endpoints=[self.etcd_url])
+            self.config = dataclasses.replace(self.config, cluster=cluster)
 
     @property
     def scheduler_urls(self) -> list[str]:
         """Where each scheduler listens (one per region in a multi-region cluster)."""
         c = self.config
         if self.topology is None:
-            return [c.scheduler_url]
+            return [f"http://{c.scheduler.host}:{c.scheduler.port + i}" for i in range(c.scheduler.replicas)]
         return [f"http://{c.scheduler.host}:{c.regions.scheduler_port_base + r.index}" for r in self.topology.regions]
 
     def _http_ok(self, url: str) -> Callable[[], Awaitable[bool]]:
@@ -170,8 +185,11 @@ class LocalCluster:
             )
             self.nodes.append(proc)
         if self.topology is None:
-            argv = _child_argv("scheduler", *config_arg)
-            self.schedulers.append(self._light_process("scheduler", argv, self.config.scheduler_url + "/healthz"))
+            replicas = self.config.scheduler.replicas
+            for i, url in enumerate(self.scheduler_urls):
+                argv = _child_argv("scheduler", *config_arg, "--replica", str(i))
+                name = "scheduler" if replicas == 1 else f"scheduler-{i}"
+                self.schedulers.append(self._light_process(name, argv, url + "/healthz"))
         else:
             for region, url in zip(self.topology.regions, self.scheduler_urls, strict=True):
                 argv = _child_argv("scheduler", *config_arg, "--region", region.name)
@@ -184,6 +202,26 @@ class LocalCluster:
             )
         for proc in [*self.nodes, *self.schedulers, *self.services]:
             proc.start()
+
+    async def start_etcd(self) -> bool:
+        """Start this cluster's own etcd (cluster.ha, no etcd_endpoints) and wait until it serves;
+        True at once when there is none to start. The others start after it: nodes register in
+        it and schedulers restore their admin changes from it as they start."""
+        if not self.etcd_url:
+            return True
+        try:
+            binary = etcd_binary()
+        except FileNotFoundError as exc:
+            self.say(f"cluster.ha: {exc}")
+            return False
+        data = self.config.home_path / "run" / "etcd"  # kept across runs: admin changes outlive them
+        argv = etcd_argv(binary, data, self.config.scheduler.host, self.config.cluster.etcd_port_base)
+        self.etcd = self._light_process("etcd", argv, self.etcd_url + "/health")
+        self.etcd.start()
+        if await self.etcd.wait_ready(ETCD_STARTUP_S):
+            return True
+        self.say(f"etcd did not start; see {self.logs_dir}/etcd.log")
+        return False
 
     async def _node_readiness(self) -> dict[str, dict[str, Any]] | None:
         """Every scheduler's /readyz per-node part, merged; None while none answers it."""
@@ -206,7 +244,7 @@ class LocalCluster:
         tty = self.out.isatty()
         last_line, last_detail, last_print = "", "", 0.0
         while not stop.is_set():
-            children = [*self.nodes, *self.schedulers, *self.services]
+            children = [*self.nodes, *self.schedulers, *self.services, *([self.etcd] if self.etcd else [])]
             failed = [p.name for p in children if p.state is ProcessState.FAILED]
             if failed:
                 self.say(f"\n{', '.join(failed)} failed to start; see logs in {self.logs_dir}")
@@ -252,6 +290,10 @@ class LocalCluster:
                 f"Symphony is up: {c.cluster.nodes} node(s) serving {self.model.served_name}",
                 f"  scheduler  {url}/v1   (OpenAI API · POST /v1/advisories · /metrics · /readyz)",
             ]
+            for i, replica in enumerate(self.scheduler_urls[1:], start=1):
+                lines.append(f"  replica {i}  {replica}/v1   (clients: SYMPHONY_URL={','.join(self.scheduler_urls)})")
+            if c.cluster.etcd_endpoints:
+                lines.append(f"  etcd       {','.join(c.cluster.etcd_endpoints)}   (membership, admin changes)")
         else:
             names = ", ".join(self.topology.names)
             lines = [
@@ -299,6 +341,8 @@ class LocalCluster:
         await asyncio.gather(*(proc.stop() for proc in self.services))
         await asyncio.gather(*(proc.stop() for proc in self.schedulers))
         await asyncio.gather(*(node.stop() for node in self.nodes))
+        if self.etcd is not None:  # last: the nodes revoke their leases in it as they stop
+            await self.etcd.stop()
         for probe in self._probes:
             await probe.close()
         await self._http.aclose()
@@ -315,8 +359,10 @@ async def run_cluster(config: SymphonyConfig, model: ModelInfo, out: TextIO = sy
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cluster = LocalCluster(config, model, out)
-    cluster.spawn()
     try:
+        if not await cluster.start_etcd():
+            return 1
+        cluster.spawn()
         if not await cluster.wait_ready(stop):
             return 0 if stop.is_set() else 1
         cluster.say(cluster.banner())

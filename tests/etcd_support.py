@@ -3,7 +3,6 @@ one member on loopback ports of its own, its data in a directory the caller give
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from eval.child_process import stop_child
+from symphony.local_etcd import etcd_argv, etcd_binary
 from tests.helpers import free_port_run, wait_until
 
 STARTUP_TIMEOUT_S = 30.0
@@ -20,19 +20,16 @@ STARTUP_TIMEOUT_S = 30.0
 @contextmanager
 def running_etcd(directory: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """(client URL, process) of an etcd serving from `directory`, stopped on exit."""
-    binary = shutil.which("etcd")
-    assert binary, "etcd is not installed: `make etcd` installs Debian's etcd-server"
+    try:
+        binary = etcd_binary()
+    except FileNotFoundError as exc:
+        raise AssertionError(str(exc)) from None
     base = free_port_run(2)
-    client, peer = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
+    client = f"http://127.0.0.1:{base}"
     directory.mkdir(parents=True, exist_ok=True)
     log = (directory / "etcd.log").open("wb")
-    urls = ["--listen-client-urls", client, "--advertise-client-urls", client]
-    urls += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"test={peer}"]
-    process = subprocess.Popen(
-        [binary, "--name", "test", "--data-dir", str(directory / "data"), *urls, "--log-level", "warn"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    argv = etcd_argv(binary, directory / "data", "127.0.0.1", base, name="test")
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
 
     def healthy() -> bool:
         if process.poll() is not None:

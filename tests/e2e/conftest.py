@@ -34,10 +34,11 @@ from symphony.config import SymphonyConfig, default_home, load_config
 from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM, params_key, sign_params
 from symphony.models import DEFAULT_MODEL_NAME, fetch_default_model
 from symphony.tenancy import engine_cache_salt, engine_key, internal_headers
-from tests.helpers import free_port, free_port_run, wait_until
+from tests.helpers import free_port_run, wait_until
 
 NODES = 2
 STARTUP_TIMEOUT_S = 420
+HA_ADMIN_TOKEN = "ha-admin-token"  # the admin token of a cluster started with start_cluster(ha=True)
 # How long a test's successor waits for the shared cluster to be ready and idle again (an engine
 # restarted after a crash test, a node manager after a failover test) before starting a new one.
 RECOVERY_TIMEOUT_S = 300
@@ -131,11 +132,13 @@ class LiveCluster:
         port = str(self.engine_ports[index])
         return self._descendant(lambda argv: "vllm.entrypoints.openai.api_server" in argv and port in argv)
 
-    def scheduler_pid(self, region: str | None = None) -> int:
-        """The scheduler (of `region`, in a multi-region cluster)."""
+    def scheduler_pid(self, region: str | None = None, replica: int | None = None) -> int:
+        """The scheduler (of `region`, in a multi-region cluster; replica `replica`, with several)."""
 
         def is_scheduler(argv: list[str]) -> bool:
             if "symphony.cli" not in argv[:-1] or argv[argv.index("symphony.cli") + 1] != "scheduler":
+                return False
+            if replica is not None and argv[argv.index("--replica") + 1] != str(replica):
                 return False
             return region is None or ("--region" in argv[:-1] and argv[argv.index("--region") + 1] == region)
 
@@ -182,6 +185,7 @@ def _write_config(
     kv: str,
     regions: str = "",
     scheduler: str = "",
+    cluster: str = "",
 ) -> Path:
     config = home / "symphony.toml"
     config.write_text(f"""
@@ -189,6 +193,7 @@ home = "{home}"
 
 [cluster]
 nodes = {nodes}
+{cluster}
 
 [scheduler]
 port = {scheduler_port}
@@ -227,11 +232,14 @@ def start_cluster(
     regions_policy: str = "nearest",
     api_keys: list[str] | None = None,
     residency: list[str] | None = None,
+    ha: bool = False,
 ) -> LiveCluster:
     """`symphony up` on `home` with a config of its own ports (plus `engine_toml` and `kv_toml`, lines
     of those tables); returns once it says it is up. Stop it with `stop_cluster`. With `regions`
     ("name:nodes" each, `nodes` ignored): a multi-region cluster, its url the first region's entry;
-    `residency` its `regions.residency` rules. `api_keys`: the scheduler's ("tenant:key" each)."""
+    `residency` its `regions.residency` rules. `api_keys`: the scheduler's ("tenant:key" each).
+    `ha`: two scheduler replicas over an etcd of its own (`symphony up --ha`; ports url's and the
+    next), its admin token HA_ADMIN_TOKEN."""
     regions_toml = ""
     if regions:
         count = len(regions)
@@ -243,9 +251,13 @@ def start_cluster(
             f"residency = {residency or []!r}\n"
         ).replace("'", '"')
         kv_toml += '\ndata_plane = "grpc"\n'  # as `symphony up --regions` sets it
-    scheduler_port = free_port_run(len(regions)) if regions else free_port()
+    scheduler_port = free_port_run(len(regions) if regions else 2 if ha else 1)
     grpc_base, engine_base, metrics_base = free_port_run(nodes), free_port_run(nodes), free_port_run(nodes)
     scheduler_toml = f"api_keys = {api_keys!r}".replace("'", '"') if api_keys else ""
+    cluster_toml = ""
+    if ha:
+        scheduler_toml += f'\nreplicas = 2\nadmin_token = "{HA_ADMIN_TOKEN}"\n'
+        cluster_toml = f"ha = true\netcd_port_base = {free_port_run(2)}\n"
     config = _write_config(
         home,
         model_dir,
@@ -258,6 +270,7 @@ def start_cluster(
         kv_toml,
         regions_toml,
         scheduler_toml,
+        cluster_toml,
     )
     output = home / "up.out"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}

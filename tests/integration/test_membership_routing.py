@@ -144,8 +144,9 @@ def test_a_node_manager_registers_its_name_address_and_region(tmp_path: Path) ->
     assert node_registration(plain, 0) is None
 
 
-def _node_process(home: Path, url: str, ttl_s: int) -> tuple[list[str], Path]:
-    """`symphony node --index 0` with its engine off, in etcd `url`: its command and log."""
+def _node_process(home: Path, url: str, ttl_s: int) -> tuple[list[str], Path, int]:
+    """`symphony node --index 0` with its engine off, in etcd `url`: its command, log and gRPC port."""
+    grpc_port = free_port_run(1)
     model = home / "tiny-model"
     model.mkdir()
     geometry = KVGeometry(num_layers=2, kv_heads=3, head_size=64, block_size=32)
@@ -161,7 +162,7 @@ etcd_endpoints = ["{url}"]
 etcd_prefix = "{PREFIX}"
 membership_ttl_s = {ttl_s}
 [node]
-grpc_port_base = {free_port_run(1)}
+grpc_port_base = {grpc_port}
 engine_port_base = {free_port_run(1)}
 [engine]
 enabled = false
@@ -172,7 +173,8 @@ dram_bytes = {8 << 20}
 ssd_bytes = {16 << 20}
 metrics_port_base = {free_port_run(1)}
 """)
-    return [sys.executable, "-m", "symphony.cli", "node", "--config", str(config), "--index", "0"], home / "node.out"
+    command = [sys.executable, "-m", "symphony.cli", "node", "--config", str(config), "--index", "0"]
+    return command, home / "node.out", grpc_port
 
 
 def _member_ids(url: str) -> list[str]:
@@ -184,7 +186,7 @@ def test_a_node_manager_is_a_member_while_it_runs(etcd: tuple[str, int], tmp_pat
     """A stop (SIGTERM) revokes its lease: it is no member by the time the process has exited. A
     killed one (SIGKILL) renews no more and leaves within its TTL."""
     url, _ = etcd
-    command, log_path = _node_process(tmp_path, url, TTL_S)
+    command, log_path, grpc_port = _node_process(tmp_path, url, TTL_S)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -206,3 +208,7 @@ def test_a_node_manager_is_a_member_while_it_runs(etcd: tuple[str, int], tmp_pat
         if process.poll() is None:
             process.kill()
             process.wait()
+        # A node manager killed with -9 leaves its store's shared memory (named by its node and
+        # port; `symphony up`'s supervisor sweeps it).
+        for segment in Path("/dev/shm").glob(f"symphony-kv-node-0-{grpc_port}*"):
+            segment.unlink(missing_ok=True)

@@ -467,3 +467,25 @@ def test_config_is_frozen() -> None:
     config = SymphonyConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.scheduler.port = 1  # type: ignore[misc]
+
+
+def test_replicas_need_etcd_and_one_region(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"scheduler\.replicas: 2 replicas share their state through etcd"):
+        load_config(env={}, overrides={"scheduler": {"replicas": 2}})
+    with pytest.raises(ConfigError, match=r"cluster\.ha: scheduler replicas with regions\.layout"):
+        load_config(
+            env={},
+            overrides={
+                "cluster": {"ha": True, "nodes": 2},
+                "regions": {"layout": ["a:1", "b:1"], "links": ["a~b:10:1000"]},
+                "kv": {"data_plane": "grpc"},
+            },
+        )
+    with pytest.raises(ConfigError, match=r"ports: .*overlap at \[8001\]"):
+        load_config(
+            env={},
+            overrides={"cluster": {"ha": True}, "scheduler": {"replicas": 2}, "node": {"engine_port_base": 8001}},
+        )
+    # cluster.ha without an etcd named: `symphony up` starts one and names it to its processes.
+    config = load_config(env={"SYMPHONY_HOME": str(tmp_path)}, overrides={"cluster": {"ha": True}})
+    assert config.scheduler_node_addresses() == ["127.0.0.1:50051", "127.0.0.1:50052"]

@@ -72,6 +72,7 @@ def test_a_private_cluster_takes_no_port_or_file_of_a_default_one(tmp_path: Path
     taken = _listening(private, nodes, regions)
     assert not taken & held_by_default
     assert private.kv.data_port_base == 0  # a page stream binds port 0: the kernel's pick
+    assert not private.cluster.ha and not private.cluster.etcd_endpoints and private.scheduler.replicas == 1
     # A secret of its own, in the configuration its benchmark's own schedulers are given too.
     assert len(private.cluster.secret) == 64 and not default.cluster.secret
     given = dataclasses.replace(default, cluster=dataclasses.replace(default.cluster, secret="s" * 32))
@@ -88,6 +89,7 @@ def test_a_private_cluster_takes_no_port_or_file_of_a_default_one(tmp_path: Path
 
 
 _PORT_KEYS = {
+    "cluster.etcd_port_base",
     "scheduler.port",
     "node.grpc_port_base",
     "node.engine_port_base",
@@ -107,6 +109,8 @@ def _listening(config: SymphonyConfig, nodes: int, regions: int) -> set[int]:
         *(config.node.grpc_port_base + i for i in range(nodes)),
         *(config.node.engine_port_base + i for i in range(nodes)),
         *(config.kv.metrics_port_base + i for i in range(nodes)),
+        config.cluster.etcd_port_base,  # where `symphony up --ha` would start its etcd
+        config.cluster.etcd_port_base + 1,
     ]
     if regions:
         listed += [config.regions.scheduler_port_base + i for i in range(regions)]
