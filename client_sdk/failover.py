@@ -2,14 +2,15 @@
 
 A client given several scheduler URLs (a list, or `$SYMPHONY_URL` with commas) keeps one `openai`
 client per replica and sends each call to the replica that answered last, so that a session's
-advisories and turns keep going to one replica while it is up. A call that cannot reach it
-(refused, reset, timed out: `openai.APIConnectionError`) goes to the next replica, in order, before
-any error reaches the caller.
+advisories and turns keep going to one replica while it is up. A call that cannot connect to it
+(refused, or no connection within the timeout) goes to the next replica, in order, before any
+error reaches the caller.
 
 Contracts:
-- Only a call that got no answer is sent again. An answer of any status (a 4xx, a 429, a 503) is
-  that replica's and is raised as it is; a stream that broke after it started is not sent again
-  either (its first bytes reached the caller).
+- Only a call that never reached a replica is sent again. An answer of any status (a 4xx, a 429,
+  a 503) is that replica's and is raised as it is; so is a call that was sent and then got no
+  answer (the connection broke or the read timed out: the replica may be computing it, and a
+  second would compute it again), and a stream that broke after it started.
 - With one URL, nothing changes: the `openai` client retries on its own (`max_retries`). With
   several, each replica's client does not retry; instead up to `max_retries + 1` rounds go over
   all replicas, 0.5 s, 1 s, ... apart, and the last round's error is raised.
@@ -44,6 +45,19 @@ def replica_urls(base_url: str | Sequence[str] | None) -> list[str]:
     return urls
 
 
+_NOT_CONNECTED = ("ConnectError", "ConnectTimeout")
+
+
+def unsent(exc: openai.APIConnectionError) -> bool:
+    """Whether the call never reached the replica: no connection could be made to it. Read from
+    the transport error openai chains (its HTTP package's ConnectError or ConnectTimeout: httpx,
+    or httpx2 in later openai releases, hence by name)."""
+    cause = exc.__cause__
+    return cause is not None and any(
+        cls.__name__ in _NOT_CONNECTED and cls.__module__.startswith("httpx") for cls in type(cause).__mro__
+    )
+
+
 class Replicas(Generic[Client]):
     def __init__(self, clients: Sequence[Client], rounds: int) -> None:
         if not clients:
@@ -70,6 +84,8 @@ class Replicas(Generic[Client]):
                 try:
                     result = send(self.clients[i])
                 except openai.APIConnectionError as exc:
+                    if not unsent(exc):
+                        raise
                     failure = exc
                     continue
                 self.index = i
@@ -87,6 +103,8 @@ class Replicas(Generic[Client]):
                 try:
                     result = await send(self.clients[i])
                 except openai.APIConnectionError as exc:
+                    if not unsent(exc):
+                        raise
                     failure = exc
                     continue
                 self.index = i

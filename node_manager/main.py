@@ -133,6 +133,10 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
         )
         if registration is not None:  # leave first: schedulers stop sending before the engine goes
             await asyncio.to_thread(registration.stop)
+            registration.client.close()
+            # Schedulers see the leave at their next read of the members: a request routed here
+            # meanwhile still finds the engine up.
+            await asyncio.sleep(config.scheduler.membership_poll_ms / 1000)
         await watchdog.stop()
         await engine.stop()
         kv.end_streams()  # WatchBlocks streams end with OK, not cancelled by the server's stop

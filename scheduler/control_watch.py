@@ -12,7 +12,10 @@ Contracts:
 - Reads have deadlines: a watch silent for IDLE_S ends and is made again.
 - Bounded: what it remembers (`values`, to tell what a snapshot changed) is the store's entries,
   which a snapshot refuses past the store's `max_entries`.
-- A daemon thread; `stop` sets its flag, and it ends at its next message or idle deadline.
+- A daemon thread; `stop` sets its flag, and it ends at its next message or idle deadline (or
+  at once, when the store's client is closed under it).
+- This replica's own writes come back as events too; they are not applied again
+  (`EtcdControlStore.is_echo`), so that an echo never undoes a later change of this replica.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ class ControlWatch:
                     log.warning("control watch: snapshot failed", error=str(again))
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, BACKOFF_S[1])
-            except Exception:  # a bug must not end the watch for good
+            except Exception:  # a bug must not end the watch for good (nor a client closed at stop)
+                if self._stop.is_set():
+                    return
                 log.exception("control watch failed")
                 self._stop.wait(BACKOFF_S[1])
 
@@ -95,15 +100,21 @@ class ControlWatch:
         self.revision = revision
 
     def _hand(self, key: bytes, value: bytes | None, event: WatchEvent) -> None:
+        if value is None:
+            self.values.pop(key, None)
+        else:
+            self.values[key] = value
+        if self._stop.is_set() or self.store.is_echo(key, event.mod_revision):
+            return  # this replica's own write: its state has it, or a later change of its own
         try:
             changed, entry = self.store.decode_event(event)
         except ValueError as exc:
             log.warning("control entry skipped", key=key.decode(errors="replace"), error=str(exc))
             return
-        if value is None:
-            self.values.pop(key, None)
-        else:
-            self.values[key] = value
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._apply, changed, entry)
+        try:
+            self._loop.call_soon_threadsafe(self._apply, changed, entry)
+        except RuntimeError:  # the loop closed: the scheduler is stopping
+            self._stop.set()
+            return
         self.handed += 1

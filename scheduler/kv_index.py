@@ -144,7 +144,9 @@ class ClusterKVIndex:
         self._ids: list[str] = []  # node id by slot ("" for a slot freed by remove_node)
         self._free_slots: list[int] = []  # slots of removed nodes, reused first
         self._samples = 0  # samples taken by fastest_tiers: each takes other buckets
-        self._sample: tuple[float, tuple[int, ...], NodePrefix] = (0.0, (), NodePrefix(0))  # (when, slots, mix)
+        # (when, (generation, slots), mix) of the last sample; the generation counts nodes added and removed
+        self._sample: tuple[float, tuple[int, tuple[int, ...]], NodePrefix] = (0.0, (0, ()), NodePrefix(0))
+        self._generation = 0
 
     # -- nodes ------------------------------------------------------------------------------------
     def add_node(self, node_id: str) -> NodeSync:
@@ -162,6 +164,7 @@ class ClusterKVIndex:
             raise ValueError(f"the index has room for {self.max_nodes} nodes")
         node = NodeSync(node_id, slot)
         self._nodes[node_id] = node
+        self._generation += 1
         return node
 
     def remove_node(self, node_id: str) -> None:
@@ -173,6 +176,7 @@ class ClusterKVIndex:
         self.table.clear(node.slot, list(IndexTier))
         self._ids[node.slot] = ""
         self._free_slots.append(node.slot)
+        self._generation += 1
 
     def rename_node(self, old: str, new: str) -> None:
         """The node `old` is called `new` now (its manager reported its name); its entries stay."""
@@ -319,12 +323,13 @@ class ClusterKVIndex:
         `blocks` their sum. Unknown nodes are skipped. The table is sampled again once the last
         sample is `max_age_s` old (by the caller's clock `now_s`) or the nodes differ."""
         slots = tuple(self._nodes[n].slot for n in node_ids if n in self._nodes)
+        key = (self._generation, slots)  # a slot another node took since is another sample
         taken_s, sampled, mix = self._sample
-        if sampled != slots or not 0 <= now_s - taken_s < max_age_s:
+        if sampled != key or not 0 <= now_s - taken_s < max_age_s:
             self._samples += 1
             counts = self.table.fastest_sample(offset=self._samples)[:, list(slots)].sum(axis=1).tolist()
             mix = NodePrefix(sum(counts), *counts)
-            self._sample = (now_s, slots, mix)
+            self._sample = (now_s, key, mix)
         return mix
 
     def tier_blocks(self, node_id: str) -> dict[str, int]:

@@ -440,6 +440,9 @@ class BlockTable:
         if len(movable):
             source, target_bucket = candidates[movable[0]], other[movable[0]]
             target = target_bucket * WAYS + int(np.argmax(self._keys2d[target_bucket] == 0))
+            # Its masks true before they move: a clear pending for it must not be lost to the sweep
+            # (the target may lie behind its cursor), or a reused node slot would show its bits.
+            self._normalise(np.array([source]))
             self._keys[target], self._masks[target], self._ticks[target] = (
                 self._keys[source],
                 self._masks[source],

@@ -33,8 +33,8 @@ from scheduler.tokenizer_load import tokenizer_dirs
 from scheduler.tokens import TokenService
 from symphony.cluster_tls import cluster_tls
 from symphony.config import KV_INDEX_MAX_NODES, SymphonyConfig
-from symphony.control_etcd import EtcdControlStore, control_scope
-from symphony.control_state import ControlFile, ControlStore
+from symphony.control_etcd import EtcdControlStore, TenantEntry, control_scope
+from symphony.control_state import Changed, ControlFile, ControlStore, SessionPriority
 from symphony.etcd_client import EtcdClient
 from symphony.kv_addressing import BlockKey
 from symphony.logs import get_logger
@@ -185,7 +185,7 @@ class SchedulerState:
         self.control = SchedulerControl(store)
         self.control.restore(self)
         if isinstance(store, EtcdControlStore):
-            self.control_watch = ControlWatch(store, lambda changed, entry: self.control.apply(self, changed, entry))
+            self.control_watch = ControlWatch(store, self._apply_control)
         # With a coordination store, the nodes that registered there (scheduler.membership_watch).
         self.membership: MembershipWatch | None = None
         if config.cluster.etcd_endpoints:
@@ -199,6 +199,13 @@ class SchedulerState:
                 metrics=self.metrics,
                 static=config.scheduler_node_addresses(),
             )
+
+    def _apply_control(self, changed: Changed, entry: TenantEntry | SessionPriority | None) -> None:
+        """Another replica's admin change, here: applied, and a tier raised to high lets its held
+        requests go first, as the admin API does for a change made here."""
+        self.control.apply(self, changed, entry)
+        if entry is not None and entry.priority == "high":
+            self.dispatcher.promote(changed.tenant, changed.session_id)
 
     def add_node(self, address: str) -> bool:
         """Follow and route to the node manager at `address` (a member that registered)."""
@@ -219,6 +226,10 @@ class SchedulerState:
             await self.kv_watch.remove(view)  # before its channel closes under the stream
         await self.cluster.leave(view)
         self.sessions.forget_node(view.node_id)
+        m = self.metrics  # its series go with it: a node that left is not a node that is up
+        for gauge in (m.node_up, m.node_load, m.node_inflight, m.node_kv_usage, m.node_engine_restarts):
+            with contextlib.suppress(KeyError):
+                gauge.remove(view.node_id)
 
     def kv_prefix(self, keys: Sequence[BlockKey]) -> dict[str, NodePrefix]:
         """Per node whose index entries are in sync: how many leading blocks of `keys` (a request's
@@ -282,6 +293,7 @@ class SchedulerState:
     async def stop(self) -> None:
         if self.control_watch is not None:
             self.control_watch.stop()
+            await asyncio.to_thread(self.control_watch.store.client.close)  # ends a watch under way
         if self.membership is not None:
             await self.membership.stop()
         if self.tokenizer_check is not None:

@@ -28,6 +28,7 @@ from symphony.cli_certs import add_certs_parser
 from symphony.cli_quotas import add_quotas_parser
 from symphony.cli_residency import add_residency_parser
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
+from symphony.control_state import ControlStateError
 from symphony.models import ModelError
 
 if TYPE_CHECKING:
@@ -62,9 +63,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         overrides.setdefault("scheduler", {})["policy"] = args.policy
     if args.ha:
         overrides.setdefault("cluster", {})["ha"] = True
-    config = with_home_secret(load_from_args(args, overrides))
-    if config.cluster.ha and config.scheduler.replicas == 1:  # --ha: two replicas unless told more
-        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, replicas=2))
+    config = load_from_args(args, overrides)
+    if config.cluster.ha and config.scheduler.replicas == 1:  # two replicas unless told more, checked
+        overrides.setdefault("scheduler", {})["replicas"] = 2
+        config = load_from_args(args, overrides)
+    config = with_home_secret(config)
     from scheduler.policies import make_policy
 
     make_policy(config.scheduler.policy)  # reject an unknown policy before starting anything
@@ -129,7 +132,15 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             f"--region: regions.layout names regions; say which this scheduler serves ({', '.join(topology.names)})"
         )
     make_policy(config.scheduler.policy)
-    serve(config)
+    if config.scheduler.replicas > 1 and not config.cluster.etcd_endpoints:
+        raise CliError(
+            "cluster.etcd_endpoints: scheduler replicas share their state through etcd; name it "
+            "(symphony up --ha names the one it starts)"
+        )
+    try:
+        serve(config)
+    except ControlStateError as exc:  # a damaged state file, or etcd out of reach at start
+        raise CliError(f"control state: {exc}") from None
     return 0
 
 

@@ -18,6 +18,8 @@ as a file's would.
 from __future__ import annotations
 
 import errno
+import threading
+import time
 from typing import Literal, TypeVar
 
 import pydantic
@@ -30,10 +32,11 @@ from symphony.control_state import (
     RuleChange,
     SessionPriority,
 )
-from symphony.etcd_client import EtcdClient, EtcdError, WatchEvent
+from symphony.etcd_client import EtcdClient, EtcdError, EtcdUnavailable, WatchEvent
 from symphony.region_load import session_digest
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
+LOAD_RETRY_S = 0.5  # between reads of a load waiting for etcd
 
 
 class TenantEntry(pydantic.BaseModel, extra="forbid"):
@@ -50,13 +53,20 @@ def control_scope(region: str) -> str:
 
 
 class EtcdControlStore:
-    def __init__(self, client: EtcdClient, prefix: str, scope: str, max_entries: int) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, scope: str, max_entries: int, wait_s: float = 30.0) -> None:
         self.client = client
+        self.wait_s = wait_s  # how long `load` waits for etcd to answer
         self.prefix = f"{prefix.rstrip('/')}/control/{scope}/".encode()
         self.where = f"etcd {self.prefix.decode()}"
         self.max_entries = max_entries  # tenants and session tiers: a snapshot past it is refused
         self.revision = 0  # of the last load: a watch from revision + 1 misses nothing
         self.values: dict[bytes, bytes] = {}  # key -> value at that load
+        # This replica's own writes, so that their echoes from the watch are not applied again
+        # over a later change of this replica (`is_echo`). Written on save's worker threads and
+        # read on the watch's: under the lock. At most max_entries keys (then forgotten whole).
+        self._lock = threading.Lock()
+        self._writing: dict[bytes, int] = {}  # key -> saves of it under way
+        self._written: dict[bytes, int] = {}  # key -> revision of this replica's last write of it
 
     def tenant_key(self, tenant: str) -> bytes:
         return self.prefix + b"tenant/" + tenant.encode()
@@ -65,10 +75,20 @@ class EtcdControlStore:
         return self.prefix + b"session/" + session_digest(tenant, session_id).encode()
 
     def load(self) -> ControlDocument:
-        try:
-            entries, self.revision = self.client.snapshot(self.prefix, self.max_entries)
-        except EtcdError as exc:
-            raise ControlStateError(f"{self.where}: {exc}") from None
+        """The stored entries as one document. etcd out of reach is waited for, `wait_s` at most
+        (a scheduler restarted while etcd is briefly away starts once it is back), then
+        ControlStateError."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                entries, self.revision = self.client.snapshot(self.prefix, self.max_entries)
+                break
+            except EtcdUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise ControlStateError(f"{self.where}: {exc} (waited {self.wait_s:g} s)") from None
+                time.sleep(LOAD_RETRY_S)
+            except EtcdError as exc:
+                raise ControlStateError(f"{self.where}: {exc}") from None
         self.values = {entry.key: entry.value for entry in entries}
         document = ControlDocument()
         for key, value in self.values.items():
@@ -103,19 +123,16 @@ class EtcdControlStore:
     def save(self, document: ControlDocument, changed: Changed) -> None:
         """Write the entry `changed` names, as `document` has it (delete it when it is back to the
         configuration's). OSError (EIO) when etcd fails."""
-        try:
-            if changed.session_id is None:
-                entry = TenantEntry(
-                    priority=document.tenant_priorities.get(changed.tenant),
-                    quota=document.quotas.get(changed.tenant),
-                    residency=document.residency.get(changed.tenant),
-                )
-                key = self.tenant_key(changed.tenant)
-                if entry.empty():
-                    self.client.delete(key)
-                else:
-                    self.client.put(key, entry.model_dump_json().encode())
-                return
+        value: bytes | None
+        if changed.session_id is None:
+            entry = TenantEntry(
+                priority=document.tenant_priorities.get(changed.tenant),
+                quota=document.quotas.get(changed.tenant),
+                residency=document.residency.get(changed.tenant),
+            )
+            key = self.tenant_key(changed.tenant)
+            value = None if entry.empty() else entry.model_dump_json().encode()
+        else:
             key = self.session_key(changed.tenant, changed.session_id)
             session = next(
                 (
@@ -125,12 +142,28 @@ class EtcdControlStore:
                 ),
                 None,
             )
-            if session is None:
-                self.client.delete(key)
-            else:
-                self.client.put(key, session.model_dump_json().encode())
+            value = None if session is None else session.model_dump_json().encode()
+        with self._lock:
+            self._writing[key] = self._writing.get(key, 0) + 1
+        revision = 0
+        try:
+            revision = self.client.delete_key(key) if value is None else self.client.put(key, value)
         except EtcdError as exc:
             raise OSError(errno.EIO, f"etcd: {exc}") from None
+        finally:
+            with self._lock:
+                self._writing[key] -= 1
+                if not self._writing[key]:
+                    del self._writing[key]
+                if len(self._written) >= self.max_entries:
+                    self._written.clear()
+                self._written[key] = max(revision, self._written.get(key, 0))
+
+    def is_echo(self, key: bytes, revision: int) -> bool:
+        """Whether a change of `key` at `revision` is this replica's own write (or one it is
+        overwriting now): its state holds it, or a later change, already."""
+        with self._lock:
+            return key in self._writing or revision <= self._written.get(key, 0)
 
 
 def add_entry(document: ControlDocument, changed: Changed, entry: TenantEntry | SessionPriority | None) -> None:

@@ -105,6 +105,7 @@ class EtcdClient:
         self.endpoints = [endpoint.rstrip("/") for endpoint in endpoints]
         self.timeout_s = timeout_s  # each endpoint's, per call
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s))
+        self._watch_next = 0  # the endpoint the next watch starts at (a watch's own thread's)
 
     def close(self) -> None:
         self._http.close()
@@ -166,16 +167,22 @@ class EtcdClient:
             body.update(key=_b64(entries[-1].key + b"\0"), revision=str(revision))
 
     def watch(self, prefix: bytes, start_revision: int, idle_timeout_s: float) -> Iterator[WatchEvent]:
-        """The changes under `prefix` from `start_revision` on, as they come, from the first
-        endpoint that answers. Ends (returns) after `idle_timeout_s` without a message, so that a
-        silent stream is never read forever: the caller watches again from the revision after the
-        last event. EtcdError when the revision was compacted (read a snapshot again) or the
-        watch is refused; EtcdUnavailable when no endpoint answers."""
+        """The changes under `prefix` from `start_revision` on, as they come. Ends (returns) after
+        `idle_timeout_s` without a message, or when the stream breaks after it began: the caller
+        watches again from the revision after the last event it got. Each watch starts at the
+        endpoint after the one the last watch ended on, so a hung or cut-off endpoint (which
+        answers nothing, then times out) costs one idle period, not every watch. EtcdError when
+        the revision was compacted (read a snapshot again) or the watch is refused;
+        EtcdUnavailable when no endpoint can be connected to."""
         create = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "prev_kv": True}
         create["start_revision"] = str(start_revision)
         timeout = httpx.Timeout(self.timeout_s, read=idle_timeout_s)
         failures = []
-        for endpoint in self.endpoints:
+        count = len(self.endpoints)
+        for step in range(count):
+            index = (self._watch_next + step) % count
+            endpoint = self.endpoints[index]
+            self._watch_next = (index + 1) % count  # the next watch starts elsewhere
             try:
                 with self._http.stream(
                     "POST", endpoint + "/v3/watch", json={"create_request": create}, timeout=timeout
@@ -185,10 +192,10 @@ class EtcdClient:
                     for line in reply.iter_lines():
                         yield from _watch_events(line)
                 return
-            except httpx.ReadTimeout:
-                return  # idle: the caller watches again
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-                failures.append(f"{endpoint}: {type(exc).__name__}")
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                failures.append(f"{endpoint}: {type(exc).__name__}")  # never connected: the next one
+            except httpx.TransportError:
+                return  # idle, or broken after it began: the caller resumes where it is
         raise EtcdUnavailable(f"no etcd endpoint answered a watch: {'; '.join(failures)}")
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
@@ -214,6 +221,10 @@ class EtcdClient:
         if range_end is not None:
             body["range_end"] = _b64(range_end)
         return int(self._call("/v3/kv/deleterange", body).get("deleted", 0))
+
+    def delete_key(self, key: bytes) -> int:
+        """Delete `key`; the store's revision after (the delete's own when the key existed)."""
+        return int(self._call("/v3/kv/deleterange", {"key": _b64(key)})["header"]["revision"])
 
     def grant(self, ttl_s: int) -> int:
         """A new lease of `ttl_s` seconds (etcd may raise a short TTL to its minimum); its id."""

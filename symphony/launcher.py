@@ -28,6 +28,7 @@ from symphony.tenancy import internal_headers
 log = get_logger(__name__)
 
 # Node managers and the scheduler are light; if one dies, restart it quickly a few times.
+LOCAL_ETCD_HOST = "127.0.0.1"  # where `symphony up --ha` runs its etcd
 ETCD_STARTUP_S = 30.0  # a local etcd (cluster.ha) serves within this, or the cluster does not start
 CHILD_RESTARTS = RestartPolicy(max_restarts=3, backoff_s=0.5, backoff_max_s=5.0, stable_after_s=60.0)
 
@@ -39,7 +40,7 @@ def check_ports_free(config: SymphonyConfig) -> None:
         wanted.append((config.scheduler.host, config.scheduler.port + i, f"scheduler.port+{i}"))
     if config.cluster.ha and not config.cluster.etcd_endpoints:
         for i, key in enumerate(("cluster.etcd_port_base", "cluster.etcd_port_base+1")):
-            wanted.append((config.scheduler.host, config.cluster.etcd_port_base + i, key))
+            wanted.append((LOCAL_ETCD_HOST, config.cluster.etcd_port_base + i, key))
     topology = config.topology()
     if topology is not None:
         r = config.regions
@@ -121,7 +122,9 @@ class LocalCluster:
         self.etcd_url = ""
         c = self.config.cluster
         if c.ha and not c.etcd_endpoints:
-            self.etcd_url = f"http://{self.config.scheduler.host}:{c.etcd_port_base}"
+            # Loopback only, whatever scheduler.host: it has no authentication of its own, and
+            # whoever writes it sets residency rules and names the nodes schedulers call.
+            self.etcd_url = f"http://{LOCAL_ETCD_HOST}:{c.etcd_port_base}"
             cluster = dataclasses.replace(c, etcd_endpoints=[self.etcd_url])
             self.config = dataclasses.replace(self.config, cluster=cluster)
 
@@ -215,7 +218,7 @@ class LocalCluster:
             self.say(f"cluster.ha: {exc}")
             return False
         data = self.config.home_path / "run" / "etcd"  # kept across runs: admin changes outlive them
-        argv = etcd_argv(binary, data, self.config.scheduler.host, self.config.cluster.etcd_port_base)
+        argv = etcd_argv(binary, data, LOCAL_ETCD_HOST, self.config.cluster.etcd_port_base)
         self.etcd = self._light_process("etcd", argv, self.etcd_url + "/health")
         self.etcd.start()
         if await self.etcd.wait_ready(ETCD_STARTUP_S):

@@ -81,8 +81,9 @@ class Registration:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            # A renewal in flight ends within the client's deadline per endpoint.
-            self._thread.join(timeout=self.client.timeout_s * len(self.client.endpoints) + 1)
+            # A renewal in flight (a keepalive, or a registration: a grant then a put) ends within
+            # the client's deadline per endpoint and call.
+            self._thread.join(timeout=2 * self.client.timeout_s * len(self.client.endpoints) + 1)
         if self.lease:
             try:
                 self.client.revoke(self.lease)

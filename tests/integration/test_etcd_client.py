@@ -4,6 +4,7 @@ with a deadline."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
@@ -88,3 +89,24 @@ def test_failover_to_the_next_endpoint_and_a_deadline_when_none_answers(etcd: st
 def test_an_error_answer_is_an_error(client: EtcdClient) -> None:
     with pytest.raises(EtcdError):
         client.revoke(123456789)  # no such lease
+
+
+def test_a_watch_moves_past_an_endpoint_that_connects_but_never_answers(etcd: str) -> None:
+    """A hung etcd (it accepts connections, answers nothing) costs a watch one idle period: the
+    next watch starts at the next endpoint and gets the changes from where it asked."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)  # connections complete in the backlog; nothing ever reads them
+    try:
+        client = EtcdClient([f"http://127.0.0.1:{hung.getsockname()[1]}", etcd], timeout_s=0.5)
+        revision = client.put(b"/w/a", b"1")
+        client.delete(b"/w/a")
+        assert list(client.watch(b"/w/", revision, idle_timeout_s=0.5)) == []  # the hung one: idle
+        events = list(client.watch(b"/w/", revision, idle_timeout_s=0.5))
+        assert [(e.key, e.value, e.previous) for e in events] == [(b"/w/a", b"1", None), (b"/w/a", None, b"1")]
+        assert events[0].mod_revision == revision
+        snapshot, at = client.snapshot(b"/w/", 10)
+        assert snapshot == [] and at > revision
+        client.close()
+    finally:
+        hung.close()

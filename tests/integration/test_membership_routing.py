@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from node_manager.main import node_registration
+from scheduler.kv_index import NodePrefix
 from symphony.config import load_config
 from symphony.etcd_client import EtcdClient
 from symphony.kv_addressing import ModelFingerprint, chain_block_keys
@@ -84,19 +85,28 @@ async def test_nodes_join_as_they_register_and_leave_when_their_lease_ends(
         )
         assert await _node_ids(client) == {"node-0"}
         assert state.kv_index is not None and state.kv_index.node_ids == ["node-0"]
-        # A clean stop revokes the lease: node-0 leaves at once, its index slot and copies go.
+        assert 'symphony_node_up{node="node-0"} 1.0' in (await client.get("/metrics")).text
+        # A clean stop revokes the lease: node-0 leaves at once, its index slot, copies and series go.
         await asyncio.to_thread(registration.stop)
         await async_wait_until(lambda: not state.cluster.nodes, 2, "node-0 to leave")
-        assert state.kv_index.node_ids == [] and state.kv_index.blocks >= 0
+        assert state.kv_index.node_ids == [] and state.kv_prefix(first.kv.blocks) == {}
+        assert 'symphony_node_up{node="node-0"}' not in (await client.get("/metrics")).text
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 503
-        # It comes back: the slot it freed is reused, and its blocks are indexed again from a snapshot.
+        # node-1 comes back first and takes node-0's slot, with none of node-0's blocks.
+        second.kv.blocks = []
+        later = await _register(url, "node-1", second.address)
+        await async_wait_until(lambda: state.kv_synced("node-1"), 10, "node-1 to join again")
+        assert state.kv_index.node("node-1").slot == 0 and state.kv_prefix(first.kv.blocks) == {}
+        # node-0 comes back: a new slot, its blocks indexed again from its snapshot.
         registration = await _register(url, "node-0", first.address)
         await async_wait_until(lambda: state.kv_synced("node-0"), 10, "node-0 to join again")
-        assert state.kv_index.node(state.kv_index.node_ids[0]).slot == 0
+        assert state.kv_index.node("node-0").slot == 1
+        assert state.kv_prefix(first.kv.blocks) == {"node-0": NodePrefix(2, dram=2)}
         metrics = (await client.get("/metrics")).text
-        assert 'symphony_membership_changes_total{change="join"} 3.0' in metrics
+        assert 'symphony_membership_changes_total{change="join"} 4.0' in metrics
         assert 'symphony_membership_changes_total{change="leave"} 2.0' in metrics
-        await asyncio.to_thread(registration.stop)
+        for held in (registration, later):
+            await asyncio.to_thread(held.stop)
 
 
 async def test_etcd_unreachable_changes_nothing_and_configured_nodes_are_never_dropped(

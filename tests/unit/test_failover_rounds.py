@@ -9,9 +9,15 @@ import pytest
 from client_sdk import failover
 from client_sdk.failover import Replicas, replica_urls
 
+REQUEST = httpx.Request("POST", "http://replica/v1/chat/completions")
+
 
 def _unreachable() -> openai.APIConnectionError:
-    return openai.APIConnectionError(request=httpx.Request("POST", "http://replica/v1/chat/completions"))
+    """What openai raises when no connection could be made (it chains httpx's error)."""
+    try:
+        raise openai.APIConnectionError(request=REQUEST) from httpx.ConnectError("refused")
+    except openai.APIConnectionError as exc:
+        return exc
 
 
 class Replica:
@@ -67,3 +73,22 @@ def test_an_answer_is_never_sent_again_and_rounds_are_bounded(monkeypatch: pytes
     assert [r.calls for r in down] == [3, 3] and slept == [0.5, 1.0]
     with pytest.raises(ValueError):
         Replicas([], rounds=1)
+
+
+def test_a_call_that_was_sent_and_got_no_answer_is_not_sent_again() -> None:
+    """A read timeout or a connection broken after the request went: the replica may be computing
+    it; a second replica would compute it again."""
+    for cause in (httpx.ReadTimeout("slow"), httpx.RemoteProtocolError("server disconnected")):
+        try:
+            raise openai.APITimeoutError(request=REQUEST) from cause
+        except openai.APIConnectionError as exc:
+            sent = exc
+        a, b = Replica("a", answer=sent), Replica("b")
+        with pytest.raises(openai.APIConnectionError):
+            Replicas([a, b], rounds=2).call(Replica.send)
+        assert (a.calls, b.calls) == (1, 0)
+    try:
+        raise openai.APITimeoutError(request=REQUEST) from httpx.ConnectTimeout("no connection")
+    except openai.APIConnectionError as exc:
+        never_connected = exc
+    assert Replicas([Replica("a", answer=never_connected), Replica("b")], rounds=1).call(Replica.send) == "b"
