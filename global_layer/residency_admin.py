@@ -1,10 +1,19 @@
 """The global layer's residency admin API (`GET`/`PUT /admin/v1/residency` on any entry, bearer
 `scheduler.admin_token`): every entry of the process reads one `SharedTopology`, so a rule set
-through one entry holds at all of them from the next request on (symphony.residency_rules)."""
+through one entry holds at all of them from the next request on (symphony.residency_rules).
+
+The rules the API set are kept in `<home>/state/global.json` (symphony.control_state, the
+document's `residency` part), restored at start over the configuration as a regional scheduler's
+are (scheduler.control): a rule whose configuration changed since it was set gives way to the
+configuration, and a file that cannot be used stops the global layer from starting. A rule that
+cannot be saved applies in this process only: 503 `state_not_saved`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 
 from aiohttp import web
 from aiohttp.http_exceptions import PayloadEncodingError
@@ -12,6 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from symphony.api_errors import error_body
 from symphony.config import SymphonyConfig
+from symphony.control_state import Changed, ControlDocument, ControlStateError, ControlStore, RuleChange
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
 from symphony.residency_rules import RuleError, known_tenants, listing, parse_update, with_rule
@@ -20,12 +30,52 @@ from symphony.tenancy import admin_refusal
 log = get_logger(__name__)
 
 
+def global_state_path(config: SymphonyConfig) -> Path:
+    return config.home_path / "state" / "global.json"
+
+
 class SharedTopology:
     """The regions and residency rules the entries route by; `current` is replaced whole (one
-    assignment on the event loop), never changed in place."""
+    assignment on the event loop), never changed in place. With a `store`, the rules the admin
+    API set are restored from it (`restore`) and saved to it after each change (`save`)."""
 
-    def __init__(self, topology: RegionTopology) -> None:
+    def __init__(self, topology: RegionTopology, store: ControlStore | None = None) -> None:
         self.current = topology
+        self.store = store
+        self.configured = listing(topology)  # the configuration's rules: what a change is set over
+        self.changes: dict[str, RuleChange] = {}  # tenant -> its rule as the admin API set it
+        self._saving = asyncio.Lock()
+
+    def restore(self, tenants: frozenset[str]) -> None:
+        """Apply the stored rules. ControlStateError for a store that cannot be used or a rule that
+        cannot apply (a region not in the layout)."""
+        if self.store is None:
+            return
+        document = self.store.load()
+        for tenant, rule in document.residency.items():
+            if tenant not in tenants:
+                log.warning("stored residency rule dropped: the tenant has no API key", tenant=tenant)
+                continue
+            if self.configured.get(tenant) != rule.config:
+                log.warning("stored residency rule dropped: the configuration's rule changed since", tenant=tenant)
+                continue
+            try:
+                name, allowed = parse_update({"tenant": tenant, "regions": rule.regions}, self.current, tenants)
+                self.current = with_rule(self.current, name, allowed)
+            except (RuleError, OverflowError) as exc:
+                raise ControlStateError(f"{self.store.where}: {exc}") from None
+            self.changes[tenant] = rule
+        if self.changes:
+            log.info("residency rules restored", source=self.store.where, tenants=len(self.changes))
+
+    async def save(self, tenant: str) -> None:
+        """Keep `tenant`'s rule as it is now. OSError when it cannot be saved."""
+        if self.store is None:
+            return
+        self.changes[tenant] = RuleChange(regions=listing(self.current).get(tenant), config=self.configured.get(tenant))
+        async with self._saving:
+            document = ControlDocument(residency=dict(self.changes))
+            await asyncio.to_thread(self.store.save, document, Changed(tenant))
 
 
 def add_residency_routes(app: web.Application, config: SymphonyConfig, shared: SharedTopology) -> None:
@@ -65,6 +115,16 @@ def add_residency_routes(app: web.Application, config: SymphonyConfig, shared: S
         except OverflowError as exc:
             return _error(409, str(exc), code="residency_table_full")
         log.info("residency rule set", tenant=tenant, regions=",".join(sorted(regions)) if regions else "any")
+        try:
+            await shared.save(tenant)
+        except OSError as exc:
+            log.error("residency rule not saved", error=repr(exc))
+            return _error(
+                503,
+                f"the rule applies here but could not be saved ({exc.strerror or exc}): it is lost if the "
+                "global layer restarts before another change is saved",
+                code="state_not_saved",
+            )
         rule = listing(shared.current).get(tenant)
         return web.json_response({"object": "residency_rule", "tenant": tenant, "regions": rule})
 

@@ -11,10 +11,12 @@ from aiohttp import web
 from global_layer.entry import Entry
 from global_layer.policies import make_region_policy
 from global_layer.read_deadline import ReadDeadlines
-from global_layer.residency_admin import SharedTopology
+from global_layer.residency_admin import SharedTopology, global_state_path
 from symphony.config import SymphonyConfig
+from symphony.control_state import ControlFile
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
+from symphony.residency_rules import known_tenants
 
 log = get_logger(__name__)
 
@@ -22,7 +24,9 @@ log = get_logger(__name__)
 def make_entries(config: SymphonyConfig, topology: RegionTopology) -> list[Entry]:
     # Each entry its own policy: what a stateful one learns is what its entry sent (SkyWalker's
     # per-balancer tree).
-    shared = SharedTopology(topology)  # one set of residency rules for all of them
+    # One set of residency rules for all of them, the admin API's kept across restarts.
+    shared = SharedTopology(topology, ControlFile(global_state_path(config)))
+    shared.restore(known_tenants(config.scheduler.api_keys))
     return [Entry(config, topology, name, make_region_policy(config.regions.policy), shared) for name in topology.names]
 
 

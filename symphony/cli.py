@@ -213,6 +213,8 @@ def _serve_regions(
         asyncio.run(serve(config, topology))
     except OSError as exc:
         raise CliError(f"{what}: cannot listen: {exc.strerror or exc}") from None
+    except ControlStateError as exc:  # the global layer's kept residency rules
+        raise CliError(f"{what}: control state: {exc}") from None
     return 0
 
 
