@@ -86,6 +86,8 @@ def create_app(config: SymphonyConfig, state: SchedulerState | None = None) -> A
                 "bytes": state.kv_index.approx_bytes(),
                 "evictions": state.kv_index.evictions,
             }
+        if (coordination := state.describe_coordination()) is not None:
+            body["coordination"] = coordination
         return JSONResponse(body, status_code=status)
 
     @app.get("/summary")

@@ -207,6 +207,20 @@ class SchedulerState:
         if entry is not None and entry.priority == "high":
             self.dispatcher.promote(changed.tenant, changed.session_id)
 
+    def describe_coordination(self) -> dict[str, object] | None:
+        """With etcd: its endpoints, the members joined through it, whether reading them fails, and
+        how far the watch of admin changes has got (for /readyz and `symphony status`)."""
+        if self.membership is None:
+            return None
+        watch = self.control_watch
+        return {
+            "etcd": list(self.config.cluster.etcd_endpoints),
+            "members_joined": sorted(self.membership.joined),
+            "membership_error": self.membership.failing,
+            "control_revision": watch.revision if watch is not None else None,
+            "control_changes_applied": watch.handed if watch is not None else 0,
+        }
+
     def add_node(self, address: str) -> bool:
         """Follow and route to the node manager at `address` (a member that registered)."""
         view = self.cluster.join(address)

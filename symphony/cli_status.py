@@ -35,6 +35,16 @@ def show_status(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2))
         return 0 if body.get("status") == "ready" else 1
     _print_scheduler(url, body)
+    if not args.url:  # the other replicas of this cluster (scheduler.replicas), a line each
+        for i in range(1, config.scheduler.replicas):
+            replica = f"http://{config.scheduler.host}:{config.scheduler.port + i}"
+            other = _try_json(replica + "/readyz", headers)
+            said = (
+                f"{other.get('status')} ({other.get('ready_nodes')} ready)"
+                if isinstance(other, dict)
+                else "not answering"
+            )
+            print(f"replica {i} {replica}: {said}")
     return 0 if body.get("status") == "ready" else 1
 
 
@@ -174,6 +184,15 @@ def _print_scheduler(url: str, body: dict[str, Any]) -> None:
             f"restarts={info['engine_restarts']} "
             f"model={info.get('model') or '-'}@{info.get('model_fingerprint') or '-'}{_kv_index_text(info)}"
             + ("  ANOTHER cluster.secret (its engine's blocks go unseen)" if info.get("same_secret") is False else "")
+        )
+    coordination = body.get("coordination")
+    if isinstance(coordination, dict):
+        error = coordination.get("membership_error")
+        print(
+            f"  etcd {','.join(coordination.get('etcd', []))}: "
+            f"{len(coordination.get('members_joined', []))} member(s) joined"
+            + (f", NOT READ: {error}" if error else "")
+            + f"; admin changes from replicas applied: {coordination.get('control_changes_applied')}"
         )
     profile = body.get("cost_profile")
     if profile:

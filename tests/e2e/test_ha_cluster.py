@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -85,6 +87,16 @@ def test_replicas_share_the_node_and_admin_changes_and_a_killed_one_costs_no_err
         finally:
             restored.close()
         assert _answer(own, "ha-4") == answer
+        shown = subprocess.run(
+            [sys.executable, "-m", "symphony.cli", "status", "--config", str(cluster.home / "symphony.toml")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")},
+        )
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert f"replica 1 {second}: ready (1 ready)" in shown.stdout
+        assert "1 member(s) joined" in shown.stdout and "NOT READ" not in shown.stdout
     finally:
         for client in (own, other, both):
             client.close()

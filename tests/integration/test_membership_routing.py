@@ -86,6 +86,9 @@ async def test_nodes_join_as_they_register_and_leave_when_their_lease_ends(
         assert await _node_ids(client) == {"node-0"}
         assert state.kv_index is not None and state.kv_index.node_ids == ["node-0"]
         assert 'symphony_node_up{node="node-0"} 1.0' in (await client.get("/metrics")).text
+        coordination = (await client.get("/readyz")).json()["coordination"]
+        assert coordination["etcd"] == [url] and coordination["membership_error"] == ""
+        assert coordination["members_joined"] == [first.address]
         # A clean stop revokes the lease: node-0 leaves at once, its index slot, copies and series go.
         await asyncio.to_thread(registration.stop)
         await async_wait_until(lambda: not state.cluster.nodes, 2, "node-0 to leave")
