@@ -35,7 +35,7 @@ class MembershipWatch:
         region: str,
         interval_s: float,
         *,
-        join: Callable[[str], bool],
+        join: Callable[[str], Awaitable[bool]],
         leave: Callable[[str], Awaitable[None]],
         metrics: SchedulerMetrics,
         static: Iterable[str] = (),
@@ -67,7 +67,7 @@ class MembershipWatch:
             self.failing = ""
         wanted = {m.address for m in found if m.region == self.region} - self.static
         for address in sorted(wanted - self.joined):
-            if self._join(address):
+            if await self._join(address):
                 self.joined.add(address)
                 self.metrics.membership_changes.labels("join").inc()
         for address in sorted(self.joined - wanted):

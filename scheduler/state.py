@@ -221,13 +221,19 @@ class SchedulerState:
             "control_changes_applied": watch.handed if watch is not None else 0,
         }
 
-    def add_node(self, address: str) -> bool:
-        """Follow and route to the node manager at `address` (a member that registered)."""
+    async def add_node(self, address: str) -> bool:
+        """Follow and route to the node manager at `address` (a member that registered). False
+        when it is followed already or there is no room (the monitor's or the index's bound)."""
         view = self.cluster.join(address)
         if view is None:
             return False
         if self.kv_watch is not None:
-            self.kv_watch.add(view)
+            try:
+                self.kv_watch.add(view)
+            except ValueError as exc:  # the index is full: not followed at all, rather than half
+                log.error("node not followed", address=address, error=str(exc))
+                await self.cluster.leave(view)
+                return False
         return True
 
     async def remove_node(self, address: str) -> None:
