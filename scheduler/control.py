@@ -54,6 +54,12 @@ def control_path(config: SymphonyConfig) -> Path:
     return config.home_path / "state" / (f"scheduler-{region}.json" if region else "scheduler.json")
 
 
+class WriteOrder(Protocol):
+    def writing(self, changed: Changed) -> None: ...
+
+    def written(self, changed: Changed, revision: int) -> None: ...
+
+
 class SchedulerControl:
     def __init__(self, store: ControlStore) -> None:
         self.store = store
@@ -66,6 +72,9 @@ class SchedulerControl:
         self.configured_rules: dict[str, list[str]] = {}
         self.baseline_quotas: dict[str, TenantLimits] = {}  # the configuration's tenant overrides
         self._saving = asyncio.Lock()
+        # With replicas (scheduler.control_watch): told of each write, so that another replica's
+        # change is applied in etcd's order with this one's.
+        self.writes: WriteOrder | None = None
 
     def restore(self, state: Controlled) -> None:
         """Apply the stored document to `state`. ControlStateError for one that cannot apply (a
@@ -214,16 +223,24 @@ class SchedulerControl:
         """Store the state as it is now, after the change `changed`. ApiError 503 when the store
         fails: the change holds in this process, and is lost if it restarts before a later change
         is saved (or, with replicas, the others do not see it)."""
-        async with self._saving:
-            document = self.snapshot(state)
-            try:
-                await asyncio.to_thread(self.store.save, document, changed)
-            except OSError as exc:
-                log.error("admin change not saved", error=repr(exc))
-                state.metrics.control_save_failures.inc()
-                raise ApiError(
-                    503,
-                    f"the change applies here but could not be saved ({exc.strerror or exc}): it is lost if the "
-                    "scheduler restarts before another change is saved",
-                    code="state_not_saved",
-                ) from None
+        writes = self.writes
+        if writes is not None:  # before any await: a change arriving meanwhile waits for this write
+            writes.writing(changed)
+        revision = 0
+        try:
+            async with self._saving:
+                document = self.snapshot(state)
+                written = await asyncio.to_thread(self.store.save, document, changed)
+                revision = written or 0
+        except OSError as exc:
+            log.error("admin change not saved", error=repr(exc))
+            state.metrics.control_save_failures.inc()
+            raise ApiError(
+                503,
+                f"the change applies here but could not be saved ({exc.strerror or exc}): it is lost if the "
+                "scheduler restarts before another change is saved",
+                code="state_not_saved",
+            ) from None
+        finally:
+            if writes is not None:
+                writes.written(changed, revision)

@@ -186,6 +186,7 @@ class SchedulerState:
         self.control.restore(self)
         if isinstance(store, EtcdControlStore):
             self.control_watch = ControlWatch(store, self._apply_control)
+            self.control.writes = self.control_watch
         # With a coordination store, the nodes that registered there (scheduler.membership_watch).
         self.membership: MembershipWatch | None = None
         if config.cluster.etcd_endpoints:

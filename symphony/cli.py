@@ -63,11 +63,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         overrides.setdefault("scheduler", {})["policy"] = args.policy
     if args.ha:
         overrides.setdefault("cluster", {})["ha"] = True
-    config = load_from_args(args, overrides)
-    if config.cluster.ha and config.scheduler.replicas == 1:  # two replicas unless told more, checked
-        overrides.setdefault("scheduler", {})["replicas"] = 2
-        config = load_from_args(args, overrides)
-    config = with_home_secret(config)
+    config = with_home_secret(load_from_args(args, overrides))
     from scheduler.policies import make_policy
 
     make_policy(config.scheduler.policy)  # reject an unknown policy before starting anything

@@ -24,7 +24,13 @@ def show_status(args: argparse.Namespace) -> int:
     topology = config.topology()
     if topology is not None and not args.url:
         return _region_status(config, topology, args.json, headers)
-    url = (args.url or config.scheduler_url).rstrip("/")
+    # With replicas (scheduler.replicas), the first that answers is shown whole, the others a line each.
+    urls = [(args.url or config.scheduler_url).rstrip("/")]
+    if not args.url:
+        urls = [f"http://{config.scheduler.host}:{config.scheduler.port + i}" for i in range(config.scheduler.replicas)]
+    answers = [_try_json(url + "/readyz", headers) if len(urls) > 1 else None for url in urls]
+    shown = next((i for i, answer in enumerate(answers) if isinstance(answer, dict)), 0)
+    url = urls[shown]
     body = _get_json(url + "/readyz", "the scheduler", headers)
     if isinstance(body, dict) and "nodes" not in body:  # keys are set and no token read the details
         raise CliError(
@@ -35,13 +41,11 @@ def show_status(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=2))
         return 0 if body.get("status") == "ready" else 1
     _print_scheduler(url, body)
-    if not args.url:  # the other replicas of this cluster (scheduler.replicas), a line each
-        for i in range(1, config.scheduler.replicas):
-            replica = f"http://{config.scheduler.host}:{config.scheduler.port + i}"
-            other = _try_json(replica + "/readyz", headers)
+    for i, (replica, answer) in enumerate(zip(urls, answers, strict=True)):
+        if i != shown:
             said = (
-                f"{other.get('status')} ({other.get('ready_nodes')} ready)"
-                if isinstance(other, dict)
+                f"{answer.get('status')} ({answer.get('ready_nodes')} ready)"
+                if isinstance(answer, dict)
                 else "not answering"
             )
             print(f"replica {i} {replica}: {said}")

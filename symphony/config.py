@@ -116,6 +116,9 @@ def load_config(
     home_source, home_value = merged.pop("home", ("default", str(default_home(env))))
     home = _coerce("home", str, home_value, home_source) or str(default_home(env))
     sections = {name: _build_section(name, _SECTION_TYPES[name], merged.get(name, {})) for name in SECTIONS}
+    if sections["cluster"].ha and "replicas" not in merged.get("scheduler", {}):
+        # cluster.ha means replicas: two unless a layer says how many.
+        sections["scheduler"] = dataclasses.replace(sections["scheduler"], replicas=2)
     config = SymphonyConfig(home=home, **sections)
     _validate(config)
     return config

@@ -65,8 +65,9 @@ class SchedulerConfig:
     poll_interval_ms: int = 100  # Status poll period per node
     node_down_after_ms: int = 1000  # no successful Status for this long -> node unroutable
     membership_poll_ms: int = 500  # with cluster.etcd_endpoints: how often the member list is read
-    # Schedulers `symphony up` runs with cluster.ha, replica i on port + i, all over the same nodes
-    # and sharing their admin changes through etcd; clients are given every replica's URL.
+    # Schedulers `symphony up` runs with cluster.ha (2 there unless set), replica i on port + i,
+    # all over the same nodes and sharing their admin changes through etcd; clients are given
+    # every replica's URL.
     replicas: int = 1
     connect_timeout_s: float = 2.0  # to an engine; a dead engine must fail fast, not hang
     request_timeout_s: float = 600.0  # between bytes from an engine once connected

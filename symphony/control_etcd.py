@@ -18,7 +18,6 @@ as a file's would.
 from __future__ import annotations
 
 import errno
-import threading
 import time
 from typing import Literal, TypeVar
 
@@ -61,12 +60,6 @@ class EtcdControlStore:
         self.max_entries = max_entries  # tenants and session tiers: a snapshot past it is refused
         self.revision = 0  # of the last load: a watch from revision + 1 misses nothing
         self.values: dict[bytes, bytes] = {}  # key -> value at that load
-        # This replica's own writes, so that their echoes from the watch are not applied again
-        # over a later change of this replica (`is_echo`). Written on save's worker threads and
-        # read on the watch's: under the lock. At most max_entries keys (then forgotten whole).
-        self._lock = threading.Lock()
-        self._writing: dict[bytes, int] = {}  # key -> saves of it under way
-        self._written: dict[bytes, int] = {}  # key -> revision of this replica's last write of it
 
     def tenant_key(self, tenant: str) -> bytes:
         return self.prefix + b"tenant/" + tenant.encode()
@@ -120,9 +113,14 @@ class EtcdControlStore:
             return changed, None
         return self.decode(event.key, event.value)
 
-    def save(self, document: ControlDocument, changed: Changed) -> None:
+    def key_of(self, changed: Changed) -> bytes:
+        if changed.session_id is None:
+            return self.tenant_key(changed.tenant)
+        return self.session_key(changed.tenant, changed.session_id)
+
+    def save(self, document: ControlDocument, changed: Changed) -> int:
         """Write the entry `changed` names, as `document` has it (delete it when it is back to the
-        configuration's). OSError (EIO) when etcd fails."""
+        configuration's); the revision it was written at. OSError (EIO) when etcd fails."""
         value: bytes | None
         if changed.session_id is None:
             entry = TenantEntry(
@@ -130,10 +128,8 @@ class EtcdControlStore:
                 quota=document.quotas.get(changed.tenant),
                 residency=document.residency.get(changed.tenant),
             )
-            key = self.tenant_key(changed.tenant)
             value = None if entry.empty() else entry.model_dump_json().encode()
         else:
-            key = self.session_key(changed.tenant, changed.session_id)
             session = next(
                 (
                     s
@@ -143,27 +139,11 @@ class EtcdControlStore:
                 None,
             )
             value = None if session is None else session.model_dump_json().encode()
-        with self._lock:
-            self._writing[key] = self._writing.get(key, 0) + 1
-        revision = 0
+        key = self.key_of(changed)
         try:
-            revision = self.client.delete_key(key) if value is None else self.client.put(key, value)
+            return self.client.delete_key(key) if value is None else self.client.put(key, value)
         except EtcdError as exc:
             raise OSError(errno.EIO, f"etcd: {exc}") from None
-        finally:
-            with self._lock:
-                self._writing[key] -= 1
-                if not self._writing[key]:
-                    del self._writing[key]
-                if len(self._written) >= self.max_entries:
-                    self._written.clear()
-                self._written[key] = max(revision, self._written.get(key, 0))
-
-    def is_echo(self, key: bytes, revision: int) -> bool:
-        """Whether a change of `key` at `revision` is this replica's own write (or one it is
-        overwriting now): its state holds it, or a later change, already."""
-        with self._lock:
-            return key in self._writing or revision <= self._written.get(key, 0)
 
 
 def add_entry(document: ControlDocument, changed: Changed, entry: TenantEntry | SessionPriority | None) -> None:

@@ -86,9 +86,9 @@ class ControlStore(Protocol):
 
     def load(self) -> ControlDocument: ...
 
-    def save(self, document: ControlDocument, changed: Changed) -> None:
+    def save(self, document: ControlDocument, changed: Changed) -> int | None:
         """Store `document`, the state after the change `changed` (a store may write only what it
-        touched). OSError when it cannot."""
+        touched); a store with revisions returns the write's. OSError when it cannot."""
         ...
 
 

@@ -124,7 +124,10 @@ class EtcdClient:
                 raise EtcdError(f"{endpoint}{path} answered {reply.status_code} with no JSON") from None
             if reply.status_code != 200 or not isinstance(answer, dict) or "error" in answer:
                 message = answer.get("message") or answer.get("error") if isinstance(answer, dict) else answer
-                raise EtcdError(f"{endpoint}{path}: {reply.status_code} {message}")
+                # A 5xx (no leader during an election, a member restarting) is etcd not serving
+                # yet, as much as no answer: callers wait for it as for an endpoint down.
+                kind = EtcdUnavailable if reply.status_code >= 500 else EtcdError
+                raise kind(f"{endpoint}{path}: {reply.status_code} {message}")
             return answer
         raise EtcdUnavailable(f"no etcd endpoint answered {path}: {'; '.join(failures)}")
 
@@ -167,22 +170,23 @@ class EtcdClient:
             body.update(key=_b64(entries[-1].key + b"\0"), revision=str(revision))
 
     def watch(self, prefix: bytes, start_revision: int, idle_timeout_s: float) -> Iterator[WatchEvent]:
-        """The changes under `prefix` from `start_revision` on, as they come. Ends (returns) after
-        `idle_timeout_s` without a message, or when the stream breaks after it began: the caller
-        watches again from the revision after the last event it got. Each watch starts at the
-        endpoint after the one the last watch ended on, so a hung or cut-off endpoint (which
-        answers nothing, then times out) costs one idle period, not every watch. EtcdError when
-        the revision was compacted (read a snapshot again) or the watch is refused;
-        EtcdUnavailable when no endpoint can be connected to."""
+        """The changes under `prefix` from `start_revision` on, as they come. A stream begins with
+        etcd's confirmation of the watch; once it has, the watch ends (returns) after
+        `idle_timeout_s` without a message or when it breaks, and the caller watches again from
+        the revision after the last event it got, at the same endpoint. An endpoint that fails
+        before its stream begins (refused, closed, nothing within `idle_timeout_s`: a hung or
+        cut-off etcd) is passed for the next, where the next watch starts too. EtcdError when the
+        revision was compacted (read a snapshot again) or the watch is refused; EtcdUnavailable
+        when no endpoint began a stream."""
         create = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "prev_kv": True}
         create["start_revision"] = str(start_revision)
         timeout = httpx.Timeout(self.timeout_s, read=idle_timeout_s)
         failures = []
-        count = len(self.endpoints)
+        count, first = len(self.endpoints), self._watch_next
         for step in range(count):
-            index = (self._watch_next + step) % count
+            index = (first + step) % count
             endpoint = self.endpoints[index]
-            self._watch_next = (index + 1) % count  # the next watch starts elsewhere
+            began = False
             try:
                 with self._http.stream(
                     "POST", endpoint + "/v3/watch", json={"create_request": create}, timeout=timeout
@@ -190,13 +194,19 @@ class EtcdClient:
                     if reply.status_code != 200:
                         raise EtcdError(f"{endpoint}/v3/watch: {reply.status_code}")
                     for line in reply.iter_lines():
+                        if not began:
+                            began = True
+                            self._watch_next = index  # a working endpoint: the next watch starts here
                         yield from _watch_events(line)
-                return
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                failures.append(f"{endpoint}: {type(exc).__name__}")  # never connected: the next one
-            except httpx.TransportError:
-                return  # idle, or broken after it began: the caller resumes where it is
-        raise EtcdUnavailable(f"no etcd endpoint answered a watch: {'; '.join(failures)}")
+                if began:
+                    return
+                failures.append(f"{endpoint}: closed before the watch began")
+            except httpx.TransportError as exc:
+                if began:
+                    return  # idle, or broken after it began: the caller resumes where it is
+                failures.append(f"{endpoint}: {type(exc).__name__}")
+            self._watch_next = (index + 1) % count
+        raise EtcdUnavailable(f"no etcd endpoint began a watch: {'; '.join(failures)}")
 
     def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         """Store `value` under `key` (attached to `lease` when not 0); the new revision."""

@@ -108,6 +108,10 @@ class Registration:
             except EtcdError as exc:
                 self.failed_renewals += 1
                 log.warning("membership renewal failed", node=self.member.node_id, error=str(exc))
+            except RuntimeError:  # its client was closed under it: the node is stopping
+                if self._stop.is_set():
+                    return
+                raise
 
 
 def members(client: EtcdClient, prefix: str) -> list[Member]:

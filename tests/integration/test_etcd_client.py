@@ -87,26 +87,35 @@ def test_failover_to_the_next_endpoint_and_a_deadline_when_none_answers(etcd: st
 
 
 def test_an_error_answer_is_an_error(client: EtcdClient) -> None:
-    with pytest.raises(EtcdError):
-        client.revoke(123456789)  # no such lease
+    with pytest.raises(EtcdError) as refused:
+        client.revoke(123456789)  # no such lease: 404, an answer, not etcd being away
+    assert not isinstance(refused.value, EtcdUnavailable)
 
 
 def test_a_watch_moves_past_an_endpoint_that_connects_but_never_answers(etcd: str) -> None:
-    """A hung etcd (it accepts connections, answers nothing) costs a watch one idle period: the
-    next watch starts at the next endpoint and gets the changes from where it asked."""
+    """A hung etcd (it accepts connections, answers nothing) costs a watch one idle period: it goes
+    on to the next endpoint, gets the changes from where it asked, and the next watch starts there;
+    with every endpoint hung, the watch is unavailable (the caller backs off), not idle."""
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))
     hung.listen(8)  # connections complete in the backlog; nothing ever reads them
+    hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
     try:
-        client = EtcdClient([f"http://127.0.0.1:{hung.getsockname()[1]}", etcd], timeout_s=0.5)
+        client = EtcdClient([hung_url, etcd], timeout_s=0.5)
         revision = client.put(b"/w/a", b"1")
         client.delete(b"/w/a")
-        assert list(client.watch(b"/w/", revision, idle_timeout_s=0.5)) == []  # the hung one: idle
         events = list(client.watch(b"/w/", revision, idle_timeout_s=0.5))
         assert [(e.key, e.value, e.previous) for e in events] == [(b"/w/a", b"1", None), (b"/w/a", None, b"1")]
         assert events[0].mod_revision == revision
+        started = time.monotonic()
+        assert list(client.watch(b"/w/", revision + 2, idle_timeout_s=0.5)) == []
+        assert time.monotonic() - started < 0.9  # straight to the working endpoint: one idle period
         snapshot, at = client.snapshot(b"/w/", 10)
         assert snapshot == [] and at > revision
         client.close()
+        alone = EtcdClient([hung_url], timeout_s=0.5)
+        with pytest.raises(EtcdUnavailable, match="began a watch"):
+            list(alone.watch(b"/w/", revision, idle_timeout_s=0.5))
+        alone.close()
     finally:
         hung.close()
