@@ -1,8 +1,8 @@
 """`symphony up --ha` (cluster.ha): two scheduler replicas over an etcd the cluster starts, one
 real vLLM node. The node registers in etcd and both replicas route to it; an admin change made at
 one replica reaches the other; replica 0 killed with -9 costs an SDK client given both URLs no
-error, and when `symphony up` brings it back it restores the change from etcd; at temperature 0
-both replicas give the same answer."""
+error, and when `symphony up` brings it back it restores the change from etcd and rebuilds its KV
+index from the node; at temperature 0 both replicas give the same answer."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
-QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+# Over 100 tokens: whole blocks (32 tokens) of it reach the node's tiers and its block stream.
+CONTEXT = "Some context first. " + "The quick brown fox jumps over the lazy dog. " * 8
+QUESTION = [{"role": "user", "content": CONTEXT + "What is the capital of France? Answer in one word."}]
 
 
 @pytest.fixture
@@ -79,8 +81,16 @@ def test_replicas_share_the_node_and_admin_changes_and_a_killed_one_costs_no_err
         assert _answer(both, "ha-3") == answer  # replica 1 answers; the client saw no error
         assert both.replicas.index == 1
 
-        # `symphony up` restarts replica 0; it restores the admin change from etcd and finds the node.
+        # `symphony up` restarts replica 0; it restores the admin change from etcd, finds the node,
+        # and rebuilds its KV index from the node's block stream (the blocks of the turns above).
         wait_until(lambda: _ready_nodes(first, cluster) == 1, 120, "replica 0 to be back with the node")
+
+        def index_rebuilt() -> bool:
+            node = httpx.get(first + "/readyz", timeout=5, headers=cluster.internal_headers).json()["nodes"]["node-0"]
+            index = node.get("kv_index", {})
+            return index.get("state") == "synced" and sum(index.get("blocks", {}).values()) > 0
+
+        wait_until(index_rebuilt, 30, "replica 0's KV index to be rebuilt from node-0")
         restored = AdminClient(first, token=HA_ADMIN_TOKEN)
         try:
             assert restored.priorities()["tenants"] == {"default": "low"}
