@@ -23,9 +23,13 @@ from tests.helpers import wait_until
 
 pytestmark = pytest.mark.e2e
 
-# Over 100 tokens: whole blocks (32 tokens) of it reach the node's tiers and its block stream.
-CONTEXT = "Some context first. " + "The quick brown fox jumps over the lazy dog. " * 8
-QUESTION = [{"role": "user", "content": CONTEXT + "What is the capital of France? Answer in one word."}]
+# Over 100 tokens with the system prompt: whole blocks (32 tokens) of it reach the node's tiers
+# and its block stream.
+SYSTEM = "You are a helpful assistant who answers questions about geography briefly and exactly. " * 5
+QUESTION = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "What is the capital of France? Answer in one word."},
+]
 
 
 @pytest.fixture
