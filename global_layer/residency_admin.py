@@ -21,7 +21,14 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from symphony.api_errors import error_body
 from symphony.config import SymphonyConfig
-from symphony.control_state import Changed, ControlDocument, ControlStateError, ControlStore, RuleChange
+from symphony.control_state import (
+    Changed,
+    ControlDocument,
+    ControlStateError,
+    ControlStore,
+    RuleChange,
+    with_kept_rule,
+)
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
 from symphony.residency_rules import RuleError, known_tenants, listing, parse_update, with_rule
@@ -56,15 +63,13 @@ class SharedTopology:
             if tenant not in tenants:
                 log.warning("stored residency rule dropped: the tenant has no API key", tenant=tenant)
                 continue
-            if self.configured.get(tenant) != rule.config:
-                log.warning("stored residency rule dropped: the configuration's rule changed since", tenant=tenant)
-                continue
             try:
-                name, allowed = parse_update({"tenant": tenant, "regions": rule.regions}, self.current, tenants)
-                self.current = with_rule(self.current, name, allowed)
+                kept = with_kept_rule(self.current, tenant, rule, self.configured, tenants)
             except (RuleError, OverflowError) as exc:
                 raise ControlStateError(f"{self.store.where}: {exc}") from None
-            self.changes[tenant] = rule
+            if kept is not None:
+                self.current = kept
+                self.changes[tenant] = rule
         if self.changes:
             log.info("residency rules restored", source=self.store.where, tenants=len(self.changes))
 

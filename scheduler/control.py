@@ -30,6 +30,7 @@ from symphony.control_state import (
     QuotaChange,
     RuleChange,
     SessionPriority,
+    with_kept_rule,
 )
 from symphony.logs import get_logger
 from symphony.regions import RegionTopology
@@ -99,18 +100,10 @@ class SchedulerControl:
                 for tenant, rule in document.residency.items():
                     if not self._known(tenant, tenants, "residency"):
                         continue
-                    if configured.get(tenant) != rule.config:
-                        log.warning(
-                            "stored residency rule dropped: the configuration's rule changed since it was set",
-                            tenant=tenant,
-                            stored=str(rule.regions),
-                            configured=str(configured.get(tenant)),
-                        )
-                        continue
-                    body = {"tenant": tenant, "regions": rule.regions}
-                    name, allowed = parse_update(body, state.topology, tenants)
-                    state.topology = with_rule(state.topology, name, allowed)
-                    self.residency_changes[tenant] = rule
+                    kept = with_kept_rule(state.topology, tenant, rule, configured, tenants)
+                    if kept is not None:
+                        state.topology = kept
+                        self.residency_changes[tenant] = rule
         except (ValueError, TypeError, OverflowError) as exc:  # RuleError is a ValueError
             where = f"{exc.param}: " if isinstance(exc, RuleError) else ""
             raise ControlStateError(f"{path}: {where}{exc}") from None
@@ -164,18 +157,22 @@ class SchedulerControl:
             self._apply_rule(state, tenant, entry.residency)
 
     def _apply_rule(self, state: Controlled, tenant: str, rule: RuleChange | None) -> None:
+        """`tenant`'s rule as `rule` sets it over the configuration; None (or a rule dropped):
+        the configuration's."""
         assert state.topology is not None
-        configured = self.configured_rules.get(tenant)
-        if rule is not None and rule.config != configured:
-            log.warning("stored residency rule dropped: the configuration's rule differs", tenant=tenant)
-            rule = None
-        body = {"tenant": tenant, "regions": rule.regions if rule is not None else configured}
+        tenants = known_tenants(state.config.scheduler.api_keys)
         try:
-            name, allowed = parse_update(body, state.topology, known_tenants(state.config.scheduler.api_keys))
-            state.topology = with_rule(state.topology, name, allowed)
+            kept = (
+                None if rule is None else with_kept_rule(state.topology, tenant, rule, self.configured_rules, tenants)
+            )
+            if kept is None:
+                body = {"tenant": tenant, "regions": self.configured_rules.get(tenant)}
+                name, allowed = parse_update(body, state.topology, tenants)
+                kept, rule = with_rule(state.topology, name, allowed), None
         except (RuleError, OverflowError) as exc:
             log.warning("stored residency rule dropped", tenant=tenant, error=str(exc))
             return
+        state.topology = kept
         if rule is None:
             self.residency_changes.pop(tenant, None)
         else:

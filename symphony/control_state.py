@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -25,6 +26,11 @@ import pydantic
 from pydantic import StrictFloat, StrictInt
 
 from symphony.config_secrets import write_private
+from symphony.logs import get_logger
+from symphony.regions import RegionTopology
+from symphony.residency_rules import parse_update, with_rule
+
+log = get_logger(__name__)
 
 # Above what the tables' bounds allow (100,000 session tiers of 128-character names: ~30 MB
 # compact); a save past it is refused (the change is then not saved), never written unreadable.
@@ -57,6 +63,30 @@ class RuleChange(pydantic.BaseModel, extra="forbid"):
 
     regions: list[str] | None
     config: list[str] | None
+
+
+def with_kept_rule(
+    topology: RegionTopology,
+    tenant: str,
+    rule: RuleChange,
+    configured: Mapping[str, list[str]],
+    tenants: frozenset[str],
+) -> RegionTopology | None:
+    """`topology` with `tenant`'s kept residency rule applied over the configuration as it is now
+    (`configured`: its rules, before any change applies). None, with a warning, when the
+    configuration's rule for the tenant is no longer the one the rule was set over: the
+    configuration wins. RuleError or OverflowError for a rule that cannot apply (a region not in
+    the layout; the table full)."""
+    if configured.get(tenant) != rule.config:
+        log.warning(
+            "kept residency rule dropped: the configuration's rule changed since it was set",
+            tenant=tenant,
+            kept=str(rule.regions),
+            configured=str(configured.get(tenant)),
+        )
+        return None
+    name, allowed = parse_update({"tenant": tenant, "regions": rule.regions}, topology, tenants)
+    return with_rule(topology, name, allowed)
 
 
 class ControlDocument(pydantic.BaseModel, extra="forbid"):
