@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from node_manager.engine_metrics import (
     MetricsFormatError,
     parse_engine_load,
 )
-from node_manager.vllm_plugin import AMX_ATTENTION_ENV
+from node_manager.vllm_plugin import AMX_ATTENTION_ENV, DIES_WITH_PARENT_ENV
 from symphony.config import EngineConfig
 from symphony.config_secrets import scrubbed_env
 from symphony.logs import get_logger
@@ -126,6 +127,7 @@ def engine_launch(
     if cpu_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
     env[AMX_ATTENTION_ENV] = "1" if engine.cpu_amx_attention else "0"
+    env[DIES_WITH_PARENT_ENV] = "1"  # its engine core and workers die with it (node_manager.vllm_plugin)
     headers = {}
     if api_key:
         env[ENGINE_KEY_ENV] = api_key  # its own key, set after the scrub: the one secret it holds
@@ -202,6 +204,12 @@ class Engine:
             liveness_timeout_s=config.liveness_timeout_s,
             on_state_change=self._process_state_changed,
             nice=launch.nice,
+            # An engine whose node manager died is killed, not asked to stop: it cannot serve without
+            # its connector's node-local channel, and on SIGTERM vLLM aborts its requests but its HTTP
+            # server waits for their responses, which never come. A request in flight on it then hung
+            # until its client gave up (`symphony bench faults`, a node manager killed with -9); killed,
+            # its connection breaks and the scheduler sends the request elsewhere.
+            death_signal=signal.SIGKILL,
         )
         self.load: EngineLoad | None = None
         self.load_at = float("-inf")

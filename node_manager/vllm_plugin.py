@@ -2,7 +2,12 @@
 each of its processes (API server, engine core, workers); it acts only in the engines Symphony
 launches, which set AMX_ATTENTION_ENV.
 
-What it does: keeps vLLM's CPU attention off its AMX kernel, which vLLM 0.32 picks by itself on CPUs
+What it does:
+- every process of an engine started with DIES_WITH_PARENT_ENV dies (SIGKILL) when its parent
+  does. The API server gets that from `symphony.pdeathsig_exec` when its node manager dies; vLLM's
+  engine core and workers, its children, would otherwise outlive it, holding memory and CPU
+  (`symphony bench faults`: a node manager killed with -9 left its engine core and worker running).
+- keeps vLLM's CPU attention off its AMX kernel, which vLLM 0.32 picks by itself on CPUs
 with AMX (Sapphire Rapids and later) for bfloat16 with blocks of 32, and which gave wrong greedy
 answers there (docs/design-notes.md#amx-attention). The vector kernel serves the same dtype, block
 size and KV cache.
@@ -10,12 +15,16 @@ size and KV cache.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
 AMX_ATTENTION_ENV = "SYMPHONY_CPU_AMX_ATTENTION"  # "0": vLLM's CPU attention avoids its AMX kernel
+DIES_WITH_PARENT_ENV = "SYMPHONY_ENGINE_DIES_WITH_PARENT"  # "1": each engine process dies with its parent
+_PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("symphony.vllm_plugin")
 
@@ -39,7 +48,15 @@ def without_amx(choose_isa: Callable[..., str]) -> Callable[..., str]:
     return choose
 
 
+def die_with_parent() -> None:
+    """This process gets SIGKILL when the thread that started it ends (its parent process dying,
+    for vLLM's processes, each started from its parent's main thread)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def register() -> None:
+    if os.environ.get(DIES_WITH_PARENT_ENV) == "1":
+        die_with_parent()
     if os.environ.get(AMX_ATTENTION_ENV, "1") != "0":
         return
     try:

@@ -1,5 +1,5 @@
-"""`python -m symphony.pdeathsig_exec PARENT_PID [--nice N] ARGV...`: exec ARGV so that it gets
-SIGTERM when its parent dies, optionally at niceness N.
+"""`python -m symphony.pdeathsig_exec PARENT_PID [--nice N] [--death-signal SIG] ARGV...`: exec
+ARGV so that it gets SIGTERM (or signal number SIG) when its parent dies, optionally at niceness N.
 
 Supervised children are started through this instead of with a `preexec_fn`: running Python code
 between fork and exec in a process that has gRPC threads runs gRPC's at-fork handlers in the child,
@@ -24,7 +24,7 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
-_USAGE = "usage: python -m symphony.pdeathsig_exec PARENT_PID [--nice N] COMMAND [ARG...]"
+_USAGE = "usage: python -m symphony.pdeathsig_exec PARENT_PID [--nice N] [--death-signal SIG] COMMAND [ARG...]"
 
 
 def lower_priority(nice: int) -> None:
@@ -39,12 +39,18 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or not argv[0].isdigit():
         sys.exit(_USAGE)
     parent, command = int(argv[0]), argv[1:]
-    if command[0] == "--nice":
+    death_signal = int(signal.SIGTERM)
+    while command and command[0] in ("--nice", "--death-signal"):
         if len(command) < 3 or not command[1].isdigit():
             sys.exit(_USAGE)
-        lower_priority(int(command[1]))
+        if command[0] == "--nice":
+            lower_priority(int(command[1]))
+        else:
+            death_signal = int(command[1])
         command = command[2:]
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if not command:
+        sys.exit(_USAGE)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, death_signal)
     if os.getppid() != parent:
         sys.exit(1)  # the parent died before the death signal was armed: nobody wants us any more
     os.execvp(command[0], command)

@@ -86,8 +86,11 @@ class ManagedProcess:
         on_state_change: StateListener | None = None,
         nice: int = 0,
         shm_scan_interval_s: float = 0.0,
+        death_signal: int = signal.SIGTERM,
     ) -> None:
         self.name = name
+        # What the child gets when this process dies without stopping it (symphony.pdeathsig_exec).
+        self.death_signal = death_signal
         # How often a READY child's shared memory is recorded again (0: only when it becomes ready).
         self.shm_scan_interval_s = shm_scan_interval_s
         self.nice = nice  # 0..19; the child's whole session runs at it (see symphony.pdeathsig_exec)
@@ -218,6 +221,8 @@ class ManagedProcess:
             # Through symphony.pdeathsig_exec (not a preexec_fn): the child dies with us, and no
             # Python code runs between fork and exec (see that module for why that matters).
             niceness = ["--nice", str(self.nice)] if self.nice else []
+            if self.death_signal != signal.SIGTERM:
+                niceness += ["--death-signal", str(int(self.death_signal))]
             self._spawned_at = time.time()  # wall clock, as a file's ctime: what the sweep compares
             return await asyncio.create_subprocess_exec(
                 sys.executable,
