@@ -19,6 +19,7 @@ from eval.bench_args import (
     workload_file,
 )
 from eval.cli_cluster import add_cluster_parser
+from eval.cli_faults import add_faults_parser
 from eval.cli_regions import SIM_REGIONS_DEFAULTS, add_regions_parser, add_sim_regions_args, cmd_bench_sim_regions
 from symphony.cli_args import (
     CliError,
@@ -110,6 +111,7 @@ def register(sub: Any) -> None:
     resume.set_defaults(func=cmd_bench_resume)
     add_cluster_parser(bench_sub)
     add_regions_parser(bench_sub)
+    add_faults_parser(bench_sub)
     route = bench_sub.add_parser("route", help="cost of one routing decision per policy at fleet scale (no cluster)")
     route.add_argument("--out", type=Path, required=True, help="JSON results file")
     route.add_argument("--plot", type=Path, metavar="PNG", help="also draw a bar chart to this PNG")

@@ -1,0 +1,370 @@
+"""`symphony bench faults`: a private cluster broken on purpose while greedy chats run through it.
+
+The cluster is the one a careful operator would deploy on one host: two nodes with real vLLM
+engines, two scheduler replicas over an etcd of its own (`cluster.ha`), mutual TLS between its
+members (`cluster.tls`), tenants' API keys and an admin token. Its clients are the SDK's failover
+clients, given both replicas.
+
+Scenarios (the issue's numbering):
+1. `crashes`: SIGKILL and SIGSTOP/SIGCONT of an engine, a node manager, a scheduler replica and
+   etcd, on a schedule drawn from `--seed` (`eval.faults.crashes`);
+4. `attacks`: unauthenticated and wrong-certificate calls to every listener, and cross-tenant calls
+   naming a live victim session (`eval.faults.attacks`).
+Each ends with the checker (`eval.faults.checker`): bounded, well-formed request outcomes, greedy
+answers equal to their recompute reference, no session lost from SSD, gauges back to zero, and
+bounded fds, memory, /dev/shm files and SSD bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from eval.faults.attacks import AttackTargets, Victim, run_attacks, summary
+from eval.faults.chats import ChatLoad, Tenant, references
+from eval.faults.checker import Resources, check_requests, leaks, recovery_summary
+from eval.faults.crashes import KINDS, CrashRunner, Target, schedule
+from eval.ports import free_port_run, private_cluster_config
+from symphony.cluster_tls import grpc_channel
+from symphony.config import SymphonyConfig
+from symphony.launcher import LocalCluster
+from symphony.models import ModelInfo, fetch_default_model, resolve_model
+from symphony.process import process_tree
+from symphony.rpc import kv_pb2, kv_pb2_grpc
+from symphony.tenancy import ENGINE_KEY_ENV, engine_key, internal_headers
+
+SCENARIOS = ("crashes", "attacks")
+TENANTS = ("alpha", "beta")  # the load's
+ATTACKER = "mallory"  # a tenant that sends nothing but its attacks
+BUSY_GAUGES = ("symphony_queued_requests", "symphony_node_inflight", "symphony_advisories_pending")
+SHM_PREFIXES = ("symphony-kv-", "psm_", "sem.mp-")
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultSettings:
+    scenarios: tuple[str, ...] = SCENARIOS
+    seed: int = 0
+    rounds: int = 1  # passes over the crash kinds
+    kinds: tuple[str, ...] = KINDS
+    sessions: int = 4
+    warmup_turns: int = 8  # answered turns before the first fault or attack
+    bound_s: float = 120.0  # every request ends within this (the clients' timeout)
+    recover_timeout_s: float = 300.0  # for the cluster to be whole again after a fault (an engine restart)
+
+
+def faults_config(config: SymphonyConfig, home: Path, model: ModelInfo) -> tuple[SymphonyConfig, dict[str, str]]:
+    """The private cluster (module docstring) and its tenants' API keys (the attacker's included)."""
+    private = private_cluster_config(config, home, 2)
+    keys = {name: secrets.token_urlsafe(16) for name in (*TENANTS, ATTACKER)}
+    return dataclasses.replace(
+        private,
+        cluster=dataclasses.replace(private.cluster, ha=True, tls=True, etcd_port_base=free_port_run(2)),
+        scheduler=dataclasses.replace(
+            private.scheduler,
+            port=free_port_run(2),
+            replicas=2,
+            api_keys=[f"{name}:{key}" for name, key in keys.items()],
+            admin_token=secrets.token_urlsafe(16),
+        ),
+        engine=dataclasses.replace(
+            config.engine, kv_connector=True, model=str(model.path), served_model_name=model.served_name
+        ),
+    ), keys
+
+
+class FaultBench:
+    def __init__(
+        self, cluster: LocalCluster, keys: dict[str, str], settings: FaultSettings, say: Callable[[str], None]
+    ):
+        self.cluster, self.keys, self.settings, self.say = cluster, keys, settings, say
+        self.config = cluster.config
+        self.model = cluster.model.served_name
+        self.internal = internal_headers(self.config.cluster.secret)
+        self.http = httpx.AsyncClient(timeout=10.0, headers=self.internal)
+        self.fds_by_process: dict[str, int] = {}  # at the last look, per process (leader) name
+        key = engine_key(self.config.cluster.secret.encode())
+        self.engines = [
+            openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{self.config.engine_port(i)}/v1", api_key=key, max_retries=2, timeout=600
+            )
+            for i in range(self.config.cluster.nodes)
+        ]
+
+    async def whole(self) -> bool:
+        """Every replica answers and routes to every node, every child process is ready."""
+        for url in self.cluster.scheduler_urls:
+            try:
+                ready = (await self.http.get(url + "/readyz")).json()
+            except (httpx.HTTPError, ValueError):
+                return False
+            if not isinstance(ready, dict) or ready.get("ready_nodes") != self.config.cluster.nodes:
+                return False
+        children = [*self.cluster.nodes, *self.cluster.schedulers, *([self.cluster.etcd] if self.cluster.etcd else [])]
+        return all(p.state.value == "ready" for p in children)
+
+    def _host_resources(self) -> tuple[int, int, int, int, int, int]:
+        """fds and RSS of the cluster's processes (per leader in `self.fds_by_process`), its
+        /dev/shm files, SSD files and most bytes, and its orphaned engine processes: those whose
+        environment holds this cluster's engine key (an engine and its children) outside every
+        leader's process tree."""
+        fds = rss = 0
+        page = os.sysconf("SC_PAGE_SIZE")
+        tree: set[int] = set()
+        for proc in [*self.cluster.nodes, *self.cluster.schedulers]:
+            if proc.pid is None:
+                continue
+            members = process_tree(proc.pid)
+            tree.update(members)
+            counted = 0
+            for pid in members:
+                try:
+                    counted += len(os.listdir(f"/proc/{pid}/fd"))
+                    rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+                except (OSError, ValueError, IndexError):
+                    continue  # gone meanwhile
+            self.fds_by_process[proc.name] = counted
+            fds += counted
+        marker = f"{ENGINE_KEY_ENV}={engine_key(self.config.cluster.secret.encode())}".encode()
+        orphans = 0
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and int(entry.name) not in tree:
+                with contextlib.suppress(OSError):
+                    orphans += marker in Path(entry.path, "environ").read_bytes().split(b"\0")
+        shm = sum(1 for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIXES))
+        segments, most = 0, 0
+        for i in range(self.config.cluster.nodes):
+            files = [f for f in self.config.kv_ssd_dir(i).rglob("*") if f.is_file()]
+            segments += len(files)
+            most = max(most, sum(f.stat().st_size for f in files if f.exists()))
+        return fds, rss, shm, segments, most, orphans
+
+    async def resources(self) -> Resources:
+        fds, rss, shm, segments, most, orphans = await asyncio.to_thread(self._host_resources)
+        busy = 0.0
+        for url in self.cluster.scheduler_urls:
+            text = (await self.http.get(url + "/metrics")).text
+            for family in text_string_to_metric_families(text):
+                if family.name in BUSY_GAUGES:
+                    busy += sum(sample.value for sample in family.samples)
+        return Resources(fds, rss, shm, segments, most, busy, orphans)
+
+    async def settled(self, timeout_s: float = 60.0) -> Resources:
+        """Resources once the busy gauges read zero (or `timeout_s` passed: then as they are)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = await self.resources()
+            if found.busy_gauges == 0 or time.monotonic() > deadline:
+                return found
+            await asyncio.sleep(0.5)
+
+    def load(self, scenario: str) -> ChatLoad:
+        tenants = [Tenant(name, self.keys[name]) for name in TENANTS]
+        return ChatLoad(
+            self.cluster.scheduler_urls,
+            tenants,
+            self.model,
+            self.settings.sessions,
+            scenario=scenario,
+            timeout_s=self.settings.bound_s,
+        )
+
+    async def warm(self, load: ChatLoad) -> Resources:
+        """Run `load` for its warm-up turns, let the cluster go idle, take the resources it holds
+        then (what the checker compares with: connection pools and caches are filled by then),
+        and start `load` again."""
+        load.start()
+        if not await load.wait_turns(self.settings.warmup_turns, self.settings.recover_timeout_s):
+            raise RuntimeError(f"the load answered {load.turns_done()} turns in {self.settings.recover_timeout_s} s")
+        await load.stop()
+        before = await self.settled()
+        load.start()
+        return before
+
+    async def checked(self, load: ChatLoad, before: Resources) -> dict[str, Any]:
+        """Stop `load`, wait for the cluster to be whole and idle, check everything."""
+        await load.stop()
+        await load.close()
+        if not await self._wait_whole():
+            self.say("the cluster was not whole again within the timeout; checking as it is")
+        after = await self.settled()
+        self.say(f"computing the recompute reference of {load.turns_done()} answers")
+        refs = await references(self.engines, self.model, load.outcomes)
+        report = check_requests(load.outcomes, refs, self.settings.bound_s, origin_s=load.origin_s or 0.0)
+        report["resources_before"] = dataclasses.asdict(before)
+        report["resources_after"] = dataclasses.asdict(after)
+        report["fds_by_process_after"] = dict(self.fds_by_process)
+        report["leaks"] = leaks(before, after, self.config.kv.ssd_bytes)
+        return report
+
+    async def _wait_whole(self) -> bool:
+        deadline = time.monotonic() + self.settings.recover_timeout_s
+        while time.monotonic() < deadline:
+            if await self.whole():
+                return True
+            await asyncio.sleep(0.5)
+        return False
+
+    async def crashes(self) -> dict[str, Any]:
+        s = self.settings
+        faults = schedule(s.seed, self.config.cluster.nodes, self.config.scheduler.replicas, s.rounds, s.kinds)
+        self.say(f"crashes: seed {s.seed}, {len(faults)} faults")
+        load = self.load("crashes")
+        before = await self.warm(load)
+        target = Target(
+            node_pid=lambda i: self.cluster.nodes[i].pid,
+            replica_pid=lambda i: self.cluster.schedulers[i].pid,
+            etcd_pid=lambda: self.cluster.etcd.pid if self.cluster.etcd else None,
+            engine_port=self.config.engine_port,
+        )
+        runner = CrashRunner(
+            load, target, self.whole, self.config.node_grpc_address, self.cluster.tls, TENANTS[0], s.recover_timeout_s
+        )
+        await runner.run(faults, self.say, load.origin_s or 0.0)
+        report = await self.checked(load, before)
+        kill_recoveries = [
+            f["recovery_ms"] for f in runner.faults if f["kind"] in ("node_kill", "replica_kill") and "recovery_ms" in f
+        ]
+        report.update(
+            {
+                "seed": s.seed,
+                "faults": runner.faults,
+                "probes": len(runner.probes),
+                "probes_failed": sum(1 for p in runner.probes if p.kind != "ok"),
+                "lost_sessions": sorted({x for f in runner.faults for x in f.get("lost_sessions", [])}),
+                "ssd_sessions_checked": sum(f.get("ssd_sessions_before", 0) for f in runner.faults),
+                **recovery_summary(f["recovery_ms"] for f in runner.faults if "recovery_ms" in f),
+                "kill_recovery_ms_p99": recovery_summary(kill_recoveries)["recovery_ms_p99"],
+                "unauthorized_accepted": 0,
+            }
+        )
+        return report
+
+    async def attacks(self) -> dict[str, Any]:
+        load = self.load("attacks")
+        before = await self.warm(load)
+        answered = [o for o in load.outcomes if o.kind == "ok" and o.answer is not None]
+        victim_turn = answered[-1]
+        victim = Victim(victim_turn.tenant, victim_turn.session, victim_turn.messages)
+        async with grpc_channel(self.config.node_grpc_address(0), self.cluster.tls) as channel:
+            info = await kv_pb2_grpc.KVStoreStub(channel).GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=10)
+        ports = []
+        for i in range(self.config.cluster.nodes):
+            async with grpc_channel(self.config.node_grpc_address(i), self.cluster.tls) as channel:
+                ports.append(
+                    (
+                        await kv_pb2_grpc.KVStoreStub(channel).GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=10)
+                    ).data_port
+                )
+        targets = AttackTargets(
+            node_grpc=[self.config.node_grpc_address(i) for i in range(self.config.cluster.nodes)],
+            node_data_ports=[p for p in ports if p],
+            engine_urls=[f"http://127.0.0.1:{self.config.engine_port(i)}" for i in range(self.config.cluster.nodes)],
+            scheduler_url=self.cluster.scheduler_urls[0],
+            model=self.model,
+            attacker_key=self.keys[ATTACKER],
+            fingerprint=info.model_fingerprint,
+            member_tls=self.cluster.tls,
+        )
+        self.say(f"attacks: victim {victim.tenant}/{victim.session}")
+        attempts = await run_attacks(targets, victim)
+        # The victims' turns go on after the attacks: their answers are checked like every other.
+        await load.wait_turns(load.turns_done() + self.settings.warmup_turns, self.settings.recover_timeout_s)
+        report = await self.checked(load, before)
+        report.update(summary(attempts))
+        report["victim"] = f"{victim.tenant}/{victim.session}"
+        report["lost_sessions"] = []
+        return report
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        for engine in self.engines:
+            await engine.close()
+
+
+def targets(result: dict[str, Any]) -> dict[str, bool]:
+    """The issue's targets, over the scenarios that ran."""
+    found: dict[str, bool] = {}
+    scenarios = result["scenarios"]
+    for name, report in scenarios.items():
+        found[f"{name}_wrong_outputs_0"] = report["wrong_outputs"] == 0
+        found[f"{name}_unauthorized_accepted_0"] = report["unauthorized_accepted"] == 0
+        found[f"{name}_lost_sessions_0"] = not report["lost_sessions"]
+        found[f"{name}_malformed_0"] = report["malformed"] == 0
+        found[f"{name}_within_bound"] = report["over_bound"] == 0
+        found[f"{name}_no_leaks"] = not report["leaks"]
+    if "crashes" in scenarios:
+        p99 = scenarios["crashes"]["kill_recovery_ms_p99"]
+        found["crashes_kill_recovery_ms_p99_le_1000"] = p99 is not None and p99 <= 1000.0
+    return found
+
+
+async def _run(
+    config: SymphonyConfig, model: ModelInfo, keys: dict[str, str], settings: FaultSettings
+) -> dict[str, Any]:
+    say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    cluster = LocalCluster(config, model, sys.stderr)
+    bench: FaultBench | None = None
+    try:
+        if not await cluster.start_etcd():
+            raise RuntimeError("the benchmark cluster's etcd did not start")
+        cluster.spawn()
+        if not await cluster.wait_ready(asyncio.Event()):
+            raise RuntimeError("the benchmark cluster did not become ready")
+        bench = FaultBench(cluster, keys, settings, say)
+        if not await bench._wait_whole():
+            raise RuntimeError("the benchmark cluster's replicas did not both route to every node")
+        scenarios: dict[str, Any] = {}
+        for name in settings.scenarios:
+            started = time.monotonic()
+            scenarios[name] = await getattr(bench, name)()
+            scenarios[name]["run_s"] = round(time.monotonic() - started, 1)
+        return {"scenarios": scenarios}
+    finally:
+        if bench is not None:
+            await bench.close()
+        await cluster.shutdown()
+
+
+def run_faults_bench(config: SymphonyConfig, *, out: Path, settings: FaultSettings) -> int:
+    """Start the private cluster, run the scenarios, write the report; 0 when every target held."""
+    if not config.engine.model:
+        fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
+    model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
+    home = config.home_path / "bench" / f"faults-{uuid.uuid4().hex[:8]}"
+    private, keys = faults_config(config, home, model)
+    started = time.monotonic()
+    try:
+        result = asyncio.run(_run(private, model, keys, settings))
+    except BaseException:
+        print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
+        raise
+    result = {
+        "settings": {**dataclasses.asdict(settings), "nodes": 2, "replicas": 2, "tls": True, "ha": True},
+        **result,
+        "run_s": round(time.monotonic() - started, 1),
+    }
+    result["targets"] = targets(result)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    missed = [name for name, held in result["targets"].items() if not held]
+    if missed:
+        print(f"targets missed: {', '.join(missed)}; the cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
+        return 1
+    shutil.rmtree(home, ignore_errors=True)
+    print(f"every target held; {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,48 @@
+"""`symphony bench faults`, short: a private two-node cluster with two scheduler replicas over etcd
+and mutual TLS has each of its processes killed or frozen once under a greedy chat load, then is
+attacked on every listener; the checker's figures must all hold, and must have had something to
+check (answers compared with their recompute reference, sessions on SSD across a node's kill,
+attempts on every listener)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval.faults.crashes import KINDS
+from symphony.config import default_home
+from symphony.models import fetch_default_model
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(1500)  # two engine restarts, and a recompute reference of every answer
+def test_the_cluster_survives_every_crash_and_refuses_every_attack(tmp_path: Path, own_engines: None) -> None:
+    model_dir = fetch_default_model(default_home(), progress=lambda _: None)
+    (tmp_path / "symphony.toml").write_text(f'home = "{tmp_path / "home"}"\n')
+    out = tmp_path / "faults.json"
+    argv = [sys.executable, "-m", "symphony.cli", "bench", "faults", "--config", str(tmp_path / "symphony.toml")]
+    argv += ["--model", str(model_dir), "--out", str(out), "--rounds", "1", "--sessions", "2", "--warmup-turns", "4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=env)
+    result = json.loads(out.read_text())
+    assert done.returncode == 0, (result.get("targets"), done.stderr[-4000:])
+    assert all(result["targets"].values())
+
+    crashes = result["scenarios"]["crashes"]
+    assert sorted(f["kind"] for f in crashes["faults"]) == sorted(KINDS)
+    assert all(f["recovered"] and "skipped" not in f for f in crashes["faults"])
+    assert crashes["checked_outputs"] > 0 and crashes["wrong_outputs"] == 0
+    assert crashes["ssd_sessions_checked"] > 0 and crashes["lost_sessions"] == []
+    assert crashes["probes"] > 0 and crashes["kill_recovery_ms_p99"] <= 1000
+
+    attacks = result["scenarios"]["attacks"]
+    assert attacks["unauthorized_accepted"] == 0 and attacks["attempts"] >= 40
+    kinds = {listener.split()[0] for listener in attacks["listeners"]}
+    assert kinds == {"node", "page", "engine", "scheduler"}
+    assert attacks["checked_outputs"] > 0 and attacks["wrong_outputs"] == 0
