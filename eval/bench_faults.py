@@ -21,12 +21,14 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import secrets
 import shutil
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from eval.faults.attacks import AttackTargets, Victim, run_attacks, summary
-from eval.faults.chats import ChatLoad, Tenant, references
+from eval.faults.chats import ANSWER_TOKENS, ChatLoad, Tenant, references
 from eval.faults.checker import Resources, check_requests, leaks, recovery_summary
 from eval.faults.crashes import KINDS, CrashRunner, Target, schedule
 from eval.ports import free_port_run, private_cluster_config
@@ -44,22 +46,22 @@ from symphony.cluster_tls import grpc_channel
 from symphony.config import SymphonyConfig
 from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
-from symphony.process import process_tree
+from symphony.process import orphaned_shm, process_tree
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from symphony.tenancy import ENGINE_KEY_ENV, engine_key, internal_headers
 
 SCENARIOS = ("crashes", "attacks")
 TENANTS = ("alpha", "beta")  # the load's
 ATTACKER = "mallory"  # a tenant that sends nothing but its attacks
+VICTIM_QUESTION = "Thank you. Now summarise your answer in one sentence."
 BUSY_GAUGES = ("symphony_queued_requests", "symphony_node_inflight", "symphony_advisories_pending")
-SHM_PREFIXES = ("symphony-kv-", "psm_", "sem.mp-")
 
 
 @dataclasses.dataclass(frozen=True)
 class FaultSettings:
     scenarios: tuple[str, ...] = SCENARIOS
     seed: int = 0
-    rounds: int = 1  # passes over the crash kinds
+    rounds: int = 2  # passes over the crash kinds
     kinds: tuple[str, ...] = KINDS
     sessions: int = 4
     warmup_turns: int = 8  # answered turns before the first fault or attack
@@ -97,6 +99,7 @@ class FaultBench:
         self.internal = internal_headers(self.config.cluster.secret)
         self.http = httpx.AsyncClient(timeout=10.0, headers=self.internal)
         self.fds_by_process: dict[str, int] = {}  # at the last look, per process (leader) name
+        self.started_wall = time.time()  # shared memory made before the bench is not its doing
         key = engine_key(self.config.cluster.secret.encode())
         self.engines = [
             openai.AsyncOpenAI(
@@ -117,7 +120,7 @@ class FaultBench:
         children = [*self.cluster.nodes, *self.cluster.schedulers, *([self.cluster.etcd] if self.cluster.etcd else [])]
         return all(p.state.value == "ready" for p in children)
 
-    def _host_resources(self) -> tuple[int, int, int, int, int, int]:
+    def _host_resources(self) -> tuple[int, int, int, int, int, int, tuple[tuple[str, int, int], ...]]:
         """fds and RSS of the cluster's processes (per leader in `self.fds_by_process`), its
         /dev/shm files, SSD files and most bytes, and its orphaned engine processes: those whose
         environment holds this cluster's engine key (an engine and its children) outside every
@@ -125,6 +128,7 @@ class FaultBench:
         fds = rss = 0
         page = os.sysconf("SC_PAGE_SIZE")
         tree: set[int] = set()
+        processes: list[tuple[str, int, int]] = []
         for proc in [*self.cluster.nodes, *self.cluster.schedulers]:
             if proc.pid is None:
                 continue
@@ -138,30 +142,50 @@ class FaultBench:
                 except (OSError, ValueError, IndexError):
                     continue  # gone meanwhile
             self.fds_by_process[proc.name] = counted
+            processes.append((proc.name, proc.pid, counted))
             fds += counted
         marker = f"{ENGINE_KEY_ENV}={engine_key(self.config.cluster.secret.encode())}".encode()
-        orphans = 0
+        candidates = set()
         for entry in os.scandir("/proc"):
             if entry.name.isdigit() and int(entry.name) not in tree:
                 with contextlib.suppress(OSError):
-                    orphans += marker in Path(entry.path, "environ").read_bytes().split(b"\0")
-        shm = sum(1 for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIXES))
+                    if marker in Path(entry.path, "environ").read_bytes().split(b"\0"):
+                        candidates.add(int(entry.name))
+        # A process started between the two looks is in a tree by now: only the rest are orphans.
+        leaders = [p.pid for p in [*self.cluster.nodes, *self.cluster.schedulers] if p.pid is not None]
+        orphans = len(candidates - {m for leader in leaders for m in process_tree(leader)})
+        # This cluster's own shared memory (its stores' arenas and block indexes, named by node and
+        # gRPC port), and multiprocessing files made since the bench began that no process holds.
+        own = tuple(
+            f"symphony-kv-{self.config.node_id(i)}-{self.config.node.grpc_port_base + i}"
+            for i in range(self.config.cluster.nodes)
+        )
+        shm = sum(1 for name in os.listdir("/dev/shm") if name.startswith(own))
+        shm += len(orphaned_shm(self.started_wall))
         segments, most = 0, 0
         for i in range(self.config.cluster.nodes):
-            files = [f for f in self.config.kv_ssd_dir(i).rglob("*") if f.is_file()]
-            segments += len(files)
-            most = max(most, sum(f.stat().st_size for f in files if f.exists()))
-        return fds, rss, shm, segments, most, orphans
+            sizes = []
+            for f in self.config.kv_ssd_dir(i).rglob("*"):
+                with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
+                    if f.is_file():
+                        sizes.append(f.stat().st_size)
+            segments += len(sizes)
+            most = max(most, sum(sizes))
+        return fds, rss, shm, segments, most, orphans, tuple(processes)
 
     async def resources(self) -> Resources:
-        fds, rss, shm, segments, most, orphans = await asyncio.to_thread(self._host_resources)
+        fds, rss, shm, segments, most, orphans, processes = await asyncio.to_thread(self._host_resources)
         busy = 0.0
         for url in self.cluster.scheduler_urls:
-            text = (await self.http.get(url + "/metrics")).text
+            try:
+                text = (await self.http.get(url + "/metrics")).text
+            except httpx.HTTPError:
+                busy = math.nan  # a replica that does not answer cannot say it is idle
+                continue
             for family in text_string_to_metric_families(text):
                 if family.name in BUSY_GAUGES:
                     busy += sum(sample.value for sample in family.samples)
-        return Resources(fds, rss, shm, segments, most, busy, orphans)
+        return Resources(fds, rss, shm, segments, most, busy, orphans, processes)
 
     async def settled(self, timeout_s: float = 60.0) -> Resources:
         """Resources once the busy gauges read zero (or `timeout_s` passed: then as they are)."""
@@ -232,8 +256,17 @@ class FaultBench:
             engine_port=self.config.engine_port,
         )
         runner = CrashRunner(
-            load, target, self.whole, self.config.node_grpc_address, self.cluster.tls, TENANTS[0], s.recover_timeout_s
+            load,
+            target,
+            self.whole,
+            self.config.node_grpc_address,
+            self.cluster.tls,
+            TENANTS[0],
+            s.recover_timeout_s,
+            self.config.scheduler.node_down_after_ms,
         )
+        await runner.measure_baseline()
+        self.say(f"{len(runner.baseline)} probes under load; one slower than {runner.slow_s:.2f} s is unavailability")
         await runner.run(faults, self.say, load.origin_s or 0.0)
         report = await self.checked(load, before)
         kill_recoveries = [
@@ -249,7 +282,9 @@ class FaultBench:
                 "ssd_sessions_checked": sum(f.get("ssd_sessions_before", 0) for f in runner.faults),
                 **recovery_summary(f["recovery_ms"] for f in runner.faults if "recovery_ms" in f),
                 "kill_recovery_ms_p99": recovery_summary(kill_recoveries)["recovery_ms_p99"],
-                "unauthorized_accepted": 0,
+                "probe_slow_s": round(runner.slow_s, 3),
+                "probe_kinds": dict(Counter(p.kind for p in runner.probes)),
+                "baseline_probes": len(runner.baseline),
             }
         )
         return report
@@ -257,8 +292,12 @@ class FaultBench:
     async def attacks(self) -> dict[str, Any]:
         load = self.load("attacks")
         before = await self.warm(load)
-        answered = [o for o in load.outcomes if o.kind == "ok" and o.answer is not None]
-        victim_turn = answered[-1]
+        # The victim is a conversation of the restarted load, still going: its next turns (one
+        # sent below, after the attacks) load its history from wherever it is kept.
+        restarted = len(load.outcomes)
+        if not await load.wait_turns(load.turns_done() + 1, self.settings.recover_timeout_s):
+            raise RuntimeError("the restarted load answered no turn")
+        victim_turn = next(o for o in reversed(load.outcomes[restarted:]) if o.answer is not None)
         victim = Victim(victim_turn.tenant, victim_turn.session, victim_turn.messages)
         async with grpc_channel(self.config.node_grpc_address(0), self.cluster.tls) as channel:
             info = await kv_pb2_grpc.KVStoreStub(channel).GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=10)
@@ -274,7 +313,7 @@ class FaultBench:
             node_grpc=[self.config.node_grpc_address(i) for i in range(self.config.cluster.nodes)],
             node_data_ports=[p for p in ports if p],
             engine_urls=[f"http://127.0.0.1:{self.config.engine_port(i)}" for i in range(self.config.cluster.nodes)],
-            scheduler_url=self.cluster.scheduler_urls[0],
+            scheduler_urls=list(self.cluster.scheduler_urls),
             model=self.model,
             attacker_key=self.keys[ATTACKER],
             fingerprint=info.model_fingerprint,
@@ -282,12 +321,19 @@ class FaultBench:
         )
         self.say(f"attacks: victim {victim.tenant}/{victim.session}")
         attempts = await run_attacks(targets, victim)
-        # The victims' turns go on after the attacks: their answers are checked like every other.
-        await load.wait_turns(load.turns_done() + self.settings.warmup_turns, self.settings.recover_timeout_s)
+        # The victim's next turn, and the load's turns after the attacks: checked like every other.
+        assert victim_turn.answer is not None
+        history = [*victim.messages, {"role": "assistant", "content": "".join(victim_turn.answer.tokens)}]
+        after = await load.send(
+            victim.tenant, victim.session, [*history, {"role": "user", "content": VICTIM_QUESTION}], ANSWER_TOKENS
+        )
+        load.outcomes.append(after)
+        resumed = await load.wait_turns(load.turns_done() + self.settings.warmup_turns, self.settings.recover_timeout_s)
         report = await self.checked(load, before)
         report.update(summary(attempts))
         report["victim"] = f"{victim.tenant}/{victim.session}"
-        report["lost_sessions"] = []
+        report["victim_next_turn"] = after.kind
+        report["load_resumed"] = resumed
         return report
 
     async def close(self) -> None:
@@ -297,25 +343,39 @@ class FaultBench:
 
 
 def targets(result: dict[str, Any]) -> dict[str, bool]:
-    """The issue's targets, over the scenarios that ran."""
+    """The issue's targets over the scenarios that ran, and what makes each mean something: outputs
+    checked, SSD sessions looked up, every fault recovered from, every listener kind tried."""
     found: dict[str, bool] = {}
     scenarios = result["scenarios"]
     for name, report in scenarios.items():
         found[f"{name}_wrong_outputs_0"] = report["wrong_outputs"] == 0
-        found[f"{name}_unauthorized_accepted_0"] = report["unauthorized_accepted"] == 0
-        found[f"{name}_lost_sessions_0"] = not report["lost_sessions"]
+        found[f"{name}_every_output_checked"] = report["checked_outputs"] > 0 and report["unchecked_outputs"] == 0
         found[f"{name}_malformed_0"] = report["malformed"] == 0
         found[f"{name}_within_bound"] = report["over_bound"] == 0
         found[f"{name}_no_leaks"] = not report["leaks"]
     if "crashes" in scenarios:
-        p99 = scenarios["crashes"]["kill_recovery_ms_p99"]
+        crashes = scenarios["crashes"]
+        found["crashes_lost_sessions_0"] = not crashes["lost_sessions"] and crashes["ssd_sessions_checked"] > 0
+        found["crashes_every_fault_recovered"] = all(
+            f.get("recovered") and "skipped" not in f for f in crashes["faults"]
+        )
+        p99 = crashes["kill_recovery_ms_p99"]
         found["crashes_kill_recovery_ms_p99_le_1000"] = p99 is not None and p99 <= 1000.0
+    if "attacks" in scenarios:
+        attacks = scenarios["attacks"]
+        found["attacks_unauthorized_accepted_0"] = attacks["unauthorized_accepted"] == 0
+        found["attacks_every_listener_reached"] = not attacks["unreachable"] and {
+            listener.split()[0] for listener in attacks["listeners"]
+        } == {"node", "page", "engine", "scheduler"}
+        found["attacks_victim_and_load_go_on"] = attacks["victim_next_turn"] == "ok" and attacks["load_resumed"]
     return found
 
 
 async def _run(
-    config: SymphonyConfig, model: ModelInfo, keys: dict[str, str], settings: FaultSettings
-) -> dict[str, Any]:
+    config: SymphonyConfig, model: ModelInfo, keys: dict[str, str], settings: FaultSettings, scenarios: dict[str, Any]
+) -> None:
+    """Start the cluster, run the scenarios, put each one's report in `scenarios` as it ends (so
+    that a run cut short keeps the scenarios it finished), shut the cluster down."""
     say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     cluster = LocalCluster(config, model, sys.stderr)
     bench: FaultBench | None = None
@@ -328,12 +388,11 @@ async def _run(
         bench = FaultBench(cluster, keys, settings, say)
         if not await bench._wait_whole():
             raise RuntimeError("the benchmark cluster's replicas did not both route to every node")
-        scenarios: dict[str, Any] = {}
         for name in settings.scenarios:
             started = time.monotonic()
-            scenarios[name] = await getattr(bench, name)()
-            scenarios[name]["run_s"] = round(time.monotonic() - started, 1)
-        return {"scenarios": scenarios}
+            report = await getattr(bench, name)()
+            report["run_s"] = round(time.monotonic() - started, 1)
+            scenarios[name] = report
     finally:
         if bench is not None:
             await bench.close()
@@ -348,16 +407,20 @@ def run_faults_bench(config: SymphonyConfig, *, out: Path, settings: FaultSettin
     home = config.home_path / "bench" / f"faults-{uuid.uuid4().hex[:8]}"
     private, keys = faults_config(config, home, model)
     started = time.monotonic()
-    try:
-        result = asyncio.run(_run(private, model, keys, settings))
-    except BaseException:
-        print(f"the benchmark cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
-        raise
-    result = {
+    scenarios: dict[str, Any] = {}
+    result: dict[str, Any] = {
         "settings": {**dataclasses.asdict(settings), "nodes": 2, "replicas": 2, "tls": True, "ha": True},
-        **result,
-        "run_s": round(time.monotonic() - started, 1),
+        "scenarios": scenarios,
     }
+    try:
+        asyncio.run(_run(private, model, keys, settings, scenarios))
+    except BaseException as exc:
+        result.update({"complete": False, "error": repr(exc), "run_s": round(time.monotonic() - started, 1)})
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"the run stopped; what it finished is in {out}; logs in {home / 'logs'}", file=sys.stderr)
+        raise
+    result.update({"complete": True, "run_s": round(time.monotonic() - started, 1)})
     result["targets"] = targets(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -365,6 +428,11 @@ def run_faults_bench(config: SymphonyConfig, *, out: Path, settings: FaultSettin
     if missed:
         print(f"targets missed: {', '.join(missed)}; the cluster's logs are kept in {home / 'logs'}", file=sys.stderr)
         return 1
-    shutil.rmtree(home, ignore_errors=True)
-    print(f"every target held; {out}", file=sys.stderr)
+    # The logs stay (a few MB): what a request that failed within the rules met is read there.
+    for entry in home.iterdir():
+        if entry.is_dir() and entry.name != "logs":
+            shutil.rmtree(entry, ignore_errors=True)
+        elif not entry.is_dir():
+            entry.unlink(missing_ok=True)
+    print(f"every target held; {out}; the cluster's logs are in {home / 'logs'}", file=sys.stderr)
     return 0

@@ -51,12 +51,22 @@ def without_amx(choose_isa: Callable[..., str]) -> Callable[..., str]:
 def die_with_parent() -> None:
     """This process gets SIGKILL when the thread that started it ends (its parent process dying,
     for vLLM's processes, each started from its parent's main thread)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        log.warning("Symphony: this engine process will not die with its parent (prctl failed)")
+
+
+_at_fork = False  # die_with_parent registered for forked children (once per process)
 
 
 def register() -> None:
+    global _at_fork
     if os.environ.get(DIES_WITH_PARENT_ENV) == "1":
         die_with_parent()
+        # A child vLLM forks (its start method where CUDA is not yet initialised) loses the
+        # death signal at fork and inherits "plugins loaded", so it would never call this again.
+        if not _at_fork:
+            os.register_at_fork(after_in_child=die_with_parent)
+            _at_fork = True
     if os.environ.get(AMX_ATTENTION_ENV, "1") != "0":
         return
     try:

@@ -47,10 +47,13 @@ def main(argv: list[str]) -> None:
             lower_priority(int(command[1]))
         else:
             death_signal = int(command[1])
+            if death_signal not in set(signal.Signals):
+                sys.exit(f"pdeathsig_exec: --death-signal {death_signal} is no signal")
         command = command[2:]
     if not command:
         sys.exit(_USAGE)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, death_signal)
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, death_signal) != 0:
+        sys.exit(f"pdeathsig_exec: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
     if os.getppid() != parent:
         sys.exit(1)  # the parent died before the death signal was armed: nobody wants us any more
     os.execvp(command[0], command)

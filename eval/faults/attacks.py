@@ -1,18 +1,21 @@
 """Scenario 4 of the fault suite: calls a cluster must refuse, made while the chat load runs.
 
-Each attempt says what an attacker tried and whether the cluster accepted it
-(`unauthorized_accepted` counts those). The victims are the load's own live sessions: a
-cross-tenant call names one of them, and the load goes on checking every answer of theirs against
-its recompute reference, so an attack that poisoned a victim's KV shows as a wrong output there.
+Each attempt says what an attacker tried and whether it got past authentication
+(`unauthorized_accepted` counts those): an HTTP answer other than 401/403, a gRPC call the server
+handled (any code but those of a refused handshake), or any frame back from a page stream. An
+attempt whose listener did not answer at all proved nothing and is listed as `unreachable`.
 
 Listeners tried: every node's gRPC (plaintext; TLS with no client certificate; a certificate of
-another CA, also sending `WritePages` and a `Pull` that names an attacker's "peer"), every node's
-page stream (plaintext and another CA's certificate, asking for a victim's session), every
-engine's HTTP API (no key, a wrong key, on `/v1`, `/invocations` and `/tokenize`), and the
-scheduler (no API key, a wrong one, `/metrics`, `/readyz` details and the admin API without their
-tokens). Tenancy: another tenant's key with a victim's session name, its history, and forged
-`kv_transfer_params` naming the victim; at the scheduler, the answer must show no cached token
-(the victim's KV would be the only cached copy of that history under the attacker's salt).
+another CA), each with GetStoreInfo, a victim's session status, `WritePages` over the victim and a
+`Pull` naming an attacker's "peer"; every node's page stream (plaintext and another CA's
+certificate, asking for the victim's session); every engine's HTTP API (no key, a wrong key, on
+`/v1/chat/completions`, `/invocations` and `/tokenize`); and every scheduler replica (chat,
+`/metrics` and the admin API with no key and a wrong one, `/readyz` details with none). Tenancy:
+another tenant's key with the victim's session name, its history and forged `kv_transfer_params`
+naming it; accepted if the answer had any of that history from a cache (the attacker sent nothing
+before, so under its own salt nothing of it could be cached). The victim is a live session of the
+load: its next turn, sent after the attacks, is checked against its recompute reference, so an
+attack that poisoned its KV shows as a wrong output. Listeners left out, and why: `NOT_ATTACKED`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import grpc
 import httpx
 
-from node_manager.kv.page_stream import _read_session, _send_request
+from node_manager.kv.page_stream import ProtocolError, _read_session, _send_request
 from symphony.cluster_tls import ClusterTLS, init_ca, issue_member, load_tls
 from symphony.kv_transfer import SESSION_PARAM, TENANT_PARAM
 from symphony.rpc import kv_pb2, kv_pb2_grpc
@@ -39,10 +42,19 @@ CALL_TIMEOUT_S = 5.0
 
 @dataclass
 class Attempt:
+    """One attack. `accepted`: it got past authentication (whatever the call then answered);
+    `unreachable`: the listener did not answer at all, so the attempt proved nothing."""
+
     listener: str
     attack: str
     accepted: bool
     detail: str = ""
+    unreachable: bool = False
+
+
+# gRPC codes a call gets when the channel never got through the TLS handshake (or was refused it).
+REFUSED_CODES = frozenset({"UNAVAILABLE", "UNAUTHENTICATED", "PERMISSION_DENIED"})
+REFUSED_HTTP = frozenset({401, 403})
 
 
 @dataclass
@@ -57,7 +69,7 @@ class AttackTargets:
     node_grpc: list[str]
     node_data_ports: list[int]
     engine_urls: list[str]
-    scheduler_url: str
+    scheduler_urls: list[str]  # every replica
     model: str
     attacker_key: str  # a tenant's own API key: a tenant, but not the victim's
     fingerprint: bytes
@@ -114,15 +126,18 @@ async def _grpc_attempts(
             lambda: stub.Pull(kv_pb2.PullRequest(session=ref, peer="127.0.0.1:9"), timeout=CALL_TIMEOUT_S),
         ),
     ]
-    found = []
+    # A call the server handled (OK, or any code but the refusals) means the channel got through;
+    # then every call on it did, whatever each answered (a Pull to a dead peer answers UNAVAILABLE too).
+    answers = []
     async with channel:
         for name, call in calls:
             try:
                 await call()
-                found.append(Attempt(f"node gRPC {address}", f"{name} ({how})", True, "answered"))
+                answers.append((name, "OK"))
             except grpc.aio.AioRpcError as exc:
-                found.append(Attempt(f"node gRPC {address}", f"{name} ({how})", False, exc.code().name))
-    return found
+                answers.append((name, exc.code().name))
+    through = any(code not in REFUSED_CODES for _, code in answers)
+    return [Attempt(f"node gRPC {address}", f"{name} ({how})", through, code) for name, code in answers]
 
 
 def _page_stream_attempt(
@@ -139,14 +154,12 @@ def _page_stream_attempt(
             sock = context.wrap_socket(raw, server_hostname="127.0.0.1") if context is not None else raw
             sock.settimeout(CALL_TIMEOUT_S)
             _send_request(sock, request)
-            status, _ = _read_session(sock)
-            return Attempt(
-                listener,
-                f"session of a victim ({how})",
-                status is not None,
-                "a session status" if status else "refused",
-            )
-    except (OSError, ValueError) as exc:  # closed, reset, a failed handshake, or a malformed frame
+            status, reason = _read_session(sock)
+            # Any frame back (a session status, or an END naming why not) means it got through.
+            return Attempt(listener, f"session of a victim ({how})", True, "a session status" if status else reason)
+    except ConnectionRefusedError as exc:
+        return Attempt(listener, f"session of a victim ({how})", False, repr(exc), unreachable=True)
+    except (OSError, ValueError, ProtocolError) as exc:  # closed, reset, a failed handshake: no frame
         return Attempt(listener, f"session of a victim ({how})", False, type(exc).__name__)
 
 
@@ -156,8 +169,9 @@ async def _http_attempt(
     try:
         reply = await client.request(method, url, timeout=CALL_TIMEOUT_S * 6, **kwargs)
     except httpx.HTTPError as exc:
-        return Attempt(listener, attack, False, type(exc).__name__)
-    return Attempt(listener, attack, 200 <= reply.status_code < 300, str(reply.status_code))
+        return Attempt(listener, attack, False, type(exc).__name__, unreachable=True)
+    # Only a refusal is a refusal: a 400 or a 404 came from past the authentication.
+    return Attempt(listener, attack, reply.status_code not in REFUSED_HTTP, str(reply.status_code))
 
 
 async def run_attacks(targets: AttackTargets, victim: Victim) -> list[Attempt]:
@@ -197,35 +211,27 @@ async def run_attacks(targets: AttackTargets, victim: Victim) -> list[Attempt]:
                             headers=headers,
                         )
                     )
-        s = targets.scheduler_url
-        for how, headers in (("no key", {}), ("a wrong key", {"Authorization": "Bearer not-a-tenant-key"})):
-            attempts.append(
-                await _http_attempt(
-                    client,
-                    f"scheduler {s}",
-                    f"chat ({how})",
-                    "POST",
-                    s + "/v1/chat/completions",
-                    json=chat,
-                    headers=headers,
+        for s in targets.scheduler_urls:
+            listener = f"scheduler {s}"
+            for how, headers in (("no key", {}), ("a wrong key", {"Authorization": "Bearer not-a-tenant-key"})):
+                calls: tuple[tuple[str, str, dict[str, object] | None], ...] = (
+                    ("POST", "/v1/chat/completions", chat),
+                    ("GET", "/metrics", None),
+                    ("GET", "/admin/v1/priorities", None),
                 )
-            )
-            attempts.append(
-                await _http_attempt(
-                    client, f"scheduler {s}", f"GET /metrics ({how})", "GET", s + "/metrics", headers=headers
-                )
-            )
-            attempts.append(
-                await _http_attempt(
-                    client,
-                    f"scheduler {s}",
-                    f"GET /admin/v1/priorities ({how})",
-                    "GET",
-                    s + "/admin/v1/priorities",
-                    headers=headers,
-                )
-            )
-        attempts.append(await _readyz_details(client, s))
+                for method, path, payload in calls:
+                    attempts.append(
+                        await _http_attempt(
+                            client,
+                            listener,
+                            f"{method} {path} ({how})",
+                            method,
+                            s + path,
+                            json=payload,
+                            headers=headers,
+                        )
+                    )
+            attempts.append(await _readyz_details(client, s))
         attempts.append(await _cross_tenant(client, targets, victim))
     return attempts
 
@@ -233,9 +239,12 @@ async def run_attacks(targets: AttackTargets, victim: Victim) -> list[Attempt]:
 async def _readyz_details(client: httpx.AsyncClient, scheduler_url: str) -> Attempt:
     try:
         reply = await client.get(scheduler_url + "/readyz", timeout=CALL_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return Attempt(f"scheduler {scheduler_url}", "GET /readyz details (no token)", False, repr(exc), True)
+    try:
         body = reply.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        return Attempt(f"scheduler {scheduler_url}", "GET /readyz details (no token)", False, type(exc).__name__)
+    except ValueError:
+        body = None
     shown = isinstance(body, dict) and "nodes" in body
     return Attempt(
         f"scheduler {scheduler_url}",
@@ -255,19 +264,29 @@ async def _cross_tenant(client: httpx.AsyncClient, targets: AttackTargets, victi
         "kv_transfer_params": {TENANT_PARAM: victim.tenant, SESSION_PARAM: victim.session},
     }
     headers = {"Authorization": f"Bearer {targets.attacker_key}", "X-Session-ID": victim.session}
-    listener = f"scheduler {targets.scheduler_url}"
+    url = targets.scheduler_urls[0]
+    listener = f"scheduler {url}"
     attack = "another tenant's key with a victim's session, history and forged kv_transfer_params"
     try:
-        reply = await client.post(
-            targets.scheduler_url + "/v1/chat/completions", json=body, headers=headers, timeout=120
-        )
+        reply = await client.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
     except httpx.HTTPError as exc:
-        return Attempt(listener, attack, False, type(exc).__name__)
+        return Attempt(listener, attack, False, repr(exc), unreachable=True)
     if reply.status_code != 200:
         return Attempt(listener, attack, False, str(reply.status_code))
-    usage = reply.json().get("usage") or {}
-    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    try:
+        usage = reply.json().get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return Attempt(listener, attack, False, "200 with no usage to read", unreachable=True)
     return Attempt(listener, attack, cached > 0, f"200 with {cached} cached tokens")
+
+
+# Listeners a cluster like the bench's has that no attempt is made on, and why: in the report.
+NOT_ATTACKED = {
+    "etcd client port": "plaintext, no authentication: bound to loopback only by `symphony up --ha` "
+    "(symphony/launcher.py); a multi-host etcd is the operator's, with its own TLS",
+    "node KV metrics ports": "Prometheus text of tier sizes and counters, no tenant data; not yet authenticated",
+}
 
 
 def summary(attempts: Sequence[Attempt]) -> dict[str, Any]:
@@ -275,5 +294,7 @@ def summary(attempts: Sequence[Attempt]) -> dict[str, Any]:
         "attempts": len(attempts),
         "unauthorized_accepted": sum(1 for a in attempts if a.accepted),
         "accepted": [f"{a.listener}: {a.attack} ({a.detail})" for a in attempts if a.accepted],
+        "unreachable": [f"{a.listener}: {a.attack} ({a.detail})" for a in attempts if a.unreachable],
         "listeners": sorted({a.listener for a in attempts}),
+        "not_attacked": NOT_ATTACKED,
     }

@@ -55,6 +55,7 @@ def _kind_of_status(exc: openai.APIStatusError) -> str:
     if not well_formed_error(exc.status_code, body):
         return "malformed"
     error = body["error"]
+    assert isinstance(error, dict)  # well_formed_error checked it
     return f"{exc.status_code}:{error.get('code') or error.get('type')}"
 
 
@@ -216,7 +217,8 @@ async def references(
 
     async def lane(k: int) -> None:
         for i in answered[k::lanes]:
-            found[i] = await reference(engines[k], model, outcomes[i].messages, ANSWER_TOKENS)
+            with contextlib.suppress(openai.APIError):  # no reference: counted as unchecked
+                found[i] = await reference(engines[k], model, outcomes[i].messages, ANSWER_TOKENS)
 
     await asyncio.gather(*(lane(k) for k in range(lanes)))
     return found

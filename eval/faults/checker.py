@@ -158,6 +158,9 @@ class Resources:
     ssd_bytes_max: int
     busy_gauges: float
     orphans: int = 0  # processes of the cluster's engines outside its process trees (outliving a node manager)
+    # (name, leader pid, fds of its process tree) per supervised process: one that was not restarted
+    # in between is held to its own bound, so that a leak in a small process is not lost in the sum.
+    processes: tuple[tuple[str, int, int], ...] = ()
 
 
 # A resource "stays bounded" when, after the faults, it is within these of its value before them
@@ -165,6 +168,7 @@ class Resources:
 # listeners, channels and pools again, and a replica that took over its peer's clients holds more
 # connections; a leak grows with every fault, which a longer run (more rounds) shows.
 FD_RATIO = 1.5
+PROCESS_FD_SLACK = 16  # a small process's few more connections are no leak
 RSS_RATIO = 1.5
 SHM_SLACK = 0
 
@@ -174,6 +178,10 @@ def leaks(before: Resources, after: Resources, ssd_bytes_limit: int) -> list[str
     found = []
     if after.fds > before.fds * FD_RATIO:
         found.append(f"open fds grew from {before.fds} to {after.fds}")
+    earlier = {(name, pid): fds for name, pid, fds in before.processes}
+    for name, pid, fds in after.processes:
+        if (name, pid) in earlier and fds > earlier[(name, pid)] * FD_RATIO + PROCESS_FD_SLACK:
+            found.append(f"{name} (pid {pid}) went from {earlier[(name, pid)]} to {fds} open fds")
     if after.rss_bytes > before.rss_bytes * RSS_RATIO:
         found.append(f"resident memory grew from {before.rss_bytes} to {after.rss_bytes} bytes")
     if after.shm_files > before.shm_files + SHM_SLACK:

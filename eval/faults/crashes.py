@@ -2,9 +2,12 @@
 (SIGSTOP, then SIGCONT) under load, one fault at a time, in an order and with targets and hold
 times drawn from a seed.
 
-After each fault, probes (one short chat every `PROBE_EVERY_S`, each a session of its own) run
-until the cluster is whole again. A fault's recovery time is how long after it a new request could
-still fail: the start of the last probe that failed, plus one probe interval (0 when none failed).
+Before the faults, probes (one-token chats, each a session of its own) measure how long a probe
+takes under the load: `slow_s` is three times their p99, and at least `MIN_SLOW_S`. After each
+fault, a probe starts every `PROBE_EVERY_S` until the cluster is whole again. A probe that failed,
+or took longer than `slow_s`, found the cluster unavailable; a fault's recovery time is how long
+after it such a probe ended (0 when none did). Probes in flight are bounded (`PROBES_IN_FLIGHT`):
+when the cluster hangs, the probes it holds end late, and count then.
 Before a node manager is killed, every session the load ran is looked up on its SSD tier; after it
 restarted, each must still have as many leading blocks there (`lost_sessions`).
 """
@@ -12,6 +15,7 @@ restarted, each must still have as many leading blocks there (`lost_sessions`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -23,7 +27,7 @@ from typing import Any
 import grpc
 
 from eval.faults.chats import ChatLoad
-from eval.faults.checker import RequestOutcome, lost_sessions
+from eval.faults.checker import RequestOutcome, lost_sessions, percentile
 from symphony.cluster_tls import ClusterTLS, grpc_channel
 from symphony.process import process_tree
 from symphony.rpc import kv_pb2, kv_pb2_grpc
@@ -33,8 +37,18 @@ PROBE_EVERY_S = 0.1
 PROBE_TOKENS = 1
 PROBES_IN_FLIGHT = 32  # a bound: a frozen cluster does not pile up probes
 SETTLE_S = 2.0  # probes go on this long after the cluster is whole again
-STABLE_S = 2.0  # the cluster counts as whole again once it stays whole this long
-LISTED_PROBES = 10  # failed probes listed per fault
+# The cluster counts as whole again once it stays whole this long, and at least twice as long as a
+# scheduler takes to see a node go (`stable_s`), so that a node killed a moment ago is not read as ready.
+STABLE_S = 2.0
+
+
+def stable_s(node_down_after_ms: int) -> float:
+    return max(STABLE_S, 2.0 * node_down_after_ms / 1000.0)
+
+
+LISTED_PROBES = 10  # unavailable probes listed per fault
+MIN_SLOW_S = 1.0  # a probe slower than this (or than 3x the baseline p99, if more) found no service
+BASELINE_S = 5.0  # probes before the first fault, under the load: what a probe takes
 HOLD_S = (1.0, 3.0)  # how long a SIGSTOP lasts, drawn uniformly
 
 
@@ -66,12 +80,22 @@ def schedule(seed: int, nodes: int, replicas: int, rounds: int, kinds: Sequence[
     return faults
 
 
-def recovery_ms(fault_at: float, probes: Sequence[RequestOutcome]) -> float:
-    """How long after `fault_at` (monotonic s) a probe could still fail (module docstring)."""
-    failed = [p.started_s for p in probes if p.kind != "ok" and p.started_s >= fault_at]
-    if not failed:
-        return 0.0
-    return (max(failed) - fault_at + PROBE_EVERY_S) * 1000.0
+def unavailable(probe: RequestOutcome, slow_s: float) -> bool:
+    """A probe that failed, or took longer than `slow_s`: the cluster did not serve it."""
+    return probe.kind != "ok" or probe.elapsed_s > slow_s
+
+
+def recovery_ms(fault_at: float, probes: Sequence[RequestOutcome], slow_s: float) -> float:
+    """How long after `fault_at` (monotonic s) a probe found the cluster unavailable: the latest
+    end of such a probe that started after the fault (module docstring); 0 when there was none."""
+    ends = [p.started_s + p.elapsed_s for p in probes if p.started_s >= fault_at and unavailable(p, slow_s)]
+    return max(0.0, (max(ends) - fault_at) * 1000.0) if ends else 0.0
+
+
+def slow_bound_s(probes: Sequence[RequestOutcome]) -> float:
+    """The slow-probe bound: 3x the p99 of the baseline probes that succeeded, at least MIN_SLOW_S."""
+    p99 = percentile([p.elapsed_s for p in probes if p.kind == "ok"], 99)
+    return MIN_SLOW_S if p99 is None else max(MIN_SLOW_S, 3.0 * p99)
 
 
 class Target:
@@ -165,7 +189,9 @@ class CrashRunner:
         tls: ClusterTLS | None,
         probe_tenant: str,
         recover_timeout_s: float,
+        node_down_after_ms: int,
     ) -> None:
+        self.stable_s = stable_s(node_down_after_ms)
         self.load, self.target, self.whole = load, target, whole
         self.node_address, self.tls = node_address, tls
         self.probe_tenant = probe_tenant
@@ -173,6 +199,18 @@ class CrashRunner:
         self.probes: list[RequestOutcome] = []
         self.faults: list[dict[str, Any]] = []
         self.origin_s = 0.0
+        self.slow_s = MIN_SLOW_S
+        self.baseline: list[RequestOutcome] = []
+
+    async def measure_baseline(self) -> None:
+        """Probe for BASELINE_S under the load, before any fault: sets `slow_s`."""
+        done = asyncio.Event()
+        prober = asyncio.create_task(self._probe(self.baseline, done))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), BASELINE_S)
+        done.set()
+        await prober
+        self.slow_s = slow_bound_s(self.baseline)
 
     async def run(self, faults: Sequence[Fault], progress: Callable[[str], None], origin_s: float) -> None:
         """Inject `faults` in turn; each record's `at_s` is its time after `origin_s` (monotonic)."""
@@ -195,39 +233,59 @@ class CrashRunner:
         histories: dict[tuple[str, str], tuple[list[int], int]] = {}
         if fault.kind == "node_kill":
             sessions = self._sessions_on(fault.target)
-            histories = await saved_histories(self.node_address(fault.target), self.tls, sessions)
+            try:
+                histories = await saved_histories(self.node_address(fault.target), self.tls, sessions)
+            except grpc.aio.AioRpcError as exc:  # nothing to compare with: counted as no session checked
+                record["ssd_check_error"] = exc.code().name
         probes: list[RequestOutcome] = []
         probing = asyncio.Event()
         prober = asyncio.create_task(self._probe(probes, probing))
         fault_at = time.monotonic()
         record["at_s"] = round(fault_at - self.origin_s, 2)
-        os.kill(pid, signal.SIGSTOP if fault.hold_s else signal.SIGKILL)
-        if fault.hold_s:
-            await asyncio.sleep(fault.hold_s)
-            os.kill(pid, signal.SIGCONT)
-        whole = await self._wait_whole(fault, pid)
-        whole_ms = (time.monotonic() - fault_at - STABLE_S) * 1000.0  # when it became whole
+        try:
+            os.kill(pid, signal.SIGSTOP if fault.hold_s else signal.SIGKILL)
+            if fault.hold_s:
+                await asyncio.sleep(fault.hold_s)
+        except ProcessLookupError:
+            record["skipped"] = "the process ended before the fault"
+        finally:
+            if fault.hold_s:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)  # whatever happened, nothing stays frozen
+        whole = "skipped" not in record and await self._wait_whole(fault, pid)
+        whole_ms = (time.monotonic() - fault_at - self.stable_s) * 1000.0  # when it became whole
         await asyncio.sleep(SETTLE_S)
         probing.set()
         await prober
         self.probes.extend(probes)
+        down = [p for p in probes if unavailable(p, self.slow_s)]
         record.update(
             {
                 "recovered": whole,
-                "whole_after_ms": round(whole_ms),
+                "whole_after_ms": round(whole_ms) if whole else None,
                 "probes": len(probes),
-                "probes_failed": sum(1 for p in probes if p.kind != "ok"),
-                "recovery_ms": round(recovery_ms(fault_at, probes), 1),
-                "failed_probes": [
-                    {"after_ms": round((p.started_s - fault_at) * 1000.0), "kind": p.kind, "status": p.status}
-                    for p in probes
-                    if p.kind != "ok"
+                "probes_unavailable": len(down),
+                "probe_ms_p99": round(1000.0 * (percentile([p.elapsed_s for p in probes], 99) or 0.0), 1),
+                "recovery_ms": round(recovery_ms(fault_at, probes, self.slow_s), 1),
+                "unavailable_probes": [
+                    {
+                        "after_ms": round((p.started_s - fault_at) * 1000.0),
+                        "took_ms": round(p.elapsed_s * 1000.0),
+                        "kind": p.kind,
+                        "status": p.status,
+                        "detail": p.detail,
+                    }
+                    for p in down
                 ][:LISTED_PROBES],
             }
         )
         if fault.kind == "node_kill":
             saved = {f"{t}/{s}": blocks for (t, s), (_, blocks) in histories.items()}
-            after = await ssd_blocks_found(self.node_address(fault.target), self.tls, histories)
+            try:
+                after = await ssd_blocks_found(self.node_address(fault.target), self.tls, histories)
+            except grpc.aio.AioRpcError as exc:  # the node did not answer: nothing was found there
+                record["ssd_check_error"] = exc.code().name
+                after = {}
             record["ssd_sessions_before"] = sum(1 for b in saved.values() if b > 0)
             record["ssd_blocks_before"] = sum(saved.values())
             record["ssd_blocks_after"] = sum(after.values())
@@ -236,7 +294,7 @@ class CrashRunner:
 
     async def _wait_whole(self, fault: Fault, pid: int) -> bool:
         """Wait until a killed process was replaced (another pid runs in its place), then until the
-        cluster is whole for `STABLE_S` in a row: a scheduler still reads a node killed a moment
+        cluster is whole for `stable_s` in a row: a scheduler still reads a node killed a moment
         ago as ready until its next poll."""
         deadline = time.monotonic() + self.recover_timeout_s
         while not fault.hold_s and self.target.pid_of(fault) in (None, pid):
@@ -247,7 +305,7 @@ class CrashRunner:
         while time.monotonic() < deadline:
             if await self.whole():
                 since = since if since is not None else time.monotonic()
-                if time.monotonic() - since >= STABLE_S:
+                if time.monotonic() - since >= self.stable_s:
                     return True
             else:
                 since = None

@@ -30,8 +30,9 @@ def test_the_cluster_survives_every_crash_and_refuses_every_attack(tmp_path: Pat
     argv += ["--model", str(model_dir), "--out", str(out), "--rounds", "1", "--sessions", "2", "--warmup-turns", "4"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SYMPHONY_")}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=env)
+    assert out.exists(), done.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert done.returncode == 0, (result.get("targets"), done.stderr[-4000:])
+    assert done.returncode == 0 and result["complete"], (result.get("targets"), done.stderr[-4000:])
     assert all(result["targets"].values())
 
     crashes = result["scenarios"]["crashes"]
@@ -42,7 +43,8 @@ def test_the_cluster_survives_every_crash_and_refuses_every_attack(tmp_path: Pat
     assert crashes["probes"] > 0 and crashes["kill_recovery_ms_p99"] <= 1000
 
     attacks = result["scenarios"]["attacks"]
-    assert attacks["unauthorized_accepted"] == 0 and attacks["attempts"] >= 40
+    assert attacks["unauthorized_accepted"] == 0 and attacks["attempts"] >= 50 and not attacks["unreachable"]
+    assert attacks["victim_next_turn"] == "ok"
     kinds = {listener.split()[0] for listener in attacks["listeners"]}
     assert kinds == {"node", "page", "engine", "scheduler"}
     assert attacks["checked_outputs"] > 0 and attacks["wrong_outputs"] == 0

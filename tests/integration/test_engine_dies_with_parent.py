@@ -47,3 +47,34 @@ def test_a_process_of_an_engine_dies_with_its_killed_parent() -> None:
         parent.kill()
         if child and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+# A process that loads the plugin and then forks (vLLM's start method where CUDA is not yet
+# initialised): the forked child has lost the death signal and will not load plugins again.
+FORKING = (
+    "from node_manager import vllm_plugin; import os, time\n"
+    "vllm_plugin.register()\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    time.sleep(120)\n"
+    "    os._exit(0)\n"
+    "print(pid, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def test_a_forked_process_of_an_engine_dies_with_its_killed_parent() -> None:
+    env = {**os.environ, DIES_WITH_PARENT_ENV: "1"}
+    parent = subprocess.Popen([sys.executable, "-c", FORKING], stdout=subprocess.PIPE, text=True, env=env)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait(10)
+        wait_until(lambda: not _alive(child), 10, "the forked child to get its death signal")
+    finally:
+        parent.kill()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)

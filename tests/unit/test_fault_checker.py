@@ -19,7 +19,7 @@ from eval.faults.checker import (
     recovery_summary,
     well_formed_error,
 )
-from eval.faults.crashes import KINDS, PROBE_EVERY_S, recovery_ms, schedule
+from eval.faults.crashes import KINDS, MIN_SLOW_S, recovery_ms, schedule, slow_bound_s, unavailable
 
 
 def _ok(session: str, tokens: tuple[str, ...], elapsed_s: float = 1.0, started_s: float = 0.0) -> RequestOutcome:
@@ -86,6 +86,17 @@ def test_leaks_name_each_resource_that_grew_past_its_bound() -> None:
     assert len(found) == 5 and any("fds" in f for f in found) and any("gauges" in f for f in found)
 
 
+def test_a_process_that_was_not_restarted_is_held_to_its_own_fd_bound() -> None:
+    def at(*processes: tuple[str, int, int]) -> Resources:
+        return Resources(1000, 1000, 4, 3, 10, 0, 0, processes)
+
+    before = at(("scheduler-0", 11, 30), ("node-0", 12, 400))
+    assert leaks(before, at(("scheduler-0", 11, 60), ("node-0", 12, 400)), 10) == []  # within 1.5x + 16
+    grew = leaks(before, at(("scheduler-0", 11, 200), ("node-0", 12, 400)), 10)
+    assert grew == ["scheduler-0 (pid 11) went from 30 to 200 open fds"]  # the sum (1000) did not grow
+    assert leaks(before, at(("scheduler-0", 99, 200), ("node-0", 12, 400)), 10) == []  # restarted: a new process
+
+
 def test_a_session_is_lost_when_fewer_of_its_ssd_blocks_are_left() -> None:
     assert lost_sessions({"a/1": 3, "a/2": 2, "a/3": 0}, {"a/1": 3, "a/2": 1}) == ["a/2"]
     assert lost_sessions({"a/1": 3}, {}) == ["a/1"]
@@ -99,15 +110,26 @@ def test_percentiles_are_nearest_rank() -> None:
     assert recovery_summary([10.0, 30.0])["recovery_ms_max"] == 30.0
 
 
-def test_recovery_is_the_last_failed_probe_after_the_fault_plus_an_interval() -> None:
+def test_recovery_is_the_latest_end_of_a_failed_or_slow_probe_after_the_fault() -> None:
     probes = [
         _failed("connect", started_s=9.0),  # before the fault: not its doing
-        _ok("p", ("OK",), started_s=10.0),
-        _failed("broken", started_s=10.3),
-        _ok("p", ("OK",), started_s=10.5),
+        _ok("p", ("OK",), started_s=10.0, elapsed_s=0.2),
+        _failed("broken", started_s=10.3),  # ends at 10.8
+        _ok("p", ("OK",), started_s=10.5, elapsed_s=0.2),
     ]
-    assert recovery_ms(10.0, probes) == pytest.approx((0.3 + PROBE_EVERY_S) * 1000.0)
-    assert recovery_ms(10.0, probes[:2]) == 0.0
+    assert recovery_ms(10.0, probes, slow_s=1.0) == pytest.approx(800.0)
+    assert recovery_ms(10.0, probes[:2], slow_s=1.0) == 0.0
+    # A probe that hung and then succeeded found no service either: it counts until it ended.
+    hung = [_ok("p", ("OK",), started_s=10.05, elapsed_s=30.0)]
+    assert unavailable(hung[0], slow_s=1.0) and recovery_ms(10.0, hung, slow_s=1.0) == pytest.approx(30_050.0)
+    assert recovery_ms(10.0, hung, slow_s=60.0) == 0.0
+
+
+def test_the_slow_bound_is_three_times_the_baseline_p99_and_at_least_a_second() -> None:
+    assert slow_bound_s([]) == MIN_SLOW_S
+    assert slow_bound_s([_ok("p", ("OK",), elapsed_s=0.1)] * 10) == MIN_SLOW_S
+    assert slow_bound_s([_ok("p", ("OK",), elapsed_s=t) for t in (0.5, 0.6, 2.0)]) == pytest.approx(6.0)
+    assert slow_bound_s([_failed("connect")]) == MIN_SLOW_S  # failures say nothing of the speed
 
 
 def test_a_schedule_is_the_seed_s_every_kind_once_per_round() -> None:
