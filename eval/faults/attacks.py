@@ -84,16 +84,16 @@ def foreign_tls(directory: Path) -> ClusterTLS:
     return load_tls(directory)
 
 
-def _insecure(address: str) -> grpc.aio.Channel:
+def insecure_channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address)
 
 
-def _no_client_cert(address: str, member: ClusterTLS | None) -> grpc.aio.Channel:
+def no_client_cert_channel(address: str, member: ClusterTLS | None) -> grpc.aio.Channel:
     credentials = grpc.ssl_channel_credentials(root_certificates=member.ca if member else None)
     return grpc.aio.secure_channel(address, credentials)
 
 
-def _foreign(address: str, foreign: ClusterTLS, member: ClusterTLS | None) -> grpc.aio.Channel:
+def foreign_channel(address: str, foreign: ClusterTLS, member: ClusterTLS | None) -> grpc.aio.Channel:
     # Trusting the cluster's CA (an attacker can read it off any handshake), presenting its own.
     credentials = grpc.ssl_channel_credentials(
         root_certificates=member.ca if member else foreign.ca, private_key=foreign.key, certificate_chain=foreign.cert
@@ -101,7 +101,7 @@ def _foreign(address: str, foreign: ClusterTLS, member: ClusterTLS | None) -> gr
     return grpc.aio.secure_channel(address, credentials)
 
 
-async def _grpc_attempts(
+async def grpc_attempts(
     address: str, channel: grpc.aio.Channel, how: str, victim: Victim, fingerprint: bytes
 ) -> list[Attempt]:
     stub = kv_pb2_grpc.KVStoreStub(channel)
@@ -140,7 +140,7 @@ async def _grpc_attempts(
     return [Attempt(f"node gRPC {address}", f"{name} ({how})", through, code) for name, code in answers]
 
 
-def _page_stream_attempt(
+def page_stream_attempt(
     port: int, how: str, context: ssl.SSLContext | None, victim: Victim, fingerprint: bytes
 ) -> Attempt:
     listener = f"page stream 127.0.0.1:{port}"
@@ -182,18 +182,18 @@ async def run_attacks(targets: AttackTargets, victim: Victim) -> list[Attempt]:
         member = targets.member_tls
         for address in targets.node_grpc:
             for how, channel in (
-                ("plaintext", _insecure(address)),
-                ("TLS, no client certificate", _no_client_cert(address, member)),
-                ("another CA's certificate", _foreign(address, foreign, member)),
+                ("plaintext", insecure_channel(address)),
+                ("TLS, no client certificate", no_client_cert_channel(address, member)),
+                ("another CA's certificate", foreign_channel(address, foreign, member)),
             ):
-                attempts += await _grpc_attempts(address, channel, how, victim, targets.fingerprint)
+                attempts += await grpc_attempts(address, channel, how, victim, targets.fingerprint)
         foreign_context = foreign.client_context()
         foreign_context.check_hostname = False
         foreign_context.verify_mode = ssl.CERT_NONE  # an attacker does not care whom it talks to
         for port in targets.node_data_ports:
             for how, context in (("plaintext", None), ("another CA's certificate", foreign_context)):
                 attempts.append(
-                    await asyncio.to_thread(_page_stream_attempt, port, how, context, victim, targets.fingerprint)
+                    await asyncio.to_thread(page_stream_attempt, port, how, context, victim, targets.fingerprint)
                 )
     chat = {"model": targets.model, "messages": victim.messages, "max_tokens": 2}
     async with httpx.AsyncClient() as client:

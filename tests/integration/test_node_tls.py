@@ -5,9 +5,11 @@ another cluster's CA are refused; a "peer" that is no member gives a node nothin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
+import ssl
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -16,6 +18,15 @@ from pathlib import Path
 import grpc
 import pytest
 
+from eval.faults.attacks import (
+    Victim,
+    foreign_channel,
+    foreign_tls,
+    grpc_attempts,
+    insecure_channel,
+    no_client_cert_channel,
+    page_stream_attempt,
+)
 from node_manager.kv.pages import PageMac
 from node_manager.kv.transfer import page_batch
 from symphony.cluster_tls import ClusterTLS, add_port, ensure_tls, grpc_channel, load_tls
@@ -169,3 +180,38 @@ async def test_a_peer_that_is_no_member_gives_nothing(
             assert fake.calls == 0, name  # the handshake failed before any RPC
         finally:
             await server.stop(None)
+
+
+async def test_the_fault_suite_s_attempts_are_refused_and_a_member_s_accepted(
+    member: tuple[ClusterTLS, list[kv_pb2_grpc.KVStoreStub], list[str]], tmp_path: Path
+) -> None:
+    """`symphony bench faults`' attack probes judge these listeners right: an outsider's every
+    attempt is refused, and the same attempts with the cluster's own credentials count as
+    accepted (the positive control: a probe that could not see acceptance would prove nothing)."""
+    tls, stubs, addresses = member
+    ref = await _upload(stubs[0], "attacked")
+    victim = Victim(ref.tenant, ref.session_id, [])
+    info = await stubs[0].GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=10)
+    foreign = foreign_tls(tmp_path / "attacker")
+    outsiders = {
+        "plaintext": insecure_channel(addresses[0]),
+        "no client certificate": no_client_cert_channel(addresses[0], tls),
+        "another CA's certificate": foreign_channel(addresses[0], foreign, tls),
+    }
+    for how, channel in outsiders.items():
+        attempts = await grpc_attempts(addresses[0], channel, how, victim, info.model_fingerprint)
+        assert len(attempts) == 4 and not any(a.accepted for a in attempts), attempts
+    insider = await grpc_attempts(addresses[0], grpc_channel(addresses[0], tls), "member", victim, b"")
+    assert all(a.accepted for a in insider), insider
+
+    wrong_ca = foreign.client_context()
+    wrong_ca.check_hostname, wrong_ca.verify_mode = False, ssl.CERT_NONE
+    for how, context in (("plaintext", None), ("another CA's certificate", wrong_ca)):
+        attempt = await asyncio.to_thread(
+            page_stream_attempt, info.data_port, how, context, victim, info.model_fingerprint
+        )
+        assert not attempt.accepted and not attempt.unreachable, attempt
+    own = await asyncio.to_thread(
+        page_stream_attempt, info.data_port, "member", tls.client_context(), victim, info.model_fingerprint
+    )
+    assert own.accepted and own.detail == "a session status", own
