@@ -278,6 +278,7 @@ class FaultBench:
                 "faults": runner.faults,
                 "probes": len(runner.probes),
                 "probes_failed": sum(1 for p in runner.probes if p.kind != "ok"),
+                "probes_unavailable": sum(f.get("probes_unavailable", 0) for f in runner.faults),
                 "lost_sessions": sorted({x for f in runner.faults for x in f.get("lost_sessions", [])}),
                 "ssd_sessions_checked": sum(f.get("ssd_sessions_before", 0) for f in runner.faults),
                 **recovery_summary(f["recovery_ms"] for f in runner.faults if "recovery_ms" in f),
@@ -299,24 +300,19 @@ class FaultBench:
             raise RuntimeError("the restarted load answered no turn")
         victim_turn = next(o for o in reversed(load.outcomes[restarted:]) if o.answer is not None)
         victim = Victim(victim_turn.tenant, victim_turn.session, victim_turn.messages)
-        async with grpc_channel(self.config.node_grpc_address(0), self.cluster.tls) as channel:
-            info = await kv_pb2_grpc.KVStoreStub(channel).GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=10)
-        ports = []
+        infos = []  # each node's, asked as a member: its page stream's port, the model's fingerprint
         for i in range(self.config.cluster.nodes):
             async with grpc_channel(self.config.node_grpc_address(i), self.cluster.tls) as channel:
-                ports.append(
-                    (
-                        await kv_pb2_grpc.KVStoreStub(channel).GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=10)
-                    ).data_port
-                )
+                stub = kv_pb2_grpc.KVStoreStub(channel)
+                infos.append(await stub.GetStoreInfo(kv_pb2.StoreInfoRequest(), timeout=10))
         targets = AttackTargets(
             node_grpc=[self.config.node_grpc_address(i) for i in range(self.config.cluster.nodes)],
-            node_data_ports=[p for p in ports if p],
+            node_data_ports=[info.data_port for info in infos if info.data_port],
             engine_urls=[f"http://127.0.0.1:{self.config.engine_port(i)}" for i in range(self.config.cluster.nodes)],
             scheduler_urls=list(self.cluster.scheduler_urls),
             model=self.model,
             attacker_key=self.keys[ATTACKER],
-            fingerprint=info.model_fingerprint,
+            fingerprint=infos[0].model_fingerprint,
             member_tls=self.cluster.tls,
         )
         self.say(f"attacks: victim {victim.tenant}/{victim.session}")
