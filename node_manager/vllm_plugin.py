@@ -15,16 +15,16 @@ size and KV cache.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 from collections.abc import Callable
 from typing import Any
 
+from symphony.pdeathsig_exec import set_death_signal
+
 AMX_ATTENTION_ENV = "SYMPHONY_CPU_AMX_ATTENTION"  # "0": vLLM's CPU attention avoids its AMX kernel
 DIES_WITH_PARENT_ENV = "SYMPHONY_ENGINE_DIES_WITH_PARENT"  # "1": each engine process dies with its parent
-_PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("symphony.vllm_plugin")
 
@@ -51,7 +51,7 @@ def without_amx(choose_isa: Callable[..., str]) -> Callable[..., str]:
 def die_with_parent() -> None:
     """This process gets SIGKILL when the thread that started it ends (its parent process dying,
     for vLLM's processes, each started from its parent's main thread)."""
-    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+    if not set_death_signal(signal.SIGKILL):
         log.warning("Symphony: this engine process will not die with its parent (prctl failed)")
 
 

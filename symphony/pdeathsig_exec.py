@@ -27,6 +27,11 @@ _PR_SET_PDEATHSIG = 1
 _USAGE = "usage: python -m symphony.pdeathsig_exec PARENT_PID [--nice N] [--death-signal SIG] COMMAND [ARG...]"
 
 
+def set_death_signal(sig: int) -> bool:
+    """Have this process get `sig` when the thread that started it ends; False if prctl failed."""
+    return int(ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)) == 0
+
+
 def lower_priority(nice: int) -> None:
     """This process (and what it execs) at niceness `nice`, its session's autogroup as well."""
     os.nice(nice - os.nice(0))
@@ -52,7 +57,7 @@ def main(argv: list[str]) -> None:
         command = command[2:]
     if not command:
         sys.exit(_USAGE)
-    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, death_signal) != 0:
+    if not set_death_signal(death_signal):
         sys.exit(f"pdeathsig_exec: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
     if os.getppid() != parent:
         sys.exit(1)  # the parent died before the death signal was armed: nobody wants us any more
