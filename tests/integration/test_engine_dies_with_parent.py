@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from node_manager.vllm_plugin import DIES_WITH_PARENT_ENV
 from symphony.process import proc_stat_fields
 from tests.helpers import wait_until
@@ -32,9 +34,29 @@ def _alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
-def test_a_process_of_an_engine_dies_with_its_killed_parent() -> None:
+# A process that loads the plugin and then forks (vLLM's start method where CUDA is not yet
+# initialised): the forked child has lost the death signal and will not load plugins again.
+FORKING = (
+    "from node_manager import vllm_plugin; import os, time\n"
+    "vllm_plugin.register()\n"
+    "armed, tell = os.pipe()\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"  # os.fork returns here after the at-fork handlers ran in this child
+    "    os.write(tell, b'x')\n"
+    "    time.sleep(120)\n"
+    "    os._exit(0)\n"
+    "os.read(armed, 1)\n"
+    "print(pid, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+@pytest.mark.parametrize("script", [PARENT, FORKING], ids=["started", "forked"])
+def test_a_process_of_an_engine_dies_with_its_killed_parent(script: str) -> None:
+    """`script` prints the pid of a child of its own (started, or forked after loading the plugin)
+    and waits to be killed."""
     env = {**os.environ, DIES_WITH_PARENT_ENV: "1"}
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     child = 0
     try:
         assert parent.stdout is not None
@@ -43,37 +65,6 @@ def test_a_process_of_an_engine_dies_with_its_killed_parent() -> None:
         parent.kill()
         parent.wait(10)
         wait_until(lambda: not _alive(child), 10, "the child to get its death signal")
-    finally:
-        parent.kill()
-        if child and _alive(child):
-            os.kill(child, signal.SIGKILL)
-
-
-# A process that loads the plugin and then forks (vLLM's start method where CUDA is not yet
-# initialised): the forked child has lost the death signal and will not load plugins again.
-FORKING = (
-    "from node_manager import vllm_plugin; import os, time\n"
-    "vllm_plugin.register()\n"
-    "pid = os.fork()\n"
-    "if pid == 0:\n"
-    "    time.sleep(120)\n"
-    "    os._exit(0)\n"
-    "print(pid, flush=True)\n"
-    "time.sleep(120)\n"
-)
-
-
-def test_a_forked_process_of_an_engine_dies_with_its_killed_parent() -> None:
-    env = {**os.environ, DIES_WITH_PARENT_ENV: "1"}
-    parent = subprocess.Popen([sys.executable, "-c", FORKING], stdout=subprocess.PIPE, text=True, env=env)
-    child = 0
-    try:
-        assert parent.stdout is not None
-        child = int(parent.stdout.readline())
-        assert _alive(child)
-        parent.kill()
-        parent.wait(10)
-        wait_until(lambda: not _alive(child), 10, "the forked child to get its death signal")
     finally:
         parent.kill()
         if child and _alive(child):
