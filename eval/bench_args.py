@@ -63,15 +63,21 @@ def add_bench_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help=argparse.SUPPRESS)
 
 
+def known_names(flag: str, text: str, known: Iterable[str]) -> tuple[str, ...]:
+    """`flag`'s value: comma-separated names, at least one, each of `known`."""
+    choices = tuple(known)
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [n for n in names if n not in choices]
+    if not names or unknown:
+        raise CliError(f"{flag}: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(choices)}")
+    return names
+
+
 def policy_names(text: str) -> tuple[str, ...]:
     """--policies: comma-separated names of routing policies, all known."""
     from scheduler.policies import POLICIES
 
-    policies = tuple(p.strip() for p in text.split(",") if p.strip())
-    unknown = [p for p in policies if p not in POLICIES]
-    if not policies or unknown:
-        raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(POLICIES)}")
-    return policies
+    return known_names("--policies", text, POLICIES)
 
 
 def check_human_timing(args: argparse.Namespace) -> None:

@@ -37,6 +37,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from eval.faults import SCENARIOS
 from eval.faults.attacks import AttackTargets, Victim, run_attacks, summary
 from eval.faults.chats import ANSWER_TOKENS, ChatLoad, Tenant, references
 from eval.faults.checker import Resources, check_requests, leaks, recovery_summary
@@ -50,7 +51,6 @@ from symphony.process import orphaned_shm, process_tree
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from symphony.tenancy import ENGINE_KEY_ENV, engine_key, internal_headers
 
-SCENARIOS = ("crashes", "attacks")
 TENANTS = ("alpha", "beta")  # the load's
 ATTACKER = "mallory"  # a tenant that sends nothing but its attacks
 VICTIM_QUESTION = "Thank you. Now summarise your answer in one sentence."
@@ -98,7 +98,6 @@ class FaultBench:
         self.model = cluster.model.served_name
         self.internal = internal_headers(self.config.cluster.secret)
         self.http = httpx.AsyncClient(timeout=10.0, headers=self.internal)
-        self.fds_by_process: dict[str, int] = {}  # at the last look, per process (leader) name
         self.started_wall = time.time()  # shared memory made before the bench is not its doing
         key = engine_key(self.config.cluster.secret.encode())
         self.engines = [
@@ -121,7 +120,7 @@ class FaultBench:
         return all(p.state.value == "ready" for p in children)
 
     def _host_resources(self) -> tuple[int, int, int, int, int, int, tuple[tuple[str, int, int], ...]]:
-        """fds and RSS of the cluster's processes (per leader in `self.fds_by_process`), its
+        """fds and RSS of the cluster's processes (and per supervised process), its
         /dev/shm files, SSD files and most bytes, and its orphaned engine processes: those whose
         environment holds this cluster's engine key (an engine and its children) outside every
         leader's process tree."""
@@ -141,7 +140,6 @@ class FaultBench:
                     rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
                 except (OSError, ValueError, IndexError):
                     continue  # gone meanwhile
-            self.fds_by_process[proc.name] = counted
             processes.append((proc.name, proc.pid, counted))
             fds += counted
         marker = f"{ENGINE_KEY_ENV}={engine_key(self.config.cluster.secret.encode())}".encode()
@@ -231,7 +229,6 @@ class FaultBench:
         report = check_requests(load.outcomes, refs, self.settings.bound_s, origin_s=load.origin_s or 0.0)
         report["resources_before"] = dataclasses.asdict(before)
         report["resources_after"] = dataclasses.asdict(after)
-        report["fds_by_process_after"] = dict(self.fds_by_process)
         report["leaks"] = leaks(before, after, self.config.kv.ssd_bytes)
         return report
 

@@ -25,7 +25,7 @@ import socket
 import ssl
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,6 @@ class AttackTargets:
     attacker_key: str  # a tenant's own API key: a tenant, but not the victim's
     fingerprint: bytes
     member_tls: ClusterTLS | None
-    attempts: list[Attempt] = field(default_factory=list)
 
 
 def foreign_tls(directory: Path) -> ClusterTLS:
@@ -101,9 +100,7 @@ def foreign_channel(address: str, foreign: ClusterTLS, member: ClusterTLS | None
     return grpc.aio.secure_channel(address, credentials)
 
 
-async def grpc_attempts(
-    address: str, channel: grpc.aio.Channel, how: str, victim: Victim, fingerprint: bytes
-) -> list[Attempt]:
+async def grpc_attempts(address: str, channel: grpc.aio.Channel, how: str, victim: Victim) -> list[Attempt]:
     stub = kv_pb2_grpc.KVStoreStub(channel)
     ref = kv_pb2.SessionRef(tenant=victim.tenant, session_id=victim.session)
     calls: list[tuple[str, Any]] = [
@@ -186,7 +183,7 @@ async def run_attacks(targets: AttackTargets, victim: Victim) -> list[Attempt]:
                 ("TLS, no client certificate", no_client_cert_channel(address, member)),
                 ("another CA's certificate", foreign_channel(address, foreign, member)),
             ):
-                attempts += await grpc_attempts(address, channel, how, victim, targets.fingerprint)
+                attempts += await grpc_attempts(address, channel, how, victim)
         foreign_context = foreign.client_context()
         foreign_context.check_hostname = False
         foreign_context.verify_mode = ssl.CERT_NONE  # an attacker does not care whom it talks to

@@ -26,13 +26,14 @@ from typing import Any
 
 import grpc
 
+from eval.faults import CRASH_KINDS
 from eval.faults.chats import ChatLoad
 from eval.faults.checker import RequestOutcome, lost_sessions, percentile
 from symphony.cluster_tls import ClusterTLS, grpc_channel
 from symphony.process import process_tree
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
-KINDS = ("engine_kill", "node_kill", "node_stop", "replica_kill", "etcd_kill", "etcd_stop")
+KINDS = CRASH_KINDS
 PROBE_EVERY_S = 0.1
 PROBE_TOKENS = 1
 PROBES_IN_FLIGHT = 32  # a bound: a frozen cluster does not pile up probes

@@ -199,9 +199,9 @@ async def test_the_fault_suite_s_attempts_are_refused_and_a_member_s_accepted(
         "another CA's certificate": foreign_channel(addresses[0], foreign, tls),
     }
     for how, channel in outsiders.items():
-        attempts = await grpc_attempts(addresses[0], channel, how, victim, info.model_fingerprint)
+        attempts = await grpc_attempts(addresses[0], channel, how, victim)
         assert len(attempts) == 4 and not any(a.accepted for a in attempts), attempts
-    insider = await grpc_attempts(addresses[0], grpc_channel(addresses[0], tls), "member", victim, b"")
+    insider = await grpc_attempts(addresses[0], grpc_channel(addresses[0], tls), "member", victim)
     assert all(a.accepted for a in insider), insider
 
     wrong_ca = foreign.client_context()
