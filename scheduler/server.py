@@ -14,7 +14,8 @@ log = get_logger(__name__)
 
 
 def server_config(config: SymphonyConfig, state: SchedulerState) -> uvicorn.Config:
-    """uvicorn's settings for the scheduler of `config` (each request read within its deadline)."""
+    """uvicorn's settings for the scheduler of `config` (each request read within its deadline,
+    idle connections kept for `scheduler.keep_alive_s`)."""
     return uvicorn.Config(
         create_app(config, state),
         http=read_deadline_protocol(config.scheduler.request_read_timeout_s, state.metrics.read_timeouts.inc),
@@ -23,6 +24,7 @@ def server_config(config: SymphonyConfig, state: SchedulerState) -> uvicorn.Conf
         log_level="warning",
         access_log=False,
         lifespan="on",
+        timeout_keep_alive=config.scheduler.keep_alive_s,
         timeout_graceful_shutdown=5,
     )
 

@@ -76,6 +76,11 @@ class SchedulerConfig:
     # A client must send each request whole (request line, headers, body) within this many seconds
     # of its first byte (of opening the connection, for the first): else the connection is closed.
     request_read_timeout_s: float = 30.0
+    # An idle client connection is kept this long for its next request. Longer than the pools of
+    # the usual clients keep one (httpx, so the `openai` client: 5 s; aiohttp: 15 s): were it the
+    # same, a request sent as the server closes the connection breaks (uvicorn's default is 5 s).
+    # 75 s, as aiohttp's server (the global layer's entries) and nginx keep theirs.
+    keep_alive_s: int = 75  # seconds (uvicorn takes whole ones)
     max_session_id_len: int = 128
     advisory_ttl_s: float = 120.0  # an advisory not followed by a request within this is dropped
     max_advisories: int = 100_000  # pending advisories kept (LRU beyond)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
+from openai._constants import DEFAULT_CONNECTION_LIMITS
 
 from tests.helpers import async_wait_until
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
@@ -74,3 +76,27 @@ async def test_slow_requests_are_closed_at_their_deadline_and_others_are_served(
     assert state.metrics.read_timeouts._value.get() == 3 * SLOW
     for _, writer in slow:
         writer.close()
+
+
+async def test_an_idle_connection_outlives_the_openai_clients_pool(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """A connection the `openai` client's pool still holds is still open on the server: were the
+    server to close idle connections when the pool stops reusing them (uvicorn's default, 5 s, is
+    httpx's), a request sent at that moment would break (seen in `bench faults`)."""
+    url, _ = await start_scheduler([await make_node(engine.url)])
+    reader, writer = await _open(url)
+
+    async def answered() -> bytes:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = re.search(rb"(?i)content-length: *(\d+)", head)
+        assert length, head
+        await asyncio.wait_for(reader.readexactly(int(length[1])), 10)
+        return head
+
+    assert (await answered()).startswith(b"HTTP/1.1 200")
+    # Idle past the point the client's pool would drop the connection: the stimulus, not a wait.
+    await asyncio.sleep(DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 0.5)
+    assert (await answered()).startswith(b"HTTP/1.1 200")
+    writer.close()
