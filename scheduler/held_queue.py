@@ -21,6 +21,7 @@ is its only user).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -82,6 +83,21 @@ class HeldQueue(Generic[T]):
         """Whether a request of `priority` arriving now has others to wait behind (same or higher
         tier): it must not take a node that frees up before them."""
         return any(self._tiers[p].size for p in PRIORITIES[PRIORITY_RANK[priority] :])
+
+    def ahead(self, priority: Priority, tenant: str = DEFAULT_TENANT) -> int:
+        """How many waiting requests a newcomer of `priority` from `tenant`, pushed now, would leave
+        after: every request of a higher tier, its tier's put-back requests, and its tier's requests
+        tagged to start no later than it (all of the tenant's own). Taken in tag order, a lane's
+        head always being its smallest tag, so this is exact for the queue as it stands; requests
+        that arrive later may still go ahead of it (a higher tier, a tenant with less waiting).
+        O(tenants waiting x log(lane length))."""
+        count = sum(self._tiers[p].size for p in PRIORITIES[PRIORITY_RANK[priority] + 1 :])
+        tier = self._tiers[priority]
+        start = max(tier.vtime, tier.finish.get(tenant, tier.vtime))
+        count += len(tier.front)
+        for lane in tier.lanes.values():
+            count += bisect.bisect_right(lane, start, key=lambda entry: entry[0])
+        return count
 
     def push(self, item: T, priority: Priority, tenant: str = DEFAULT_TENANT, *, front: bool = False) -> None:
         tier = self._tiers[priority]

@@ -161,3 +161,35 @@ def test_every_request_leaves_once_and_counts_match_a_model(ops: list[tuple[obje
     assert len(left) == len(set(left))
     rest = queue.take(100)
     assert sorted(rest) == sorted(waiting)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS, st.sampled_from("abc"), st.sampled_from([NORMAL, HIGH]))
+def test_ahead_counts_the_requests_a_newcomer_leaves_after(
+    ops: list[tuple[object, ...]], tenant: str, tier: Priority
+) -> None:
+    """Whatever the queue went through (weights differ: tags are not plain counts), a newcomer
+    pushed now is popped after exactly `ahead` requests."""
+    queue: HeldQueue[object] = HeldQueue(100, quotas(a=TenantLimits(weight=2.0), c=TenantLimits(weight=0.5)))
+    waiting: list[object] = []
+    for n, op in enumerate(ops):
+        if op[0] == "push":
+            _, who, level, front = op
+            assert isinstance(who, str) and isinstance(level, Priority) and isinstance(front, bool)
+            entry = (n, who, level)  # one object: the queue removes by identity
+            queue.push(entry, level, who, front=front)
+            waiting.append(entry)
+        elif op[0] == "pop":
+            if (item := queue.pop()) is not None:
+                waiting.remove(item)
+        elif waiting:
+            item = waiting.pop(int(op[1]) % len(waiting))  # type: ignore[call-overload]
+            queue.remove(item, item[2], item[1])  # type: ignore[index]
+    expected = queue.ahead(tier, tenant)
+    newcomer = object()
+    queue.push(newcomer, tier, tenant)
+    before = 0
+    while (item := queue.pop()) is not newcomer:
+        assert item is not None
+        before += 1
+    assert before == expected
