@@ -30,6 +30,7 @@ from symphony.cli_residency import add_residency_parser
 from symphony.config import ConfigError, SymphonyConfig, dump_toml
 from symphony.control_state import ControlStateError
 from symphony.models import ModelError
+from symphony.open_files import raise_open_files_limit
 
 if TYPE_CHECKING:
     from symphony.regions import RegionTopology
@@ -373,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Servers hold a connection or two per request in flight, and their children inherit this.
+    raise_open_files_limit()
     try:
         return int(args.func(args) or 0)
     except (ConfigError, ModelError, CliError) as exc:
