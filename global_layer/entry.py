@@ -80,7 +80,9 @@ _HOP_BY_HOP = frozenset(
 )
 # Request headers not passed on: the body is forwarded decoded, and asks for no interim answer.
 _NOT_FORWARDED = frozenset(("content-encoding", "expect"))
-UPSTREAM_KEEPALIVE_S = 4.0  # below uvicorn's 5 s, as scheduler.dispatch keeps its engine connections
+# Below the schedulers' keep-alive (scheduler.keep_alive_s, over 5 s) with room to spare, as
+# scheduler.dispatch keeps its engine connections below theirs.
+UPSTREAM_KEEPALIVE_S = 4.0
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/advisories": "advisories"}
 FORWARDED_PATHS = tuple(_ENDPOINTS)
 MAX_ERROR_BODY_BYTES = 64 * 1024  # a failover-able error answer read to find its code
@@ -116,7 +118,7 @@ class Entry:
         self.keys = TenantKeys(config.scheduler.api_keys)
         s = config.scheduler
         # Requests and probes have pools of their own: a full request pool never starves the
-        # probes (a region would read as down). Idle connections are dropped before uvicorn's 5 s
+        # probes (a region would read as down). Idle connections are dropped before the schedulers'
         # keep-alive ends them, so a reused one is never one the scheduler just closed (which
         # would read as the region being unreachable). `connect` bounds the wait for a pooled
         # connection too.

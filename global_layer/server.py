@@ -49,7 +49,11 @@ async def start_entry(entry: Entry, host: str, port: int) -> EntryServer:
     app.middlewares.append(deadlines.middleware)
     # handler_cancellation: a client that leaves before its answer began cancels the relay, and with
     # it the request upstream.
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    # keepalive_timeout: aiohttp's own default (3630 s) would hold an idle client's connection for an
+    # hour; the schedulers' keep_alive_s applies here too.
+    runner = web.AppRunner(
+        app, access_log=None, handler_cancellation=True, keepalive_timeout=entry.config.scheduler.keep_alive_s
+    )
     await runner.setup()
     assert runner.server is not None
     try:

@@ -49,6 +49,7 @@ _STATE_TO_PROTO: dict[ProcessState, node_pb2.EngineState] = {
 
 
 # Engine process states in which its cache is gone (a restart starts from RESTARTING).
+ENGINE_KEEP_ALIVE_S = 75  # idle connections the engine keeps (its clients: this node, the scheduler)
 _ENGINE_GONE = frozenset({ProcessState.RESTARTING, ProcessState.FAILED, ProcessState.STOPPED})
 
 
@@ -122,6 +123,9 @@ def engine_launch(
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
             "PYTHONUNBUFFERED": "1",
+            # vLLM's uvicorn keeps an idle connection 5 s, as long as httpx's pools (our warm-ups,
+            # status scrapes, benchmarks) reuse one: a request sent as it closes would break.
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE_S),
         }
     )
     if cpu_cores:

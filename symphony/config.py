@@ -67,6 +67,9 @@ ENV_PREFIX = "SYMPHONY_"
 REDACTED = "<redacted>"  # a secret as `config show` prints it (symphony.config_secrets)
 # Nodes the scheduler's KV index can hold: one bit each in a 64-bit mask (scheduler.kv_index.MAX_NODES).
 KV_INDEX_MAX_NODES = 64
+# How long httpx's pools (so the `openai` client's) reuse an idle connection: a server must keep one
+# longer (scheduler.keep_alive_s), or a request sent as it closes the connection breaks.
+CLIENT_POOL_KEEPALIVE_S = 5
 
 
 class ConfigError(ValueError):
@@ -272,6 +275,13 @@ def _validate(config: SymphonyConfig) -> None:
         "cost_profile_max_age_days",
     ):
         check(getattr(s, name) > 0, f"scheduler.{name}", "must be positive")
+    check(
+        s.keep_alive_s > CLIENT_POOL_KEEPALIVE_S,
+        "scheduler.keep_alive_s",
+        f"{s.keep_alive_s} s: must be over {CLIENT_POOL_KEEPALIVE_S} s, for as long as the usual clients'"
+        " pools (httpx, so the openai client) reuse an idle connection; a connection closed as it is"
+        " reused breaks the request sent on it",
+    )
     for name in ("route_pull_wait_ms", "route_pull_min_tokens"):
         check(getattr(s, name) >= 0, f"scheduler.{name}", "must not be negative")
     check(

@@ -79,7 +79,8 @@ class SchedulerConfig:
     # An idle client connection is kept this long for its next request. Longer than the pools of
     # the usual clients keep one (httpx, so the `openai` client: 5 s; aiohttp: 15 s): were it the
     # same, a request sent as the server closes the connection breaks (uvicorn's default is 5 s).
-    # 75 s, as aiohttp's server (the global layer's entries) and nginx keep theirs.
+    # 75 s, as nginx and aiohttp's `run_app` keep theirs. The global layer's entries keep theirs
+    # this long too (aiohttp's own default there is an hour).
     keep_alive_s: int = 75  # seconds (uvicorn takes whole ones)
     max_session_id_len: int = 128
     advisory_ttl_s: float = 120.0  # an advisory not followed by a request within this is dropped

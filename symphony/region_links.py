@@ -119,7 +119,7 @@ class RegionLinks:
         app = web.Application(client_max_size=MAX_CONTROL_BODY_BYTES)
         app.router.add_get("/links", self._describe)
         app.router.add_post("/links/{pair}/fault", self._set_fault)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.config.scheduler.keep_alive_s)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.scheduler.host, self.config.regions.link_port_base).start()
 

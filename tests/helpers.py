@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -64,3 +65,38 @@ class EmitRecorder:
     def clear(self) -> None:
         with self._lock:
             self._calls.clear()
+
+
+async def idle_connection_reused(url: str, path: str, idle_s: float, timeout_s: float = 10.0) -> list[bytes]:
+    """GET `path` of `url` (http://host:port) on one connection, idle `idle_s` (the stimulus: the
+    time a client's pool keeps it), then GET it again on the same connection: the status lines of
+    the answers, or b"" for one the server closed the connection before sending."""
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    statuses: list[bytes] = []
+    try:
+        for pause in (0.0, idle_s):
+            await asyncio.sleep(pause)
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                statuses.append(b"")
+                break
+            length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+            assert length, head  # an answer of known length: the next starts after it
+            await asyncio.wait_for(reader.readexactly(int(length[1])), timeout_s)
+            statuses.append(head.split(b"\r\n", 1)[0])
+    finally:
+        writer.close()
+    return statuses
+
+
+async def closed_after(reader: asyncio.StreamReader, timeout_s: float) -> float:
+    """Seconds until the server closes the connection `reader` reads (what it sends meanwhile read
+    away); TimeoutError past `timeout_s`."""
+    started = time.monotonic()
+    async with asyncio.timeout(timeout_s):
+        while await reader.read(4096):
+            pass
+    return time.monotonic() - started

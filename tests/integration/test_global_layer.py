@@ -23,12 +23,12 @@ from global_layer.entry import ABANDON_AFTER_DOWN, CLIENT_REGION_HEADER, REGION_
 from global_layer.server import EntryServer, make_entries, start_entry
 from scheduler.app import create_app
 from symphony.cli import main
-from symphony.config import SymphonyConfig, dump_toml, load_config
+from symphony.config import CLIENT_POOL_KEEPALIVE_S, SymphonyConfig, dump_toml, load_config
 from symphony.region_links import RegionLinks, remote_node_addresses
 from symphony.region_load import RegionLoad, session_digest
 from symphony.regions import RegionTopology
 from symphony.tenancy import internal_headers
-from tests.helpers import async_wait_until
+from tests.helpers import async_wait_until, closed_after
 from tests.integration.fakes import FakeEngine, FakeNodeManager, ready_status
 
 REGIONS = ["us-east:1", "eu-west:1", "ap-south:1"]
@@ -647,3 +647,22 @@ async def _read_answer(reader: asyncio.StreamReader) -> bytes:
     )
     await asyncio.wait_for(reader.readexactly(length), 10)
     return head
+
+
+async def test_an_entry_keeps_an_idle_connection_past_client_pools_and_no_longer(regions: Regions) -> None:
+    """An entry keeps an idle client connection for `scheduler.keep_alive_s`, the schedulers' own:
+    past the 5 s clients' pools reuse one for (a request sent as it closed would break), and not
+    for aiohttp's default of an hour."""
+    keep_s = CLIENT_POOL_KEEPALIVE_S + 1
+    scheduler = dataclasses.replace(regions.config.scheduler, keep_alive_s=keep_s)
+    entry = make_entries(dataclasses.replace(regions.config, scheduler=scheduler), regions.topology)[0]
+    port = free_port_run(1)
+    server = await start_entry(entry, "127.0.0.1", port)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        open_s = await closed_after(reader, 4 * keep_s)  # the answer, then the idle time
+        writer.close()
+        assert CLIENT_POOL_KEEPALIVE_S < open_s < keep_s + 3, open_s
+    finally:
+        await server.close()

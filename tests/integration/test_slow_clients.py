@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 
 import httpx
 from openai._constants import DEFAULT_CONNECTION_LIMITS
 
-from tests.helpers import async_wait_until
+from tests.helpers import async_wait_until, idle_connection_reused
 from tests.integration.conftest import CHAT, MakeNode, StartScheduler, ready
 from tests.integration.fakes import FakeEngine
 
@@ -85,18 +84,5 @@ async def test_an_idle_connection_outlives_the_openai_clients_pool(
     server to close idle connections when the pool stops reusing them (uvicorn's default, 5 s, is
     httpx's), a request sent at that moment would break (seen in `bench faults`)."""
     url, _ = await start_scheduler([await make_node(engine.url)])
-    reader, writer = await _open(url)
-
-    async def answered() -> bytes:
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        length = re.search(rb"(?i)content-length: *(\d+)", head)
-        assert length, head
-        await asyncio.wait_for(reader.readexactly(int(length[1])), 10)
-        return head
-
-    assert (await answered()).startswith(b"HTTP/1.1 200")
-    # Idle past the point the client's pool would drop the connection: the stimulus, not a wait.
-    await asyncio.sleep(DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 0.5)
-    assert (await answered()).startswith(b"HTTP/1.1 200")
-    writer.close()
+    idle_s = DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 0.5
+    assert await idle_connection_reused(url, "/healthz", idle_s) == [b"HTTP/1.1 200 OK"] * 2

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from openai._constants import DEFAULT_CONNECTION_LIMITS
 
 from symphony.config import (
+    CLIENT_POOL_KEEPALIVE_S,
     ClusterConfig,
     ConfigError,
     EngineConfig,
@@ -489,3 +491,13 @@ def test_replicas_need_etcd_and_one_region(tmp_path: Path) -> None:
     # cluster.ha without an etcd named: `symphony up` starts one and names it to its processes.
     config = load_config(env={"SYMPHONY_HOME": str(tmp_path)}, overrides={"cluster": {"ha": True}})
     assert config.scheduler_node_addresses() == ["127.0.0.1:50051", "127.0.0.1:50052"]
+
+
+def test_the_scheduler_keeps_idle_connections_longer_than_the_openai_clients_pool() -> None:
+    """The bound the check holds keep_alive_s to is the one the `openai` client has: a client's
+    pool reusing a connection as the server closes it breaks a request."""
+    expiry = DEFAULT_CONNECTION_LIMITS.keepalive_expiry  # None would be: reused for ever
+    assert expiry is not None and expiry <= CLIENT_POOL_KEEPALIVE_S
+    assert load_config(env={}).scheduler.keep_alive_s > CLIENT_POOL_KEEPALIVE_S
+    with pytest.raises(ConfigError, match=r"scheduler\.keep_alive_s: 5 s: must be over 5 s"):
+        load_config(env={}, overrides={"scheduler": {"keep_alive_s": 5}})

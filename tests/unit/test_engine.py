@@ -11,7 +11,7 @@ import pytest
 from node_manager.engine import EngineLaunch, engine_cpu_cores, engine_launch
 from node_manager.engine_auth import ENGINE_KEY_ENV
 from node_manager.vllm_plugin import AMX_ATTENTION_ENV
-from symphony.config import EngineConfig
+from symphony.config import CLIENT_POOL_KEEPALIVE_S, EngineConfig
 from symphony.models import ModelInfo
 
 MODEL = ModelInfo(path=Path("/models/SmolLM2"), served_name="smol")
@@ -80,6 +80,8 @@ def test_env_sets_kv_cache_space_and_offline_flags() -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "6"
     assert env["HF_HUB_OFFLINE"] == "1"
     assert env["TRANSFORMERS_OFFLINE"] == "1"
+    # Idle connections kept past httpx's pools' 5 s: none is closed as it is reused.
+    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > CLIENT_POOL_KEEPALIVE_S
 
 
 def test_env_keeps_base_env_entries_and_does_not_mutate_it() -> None:
