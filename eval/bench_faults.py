@@ -40,7 +40,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from eval.faults import SCENARIOS
 from eval.faults.attacks import AttackTargets, Victim, run_attacks, summary
 from eval.faults.chats import ANSWER_TOKENS, ChatLoad, Tenant, references
-from eval.faults.checker import Resources, check_requests, leaks, recovery_summary
+from eval.faults.checker import (
+    Resources,
+    check_requests,
+    fd_leaks,
+    fds_settled,
+    leaks,
+    other_leaks,
+    recovery_summary,
+)
 from eval.faults.crashes import KINDS, CrashRunner, Target, schedule
 from eval.ports import free_port_run, private_cluster_config
 from symphony.cluster_tls import grpc_channel
@@ -55,7 +63,7 @@ TENANTS = ("alpha", "beta")  # the load's
 ATTACKER = "mallory"  # a tenant that sends nothing but its attacks
 VICTIM_QUESTION = "Thank you. Now summarise your answer in one sentence."
 # Idle connections in the replicas' pools (to engines: 4 s of keep-alive, swept about as often) are
-# gone within this: what a process holds beyond the bounds after it is a leak. A replica that took
+# gone within this: fds a process holds beyond the bounds after it are a leak. A replica that took
 # over the other's load holds more of them for a while (seen: 26 fds to 60 after a failover).
 POOLS_IDLE_S = 15.0
 BUSY_GAUGES = ("symphony_queued_requests", "symphony_node_inflight", "symphony_advisories_pending")
@@ -227,19 +235,24 @@ class FaultBench:
         await load.close()
         if not await self._wait_whole():
             self.say("the cluster was not whole again within the timeout; checking as it is")
-        after = await self.settled()
-        found = leaks(before, after, self.config.kv.ssd_bytes)
+        first = await self.settled()
+        after, looks = first, [fd_leaks(before, first)]
         deadline = time.monotonic() + POOLS_IDLE_S
-        while found and time.monotonic() < deadline:  # a leak stays; an idle pooled connection goes
+        while not fds_settled(looks)[0] and any(looks) and time.monotonic() < deadline:
             await asyncio.sleep(1.0)
             after = await self.resources()
-            found = leaks(before, after, self.config.kv.ssd_bytes)
+            looks.append(fd_leaks(before, after))
         self.say(f"computing the recompute reference of {load.turns_done()} answers")
         refs = await references(self.engines, self.model, load.outcomes)
         report = check_requests(load.outcomes, refs, self.settings.bound_s, origin_s=load.origin_s or 0.0)
         report["resources_before"] = dataclasses.asdict(before)
-        report["resources_after"] = dataclasses.asdict(after)
-        report["leaks"] = found
+        report["resources_after"] = dataclasses.asdict(first)
+        # fds as they settled; every other bound at the first look (module checker: CLEAN_LOOKS).
+        report["leaks"] = fds_settled(looks)[1] + other_leaks(before, first, self.config.kv.ssd_bytes)
+        report["leaks_first_look"] = leaks(before, first, self.config.kv.ssd_bytes)
+        report["fd_looks"] = len(looks)
+        if after is not first:
+            report["fds_settled_at"] = [after.fds, [list(p) for p in after.processes]]
         return report
 
     async def _wait_whole(self) -> bool:

@@ -12,9 +12,12 @@ from eval.faults.checker import (
     Resources,
     check_requests,
     divergence,
+    fd_leaks,
+    fds_settled,
     judge_answer,
     leaks,
     lost_sessions,
+    other_leaks,
     percentile,
     recovery_summary,
     well_formed_error,
@@ -125,11 +128,32 @@ def test_recovery_is_the_latest_end_of_a_failed_or_slow_probe_after_the_fault() 
     assert recovery_ms(10.0, hung, slow_s=60.0) == 0.0
 
 
-def test_the_slow_bound_is_three_times_the_baseline_p99_and_at_least_a_second() -> None:
+def test_the_slow_bound_is_four_times_the_baseline_p99_and_at_least_a_second() -> None:
+    assert SLOW_FACTOR == 4.0
     assert slow_bound_s([]) == MIN_SLOW_S
     assert slow_bound_s([_ok("p", ("OK",), elapsed_s=0.1)] * 10) == MIN_SLOW_S
-    assert slow_bound_s([_ok("p", ("OK",), elapsed_s=t) for t in (0.5, 0.6, 2.0)]) == pytest.approx(SLOW_FACTOR * 2.0)
+    assert slow_bound_s([_ok("p", ("OK",), elapsed_s=t) for t in (0.5, 0.6, 2.0)]) == pytest.approx(8.0)
     assert slow_bound_s([_failed("connect")]) == MIN_SLOW_S  # failures say nothing of the speed
+
+
+def test_fds_settle_after_clean_looks_in_a_row_and_a_leak_that_stays_is_reported() -> None:
+    grew = ["scheduler-1 (pid 7) went from 26 to 60 open fds"]
+    assert fds_settled([[]]) == (False, [])  # one look: not yet settled, nothing to report
+    assert fds_settled([[], []]) == (True, [])
+    assert fds_settled([grew]) == (False, grew)
+    assert fds_settled([grew, []]) == (False, grew)  # one clean look is noise
+    assert fds_settled([grew, [], []]) == (True, [])  # pooled connections that closed
+    later = ["scheduler-1 (pid 7) went from 26 to 58 open fds"]
+    assert fds_settled([grew, [], later, []]) == (False, later)  # the latest finding
+    assert fds_settled([grew] * 15) == (False, grew)  # a leak stays
+
+
+def test_leaks_split_into_fds_and_the_rest() -> None:
+    before = Resources(100, 1000, 2, 3, 4, 0.0, processes=(("node-0", 5, 50),))
+    after = Resources(200, 2000, 3, 3, 4, 1.0, orphans=1, processes=(("node-0", 5, 150),))
+    assert fd_leaks(before, after) + other_leaks(before, after, 10) == leaks(before, after, 10)
+    assert len(fd_leaks(before, after)) == 2 and all("fds" in found for found in fd_leaks(before, after))
+    assert len(other_leaks(before, after, 10)) == 4 and not any("fds" in f for f in other_leaks(before, after, 10))
 
 
 def test_a_schedule_is_the_seed_s_every_kind_once_per_round() -> None:
