@@ -26,7 +26,7 @@ from node_manager.engine_metrics import (
     MetricsFormatError,
     parse_engine_load,
 )
-from node_manager.vllm_plugin import AMX_ATTENTION_ENV, DIES_WITH_PARENT_ENV
+from node_manager.vllm_plugin import AMX_ATTENTION_ENV, DIES_WITH_PARENT_ENV, PARENT_ENV
 from symphony.config import EngineConfig
 from symphony.config_secrets import scrubbed_env
 from symphony.logs import get_logger
@@ -132,6 +132,7 @@ def engine_launch(
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
     env[AMX_ATTENTION_ENV] = "1" if engine.cpu_amx_attention else "0"
     env[DIES_WITH_PARENT_ENV] = "1"  # its engine core and workers die with it (node_manager.vllm_plugin)
+    env.pop(PARENT_ENV, None)  # the API server's parent is checked by symphony.pdeathsig_exec
     headers = {}
     if api_key:
         env[ENGINE_KEY_ENV] = api_key  # its own key, set after the scrub: the one secret it holds

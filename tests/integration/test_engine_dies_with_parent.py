@@ -1,6 +1,7 @@
 """The vLLM plugin's death signal: a process that loads it with DIES_WITH_PARENT_ENV set (as each
 of an engine's processes does: API server, engine core, workers) dies when its parent is killed
-with -9, where vLLM's engine core used to stay (`symphony bench faults`)."""
+with -9, where vLLM's engine core used to stay (`symphony bench faults`), and one orphaned before it
+loaded the plugin dies when it does."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from node_manager.vllm_plugin import DIES_WITH_PARENT_ENV
+from node_manager.vllm_plugin import DIES_WITH_PARENT_ENV, PARENT_ENV
 from symphony.process import proc_stat_fields
 from tests.helpers import wait_until
 
@@ -69,3 +71,55 @@ def test_a_process_of_an_engine_dies_with_its_killed_parent(script: str) -> None
         parent.kill()
         if child and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+# A process of an engine (the API server, here) starts a child that loads the plugin only after
+# its parent died, as vLLM's engine core may (it loads plugins seconds after it starts): armed then,
+# the death signal would wait for a parent it no longer has.
+LATE_CHILD = (
+    "import os, sys, time\n"
+    "parent = int(sys.argv[2])\n"
+    "deadline = time.monotonic() + 30\n"
+    "while os.getppid() == parent and time.monotonic() < deadline:\n"  # the parent exits first
+    "    time.sleep(0.01)\n"
+    "from node_manager import vllm_plugin\n"
+    "vllm_plugin.register()\n"
+    "open(sys.argv[1], 'w').write('survived')\n"
+    "time.sleep(120)\n"
+)
+STARTS_AND_EXITS = (
+    "import os, subprocess, sys\n"
+    "from node_manager import vllm_plugin\n"
+    "vllm_plugin.register()\n"  # an engine process: its children are told its pid
+    # The child holds no end of this process's pipes: the test reads them to their end.
+    f"argv = [sys.executable, '-c', {LATE_CHILD!r}, sys.argv[1], str(os.getpid())]\n"
+    "child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    "print(child.pid, flush=True)\n"
+)
+
+
+def test_a_process_orphaned_before_it_loads_the_plugin_dies_when_it_does(tmp_path: Path) -> None:
+    survived = tmp_path / "survived"
+    env = {**os.environ, DIES_WITH_PARENT_ENV: "1"}
+    env.pop(PARENT_ENV, None)
+    parent = subprocess.run(
+        [sys.executable, "-c", STARTS_AND_EXITS, str(survived)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert parent.returncode == 0, parent.stderr
+    child = int(parent.stdout)
+    try:
+        wait_until(lambda: not _alive(child) or survived.exists(), 30, "the orphan to load the plugin")
+        assert not survived.exists(), "an orphaned engine process armed its death signal and lived on"
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_process_named_a_parent_that_runs_on_is_not_killed() -> None:
+    """A process vLLM started before it loaded plugins starts one that does: the parent named to the
+    child (the test, here) is not its parent, but runs on; the child is no orphan and goes on."""
+    child = "from node_manager import vllm_plugin; vllm_plugin.register(); print('went on')"
+    between = f"import subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', {child!r}]).returncode)"
+    env = {**os.environ, DIES_WITH_PARENT_ENV: "1", PARENT_ENV: str(os.getpid())}
+    done = subprocess.run([sys.executable, "-c", between], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "went on", (done.returncode, done.stderr)

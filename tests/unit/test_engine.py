@@ -10,7 +10,7 @@ import pytest
 
 from node_manager.engine import EngineLaunch, engine_cpu_cores, engine_launch
 from node_manager.engine_auth import ENGINE_KEY_ENV
-from node_manager.vllm_plugin import AMX_ATTENTION_ENV
+from node_manager.vllm_plugin import AMX_ATTENTION_ENV, DIES_WITH_PARENT_ENV, PARENT_ENV
 from symphony.config import CLIENT_POOL_KEEPALIVE_S, EngineConfig
 from symphony.models import ModelInfo
 
@@ -98,6 +98,13 @@ def test_env_overrides_conflicting_base_entries() -> None:
     ).env
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_engine_is_named_no_parent_to_check_its_own_against() -> None:
+    """A node manager started from an engine's process (a test, a script) inherits PARENT_ENV; its
+    engine's API server must not compare its parent with that (symphony.pdeathsig_exec does)."""
+    env = launch(base_env={PARENT_ENV: "12345"}).env
+    assert PARENT_ENV not in env and env[DIES_WITH_PARENT_ENV] == "1"
 
 
 def test_empty_base_env_does_not_inherit_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
