@@ -48,8 +48,8 @@ _STATE_TO_PROTO: dict[ProcessState, node_pb2.EngineState] = {
 }
 
 
-# Engine process states in which its cache is gone (a restart starts from RESTARTING).
 ENGINE_KEEP_ALIVE_S = 75  # idle connections the engine keeps (its clients: this node, the scheduler)
+# Engine process states in which its cache is gone (a restart starts from RESTARTING).
 _ENGINE_GONE = frozenset({ProcessState.RESTARTING, ProcessState.FAILED, ProcessState.STOPPED})
 
 

@@ -64,7 +64,7 @@ def die_with_parent(parent: int | None) -> None:
     Then the processes this one starts are told its pid (PARENT_ENV)."""
     if not set_death_signal(signal.SIGKILL):
         log.warning("Symphony: this engine process will not die with its parent (prctl failed)")
-    elif parent is not None and os.getppid() != parent and not _running(parent):
+    if parent is not None and os.getppid() != parent and not _running(parent):
         os.kill(os.getpid(), signal.SIGKILL)  # orphaned already: what the death signal would have done
     os.environ[PARENT_ENV] = str(os.getpid())
 

@@ -24,12 +24,15 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+# Resolved once, at import: a forked child of a threaded process (the vLLM plugin's at-fork hook)
+# must not take the dynamic loader's lock, which another thread may have held at the fork.
+_LIBC = ctypes.CDLL(None, use_errno=True)
 _USAGE = "usage: python -m symphony.pdeathsig_exec PARENT_PID [--nice N] [--death-signal SIG] COMMAND [ARG...]"
 
 
 def set_death_signal(sig: int) -> bool:
     """Have this process get `sig` when the thread that started it ends; False if prctl failed."""
-    return int(ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)) == 0
+    return int(_LIBC.prctl(_PR_SET_PDEATHSIG, sig)) == 0
 
 
 def lower_priority(nice: int) -> None:
