@@ -37,7 +37,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from eval.faults import SCENARIOS
+from eval.faults import CRASH_KINDS, SCENARIOS
 from eval.faults.attacks import AttackTargets, Victim, run_attacks, summary
 from eval.faults.chats import ANSWER_TOKENS, ChatLoad, Tenant, references
 from eval.faults.checker import (
@@ -49,7 +49,7 @@ from eval.faults.checker import (
     other_leaks,
     recovery_summary,
 )
-from eval.faults.crashes import KINDS, CrashRunner, Target, schedule
+from eval.faults.crashes import CrashRunner, Target, schedule
 from eval.ports import free_port_run, private_cluster_config
 from symphony.cluster_tls import grpc_channel
 from symphony.config import SymphonyConfig
@@ -74,7 +74,7 @@ class FaultSettings:
     scenarios: tuple[str, ...] = SCENARIOS
     seed: int = 0
     rounds: int = 2  # passes over the crash kinds
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = CRASH_KINDS
     sessions: int = 4
     warmup_turns: int = 8  # answered turns before the first fault or attack
     bound_s: float = 120.0  # every request ends within this (the clients' timeout)
@@ -238,7 +238,8 @@ class FaultBench:
         first = await self.settled()
         after, looks = first, [fd_leaks(before, first)]
         deadline = time.monotonic() + POOLS_IDLE_S
-        while not fds_settled(looks)[0] and any(looks) and time.monotonic() < deadline:
+        # Looked at again while a finding stands (not CLEAN_LOOKS clean looks in a row yet).
+        while (fds_found := fds_settled(looks)[1]) and time.monotonic() < deadline:
             await asyncio.sleep(1.0)
             after = await self.resources()
             looks.append(fd_leaks(before, after))
@@ -248,7 +249,7 @@ class FaultBench:
         report["resources_before"] = dataclasses.asdict(before)
         report["resources_after"] = dataclasses.asdict(first)
         # fds as they settled; every other bound at the first look (module checker: CLEAN_LOOKS).
-        report["leaks"] = fds_settled(looks)[1] + other_leaks(before, first, self.config.kv.ssd_bytes)
+        report["leaks"] = fds_found + other_leaks(before, first, self.config.kv.ssd_bytes)
         report["leaks_first_look"] = leaks(before, first, self.config.kv.ssd_bytes)
         report["fd_looks"] = len(looks)
         if after is not first:

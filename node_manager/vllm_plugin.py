@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from symphony.pdeathsig_exec import set_death_signal
-from symphony.process import proc_stat_fields
+from symphony.process import pid_running
 
 AMX_ATTENTION_ENV = "SYMPHONY_CPU_AMX_ATTENTION"  # "0": vLLM's CPU attention avoids its AMX kernel
 DIES_WITH_PARENT_ENV = "SYMPHONY_ENGINE_DIES_WITH_PARENT"  # "1": each engine process dies with its parent
@@ -64,14 +64,9 @@ def die_with_parent(parent: int | None) -> None:
     Then the processes this one starts are told its pid (PARENT_ENV)."""
     if not set_death_signal(signal.SIGKILL):
         log.warning("Symphony: this engine process will not die with its parent (prctl failed)")
-    if parent is not None and os.getppid() != parent and not _running(parent):
+    if parent is not None and os.getppid() != parent and not pid_running(parent):
         os.kill(os.getpid(), signal.SIGKILL)  # orphaned already: what the death signal would have done
     os.environ[PARENT_ENV] = str(os.getpid())
-
-
-def _running(pid: int) -> bool:
-    fields = proc_stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
 
 
 _at_fork = False  # die_with_parent registered for forked children (once per process)

@@ -255,7 +255,6 @@ def _validate(config: SymphonyConfig) -> None:
         "connect_timeout_s",
         "request_timeout_s",
         "request_read_timeout_s",
-        "keep_alive_s",
         "advisory_ttl_s",
         "typing_lead_ms",
         "max_prefetches",

@@ -384,6 +384,12 @@ def proc_stat_fields(pid: int | str) -> list[str] | None:
     return stat[stat.rfind(")") + 2 :].split()
 
 
+def pid_running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    fields = proc_stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is pgid."""
     members = []

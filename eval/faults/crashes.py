@@ -33,7 +33,6 @@ from symphony.cluster_tls import ClusterTLS, grpc_channel
 from symphony.process import process_tree
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 
-KINDS = CRASH_KINDS
 PROBE_EVERY_S = 0.1
 PROBE_TOKENS = 1
 # Few: probes must measure the cluster, not a queue of probes. With 32 in flight they saturated the
@@ -62,7 +61,7 @@ HOLD_S = (1.0, 3.0)  # how long a SIGSTOP lasts, drawn uniformly
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # one of KINDS
+    kind: str  # one of CRASH_KINDS
     target: int  # node index (engine_*, node_*) or replica index (replica_*); 0 for etcd
     hold_s: float  # SIGSTOP kinds: frozen this long; 0 for kills
 
@@ -71,7 +70,7 @@ class Fault:
         return f"{self.kind} {where}" + (f" for {self.hold_s:.1f} s" if self.hold_s else "")
 
 
-def schedule(seed: int, nodes: int, replicas: int, rounds: int, kinds: Sequence[str] = KINDS) -> list[Fault]:
+def schedule(seed: int, nodes: int, replicas: int, rounds: int, kinds: Sequence[str] = CRASH_KINDS) -> list[Fault]:
     """`rounds` passes over `kinds`, each pass in an order of its own; targets and hold times
     drawn from `seed` (the same seed, the same schedule)."""
     rng = random.Random(seed)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from eval.faults.crashes import KINDS
+from eval.faults import CRASH_KINDS
 from symphony.config import default_home
 from symphony.models import fetch_default_model
 
@@ -43,7 +43,7 @@ def test_the_cluster_survives_every_crash_and_refuses_every_attack(tmp_path: Pat
     assert done.returncode == (1 if missed else 0), explained
 
     crashes = result["scenarios"]["crashes"]
-    assert sorted(f["kind"] for f in crashes["faults"]) == sorted(KINDS)
+    assert sorted(f["kind"] for f in crashes["faults"]) == sorted(CRASH_KINDS)
     assert all(f["recovered"] and "skipped" not in f for f in crashes["faults"])
     assert crashes["checked_outputs"] > 0 and crashes["wrong_outputs"] == 0
     assert crashes["ssd_sessions_checked"] > 0 and crashes["lost_sessions"] == []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from node_manager.vllm_plugin import DIES_WITH_PARENT_ENV, PARENT_ENV
-from symphony.process import proc_stat_fields
+from symphony.process import pid_running
 from tests.helpers import wait_until
 
 # The parent starts a child that loads the plugin, prints the child's pid, and waits to be killed.
@@ -29,11 +29,6 @@ PARENT = (
     "print(child.pid, flush=True)\n"
     "time.sleep(120)\n"
 )
-
-
-def _alive(pid: int) -> bool:
-    fields = proc_stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
 
 
 # A process that loads the plugin and then forks (vLLM's start method where CUDA is not yet
@@ -63,13 +58,13 @@ def test_a_process_of_an_engine_dies_with_its_killed_parent(script: str) -> None
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
-        assert _alive(child)
+        assert pid_running(child)
         parent.kill()
         parent.wait(10)
-        wait_until(lambda: not _alive(child), 10, "the child to get its death signal")
+        wait_until(lambda: not pid_running(child), 10, "the child to get its death signal")
     finally:
         parent.kill()
-        if child and _alive(child):
+        if child and pid_running(child):
             os.kill(child, signal.SIGKILL)
 
 
@@ -108,10 +103,10 @@ def test_a_process_orphaned_before_it_loads_the_plugin_dies_when_it_does(tmp_pat
     assert parent.returncode == 0, parent.stderr
     child = int(parent.stdout)
     try:
-        wait_until(lambda: not _alive(child) or survived.exists(), 30, "the orphan to load the plugin")
+        wait_until(lambda: not pid_running(child) or survived.exists(), 30, "the orphan to load the plugin")
         assert not survived.exists(), "an orphaned engine process armed its death signal and lived on"
     finally:
-        if _alive(child):
+        if pid_running(child):
             os.kill(child, signal.SIGKILL)
 
 

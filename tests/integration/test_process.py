@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from symphony import process as process_module
-from symphony.process import ManagedProcess, ProcessState, RestartPolicy, group_members, proc_stat_fields
+from symphony.process import ManagedProcess, ProcessState, RestartPolicy, group_members, pid_running, proc_stat_fields
 from tests.helpers import async_wait_until, free_port, wait_until
 
 FAKE_CHILD = Path(__file__).with_name("fake_child.py")
@@ -65,14 +65,6 @@ def _autogroup(pid: int) -> str | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 async def test_becomes_ready_and_stop_kills_the_whole_group(tmp_path: Path) -> None:
     pidfile = tmp_path / "pids"
     proc = _process(tmp_path, "--grandchild", "--pidfile", str(pidfile), shm_scan_interval_s=0.05)
@@ -83,7 +75,7 @@ async def test_becomes_ready_and_stop_kills_the_whole_group(tmp_path: Path) -> N
     assert os.getpgid(grandchild) == leader, "the grandchild shares the supervised process group"
     await proc.stop()
     assert proc.state is ProcessState.STOPPED
-    assert not _alive(leader) and not _alive(grandchild)
+    assert not pid_running(leader) and not pid_running(grandchild)
     assert group_members(leader) == []
 
 
@@ -337,9 +329,9 @@ def test_child_dies_with_its_killed_supervisor(tmp_path: Path, death: str) -> No
     try:
         assert parent.stdout is not None
         child_pid = int(parent.stdout.readline())
-        assert _alive(child_pid)
+        assert pid_running(child_pid)
         parent.kill()  # SIGKILL: the supervisor gets no chance to stop its child
         parent.wait(10)
-        wait_until(lambda: not _alive(child_pid), 10, "the orphaned child to receive its death signal")
+        wait_until(lambda: not pid_running(child_pid), 10, "the orphaned child to receive its death signal")
     finally:
         parent.kill()

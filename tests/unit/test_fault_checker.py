@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from eval.faults import CRASH_KINDS
 from eval.faults.checker import (
     Answer,
     RequestOutcome,
@@ -22,7 +23,7 @@ from eval.faults.checker import (
     recovery_summary,
     well_formed_error,
 )
-from eval.faults.crashes import KINDS, MIN_SLOW_S, SLOW_FACTOR, recovery_ms, schedule, slow_bound_s, unavailable
+from eval.faults.crashes import MIN_SLOW_S, SLOW_FACTOR, recovery_ms, schedule, slow_bound_s, unavailable
 
 
 def _ok(session: str, tokens: tuple[str, ...], elapsed_s: float = 1.0, started_s: float = 0.0) -> RequestOutcome:
@@ -161,7 +162,7 @@ def test_a_schedule_is_the_seed_s_every_kind_once_per_round() -> None:
     assert first == schedule(7, nodes=2, replicas=2, rounds=3)
     assert first != schedule(8, nodes=2, replicas=2, rounds=3)
     for r in range(3):
-        assert sorted(f.kind for f in first[r * len(KINDS) : (r + 1) * len(KINDS)]) == sorted(KINDS)
+        assert sorted(f.kind for f in first[r * len(CRASH_KINDS) : (r + 1) * len(CRASH_KINDS)]) == sorted(CRASH_KINDS)
     for fault in first:
         assert (fault.hold_s > 0) == fault.kind.endswith("_stop") and fault.hold_s <= 3.0
         assert 0 <= fault.target < 2 and (fault.target == 0 or not fault.kind.startswith("etcd"))
