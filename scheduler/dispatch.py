@@ -15,10 +15,11 @@ from dataclasses import dataclass, replace
 import aiohttp
 from fastapi.responses import Response
 
+from scheduler.admission import SlotRate
 from scheduler.advisories import AdvisoryTable, advisory_reply
 from scheduler.cost_profile import DEFAULT_PROFILE, CostProfile
 from scheduler.decisions import PullRule, Routing, advisory_choice, advisory_move, rooms
-from scheduler.errors import ApiError, error_response, no_engine_error, queue_timeout_error, too_many_inflight_error
+from scheduler.errors import ApiError, error_response, no_engine_error, too_many_inflight_error
 from scheduler.kv_locator import RequestLocator
 from scheduler.metrics import SchedulerMetrics
 from scheduler.node_monitor import NodeMonitor, NodeView
@@ -26,7 +27,7 @@ from scheduler.policies.symphony import SymphonyPolicy
 from scheduler.prefetcher import LatestMoves, MoveState, Prefetch, Prefetcher
 from scheduler.priorities import PriorityTable
 from scheduler.pull_costs import ObservedLinks
-from scheduler.push_queue import PushQueue, QueueFull
+from scheduler.push_queue import PushQueue
 from scheduler.relay import BufferedRelay, Exchange, StreamRelay, UpstreamRelay
 from scheduler.routing import (
     NOTHING_HELD,
@@ -40,7 +41,6 @@ from scheduler.routing import (
 from scheduler.sessions import SessionKey, SessionTable
 from scheduler.validation import AdvisoryRequest, InferenceRequest
 from symphony.config import SchedulerConfig
-from symphony.finish_rate import FinishRate
 from symphony.logs import get_logger
 from symphony.tenant_quotas import TenantQuotas
 
@@ -93,7 +93,13 @@ class Dispatcher:
         # Given or new (not `or`: an empty table is falsy).
         self.sessions = sessions if sessions is not None else SessionTable(config.max_sessions, config.session_ttl_s)
         self.priorities = priorities if priorities is not None else PriorityTable(config.max_priority_settings)
-        self.queue = PushQueue(config.max_queued_requests, quotas)  # tenants' turns and shares
+        self.queue = PushQueue(  # tenants' turns and shares, admission
+            config.max_queued_requests,
+            quotas,
+            min(config.max_queue_wait_s, config.queue_timeout_s),
+            config.queue_timeout_s,
+            metrics,
+        )
         self.pulls = PullRule(config.route_pull_wait_ms, config.route_pull_min_tokens)
         self.links = ObservedLinks(profile)  # pulls' observed times correct the profile's links
         self.remote_nodes = dict(remote_nodes or {})  # other regions' nodes, through the WAN links
@@ -102,7 +108,9 @@ class Dispatcher:
         )
         self.prefetches = LatestMoves(config.max_advisories)
         self.inflight_total = 0
-        self.finishes = FinishRate()  # requests that reached an engine and ended (region_summary); loop only
+        # Requests that reached an engine and ended: how fast slots free up (admission; its finish
+        # rate: region_summary). Loop only.
+        self.slots = SlotRate()
         self._session: aiohttp.ClientSession | None = None
         cluster.on_status = self.wake_queued
 
@@ -202,19 +210,8 @@ class Dispatcher:
             requeued = True
 
     async def _wait_for_room(self, request: RouteRequest, wait_until: float, requeued: bool) -> None:
-        remaining = wait_until - time.monotonic()
-        if remaining <= 0:
-            raise queue_timeout_error(self.config.queue_timeout_s)
-        self.metrics.queued.inc()
-        try:
-            with self.metrics.queue_wait.labels(request.priority).time():
-                woken = await self.queue.wait(request.priority, remaining, request.tenant, front=requeued)
-        except QueueFull as exc:
-            raise ApiError(429, f"{exc}; retry later", code=exc.code) from None
-        finally:
-            self.metrics.queued.dec()
-        if not woken:
-            raise queue_timeout_error(self.config.queue_timeout_s)
+        slots_per_s = self.slots.per_s(time.monotonic() * 1000, self.inflight_total)
+        await self.queue.wait_for_room(request.priority, request.tenant, wait_until, requeued, slots_per_s)
 
     def wake_queued(self) -> None:
         """Room may have opened (a status arrived, a request ended): let as many queued requests try
@@ -432,7 +429,7 @@ class Dispatcher:
             headers["x-session-id"] = request.session_id
         node.inflight += 1
         self.inflight_total += 1
-        released = False
+        released, sent_ms = False, time.monotonic() * 1000
         # Its prefill's size counts as the node's until its first token (what requests routed next
         # wait behind). A plain answer arrives whole: it counts until the engine's gauges do.
         prefilling, priority = True, routed.priority
@@ -456,7 +453,8 @@ class Dispatcher:
                 node.inflight -= 1
                 self.inflight_total -= 1
                 if reached_engine:  # one that never did freed no engine's slot
-                    self.finishes.finished(time.monotonic() * 1000)
+                    now_ms = time.monotonic() * 1000
+                    self.slots.ended(now_ms, now_ms - sent_ms)
                 self.wake_queued()
 
         forget = (lambda: None) if request.stream else node.count_until_gauged(time.monotonic(), first_token)

@@ -19,6 +19,7 @@ __all__ = [
     "error_response",
     "http_error_handler",
     "no_engine_error",
+    "overloaded_error",
     "queue_timeout_error",
     "rate_limited_error",
     "sse_error_event",
@@ -51,6 +52,17 @@ class ApiError(Exception):
 def queue_timeout_error(timeout_s: float) -> ApiError:
     return ApiError(
         503, f"every node has requests waiting and none freed up in {timeout_s:g} s; retry later", code="queue_timeout"
+    )
+
+
+def overloaded_error(wait_s: float, max_wait_s: float, retry_after_s: int) -> ApiError:
+    """Refused by admission (scheduler.admission): it would wait past `max_wait_s` for a node."""
+    return ApiError(
+        503,
+        f"every node is busy: this request would wait about {wait_s:.0f} s for one, over the"
+        f" {max_wait_s:g} s allowed (scheduler.max_queue_wait_s); retry in {retry_after_s} s",
+        code="overloaded",
+        headers={"retry-after": str(retry_after_s)},
     )
 
 

@@ -10,8 +10,10 @@ another tenant's: with equal weights the tenants alternate, with weights 2 and 1
 turns for each of the second's. One tenant alone gets FIFO. A request put back at the head of its
 tier (`front`: it was woken but found no room) goes before every other request of that tier.
 
-Bounds: `max_waiting` requests in all (a newcomer beyond raises QueueFull), and a tenant's own
-`max_queued` of its quotas; a request put back always gets its place. State is kept only for
+Bounds: `max_waiting` requests in all (a newcomer beyond raises QueueFull), a tenant's own
+`max_queued` of its quotas, and `max_wait_s`: a newcomer that would wait longer, by the rate slots
+free up that its pusher gives, raises Overloaded (`scheduler.admission`). A request put back always
+gets its place. State is kept only for
 tenants with requests waiting: a tenant whose lane empties starts again at V (it gains at most one
 turn's credit).
 
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from scheduler.admission import Overloaded, admit
 from scheduler.routing import PRIORITY_RANK
 from symphony.priority import PRIORITIES, Priority
 from symphony.tenancy import DEFAULT_TENANT
@@ -34,7 +38,7 @@ from symphony.tenant_quotas import TenantLimits, TenantQuotas
 
 T = TypeVar("T")
 
-__all__ = ["HeldQueue", "QueueFull"]
+__all__ = ["HeldQueue", "Overloaded", "QueueFull"]
 
 _EVEN = TenantLimits()  # weight 1, no bound of its own
 
@@ -58,12 +62,13 @@ class _Tier(Generic[T]):
 
 
 class HeldQueue(Generic[T]):
-    def __init__(self, max_waiting: int, quotas: TenantQuotas | None = None) -> None:
+    def __init__(self, max_waiting: int, quotas: TenantQuotas | None = None, max_wait_s: float = math.inf) -> None:
         """`quotas`: each tenant's weight and `max_queued` (0: only `max_waiting` bounds it); None:
-        every tenant weighs 1, with no bound of its own."""
-        if max_waiting <= 0:
-            raise ValueError("max_waiting must be positive")
+        every tenant weighs 1, with no bound of its own. `max_wait_s`: admission's bound (inf: none)."""
+        if max_waiting <= 0 or not max_wait_s > 0:
+            raise ValueError(f"max_waiting {max_waiting} and max_wait_s {max_wait_s} must be positive")
         self.max_waiting = max_waiting
+        self.max_wait_s = max_wait_s
         self._quotas = quotas
         self._tiers: dict[Priority, _Tier[T]] = {p: _Tier() for p in PRIORITIES}
         self._per_tenant: Counter[str] = Counter()
@@ -99,7 +104,11 @@ class HeldQueue(Generic[T]):
             count += bisect.bisect_right(lane, start, key=lambda entry: entry[0])
         return count
 
-    def push(self, item: T, priority: Priority, tenant: str = DEFAULT_TENANT, *, front: bool = False) -> None:
+    def push(
+        self, item: T, priority: Priority, tenant: str = DEFAULT_TENANT, *, front: bool = False, slots_per_s: float = 0
+    ) -> None:
+        """Queue `item`; a newcomer (not `front`) may raise QueueFull, or Overloaded when it would
+        wait past `max_wait_s` with slots freeing at `slots_per_s` (0: not known, admitted)."""
         tier = self._tiers[priority]
         if front:
             tier.front.append((item, tenant))
@@ -112,6 +121,10 @@ class HeldQueue(Generic[T]):
                     f"tenant {tenant!r} has {limits.max_queued} requests waiting for a node already (its limit)",
                     "tenant_queue_full",
                 )
+            if slots_per_s > 0 and self.max_wait_s < math.inf:
+                verdict = admit(self.ahead(priority, tenant), slots_per_s, self.max_wait_s)
+                if not verdict.admitted:
+                    raise Overloaded(verdict.wait_s or 0.0, verdict.retry_after_s)
             start = max(tier.vtime, tier.finish.get(tenant, tier.vtime))
             tier.finish[tenant] = start + 1.0 / limits.weight
             tier.lanes.setdefault(tenant, deque()).append((start, next(self._seq), item))

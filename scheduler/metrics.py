@@ -132,6 +132,12 @@ class SchedulerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.overloaded = Counter(
+            "symphony_overloaded",
+            "Requests refused (503) that would wait for a node past scheduler.max_queue_wait_s, by priority tier",
+            ["priority"],
+            registry=r,
+        )
         self.queued = Gauge("symphony_queued_requests", "Requests waiting in the scheduler for a node", registry=r)
         self.advisory_followups = Counter(
             "symphony_advisory_followups",

@@ -1,24 +1,40 @@
 """Requests held back by selective pushing: while every node has requests waiting, a new request
 waits here rather than in one engine's queue, so it starts on whichever node frees up first.
 The order and the bounds are `scheduler.held_queue.HeldQueue`'s (higher tiers first, tenants taking
-turns by weight within a tier; a full queue, or a tenant's full share of it, answers 429); this adds
-the waiting, with a deadline (then 503), so nothing waits forever."""
+turns by weight within a tier; a full queue, or a tenant's full share of it, answers 429; a newcomer
+that would wait past `max_wait_s`, 503: `scheduler.admission`); this adds the waiting, with a
+deadline (then 503), so nothing waits forever."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
-from scheduler.held_queue import HeldQueue, QueueFull
+from scheduler.errors import ApiError, overloaded_error, queue_timeout_error
+from scheduler.held_queue import HeldQueue, Overloaded, QueueFull
+from scheduler.metrics import SchedulerMetrics
 from symphony.priority import Priority
 from symphony.tenancy import DEFAULT_TENANT
 from symphony.tenant_quotas import TenantQuotas
 
-__all__ = ["PushQueue", "QueueFull"]
+__all__ = ["Overloaded", "PushQueue", "QueueFull"]
 
 
 class PushQueue:
-    def __init__(self, max_waiting: int, quotas: TenantQuotas | None = None) -> None:
-        self._held: HeldQueue[asyncio.Future[None]] = HeldQueue(max_waiting, quotas)
+    def __init__(
+        self,
+        max_waiting: int,
+        quotas: TenantQuotas | None = None,
+        max_wait_s: float = math.inf,
+        timeout_s: float = math.inf,
+        metrics: SchedulerMetrics | None = None,
+    ) -> None:
+        """`max_wait_s`: admission's bound (`scheduler.max_queue_wait_s`); `timeout_s`: the longest
+        a request waits in all (`scheduler.queue_timeout_s`), for `wait_for_room`'s errors."""
+        self._held: HeldQueue[asyncio.Future[None]] = HeldQueue(max_waiting, quotas, max_wait_s)
+        self.timeout_s = timeout_s
+        self.metrics = metrics if metrics is not None else SchedulerMetrics()
 
     @property
     def max_waiting(self) -> int:
@@ -37,13 +53,19 @@ class PushQueue:
         return self._held.waiting_of(tenant)
 
     async def wait(
-        self, priority: Priority, timeout_s: float, tenant: str = DEFAULT_TENANT, *, front: bool = False
+        self,
+        priority: Priority,
+        timeout_s: float,
+        tenant: str = DEFAULT_TENANT,
+        front: bool = False,
+        slots_per_s: float = 0.0,
     ) -> bool:
         """Wait for a turn to try the nodes again: True when woken, False when `timeout_s` passed.
         `front`: a request woken before that found no room again keeps its place at the head.
-        Raises QueueFull when a newcomer finds the queue full."""
+        Raises QueueFull when a newcomer finds the queue full, Overloaded when it would wait past
+        `max_wait_s` with engine slots freeing at `slots_per_s` (0: not known)."""
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._held.push(turn, priority, tenant, front=front)
+        self._held.push(turn, priority, tenant, front=front, slots_per_s=slots_per_s)
         woken = False
         try:
             await asyncio.wait_for(asyncio.shield(turn), timeout_s)
@@ -58,6 +80,29 @@ class PushQueue:
             else:
                 turn.cancel()
                 self._held.remove(turn, priority, tenant)
+
+    async def wait_for_room(
+        self, priority: Priority, tenant: str, wait_until: float, requeued: bool, slots_per_s: float
+    ) -> None:
+        """`wait` until woken, as the scheduler answers its clients: raises ApiError 503
+        (`queue_timeout`) once `time.monotonic()` passes `wait_until`, 503 (`overloaded`, with
+        Retry-After) for a newcomer refused by admission, 429 for a full queue or tenant's share."""
+        remaining = wait_until - time.monotonic()
+        if remaining <= 0:
+            raise queue_timeout_error(self.timeout_s)
+        self.metrics.queued.inc()
+        try:
+            with self.metrics.queue_wait.labels(priority).time():
+                woken = await self.wait(priority, remaining, tenant, requeued, slots_per_s)
+        except Overloaded as exc:
+            self.metrics.overloaded.labels(priority).inc()
+            raise overloaded_error(exc.wait_s, self._held.max_wait_s, exc.retry_after_s) from None
+        except QueueFull as exc:
+            raise ApiError(429, f"{exc}; retry later", code=exc.code) from None
+        finally:
+            self.metrics.queued.dec()
+        if not woken:
+            raise queue_timeout_error(self.timeout_s)
 
     def wake(self, count: int) -> int:
         """Let up to `count` waiters try again, in the queue's order; returns how many."""

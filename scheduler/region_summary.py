@@ -18,7 +18,7 @@ from symphony.region_load import RegionLoad
 def region_load(state: SchedulerState) -> RegionLoad:
     dispatcher = state.dispatcher
     now_s = time.monotonic()
-    finishing = dispatcher.finishes.per_s(now_s * 1000)
+    finishing = dispatcher.slots.finishes.per_s(now_s * 1000)
     nodes = state.cluster.available_snapshots()
     max_running = state.config.engine.max_running()  # every node's engine runs the cluster's [engine]
     index = state.kv_index

@@ -264,6 +264,7 @@ def _validate(config: SymphonyConfig) -> None:
         "max_priority_settings",
         "max_queued_requests",
         "queue_timeout_s",
+        "max_queue_wait_s",
         "kv_index_max_blocks",
         "kv_watch_timeout_ms",
         "kv_watch_backoff_max_ms",

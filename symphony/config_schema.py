@@ -110,6 +110,11 @@ class SchedulerConfig:
     kv_watch_backoff_max_ms: int = 5000  # longest wait between a node's resubscriptions (doubling from 100 ms)
     max_queued_requests: int = 1024  # requests held back by selective pushing; beyond: 429
     queue_timeout_s: float = 60.0  # a held-back request that finds no room by then: 503
+    # A request that would be held back longer than this, by the rate engine slots free up, is
+    # refused at once (503 with Retry-After) rather than queued (scheduler/admission.py): past
+    # capacity the queue then stays this short instead of growing to queue_timeout_s (the smaller
+    # of the two applies).
+    max_queue_wait_s: float = 10.0
     # Tenants' API keys, "tenant:key" each; empty: no authentication, every request is tenant "default".
     api_keys: list[str] = field(default_factory=list)
     admin_token: str = ""  # bearer token of the admin API (/admin/v1/...); empty: the admin API is off

@@ -12,8 +12,10 @@ way) first waits for a pull (bounded), which joins the move if one runs.
 Every decision the scheduler makes is made here by the same code, `scheduler.decisions`: the
 advisory's node, where a request goes, the pull it waits for, and the held-back queue of selective
 pushing, whose requests get another try (one per node with nothing waiting, as the scheduler wakes
-them) whenever an engine step ends. The snapshots those decisions read also count what the
-scheduler counts: announced advisories and each node's high-priority sessions.
+them) whenever an engine step ends, and admission (`scheduler.admission`): a newcomer that would
+wait there past `max_queue_wait_s`, at the rate engine slots free up, is refused. The snapshots those
+decisions read also count what the scheduler counts: announced advisories and each node's
+high-priority sessions.
 
 Kept simple on purpose, and said so: a node's tiers keep every session's KV that reached it (assumed
 large enough), a move's time is the history's bytes over the link's bandwidth plus its RTT, and KV
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from eval.sim.engine import EngineModel, SimEngine, SimRequest, StepPlan
 from eval.sim.events import EventLoop
 from eval.sim.turns import Script, Turn
+from scheduler.admission import Overloaded, SlotRate
 from scheduler.decisions import PullRule, Routing, advisory_choice, rooms
 from scheduler.held_queue import HeldQueue, QueueFull
 from scheduler.routing import PRIORITY_RANK, HeldPrefix, NodeSnapshot, Priority, RouteRequest, RoutingPolicy, kv_source
@@ -82,6 +85,7 @@ class ClusterSim:
         route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens,
         typing_lead_ms: float = _SCHEDULER.typing_lead_ms,
         max_queued_requests: int = _SCHEDULER.max_queued_requests,
+        max_queue_wait_s: float = min(_SCHEDULER.max_queue_wait_s, _SCHEDULER.queue_timeout_s),
         quotas: TenantQuotas | None = None,
         prefix_caching: bool = True,
         loop: EventLoop | None = None,
@@ -107,7 +111,8 @@ class ClusterSim:
         self._moves_due: dict[tuple[str, str], float] = {}
         # The scheduler's held-back queue, tenants' weights and shares included (`[quotas]`; None:
         # its defaults, every tenant weighing 1 with no share of its own).
-        self._queue: HeldQueue[_Held] = HeldQueue(max_queued_requests, quotas)
+        self._queue: HeldQueue[_Held] = HeldQueue(max_queued_requests, quotas, max_queue_wait_s)
+        self._slots = SlotRate()  # how fast engine slots free up, as the scheduler's dispatcher counts
         self._inflight: dict[str, int] = dict.fromkeys(self.engines, 0)
         self._announced: dict[str, int] = dict.fromkeys(self.engines, 0)
         # As the scheduler's session table: high-priority sessions per node their last turn went to.
@@ -354,10 +359,13 @@ class ClusterSim:
             self._refuse(held.request)  # no node serves it: the scheduler answers 503
 
     def _hold(self, held: _Held, front: bool = False) -> None:
+        slots_per_s = self._slots.per_s(self.now_ms, sum(self._inflight.values()))
         try:
-            self._queue.push(held, held.turn.priority, held.turn.tenant, front=front)
+            self._queue.push(held, held.turn.priority, held.turn.tenant, front=front, slots_per_s=slots_per_s)
         except QueueFull:
             self._refuse(held.request)  # the scheduler answers 429
+        except Overloaded:
+            self._refuse(held.request)  # the scheduler answers 503 (overloaded)
 
     def _wake_held(self) -> None:
         """Room may have opened: as many held-back requests as there are nodes with nothing waiting
@@ -394,6 +402,7 @@ class ClusterSim:
             cached = min(cached, held.turn.history_tokens)
         request.cached_tokens = min(cached, request.prompt_tokens)
         self._inflight[node_id] += 1
+        request.sent_ms = self.now_ms
         if delay_ms:
             self.at(self.now_ms + delay_ms, lambda: self._enqueue(request, node_id))
         else:
@@ -454,6 +463,7 @@ class ClusterSim:
         self._stepping.discard(node_id)
         for request in self.engines[node_id].finish_step(plan, self.now_ms):
             self._inflight[node_id] -= 1
+            self._slots.ended(self.now_ms, self.now_ms - (request.sent_ms or self.now_ms))
             # The turn's KV stays on the node that computed it: its prompt and answer but the last
             # answer token, which is never fed back. The node's tiers keep all of it (the connector
             # saves the partial last block too); the engine's prefix cache only whole blocks, as

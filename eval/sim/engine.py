@@ -105,6 +105,7 @@ class SimRequest:
     prefilled_tokens: int = 0  # prompt tokens this request had computed (over all its admissions)
     blocks: int = 0  # KV blocks it holds now: at least one exactly while it runs
     priority_rank: int = 1  # scheduler.routing.PRIORITY_RANK: low 0, normal 1, high 2
+    sent_ms: float | None = None  # when the scheduler sent it to its node (None: not yet)
 
     @property
     def context(self) -> int:

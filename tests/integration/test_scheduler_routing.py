@@ -413,6 +413,31 @@ async def test_a_held_request_that_finds_no_room_in_time_gets_503(
         assert engine.requests == []
 
 
+async def test_past_capacity_a_newcomer_is_refused_at_once_with_retry_after(
+    make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
+) -> None:
+    """Requests that ended set the rate slots free up at (at most a few a second over 5 s here);
+    with every node's engine full, a request that would wait past `max_queue_wait_s` for one is
+    answered 503 `overloaded` at once, not after `queue_timeout_s`."""
+    node = await make_node(engine.url)
+    url, state = await start_scheduler([node], queue_timeout_s=30, max_queue_wait_s=0.01)
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        await ready(client)
+        for _ in range(3):
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        node.status.num_requests_waiting = 2  # the engine is full
+        await async_wait_until(lambda: state.cluster.nodes[0].waiting == 2, 10, "the scheduler to see it")
+        started = time.monotonic()
+        reply = await client.post("/v1/chat/completions", json=CHAT)
+        assert time.monotonic() - started < 5.0
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "overloaded" and "max_queue_wait_s" in error["message"]
+        assert int(reply.headers["retry-after"]) >= 1
+        assert len(engine.requests) == 3
+        assert 'symphony_overloaded_total{priority="normal"} 1.0' in (await client.get("/metrics")).text
+
+
 async def test_admin_sets_priority_tiers_and_a_high_session_is_promoted(
     make_node: MakeNode, engine: FakeEngine, start_scheduler: StartScheduler
 ) -> None:

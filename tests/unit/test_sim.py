@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -510,3 +511,31 @@ def test_agent_projects_are_seeded_and_review_in_rounds() -> None:
     for request in result.requests:
         per_session[request.session] = per_session.get(request.session, 0) + 1
     assert per_session["p0-qa"] == 3 and per_session["p0-engineer2"] == 3 and per_session["p0-architect"] == 1
+
+
+def test_admission_keeps_the_held_back_wait_short_under_open_loop_overload() -> None:
+    """Requests arrive at twice what one engine of 4 slots serves (measured on a burst). Without
+    admission the scheduler's queue grows for the whole minute and the last arrivals wait tens of
+    seconds; with it (the scheduler's code, `scheduler.admission`) the surplus is refused and the
+    requests served wait about the bound at most, plus one batch's turn on the engine."""
+    engine = dataclasses.replace(ENGINE, max_batch=4, kv_blocks=1_000)
+
+    def sim(max_queue_wait_s: float, turns: list[Turn]) -> tuple[list[float], int]:
+        policy = make_policy("symphony")
+        result = ClusterSim(
+            policy, {"n0": engine}, LINK, max_queued_requests=100_000, max_queue_wait_s=max_queue_wait_s
+        ).run(turns=turns)
+        return sorted(r.ttft_ms for r in result.requests if r.first_token_ms is not None), len(result.refused)
+
+    burst = [Turn(f"b{n}", 0, 100, 20) for n in range(200)]
+    ttfts, _ = sim(math.inf, burst)
+    per_s = len(burst) / (ttfts[-1] + 0.0) * 1000  # first tokens of a saturated engine
+    batch_ms = 4 * 1000 / per_s  # one batch's turn: four slots free up
+    turns = [Turn(f"s{n}", n * 500 / per_s, 100, 20) for n in range(int(60 * 2 * per_s))]
+    collapse, collapse_refused = sim(math.inf, turns)
+    bounded, bounded_refused = sim(2.0, turns)
+    p99 = [t[int(0.99 * (len(t) - 1))] for t in (collapse, bounded)]
+    assert collapse_refused == 0 and p99[0] > 20_000, p99
+    assert 0.3 * len(turns) < bounded_refused < 0.7 * len(turns)  # about half the offered load is surplus
+    assert p99[1] <= 2_000 + 2 * batch_ms, (p99, batch_ms)
+    assert len(bounded) >= 0.3 * len(turns)  # served at about the engine's rate all along

@@ -1,0 +1,106 @@
+"""Admission of requests that would wait for a node (overload control), shared by the scheduler
+(`scheduler.dispatch`) and the simulator (`eval.sim.cluster`).
+
+A request that finds every node's engine with requests waiting is held back in the scheduler
+(`scheduler.held_queue`) until a running request ends. Under open-loop load past capacity that
+queue grows without end: every request waits up to `scheduler.queue_timeout_s` and many then fail,
+so latency collapses and the work done for the ones that time out is wasted. Instead a newcomer
+whose expected wait exceeds `scheduler.max_queue_wait_s` is refused at once (503 with
+Retry-After), and the requests admitted wait at most about that long.
+
+The expected wait is the time for the `ahead + 1` requests that must end before it starts (each
+start takes the slot a running request frees) to end, at `slots_per_s`: the larger of
+- the rate requests ended over the last few seconds (`symphony.finish_rate`), and
+- Little's law: the requests on engines now over their mean time there (`SlotTime`).
+The first is the throughput of the recent past, which after a quiet spell is the demand rather
+than the capacity: a burst would be refused though the nodes, once full, free slots much faster.
+The second is the capacity once the nodes are full, as they are whenever a request waits. Taking
+the larger errs towards admitting: a stalled cluster (nothing ends) is still admitted, and
+`queue_timeout_s` bounds that wait as it did before. With neither (nothing ever ended): admitted.
+
+`ahead` is the held-back queue's count for the newcomer's tier and tenant (`HeldQueue.ahead`), so
+a tenant flooding the queue is refused while another tenant, whose turns interleave with its
+requests rather than following them, is still admitted.
+
+Pure: no I/O, no clocks; the caller passes the time (milliseconds on its own monotonic clock).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from symphony.finish_rate import FinishRate
+
+__all__ = ["MAX_RETRY_AFTER_S", "Admission", "Overloaded", "SlotRate", "SlotTime", "admit"]
+
+MAX_RETRY_AFTER_S = 3600  # Retry-After is capped here (a stalled estimate must not ask for a day)
+SLOT_TIME_WEIGHT = 0.1  # the exponential average's weight for each new request (~the last 20)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    admitted: bool
+    wait_s: float | None  # the expected wait; None: no estimate (nothing has ended yet)
+    retry_after_s: int = 0  # refused: when the queue ahead should be short enough, at this rate
+
+
+class Overloaded(Exception):
+    """A newcomer refused by `admit` (`scheduler.held_queue.HeldQueue.push`)."""
+
+    def __init__(self, wait_s: float, retry_after_s: int) -> None:
+        super().__init__(f"it would wait about {wait_s:.0f} s for a node; retry in {retry_after_s} s")
+        self.wait_s = wait_s
+        self.retry_after_s = retry_after_s
+
+
+def admit(ahead: int, slots_per_s: float, max_wait_s: float) -> Admission:
+    """Admit a newcomer with `ahead` requests held back before it, slots freeing at `slots_per_s`
+    (0: not known), when it would wait at most `max_wait_s` seconds. A refused one is told to retry
+    when, with no newcomers, enough of those ahead will have started: at least 1 s (RFC 9110's
+    whole seconds), at most MAX_RETRY_AFTER_S."""
+    if ahead < 0 or max_wait_s < 0:
+        raise ValueError(f"ahead {ahead}, max_wait_s {max_wait_s}")
+    if not slots_per_s > 0:
+        return Admission(True, None)
+    wait_s = (ahead + 1) / slots_per_s
+    if wait_s <= max_wait_s:
+        return Admission(True, wait_s)
+    retry = min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait_s - max_wait_s)))
+    return Admission(False, wait_s, retry)
+
+
+class SlotTime:
+    """The mean time a request holds its engine slot (sent to ended, ms), as an exponential
+    average; None before any ended. Not thread-safe: one owner."""
+
+    def __init__(self, weight: float = SLOT_TIME_WEIGHT) -> None:
+        if not 0 < weight <= 1:
+            raise ValueError(f"weight {weight} is not in (0, 1]")
+        self.weight = weight
+        self.mean_ms: float | None = None
+
+    def ended(self, held_ms: float) -> None:
+        held_ms = max(0.0, held_ms)
+        self.mean_ms = held_ms if self.mean_ms is None else self.mean_ms + self.weight * (held_ms - self.mean_ms)
+
+
+class SlotRate:
+    """How fast engine slots free up: the recent finish rate, or the running requests over their
+    mean time on an engine, whichever is larger (see the module's contract). Not thread-safe."""
+
+    def __init__(self, finishes: FinishRate | None = None, slot_time: SlotTime | None = None) -> None:
+        self.finishes = finishes if finishes is not None else FinishRate()
+        self.slot_time = slot_time if slot_time is not None else SlotTime()
+
+    def ended(self, now_ms: float, held_ms: float) -> None:
+        """A request that reached an engine ended at `now_ms`, having held its slot `held_ms`."""
+        self.finishes.finished(now_ms)
+        self.slot_time.ended(held_ms)
+
+    def per_s(self, now_ms: float, running: int) -> float:
+        """Slots freed per second with `running` requests on engines now; 0: not known."""
+        recent = self.finishes.per_s(now_ms)
+        mean_ms = self.slot_time.mean_ms
+        little = running * 1000.0 / mean_ms if mean_ms and running > 0 else 0.0
+        return max(recent, little)

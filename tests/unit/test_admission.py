@@ -1,0 +1,124 @@
+"""Admission of requests that would wait for a node (scheduler.admission): the expected wait, the
+rate slots free up at, the held-back queue's use of it per tier and tenant, and the scheduler's
+answer (503 `overloaded` with Retry-After)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.admission import MAX_RETRY_AFTER_S, Overloaded, SlotRate, SlotTime, admit
+from scheduler.errors import ApiError
+from scheduler.held_queue import HeldQueue
+from scheduler.metrics import SchedulerMetrics
+from scheduler.push_queue import PushQueue
+from symphony.finish_rate import FinishRate
+from symphony.priority import Priority
+
+NORMAL, HIGH = Priority("normal"), Priority("high")
+
+
+def test_the_wait_is_the_requests_ahead_and_itself_at_the_slot_rate() -> None:
+    verdict = admit(ahead=3, slots_per_s=2.0, max_wait_s=2.0)
+    assert verdict.admitted and verdict.wait_s == 2.0  # (3 + 1) / 2: exactly the bound still gets in
+    refused = admit(ahead=4, slots_per_s=2.0, max_wait_s=2.0)
+    assert not refused.admitted and refused.wait_s == 2.5
+    assert refused.retry_after_s == 1  # 0.5 s over, in whole seconds, at least 1
+    assert admit(ahead=39, slots_per_s=2.0, max_wait_s=2.0).retry_after_s == 18  # 20 s, 18 over
+    assert admit(ahead=10**9, slots_per_s=0.01, max_wait_s=1.0).retry_after_s == MAX_RETRY_AFTER_S
+
+
+def test_without_a_rate_every_request_is_admitted() -> None:
+    verdict = admit(ahead=10_000, slots_per_s=0.0, max_wait_s=0.1)
+    assert verdict.admitted and verdict.wait_s is None
+    with pytest.raises(ValueError):
+        admit(ahead=-1, slots_per_s=1.0, max_wait_s=1.0)
+
+
+def test_slot_time_is_an_exponential_average() -> None:
+    slot = SlotTime(weight=0.5)
+    assert slot.mean_ms is None
+    slot.ended(100.0)
+    assert slot.mean_ms == 100.0
+    slot.ended(200.0)
+    assert slot.mean_ms == 150.0
+    slot.ended(-5.0)  # a clock step backwards counts as 0
+    assert slot.mean_ms == 75.0
+    with pytest.raises(ValueError):
+        SlotTime(weight=0.0)
+
+
+def test_a_burst_after_a_quiet_spell_is_priced_by_the_running_requests() -> None:
+    """Two requests ended in the last 5 s (the demand was low), each after 1 s on its engine; now
+    eight run: slots free up at about eight a second, not at the recent finish rate."""
+    slots = SlotRate(FinishRate(window_ms=5_000.0))
+    slots.ended(0.0, 1_000.0)
+    slots.ended(2_500.0, 1_000.0)
+    recent = slots.finishes.per_s(5_000.0)
+    assert recent < 1.0
+    assert slots.per_s(5_000.0, running=8) == pytest.approx(8.0)
+    assert slots.per_s(5_000.0, running=0) == recent  # nothing runs: the recent rate alone
+    assert SlotRate().per_s(0.0, running=8) == 0.0  # nothing ever ended: not known
+
+
+def test_a_flooding_tenant_is_refused_while_another_still_gets_in() -> None:
+    """At 1 slot a second with 3 s allowed, the flooder's fourth waiting request is refused; the
+    quiet tenant, whose turn comes after one of the flooder's, is admitted."""
+    queue: HeldQueue[str] = HeldQueue(100, max_wait_s=3.0)
+    for n in range(3):
+        queue.push(f"flood{n}", NORMAL, "flood", slots_per_s=1.0)
+    with pytest.raises(Overloaded) as refused:
+        queue.push("flood3", NORMAL, "flood", slots_per_s=1.0)
+    assert refused.value.wait_s == 4.0 and refused.value.retry_after_s == 1
+    queue.push("quiet0", NORMAL, "quiet", slots_per_s=1.0)  # one ahead: 2 s
+    queue.push("high0", HIGH, "flood", slots_per_s=1.0)  # a higher tier waits behind none of them
+    queue.push("put-back", NORMAL, "flood", front=True, slots_per_s=1.0)  # admitted before: keeps its place
+    queue.push("unknown", NORMAL, "flood", slots_per_s=0.0)  # no rate yet: admitted
+    assert queue.take(3) == ["high0", "put-back", "flood0"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from([NORMAL, HIGH])), max_size=30),
+    st.sampled_from("abc"),
+    st.sampled_from([NORMAL, HIGH]),
+    st.floats(0.1, 10.0),
+    st.floats(0.1, 10.0),
+)
+def test_a_newcomer_is_refused_exactly_when_its_place_would_come_too_late(
+    pushes: list[tuple[str, Priority]], tenant: str, tier: Priority, slots_per_s: float, max_wait_s: float
+) -> None:
+    """Refused iff the requests it would leave after (counted by popping) and itself take longer
+    than the bound at the given rate; an admitted one waits no more than the bound's worth."""
+    queue: HeldQueue[object] = HeldQueue(100, max_wait_s=max_wait_s)
+    for who, level in pushes:
+        queue.push(object(), level, who)  # no rate: every one admitted
+    newcomer = object()
+    try:
+        queue.push(newcomer, tier, tenant, slots_per_s=slots_per_s)
+    except Overloaded as exc:
+        ahead = queue.ahead(tier, tenant)
+        assert (ahead + 1) / slots_per_s > max_wait_s and exc.wait_s == (ahead + 1) / slots_per_s
+        return
+    before = 0
+    while queue.pop() is not newcomer:
+        before += 1
+    assert (before + 1) / slots_per_s <= max_wait_s * (1 + 1e-9)
+
+
+async def test_the_scheduler_answers_an_overloaded_newcomer_503_with_retry_after() -> None:
+    metrics = SchedulerMetrics()
+    queue = PushQueue(10, max_wait_s=1.0, timeout_s=60.0, metrics=metrics)
+    with pytest.raises(ApiError) as refused:
+        await queue.wait_for_room(NORMAL, "t", wait_until=math.inf, requeued=False, slots_per_s=0.5)
+    error = refused.value
+    assert error.status == 503 and error.code == "overloaded" and error.headers == {"retry-after": "1"}
+    assert "scheduler.max_queue_wait_s" in error.message
+    assert metrics.overloaded.labels(NORMAL)._value.get() == 1.0
+    assert metrics.queued._value.get() == 0.0 and len(queue) == 0
+    with pytest.raises(ApiError) as late:  # past its deadline: the queue timeout, as before
+        await queue.wait_for_room(NORMAL, "t", wait_until=0.0, requeued=True, slots_per_s=0.5)
+    assert late.value.status == 503 and late.value.code == "queue_timeout"
