@@ -9,14 +9,19 @@ whose expected wait exceeds `scheduler.max_queue_wait_s` is refused at once (503
 Retry-After), and the requests admitted wait at most about that long.
 
 The expected wait is the time for the `ahead + 1` requests that must end before it starts (each
-start takes the slot a running request frees) to end, at `slots_per_s`: the larger of
-- the rate requests ended over the last few seconds (`symphony.finish_rate`), and
-- Little's law: the requests on engines now over their mean time there (`SlotTime`).
-The first is the throughput of the recent past, which after a quiet spell is the demand rather
-than the capacity: a burst would be refused though the nodes, once full, free slots much faster.
-The second is the capacity once the nodes are full, as they are whenever a request waits. Taking
-the larger errs towards admitting: a stalled cluster (nothing ends) is still admitted, and
-`queue_timeout_s` bounds that wait as it did before. With neither (nothing ever ended): admitted.
+start takes the slot a running request frees) to end, at `slots_per_s` (`SlotRate`):
+- Requests have been held back for a whole finish window: the rate requests ended over that
+  window (`symphony.finish_rate`). The nodes were full all along, so it is their capacity.
+- Before that (a burst after a quiet spell): the larger of that rate and Little's law, the
+  requests on engines now over their mean time there (`SlotTime`). The recent finish rate is then
+  the past demand, not the capacity, and would refuse a burst the nodes serve quickly; Little's
+  law, from slot times of requests that ran in smaller batches, errs the other way, towards
+  admitting, until the window fills. A stalled cluster (nothing ends) is admitted meanwhile, and
+  `queue_timeout_s` bounds that wait as it did before. With neither (nothing ever ended): admitted.
+
+Each scheduler replica prices the wait with its own counts (its requests, its finishes), which
+is right when the replicas share the load about evenly; one that sends little while another
+floods the same engines sees a low finish rate, and refuses sooner than it need.
 
 `ahead` is the held-back queue's count for the newcomer's tier and tenant (`HeldQueue.ahead`), so
 a tenant flooding the queue is refused while another tenant, whose turns interleave with its
@@ -86,21 +91,31 @@ class SlotTime:
 
 
 class SlotRate:
-    """How fast engine slots free up: the recent finish rate, or the running requests over their
-    mean time on an engine, whichever is larger (see the module's contract). Not thread-safe."""
+    """How fast engine slots free up: the recent finish rate once requests have been held back for
+    a whole window, else the larger of it and Little's law (see the module's contract). Not
+    thread-safe."""
 
     def __init__(self, finishes: FinishRate | None = None, slot_time: SlotTime | None = None) -> None:
         self.finishes = finishes if finishes is not None else FinishRate()
         self.slot_time = slot_time if slot_time is not None else SlotTime()
+        self.window_ms = self.finishes.bucket_ms * self.finishes.buckets
+        self._held_since_ms: float | None = None  # requests held back at every call since then
 
     def ended(self, now_ms: float, held_ms: float) -> None:
         """A request that reached an engine ended at `now_ms`, having held its slot `held_ms`."""
         self.finishes.finished(now_ms)
         self.slot_time.ended(held_ms)
 
-    def per_s(self, now_ms: float, running: int) -> float:
-        """Slots freed per second with `running` requests on engines now; 0: not known."""
+    def per_s(self, now_ms: float, running: int, held: int) -> float:
+        """Slots freed per second with `running` requests on engines and `held` held back now (a
+        newcomer's own not counted: 0 when it is the first); 0: not known."""
+        if held <= 0:
+            self._held_since_ms = None
+        elif self._held_since_ms is None:
+            self._held_since_ms = now_ms
         recent = self.finishes.per_s(now_ms)
+        if self._held_since_ms is not None and now_ms - self._held_since_ms >= self.window_ms:
+            return recent
         mean_ms = self.slot_time.mean_ms
         little = running * 1000.0 / mean_ms if mean_ms and running > 0 else 0.0
         return max(recent, little)

@@ -187,12 +187,12 @@ class Dispatcher:
         ]
 
     async def _route(
-        self, request: RouteRequest, exclude: set[str], advised_node: str | None, wait_until: float
+        self, request: RouteRequest, exclude: set[str], advised_node: str | None, wait_until: float, retry: bool
     ) -> Route:
         """The node for `request` (`Routing.attempt`). When the policy holds it back (selective
-        pushing), it waits for room until `wait_until`."""
+        pushing), it waits for room until `wait_until`; a `retry` (admitted before) at the head."""
         routing = Routing(request, advised_node)
-        requeued = False
+        requeued = retry
         while True:
             if not requeued and self.queue.ahead_of(request.priority):
                 # Held requests of this tier or above go first (scheduler.held_queue): a newcomer
@@ -210,7 +210,7 @@ class Dispatcher:
             requeued = True
 
     async def _wait_for_room(self, request: RouteRequest, wait_until: float, requeued: bool) -> None:
-        slots_per_s = self.slots.per_s(time.monotonic() * 1000, self.inflight_total)
+        slots_per_s = self.slots.per_s(time.monotonic() * 1000, self.inflight_total, len(self.queue))
         await self.queue.wait_for_room(request.priority, request.tenant, wait_until, requeued, slots_per_s)
 
     def wake_queued(self) -> None:
@@ -337,9 +337,9 @@ class Dispatcher:
         wait_until = time.monotonic() + self.config.queue_timeout_s
         tried: set[str] = set()
         last_error = ""
-        for _attempt in range(2):  # the first node, then once elsewhere if it never started the request
+        for attempt in range(2):  # the first node, then once elsewhere if it never started the request
             try:
-                route = await self._route(route_request, tried, advised_node, wait_until)
+                route = await self._route(route_request, tried, advised_node, wait_until, attempt > 0)
             except ApiError:
                 if not last_error:
                     raise

@@ -91,9 +91,11 @@ class PushQueue:
         if remaining <= 0:
             raise queue_timeout_error(self.timeout_s)
         self.metrics.queued.inc()
+        started = time.perf_counter()
         try:
-            with self.metrics.queue_wait.labels(priority).time():
-                woken = await self.wait(priority, remaining, tenant, requeued, slots_per_s)
+            woken = await self.wait(priority, remaining, tenant, requeued, slots_per_s)
+            # Waits that were let in only (a refusal, which waited for nothing, is not one).
+            self.metrics.queue_wait.labels(priority).observe(time.perf_counter() - started)
         except Overloaded as exc:
             self.metrics.overloaded.labels(priority).inc()
             raise overloaded_error(exc.wait_s, self._held.max_wait_s, exc.retry_after_s) from None

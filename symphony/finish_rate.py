@@ -25,6 +25,7 @@ class FinishRate:
         if not window_ms > 0 or buckets < 1:
             raise ValueError(f"a window of {window_ms} ms in {buckets} buckets")
         self.bucket_ms = window_ms / buckets
+        self.buckets = buckets
         self._counts = [0] * buckets
         self._current = -1  # the bucket index (time // bucket_ms) the ring's newest slot holds
         self._first_ms: float | None = None

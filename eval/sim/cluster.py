@@ -359,7 +359,7 @@ class ClusterSim:
             self._refuse(held.request)  # no node serves it: the scheduler answers 503
 
     def _hold(self, held: _Held, front: bool = False) -> None:
-        slots_per_s = self._slots.per_s(self.now_ms, sum(self._inflight.values()))
+        slots_per_s = self._slots.per_s(self.now_ms, sum(self._inflight.values()), len(self._queue))
         try:
             self._queue.push(held, held.turn.priority, held.turn.tenant, front=front, slots_per_s=slots_per_s)
         except QueueFull:
@@ -463,7 +463,8 @@ class ClusterSim:
         self._stepping.discard(node_id)
         for request in self.engines[node_id].finish_step(plan, self.now_ms):
             self._inflight[node_id] -= 1
-            self._slots.ended(self.now_ms, self.now_ms - (request.sent_ms or self.now_ms))
+            sent_ms = request.sent_ms if request.sent_ms is not None else self.now_ms
+            self._slots.ended(self.now_ms, self.now_ms - sent_ms)
             # The turn's KV stays on the node that computed it: its prompt and answer but the last
             # answer token, which is never fed back. The node's tiers keep all of it (the connector
             # saves the partial last block too); the engine's prefix cache only whole blocks, as

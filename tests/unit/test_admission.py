@@ -59,9 +59,22 @@ def test_a_burst_after_a_quiet_spell_is_priced_by_the_running_requests() -> None
     slots.ended(2_500.0, 1_000.0)
     recent = slots.finishes.per_s(5_000.0)
     assert recent < 1.0
-    assert slots.per_s(5_000.0, running=8) == pytest.approx(8.0)
-    assert slots.per_s(5_000.0, running=0) == recent  # nothing runs: the recent rate alone
-    assert SlotRate().per_s(0.0, running=8) == 0.0  # nothing ever ended: not known
+    assert slots.per_s(5_000.0, running=8, held=0) == pytest.approx(8.0)
+    assert slots.per_s(5_000.0, running=0, held=0) == recent  # nothing runs: the recent rate alone
+    assert SlotRate().per_s(0.0, running=8, held=3) == 0.0  # nothing ever ended: not known
+
+
+def test_once_requests_were_held_a_whole_window_the_finish_rate_alone_counts() -> None:
+    """Slot times from a quiet spell (1 s each, small batches) would price 8 running at 8 a second;
+    held back for a whole 5 s window, the nodes were full, and they finished 1 a second."""
+    slots = SlotRate(FinishRate(window_ms=5_000.0))
+    slots.ended(0.0, 1_000.0)
+    assert slots.per_s(1_000.0, running=8, held=2) == pytest.approx(8.0)  # held since 1 s
+    for t in range(2, 7):
+        slots.ended(t * 1_000.0, 8_000.0)  # full-batch requests take 8 s
+    assert slots.per_s(6_000.0, running=8, held=5) == pytest.approx(slots.finishes.per_s(6_000.0))
+    assert slots.finishes.per_s(6_000.0) < 1.5  # about one a second: what the nodes really freed
+    assert slots.per_s(6_500.0, running=8, held=0) > 2.0  # the queue emptied: a new spell starts
 
 
 def test_a_flooding_tenant_is_refused_while_another_still_gets_in() -> None:
