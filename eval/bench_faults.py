@@ -9,7 +9,9 @@ Scenarios (the issue's numbering):
 1. `crashes`: SIGKILL and SIGSTOP/SIGCONT of an engine, a node manager, a scheduler replica and
    etcd, on a schedule drawn from `--seed` (`eval.faults.crashes`);
 4. `attacks`: unauthenticated and wrong-certificate calls to every listener, and cross-tenant calls
-   naming a live victim session (`eval.faults.attacks`).
+   naming a live victim session (`eval.faults.attacks`);
+6. `overload`: open-loop load at twice the measured capacity, and one tenant flooding requests
+   and advisories beside a quiet one (`eval.faults.overload`).
 Each ends with the checker (`eval.faults.checker`): bounded, well-formed request outcomes, greedy
 answers equal to their recompute reference, no session lost from SSD, gauges back to zero, and
 bounded fds, memory, /dev/shm files and SSD bytes.
@@ -50,6 +52,7 @@ from eval.faults.checker import (
     recovery_summary,
 )
 from eval.faults.crashes import CrashRunner, Target, schedule
+from eval.faults.overload import OverloadPlan, distinct_references, overload_targets, run_overload
 from eval.ports import free_port_run, private_cluster_config
 from symphony.cluster_tls import grpc_channel
 from symphony.config import SymphonyConfig
@@ -79,6 +82,7 @@ class FaultSettings:
     warmup_turns: int = 8  # answered turns before the first fault or attack
     bound_s: float = 120.0  # every request ends within this (the clients' timeout)
     recover_timeout_s: float = 300.0  # for the cluster to be whole again after a fault (an engine restart)
+    overload_s: float = 60.0  # the flood's length (the capacity and quiet phases: half of it each)
 
 
 def faults_config(config: SymphonyConfig, home: Path, model: ModelInfo) -> tuple[SymphonyConfig, dict[str, str]]:
@@ -229,8 +233,9 @@ class FaultBench:
         load.start()
         return before
 
-    async def checked(self, load: ChatLoad, before: Resources) -> dict[str, Any]:
-        """Stop `load`, wait for the cluster to be whole and idle, check everything."""
+    async def checked(self, load: ChatLoad, before: Resources, distinct: bool = False) -> dict[str, Any]:
+        """Stop `load`, wait for the cluster to be whole and idle, check everything (`distinct`: one
+        reference per distinct prompt, for outcomes that repeat a few)."""
         await load.stop()
         await load.close()
         if not await self._wait_whole():
@@ -244,7 +249,7 @@ class FaultBench:
             after = await self.resources()
             looks.append(fd_leaks(before, after))
         self.say(f"computing the recompute reference of {load.turns_done()} answers")
-        refs = await references(self.engines, self.model, load.outcomes)
+        refs = await (distinct_references if distinct else references)(self.engines, self.model, load.outcomes)
         report = check_requests(load.outcomes, refs, self.settings.bound_s, origin_s=load.origin_s or 0.0)
         report["resources_before"] = dataclasses.asdict(before)
         report["resources_after"] = dataclasses.asdict(first)
@@ -353,6 +358,32 @@ class FaultBench:
         report["load_resumed"] = resumed
         return report
 
+    async def overload(self) -> dict[str, Any]:
+        s, nodes = self.settings, self.config.cluster.nodes
+        load = self.load("overload")
+        before = await self.warm(load)
+        await load.stop()  # the phases send on their own
+        workers = nodes * self.config.engine.max_running()  # every engine's batch full
+        plan = OverloadPlan(s.overload_s / 2, s.overload_s / 2, s.overload_s, workers, 2 * s.bound_s, seed=s.seed)
+        self.say(f"overload: {workers} closed-loop clients measure the capacity; then a {s.overload_s:g} s flood at 2x")
+        outcomes, summary = await run_overload(
+            load, self._advise, plan, TENANTS[0], TENANTS[1], self.config.scheduler.max_queue_wait_s
+        )
+        load.outcomes.extend(outcomes)
+        report = await self.checked(load, before, distinct=True)
+        report.update(summary)
+        return report
+
+    async def _advise(self, tenant: str, session: str) -> int:
+        """An advisory for the tenant's `session`, to the first replica; its status (0: no answer)."""
+        body = {"model": self.model, "session_id": session, "kind": "typing"}
+        headers = {"authorization": f"Bearer {self.keys[tenant]}"}
+        try:
+            reply = await self.http.post(self.cluster.scheduler_urls[0] + "/v1/advisories", json=body, headers=headers)
+        except httpx.HTTPError:
+            return 0
+        return reply.status_code
+
     async def close(self) -> None:
         await self.http.aclose()
         for engine in self.engines:
@@ -385,6 +416,8 @@ def targets(result: dict[str, Any]) -> dict[str, bool]:
             listener.split()[0] for listener in attacks["listeners"]
         } == {"node", "page", "engine", "scheduler"}
         found["attacks_victim_and_load_go_on"] = attacks["victim_next_turn"] == "ok" and attacks["load_resumed"]
+    if "overload" in scenarios:
+        found.update(overload_targets(scenarios["overload"]))
     return found
 
 

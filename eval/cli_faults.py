@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from eval.bench_args import add_bench_cluster_args, known_names
+from eval.cli_cluster import positive_float
 from eval.faults import CRASH_KINDS, SCENARIOS
 from symphony.cli_args import engine_overrides, int_between, load_from_args, positive_int
 
@@ -32,6 +33,12 @@ def add_faults_parser(bench_sub: Any) -> None:
     faults.add_argument(
         "--warmup-turns", type=positive_int, default=8, help="answered turns before the first fault (8)"
     )
+    faults.add_argument(
+        "--overload-s",
+        type=positive_float,
+        default=60.0,
+        help="overload: the flood's seconds; the capacity and quiet phases take half as long each (60)",
+    )
     faults.set_defaults(func=cmd_bench_faults)
 
 
@@ -48,5 +55,6 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
         kinds=kinds,
         sessions=args.sessions,
         warmup_turns=args.warmup_turns,
+        overload_s=args.overload_s,
     )
     return run_faults_bench(config, out=args.out, settings=settings)

@@ -1,7 +1,7 @@
 """`symphony bench faults`: scenarios that break a live private cluster on purpose (crashes,
-attacks) while greedy chats run through it, and the checker that judges what the chats and the
+attacks, overload) while greedy chats run through it, and the checker that judges what the chats and the
 cluster show afterwards (`eval.faults.checker`)."""
 
-SCENARIOS = ("crashes", "attacks")
+SCENARIOS = ("crashes", "attacks", "overload")
 # SIGKILL, or SIGSTOP then SIGCONT, of each kind of process (eval.faults.crashes).
 CRASH_KINDS = ("engine_kill", "node_kill", "node_stop", "replica_kill", "etcd_kill", "etcd_stop")

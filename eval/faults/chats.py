@@ -165,6 +165,7 @@ class ChatLoad:
             answer,
             node,
             detail[:200],
+            max_tokens,
         )
 
     async def _session(self, index: int) -> None:

@@ -49,6 +49,7 @@ class RequestOutcome:
     answer: Answer | None = None  # 2xx only
     node: str = ""  # x-symphony-node, when answered
     detail: str = ""  # what the error said (its first 200 characters)
+    max_tokens: int = 0  # the answer's length asked for (its reference asks the same)
 
 
 def well_formed_error(status: int, body: object) -> bool:
