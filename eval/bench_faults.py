@@ -367,7 +367,7 @@ class FaultBench:
         plan = OverloadPlan(s.overload_s / 2, s.overload_s / 2, s.overload_s, workers, 2 * s.bound_s, seed=s.seed)
         self.say(f"overload: {workers} closed-loop clients measure the capacity; then a {s.overload_s:g} s flood at 2x")
         outcomes, summary = await run_overload(
-            load, self._advise, plan, TENANTS[0], TENANTS[1], self.config.scheduler.max_queue_wait_s
+            load, self._advise, plan, TENANTS[0], TENANTS[1], self.config.scheduler.queue_wait_bound_s
         )
         load.outcomes.extend(outcomes)
         report = await self.checked(load, before, distinct=True)

@@ -98,7 +98,6 @@ class SlotRate:
     def __init__(self, finishes: FinishRate | None = None, slot_time: SlotTime | None = None) -> None:
         self.finishes = finishes if finishes is not None else FinishRate()
         self.slot_time = slot_time if slot_time is not None else SlotTime()
-        self.window_ms = self.finishes.bucket_ms * self.finishes.buckets
         self._held_since_ms: float | None = None  # requests held back at every call since then
 
     def ended(self, now_ms: float, held_ms: float) -> None:
@@ -114,7 +113,7 @@ class SlotRate:
         elif self._held_since_ms is None:
             self._held_since_ms = now_ms
         recent = self.finishes.per_s(now_ms)
-        if self._held_since_ms is not None and now_ms - self._held_since_ms >= self.window_ms:
+        if self._held_since_ms is not None and now_ms - self._held_since_ms >= self.finishes.window_ms:
             return recent
         mean_ms = self.slot_time.mean_ms
         little = running * 1000.0 / mean_ms if mean_ms and running > 0 else 0.0

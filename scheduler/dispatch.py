@@ -96,7 +96,7 @@ class Dispatcher:
         self.queue = PushQueue(  # tenants' turns and shares, admission
             config.max_queued_requests,
             quotas,
-            min(config.max_queue_wait_s, config.queue_timeout_s),
+            config.queue_wait_bound_s,
             config.queue_timeout_s,
             metrics,
         )

@@ -135,6 +135,12 @@ class SchedulerConfig:
     cost_profile: str = ""
     cost_profile_max_age_days: float = 30.0  # a profile measured longer ago than this is stale
 
+    @property
+    def queue_wait_bound_s(self) -> float:
+        """The longest a request is admitted to wait for a node: `max_queue_wait_s`, or
+        `queue_timeout_s` where that is shorter (it gives up then anyway)."""
+        return min(self.max_queue_wait_s, self.queue_timeout_s)
+
 
 @dataclass(frozen=True)
 class NodeConfig:

@@ -24,8 +24,8 @@ class FinishRate:
     def __init__(self, window_ms: float = DEFAULT_WINDOW_MS, buckets: int = DEFAULT_BUCKETS) -> None:
         if not window_ms > 0 or buckets < 1:
             raise ValueError(f"a window of {window_ms} ms in {buckets} buckets")
+        self.window_ms = window_ms
         self.bucket_ms = window_ms / buckets
-        self.buckets = buckets
         self._counts = [0] * buckets
         self._current = -1  # the bucket index (time // bucket_ms) the ring's newest slot holds
         self._first_ms: float | None = None

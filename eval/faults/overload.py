@@ -154,8 +154,8 @@ async def distinct_references(
     return [found.get(k) if (k := key(o)) is not None else None for o in outcomes]
 
 
-def _latencies(outcomes: Sequence[RequestOutcome], since_s: float = float("-inf")) -> list[float]:
-    return [o.elapsed_s for o in outcomes if o.kind == "ok" and o.started_s >= since_s]
+def _latencies(outcomes: Sequence[RequestOutcome]) -> list[float]:
+    return [o.elapsed_s for o in outcomes if o.kind == "ok"]
 
 
 def capacity_of(outcomes: Sequence[RequestOutcome], start_s: float, end_s: float) -> tuple[float, float | None]:

@@ -85,7 +85,7 @@ class ClusterSim:
         route_pull_min_tokens: int = _SCHEDULER.route_pull_min_tokens,
         typing_lead_ms: float = _SCHEDULER.typing_lead_ms,
         max_queued_requests: int = _SCHEDULER.max_queued_requests,
-        max_queue_wait_s: float = min(_SCHEDULER.max_queue_wait_s, _SCHEDULER.queue_timeout_s),
+        max_queue_wait_s: float = _SCHEDULER.queue_wait_bound_s,
         quotas: TenantQuotas | None = None,
         prefix_caching: bool = True,
         loop: EventLoop | None = None,
