@@ -40,7 +40,7 @@ def advisory_choice(policy: RoutingPolicy, request: RouteRequest, nodes: Sequenc
     counts). `node_id` None: no node serves the model."""
     decision = policy.choose(request, nodes)
     if decision.queue:
-        decision = policy.choose(request, [replace(n, waiting=0) for n in nodes])
+        decision = policy.choose(request, [replace(n, waiting=0, max_running=0) for n in nodes])
     return decision
 
 
@@ -93,8 +93,8 @@ class Routing:
 
 def rooms(nodes: Iterable[NodeSnapshot]) -> int:
     """How many held-back requests get another try when room may have opened: one per available
-    node with nothing waiting in its engine."""
-    return sum(1 for n in nodes if n.available and n.waiting == 0)
+    node with nothing waiting in its engine (`NodeSnapshot.pending`)."""
+    return sum(1 for n in nodes if n.available and n.pending == 0)
 
 
 # -- pulling a request's KV before it is sent -------------------------------------------------------

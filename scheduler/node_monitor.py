@@ -46,6 +46,7 @@ class NodeView:
     waiting: int = 0
     kv_usage: float = 0.0
     kv_tokens: int = 0  # tokens the engine's KV cache holds (0: not reported)
+    max_running: int = 0  # requests its engine runs at once, as the cluster's [engine] says (0: not known)
     engine_restarts: int = 0
     last_engine_error: str = ""
     last_status_at: float = float("-inf")  # monotonic time of the last successful Status
@@ -97,6 +98,7 @@ class NodeView:
             self.prefilling,
             self.prefilling_work,
             self.kv_tokens,
+            self.max_running,
         )
 
     @property
@@ -149,10 +151,14 @@ class NodeMonitor:
         tls: ClusterTLS | None = None,
         engine_headers: dict[str, str] | None = None,
         max_nodes: int = 64,
+        max_running: int = 0,
     ) -> None:
+        """`max_running`: requests each node's engine runs at once (0: not known; see
+        `NodeSnapshot.pending`)."""
         # The nodes followed, in the order they came; membership (scheduler.membership_watch) adds
         # and removes them on the event loop (join, leave), nothing else does.
-        self.nodes = [NodeView(address=a, node_id=a) for a in addresses]
+        self.max_running = max_running
+        self.nodes = [NodeView(address=a, node_id=a, max_running=max_running) for a in addresses]
         # What every call to a node's engine sends: the cluster's engine key (node_manager.engine_auth).
         self.engine_headers = engine_headers or {}
         self.tls = tls  # the cluster's credentials: node RPCs take members only (symphony.cluster_tls)
@@ -299,7 +305,7 @@ class NodeMonitor:
                 "node not followed: the scheduler follows at most max_nodes", address=address, max_nodes=self.max_nodes
             )
             return None
-        node = NodeView(address=address, node_id=address)
+        node = NodeView(address=address, node_id=address, max_running=self.max_running)
         self.nodes.append(node)
         if self._started:
             self._connect(node)

@@ -58,6 +58,7 @@ class NodeSnapshot:
     # Tokens the engine's KV cache holds, what `kv_usage` is a fraction of, as the node reports it;
     # 0: not reported (a policy takes its cost profile's `engine_kv_tokens`).
     kv_tokens: int = 0
+    max_running: int = 0  # requests the engine runs at once (its --max-num-seqs); 0: not known
 
     @property
     def load(self) -> int:
@@ -71,7 +72,12 @@ class NodeSnapshot:
     def pending(self) -> int:
         """Requests queued inside the engine (not running). The engine's own count: between two
         polls a request just sent is not yet running, but a vLLM engine with room admits it at its
-        next step, so counting it as pending would hold requests back for a poll period."""
+        next step, so counting it as pending would hold requests back for a poll period. With
+        `max_running` known, also this scheduler's requests there beyond it: the engine queues
+        those whatever its gauge says yet (it updates once a step, seconds apart on a loaded CPU
+        engine, when a burst of requests can go out on a stale 0)."""
+        if self.max_running > 0:
+            return max(self.waiting, self.inflight - self.max_running)
         return self.waiting
 
 
@@ -251,7 +257,7 @@ def advisory_holds(node_id: str, nodes: Sequence[NodeSnapshot]) -> bool:
     advised = next((n for n in up if n.node_id == node_id), None)
     return (
         advised is not None
-        and advised.waiting == 0
+        and advised.pending == 0
         and advised.prefilling == 0
         and advised.load <= min(n.load for n in up)
     )

@@ -208,6 +208,7 @@ class ClusterSim:
                 prefilling=engine.prefilling,
                 prefilling_work=engine.prefilling_work,
                 kv_tokens=engine.model.kv_blocks * engine.model.block_size,  # as a node reports it
+                max_running=engine.model.max_batch,
             )
             for node_id, engine in self.engines.items()
         ]

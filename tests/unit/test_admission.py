@@ -5,16 +5,19 @@ answer (503 `overloaded` with Retry-After)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.admission import MAX_RETRY_AFTER_S, Overloaded, SlotRate, SlotTime, admit
+from scheduler.decisions import rooms
 from scheduler.errors import ApiError
 from scheduler.held_queue import HeldQueue
 from scheduler.metrics import SchedulerMetrics
 from scheduler.push_queue import PushQueue
+from scheduler.routing import NodeSnapshot
 from symphony.finish_rate import FinishRate
 from symphony.priority import Priority
 
@@ -135,3 +138,13 @@ async def test_the_scheduler_answers_an_overloaded_newcomer_503_with_retry_after
     with pytest.raises(ApiError) as late:  # past its deadline: the queue timeout, as before
         await queue.wait_for_room(NORMAL, "t", wait_until=0.0, requeued=True, slots_per_s=0.5)
     assert late.value.status == 503 and late.value.code == "queue_timeout"
+
+
+def test_a_scheduler_s_requests_beyond_the_engine_s_batch_are_pending_whatever_its_gauge() -> None:
+    """The engine's waiting gauge is read once a step; the scheduler's own in-flight count is exact.
+    Past the engine's batch, the node has requests waiting (selective pushing holds the next one
+    in the scheduler, where admission and the tenants' turns apply)."""
+    node = NodeSnapshot("n0", True, running=8, waiting=0, inflight=11, kv_usage=0.1, max_running=8)
+    assert node.pending == 3 and rooms([node]) == 0
+    assert replace(node, max_running=0).pending == 0  # not known: the gauge alone
+    assert replace(node, waiting=5).pending == 5 and replace(node, inflight=8).pending == 0
