@@ -96,7 +96,7 @@ class SchedulerState:
             tls=cluster_tls(config),
             engine_headers=engine_headers(config.cluster.secret),
             max_nodes=KV_INDEX_MAX_NODES,
-            max_running=config.engine.max_running(),
+            max_running=config.engine.max_running_set(),
         )
         self.advisories = AdvisoryTable(
             sc.max_advisories,

@@ -219,6 +219,13 @@ class EngineConfig:
         given = [int(v) for v in flag_values(self.extra_args, "--max-num-seqs", "--max_num_seqs") if v.isdigit()]
         return next((v for v in reversed(given) if v > 0), self.max_num_seqs or VLLM_CPU_MAX_NUM_SEQS)
 
+    def max_running_set(self) -> int:
+        """`max_running()` when set here (`max_num_seqs`, or --max-num-seqs in `extra_args`); else 0:
+        vLLM's own default depends on its build and its GPU."""
+        flags = flag_values(self.extra_args, "--max-num-seqs", "--max_num_seqs")
+        given = any(v.isdigit() and int(v) > 0 for v in flags)
+        return self.max_running() if given or self.max_num_seqs > 0 else 0
+
 
 @dataclass(frozen=True)
 class KVConfig:

@@ -250,7 +250,7 @@ class SymphonyPolicy:
         prefill that ends before the request comes must not move its session's KV elsewhere."""
         p = self.profile
         # Conditional expressions rather than max() of two ints: this runs for every node per request.
-        waiting, prefilling, inflight = node.waiting, node.prefilling, node.inflight
+        waiting, prefilling, inflight = node.pending, node.prefilling, node.inflight
         ahead = prefilling if prefilling > waiting else waiting
         engine = node.running + waiting
         active = engine if engine > inflight else inflight

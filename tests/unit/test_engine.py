@@ -66,6 +66,12 @@ def test_max_num_seqs_is_passed_when_set_and_extra_args_override_what_the_region
     assert EngineConfig(max_num_seqs=64, extra_args=["--max-num-seqs", "8"]).max_running() == 8
     assert EngineConfig(extra_args=["--max_num_seqs=16", "--max-num-seqs=32"]).max_running() == 32
     assert EngineConfig(extra_args=["--max-num-seqs", "lots"]).max_running() == 128
+    # What the scheduler holds its own requests back at: only a count set here (vLLM's default
+    # depends on its build and GPU).
+    assert EngineConfig().max_running_set() == 0
+    assert EngineConfig(extra_args=["--max-num-seqs", "lots"]).max_running_set() == 0
+    assert EngineConfig(max_num_seqs=64).max_running_set() == 64
+    assert EngineConfig(extra_args=["--max_num_seqs=16"]).max_running_set() == 16
 
 
 def test_extra_args_are_appended_last_in_order() -> None:
