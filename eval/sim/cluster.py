@@ -208,7 +208,8 @@ class ClusterSim:
                 prefilling=engine.prefilling,
                 prefilling_work=engine.prefilling_work,
                 kv_tokens=engine.model.kv_blocks * engine.model.block_size,  # as a node reports it
-                max_running=engine.model.max_batch,
+                # max_running left unknown (0), as a live scheduler without engine.max_num_seqs
+                # set: the engines' waiting counts here are exact, never a step late.
             )
             for node_id, engine in self.engines.items()
         ]

@@ -161,9 +161,7 @@ async def _settle() -> None:
 
 async def live(case: Case) -> list[tuple]:
     log: list[tuple] = []
-    cluster = NodeMonitor(
-        [f"addr-{n}" for n in case.nodes], poll_interval_s=1.0, down_after_s=3600.0, max_running=ENGINE.max_batch
-    )
+    cluster = NodeMonitor([f"addr-{n}" for n in case.nodes], poll_interval_s=1.0, down_after_s=3600.0)
     for view, node in zip(cluster.nodes, case.nodes, strict=True):
         view.node_id, view.engine_state, view.engine_url = node, READY, f"http://{node}"
         view.served_model, view.model_fingerprint, view.last_status_at = MODEL, FINGERPRINT, time.monotonic()
