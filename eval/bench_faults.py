@@ -8,6 +8,9 @@ clients, given both replicas.
 Scenarios (the issue's numbering):
 1. `crashes`: SIGKILL and SIGSTOP/SIGCONT of an engine, a node manager, a scheduler replica and
    etcd, on a schedule drawn from `--seed` (`eval.faults.crashes`);
+2. `network`: each node reached through an emulated link (`eval.faults.network`), partitioned,
+   blackholed or slowed on a schedule drawn from `--seed`, then healed. With this scenario, the
+   other scenarios' traffic to the nodes crosses the (healthy) links too;
 4. `attacks`: unauthenticated and wrong-certificate calls to every listener, and cross-tenant calls
    naming a live victim session (`eval.faults.attacks`);
 6. `overload`: open-loop load at twice the measured capacity, and one tenant flooding requests
@@ -39,7 +42,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from eval.faults import CRASH_KINDS, SCENARIOS
+from eval.faults import CRASH_KINDS, LINK_KINDS, SCENARIOS
 from eval.faults.attacks import AttackTargets, Victim, run_attacks, summary
 from eval.faults.chats import ANSWER_TOKENS, ChatLoad, Tenant, references
 from eval.faults.checker import (
@@ -51,8 +54,10 @@ from eval.faults.checker import (
     other_leaks,
     recovery_summary,
 )
-from eval.faults.crashes import CrashRunner, Target, schedule
-from eval.faults.overload import OverloadPlan, distinct_references, overload_targets, run_overload
+from eval.faults.crashes import CrashRunner, Fault, Target, schedule
+from eval.faults.network import NodeLinks, linked_config
+from eval.faults.overload import OverloadPlan, distinct_references, run_overload
+from eval.faults.targets import targets
 from eval.ports import free_port_run, private_cluster_config
 from symphony.cluster_tls import grpc_channel
 from symphony.config import SymphonyConfig
@@ -85,9 +90,13 @@ class FaultSettings:
     overload_s: float = 60.0  # the flood's length (the capacity and quiet phases: half of it each)
 
 
-def faults_config(config: SymphonyConfig, home: Path, model: ModelInfo) -> tuple[SymphonyConfig, dict[str, str]]:
-    """The private cluster (module docstring) and its tenants' API keys (the attacker's included)."""
+def faults_config(
+    config: SymphonyConfig, home: Path, model: ModelInfo, linked: bool = False
+) -> tuple[SymphonyConfig, dict[str, str]]:
+    """The private cluster (module docstring) and its tenants' API keys (the attacker's included).
+    `linked`: each node advertised at an emulated link's listeners (`eval.faults.network`)."""
     private = private_cluster_config(config, home, 2)
+    private = linked_config(private) if linked else private
     keys = {name: secrets.token_urlsafe(16) for name in (*TENANTS, ATTACKER)}
     return dataclasses.replace(
         private,
@@ -107,9 +116,15 @@ def faults_config(config: SymphonyConfig, home: Path, model: ModelInfo) -> tuple
 
 class FaultBench:
     def __init__(
-        self, cluster: LocalCluster, keys: dict[str, str], settings: FaultSettings, say: Callable[[str], None]
+        self,
+        cluster: LocalCluster,
+        keys: dict[str, str],
+        settings: FaultSettings,
+        say: Callable[[str], None],
+        links: NodeLinks | None = None,
     ):
         self.cluster, self.keys, self.settings, self.say = cluster, keys, settings, say
+        self.links = links  # the nodes' links (the network scenario's), when they run
         self.config = cluster.config
         self.model = cluster.model.served_name
         self.internal = internal_headers(self.config.cluster.secret)
@@ -272,8 +287,21 @@ class FaultBench:
     async def crashes(self) -> dict[str, Any]:
         s = self.settings
         faults = schedule(s.seed, self.config.cluster.nodes, self.config.scheduler.replicas, s.rounds, s.kinds)
-        self.say(f"crashes: seed {s.seed}, {len(faults)} faults")
-        load = self.load("crashes")
+        return await self._faults("crashes", faults)
+
+    async def network(self) -> dict[str, Any]:
+        s = self.settings
+        faults = schedule(s.seed, self.config.cluster.nodes, self.config.scheduler.replicas, s.rounds, LINK_KINDS)
+        report = await self._faults("network", faults)
+        assert self.links is not None
+        report["links"] = self.links.counters()
+        return report
+
+    async def _faults(self, scenario: str, faults: list[Fault]) -> dict[str, Any]:
+        """`faults` injected one at a time under the scenario's load (eval.faults.crashes)."""
+        s = self.settings
+        self.say(f"{scenario}: seed {s.seed}, {len(faults)} faults")
+        load = self.load(scenario)
         before = await self.warm(load)
         target = Target(
             node_pid=lambda i: self.cluster.nodes[i].pid,
@@ -290,6 +318,7 @@ class FaultBench:
             TENANTS[0],
             s.recover_timeout_s,
             self.config.scheduler.node_down_after_ms,
+            self.links,
         )
         await runner.measure_baseline()
         self.say(f"{len(runner.baseline)} probes under load; one slower than {runner.slow_s:.2f} s is unavailability")
@@ -390,37 +419,6 @@ class FaultBench:
             await engine.close()
 
 
-def targets(result: dict[str, Any]) -> dict[str, bool]:
-    """The issue's targets over the scenarios that ran, and what makes each mean something: outputs
-    checked, SSD sessions looked up, every fault recovered from, every listener kind tried."""
-    found: dict[str, bool] = {}
-    scenarios = result["scenarios"]
-    for name, report in scenarios.items():
-        found[f"{name}_wrong_outputs_0"] = report["wrong_outputs"] == 0
-        found[f"{name}_every_output_checked"] = report["checked_outputs"] > 0 and report["unchecked_outputs"] == 0
-        found[f"{name}_malformed_0"] = report["malformed"] == 0
-        found[f"{name}_within_bound"] = report["over_bound"] == 0
-        found[f"{name}_no_leaks"] = not report["leaks"]
-    if "crashes" in scenarios:
-        crashes = scenarios["crashes"]
-        found["crashes_lost_sessions_0"] = not crashes["lost_sessions"] and crashes["ssd_sessions_checked"] > 0
-        found["crashes_every_fault_recovered"] = all(
-            f.get("recovered") and "skipped" not in f for f in crashes["faults"]
-        )
-        p99 = crashes["kill_recovery_ms_p99"]
-        found["crashes_kill_recovery_ms_p99_le_1000"] = p99 is not None and p99 <= 1000.0
-    if "attacks" in scenarios:
-        attacks = scenarios["attacks"]
-        found["attacks_unauthorized_accepted_0"] = attacks["unauthorized_accepted"] == 0
-        found["attacks_every_listener_reached"] = not attacks["unreachable"] and {
-            listener.split()[0] for listener in attacks["listeners"]
-        } == {"node", "page", "engine", "scheduler"}
-        found["attacks_victim_and_load_go_on"] = attacks["victim_next_turn"] == "ok" and attacks["load_resumed"]
-    if "overload" in scenarios:
-        found.update(overload_targets(scenarios["overload"]))
-    return found
-
-
 async def _run(
     config: SymphonyConfig, model: ModelInfo, keys: dict[str, str], settings: FaultSettings, scenarios: dict[str, Any]
 ) -> None:
@@ -429,13 +427,17 @@ async def _run(
     say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     cluster = LocalCluster(config, model, sys.stderr)
     bench: FaultBench | None = None
+    # Up before the nodes, which advertise them; closed after the cluster's shutdown.
+    links = NodeLinks(config, settings.seed) if config.node.advertise_grpc_port_base else None
     try:
+        if links is not None:
+            await links.start()
         if not await cluster.start_etcd():
             raise RuntimeError("the benchmark cluster's etcd did not start")
         cluster.spawn()
         if not await cluster.wait_ready(asyncio.Event()):
             raise RuntimeError("the benchmark cluster did not become ready")
-        bench = FaultBench(cluster, keys, settings, say)
+        bench = FaultBench(cluster, keys, settings, say, links)
         if not await bench._wait_whole():
             raise RuntimeError("the benchmark cluster's replicas did not both route to every node")
         for name in settings.scenarios:
@@ -447,6 +449,8 @@ async def _run(
         if bench is not None:
             await bench.close()
         await cluster.shutdown()
+        if links is not None:
+            await links.close()
 
 
 def run_faults_bench(config: SymphonyConfig, *, out: Path, settings: FaultSettings) -> int:
@@ -455,7 +459,7 @@ def run_faults_bench(config: SymphonyConfig, *, out: Path, settings: FaultSettin
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     home = config.home_path / "bench" / f"faults-{uuid.uuid4().hex[:8]}"
-    private, keys = faults_config(config, home, model)
+    private, keys = faults_config(config, home, model, linked="network" in settings.scenarios)
     started = time.monotonic()
     scenarios: dict[str, Any] = {}
     result: dict[str, Any] = {

@@ -133,8 +133,14 @@ def private_cluster_config(config: SymphonyConfig, home: Path, nodes: int, *, re
             etcd_port_base=free_port_run(2),
         ),
         scheduler=dataclasses.replace(config.scheduler, port=free_port_run(entries), node_addresses=[], replicas=1),
-        node=dataclasses.replace(
-            config.node, grpc_port_base=free_port_run(nodes), engine_port_base=free_port_run(nodes)
+        node=dataclasses.replace(  # reached where it listens: a proxy of the user's is not the benchmark's
+            config.node,
+            grpc_port_base=free_port_run(nodes),
+            engine_port_base=free_port_run(nodes),
+            advertise_host="",
+            advertise_grpc_port_base=0,
+            advertise_engine_port_base=0,
+            advertise_data_port_base=0,
         ),
         kv=dataclasses.replace(config.kv, metrics_port_base=free_port_run(nodes), ssd_dir="", data_port_base=0),
         regions=dataclasses.replace(

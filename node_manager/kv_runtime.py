@@ -213,9 +213,8 @@ async def start_kv(
             warm=warmer.warm if warmer else None,
         )
         local_channel.prefetches = prefetches
-        service = KVStoreService(
-            config.node_id(index), store, prefetches, puller, page_stream.port if page_stream else 0
-        )
+        data_port = config.kv_advertised_data_port(index, page_stream.port) if page_stream else 0
+        service = KVStoreService(config.node_id(index), store, prefetches, puller, data_port)
         kv_pb2_grpc.add_KVStoreServicer_to_server(service, server)
         log.info(
             "KV store ready",

@@ -73,7 +73,12 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     server = grpc.aio.server(options=GRPC_OPTIONS)
     node_pb2_grpc.add_NodeManagerServicer_to_server(
         NodeManagerService(
-            node_id, engine, model.served_name, identity.fingerprint, secret_check(config.cluster.secret.encode())
+            node_id,
+            engine,
+            model.served_name,
+            identity.fingerprint,
+            secret_check(config.cluster.secret.encode()),
+            engine_url=config.engine_advertised_url(index),
         ),
         server,
     )
@@ -95,7 +100,7 @@ async def run_node(config: SymphonyConfig, index: int, model: ModelInfo) -> None
     engine.follow_block_events(
         engine_block_events(config, index, identity.fingerprint, geometry, kv.store.sessions, emit, events_metrics)
     )
-    address = config.node_grpc_address(index)
+    address = config.node_grpc_listen(index)
     if add_port(server, address, tls) == 0:
         await kv.close()
         raise OSError(f"cannot listen on {address} (port in use?)")

@@ -10,10 +10,17 @@ from symphony.rpc import node_pb2, node_pb2_grpc
 
 class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
     def __init__(
-        self, node_id: str, engine: Engine, served_model: str, model_fingerprint: bytes, secret_check: bytes = b""
+        self,
+        node_id: str,
+        engine: Engine,
+        served_model: str,
+        model_fingerprint: bytes,
+        secret_check: bytes = b"",
+        engine_url: str = "",
     ) -> None:
         self.node_id = node_id
         self.engine = engine
+        self.engine_url = engine_url  # where schedulers reach the engine (node.advertise_*); "": its own URL
         self.served_model = served_model
         self.model_fingerprint = model_fingerprint
         self.secret_check = secret_check  # symphony.tenancy.secret_check of the cluster secret
@@ -29,7 +36,7 @@ class NodeManagerService(node_pb2_grpc.NodeManagerServicer):
         status = node_pb2.NodeStatus(
             node_id=self.node_id,
             engine_state=engine.state,
-            engine_url=engine.url,
+            engine_url=self.engine_url or engine.url,
             served_model=self.served_model,
             max_model_len=engine.config.max_model_len,
             block_size=engine.config.block_size,

@@ -165,10 +165,10 @@ def tls_dir(config: SymphonyConfig) -> Path:
 
 
 def config_hosts(config: SymphonyConfig) -> list[str]:
-    """Where this host's TLS servers are dialled: `node.host` (node gRPC and page streams; the
-    scheduler's HTTP API is not under TLS)."""
-    host = config.node.host.strip("[]")
-    return [] if host in _WILDCARDS else [host]
+    """Where this host's TLS servers are dialled: `node.host` and `node.advertise_host` (node gRPC
+    and page streams; the scheduler's HTTP API is not under TLS)."""
+    hosts = [h.strip("[]") for h in (config.node.host, config.node.advertise_host) if h]
+    return [h for h in dict.fromkeys(hosts) if h not in _WILDCARDS]
 
 
 def ensure_tls(directory: Path, hosts: Iterable[str] = ()) -> ClusterTLS:

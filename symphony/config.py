@@ -339,6 +339,10 @@ def _validate(config: SymphonyConfig) -> None:
     port("node.engine_port_base", n.engine_port_base)
     port("node.engine_port_base + cluster.nodes - 1", n.engine_port_base + config.cluster.nodes - 1)
     check(n.engine_scrape_interval_ms > 0, "node.engine_scrape_interval_ms", "must be positive")
+    for name in ("advertise_grpc_port_base", "advertise_engine_port_base", "advertise_data_port_base"):
+        if getattr(n, name):
+            port(f"node.{name}", getattr(n, name))
+            port(f"node.{name} + cluster.nodes - 1", getattr(n, name) + config.cluster.nodes - 1)
     e = config.engine
     check(
         e.block_size > 0 and e.block_size % 32 == 0,

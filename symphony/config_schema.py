@@ -148,6 +148,13 @@ class NodeConfig:
     grpc_port_base: int = 50051  # node i listens on grpc_port_base + i
     engine_port_base: int = 8100  # node i's engine listens on engine_port_base + i
     engine_scrape_interval_ms: int = 100  # how often the node manager reads the engine's /metrics
+    # Where the cluster's other processes (schedulers, peers) reach node i, when not where it
+    # listens: a proxy, a NAT or an emulated link in front of it. "" and 0 keep `host` and the port
+    # it listens on. Its own engine, KV channel and metrics it still reaches where they listen.
+    advertise_host: str = ""
+    advertise_grpc_port_base: int = 0  # node i's gRPC: advertise_grpc_port_base + i
+    advertise_engine_port_base: int = 0  # node i's engine: advertise_engine_port_base + i
+    advertise_data_port_base: int = 0  # node i's page stream (kv.data_plane "tcp"): base + i
 
 
 def flag_values(args: Sequence[str], *flags: str) -> list[str]:
@@ -339,10 +346,32 @@ class SymphonyConfig:
         return f"node-{index}"
 
     def node_grpc_address(self, index: int) -> str:
+        """Where the cluster reaches node `index`'s gRPC (its membership and the schedulers' node
+        list say this): the advertised address when set (`node.advertise_*`), else where it listens."""
+        n = self.node
+        port = n.advertise_grpc_port_base + index if n.advertise_grpc_port_base else n.grpc_port_base + index
+        return f"{self.advertised_host}:{port}"
+
+    def node_grpc_listen(self, index: int) -> str:
+        """Where node `index`'s gRPC listens (its own host, and the launcher's probes, dial it here)."""
         return f"{self.node.host}:{self.node.grpc_port_base + index}"
+
+    @property
+    def advertised_host(self) -> str:
+        return self.node.advertise_host or self.node.host
 
     def engine_port(self, index: int) -> int:
         return self.node.engine_port_base + index
+
+    def engine_advertised_url(self, index: int) -> str:
+        """Where the schedulers send node `index`'s engine requests (`node.advertise_*`)."""
+        n = self.node
+        port = n.advertise_engine_port_base + index if n.advertise_engine_port_base else self.engine_port(index)
+        return f"http://{self.advertised_host}:{port}"
+
+    def kv_advertised_data_port(self, index: int, listening: int) -> int:
+        """The page stream's port that peers dial for node `index`, which listens on `listening`."""
+        return self.node.advertise_data_port_base + index if self.node.advertise_data_port_base else listening
 
     def kv_metrics_port(self, index: int) -> int:
         return self.kv.metrics_port_base + index if self.kv.metrics_port_base else 0

@@ -167,7 +167,7 @@ class LocalCluster:
         config_arg = ["--effective-config", str(self.config_path)]
         for i in range(self.config.cluster.nodes):
             name = self.config.node_id(i)
-            probe = _NodeHealthProbe(self.config.node_grpc_address(i), self.tls)
+            probe = _NodeHealthProbe(self.config.node_grpc_listen(i), self.tls)  # this host's own
             self._probes.append(probe)
             proc = ManagedProcess(
                 name,
@@ -310,7 +310,7 @@ class LocalCluster:
         for i in range(c.cluster.nodes):
             where = f" ({self.topology.region_of_node(i)})" if self.topology is not None else ""
             lines.append(
-                f"  {c.node_id(i):<10} grpc {c.node_grpc_address(i)}   engine http://{c.node.host}:{c.engine_port(i)}"
+                f"  {c.node_id(i):<10} grpc {c.node_grpc_listen(i)}   engine http://{c.node.host}:{c.engine_port(i)}"
                 + where
             )
         lines += [

@@ -10,6 +10,7 @@ cluster unavailable; a fault's recovery time is how long after it such a probe e
 did). When the cluster hangs, the few probes it holds end late, and count then.
 Before a node manager is killed, every session the load ran is looked up on its SSD tier; after it
 restarted, each must still have as many leading blocks there (`lost_sessions`).
+The network scenario's link faults (`eval.faults.network`) run through the same runner.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Any
 
 import grpc
 
-from eval.faults import CRASH_KINDS
+from eval.faults import CRASH_KINDS, LINK_KINDS
 from eval.faults.chats import ChatLoad
 from eval.faults.checker import RequestOutcome, lost_sessions, percentile
+from eval.faults.network import NodeLinks
 from symphony.cluster_tls import ClusterTLS, grpc_channel
 from symphony.process import process_tree
 from symphony.rpc import kv_pb2, kv_pb2_grpc
@@ -57,6 +59,9 @@ MIN_SLOW_S = 1.0  # a probe slower than this (or than SLOW_FACTOR x the baseline
 SLOW_FACTOR = 4.0
 BASELINE_S = 5.0  # probes before the first fault, under the load: what a probe takes
 HOLD_S = (1.0, 3.0)  # how long a SIGSTOP lasts, drawn uniformly
+# How long a link fault lasts, drawn uniformly: past the schedulers' node_down_after_ms (1 s by
+# default), so that a node cut off is seen gone before it heals.
+LINK_HOLD_S = (2.0, 6.0)
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,8 @@ class Fault:
     hold_s: float  # SIGSTOP kinds: frozen this long; 0 for kills
 
     def describe(self) -> str:
-        where = "etcd" if self.kind.startswith("etcd") else f"{self.kind.split('_')[0]}-{self.target}"
+        kind = "node" if self.kind in LINK_KINDS else self.kind.split("_")[0]
+        where = "etcd" if self.kind.startswith("etcd") else f"{kind}-{self.target}"
         return f"{self.kind} {where}" + (f" for {self.hold_s:.1f} s" if self.hold_s else "")
 
 
@@ -82,7 +88,8 @@ def schedule(seed: int, nodes: int, replicas: int, rounds: int, kinds: Sequence[
             target = (
                 rng.randrange(replicas if kind.startswith("replica") else nodes) if not kind.startswith("etcd") else 0
             )
-            hold = round(rng.uniform(*HOLD_S), 2) if kind.endswith("_stop") else 0.0
+            spread = HOLD_S if kind.endswith("_stop") else LINK_HOLD_S if kind in LINK_KINDS else None
+            hold = round(rng.uniform(*spread), 2) if spread else 0.0
             faults.append(Fault(kind, target, hold))
     return faults
 
@@ -198,8 +205,11 @@ class CrashRunner:
         probe_tenant: str,
         recover_timeout_s: float,
         node_down_after_ms: int,
+        links: NodeLinks | None = None,
     ) -> None:
+        """`links`: the nodes' links, for faults of `LINK_KINDS` (eval.faults.network)."""
         self.stable_s = stable_s(node_down_after_ms)
+        self.links = links
         self.load, self.target, self.whole = load, target, whole
         self.node_address, self.tls = node_address, tls
         self.probe_tenant = probe_tenant
@@ -234,8 +244,10 @@ class CrashRunner:
 
     async def _one(self, fault: Fault) -> dict[str, Any]:
         record: dict[str, Any] = {"fault": fault.describe(), "kind": fault.kind}
-        pid = self.target.pid_of(fault)
-        if pid is None:
+        links = self.links if fault.kind in LINK_KINDS else None
+        assert links is not None or fault.kind not in LINK_KINDS, "a link fault needs the nodes' links"
+        pid = None if links is not None else self.target.pid_of(fault)
+        if pid is None and links is None:
             record["skipped"] = "no such process running"
             return record
         histories: dict[tuple[str, str], tuple[list[int], int]] = {}
@@ -251,13 +263,18 @@ class CrashRunner:
         fault_at = time.monotonic()
         record["at_s"] = round(fault_at - self.origin_s, 2)
         try:
-            os.kill(pid, signal.SIGSTOP if fault.hold_s else signal.SIGKILL)
+            if links is not None:
+                links.cut(fault.target, fault.kind)
+            elif pid is not None:
+                os.kill(pid, signal.SIGSTOP if fault.hold_s else signal.SIGKILL)
             if fault.hold_s:
                 await asyncio.sleep(fault.hold_s)
         except ProcessLookupError:
             record["skipped"] = "the process ended before the fault"
         finally:
-            if fault.hold_s:
+            if links is not None:
+                links.heal(fault.target)  # whatever happened, no link stays broken
+            elif fault.hold_s and pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)  # whatever happened, nothing stays frozen
         whole = "skipped" not in record and await self._wait_whole(fault, pid)
@@ -300,10 +317,10 @@ class CrashRunner:
             record["lost_sessions"] = lost_sessions(saved, after)
         return record
 
-    async def _wait_whole(self, fault: Fault, pid: int) -> bool:
+    async def _wait_whole(self, fault: Fault, pid: int | None) -> bool:
         """Wait until a killed process was replaced (another pid runs in its place), then until the
         cluster is whole for `stable_s` in a row: a scheduler still reads a node killed a moment
-        ago as ready until its next poll."""
+        ago as ready until its next poll. Faults held for a while (a SIGSTOP, a link's) end healed."""
         deadline = time.monotonic() + self.recover_timeout_s
         while not fault.hold_s and self.target.pid_of(fault) in (None, pid):
             if time.monotonic() > deadline:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from openai._constants import DEFAULT_CONNECTION_LIMITS
 
+from symphony.cluster_tls import config_hosts
 from symphony.config import (
     CLIENT_POOL_KEEPALIVE_S,
     ClusterConfig,
@@ -409,6 +410,32 @@ def test_node_grpc_address_and_engine_port_offset_by_index() -> None:
     assert config.node_grpc_address(2) == "10.1.2.3:6002"
     assert config.engine_port(0) == 7000
     assert config.engine_port(3) == 7003
+    assert config.node_grpc_listen(2) == "10.1.2.3:6002" and config.engine_advertised_url(1) == "http://10.1.2.3:7001"
+    assert config.kv_advertised_data_port(1, listening=41234) == 41234
+
+
+def test_a_node_behind_a_proxy_is_advertised_there_and_listens_where_it_always_did() -> None:
+    config = load_config(
+        env={},
+        overrides={
+            "node": {
+                "host": "10.1.2.3",
+                "grpc_port_base": 6000,
+                "engine_port_base": 7000,
+                "advertise_host": "gw.example",
+                "advertise_grpc_port_base": 16000,
+                "advertise_engine_port_base": 17000,
+                "advertise_data_port_base": 18000,
+            }
+        },
+    )
+    assert config.node_grpc_address(1) == "gw.example:16001"  # membership, the schedulers' node list
+    assert config.node_grpc_listen(1) == "10.1.2.3:6001"
+    assert config.engine_port(1) == 7001 and config.engine_advertised_url(1) == "http://gw.example:17001"
+    assert config.kv_advertised_data_port(1, listening=41234) == 18001
+    assert config_hosts(config) == ["10.1.2.3", "gw.example"]  # the member certificate names both
+    with pytest.raises(ConfigError, match=r"node\.advertise_engine_port_base"):
+        load_config(env={}, overrides={"node": {"advertise_engine_port_base": 65535}, "cluster": {"nodes": 2}})
 
 
 def test_engine_events_endpoints_are_private_ipc_sockets_one_per_running_node() -> None:
