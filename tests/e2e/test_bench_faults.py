@@ -1,6 +1,7 @@
 """`symphony bench faults`, short: a private two-node cluster with two scheduler replicas over etcd
-and mutual TLS has each of its processes killed or frozen once under a greedy chat load, is
-attacked on every listener, then loaded past its capacity; the checker's figures must all hold
+and mutual TLS has each of its processes killed or frozen once under a greedy chat load, each of
+its nodes' links partitioned, blackholed or slowed, is attacked on every listener, then loaded
+past its capacity; the checker's figures must all hold
 but the speed targets, and must have had something to check (answers compared with their
 recompute reference, sessions on SSD across a node's kill, attempts on every listener, requests
 past capacity)."""
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from eval.faults import CRASH_KINDS
+from eval.faults import CRASH_KINDS, LINK_KINDS
 from symphony.config import default_home
 from symphony.models import fetch_default_model
 
@@ -64,6 +65,12 @@ def test_the_cluster_survives_every_crash_refuses_every_attack_and_sheds_overloa
     assert crashes["checked_outputs"] > 0 and crashes["wrong_outputs"] == 0
     assert crashes["ssd_sessions_checked"] > 0 and crashes["lost_sessions"] == []
     assert crashes["probes"] > 0 and crashes["kill_recovery_ms_p99"] is not None  # measured; judged by the bench
+
+    network = result["scenarios"]["network"]
+    assert sorted(f["kind"] for f in network["faults"]) == sorted(LINK_KINDS)
+    assert network["checked_outputs"] > 0 and network["wrong_outputs"] == 0 and network["probes"] > 0
+    links = network["links"]  # every node's traffic crossed its link, both ways
+    assert all(link["bytes_to_node"] > 0 and link["bytes_from_node"] > 0 for link in links.values()), links
 
     attacks = result["scenarios"]["attacks"]
     assert attacks["unauthorized_accepted"] == 0 and attacks["attempts"] >= 50 and not attacks["unreachable"]
