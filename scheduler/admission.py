@@ -10,8 +10,12 @@ Retry-After), and the requests admitted wait at most about that long.
 
 The expected wait is the time for the `ahead + 1` requests that must end before it starts (each
 start takes the slot a running request frees) to end, at `slots_per_s` (`SlotRate`):
-- Requests have been held back for a whole finish window: the rate requests ended over that
-  window (`symphony.finish_rate`). The nodes were full all along, so it is their capacity.
+- Requests have been held back for a whole finish window (5 s): the rate requests ended since
+  they were first held back, up to HELD_WINDOW_MS (`symphony.finish_rate`). The nodes were full
+  all along, so it is their capacity. Over the hold, not just the last 5 s: an engine's batch
+  often ends together (requests of one length, started together), so the finishes come in bursts
+  a batch's time apart, and a 5 s count swung from 0 to 16 between two bursts (0.2 to 3 a second
+  for a cluster serving 1.8), refusing on a lull and admitting on a burst.
 - Before that (a burst after a quiet spell): the larger of that rate and Little's law, the
   requests on engines now over their mean time there (`SlotTime`). The recent finish rate is then
   the past demand, not the capacity, and would refuse a burst the nodes serve quickly; Little's
@@ -41,6 +45,7 @@ __all__ = ["MAX_RETRY_AFTER_S", "Admission", "Overloaded", "SlotRate", "SlotTime
 
 MAX_RETRY_AFTER_S = 3600  # Retry-After is capped here (a stalled estimate must not ask for a day)
 SLOT_TIME_WEIGHT = 0.1  # the exponential average's weight for each new request (~the last 20)
+HELD_WINDOW_MS = 30_000.0  # a hold's finish rate counts its last 30 s at most (1 s buckets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,23 +103,30 @@ class SlotRate:
     def __init__(self, finishes: FinishRate | None = None, slot_time: SlotTime | None = None) -> None:
         self.finishes = finishes if finishes is not None else FinishRate()
         self.slot_time = slot_time if slot_time is not None else SlotTime()
+        self.held_finishes = FinishRate(HELD_WINDOW_MS, round(HELD_WINDOW_MS / 1000))
         self._held_since_ms: float | None = None  # requests held back at every call since then
+        self._last_call_ms: float | None = None
 
     def ended(self, now_ms: float, held_ms: float) -> None:
         """A request that reached an engine ended at `now_ms`, having held its slot `held_ms`."""
         self.finishes.finished(now_ms)
+        self.held_finishes.finished(now_ms)
         self.slot_time.ended(held_ms)
 
     def per_s(self, now_ms: float, running: int, held: int) -> float:
         """Slots freed per second with `running` requests on engines and `held` held back now (a
-        newcomer's own not counted: 0 when it is the first); 0: not known."""
-        if held <= 0:
+        newcomer's own not counted: 0 when it is the first); 0: not known. Held back "all along"
+        needs calls at most a window apart: with none for a window (no newcomer had to wait),
+        the queue may have drained meanwhile, and its next burst starts a new span."""
+        quiet = self._last_call_ms is None or now_ms - self._last_call_ms > self.finishes.window_ms
+        self._last_call_ms = now_ms
+        if held <= 0 or quiet:
             self._held_since_ms = None
-        elif self._held_since_ms is None:
+        if held > 0 and self._held_since_ms is None:
             self._held_since_ms = now_ms
-        recent = self.finishes.per_s(now_ms)
         if self._held_since_ms is not None and now_ms - self._held_since_ms >= self.finishes.window_ms:
-            return recent
+            return self.held_finishes.per_s(now_ms, since_ms=self._held_since_ms)
+        recent = self.finishes.per_s(now_ms)
         mean_ms = self.slot_time.mean_ms
         little = running * 1000.0 / mean_ms if mean_ms and running > 0 else 0.0
         return max(recent, little)

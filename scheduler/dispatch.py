@@ -219,7 +219,7 @@ class Dispatcher:
         if not len(self.queue):
             return
         now = time.monotonic()
-        self.queue.wake(rooms(n.snapshot(now, self.cluster.down_after_s) for n in self.cluster.nodes))
+        self.queue.wake_for(rooms(n.snapshot(now, self.cluster.down_after_s) for n in self.cluster.nodes))
 
     def _node(self, node_id: str | None) -> NodeView:
         node = self.cluster.by_id(node_id) if node_id is not None else None

@@ -139,6 +139,12 @@ class SchedulerMetrics:
             registry=r,
         )
         self.queued = Gauge("symphony_queued_requests", "Requests waiting in the scheduler for a node", registry=r)
+        self.requeued = Counter(
+            "symphony_queue_requeued",
+            "Requests put back at the head of the queue: woken but found no room, or sent again after an"
+            " unreachable engine",
+            registry=r,
+        )
         self.advisory_followups = Counter(
             "symphony_advisory_followups",
             "Requests that had a pending advisory: honored (went to the advised node) or rerouted (node unavailable)",

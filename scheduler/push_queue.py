@@ -3,7 +3,14 @@ waits here rather than in one engine's queue, so it starts on whichever node fre
 The order and the bounds are `scheduler.held_queue.HeldQueue`'s (higher tiers first, tenants taking
 turns by weight within a tier; a full queue, or a tenant's full share of it, answers 429; a newcomer
 that would wait past `max_wait_s`, 503: `scheduler.admission`); this adds the waiting, with a
-deadline (then 503), so nothing waits forever."""
+deadline (then 503), so nothing waits forever.
+
+Wake-ups: `wake_for(rooms)` lets as many waiters go as there are rooms, less those woken already
+that have not yet taken theirs (`woken`): a woken waiter resumes only at a later turn of the event
+loop, and every node status and every request's end asks again meanwhile. Waking one per ask would
+wake several for one room; all but one would find none and wait again at the head of the queue,
+where they go before every tenant's newcomers (the tenants' turns lost) and count in every
+newcomer's expected wait (admission refusing what it need not)."""
 
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ class PushQueue:
         self._held: HeldQueue[asyncio.Future[None]] = HeldQueue(max_waiting, quotas, max_wait_s)
         self.timeout_s = timeout_s
         self.metrics = metrics if metrics is not None else SchedulerMetrics()
+        self.woken = 0  # waiters woken (their turn's future set) that have not resumed yet
 
     @property
     def max_waiting(self) -> int:
@@ -75,6 +83,7 @@ class PushQueue:
             return False
         finally:
             if turn.done() and not turn.cancelled():  # `wake` took it out of the queue
+                self.woken -= 1  # resumed (or gave up): its wake-up is spent
                 if not woken:
                     self.wake(1)  # woken just as it gave up (timeout, client gone): the next waiter goes
             else:
@@ -91,6 +100,8 @@ class PushQueue:
         if remaining <= 0:
             raise queue_timeout_error(self.timeout_s)
         self.metrics.queued.inc()
+        if requeued:
+            self.metrics.requeued.inc()
         started = time.perf_counter()
         try:
             woken = await self.wait(priority, remaining, tenant, requeued, slots_per_s)
@@ -113,4 +124,10 @@ class PushQueue:
             if not turn.done():
                 turn.set_result(None)
                 woken += 1
+        self.woken += woken
         return woken
+
+    def wake_for(self, rooms: int) -> int:
+        """Let waiters go for `rooms` rooms open now, less the waiters woken already that have not
+        yet taken theirs (module docstring); returns how many."""
+        return self.wake(rooms - self.woken)

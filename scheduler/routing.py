@@ -73,11 +73,12 @@ class NodeSnapshot:
         """Requests queued inside the engine (not running). The engine's own count: between two
         polls a request just sent is not yet running, but a vLLM engine with room admits it at its
         next step, so counting it as pending would hold requests back for a poll period. With
-        `max_running` known, also this scheduler's requests there beyond it: the engine queues
+        `max_running` known, at least this scheduler's requests there beyond it, plus one once its
+        batch is full (a request sent then would wait: the node has no room). The engine queues
         those whatever its gauge says yet (it updates once a step, seconds apart on a loaded CPU
         engine, when a burst of requests can go out on a stale 0)."""
         if self.max_running > 0:
-            return max(self.waiting, self.inflight - self.max_running)
+            return max(self.waiting, self.inflight + 1 - self.max_running)
         return self.waiting
 
 

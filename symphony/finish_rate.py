@@ -45,11 +45,15 @@ class FinishRate:
         index = max(self._advance(now_ms), self._current)
         self._counts[index % len(self._counts)] += count
 
-    def per_s(self, now_ms: float) -> float:
-        """Finishes per second over the window ending at `now_ms`; 0 before any."""
+    def per_s(self, now_ms: float, since_ms: float | None = None) -> float:
+        """Finishes per second over the window ending at `now_ms`; 0 before any. `since_ms`: over
+        its part since then only (whole buckets: the one holding `since_ms` counts whole)."""
         if self._first_ms is None:
             return 0.0
         self._advance(now_ms)
-        start = (self._current - len(self._counts) + 1) * self.bucket_ms
-        span_ms = max(now_ms - max(start, self._first_ms), self.bucket_ms)
-        return max(sum(self._counts), 1) * 1000.0 / span_ms
+        oldest = self._current - len(self._counts) + 1
+        begin = max(oldest * self.bucket_ms, self._first_ms, since_ms if since_ms is not None else -math.inf)
+        first = max(oldest, math.floor(begin / self.bucket_ms))
+        count = sum(self._counts[i % len(self._counts)] for i in range(first, self._current + 1))
+        span_ms = max(now_ms - begin, self.bucket_ms)
+        return max(count, 1) * 1000.0 / span_ms

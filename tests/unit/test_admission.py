@@ -4,6 +4,7 @@ answer (503 `overloaded` with Retry-After)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import replace
 
@@ -75,8 +76,7 @@ def test_once_requests_were_held_a_whole_window_the_finish_rate_alone_counts() -
     assert slots.per_s(1_000.0, running=8, held=2) == pytest.approx(8.0)  # held since 1 s
     for t in range(2, 7):
         slots.ended(t * 1_000.0, 8_000.0)  # full-batch requests take 8 s
-    assert slots.per_s(6_000.0, running=8, held=5) == pytest.approx(slots.finishes.per_s(6_000.0))
-    assert slots.finishes.per_s(6_000.0) < 1.5  # about one a second: what the nodes really freed
+    assert slots.per_s(6_000.0, running=8, held=5) == pytest.approx(1.0)  # 5 since 1 s: what they freed
     assert slots.per_s(6_500.0, running=8, held=0) > 2.0  # the queue emptied: a new spell starts
 
 
@@ -145,6 +145,63 @@ def test_a_scheduler_s_requests_beyond_the_engine_s_batch_are_pending_whatever_i
     Past the engine's batch, the node has requests waiting (selective pushing holds the next one
     in the scheduler, where admission and the tenants' turns apply)."""
     node = NodeSnapshot("n0", True, running=8, waiting=0, inflight=11, kv_usage=0.1, max_running=8)
-    assert node.pending == 3 and rooms([node]) == 0
+    assert node.pending == 4 and rooms([node]) == 0  # 3 past the batch, and no room for a 12th
     assert replace(node, max_running=0).pending == 0  # not known: the gauge alone
-    assert replace(node, waiting=5).pending == 5 and replace(node, inflight=8).pending == 0
+    assert replace(node, waiting=5).pending == 5 and replace(node, inflight=8).pending == 1  # full
+    assert replace(node, inflight=7).pending == 0 and rooms([replace(node, inflight=7)]) == 1
+
+
+def test_a_hold_not_seen_for_a_window_starts_a_new_span() -> None:
+    """Held back at 1 s, then no newcomer waited until 20 s (the queue may have drained): the burst
+    at 20 s is not "held a whole window" yet, so the running requests still price it."""
+    slots = SlotRate(FinishRate(window_ms=5_000.0))
+    slots.ended(0.0, 1_000.0)
+    assert slots.per_s(1_000.0, running=8, held=2) == pytest.approx(8.0)
+    slots.ended(19_000.0, 1_000.0)
+    assert slots.per_s(20_000.0, running=8, held=3) == pytest.approx(8.0)  # not the 1 finish in 5 s
+    assert slots.per_s(24_000.0, running=8, held=3) == pytest.approx(8.0)  # held 4 s of 5
+    assert slots.per_s(25_500.0, running=8, held=3) == pytest.approx(1000.0 / 5_500.0)  # none since 20 s
+
+
+def test_a_held_cluster_s_rate_counts_its_whole_hold_not_the_last_burst() -> None:
+    """Two engines of 8 whose batches end together every 9 s: 16 finishes at once, then none,
+    while newcomers keep waiting (one a second). Over the last 5 s the rate swings between a burst
+    and a lull; over the hold it stays near 16 / 9."""
+    slots = SlotRate(FinishRate(window_ms=5_000.0))
+    slots.ended(0.0, 9_000.0)
+    rates, recent = [], []
+    for second in range(1, 37):
+        now = second * 1_000.0
+        if second % 9 == 0:
+            for _ in range(16):
+                slots.ended(now - 1.0, 9_000.0)
+        rates.append(slots.per_s(now, running=16, held=10))
+        recent.append(slots.finishes.per_s(now))
+    assert max(recent) / min(recent) > 10  # the last 5 s: a burst, then a lull
+    held = rates[9:]  # once a burst has ended within the hold
+    assert all(0.9 < rate < 2.5 for rate in held) and 1.3 < sum(held) / len(held) < 2.2, held
+
+
+async def test_one_room_wakes_one_waiter_however_often_it_is_announced() -> None:
+    """Every status and every request's end announces the rooms; a waiter woken for one resumes a
+    loop turn later. Announcing the same room again meanwhile must not wake a second waiter, who
+    would find no room and wait again at the queue's head, ahead of every tenant's newcomers."""
+    metrics = SchedulerMetrics()
+    queue = PushQueue(10, metrics=metrics)
+    waiters = [asyncio.create_task(queue.wait(NORMAL, 60.0, tenant)) for tenant in ("a", "b", "c")]
+    await asyncio.sleep(0)  # all three queued
+    assert len(queue) == 3
+    assert queue.wake_for(1) == 1 and queue.wake_for(1) == 0 and queue.woken == 1  # the same room, twice
+    assert await waiters[0] and len(queue) == 2 and queue.woken == 0  # resumed: its wake-up spent
+    assert queue.wake_for(2) == 2 and queue.woken == 2
+    assert await asyncio.gather(*waiters[1:]) == [True, True] and queue.woken == 0 and len(queue) == 0
+
+
+def test_a_finish_rate_since_a_moment_counts_only_its_buckets_from_then() -> None:
+    rate = FinishRate(window_ms=30_000.0, buckets=30)
+    rate.finished(500.0)
+    for _ in range(3):
+        rate.finished(2_500.0)
+    assert rate.per_s(4_000.0) == pytest.approx(4 / 3.5)  # since the first finish
+    assert rate.per_s(4_000.0, since_ms=2_000.0) == pytest.approx(3 / 2.0)  # the bucket of 2 s on
+    assert rate.per_s(40_000.0, since_ms=2_000.0) == pytest.approx(1 / 29.0)  # none in the window (11-40 s)
