@@ -33,12 +33,14 @@ def test_the_summary_and_targets_judge_collapse_refusals_goodput_and_fairness() 
     capacity = [outcome(t + 0.5, 1.0) for t in range(20)]  # 10 answers end in [10, 20]: 1 a second
     alone = [outcome(0.0, 0.1), outcome(0.0, 0.2)]
     flood = [outcome(30.0 + t, 2.0) for t in range(16)] + [outcome(31.0, 0.01, 503)]
-    flooded = [outcome(30.0, 0.25), outcome(31.0, 0.2)]
+    flooded = [outcome(30.0, 0.25), outcome(31.0, 0.2), outcome(45.0, 0.2)]
     report = overload_summary(capacity, (0.0, 20.0), alone, flood, flooded, (30.0, 50.0), 10.0, 2.0)
     assert report["capacity_rps"] == 1.0 and report["saturated_p99_s"] == 1.0
     assert report["flood_accepted_p99_bound_s"] == 12.0  # 10 s of queue + twice 1 s
     assert report["flood_refused"] == 1 and report["flood_refused_by_kind"] == {"503:overloaded": 1}
-    assert report["goodput_rps"] == 0.8 and report["quiet_p95_ratio"] == 1.25
+    # Answers ending in [40, 50] s: 8 of the flood's and 1 of the quiet tenant's.
+    assert report["goodput_rps"] == 0.9 and report["flood_goodput_rps"] == 0.8
+    assert report["quiet_p95_ratio"] == 1.25
     assert all(overload_targets(report).values()), overload_targets(report)
 
     # Every one accepted and waiting 40 s, or timed out in the queue: collapse. None ended during
@@ -72,6 +74,7 @@ def test_references_are_computed_once_per_distinct_prompt_and_length() -> None:
 
 async def test_the_open_loop_sends_poisson_arrivals_without_waiting_for_answers() -> None:
     sent: list[float] = []
+    lengths: set[int] = set()
     gate = asyncio.Event()
 
     class Load:
@@ -79,6 +82,7 @@ async def test_the_open_loop_sends_poisson_arrivals_without_waiting_for_answers(
 
         async def send(self, tenant: str, session: str, messages: object, tokens: int) -> RequestOutcome:
             sent.append(asyncio.get_running_loop().time())
+            lengths.add(tokens)
             if len(sent) >= 40:
                 gate.set()
             await gate.wait()  # no answer before 40 were sent: a closed loop would never get there
@@ -88,6 +92,7 @@ async def test_the_open_loop_sends_poisson_arrivals_without_waiting_for_answers(
         return 202
 
     sender = OverloadLoad(Load(), advise, seed=1)  # type: ignore[arg-type]
-    outcomes = await asyncio.wait_for(sender.open_loop("t", 200.0, 0.5, 1, advised=True), 10.0)
+    outcomes = await asyncio.wait_for(sender.open_loop("t", 200.0, 0.5, (4, 8), advised=True), 10.0)
     assert 50 <= len(outcomes) <= 150  # about 100 at 200 a second for 0.5 s
+    assert lengths == {4, 8}  # one answer length drawn per request
     assert sender.advisories == {202: len(outcomes)}
