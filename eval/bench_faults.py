@@ -446,11 +446,13 @@ async def _run(
             report["run_s"] = round(time.monotonic() - started, 1)
             scenarios[name] = report
     finally:
-        if bench is not None:
-            await bench.close()
-        await cluster.shutdown()
-        if links is not None:
-            await links.close()
+        try:
+            if bench is not None:
+                await bench.close()
+            await cluster.shutdown()
+        finally:
+            if links is not None:
+                await links.close()
 
 
 def run_faults_bench(config: SymphonyConfig, *, out: Path, settings: FaultSettings) -> int:

@@ -92,9 +92,9 @@ class Routing:
 
 
 def rooms(nodes: Iterable[NodeSnapshot]) -> int:
-    """How many held-back requests get another try when room may have opened: one per available
-    node with nothing waiting in its engine (`NodeSnapshot.pending`)."""
-    return sum(1 for n in nodes if n.available and n.pending == 0)
+    """How many held-back requests get another try when room may have opened: each available
+    node's `NodeSnapshot.rooms`."""
+    return sum(n.rooms for n in nodes if n.available)
 
 
 # -- pulling a request's KV before it is sent -------------------------------------------------------

@@ -65,7 +65,7 @@ def load_of(
     load_ms, read_ms = held_prices(profile, held)
     return RegionLoad(
         ready_nodes=len(nodes),
-        idle_nodes=sum(1 for n in nodes if n.pending == 0),
+        idle_nodes=sum(1 for n in nodes if n.rooms),
         running=sum(n.running for n in nodes),
         waiting=sum(n.waiting for n in nodes),
         inflight=sum(n.inflight for n in nodes),

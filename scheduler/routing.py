@@ -73,13 +73,21 @@ class NodeSnapshot:
         """Requests queued inside the engine (not running). The engine's own count: between two
         polls a request just sent is not yet running, but a vLLM engine with room admits it at its
         next step, so counting it as pending would hold requests back for a poll period. With
-        `max_running` known, at least this scheduler's requests there beyond it, plus one once its
-        batch is full (a request sent then would wait: the node has no room). The engine queues
+        `max_running` known, at least this scheduler's requests there beyond it: the engine queues
         those whatever its gauge says yet (it updates once a step, seconds apart on a loaded CPU
         engine, when a burst of requests can go out on a stale 0)."""
         if self.max_running > 0:
-            return max(self.waiting, self.inflight + 1 - self.max_running)
+            return max(self.waiting, self.inflight - self.max_running)
         return self.waiting
+
+    @property
+    def rooms(self) -> int:
+        """Requests it would start at once: with nothing pending, one (the engine's batch size not
+        known: it admits a request at its next step), or the free places in a known batch
+        (`max_running` less this scheduler's requests there); 0 with anything pending."""
+        if self.pending:
+            return 0
+        return max(0, self.max_running - self.inflight) if self.max_running > 0 else 1
 
 
 class HeldPrefix(NamedTuple):
@@ -258,7 +266,7 @@ def advisory_holds(node_id: str, nodes: Sequence[NodeSnapshot]) -> bool:
     advised = next((n for n in up if n.node_id == node_id), None)
     return (
         advised is not None
-        and advised.pending == 0
+        and advised.rooms > 0
         and advised.prefilling == 0
         and advised.load <= min(n.load for n in up)
     )

@@ -343,6 +343,11 @@ def _validate(config: SymphonyConfig) -> None:
         if getattr(n, name):
             port(f"node.{name}", getattr(n, name))
             port(f"node.{name} + cluster.nodes - 1", getattr(n, name) + config.cluster.nodes - 1)
+    check(
+        not n.advertise_data_port_base or bool(config.kv.data_port_base and config.kv.data_plane == "tcp"),
+        "node.advertise_data_port_base",
+        'needs kv.data_port_base (and kv.data_plane = "tcp"): a proxy cannot target a port the kernel picks',
+    )
     e = config.engine
     check(
         e.block_size > 0 and e.block_size % 32 == 0,

@@ -47,12 +47,13 @@ class FinishRate:
 
     def per_s(self, now_ms: float, since_ms: float | None = None) -> float:
         """Finishes per second over the window ending at `now_ms`; 0 before any. `since_ms`: over
-        its part since then only (whole buckets: the one holding `since_ms` counts whole)."""
+        its part from the start of the bucket holding `since_ms` (its finishes and its time)."""
         if self._first_ms is None:
             return 0.0
         self._advance(now_ms)
         oldest = self._current - len(self._counts) + 1
-        begin = max(oldest * self.bucket_ms, self._first_ms, since_ms if since_ms is not None else -math.inf)
+        since = math.floor(since_ms / self.bucket_ms) * self.bucket_ms if since_ms is not None else -math.inf
+        begin = max(oldest * self.bucket_ms, self._first_ms, since)
         first = max(oldest, math.floor(begin / self.bucket_ms))
         count = sum(self._counts[i % len(self._counts)] for i in range(first, self._current + 1))
         span_ms = max(now_ms - begin, self.bucket_ms)

@@ -15,10 +15,10 @@ MT-bench questions (so one recompute reference per distinct prompt checks every 
    - The flood's answers must not collapse: their p99 within `scheduler.max_queue_wait_s` plus
      twice the saturated p99.
    - The surplus is refused: `503 overloaded` (admission) or `429 queue_full`.
-   - The goodput holds: answers (both tenants') that ended during the flood, after its first
-     `max_queue_wait_s` (the queue filling), at least GOODPUT_SHARE of the capacity. The quiet
-     tenant's answers count: the engines' time they take is not the flood's to have (the flood's
-     own rate is reported apart, `flood_goodput_rps`).
+   - The goodput holds: the flood's answers that ended during the flood, after its first
+     `max_queue_wait_s` (the queue filling), at least GOODPUT_SHARE of the capacity less the
+     quiet tenant's answers in the same span (the engines' time those take is not the flood's to
+     have; each counted as a whole answer, though it is one token: a stricter bar).
    - The quiet tenant's p95 is compared with phase 2's (the issue's target: within 1.5x).
 
 Pacing uses the event loop's clock (open loop: a request's send never waits for another's answer).
@@ -219,8 +219,8 @@ def overload_summary(
         "flood_accepted_p50_s": percentile(accepted, 50),
         "flood_accepted_p99_s": percentile(accepted, 99),
         "flood_accepted_p99_bound_s": bound,
-        "goodput_rps": round((served(flood) + served(quiet_flooded)) / span_s, 2),
-        "flood_goodput_rps": round(served(flood) / span_s, 2),
+        "goodput_rps": round(served(flood) / span_s, 2),
+        "quiet_goodput_rps": round(served(quiet_flooded) / span_s, 2),
         "quiet_alone_requests": len(quiet_alone),
         "quiet_alone_p95_s": alone_p95,
         "quiet_flooded_requests": len(quiet_flooded),
@@ -239,7 +239,9 @@ def overload_targets(report: dict[str, Any]) -> dict[str, bool]:
     return {
         "overload_surplus_refused": report["flood_refused"] > 0,
         "overload_accepted_p99_bounded": p99 is not None and bound is not None and p99 <= bound,
-        "overload_goodput_ge_0.8_capacity": report["goodput_rps"] >= GOODPUT_SHARE * report["capacity_rps"] > 0,
+        "overload_goodput_ge_0.8_capacity": report["goodput_rps"]
+        >= GOODPUT_SHARE * (report["capacity_rps"] - report["quiet_goodput_rps"])
+        > 0,
         "overload_quiet_p95_within_1.5x": ratio is not None
         and ratio <= FAIRNESS_BOUND
         and report["quiet_flooded_errors"] == 0,

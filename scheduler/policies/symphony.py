@@ -144,7 +144,7 @@ def _pushable(
     (`NEARLY_FULL_KV`), whose queue may be waiting for memory, only when no idle node can pull the
     prefix either (`movable`). Empty: every node has requests waiting, and the request waits in the
     scheduler for the first to free up."""
-    idle = [n for n in candidates if n.pending == 0]
+    idle = [n for n in candidates if n.rooms]
     if not idle:
         return []
     reach = max(holdings.get(n.node_id, NOTHING_HELD).total for n in idle)
@@ -152,7 +152,7 @@ def _pushable(
     pushable = []
     for n in candidates:
         held = holdings.get(n.node_id, NOTHING_HELD).total
-        if n.pending == 0 or (held > reach and (kv_usage(n) < NEARLY_FULL_KV or held > pull_reach)):
+        if n.rooms or (held > reach and (kv_usage(n) < NEARLY_FULL_KV or held > pull_reach)):
             pushable.append(n)
     return pushable
 

@@ -145,10 +145,12 @@ def test_a_scheduler_s_requests_beyond_the_engine_s_batch_are_pending_whatever_i
     Past the engine's batch, the node has requests waiting (selective pushing holds the next one
     in the scheduler, where admission and the tenants' turns apply)."""
     node = NodeSnapshot("n0", True, running=8, waiting=0, inflight=11, kv_usage=0.1, max_running=8)
-    assert node.pending == 4 and rooms([node]) == 0  # 3 past the batch, and no room for a 12th
-    assert replace(node, max_running=0).pending == 0  # not known: the gauge alone
-    assert replace(node, waiting=5).pending == 5 and replace(node, inflight=8).pending == 1  # full
-    assert replace(node, inflight=7).pending == 0 and rooms([replace(node, inflight=7)]) == 1
+    assert node.pending == 3 and rooms([node]) == 0
+    assert replace(node, max_running=0).pending == 0 and replace(node, max_running=0).rooms == 1  # the gauge
+    assert replace(node, waiting=5).pending == 5
+    full = replace(node, inflight=8)
+    assert full.pending == 0 and full.rooms == 0  # a full batch: nothing waits, and no room
+    assert rooms([replace(node, inflight=5), full]) == 3  # the free places of a known batch
 
 
 def test_a_hold_not_seen_for_a_window_starts_a_new_span() -> None:
@@ -204,4 +206,6 @@ def test_a_finish_rate_since_a_moment_counts_only_its_buckets_from_then() -> Non
         rate.finished(2_500.0)
     assert rate.per_s(4_000.0) == pytest.approx(4 / 3.5)  # since the first finish
     assert rate.per_s(4_000.0, since_ms=2_000.0) == pytest.approx(3 / 2.0)  # the bucket of 2 s on
+    # Since the middle of a bucket: its finishes count, and so does its time (from 2 s, not 2.6 s).
+    assert rate.per_s(4_000.0, since_ms=2_600.0) == pytest.approx(3 / 2.0)
     assert rate.per_s(40_000.0, since_ms=2_000.0) == pytest.approx(1 / 29.0)  # none in the window (11-40 s)

@@ -426,7 +426,8 @@ def test_a_node_behind_a_proxy_is_advertised_there_and_listens_where_it_always_d
                 "advertise_grpc_port_base": 16000,
                 "advertise_engine_port_base": 17000,
                 "advertise_data_port_base": 18000,
-            }
+            },
+            "kv": {"data_port_base": 19000},
         },
     )
     assert config.node_grpc_address(1) == "gw.example:16001"  # membership, the schedulers' node list
@@ -436,6 +437,8 @@ def test_a_node_behind_a_proxy_is_advertised_there_and_listens_where_it_always_d
     assert config_hosts(config) == ["10.1.2.3", "gw.example"]  # the member certificate names both
     with pytest.raises(ConfigError, match=r"node\.advertise_engine_port_base"):
         load_config(env={}, overrides={"node": {"advertise_engine_port_base": 65535}, "cluster": {"nodes": 2}})
+    with pytest.raises(ConfigError, match=r"node\.advertise_data_port_base: needs kv\.data_port_base"):
+        load_config(env={}, overrides={"node": {"advertise_data_port_base": 18000}})
 
 
 def test_engine_events_endpoints_are_private_ipc_sockets_one_per_running_node() -> None:

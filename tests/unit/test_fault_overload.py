@@ -38,8 +38,8 @@ def test_the_summary_and_targets_judge_collapse_refusals_goodput_and_fairness() 
     assert report["capacity_rps"] == 1.0 and report["saturated_p99_s"] == 1.0
     assert report["flood_accepted_p99_bound_s"] == 12.0  # 10 s of queue + twice 1 s
     assert report["flood_refused"] == 1 and report["flood_refused_by_kind"] == {"503:overloaded": 1}
-    # Answers ending in [40, 50] s: 8 of the flood's and 1 of the quiet tenant's.
-    assert report["goodput_rps"] == 0.9 and report["flood_goodput_rps"] == 0.8
+    # Answers ending in [40, 50] s: 8 of the flood's and 1 of the quiet tenant's (its share).
+    assert report["goodput_rps"] == 0.8 and report["quiet_goodput_rps"] == 0.1
     assert report["quiet_p95_ratio"] == 1.25
     assert all(overload_targets(report).values()), overload_targets(report)
 
