@@ -344,7 +344,8 @@ class Dispatcher:
                 if not last_error:
                     raise
                 break
-            await self._pull_for_request(key, route_request, route.node.node_id)
+            with route.node.reserving():  # its room taken until `_send` counts it (no await between)
+                await self._pull_for_request(key, route_request, route.node.node_id)
             advised_node = None  # an advisory binds the first attempt only
             tried.add(route.node.node_id)
             # Recorded as the request goes out, not when a plain answer comes back: the session's

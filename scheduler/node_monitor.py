@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -54,6 +54,9 @@ class NodeView:
     refused: bool = False  # the last Status failed for want of a listening node manager (it is gone)
     unreachable_until: float = float("-inf")  # set when dispatch could not connect to the engine
     inflight: int = 0
+    # Routed here, not yet sent (waiting for a pull of their KV): counted in the snapshot's
+    # `inflight`, so that the room they will take is not offered to another request meanwhile.
+    reserved: int = 0
     # Of `inflight`: streamed requests whose first token has not come back, and plain ones the
     # engine's gauges may not count yet (`count_until_gauged`).
     prefilling: int = 0
@@ -91,7 +94,7 @@ class NodeView:
             self.available(now, down_after_s),
             self.running,
             self.waiting,
-            self.inflight,
+            self.inflight + self.reserved,
             self.kv_usage,
             announced,
             high_sessions,
@@ -100,6 +103,15 @@ class NodeView:
             self.kv_tokens,
             self.max_running,
         )
+
+    @contextlib.contextmanager
+    def reserving(self) -> Iterator[None]:
+        """`reserved` counts one more request while the block runs."""
+        self.reserved += 1
+        try:
+            yield
+        finally:
+            self.reserved -= 1
 
     @property
     def ungauged(self) -> int:

@@ -47,6 +47,18 @@ def test_fresh_load_figures_are_taken() -> None:
     assert (snapshot.kv_usage, snapshot.kv_tokens) == (0.5, 10_240)  # what the policy prices context by
 
 
+def test_a_request_waiting_for_its_pull_keeps_its_place_on_the_node() -> None:
+    """Routed, not yet sent (its KV being pulled): its room is not offered to another request."""
+    cluster = NodeMonitor(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock(), max_running=2)
+    node = cluster.nodes[0]
+    cluster.apply_status(node, status("node-0", metrics_age_ms=80))
+    node.inflight = 1
+    assert cluster.snapshot("m")[0].rooms == 1
+    with node.reserving():
+        assert cluster.snapshot("m")[0].rooms == 0 and node.reserved == 1
+    assert node.reserved == 0 and cluster.snapshot("m")[0].rooms == 1
+
+
 def test_stale_load_figures_are_not_routed_on() -> None:
     cluster = NodeMonitor(["a:1"], poll_interval_s=0.1, down_after_s=1.0, clock=Clock())
     node = cluster.nodes[0]
