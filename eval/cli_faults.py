@@ -15,15 +15,15 @@ from symphony.cli_args import engine_overrides, int_between, load_from_args, pos
 def add_faults_parser(bench_sub: Any) -> None:
     faults = bench_sub.add_parser(
         "faults",
-        help="crash and attack a private HA+TLS cluster under load; check outputs, sessions, recovery",
+        help="crash, cut off, attack and overload a private HA+TLS cluster; check outputs, sessions, recovery",
     )
     add_bench_cluster_args(faults)
     faults.add_argument("--out", type=Path, required=True, help="JSON results file")
     faults.add_argument(
         "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)} (all)"
     )
-    faults.add_argument("--seed", type=int_between(0), default=0, help="draws the crash schedule (0)")
-    faults.add_argument("--rounds", type=positive_int, default=2, help="passes over the crash kinds (2)")
+    faults.add_argument("--seed", type=int_between(0), default=0, help="draws the crash and link-fault schedules (0)")
+    faults.add_argument("--rounds", type=positive_int, default=2, help="passes over the fault kinds (2)")
     faults.add_argument(
         "--kinds",
         default=",".join(CRASH_KINDS),
