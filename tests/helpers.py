@@ -100,3 +100,15 @@ async def closed_after(reader: asyncio.StreamReader, timeout_s: float) -> float:
         while await reader.read(4096):
             pass
     return time.monotonic() - started
+
+
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A TCP handler that writes back whatever it reads, until the end of its input."""
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()

@@ -15,6 +15,7 @@ from eval.faults.crashes import LINK_HOLD_S, schedule
 from eval.faults.network import LATENCY_SPIKE_MS, NodeLinks, linked_config
 from eval.ports import private_cluster_config
 from symphony.config import SymphonyConfig, load_config
+from tests.helpers import echo
 
 PING = b"ping"
 NODES = 2
@@ -33,16 +34,6 @@ async def linked(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tupl
     """A linked private config whose nodes' gRPC, engine and page-stream ports are echo servers,
     and the links in front of them."""
     config = linked_config(private_cluster_config(load_config(env={}), tmp_path_factory.mktemp("home"), NODES))
-
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(1 << 16):
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
 
     host, n = config.node.host, config.node
     servers = [

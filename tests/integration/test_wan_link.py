@@ -20,7 +20,7 @@ from eval.bench_tiers import PeerNode
 from symphony.kv_geometry import smollm2_geometry
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from symphony.wan_link import LinkFault, LinkPipe, LinkShape, WanLink
-from tests.helpers import free_port
+from tests.helpers import echo, free_port
 
 PING = b"p" * 100
 TOLERANCE = 0.10
@@ -29,16 +29,6 @@ TOLERANCE = 0.10
 @pytest.fixture
 async def echo_port() -> AsyncIterator[int]:
     """A server that writes back whatever it reads, until the end of its input."""
-
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(1 << 16):
-                writer.write(data)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
 
     server = await asyncio.start_server(echo, "127.0.0.1", 0)
     yield server.sockets[0].getsockname()[1]
