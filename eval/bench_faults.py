@@ -11,6 +11,9 @@ Scenarios (the issue's numbering):
 2. `network`: each node reached through an emulated link (`eval.faults.network`), partitioned,
    blackholed or slowed on a schedule drawn from `--seed`, then healed. With this scenario, the
    other scenarios' traffic to the nodes crosses the (healthy) links too;
+3. `disk`: the last node's SSD tier on a small tmpfs: segments damaged, the disk filled to ENOSPC,
+   the node restarted with another dtype on the same home (`eval.faults.disk`). With this scenario
+   the whole bench runs in a mount namespace of its own, where that tmpfs is mounted;
 4. `attacks`: unauthenticated and wrong-certificate calls to every listener, and cross-tenant calls
    naming a live victim session (`eval.faults.attacks`);
 6. `overload`: open-loop load at twice the measured capacity, and one tenant flooding requests
@@ -23,7 +26,6 @@ bounded fds, memory, /dev/shm files and SSD bytes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
@@ -42,7 +44,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from eval.faults import CRASH_KINDS, LINK_KINDS, SCENARIOS
+from eval.faults import CRASH_KINDS, DISK_KINDS, LINK_KINDS, SCENARIOS
 from eval.faults.attacks import AttackTargets, Victim, run_attacks, summary
 from eval.faults.chats import ANSWER_TOKENS, ChatLoad, Tenant, references
 from eval.faults.checker import (
@@ -55,6 +57,15 @@ from eval.faults.checker import (
     recovery_summary,
 )
 from eval.faults.crashes import CrashRunner, Fault, Target, schedule
+from eval.faults.disk import (
+    DiskRunner,
+    DiskTarget,
+    in_namespace,
+    mount_small_disk,
+    reexec_in_namespace,
+    small_disk_bytes,
+)
+from eval.faults.host import host_resources
 from eval.faults.network import NodeLinks, linked_config
 from eval.faults.overload import OverloadPlan, distinct_references, run_overload
 from eval.faults.targets import targets
@@ -63,9 +74,8 @@ from symphony.cluster_tls import grpc_channel
 from symphony.config import SymphonyConfig
 from symphony.launcher import LocalCluster
 from symphony.models import ModelInfo, fetch_default_model, resolve_model
-from symphony.process import orphaned_shm, process_tree
 from symphony.rpc import kv_pb2, kv_pb2_grpc
-from symphony.tenancy import ENGINE_KEY_ENV, engine_key, internal_headers
+from symphony.tenancy import engine_key, internal_headers
 
 TENANTS = ("alpha", "beta")  # the load's
 ATTACKER = "mallory"  # a tenant that sends nothing but its attacks
@@ -83,6 +93,7 @@ class FaultSettings:
     seed: int = 0
     rounds: int = 2  # passes over the crash kinds
     kinds: tuple[str, ...] = CRASH_KINDS
+    disk_kinds: tuple[str, ...] = DISK_KINDS
     sessions: int = 4
     warmup_turns: int = 8  # answered turns before the first fault or attack
     bound_s: float = 120.0  # every request ends within this (the clients' timeout)
@@ -150,60 +161,10 @@ class FaultBench:
         children = [*self.cluster.nodes, *self.cluster.schedulers, *([self.cluster.etcd] if self.cluster.etcd else [])]
         return all(p.state.value == "ready" for p in children)
 
-    def _host_resources(self) -> tuple[int, int, int, int, int, int, tuple[tuple[str, int, int], ...]]:
-        """fds and RSS of the cluster's processes (and per supervised process), its
-        /dev/shm files, SSD files and most bytes, and its orphaned engine processes: those whose
-        environment holds this cluster's engine key (an engine and its children) outside every
-        leader's process tree."""
-        fds = rss = 0
-        page = os.sysconf("SC_PAGE_SIZE")
-        tree: set[int] = set()
-        processes: list[tuple[str, int, int]] = []
-        for proc in [*self.cluster.nodes, *self.cluster.schedulers]:
-            if proc.pid is None:
-                continue
-            members = process_tree(proc.pid)
-            tree.update(members)
-            counted = 0
-            for pid in members:
-                try:
-                    counted += len(os.listdir(f"/proc/{pid}/fd"))
-                    rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
-                except (OSError, ValueError, IndexError):
-                    continue  # gone meanwhile
-            processes.append((proc.name, proc.pid, counted))
-            fds += counted
-        marker = f"{ENGINE_KEY_ENV}={engine_key(self.config.cluster.secret.encode())}".encode()
-        candidates = set()
-        for entry in os.scandir("/proc"):
-            if entry.name.isdigit() and int(entry.name) not in tree:
-                with contextlib.suppress(OSError):
-                    if marker in Path(entry.path, "environ").read_bytes().split(b"\0"):
-                        candidates.add(int(entry.name))
-        # A process started between the two looks is in a tree by now: only the rest are orphans.
-        leaders = [p.pid for p in [*self.cluster.nodes, *self.cluster.schedulers] if p.pid is not None]
-        orphans = len(candidates - {m for leader in leaders for m in process_tree(leader)})
-        # This cluster's own shared memory (its stores' arenas and block indexes, named by node and
-        # gRPC port), and multiprocessing files made since the bench began that no process holds.
-        own = tuple(
-            f"symphony-kv-{self.config.node_id(i)}-{self.config.node.grpc_port_base + i}"
-            for i in range(self.config.cluster.nodes)
-        )
-        shm = sum(1 for name in os.listdir("/dev/shm") if name.startswith(own))
-        shm += len(orphaned_shm(self.started_wall))
-        segments, most = 0, 0
-        for i in range(self.config.cluster.nodes):
-            sizes = []
-            for f in self.config.kv_ssd_dir(i).rglob("*"):
-                with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
-                    if f.is_file():
-                        sizes.append(f.stat().st_size)
-            segments += len(sizes)
-            most = max(most, sum(sizes))
-        return fds, rss, shm, segments, most, orphans, tuple(processes)
-
     async def resources(self) -> Resources:
-        fds, rss, shm, segments, most, orphans, processes = await asyncio.to_thread(self._host_resources)
+        fds, rss, shm, segments, most, orphans, processes = await asyncio.to_thread(
+            host_resources, self.cluster, self.started_wall
+        )
         busy = 0.0
         for url in self.cluster.scheduler_urls:
             try:
@@ -272,6 +233,8 @@ class FaultBench:
         report["leaks"] = fds_found + other_leaks(before, first, self.config.kv.ssd_bytes)
         report["leaks_first_look"] = leaks(before, first, self.config.kv.ssd_bytes)
         report["fd_looks"] = len(looks)
+        if first.shm_files > before.shm_files:  # which, to tell whose
+            report["shm_files_after"] = sorted(os.listdir("/dev/shm"))
         if after is not first:
             report["fds_settled_at"] = [after.fds, [list(p) for p in after.processes]]
         return report
@@ -303,23 +266,7 @@ class FaultBench:
         self.say(f"{scenario}: seed {s.seed}, {len(faults)} faults")
         load = self.load(scenario)
         before = await self.warm(load)
-        target = Target(
-            node_pid=lambda i: self.cluster.nodes[i].pid,
-            replica_pid=lambda i: self.cluster.schedulers[i].pid,
-            etcd_pid=lambda: self.cluster.etcd.pid if self.cluster.etcd else None,
-            engine_port=self.config.engine_port,
-        )
-        runner = CrashRunner(
-            load,
-            target,
-            self.whole,
-            self.config.node_grpc_address,
-            self.cluster.tls,
-            TENANTS[0],
-            s.recover_timeout_s,
-            self.config.scheduler.node_down_after_ms,
-            self.links,
-        )
+        runner = self._crash_runner(load)
         await runner.measure_baseline()
         self.say(f"{len(runner.baseline)} probes under load; one slower than {runner.slow_s:.2f} s is unavailability")
         await runner.run(faults, self.say, load.origin_s or 0.0)
@@ -343,6 +290,50 @@ class FaultBench:
                 "baseline_probes": len(runner.baseline),
             }
         )
+        return report
+
+    def _crash_runner(self, load: ChatLoad) -> CrashRunner:
+        """A runner of kills, freezes and link faults of this cluster's processes under `load`."""
+        s = self.settings
+        target = Target(
+            node_pid=lambda i: self.cluster.nodes[i].pid,
+            replica_pid=lambda i: self.cluster.schedulers[i].pid,
+            etcd_pid=lambda: self.cluster.etcd.pid if self.cluster.etcd else None,
+            engine_port=self.config.engine_port,
+        )
+        return CrashRunner(
+            load,
+            target,
+            self.whole,
+            self.config.node_grpc_address,
+            self.cluster.tls,
+            TENANTS[0],
+            s.recover_timeout_s,
+            self.config.scheduler.node_down_after_ms,
+            self.links,
+        )
+
+    async def disk(self) -> dict[str, Any]:
+        s, node = self.settings, self.config.cluster.nodes - 1  # the node on the small disk
+        load = self.load("disk")
+        before = await self.warm(load)
+        metrics_url = f"http://127.0.0.1:{self.config.kv_metrics_port(node)}/metrics"
+        where = DiskTarget(
+            node,
+            self.cluster.nodes[node],
+            self.config.kv_ssd_dir(node),
+            metrics_url,
+            self.config,
+            self.cluster.config_path,
+            self.whole,
+        )
+        crashes = self._crash_runner(load)
+        runner = DiskRunner(load, where, crashes, s.seed, s.warmup_turns, s.recover_timeout_s, self.say)
+        await crashes.measure_baseline()
+        await runner.run(s.disk_kinds)
+        report = await self.checked(load, before)
+        report.update({"seed": s.seed, "kinds": list(s.disk_kinds), "faults": runner.faults})
+        report["small_disk_bytes"] = small_disk_bytes(self.config)
         return report
 
     async def attacks(self) -> dict[str, Any]:
@@ -434,6 +425,9 @@ async def _run(
             await links.start()
         if not await cluster.start_etcd():
             raise RuntimeError("the benchmark cluster's etcd did not start")
+        if "disk" in settings.scenarios:  # in the bench's own mount namespace (run_faults_bench)
+            last = config.cluster.nodes - 1
+            mount_small_disk(config.kv_ssd_dir(last), small_disk_bytes(config))
         cluster.spawn()
         if not await cluster.wait_ready(asyncio.Event()):
             raise RuntimeError("the benchmark cluster did not become ready")
@@ -456,7 +450,10 @@ async def _run(
 
 
 def run_faults_bench(config: SymphonyConfig, *, out: Path, settings: FaultSettings) -> int:
-    """Start the private cluster, run the scenarios, write the report; 0 when every target held."""
+    """Start the private cluster, run the scenarios, write the report; 0 when every target held.
+    With the disk scenario, first runs this very command again in a mount namespace of its own."""
+    if "disk" in settings.scenarios and not in_namespace():
+        reexec_in_namespace()
     if not config.engine.model:
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)

@@ -8,14 +8,14 @@ from typing import Any
 
 from eval.bench_args import add_bench_cluster_args, known_names
 from eval.cli_cluster import positive_float
-from eval.faults import CRASH_KINDS, SCENARIOS
+from eval.faults import CRASH_KINDS, DISK_KINDS, SCENARIOS
 from symphony.cli_args import engine_overrides, int_between, load_from_args, positive_int
 
 
 def add_faults_parser(bench_sub: Any) -> None:
     faults = bench_sub.add_parser(
         "faults",
-        help="crash, cut off, attack and overload a private HA+TLS cluster; check outputs, sessions, recovery",
+        help="crash, cut off, break the disk of, attack and overload a private HA+TLS cluster; check outputs, sessions",
     )
     add_bench_cluster_args(faults)
     faults.add_argument("--out", type=Path, required=True, help="JSON results file")
@@ -28,6 +28,11 @@ def add_faults_parser(bench_sub: Any) -> None:
         "--kinds",
         default=",".join(CRASH_KINDS),
         help=f"crash kinds, comma-separated, of {', '.join(CRASH_KINDS)} (all)",
+    )
+    faults.add_argument(
+        "--disk-faults",
+        default=",".join(DISK_KINDS),
+        help=f"disk scenario's faults, comma-separated, of {', '.join(DISK_KINDS)} (all)",
     )
     faults.add_argument("--sessions", type=positive_int, default=4, help="concurrent chat sessions (4)")
     faults.add_argument(
@@ -47,12 +52,14 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
 
     scenarios = known_names("--scenarios", args.scenarios, SCENARIOS)
     kinds = known_names("--kinds", args.kinds, CRASH_KINDS)
+    disk_kinds = known_names("--disk-faults", args.disk_faults, DISK_KINDS)
     config = load_from_args(args, engine_overrides(args))
     settings = FaultSettings(
         scenarios=scenarios,
         seed=args.seed,
         rounds=args.rounds,
         kinds=kinds,
+        disk_kinds=disk_kinds,
         sessions=args.sessions,
         warmup_turns=args.warmup_turns,
         overload_s=args.overload_s,

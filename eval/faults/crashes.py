@@ -235,14 +235,14 @@ class CrashRunner:
         self.origin_s = origin_s
         for number, fault in enumerate(faults, 1):
             progress(f"fault {number}/{len(faults)}: {fault.describe()}")
-            self.faults.append(await self._one(fault))
+            self.faults.append(await self.one(fault))
 
     def _sessions_on(self, node: int) -> list[tuple[str, str]]:
         """The (tenant, session) pairs the load had answered on node `node`."""
         name = f"node-{node}"
         return sorted({(o.tenant, o.session) for o in self.load.outcomes if o.node == name and o.kind == "ok"})
 
-    async def _one(self, fault: Fault) -> dict[str, Any]:
+    async def one(self, fault: Fault) -> dict[str, Any]:
         record: dict[str, Any] = {"fault": fault.describe(), "kind": fault.kind}
         links = self.links if fault.kind in LINK_KINDS else None
         assert links is not None or fault.kind not in LINK_KINDS, "a link fault needs the nodes' links"

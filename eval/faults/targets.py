@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from eval.faults.disk import disk_targets
 from eval.faults.overload import overload_targets
 
 
@@ -32,6 +33,8 @@ def targets(result: dict[str, Any]) -> dict[str, bool]:
         found["network_every_fault_recovered"] = bool(network["faults"]) and all(
             f.get("recovered") and "skipped" not in f for f in network["faults"]
         )
+    if "disk" in scenarios:
+        found.update(disk_targets(scenarios["disk"]))
     if "attacks" in scenarios:
         attacks = scenarios["attacks"]
         found["attacks_unauthorized_accepted_0"] = attacks["unauthorized_accepted"] == 0

@@ -1,0 +1,364 @@
+"""Scenario 3 of the fault suite: a node's SSD tier broken on a real, small filesystem under load.
+
+The last node's SSD directory is a tmpfs of `small_disk_bytes` (the configured headroom plus
+`SMALL_DISK_ROOM`), mounted in a mount namespace of the bench's own (`unshare --user
+--map-root-user --mount`, which any user may enter), so it needs no privileges and vanishes with
+the bench. The whole bench runs in that namespace (`reexec_in_namespace`), so the cluster's
+processes and the bench see the same files.
+
+Faults, one at a time, on that node, in an order drawn from the seed:
+- `segment_corrupt`: in three of its segment files, one has a byte flipped in each page of its
+  second half (pages whose MAC fails on load), one its header's magic (a format error at
+  rebuild), one is cut to half its length; then the node manager is killed (SIGKILL) and restarts on the same directory
+  (`eval.faults.crashes` runs the kill and probes the recovery);
+- `disk_full`: a file from outside fills the filesystem to ENOSPC while the load goes on, and new
+  conversations are sent until the node counts a save refused for the full disk; the node must
+  keep serving, then save again once the file is gone;
+- `dtype_change`: the node restarts with the engine's other dtype (another model fingerprint) on
+  the same home, then with its own again. The load pauses meanwhile: its answers are compared with
+  one dtype's reference.
+Every answer of the load is then checked as in every scenario (no page that failed its MAC or its
+checksum may have been served), and the node's own counters say what it found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import errno
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from eval.faults.chats import ANSWER_TOKENS, ChatLoad
+from eval.faults.crashes import CrashRunner, Fault
+from eval.resume_runner import mtbench_turns
+from node_manager.kv.segments import SUFFIX, parse_header
+from symphony.config import SymphonyConfig, dump_toml
+from symphony.config_schema import EngineDtype
+from symphony.config_secrets import write_private
+from symphony.process import ManagedProcess
+
+NAMESPACE = ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
+NAMESPACE_ENV = "SYMPHONY_FAULTS_NAMESPACE"  # set in the namespace the bench re-executed itself in
+# What the tier may hold on the small disk, past its headroom: a few sessions' worth on the
+# default model (SmolLM2-135M: 720 KiB a block of 32 tokens), so that the load itself fills it.
+SMALL_DISK_ROOM = 96 << 20
+SEGMENTS_WANTED = 3  # segment files the corruption needs (one per kind of damage)
+SEGMENTS_TIMEOUT_S = 120.0  # for the load to have saved them
+FILL_CHUNK = 4 << 20
+RESUME_TIMEOUT_S = 120.0  # for the node to save again once the disk has room
+SSD_FULL = "symphony_kv_save_degraded_total{reason=ssd_full}"  # pages a full disk kept off the SSD
+FULL_MET_REQUESTS = 40  # new conversations sent at most for the node to meet its full disk
+SCRAPE_TRIES = 3  # a node's /metrics asked this many times before its counters count as unknown
+SSD_WRITTEN = "symphony_kv_io_bytes_total{direction=write,tier=SSD}"  # a `node_counters` key
+OTHER_DTYPE: dict[str, EngineDtype] = {
+    "bfloat16": "float32",
+    "float32": "bfloat16",
+    "float16": "float32",
+    "auto": "float32",
+}
+
+
+def small_disk_bytes(config: SymphonyConfig) -> int:
+    return config.kv.ssd_headroom_bytes + SMALL_DISK_ROOM
+
+
+def in_namespace() -> bool:
+    return os.environ.get(NAMESPACE_ENV) == "1"
+
+
+def reexec_in_namespace() -> NoReturn:
+    """Run this very command again in a user and mount namespace of its own (module docstring).
+    Raises RuntimeError, naming why, where the host allows no such namespace."""
+    probe = subprocess.run([*NAMESPACE, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        raise RuntimeError(f"the disk scenario needs user and mount namespaces: {probe.stderr.strip()}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(NAMESPACE[0], [*NAMESPACE, *sys.orig_argv], {**os.environ, NAMESPACE_ENV: "1"})
+
+
+def mount_small_disk(directory: Path, nbytes: int) -> None:
+    """A tmpfs of `nbytes` on `directory` (made if missing); only in the bench's namespace."""
+    if not in_namespace():
+        raise RuntimeError("a small disk is mounted only in the bench's own mount namespace")
+    directory.mkdir(parents=True, exist_ok=True)
+    options = f"size={nbytes},mode=0700"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "symphony-small-disk", str(directory)], check=True)
+
+
+def segment_files(directory: Path) -> list[Path]:
+    """The tier's committed segment files, oldest first (their names carry their sequence)."""
+    return sorted(directory.glob(f"*{SUFFIX}"))
+
+
+def damage(files: list[Path], rng: random.Random) -> dict[str, str]:
+    """One kind of damage per file (module docstring); returns each damaged file's kind by name.
+    A file evicted meanwhile is skipped."""
+    done: dict[str, str] = {}
+    kinds = ["pages_flipped", "header_flipped", "truncated"]
+    for path, kind in zip(rng.sample(files, min(len(files), len(kinds))), kinds, strict=False):
+        try:
+            with open(path, "r+b") as f:
+                size = f.seek(0, os.SEEK_END)
+                if kind == "pages_flipped":  # a byte in the middle of every page of its second half
+                    f.seek(0)
+                    header = parse_header(f.read())
+                    count = len(header.entries)
+                    for index in range(count // 2, count):
+                        at = header.page_offset(index) + header.page_bytes // 2
+                        f.seek(at)
+                        byte = f.read(1)
+                        f.seek(at)
+                        f.write(bytes([byte[0] ^ 0xFF]))
+                elif kind == "header_flipped":
+                    f.seek(0)
+                    byte = f.read(1)
+                    f.seek(0)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+                else:
+                    f.truncate(size // 2)
+        except FileNotFoundError:
+            continue
+        done[path.name] = kind
+    return done
+
+
+def fill(directory: Path) -> int:
+    """Write a file from outside into `directory` until its filesystem is full (ENOSPC); its bytes."""
+    written = 0
+    chunk = b"\0" * FILL_CHUNK
+    with open(directory / "filler-from-outside", "wb") as f:
+        while True:
+            try:
+                f.write(chunk)
+                f.flush()
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                break
+            written += len(chunk)
+    return written
+
+
+@dataclasses.dataclass
+class DiskTarget:
+    """What the disk faults act on: the small-disk node and how to reach its process and counters."""
+
+    node: int
+    process: ManagedProcess
+    ssd_dir: Path
+    metrics_url: str
+    config: SymphonyConfig
+    config_path: Path  # the cluster's effective config, which the node's argv names
+    whole: Callable[[], Awaitable[bool]]
+
+
+async def node_counters(url: str) -> dict[str, float]:
+    """The node's KV counters and gauges, by sample name and labels ({} when it does not answer).
+    A connection of its own each time: one kept from before a restart would meet a closed socket."""
+    text = None
+    for attempt in range(SCRAPE_TRIES):
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as http:
+                text = (await http.get(url)).text
+            break
+        except httpx.HTTPError:
+            await asyncio.sleep(0.5 * (attempt + 1))
+    if text is None:
+        return {}
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("symphony_kv_ssd") and family.name not in (
+            "symphony_kv_load_errors",
+            "symphony_kv_save_degraded",
+            "symphony_kv_tier_bytes",
+            "symphony_kv_io_bytes",
+            "symphony_kv_evictions",
+            "symphony_connector_load_error_blocks",
+        ):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            found[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return found
+
+
+class DiskRunner:
+    """Runs the disk faults (module docstring) under `load`, one at a time."""
+
+    def __init__(
+        self,
+        load: ChatLoad,
+        target: DiskTarget,
+        crashes: CrashRunner,
+        seed: int,
+        warmup_turns: int,
+        recover_timeout_s: float,
+        say: Callable[[str], None],
+    ) -> None:
+        self.load, self.target, self.crashes = load, target, crashes
+        self.rng = random.Random(seed)
+        self.warmup_turns, self.recover_timeout_s, self.say = warmup_turns, recover_timeout_s, say
+        self.faults: list[dict[str, Any]] = []
+
+    async def run(self, kinds: tuple[str, ...]) -> None:
+        """The faults of `kinds`, in an order drawn from the seed."""
+        order = list(kinds)
+        self.rng.shuffle(order)
+        for number, kind in enumerate(order, 1):
+            self.say(f"disk fault {number}/{len(order)}: {kind} node-{self.target.node}")
+            started = time.monotonic()
+            record: dict[str, Any] = {"kind": kind, "counters_before": await self._counters()}
+            record.update(await getattr(self, kind)())
+            record["counters_after"] = await self._counters()
+            record["took_s"] = round(time.monotonic() - started, 1)
+            self.faults.append(record)
+
+    async def _counters(self) -> dict[str, float]:
+        return await node_counters(self.target.metrics_url)
+
+    async def _more_turns(self) -> bool:
+        return await self.load.wait_turns(self.load.turns_done() + self.warmup_turns, self.recover_timeout_s)
+
+    async def segment_corrupt(self) -> dict[str, Any]:
+        deadline = time.monotonic() + SEGMENTS_TIMEOUT_S
+        while True:  # the load saves them (write-behind): files appear, nothing signals it
+            if len(segment_files(self.target.ssd_dir)) >= SEGMENTS_WANTED or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        damaged = damage(segment_files(self.target.ssd_dir), self.rng)
+        self.crashes.origin_s = self.load.origin_s or 0.0
+        kill = await self.crashes.one(Fault("node_kill", self.target.node, 0.0))
+        # Sessions some of whose blocks were in a damaged segment lose those blocks by design.
+        kill["sessions_with_damaged_blocks"] = kill.pop("lost_sessions", [])
+        return {"damaged": damaged, "kill": kill, "load_went_on": await self._more_turns()}
+
+    async def disk_full(self) -> dict[str, Any]:
+        pid = self.target.process.pid
+        filled = await asyncio.to_thread(fill, self.target.ssd_dir)
+        free_when_full = shutil.disk_usage(self.target.ssd_dir).free
+        refused_before = (await self._counters()).get(SSD_FULL, 0.0)
+        went_on, met = await asyncio.gather(self._more_turns(), self._new_sessions_until_full_met(refused_before))
+        at_full = await self._counters()
+        (self.target.ssd_dir / "filler-from-outside").unlink()
+        written_at_full = at_full.get(SSD_WRITTEN, 0.0)
+        segments_at_full = len(segment_files(self.target.ssd_dir))
+        resumed = False
+        deadline = time.monotonic() + RESUME_TIMEOUT_S
+        while time.monotonic() < deadline:  # the load goes on: its new turns are saved again
+            if (await self._counters()).get(SSD_WRITTEN, 0.0) > written_at_full:
+                resumed = True
+                break
+            await asyncio.sleep(0.5)
+        return {
+            "filled_bytes": filled,
+            "saves_met_full_disk": met,
+            "free_bytes_when_full": free_when_full,
+            "load_went_on": went_on,
+            "counters_at_full": at_full,
+            "segments_at_full": segments_at_full,
+            "node_survived": self.target.process.pid == pid,
+            "saves_resumed": resumed,
+        }
+
+    async def _new_sessions_until_full_met(self, refused_before: float) -> int:
+        """Send new conversations (their first turns, checked like the load's) until the node
+        counts a save refused for a full disk, or `FULL_MET_REQUESTS` were sent: the load's own
+        sessions may all be kept on another node. Returns the pages it counted refused."""
+        questions = [turns[0] for turns in mtbench_turns()]
+        tenant = self.load.tenants[0].name
+        for number in range(FULL_MET_REQUESTS):
+            refused = (await self._counters()).get(SSD_FULL, 0.0) - refused_before
+            if refused > 0:
+                return int(refused)
+            messages = [{"role": "user", "content": questions[number % len(questions)]}]
+            outcome = await self.load.send(
+                tenant, f"disk-full-{number}-{self.rng.randrange(1 << 24):06x}", messages, ANSWER_TOKENS
+            )
+            self.load.outcomes.append(outcome)
+        return int((await self._counters()).get(SSD_FULL, 0.0) - refused_before)
+
+    async def dtype_change(self) -> dict[str, Any]:
+        config, process = self.target.config, self.target.process
+        other = OTHER_DTYPE[config.engine.dtype]
+        variant = self.target.config_path.with_name(f"cluster-{other}.toml")
+        changed = dataclasses.replace(config, engine=dataclasses.replace(config.engine, dtype=other))
+        write_private(variant, dump_toml(changed))
+        own_argv = list(process.argv)
+        await self.load.stop()  # its answers are compared with one dtype's reference
+        segments_before = len(segment_files(self.target.ssd_dir))
+        record: dict[str, Any] = {"dtype": other, "segments_before": segments_before}
+        try:
+            process.argv = [str(variant) if a == str(self.target.config_path) else a for a in own_argv]
+            record["other_dtype"] = await self._restart()
+            record["segments_other_dtype"] = len(segment_files(self.target.ssd_dir))
+        finally:
+            process.argv = own_argv
+        record["own_dtype"] = await self._restart()
+        variant.unlink(missing_ok=True)
+        self.load.start()
+        record["load_went_on"] = await self._more_turns()
+        return record
+
+    async def _restart(self) -> dict[str, Any]:
+        """Kill the node manager (its engine goes with it); wait for its replacement and the
+        cluster to be whole again; how long that took and what its counters read then."""
+        process = self.target.process
+        pid = process.pid
+        started = time.monotonic()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        deadline = started + self.recover_timeout_s
+        whole = False
+        while time.monotonic() < deadline:
+            if process.pid not in (None, pid) and await self.target.whole():
+                whole = True
+                break
+            await asyncio.sleep(0.5)
+        return {
+            "whole": whole,
+            "whole_after_s": round(time.monotonic() - started, 1),
+            "counters": await self._counters(),
+        }
+
+
+def disk_targets(report: dict[str, Any]) -> dict[str, bool]:
+    """The disk scenario's own targets, over the faults it was asked for (`report["kinds"]`): each
+    ran and the load went on after it; damage was found (a damaged segment counted at the
+    restart); the node survived a full disk and saved again after it; another dtype's node started
+    on the same home and the node came back."""
+    faults = {f["kind"]: f for f in report["faults"]}
+    kinds = set(report["kinds"])
+    found: dict[str, bool] = {"disk_every_fault_ran": sorted(faults) == sorted(kinds)}
+    found["disk_load_went_on"] = all(f.get("load_went_on") for f in faults.values())
+    if "segment_corrupt" in kinds:
+        corrupt = faults.get("segment_corrupt", {})
+        after = corrupt.get("counters_after", {})
+        set_aside = sum(after.get(f"symphony_kv_ssd_segments_{how}_total", 0.0) for how in ("damaged", "quarantined"))
+        found["disk_damage_found"] = bool(corrupt.get("kill", {}).get("recovered")) and set_aside > 0
+    if "disk_full" in kinds:
+        full = faults.get("disk_full", {})
+        found["disk_full_survived"] = bool(
+            full.get("saves_met_full_disk") and full.get("node_survived") and full.get("saves_resumed")
+        )
+    if "dtype_change" in kinds:
+        change = faults.get("dtype_change", {})
+        found["disk_dtype_change_recovered"] = bool(
+            change.get("other_dtype", {}).get("whole") and change.get("own_dtype", {}).get("whole")
+        )
+    return found
