@@ -32,14 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from symphony.logs import get_logger
+from symphony.shm_files import orphaned_shm, shm_mapped_by_pids
 
 log = get_logger(__name__)
 
-_SHM_DIR = "/dev/shm/"
-_MULTIPROCESSING_SHM = ("sem.mp-", "psm_")  # Python's names for POSIX semaphores and shared memory
-# A file younger than this is left alone: another live process may have made it and not mapped it
-# yet (shm_open, then ftruncate, then mmap).
-ORPHAN_GRACE_S = 1.0
 _MAX_LOG_BYTES = 64 * 1024 * 1024
 
 
@@ -341,11 +337,11 @@ class ManagedProcess:
         # is its own (an exited, unreaped child's descendants have been reparented away from it).
         proc = self._proc
         if proc is not None and proc.returncode is None:
-            self._shm_paths |= _shm_mapped_by_pids(process_tree(proc.pid))
+            self._shm_paths |= shm_mapped_by_pids(process_tree(proc.pid))
 
     def _unlink_shm(self) -> None:
         # Checked at unlink time, not when recorded: the supervisor may map a segment after the child did.
-        ours = _shm_mapped_by_pids([os.getpid()])
+        ours = shm_mapped_by_pids([os.getpid()])
         if self._spawned_at is not None:
             self._shm_paths |= orphaned_shm(self._spawned_at)
         for path in sorted(self._shm_paths - ours):
@@ -437,49 +433,3 @@ async def _wait_group_gone(pgid: int, timeout_s: float) -> None:
     # Grandchildren are not ours to wait() on, so /proc is the only place their exit shows.
     while _group_alive(pgid) and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
-
-
-def orphaned_shm(since: float, directory: str = _SHM_DIR) -> set[str]:
-    """Paths of Python multiprocessing's shared-memory files in `directory` owned by this user,
-    created (ctime) at or after `since` (wall-clock seconds) and before ORPHAN_GRACE_S ago, that no
-    process maps or holds open. Reads every process's maps and fds only when there is a candidate."""
-    latest = time.time() - ORPHAN_GRACE_S
-    candidates = set()
-    with contextlib.suppress(OSError), os.scandir(directory) as entries:
-        for entry in entries:
-            if not entry.name.startswith(_MULTIPROCESSING_SHM):
-                continue
-            with contextlib.suppress(OSError):
-                info = entry.stat(follow_symlinks=False)
-                if info.st_uid == os.getuid() and since <= info.st_ctime <= latest:
-                    candidates.add(entry.path)
-    if not candidates:
-        return set()
-    pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    return candidates - _shm_mapped_by_pids(pids) - _shm_open_by_pids(pids)
-
-
-def _shm_open_by_pids(pids: list[int]) -> set[str]:
-    paths = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target.startswith(_SHM_DIR):
-                        paths.add(target.removesuffix(" (deleted)"))
-    return paths
-
-
-def _shm_mapped_by_pids(pids: list[int]) -> set[str]:
-    paths: set[str] = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as fh:
-                for line in fh:
-                    idx = line.find(_SHM_DIR)
-                    if idx >= 0:
-                        paths.add(line[idx:].strip().removesuffix(" (deleted)"))
-        except OSError:
-            continue
-    return {p for p in paths if "/" not in p[len(_SHM_DIR) :]}

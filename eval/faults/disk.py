@@ -1,10 +1,10 @@
 """Scenario 3 of the fault suite: a node's SSD tier broken on a real, small filesystem under load.
 
 The last node's SSD directory is a tmpfs of `small_disk_bytes` (the configured headroom plus
-`SMALL_DISK_ROOM`), mounted in a mount namespace of the bench's own (`unshare --user
---map-root-user --mount`, which any user may enter), so it needs no privileges and vanishes with
-the bench. The whole bench runs in that namespace (`reexec_in_namespace`), so the cluster's
-processes and the bench see the same files.
+`SMALL_DISK_ROOM`), mounted in a mount namespace of the bench's own (`unshare --mount`; for a user
+other than root, with a user namespace too, which needs no privileges), so it vanishes with the
+bench. The whole bench runs in that namespace (`reexec_in_namespace`), so the cluster's processes
+and the bench see the same files.
 
 Faults, one at a time, on that node, in an order drawn from the seed:
 - `segment_corrupt`: in three of its segment files, one has a byte flipped in each page of its
@@ -49,7 +49,17 @@ from symphony.config_schema import EngineDtype
 from symphony.config_secrets import write_private
 from symphony.process import ManagedProcess
 
-NAMESPACE = ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
+# Root gets a mount namespace alone: it still reads every process's /proc maps, which the leak
+# checks need (`symphony.shm_files.orphaned_shm`). Anyone else gets a user namespace too, from
+# which no process outside it can be read: orphaned multiprocessing files are not counted there.
+ROOT_NAMESPACE = ["unshare", "--mount", "--propagation", "private"]
+USER_NAMESPACE = ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
+
+
+def namespace_argv() -> list[str]:
+    return ROOT_NAMESPACE if os.geteuid() == 0 else USER_NAMESPACE
+
+
 NAMESPACE_ENV = "SYMPHONY_FAULTS_NAMESPACE"  # set in the namespace the bench re-executed itself in
 # What the tier may hold on the small disk, past its headroom: a few sessions' worth on the
 # default model (SmolLM2-135M: 720 KiB a block of 32 tokens), so that the load itself fills it.
@@ -81,12 +91,13 @@ def in_namespace() -> bool:
 def reexec_in_namespace() -> NoReturn:
     """Run this very command again in a user and mount namespace of its own (module docstring).
     Raises RuntimeError, naming why, where the host allows no such namespace."""
-    probe = subprocess.run([*NAMESPACE, "true"], capture_output=True, text=True, timeout=30)
+    namespace = namespace_argv()
+    probe = subprocess.run([*namespace, "true"], capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
-        raise RuntimeError(f"the disk scenario needs user and mount namespaces: {probe.stderr.strip()}")
+        raise RuntimeError(f"the disk scenario needs a mount namespace of its own: {probe.stderr.strip()}")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(NAMESPACE[0], [*NAMESPACE, *sys.orig_argv], {**os.environ, NAMESPACE_ENV: "1"})
+    os.execvpe(namespace[0], [*namespace, *sys.orig_argv], {**os.environ, NAMESPACE_ENV: "1"})
 
 
 def mount_small_disk(directory: Path, nbytes: int) -> None:

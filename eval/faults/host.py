@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from symphony.launcher import LocalCluster
-from symphony.process import orphaned_shm, process_tree
+from symphony.process import process_tree
+from symphony.shm_files import orphaned_shm
 from symphony.tenancy import ENGINE_KEY_ENV, engine_key
 
 

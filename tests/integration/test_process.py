@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from symphony import process as process_module
+from symphony import shm_files
 from symphony.process import ManagedProcess, ProcessState, RestartPolicy, group_members, pid_running, proc_stat_fields
 from tests.helpers import async_wait_until, free_port, wait_until
 
@@ -202,7 +204,7 @@ async def test_shared_memory_made_between_scans_is_swept_after_a_crash(
     """A segment the child maps after its readiness scan, then a crash: the tree cannot be walked
     any more, so the sweep finds it (Python multiprocessing's name, this user's, made while the
     child ran, mapped by no one). Beside it, what is not the child's stays."""
-    monkeypatch.setattr(process_module, "ORPHAN_GRACE_S", 0.0)  # no file in this test is in mid-creation
+    monkeypatch.setattr(shm_files, "ORPHAN_GRACE_S", 0.0)  # no file in this test is in mid-creation
     name = f"symphony-test-{os.getpid()}-{free_port()}"
     with _segments(name) as (before, mapped, other):
         proc = _process(tmp_path, "--late-shm", name)
@@ -335,3 +337,39 @@ def test_child_dies_with_its_killed_supervisor(tmp_path: Path, death: str) -> No
         wait_until(lambda: not pid_running(child_pid), 10, "the orphaned child to receive its death signal")
     finally:
         parent.kill()
+
+
+def _orphans_seen(since: float, namespace: list[str]) -> list[str]:
+    """`orphaned_shm(since)` as a process in `namespace` (a command prefix) sees it, with no grace."""
+    code = "import json, symphony.shm_files as m; m.ORPHAN_GRACE_S = 0.0; "
+    code += f"print(json.dumps(sorted(m.orphaned_shm({since}))))"
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [*namespace, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return list(json.loads(done.stdout))
+
+
+def test_seen_from_a_user_namespace_no_file_is_orphaned_since_its_holder_cannot_be_read() -> None:
+    """From a user namespace no process outside it can be read: a file one of them maps must not
+    look orphaned (the sweep would delete it). Outside, the same file is orphaned once unmapped."""
+    namespace = ["unshare", "--user", "--map-root-user"]
+    probe = subprocess.run([*namespace, "true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:  # the host forbids user namespaces (a container's seccomp, AppArmor)
+        pytest.skip(f"no user namespaces here: {probe.stderr.strip()}")
+    since = time.time() - 1.0
+    path = Path(f"/dev/shm/psm_symphony-test-{os.getpid()}-{free_port()}")
+    path.write_bytes(b"\0" * 4096)
+    try:
+        with path.open("r+b") as fh, mmap.mmap(fh.fileno(), 4096):  # held by this process, outside
+            assert str(path) not in _orphans_seen(since, [])
+            assert str(path) not in _orphans_seen(since, namespace)
+        assert str(path) in _orphans_seen(since, [])  # the control: held by none, it is orphaned
+    finally:
+        path.unlink(missing_ok=True)
