@@ -30,7 +30,6 @@ import dataclasses
 import json
 import math
 import os
-import secrets
 import shutil
 import sys
 import time
@@ -56,20 +55,23 @@ from eval.faults.checker import (
     other_leaks,
     recovery_summary,
 )
+from eval.faults.cluster_config import ATTACKER, TENANTS, faults_config
 from eval.faults.crashes import CrashRunner, Fault, Target, schedule
 from eval.faults.disk import (
     DiskRunner,
     DiskTarget,
     in_namespace,
     mount_small_disk,
+    private_shm,
     reexec_in_namespace,
     small_disk_bytes,
+    unmount,
 )
 from eval.faults.host import host_resources
-from eval.faults.network import NodeLinks, linked_config
+from eval.faults.network import NodeLinks
 from eval.faults.overload import OverloadPlan, distinct_references, run_overload
+from eval.faults.soak import run_soak
 from eval.faults.targets import targets
-from eval.ports import free_port_run, private_cluster_config
 from symphony.cluster_tls import grpc_channel
 from symphony.config import SymphonyConfig
 from symphony.launcher import LocalCluster
@@ -77,8 +79,6 @@ from symphony.models import ModelInfo, fetch_default_model, resolve_model
 from symphony.rpc import kv_pb2, kv_pb2_grpc
 from symphony.tenancy import engine_key, internal_headers
 
-TENANTS = ("alpha", "beta")  # the load's
-ATTACKER = "mallory"  # a tenant that sends nothing but its attacks
 VICTIM_QUESTION = "Thank you. Now summarise your answer in one sentence."
 # Idle connections in the replicas' pools (to engines: 4 s of keep-alive, swept about as often) are
 # gone within this: fds a process holds beyond the bounds after it are a leak. A replica that took
@@ -99,30 +99,8 @@ class FaultSettings:
     bound_s: float = 120.0  # every request ends within this (the clients' timeout)
     recover_timeout_s: float = 300.0  # for the cluster to be whole again after a fault (an engine restart)
     overload_s: float = 60.0  # the flood's length (the capacity and quiet phases: half of it each)
-
-
-def faults_config(
-    config: SymphonyConfig, home: Path, model: ModelInfo, linked: bool = False
-) -> tuple[SymphonyConfig, dict[str, str]]:
-    """The private cluster (module docstring) and its tenants' API keys (the attacker's included).
-    `linked`: each node advertised at an emulated link's listeners (`eval.faults.network`)."""
-    private = private_cluster_config(config, home, 2)
-    private = linked_config(private) if linked else private
-    keys = {name: secrets.token_urlsafe(16) for name in (*TENANTS, ATTACKER)}
-    return dataclasses.replace(
-        private,
-        cluster=dataclasses.replace(private.cluster, ha=True, tls=True, etcd_port_base=free_port_run(2)),
-        scheduler=dataclasses.replace(
-            private.scheduler,
-            port=free_port_run(2),
-            replicas=2,
-            api_keys=[f"{name}:{key}" for name, key in keys.items()],
-            admin_token=secrets.token_urlsafe(16),
-        ),
-        engine=dataclasses.replace(
-            config.engine, kv_connector=True, model=str(model.path), served_model_name=model.served_name
-        ),
-    ), keys
+    soak_s: float = 1800.0  # `symphony bench soak` (eval.faults.soak)
+    fault_every_s: float = 120.0
 
 
 class FaultBench:
@@ -233,8 +211,9 @@ class FaultBench:
         report["leaks"] = fds_found + other_leaks(before, first, self.config.kv.ssd_bytes)
         report["leaks_first_look"] = leaks(before, first, self.config.kv.ssd_bytes)
         report["fd_looks"] = len(looks)
-        if first.shm_files > before.shm_files:  # which, to tell whose
-            report["shm_files_after"] = sorted(os.listdir("/dev/shm"))
+        if first.shm_files > before.shm_files:  # which, to tell whose: those made during the run
+            shm = [e for e in os.scandir("/dev/shm") if e.stat(follow_symlinks=False).st_ctime >= self.started_wall]
+            report["shm_files_after"] = sorted(e.name for e in shm)
         if after is not first:
             report["fds_settled_at"] = [after.fds, [list(p) for p in after.processes]]
         return report
@@ -266,7 +245,7 @@ class FaultBench:
         self.say(f"{scenario}: seed {s.seed}, {len(faults)} faults")
         load = self.load(scenario)
         before = await self.warm(load)
-        runner = self._crash_runner(load)
+        runner = self.crash_runner(load)
         await runner.measure_baseline()
         self.say(f"{len(runner.baseline)} probes under load; one slower than {runner.slow_s:.2f} s is unavailability")
         await runner.run(faults, self.say, load.origin_s or 0.0)
@@ -292,7 +271,7 @@ class FaultBench:
         )
         return report
 
-    def _crash_runner(self, load: ChatLoad) -> CrashRunner:
+    def crash_runner(self, load: ChatLoad) -> CrashRunner:
         """A runner of kills, freezes and link faults of this cluster's processes under `load`."""
         s = self.settings
         target = Target(
@@ -327,7 +306,7 @@ class FaultBench:
             self.cluster.config_path,
             self.whole,
         )
-        crashes = self._crash_runner(load)
+        crashes = self.crash_runner(load)
         runner = DiskRunner(load, where, crashes, s.seed, s.warmup_turns, s.recover_timeout_s, self.say)
         await crashes.measure_baseline()
         await runner.run(s.disk_kinds)
@@ -335,6 +314,11 @@ class FaultBench:
         report.update({"seed": s.seed, "kinds": list(s.disk_kinds), "faults": runner.faults})
         report["small_disk_bytes"] = small_disk_bytes(self.config)
         return report
+
+    async def soak(self) -> dict[str, Any]:
+        """`symphony bench soak`: not one of `SCENARIOS` (eval.faults.soak)."""
+        load = self.load("soak")
+        return await run_soak(self, load, await self.warm(load), TENANTS[0])
 
     async def attacks(self) -> dict[str, Any]:
         load = self.load("attacks")
@@ -387,14 +371,14 @@ class FaultBench:
         plan = OverloadPlan(s.overload_s / 2, s.overload_s / 2, s.overload_s, workers, 2 * s.bound_s, seed=s.seed)
         self.say(f"overload: {workers} closed-loop clients measure the capacity; then a {s.overload_s:g} s flood at 2x")
         outcomes, summary = await run_overload(
-            load, self._advise, plan, TENANTS[0], TENANTS[1], self.config.scheduler.queue_wait_bound_s
+            load, self.advise, plan, TENANTS[0], TENANTS[1], self.config.scheduler.queue_wait_bound_s
         )
         load.outcomes.extend(outcomes)
         report = await self.checked(load, before, distinct=True)
         report.update(summary)
         return report
 
-    async def _advise(self, tenant: str, session: str) -> int:
+    async def advise(self, tenant: str, session: str) -> int:
         """An advisory for the tenant's `session`, to the first replica; its status (0: no answer)."""
         body = {"model": self.model, "session_id": session, "kind": "typing"}
         headers = {"authorization": f"Bearer {self.keys[tenant]}"}
@@ -420,14 +404,15 @@ async def _run(
     bench: FaultBench | None = None
     # Up before the nodes, which advertise them; closed after the cluster's shutdown.
     links = NodeLinks(config, settings.seed) if config.node.advertise_grpc_port_base else None
+    small_disk = config.kv_ssd_dir(config.cluster.nodes - 1)  # the disk scenario's node's
     try:
         if links is not None:
             await links.start()
         if not await cluster.start_etcd():
             raise RuntimeError("the benchmark cluster's etcd did not start")
-        if "disk" in settings.scenarios:  # in the bench's own mount namespace (run_faults_bench)
-            last = config.cluster.nodes - 1
-            mount_small_disk(config.kv_ssd_dir(last), small_disk_bytes(config))
+        if in_namespace():  # the disk scenario's (run_faults_bench)
+            private_shm()
+            mount_small_disk(small_disk, small_disk_bytes(config))
         cluster.spawn()
         if not await cluster.wait_ready(asyncio.Event()):
             raise RuntimeError("the benchmark cluster did not become ready")
@@ -447,6 +432,8 @@ async def _run(
         finally:
             if links is not None:
                 await links.close()
+            if in_namespace():
+                unmount(small_disk)  # so that the home can go
 
 
 def run_faults_bench(config: SymphonyConfig, *, out: Path, settings: FaultSettings) -> int:
@@ -458,7 +445,7 @@ def run_faults_bench(config: SymphonyConfig, *, out: Path, settings: FaultSettin
         fetch_default_model(config.home_path, progress=lambda m: print(m, file=sys.stderr))
     model = resolve_model(config.engine.model, config.engine.served_model_name, config.home_path)
     home = config.home_path / "bench" / f"faults-{uuid.uuid4().hex[:8]}"
-    private, keys = faults_config(config, home, model, linked="network" in settings.scenarios)
+    private, keys = faults_config(config, home, model, linked=bool({"network", "soak"} & set(settings.scenarios)))
     started = time.monotonic()
     scenarios: dict[str, Any] = {}
     result: dict[str, Any] = {

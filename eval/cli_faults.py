@@ -1,4 +1,5 @@
-"""`symphony bench faults`: its flags and handler (the run is `eval.bench_faults`)."""
+"""`symphony bench faults` and `symphony bench soak`: their flags and handlers (the runs are
+`eval.bench_faults`'s)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,22 @@ def add_faults_parser(bench_sub: Any) -> None:
     )
     faults.set_defaults(func=cmd_bench_faults)
 
+    soak = bench_sub.add_parser(
+        "soak", help="the fault bench's cluster under mixed load and faults on a schedule; check it stays flat"
+    )
+    add_bench_cluster_args(soak)
+    soak.add_argument("--out", type=Path, required=True, help="JSON results file")
+    soak.add_argument("--minutes", type=positive_float, default=30.0, help="how long the load and faults run (30)")
+    soak.add_argument("--fault-every-s", type=positive_float, default=120.0, help="seconds between faults (120)")
+    soak.add_argument("--seed", type=int_between(0), default=0, help="draws the fault schedule (0)")
+    soak.add_argument(
+        "--kinds",
+        default=",".join(CRASH_KINDS),
+        help=f"crash kinds, comma-separated, of {', '.join(CRASH_KINDS)} (all)",
+    )
+    soak.add_argument("--sessions", type=positive_int, default=4, help="concurrent chat sessions (4)")
+    soak.set_defaults(func=cmd_bench_soak)
+
 
 def cmd_bench_faults(args: argparse.Namespace) -> int:
     from eval.bench_faults import FaultSettings, run_faults_bench
@@ -63,5 +80,21 @@ def cmd_bench_faults(args: argparse.Namespace) -> int:
         sessions=args.sessions,
         warmup_turns=args.warmup_turns,
         overload_s=args.overload_s,
+    )
+    return run_faults_bench(config, out=args.out, settings=settings)
+
+
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    from eval.bench_faults import FaultSettings, run_faults_bench
+
+    kinds = known_names("--kinds", args.kinds, CRASH_KINDS)
+    config = load_from_args(args, engine_overrides(args))
+    settings = FaultSettings(
+        scenarios=("soak",),
+        seed=args.seed,
+        kinds=kinds,
+        sessions=args.sessions,
+        soak_s=args.minutes * 60.0,
+        fault_every_s=args.fault_every_s,
     )
     return run_faults_bench(config, out=args.out, settings=settings)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from pathlib import Path
 
 _SHM_DIR = "/dev/shm/"
 _MULTIPROCESSING_SHM = ("sem.mp-", "psm_")  # Python's names for POSIX semaphores and shared memory
@@ -21,7 +20,8 @@ def orphaned_shm(since: float, directory: str = _SHM_DIR) -> set[str]:
     """Paths of Python multiprocessing's shared-memory files in `directory` owned by this user,
     created (ctime) at or after `since` (wall-clock seconds) and before ORPHAN_GRACE_S ago, that no
     process maps or holds open. Reads every process's maps and fds only when there is a candidate.
-    None in a user namespace: the processes outside it cannot be read, and the files might be theirs."""
+    A process whose maps cannot be read (another user's; from a user namespace, every one outside
+    it) is taken to hold none of them: a namespace's own /dev/shm keeps that true there."""
     latest = time.time() - ORPHAN_GRACE_S
     candidates = set()
     with contextlib.suppress(OSError), os.scandir(directory) as entries:
@@ -32,19 +32,10 @@ def orphaned_shm(since: float, directory: str = _SHM_DIR) -> set[str]:
                 info = entry.stat(follow_symlinks=False)
                 if info.st_uid == os.getuid() and since <= info.st_ctime <= latest:
                     candidates.add(entry.path)
-    if not candidates or in_user_namespace():  # from there, a process outside may hold them
+    if not candidates:
         return set()
     pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
     return candidates - shm_mapped_by_pids(pids) - _shm_open_by_pids(pids)
-
-
-def in_user_namespace() -> bool:
-    """Whether this process runs in a user namespace other than the host's (`unshare --user`), from
-    which no process outside it can be read."""
-    try:
-        return Path("/proc/self/uid_map").read_text().split()[:3] != ["0", "0", "4294967295"]
-    except OSError:
-        return False
 
 
 def _shm_open_by_pids(pids: list[int]) -> set[str]:

@@ -30,6 +30,7 @@ import errno
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -41,17 +42,18 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from eval.faults.chats import ANSWER_TOKENS, ChatLoad
-from eval.faults.crashes import CrashRunner, Fault
+from eval.faults.crashes import STABLE_S, CrashRunner, Fault
 from eval.resume_runner import mtbench_turns
 from node_manager.kv.segments import SUFFIX, parse_header
 from symphony.config import SymphonyConfig, dump_toml
 from symphony.config_schema import EngineDtype
 from symphony.config_secrets import write_private
-from symphony.process import ManagedProcess
+from symphony.process import ManagedProcess, ProcessState
 
-# Root gets a mount namespace alone: it still reads every process's /proc maps, which the leak
-# checks need (`symphony.shm_files.orphaned_shm`). Anyone else gets a user namespace too, from
-# which no process outside it can be read: orphaned multiprocessing files are not counted there.
+# Root gets a mount namespace alone; anyone else a user namespace too (no privileges needed). In
+# it the bench mounts a /dev/shm of its own (`private_shm`): no process outside, which a user
+# namespace cannot read, can hold a file there, so the leak checks and the launcher's sweep
+# (`symphony.shm_files.orphaned_shm`) see every holder.
 ROOT_NAMESPACE = ["unshare", "--mount", "--propagation", "private"]
 USER_NAMESPACE = ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
 
@@ -60,17 +62,19 @@ def namespace_argv() -> list[str]:
     return ROOT_NAMESPACE if os.geteuid() == 0 else USER_NAMESPACE
 
 
-NAMESPACE_ENV = "SYMPHONY_FAULTS_NAMESPACE"  # set in the namespace the bench re-executed itself in
-# What the tier may hold on the small disk, past its headroom: a few sessions' worth on the
-# default model (SmolLM2-135M: 720 KiB a block of 32 tokens), so that the load itself fills it.
-SMALL_DISK_ROOM = 96 << 20
+# Set in the namespace the bench re-executed itself in: the mount namespace it left (its inode).
+NAMESPACE_ENV = "SYMPHONY_FAULTS_LEFT_MOUNT_NS"
+# What the tier may hold on the small disk past its headroom: more than the other scenarios' loads
+# save there (so that the small disk changes nothing for them), little enough to fill at once.
+SMALL_DISK_ROOM = 1 << 30
 SEGMENTS_WANTED = 3  # segment files the corruption needs (one per kind of damage)
-SEGMENTS_TIMEOUT_S = 120.0  # for the load to have saved them
+SEGMENTS_TIMEOUT_S = 120.0  # for the load (and new conversations) to have saved them
 FILL_CHUNK = 4 << 20
 RESUME_TIMEOUT_S = 120.0  # for the node to save again once the disk has room
 SSD_FULL = "symphony_kv_save_degraded_total{reason=ssd_full}"  # pages a full disk kept off the SSD
-FULL_MET_REQUESTS = 40  # new conversations sent at most for the node to meet its full disk
+NEW_CONVERSATIONS = 40  # sent at most for the node to save something (the load may be elsewhere)
 SCRAPE_TRIES = 3  # a node's /metrics asked this many times before its counters count as unknown
+OTHER_MODEL = "symphony_kv_ssd_segments_other_model_total"  # a `node_counters` key's start
 SSD_WRITTEN = "symphony_kv_io_bytes_total{direction=write,tier=SSD}"  # a `node_counters` key
 OTHER_DTYPE: dict[str, EngineDtype] = {
     "bfloat16": "float32",
@@ -84,29 +88,62 @@ def small_disk_bytes(config: SymphonyConfig) -> int:
     return config.kv.ssd_headroom_bytes + SMALL_DISK_ROOM
 
 
+def _mount_ns() -> str:
+    return str(os.stat("/proc/self/ns/mnt").st_ino)
+
+
 def in_namespace() -> bool:
-    return os.environ.get(NAMESPACE_ENV) == "1"
+    """Whether this process is the bench re-executed in a mount namespace of its own."""
+    left = os.environ.get(NAMESPACE_ENV)
+    return left is not None and left != _mount_ns()
 
 
 def reexec_in_namespace() -> NoReturn:
-    """Run this very command again in a user and mount namespace of its own (module docstring).
-    Raises RuntimeError, naming why, where the host allows no such namespace."""
+    """Run this very command (`sys.orig_argv`: the CLI's) again in a mount namespace of its own
+    (module docstring). Raises RuntimeError, naming why and the flag that leaves the scenario out,
+    where the host allows no such namespace or no tmpfs mount in it."""
     namespace = namespace_argv()
-    probe = subprocess.run([*namespace, "true"], capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:
-        raise RuntimeError(f"the disk scenario needs a mount namespace of its own: {probe.stderr.strip()}")
+    why = ""
+    try:
+        probe = subprocess.run(
+            [*namespace, "sh", "-c", "mount -t tmpfs -o size=1m symphony-probe /mnt"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        why = probe.stderr.strip() if probe.returncode else ""
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        why = str(exc)
+    if why:
+        raise RuntimeError(
+            f"the disk scenario needs a mount namespace with a tmpfs of its own ({why}); "
+            "leave it out with --scenarios crashes,network,attacks,overload"
+        )
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(namespace[0], [*namespace, *sys.orig_argv], {**os.environ, NAMESPACE_ENV: "1"})
+    os.execvpe(namespace[0], [*namespace, *sys.orig_argv], {**os.environ, NAMESPACE_ENV: _mount_ns()})
+
+
+def _mount_tmpfs(directory: Path, options: str) -> None:
+    if not in_namespace():
+        raise RuntimeError("a tmpfs is mounted only in the bench's own mount namespace")
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "symphony-bench", str(directory)], check=True)
 
 
 def mount_small_disk(directory: Path, nbytes: int) -> None:
     """A tmpfs of `nbytes` on `directory` (made if missing); only in the bench's namespace."""
-    if not in_namespace():
-        raise RuntimeError("a small disk is mounted only in the bench's own mount namespace")
-    directory.mkdir(parents=True, exist_ok=True)
-    options = f"size={nbytes},mode=0700"
-    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "symphony-small-disk", str(directory)], check=True)
+    _mount_tmpfs(directory, f"size={nbytes},mode=0700")
+
+
+def private_shm() -> None:
+    """A /dev/shm of the namespace's own (module docstring); only in the bench's namespace."""
+    _mount_tmpfs(Path("/dev/shm"), "mode=1777")
+
+
+def unmount(directory: Path) -> None:
+    """Unmount what `mount_small_disk` mounted (so that the home can be removed); quiet if gone."""
+    subprocess.run(["umount", str(directory)], capture_output=True, check=False)
 
 
 def segment_files(directory: Path) -> list[Path]:
@@ -146,20 +183,23 @@ def damage(files: list[Path], rng: random.Random) -> dict[str, str]:
     return done
 
 
+FILLER = "filler-from-outside"
+
+
 def fill(directory: Path) -> int:
-    """Write a file from outside into `directory` until its filesystem is full (ENOSPC); its bytes."""
+    """Write a file from outside into `directory` until its filesystem is full (ENOSPC); its bytes.
+    Unbuffered: a short write ends it, and nothing is left to fail at close."""
     written = 0
-    chunk = b"\0" * FILL_CHUNK
-    with open(directory / "filler-from-outside", "wb") as f:
+    chunk = memoryview(b"\0" * FILL_CHUNK)
+    with open(directory / FILLER, "wb", buffering=0) as f:
         while True:
             try:
-                f.write(chunk)
-                f.flush()
+                count = f.write(chunk)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
                 break
-            written += len(chunk)
+            written += count or 0  # a short write: the next one meets ENOSPC
     return written
 
 
@@ -225,6 +265,8 @@ class DiskRunner:
         self.rng = random.Random(seed)
         self.warmup_turns, self.recover_timeout_s, self.say = warmup_turns, recover_timeout_s, say
         self.faults: list[dict[str, Any]] = []
+        self._questions = [turns[0] for turns in mtbench_turns()]
+        self._conversations = 0
 
     async def run(self, kinds: tuple[str, ...]) -> None:
         """The faults of `kinds`, in an order drawn from the seed."""
@@ -245,104 +287,128 @@ class DiskRunner:
     async def _more_turns(self) -> bool:
         return await self.load.wait_turns(self.load.turns_done() + self.warmup_turns, self.recover_timeout_s)
 
+    async def _new_conversation(self, label: str) -> None:
+        """One new conversation's first turn, checked like the load's: a session with no KV
+        anywhere goes to the least loaded node, so it reaches this one when the load's sessions
+        are all kept on another."""
+        self._conversations += 1
+        questions = self._questions
+        messages = [{"role": "user", "content": questions[self._conversations % len(questions)]}]
+        session = f"disk-{label}-{self._conversations}-{self.rng.randrange(1 << 24):06x}"
+        self.load.outcomes.append(await self.load.send(self.load.tenants[0].name, session, messages, ANSWER_TOKENS))
+
+    async def _converse_until(self, label: str, done: Callable[[], Awaitable[bool]]) -> bool:
+        """New conversations, one at a time, until `done()` or NEW_CONVERSATIONS were sent."""
+        for _ in range(NEW_CONVERSATIONS):
+            if await done():
+                return True
+            await self._new_conversation(label)
+        return await done()
+
     async def segment_corrupt(self) -> dict[str, Any]:
-        deadline = time.monotonic() + SEGMENTS_TIMEOUT_S
-        while True:  # the load saves them (write-behind): files appear, nothing signals it
-            if len(segment_files(self.target.ssd_dir)) >= SEGMENTS_WANTED or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.5)
+        async def enough() -> bool:
+            return len(segment_files(self.target.ssd_dir)) >= SEGMENTS_WANTED
+
+        await self._converse_until("segments", enough)
+        found = len(segment_files(self.target.ssd_dir))
         damaged = damage(segment_files(self.target.ssd_dir), self.rng)
         self.crashes.origin_s = self.load.origin_s or 0.0
         kill = await self.crashes.one(Fault("node_kill", self.target.node, 0.0))
         # Sessions some of whose blocks were in a damaged segment lose those blocks by design.
         kill["sessions_with_damaged_blocks"] = kill.pop("lost_sessions", [])
-        return {"damaged": damaged, "kill": kill, "load_went_on": await self._more_turns()}
+        # Read at once: a later restart of the node would start its counters again.
+        at_restart = await self._counters()
+        return {
+            "segments_found": found,
+            "damaged": damaged,
+            "kill": kill,
+            "counters_at_restart": at_restart,
+            "load_went_on": await self._more_turns(),
+        }
 
     async def disk_full(self) -> dict[str, Any]:
         pid = self.target.process.pid
-        filled = await asyncio.to_thread(fill, self.target.ssd_dir)
-        free_when_full = shutil.disk_usage(self.target.ssd_dir).free
-        refused_before = (await self._counters()).get(SSD_FULL, 0.0)
-        went_on, met = await asyncio.gather(self._more_turns(), self._new_sessions_until_full_met(refused_before))
-        at_full = await self._counters()
-        (self.target.ssd_dir / "filler-from-outside").unlink()
-        written_at_full = at_full.get(SSD_WRITTEN, 0.0)
-        segments_at_full = len(segment_files(self.target.ssd_dir))
-        resumed = False
-        deadline = time.monotonic() + RESUME_TIMEOUT_S
-        while time.monotonic() < deadline:  # the load goes on: its new turns are saved again
-            if (await self._counters()).get(SSD_WRITTEN, 0.0) > written_at_full:
-                resumed = True
-                break
-            await asyncio.sleep(0.5)
+        refused_before = (await self._counters()).get(SSD_FULL)
+        filler = self.target.ssd_dir / FILLER
+        try:
+            filled = await asyncio.to_thread(fill, self.target.ssd_dir)
+            free_when_full = shutil.disk_usage(self.target.ssd_dir).free
+
+            async def refused() -> bool:
+                now = (await self._counters()).get(SSD_FULL)
+                return now is not None and now > (refused_before or 0.0)
+
+            went_on, met = await asyncio.gather(self._more_turns(), self._converse_until("full", refused))
+            at_full = await self._counters()
+        finally:
+            filler.unlink(missing_ok=True)
+        written_at_full = at_full.get(SSD_WRITTEN)
+
+        async def written() -> bool:
+            now = (await self._counters()).get(SSD_WRITTEN)
+            return written_at_full is not None and now is not None and now > written_at_full
+
+        resumed = await self._converse_until("resumed", written)
         return {
             "filled_bytes": filled,
-            "saves_met_full_disk": met,
             "free_bytes_when_full": free_when_full,
+            "saves_met_full_disk": met,
+            "refused_pages": max(0.0, at_full.get(SSD_FULL, 0.0) - (refused_before or 0.0)),
             "load_went_on": went_on,
             "counters_at_full": at_full,
-            "segments_at_full": segments_at_full,
+            "segments_at_full": len(segment_files(self.target.ssd_dir)),
             "node_survived": self.target.process.pid == pid,
             "saves_resumed": resumed,
         }
-
-    async def _new_sessions_until_full_met(self, refused_before: float) -> int:
-        """Send new conversations (their first turns, checked like the load's) until the node
-        counts a save refused for a full disk, or `FULL_MET_REQUESTS` were sent: the load's own
-        sessions may all be kept on another node. Returns the pages it counted refused."""
-        questions = [turns[0] for turns in mtbench_turns()]
-        tenant = self.load.tenants[0].name
-        for number in range(FULL_MET_REQUESTS):
-            refused = (await self._counters()).get(SSD_FULL, 0.0) - refused_before
-            if refused > 0:
-                return int(refused)
-            messages = [{"role": "user", "content": questions[number % len(questions)]}]
-            outcome = await self.load.send(
-                tenant, f"disk-full-{number}-{self.rng.randrange(1 << 24):06x}", messages, ANSWER_TOKENS
-            )
-            self.load.outcomes.append(outcome)
-        return int((await self._counters()).get(SSD_FULL, 0.0) - refused_before)
 
     async def dtype_change(self) -> dict[str, Any]:
         config, process = self.target.config, self.target.process
         other = OTHER_DTYPE[config.engine.dtype]
         variant = self.target.config_path.with_name(f"cluster-{other}.toml")
         changed = dataclasses.replace(config, engine=dataclasses.replace(config.engine, dtype=other))
-        write_private(variant, dump_toml(changed))
         own_argv = list(process.argv)
+        other_argv = [str(variant) if a == str(self.target.config_path) else a for a in own_argv]
+        if other_argv == own_argv:
+            raise RuntimeError(f"the node's command names no {self.target.config_path} to change: {own_argv}")
         await self.load.stop()  # its answers are compared with one dtype's reference
         segments_before = len(segment_files(self.target.ssd_dir))
         record: dict[str, Any] = {"dtype": other, "segments_before": segments_before}
         try:
-            process.argv = [str(variant) if a == str(self.target.config_path) else a for a in own_argv]
+            write_private(variant, dump_toml(changed))
+            process.argv = other_argv
             record["other_dtype"] = await self._restart()
             record["segments_other_dtype"] = len(segment_files(self.target.ssd_dir))
         finally:
             process.argv = own_argv
-        record["own_dtype"] = await self._restart()
-        variant.unlink(missing_ok=True)
-        self.load.start()
+            variant.unlink(missing_ok=True)
+            record["own_dtype"] = await self._restart()
+            self.load.start()
         record["load_went_on"] = await self._more_turns()
         return record
 
     async def _restart(self) -> dict[str, Any]:
-        """Kill the node manager (its engine goes with it); wait for its replacement and the
-        cluster to be whole again; how long that took and what its counters read then."""
+        """Kill the node manager (its engine goes with it); wait for its replacement, then for the
+        cluster to stay whole `STABLE_S` in a row; how long that took and its counters then."""
         process = self.target.process
         pid = process.pid
         started = time.monotonic()
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
+                os.kill(pid, signal.SIGKILL)
         deadline = started + self.recover_timeout_s
-        whole = False
-        while time.monotonic() < deadline:
+        whole, since = False, None
+        while time.monotonic() < deadline and process.state != ProcessState.FAILED:
             if process.pid not in (None, pid) and await self.target.whole():
-                whole = True
-                break
+                since = since if since is not None else time.monotonic()
+                if time.monotonic() - since >= STABLE_S:
+                    whole = True
+                    break
+            else:
+                since = None
             await asyncio.sleep(0.5)
         return {
             "whole": whole,
+            "state": process.state.value,
             "whole_after_s": round(time.monotonic() - started, 1),
             "counters": await self._counters(),
         }
@@ -359,9 +425,8 @@ def disk_targets(report: dict[str, Any]) -> dict[str, bool]:
     found["disk_load_went_on"] = all(f.get("load_went_on") for f in faults.values())
     if "segment_corrupt" in kinds:
         corrupt = faults.get("segment_corrupt", {})
-        after = corrupt.get("counters_after", {})
-        set_aside = sum(after.get(f"symphony_kv_ssd_segments_{how}_total", 0.0) for how in ("damaged", "quarantined"))
-        found["disk_damage_found"] = bool(corrupt.get("kill", {}).get("recovered")) and set_aside > 0
+        damaged = corrupt.get("counters_at_restart", {}).get("symphony_kv_ssd_segments_damaged_total", 0.0)
+        found["disk_damage_found"] = bool(corrupt.get("kill", {}).get("recovered")) and damaged > 0
     if "disk_full" in kinds:
         full = faults.get("disk_full", {})
         found["disk_full_survived"] = bool(
@@ -369,7 +434,12 @@ def disk_targets(report: dict[str, Any]) -> dict[str, bool]:
         )
     if "dtype_change" in kinds:
         change = faults.get("dtype_change", {})
+        other = change.get("other_dtype", {})
+        # The other dtype's node set the old segments aside as another model's (if it had any).
+        dropped = sum(v for k, v in other.get("counters", {}).items() if k.startswith(OTHER_MODEL))
         found["disk_dtype_change_recovered"] = bool(
-            change.get("other_dtype", {}).get("whole") and change.get("own_dtype", {}).get("whole")
+            other.get("whole")
+            and change.get("own_dtype", {}).get("whole")
+            and (dropped > 0 or not change.get("segments_before"))
         )
     return found

@@ -8,6 +8,7 @@ from typing import Any
 
 from eval.faults.disk import disk_targets
 from eval.faults.overload import overload_targets
+from eval.faults.soak import soak_targets
 
 
 def targets(result: dict[str, Any]) -> dict[str, bool]:
@@ -42,6 +43,8 @@ def targets(result: dict[str, Any]) -> dict[str, bool]:
             listener.split()[0] for listener in attacks["listeners"]
         } == {"node", "page", "engine", "scheduler"}
         found["attacks_victim_and_load_go_on"] = attacks["victim_next_turn"] == "ok" and attacks["load_resumed"]
+    if "soak" in scenarios:
+        found.update(soak_targets(scenarios["soak"]))
     if "overload" in scenarios:
         found.update(overload_targets(scenarios["overload"]))
     return found

@@ -58,7 +58,7 @@ def _report(**overrides: Any) -> dict[str, Any]:
             "kind": "segment_corrupt",
             "load_went_on": True,
             "kill": {"recovered": True},
-            "counters_after": {"symphony_kv_ssd_segments_damaged_total": 2.0},
+            "counters_at_restart": {"symphony_kv_ssd_segments_damaged_total": 2.0},
         },
         "disk_full": {
             "kind": "disk_full",
@@ -70,7 +70,11 @@ def _report(**overrides: Any) -> dict[str, Any]:
         "dtype_change": {
             "kind": "dtype_change",
             "load_went_on": True,
-            "other_dtype": {"whole": True},
+            "segments_before": 12,
+            "other_dtype": {
+                "whole": True,
+                "counters": {"symphony_kv_ssd_segments_other_model_total{action=dropped}": 12},
+            },
             "own_dtype": {"whole": True},
         },
     }
@@ -89,12 +93,13 @@ def test_the_disk_targets_hold_for_a_run_that_did_everything() -> None:
 @pytest.mark.parametrize(
     ("override", "missed"),
     [
-        ({"segment_corrupt.counters_after": {}}, "disk_damage_found"),
+        ({"segment_corrupt.counters_at_restart": {}}, "disk_damage_found"),
         ({"segment_corrupt.kill": {"recovered": False}}, "disk_damage_found"),
         ({"disk_full.saves_met_full_disk": 0}, "disk_full_survived"),
         ({"disk_full.node_survived": False}, "disk_full_survived"),
         ({"disk_full.saves_resumed": False}, "disk_full_survived"),
         ({"dtype_change.other_dtype": {"whole": False}}, "disk_dtype_change_recovered"),
+        ({"dtype_change.other_dtype": {"whole": True, "counters": {}}}, "disk_dtype_change_recovered"),
         ({"dtype_change.load_went_on": False}, "disk_load_went_on"),
     ],
 )
