@@ -109,6 +109,9 @@ class ManagedProcess:
         self._stopping = asyncio.Event()
         self._state_changed = asyncio.Event()
         self._shm_paths: set[str] = set()
+        # Groups of its descendants that lead their own (a node manager's engine), as last walked:
+        # they die of their death signal after the child, and their files are swept once they have.
+        self._child_groups: set[int] = set()
         self._spawned_at: float | None = None  # wall-clock time of the last spawn (orphaned_shm)
 
     # -- public -------------------------------------------------------------------------------
@@ -327,6 +330,9 @@ class ManagedProcess:
             await _wait_group_gone(pgid, timeout_s=5.0)
         with contextlib.suppress(ProcessLookupError):
             await proc.wait()
+        for group in self._child_groups:  # only waited for: a pgid may have been reused since
+            await _wait_group_gone(group, timeout_s=5.0)
+        self._child_groups.clear()
         self._unlink_shm()
         # Forget it: its pid (and process group id) may be reused by an unrelated process later, which
         # a second _terminate (stop() after a crash) must never signal.
@@ -337,7 +343,9 @@ class ManagedProcess:
         # is its own (an exited, unreaped child's descendants have been reparented away from it).
         proc = self._proc
         if proc is not None and proc.returncode is None:
-            self._shm_paths |= shm_mapped_by_pids(process_tree(proc.pid))
+            tree = process_tree(proc.pid)
+            self._shm_paths |= shm_mapped_by_pids(tree)
+            self._child_groups = {g for g in map(_pgid, tree) if g not in (None, proc.pid)}
 
     def _unlink_shm(self) -> None:
         # Checked at unlink time, not when recorded: the supervisor may map a segment after the child did.
@@ -384,6 +392,13 @@ def pid_running(pid: int) -> bool:
     """Whether process `pid` exists and has not exited (a zombie has)."""
     fields = proc_stat_fields(pid)
     return fields is not None and fields[0] != "Z"
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def group_members(pgid: int) -> list[int]:

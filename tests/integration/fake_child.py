@@ -35,6 +35,11 @@ def main() -> None:
         help="spawn a descendant in a session of its own (as a node manager starts its engine) that, once we "
         "are up, creates and maps /dev/shm/<name>.<its pid> and waits",
     )
+    parser.add_argument(
+        "--session-linger-s",
+        type=float,
+        help="with --session-shm: the descendant outlives us this long (dying of a death signal takes a while)",
+    )
     parser.add_argument("--unhealthy-flag", type=Path, help="answer 503 once this file exists")
     parser.add_argument("--pidfile", type=Path, help="append our pid (and the grandchild's) to this file")
     parser.add_argument("--metrics", type=Path, help="serve this file's text at /metrics (vLLM-style gauges)")
@@ -68,8 +73,13 @@ def main() -> None:
             "import mmap, os, signal, time; time.sleep(0.5); "
             f"p = '/dev/shm/{args.session_shm}.' + str(os.getpid()); "
             "fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o600); os.ftruncate(fd, 4096); "
-            "m = mmap.mmap(fd, 4096); signal.pause()"
+            "m = mmap.mmap(fd, 4096); "
         )
+        if args.session_linger_s is None:
+            script += "signal.pause()"
+        else:  # until its parent is gone, then a while longer, holding the file: then gone, leaving it
+            script += f"parent = {os.getpid()}\nwhile os.getppid() == parent: time.sleep(0.02)\n"
+            script += f"time.sleep({args.session_linger_s})"
         pids.append(subprocess.Popen([sys.executable, "-c", script], start_new_session=True).pid)
     if args.pidfile:
         with args.pidfile.open("a") as fh:

@@ -280,6 +280,37 @@ async def test_shared_memory_of_a_killed_childs_own_child_is_removed(tmp_path: P
             path.unlink(missing_ok=True)
 
 
+async def test_a_descendant_in_its_own_session_is_waited_for_before_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node manager killed, its engine (a session of its own) dying of its death signal a while
+    later: the files the engine held until then are swept once it is gone, not left because it
+    still held them at the node manager's exit. The file is made after the readiness scan, so
+    only the sweep can find it."""
+    monkeypatch.setattr(shm_files, "ORPHAN_GRACE_S", 0.0)  # no file in this test is in mid-creation
+    name = f"psm_symphony-test-{os.getpid()}-{free_port()}"
+    pidfile = tmp_path / "pids"
+    proc = _process(tmp_path, "--session-shm", name, "--session-linger-s", "1.0", "--pidfile", str(pidfile))
+    proc.start()
+    try:
+        assert await proc.wait_ready(timeout_s=20)
+        await async_wait_until(lambda: len(_shm_files(name)) == 1, 20, "the descendant's shared memory")
+        (held,) = _shm_files(name)
+        assert str(held) not in proc._shm_paths  # recorded by no scan
+        child, descendant = map(int, pidfile.read_text().split()[:2])
+        os.kill(child, signal.SIGKILL)
+        await async_wait_until(lambda: proc.restarts == 1, 20, "the restart")
+        assert not pid_running(descendant)  # waited for
+        assert not held.exists()
+    finally:
+        await proc.stop()
+        for pid in map(int, pidfile.read_text().split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for path in _shm_files(name):
+            path.unlink(missing_ok=True)
+
+
 async def test_shared_memory_the_supervisor_maps_survives_the_childs_crash(tmp_path: Path) -> None:
     # The node manager's DRAM arena is mapped by both it and the vLLM worker: the worker's death is no
     # reason to delete the arena under the node manager and the restarted worker.
