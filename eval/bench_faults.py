@@ -26,6 +26,7 @@ bounded fds, memory, /dev/shm files and SSD bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -140,7 +141,7 @@ class FaultBench:
         return all(p.state.value == "ready" for p in children)
 
     async def resources(self) -> Resources:
-        fds, rss, shm, segments, most, orphans, processes = await asyncio.to_thread(
+        fds, rss, anon, shm, segments, most, orphans, processes = await asyncio.to_thread(
             host_resources, self.cluster, self.started_wall
         )
         busy = 0.0
@@ -153,7 +154,7 @@ class FaultBench:
             for family in text_string_to_metric_families(text):
                 if family.name in BUSY_GAUGES:
                     busy += sum(sample.value for sample in family.samples)
-        return Resources(fds, rss, shm, segments, most, busy, orphans, processes)
+        return Resources(fds, rss, shm, segments, most, busy, orphans, rss_anon_bytes=anon, processes=processes)
 
     async def settled(self, timeout_s: float = 60.0) -> Resources:
         """Resources once the busy gauges read zero (or `timeout_s` passed: then as they are)."""
@@ -212,8 +213,12 @@ class FaultBench:
         report["leaks_first_look"] = leaks(before, first, self.config.kv.ssd_bytes)
         report["fd_looks"] = len(looks)
         if first.shm_files > before.shm_files:  # which, to tell whose: those made during the run
-            shm = [e for e in os.scandir("/dev/shm") if e.stat(follow_symlinks=False).st_ctime >= self.started_wall]
-            report["shm_files_after"] = sorted(e.name for e in shm)
+            made = []
+            for entry in os.scandir("/dev/shm"):
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                    if entry.stat(follow_symlinks=False).st_ctime >= self.started_wall:
+                        made.append(entry.name)
+            report["shm_files_after"] = sorted(made)
         if after is not first:
             report["fds_settled_at"] = [after.fds, [list(p) for p in after.processes]]
         return report

@@ -330,8 +330,9 @@ class ManagedProcess:
             await _wait_group_gone(pgid, timeout_s=5.0)
         with contextlib.suppress(ProcessLookupError):
             await proc.wait()
-        for group in self._child_groups:  # only waited for: a pgid may have been reused since
-            await _wait_group_gone(group, timeout_s=5.0)
+        deadline = time.monotonic() + 5.0  # only waited for: a pgid may have been reused since
+        for group in self._child_groups:
+            await _wait_group_gone(group, timeout_s=max(0.0, deadline - time.monotonic()))
         self._child_groups.clear()
         self._unlink_shm()
         # Forget it: its pid (and process group id) may be reused by an unrelated process later, which
@@ -345,7 +346,10 @@ class ManagedProcess:
         if proc is not None and proc.returncode is None:
             tree = process_tree(proc.pid)
             self._shm_paths |= shm_mapped_by_pids(tree)
-            self._child_groups = {g for g in map(_pgid, tree) if g not in (None, proc.pid)}
+            # Merged, and pruned of groups gone: a walk just after the child died (killed, not yet
+            # reaped) finds its descendants reparented, and must not forget them.
+            found = {g for g in map(_pgid, tree) if g is not None and g != proc.pid}
+            self._child_groups = {g for g in self._child_groups | found if _group_alive(g)}
 
     def _unlink_shm(self) -> None:
         # Checked at unlink time, not when recorded: the supervisor may map a segment after the child did.

@@ -159,6 +159,9 @@ class Resources:
     ssd_bytes_max: int
     busy_gauges: float
     orphans: int = 0  # processes of the cluster's engines outside its process trees (outliving a node manager)
+    # Anonymous resident memory (RssAnon) summed over its processes: what a leak grows, without the
+    # shared memory (a node's DRAM arena, mapped by its manager and its engine) that fills by design.
+    rss_anon_bytes: int = 0
     # (name, leader pid, fds of its process tree) per supervised process: one that was not restarted
     # in between is held to its own bound, so that a leak in a small process is not lost in the sum.
     processes: tuple[tuple[str, int, int], ...] = ()

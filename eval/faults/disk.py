@@ -42,7 +42,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from eval.faults.chats import ANSWER_TOKENS, ChatLoad
-from eval.faults.crashes import STABLE_S, CrashRunner, Fault
+from eval.faults.crashes import CrashRunner, Fault
 from eval.resume_runner import mtbench_turns
 from node_manager.kv.segments import SUFFIX, parse_header
 from symphony.config import SymphonyConfig, dump_toml
@@ -388,7 +388,8 @@ class DiskRunner:
 
     async def _restart(self) -> dict[str, Any]:
         """Kill the node manager (its engine goes with it); wait for its replacement, then for the
-        cluster to stay whole `STABLE_S` in a row; how long that took and its counters then."""
+        cluster to stay whole as long as a crash's recovery must (`CrashRunner.stable_s`); how long
+        that took and its counters then."""
         process = self.target.process
         pid = process.pid
         started = time.monotonic()
@@ -400,7 +401,7 @@ class DiskRunner:
         while time.monotonic() < deadline and process.state != ProcessState.FAILED:
             if process.pid not in (None, pid) and await self.target.whole():
                 since = since if since is not None else time.monotonic()
-                if time.monotonic() - since >= STABLE_S:
+                if time.monotonic() - since >= self.crashes.stable_s:
                     whole = True
                     break
             else:

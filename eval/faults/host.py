@@ -15,13 +15,13 @@ from symphony.tenancy import ENGINE_KEY_ENV, engine_key
 
 def host_resources(
     cluster: LocalCluster, started_wall: float
-) -> tuple[int, int, int, int, int, int, tuple[tuple[str, int, int], ...]]:
-    """fds and RSS of the cluster's processes (and per supervised process), its
+) -> tuple[int, int, int, int, int, int, int, tuple[tuple[str, int, int], ...]]:
+    """fds, RSS and anonymous RSS of the cluster's processes (fds per supervised process too), its
     /dev/shm files, SSD files and most bytes, and its orphaned engine processes: those whose
     environment holds this cluster's engine key (an engine and its children) outside every
     leader's process tree."""
     config = cluster.config
-    fds = rss = 0
+    fds = rss = anon = 0
     page = os.sysconf("SC_PAGE_SIZE")
     tree: set[int] = set()
     processes: list[tuple[str, int, int]] = []
@@ -35,6 +35,7 @@ def host_resources(
             try:
                 counted += len(os.listdir(f"/proc/{pid}/fd"))
                 rss += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+                anon += _rss_anon(pid)
             except (OSError, ValueError, IndexError):
                 continue  # gone meanwhile
         processes.append((proc.name, proc.pid, counted))
@@ -65,4 +66,12 @@ def host_resources(
                     sizes.append(f.stat().st_size)
         segments += len(sizes)
         most = max(most, sum(sizes))
-    return fds, rss, shm, segments, most, orphans, tuple(processes)
+    return fds, rss, anon, shm, segments, most, orphans, tuple(processes)
+
+
+def _rss_anon(pid: int) -> int:
+    """The process's anonymous resident bytes (its /proc status's RssAnon)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024  # kB
+    return 0

@@ -1,13 +1,15 @@
 """`symphony bench soak`: the fault bench's cluster under a long mixed load with faults on a
 schedule, sampled all along, to show that what it holds stays flat.
 
-The load is the fault scenarios' chats (`eval.faults.chats`), and an advisory for one of their
-sessions every `ADVISE_EVERY_S`. Every `fault_every_s`, the next fault of a schedule drawn from the
-seed (every crash kind, and every link kind when the nodes' links run) is injected and recovered
-from (`eval.faults.crashes`). Every `SAMPLE_EVERY_S`, the cluster's resources are sampled
-(`eval.faults.checker.Resources`). At the end the checker judges every answer and the leaks, as in
-the fault scenarios, and `flatness` compares the samples of the run's last third with its first:
-a leak grows with time, which a bound on the end alone can miss on a long run.
+The load is the fault scenarios' chats (`eval.faults.chats`), and every `ADVISE_EVERY_S` an
+advised one: an advisory for a new conversation, then its first turn (an advisory whose turn never
+comes would stay pending for its TTL). Every `fault_every_s`, the next fault of a schedule drawn
+from the seed (every crash kind, and every link kind when the nodes' links run) is injected and
+recovered from (`eval.faults.crashes`). Every `SAMPLE_EVERY_S` while no fault is in progress, the
+cluster's resources are sampled (`eval.faults.checker.Resources`). At the end the checker judges
+every answer and the leaks, as in the fault scenarios, and `flatness` compares the samples of the
+run's last third with its first: a leak grows with time, which a bound on the end alone can miss
+on a long run. An error in a sample, an advisory or a fault is recorded, and the soak goes on.
 """
 
 from __future__ import annotations
@@ -22,17 +24,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from eval.faults import LINK_KINDS
-from eval.faults.chats import ChatLoad
+from eval.faults.chats import ANSWER_TOKENS, ChatLoad
 from eval.faults.checker import Resources, recovery_summary
 from eval.faults.crashes import CrashRunner, Fault, schedule
 from eval.faults.network import NodeLinks
+from eval.resume_runner import mtbench_turns
 from symphony.config import SymphonyConfig
 
 SAMPLE_EVERY_S = 30.0
 ADVISE_EVERY_S = 5.0
 # A soak holds flat when the median of its last third is within these of its first third's (the
-# first sample is taken after the warm-up, so pools and caches are full). A fault in the middle of
-# a third moves one sample, not its median.
+# first sample is taken after the warm-up, so pools and caches are full), over at least
+# MIN_SAMPLES samples (none taken while a fault is in progress). Memory is anonymous resident
+# memory: the nodes' DRAM arenas, shared, fill by design.
+MIN_SAMPLES = 9
 FLAT_RSS_RATIO = 1.25
 FLAT_FD_RATIO = 1.25
 FLAT_FD_SLACK = 16
@@ -58,17 +63,17 @@ def flatness(samples: Sequence[Sample], ssd_bytes_limit: int) -> dict[str, Any]:
     """Per resource, the medians of the first and last thirds, and whether it stayed flat (module
     docstring); the SSD bytes only need to stay within the configured capacity (the tier fills
     up to it by design)."""
-    if len(samples) < 3:
-        return {"samples": len(samples), "flat": False, "why": "fewer than three samples"}
+    if len(samples) < MIN_SAMPLES:
+        return {"samples": len(samples), "flat": False, "why": f"fewer than {MIN_SAMPLES} samples"}
     first, last = thirds(samples)
 
     def medians(pick: Callable[[Resources], float]) -> tuple[float, float]:
         return statistics.median(pick(s.resources) for s in first), statistics.median(pick(s.resources) for s in last)
 
-    rss, fds, shm = medians(lambda r: r.rss_bytes), medians(lambda r: r.fds), medians(lambda r: r.shm_files)
+    rss, fds, shm = medians(lambda r: r.rss_anon_bytes), medians(lambda r: r.fds), medians(lambda r: r.shm_files)
     most_ssd = max(s.resources.ssd_bytes_max for s in samples)
     found: dict[str, dict[str, Any]] = {
-        "rss_bytes": {"first": rss[0], "last": rss[1], "flat": rss[1] <= rss[0] * FLAT_RSS_RATIO},
+        "rss_anon_bytes": {"first": rss[0], "last": rss[1], "flat": rss[1] <= rss[0] * FLAT_RSS_RATIO},
         "fds": {"first": fds[0], "last": fds[1], "flat": fds[1] <= fds[0] * FLAT_FD_RATIO + FLAT_FD_SLACK},
         "shm_files": {"first": shm[0], "last": shm[1], "flat": shm[1] <= shm[0] + FLAT_SHM_SLACK},
         "ssd_bytes_max": {"most": most_ssd, "flat": most_ssd <= ssd_bytes_limit},
@@ -96,6 +101,9 @@ class Soak:
         self.sample_every_s, self.advise_every_s = sample_every_s, advise_every_s
         self.samples: list[Sample] = []
         self.advisories: dict[int, int] = {}  # by status (0: no answer)
+        self.errors: list[str] = []  # what went wrong in a sample, an advisory or a fault
+        self.samples_skipped = 0  # due while a fault was in progress
+        self._faulting = False
 
     async def run(self, duration_s: float, fault_every_s: float, origin_s: float) -> None:
         """Sample, advise and inject faults for `duration_s` (a fault in progress then ends first)."""
@@ -113,23 +121,36 @@ class Soak:
                     number += 1
                     self.say(f"soak {time.monotonic() - started:.0f} s: fault {number}: {fault.describe()}")
                     self.crashes.origin_s = origin_s
-                    self.crashes.faults.append(await self.crashes.one(fault))
+                    self._faulting = True
+                    try:
+                        self.crashes.faults.append(await self.crashes.one(fault))
+                    except Exception as exc:  # a soak goes on: recorded, and the fault counts as not recovered
+                        self.errors.append(f"fault {fault.describe()}: {exc!r}")
+                        self.crashes.faults.append({"fault": fault.describe(), "kind": fault.kind, "error": repr(exc)})
+                    finally:
+                        self._faulting = False
                     next_fault += fault_every_s
                 with contextlib.suppress(TimeoutError):  # until the next fault is due, or the end
                     await asyncio.wait_for(done.wait(), max(0.0, min(next_fault, end) - time.monotonic()))
         finally:
             done.set()
-            await asyncio.gather(sampler, adviser)
+            await asyncio.gather(sampler, adviser, return_exceptions=True)
 
     async def _every(
         self, period_s: float, started: float, done: asyncio.Event, action: Callable[[float], Awaitable[None]]
     ) -> None:
         while not done.is_set():
-            await action(time.monotonic() - started)
+            try:
+                await action(time.monotonic() - started)
+            except Exception as exc:  # a soak goes on: recorded
+                self.errors.append(f"{getattr(action, '__name__', 'action')}: {exc!r}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), period_s)
 
     async def _sample(self, at_s: float) -> None:
+        if self._faulting:  # processes down or fresh: no measure of what a leak grows
+            self.samples_skipped += 1
+            return
         self.samples.append(Sample(round(at_s, 1), await self.sample()))
 
     async def _advise(self, _: float) -> None:
@@ -142,6 +163,8 @@ class Soak:
             "faults": faults,
             "faults_recovered": sum(1 for f in faults if f.get("recovered")),
             "advisories_by_status": {str(k): v for k, v in sorted(self.advisories.items())},
+            "errors": self.errors,
+            "samples_skipped": self.samples_skipped,
             **recovery_summary(f["recovery_ms"] for f in faults if "recovery_ms" in f),
             "flatness": flatness(self.samples, ssd_bytes_limit),
             "samples": [{"at_s": s.at_s, **dataclasses.asdict(s.resources)} for s in self.samples],
@@ -175,9 +198,17 @@ async def run_soak(host: SoakHost, load: ChatLoad, before: Resources, tenant: st
     crashes = host.crash_runner(load)
     await crashes.measure_baseline()
 
-    async def advise() -> int:
-        latest = next((o.session for o in reversed(load.outcomes) if o.tenant == tenant), f"soak-{tenant}")
-        return await host.advise(tenant, latest)
+    questions = [turns[0] for turns in mtbench_turns()]
+    advised = 0
+
+    async def advise() -> int:  # then the turn it announced (module docstring)
+        nonlocal advised
+        advised += 1
+        session = f"soak-advised-{advised}"
+        status = await host.advise(tenant, session)
+        messages = [{"role": "user", "content": questions[advised % len(questions)]}]
+        load.outcomes.append(await load.send(tenant, session, messages, ANSWER_TOKENS))
+        return status
 
     soak = Soak(crashes, faults, host.resources, advise, host.say)
     host.say(f"soak: {s.soak_s:g} s, a fault every {s.fault_every_s:g} s, a sample every {SAMPLE_EVERY_S:g} s")
@@ -189,12 +220,13 @@ async def run_soak(host: SoakHost, load: ChatLoad, before: Resources, tenant: st
 
 
 def soak_targets(report: dict[str, Any]) -> dict[str, bool]:
-    """The soak's own targets: every fault recovered from, advisories answered, and flat."""
+    """The soak's own targets: faults injected, every one recovered from, advisories answered, and
+    flat (over enough samples)."""
     faults = report["faults"]
     statuses = {int(k): v for k, v in report["advisories_by_status"].items()}
     answered = sum(v for k, v in statuses.items() if 200 <= k < 300)
     return {
-        "soak_every_fault_recovered": all(f.get("recovered") and "skipped" not in f for f in faults),
+        "soak_every_fault_recovered": bool(faults) and all(f.get("recovered") and "skipped" not in f for f in faults),
         "soak_advisories_answered": answered > 0 and answered >= ADVISED_SHARE * sum(statuses.values()),
         "soak_flat": bool(report["flatness"]["flat"]),
     }

@@ -92,7 +92,7 @@ def test_leaks_name_each_resource_that_grew_past_its_bound() -> None:
 
 def test_a_process_that_was_not_restarted_is_held_to_its_own_fd_bound() -> None:
     def at(*processes: tuple[str, int, int]) -> Resources:
-        return Resources(1000, 1000, 4, 3, 10, 0, 0, processes)
+        return Resources(1000, 1000, 4, 3, 10, 0, 0, processes=processes)
 
     before = at(("scheduler-0", 11, 30), ("node-0", 12, 400))
     assert leaks(before, at(("scheduler-0", 11, 60), ("node-0", 12, 400)), 10) == []  # within 1.5x + 16

@@ -8,9 +8,17 @@ from typing import Any
 
 from eval.faults.checker import Resources
 from eval.faults.crashes import Fault
-from eval.faults.soak import FLAT_RSS_RATIO, Sample, Soak, flatness, soak_targets
+from eval.faults.soak import FLAT_RSS_RATIO, MIN_SAMPLES, Sample, Soak, flatness, soak_targets
 
-BASE = Resources(fds=400, rss_bytes=10 << 30, shm_files=4, ssd_segments=10, ssd_bytes_max=1 << 20, busy_gauges=0.0)
+BASE = Resources(
+    fds=400,
+    rss_bytes=14 << 30,
+    shm_files=4,
+    ssd_segments=10,
+    ssd_bytes_max=1 << 20,
+    busy_gauges=0.0,
+    rss_anon_bytes=6 << 30,
+)
 LIMIT = 16 << 30
 
 
@@ -30,8 +38,9 @@ def test_a_run_holding_the_same_is_flat_and_segments_may_grow() -> None:
 
 
 def test_growth_past_a_bound_in_the_last_third_is_not_flat() -> None:
-    rss = int(BASE.rss_bytes * (FLAT_RSS_RATIO + 0.05))
-    for fields, name in [({"rss_bytes": rss}, "rss_bytes"), ({"fds": 600}, "fds"), ({"shm_files": 5}, "shm_files")]:
+    rss = int(BASE.rss_anon_bytes * (FLAT_RSS_RATIO + 0.05))
+    cases = [({"rss_anon_bytes": rss}, "rss_anon_bytes"), ({"fds": 600}, "fds"), ({"shm_files": 5}, "shm_files")]
+    for fields, name in cases:
         found = flatness(_samples(9, **fields), LIMIT)
         assert not found["flat"] and not found[name]["flat"], name
     assert not flatness(_samples(9, ssd_bytes_max=LIMIT + 1), LIMIT)["flat"]
@@ -43,8 +52,9 @@ def test_one_sample_off_in_a_third_moves_no_median() -> None:
     assert flatness(samples, LIMIT)["flat"]
 
 
-def test_too_few_samples_are_not_flat() -> None:
-    assert not flatness(_samples(2), LIMIT)["flat"]
+def test_shared_memory_filling_is_not_growth_and_too_few_samples_are_not_flat() -> None:
+    assert flatness(_samples(9, rss_bytes=20 << 30), LIMIT)["flat"]  # the arenas fill: not anonymous
+    assert not flatness(_samples(MIN_SAMPLES - 1), LIMIT)["flat"]
 
 
 def _report(**overrides: Any) -> dict[str, Any]:
@@ -62,6 +72,7 @@ def test_the_soak_targets_fail_on_what_they_judge() -> None:
     assert not soak_targets(_report(advisories_by_status={"202": 80, "503": 20}))["soak_advisories_answered"]
     assert not soak_targets(_report(advisories_by_status={}))["soak_advisories_answered"]
     assert not soak_targets(_report(flatness={"flat": False}))["soak_flat"]
+    assert not soak_targets(_report(faults=[]))["soak_every_fault_recovered"]  # none injected
 
 
 class _Crashes:
@@ -90,8 +101,29 @@ async def test_a_short_soak_samples_advises_and_injects_its_faults_in_turn() -> 
     soak = Soak(crashes, faults, sample, advise, lambda _: None, sample_every_s=0.1, advise_every_s=0.1)  # type: ignore[arg-type]
     await soak.run(1.0, 0.3, origin_s=0.0)
     kinds = [f["kind"] for f in crashes.faults]
-    assert kinds[:3] == ["engine_kill", "replica_kill", "engine_kill"]  # the schedule, in turn, again
     assert 2 <= len(kinds) <= 4
-    assert len(soak.samples) >= 5 and len(advised) >= 5
+    assert kinds == (["engine_kill", "replica_kill"] * 2)[: len(kinds)]  # the schedule, in turn, again
+    assert len(soak.samples) >= 5 and len(advised) >= 5 and not soak.errors
     report = soak.report(LIMIT)
     assert report["faults_recovered"] == len(kinds) and report["flatness"]["flat"]
+
+
+class _FailingCrashes(_Crashes):
+    async def one(self, fault: Fault) -> dict[str, Any]:
+        raise RuntimeError("the runner broke")
+
+
+async def test_an_error_is_recorded_and_the_soak_goes_on() -> None:
+    crashes = _FailingCrashes()
+
+    async def sample() -> Resources:
+        raise OSError("proc went away")
+
+    async def advise() -> int:
+        return 202
+
+    soak = Soak(crashes, [Fault("etcd_kill", 0, 0.0)], sample, advise, lambda _: None, sample_every_s=0.1)  # type: ignore[arg-type]
+    await soak.run(0.5, 0.2, origin_s=0.0)
+    assert crashes.faults and all("error" in f for f in crashes.faults)
+    assert any("proc went away" in e for e in soak.errors) and any("the runner broke" in e for e in soak.errors)
+    assert not soak_targets(soak.report(LIMIT))["soak_every_fault_recovered"]
