@@ -126,6 +126,13 @@ class ChatLoad:
                 await asyncio.wait_for(self._answered.wait(), remaining)
         return True
 
+    async def first_turn(self, tenant: str, session: str, number: int) -> None:
+        """A new conversation's first turn (question `number`, modulo how many there are), sent
+        and kept in `outcomes` like the sessions' turns, to be checked the same way."""
+        messages = [{"role": "user", "content": self._questions[number % len(self._questions)]}]
+        self.outcomes.append(await self.send(tenant, session, messages, ANSWER_TOKENS))
+        self._answered.set()
+
     async def send(self, tenant: str, session: str, messages: list[dict[str, str]], max_tokens: int) -> RequestOutcome:
         """One turn through the replicas; never raises for what the cluster answered."""
         started = time.monotonic()

@@ -36,14 +36,13 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from eval.faults.chats import ANSWER_TOKENS, ChatLoad
+from eval.faults.chats import ChatLoad
 from eval.faults.crashes import CrashRunner, Fault
-from eval.resume_runner import mtbench_turns
 from node_manager.kv.segments import SUFFIX, parse_header
 from symphony.config import SymphonyConfig, dump_toml
 from symphony.config_schema import EngineDtype
@@ -68,9 +67,7 @@ NAMESPACE_ENV = "SYMPHONY_FAULTS_LEFT_MOUNT_NS"
 # save there (so that the small disk changes nothing for them), little enough to fill at once.
 SMALL_DISK_ROOM = 1 << 30
 SEGMENTS_WANTED = 3  # segment files the corruption needs (one per kind of damage)
-SEGMENTS_TIMEOUT_S = 120.0  # for the load (and new conversations) to have saved them
 FILL_CHUNK = 4 << 20
-RESUME_TIMEOUT_S = 120.0  # for the node to save again once the disk has room
 SSD_FULL = "symphony_kv_save_degraded_total{reason=ssd_full}"  # pages a full disk kept off the SSD
 NEW_CONVERSATIONS = 40  # sent at most for the node to save something (the load may be elsewhere)
 SCRAPE_TRIES = 3  # a node's /metrics asked this many times before its counters count as unknown
@@ -151,6 +148,14 @@ def segment_files(directory: Path) -> list[Path]:
     return sorted(directory.glob(f"*{SUFFIX}"))
 
 
+def _flip(f: BinaryIO, at: int) -> None:
+    """Invert the byte at offset `at` of the open file `f`."""
+    f.seek(at)
+    byte = f.read(1)
+    f.seek(at)
+    f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def damage(files: list[Path], rng: random.Random) -> dict[str, str]:
     """One kind of damage per file (module docstring); returns each damaged file's kind by name.
     A file evicted meanwhile is skipped."""
@@ -165,16 +170,9 @@ def damage(files: list[Path], rng: random.Random) -> dict[str, str]:
                     header = parse_header(f.read())
                     count = len(header.entries)
                     for index in range(count // 2, count):
-                        at = header.page_offset(index) + header.page_bytes // 2
-                        f.seek(at)
-                        byte = f.read(1)
-                        f.seek(at)
-                        f.write(bytes([byte[0] ^ 0xFF]))
+                        _flip(f, header.page_offset(index) + header.page_bytes // 2)
                 elif kind == "header_flipped":
-                    f.seek(0)
-                    byte = f.read(1)
-                    f.seek(0)
-                    f.write(bytes([byte[0] ^ 0xFF]))
+                    _flip(f, 0)
                 else:
                     f.truncate(size // 2)
         except FileNotFoundError:
@@ -265,7 +263,6 @@ class DiskRunner:
         self.rng = random.Random(seed)
         self.warmup_turns, self.recover_timeout_s, self.say = warmup_turns, recover_timeout_s, say
         self.faults: list[dict[str, Any]] = []
-        self._questions = [turns[0] for turns in mtbench_turns()]
         self._conversations = 0
 
     async def run(self, kinds: tuple[str, ...]) -> None:
@@ -292,10 +289,8 @@ class DiskRunner:
         anywhere goes to the least loaded node, so it reaches this one when the load's sessions
         are all kept on another."""
         self._conversations += 1
-        questions = self._questions
-        messages = [{"role": "user", "content": questions[self._conversations % len(questions)]}]
         session = f"disk-{label}-{self._conversations}-{self.rng.randrange(1 << 24):06x}"
-        self.load.outcomes.append(await self.load.send(self.load.tenants[0].name, session, messages, ANSWER_TOKENS))
+        await self.load.first_turn(self.load.tenants[0].name, session, self._conversations)
 
     async def _converse_until(self, label: str, done: Callable[[], Awaitable[bool]]) -> bool:
         """New conversations, one at a time, until `done()` or NEW_CONVERSATIONS were sent."""

@@ -24,11 +24,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from eval.faults import LINK_KINDS
-from eval.faults.chats import ANSWER_TOKENS, ChatLoad
+from eval.faults.chats import ChatLoad
 from eval.faults.checker import Resources, recovery_summary
 from eval.faults.crashes import CrashRunner, Fault, schedule
 from eval.faults.network import NodeLinks
-from eval.resume_runner import mtbench_turns
 from symphony.config import SymphonyConfig
 
 SAMPLE_EVERY_S = 30.0
@@ -198,7 +197,6 @@ async def run_soak(host: SoakHost, load: ChatLoad, before: Resources, tenant: st
     crashes = host.crash_runner(load)
     await crashes.measure_baseline()
 
-    questions = [turns[0] for turns in mtbench_turns()]
     advised = 0
 
     async def advise() -> int:  # then the turn it announced (module docstring)
@@ -206,8 +204,7 @@ async def run_soak(host: SoakHost, load: ChatLoad, before: Resources, tenant: st
         advised += 1
         session = f"soak-advised-{advised}"
         status = await host.advise(tenant, session)
-        messages = [{"role": "user", "content": questions[advised % len(questions)]}]
-        load.outcomes.append(await load.send(tenant, session, messages, ANSWER_TOKENS))
+        await load.first_turn(tenant, session, advised)
         return status
 
     soak = Soak(crashes, faults, host.resources, advise, host.say)

@@ -53,6 +53,17 @@ def _process(
     return proc
 
 
+def _end_descendants(pidfile: Path, name: str) -> None:
+    """After a stop: the child's descendants in a session of their own outlive it (a real engine
+    dies with its node manager, by PDEATHSIG, which the fake child's does not arm): ours to end,
+    with the files named `name` they made."""
+    for pid in map(int, pidfile.read_text().split()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for path in _shm_files(name):
+        path.unlink(missing_ok=True)
+
+
 def _shm_files(prefix: str) -> list[Path]:
     return [p for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
 
@@ -271,13 +282,7 @@ async def test_shared_memory_of_a_killed_childs_own_child_is_removed(tmp_path: P
         assert not leaked.exists()
     finally:
         await proc.stop()
-        # The restarted child's descendant, in a session of its own, outlives the stop (a real
-        # engine dies with its node manager, by PDEATHSIG): ours to end, with what it made.
-        for pid in map(int, pidfile.read_text().split()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for path in _shm_files(name):
-            path.unlink(missing_ok=True)
+        _end_descendants(pidfile, name)
 
 
 async def test_a_descendant_in_its_own_session_is_waited_for_before_the_sweep(
@@ -304,11 +309,7 @@ async def test_a_descendant_in_its_own_session_is_waited_for_before_the_sweep(
         assert not held.exists()
     finally:
         await proc.stop()
-        for pid in map(int, pidfile.read_text().split()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for path in _shm_files(name):
-            path.unlink(missing_ok=True)
+        _end_descendants(pidfile, name)
 
 
 async def test_shared_memory_the_supervisor_maps_survives_the_childs_crash(tmp_path: Path) -> None:
